@@ -1,0 +1,58 @@
+# Every command in README.md is a target here, and tests/test_docs.py runs or checks each one.
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+LAUNCH  := $(VENV)/bin/accelerate launch
+CONFIG  ?= accelerate_configs/ddp.yaml
+ARGS    ?=
+# Extra pip arguments for torch on a host without a GPU, e.g. a CPU-only wheel index.
+TORCH_INDEX ?=
+export HF_HUB_OFFLINE ?= 1
+export HF_DATASETS_OFFLINE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: install install-test demo demo-data test test-fast causal_lm clean
+
+# torch first: the CPU wheel on hosts without an NVIDIA GPU (no CUDA download),
+# the normal CUDA build where nvidia-smi sees a GPU. Later `torch>=...` pins are then satisfied.
+$(VENV)/.installed: requirements.txt pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+		$(PY) -m pip install -q torch; \
+	else \
+		$(PY) -m pip install -q torch==2.13.0 $(TORCH_INDEX); \
+	fi
+	$(PY) -m pip install -q --no-build-isolation -r requirements.txt
+	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed pyproject.toml
+	$(PY) -m pip install -q --no-build-isolation -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed
+
+install-test: $(VENV)/.installed-test
+
+demo-data: install
+	$(PY) scripts/make_demo_data.py --out outputs/data/markov
+
+# The demo: a tiny Llama trained from scratch on 2 processes (DDP; gloo on a CPU host).
+demo: demo-data
+	rm -rf outputs/causal_lm_demo
+	$(LAUNCH) --config_file accelerate_configs/ddp.yaml recipes/causal_lm.py \
+		--config recipes/configs/causal_lm_demo.yaml $(ARGS)
+	$(PY) scripts/demo_report.py --run outputs/causal_lm_demo --data outputs/data/markov
+
+# make causal_lm CONFIG=accelerate_configs/fsdp.yaml ARGS="--max_steps 100"
+causal_lm: demo-data
+	$(LAUNCH) --config_file $(CONFIG) recipes/causal_lm.py --config recipes/configs/causal_lm_demo.yaml $(ARGS)
+
+test: install-test
+	$(PY) -m pytest tests $(ARGS)
+
+# The quick loop while developing: everything not marked slow.
+test-fast: install-test
+	$(PY) -m pytest tests -m "not slow" $(ARGS)
+
+clean:
+	rm -rf outputs

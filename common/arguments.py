@@ -1,0 +1,185 @@
+"""Command-line arguments: dataclasses, a recipe YAML (`--config`), and overrides.
+
+Precedence: dataclass defaults < recipe YAML < `--key value` on the command line.
+Every problem (unknown key, wrong type, missing file) is a `UsageError` with a
+one-line message; `parse_args` prints it and exits with status 2, before any
+process group exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+
+import yaml
+from transformers import HfArgumentParser
+
+
+class UsageError(ValueError):
+    """Bad input from the user: the message says what is wrong and what to do."""
+
+
+@dataclass
+class ModelArguments:
+    model_name_or_path: str | None = field(
+        default=None, metadata={"help": "Hub name or local folder of a pretrained model."})
+    model_config: str | None = field(
+        default=None, metadata={"help": "Config file/folder to build a randomly initialised model."})
+    tokenizer_name_or_path: str | None = field(
+        default=None, metadata={"help": "Tokenizer; defaults to model_name_or_path."})
+
+    def __post_init__(self):
+        if bool(self.model_name_or_path) == bool(self.model_config):
+            raise UsageError("give exactly one of --model_name_or_path or --model_config")
+        if self.model_config:
+            require_path(self.model_config, "model_config")
+        if not (self.tokenizer_name_or_path or self.model_name_or_path):
+            raise UsageError("--model_config needs --tokenizer_name_or_path")
+
+
+@dataclass
+class DataArguments:
+    dataset_name: str | None = field(default=None, metadata={"help": "Hub dataset name."})
+    dataset_config_name: str | None = None
+    train_file: str | None = field(default=None, metadata={"help": "json/jsonl/csv/parquet/txt"})
+    validation_file: str | None = None
+    validation_split_percentage: int = field(
+        default=5, metadata={"help": "Held-out share of train when no validation split exists."})
+    text_column: str = "text"
+    block_size: int = field(default=128, metadata={"help": "Tokens per packed training block."})
+    max_eval_samples: int | None = None
+    preprocessing_num_workers: int | None = None
+
+    def __post_init__(self):
+        if bool(self.dataset_name) == bool(self.train_file):
+            raise UsageError("give exactly one of --dataset_name or --train_file")
+        for key in ("train_file", "validation_file"):
+            if getattr(self, key):
+                require_path(getattr(self, key), key)
+        if self.block_size < 2:
+            raise UsageError(f"--block_size must be at least 2, got {self.block_size}")
+
+
+@dataclass
+class TrainingArguments:
+    output_dir: str = field(default="outputs/run", metadata={"help": "Where run.json, metrics, checkpoints and the final model go."})
+    overwrite_output_dir: bool = field(default=False, metadata={"help": "Start afresh in an output_dir that already holds a run."})
+    seed: int = 42
+    max_steps: int = field(default=-1, metadata={"help": "Optimizer steps; overrides num_train_epochs when > 0."})
+    num_train_epochs: int = 1
+    per_device_train_batch_size: int = 8
+    per_device_eval_batch_size: int = 8
+    gradient_accumulation_steps: int = 1
+    learning_rate: float = 5e-4
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    max_grad_norm: float = 1.0
+    lr_scheduler_type: str = field(default="cosine", metadata={"help": "Any transformers.get_scheduler name."})
+    warmup_steps: int = 0
+    logging_steps: int = 10
+    eval_steps: int = field(default=0, metadata={"help": "Evaluate every N steps; 0 evaluates at the end only."})
+    save_steps: int = field(default=0, metadata={"help": "Checkpoint every N steps; 0 saves no checkpoints."})
+    save_total_limit: int | None = field(default=None, metadata={"help": "Keep at most N checkpoints (oldest pruned after a save succeeds)."})
+    resume_from_checkpoint: str | None = field(default=None, metadata={"help": "'latest' or a checkpoint folder."})
+    report_to: str = field(default="tensorboard", metadata={"help": "tensorboard, wandb or none."})
+    gradient_checkpointing: bool = False
+    run_name: str = "recipe"
+
+    def __post_init__(self):
+        positive = ["per_device_train_batch_size", "per_device_eval_batch_size",
+                    "gradient_accumulation_steps", "logging_steps", "num_train_epochs"]
+        for key in positive:
+            if getattr(self, key) < 1:
+                raise UsageError(f"--{key} must be at least 1, got {getattr(self, key)}")
+        if self.report_to not in ("tensorboard", "wandb", "none"):
+            raise UsageError(f"--report_to must be tensorboard, wandb or none, got {self.report_to!r}")
+        if self.resume_from_checkpoint not in (None, "latest"):
+            require_path(self.resume_from_checkpoint, "resume_from_checkpoint")
+
+
+def require_path(path: str, key: str) -> None:
+    if not os.path.exists(path):
+        raise UsageError(f"{key}: {path} does not exist; check the path (relative paths start at {os.getcwd()})")
+
+
+def _yaml_to_argv(config: dict, parser: argparse.ArgumentParser, source: str) -> list[str]:
+    """Turn recipe-YAML keys into command-line tokens, so argparse checks their types."""
+    actions = {action.dest: action for action in parser._actions}
+    argv = []
+    for key, value in config.items():
+        if key not in actions or key in ("help", "config"):
+            raise UsageError(f"{source}: unknown key {key!r}; run the recipe with --help to list the keys")
+        if value is None:
+            continue
+        values = value if isinstance(value, list) else [value]
+        argv += [f"--{key}"] + [json.dumps(v) if isinstance(v, (dict, bool)) else str(v) for v in values]
+    return argv
+
+
+class _RaisingParser(HfArgumentParser):
+    def error(self, message):  # argparse prints usage and exits; we want one line
+        raise UsageError(message)
+
+
+def parse_args(dataclass_types, argv: list[str] | None = None):
+    """Parse `--config recipe.yaml` plus command-line overrides into dataclass instances.
+
+    Prints a one-line error and exits with status 2 on bad input."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        return _parse(dataclass_types, argv)
+    except UsageError as error:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _parse(dataclass_types, argv):
+    parser = _RaisingParser(dataclass_types)
+    parser.add_argument("--config", help="Recipe YAML; command-line flags override its values.")
+    config_path = _find_config(argv)
+    yaml_argv: list[str] = []
+    if config_path is not None:
+        if not os.path.isfile(config_path):
+            raise UsageError(f"--config: {config_path} does not exist; pass a recipe YAML such as recipes/configs/*.yaml")
+        with open(config_path) as handle:
+            try:
+                config = yaml.safe_load(handle) or {}
+            except yaml.YAMLError as error:
+                raise UsageError(f"{config_path}: not valid YAML ({str(error).splitlines()[0]})")
+        if not isinstance(config, dict):
+            raise UsageError(f"{config_path}: expected a mapping of key: value")
+        yaml_argv = _yaml_to_argv(config, parser, config_path)
+        try:  # type-check the YAML on its own, so an error names the file
+            parser.parse_known_args(yaml_argv)
+        except UsageError as error:
+            raise UsageError(f"{config_path}: {error}")
+    *parsed, remaining = parser.parse_args_into_dataclasses(
+        args=yaml_argv + argv, return_remaining_strings=True, look_for_args_file=False)
+    if remaining:
+        raise UsageError(f"unknown argument(s) {' '.join(remaining)}; run with --help to list them")
+    return tuple(parsed[:len(dataclass_types)])  # parsed[-1] is the namespace holding --config
+
+
+def _find_config(argv: list[str]) -> str | None:
+    for index, token in enumerate(argv):
+        if token == "--config":
+            if index + 1 >= len(argv):
+                raise UsageError("--config needs a path to a recipe YAML")
+            return argv[index + 1]
+        if token.startswith("--config="):
+            return token.split("=", 1)[1]
+    return None
+
+
+def to_dict(*instances) -> dict:
+    merged = {}
+    for instance in instances:
+        merged.update(dataclasses.asdict(instance))
+    return merged

@@ -1,0 +1,100 @@
+"""Checkpoints that survive a crash mid-save, resume, and the final Hugging Face export.
+
+accelerate's own rotation deletes the oldest checkpoint before writing the new
+one, and its automatic naming restarts at 0 after `load_state`. So checkpoints
+are named by optimizer step, written to a temporary folder, renamed into place
+only once complete, and pruned only after that.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+
+from common.arguments import UsageError
+
+STEP_DIR = re.compile(r"^step_(\d+)$")
+STATE_FILE = "trainer_state.json"
+
+
+def checkpoints_dir(output_dir: str) -> str:
+    return os.path.join(output_dir, "checkpoints")
+
+
+def list_checkpoints(output_dir: str) -> list[str]:
+    """Complete checkpoints, oldest first. A folder is complete once renamed to step_N."""
+    root = checkpoints_dir(output_dir)
+    if not os.path.isdir(root):
+        return []
+    steps = [(int(m.group(1)), name) for name in os.listdir(root) if (m := STEP_DIR.match(name))]
+    return [os.path.join(root, name) for _, name in sorted(steps)]
+
+
+def check_output_dir(output_dir: str, resume_from_checkpoint: str | None, overwrite: bool) -> None:
+    """Refuse to start a fresh run on top of an earlier one (nothing of the user's is lost)."""
+    if resume_from_checkpoint is None and not overwrite and (
+            list_checkpoints(output_dir) or os.path.exists(os.path.join(output_dir, "final"))):
+        raise UsageError(f"output_dir {output_dir} already holds a run; pass --resume_from_checkpoint latest "
+                         "to continue it, --overwrite_output_dir to start afresh, or another --output_dir")
+
+
+def resolve_checkpoint(output_dir: str, resume_from_checkpoint: str | None) -> str | None:
+    if resume_from_checkpoint != "latest":
+        if resume_from_checkpoint and not os.path.isfile(os.path.join(resume_from_checkpoint, STATE_FILE)):
+            raise UsageError(f"--resume_from_checkpoint {resume_from_checkpoint} is not a complete checkpoint "
+                             f"(no {STATE_FILE}); pass a step_N folder or 'latest'")
+        return resume_from_checkpoint
+    found = list_checkpoints(output_dir)
+    return found[-1] if found else None  # 'latest' with none yet starts from scratch
+
+
+def save_checkpoint(accelerator, output_dir: str, step: int, state: dict, total_limit: int | None) -> str:
+    """accelerate `save_state` into tmp, then an atomic rename to step_N, then prune."""
+    root = checkpoints_dir(output_dir)
+    final = os.path.join(root, f"step_{step}")
+    tmp = os.path.join(root, f"tmp-step_{step}")
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)  # leftover of a save that crashed
+        os.makedirs(tmp, exist_ok=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(tmp)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        with open(os.path.join(tmp, STATE_FILE), "w") as handle:
+            json.dump({"step": step, **state}, handle)
+        if os.path.exists(final):  # same step saved by an earlier attempt: replace it
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        if total_limit:
+            for old in list_checkpoints(output_dir)[:-total_limit]:
+                shutil.rmtree(old)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def load_checkpoint(accelerator, path: str) -> dict:
+    """Restore model, optimizer, scheduler and RNG state; return the saved trainer state."""
+    accelerator.load_state(path)
+    with open(os.path.join(path, STATE_FILE)) as handle:
+        return json.load(handle)
+
+
+def export_final(accelerator, model, tokenizer, output_dir: str, name: str = "final") -> str:
+    """Hugging Face folder (safetensors + config + tokenizer) under any strategy.
+
+    `get_state_dict` gathers the full weights from ZeRO-3 or FSDP shards; every
+    rank must call it, only the main process writes."""
+    target = os.path.join(output_dir, name)
+    tmp = f"{target}.tmp"
+    state_dict = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(tmp, target)
+    accelerator.wait_for_everyone()
+    return target

@@ -1,0 +1,84 @@
+"""Datasets: load from the Hub or local files, tokenize with a cached batched `map`,
+pack token streams into fixed-length blocks, and build seeded dataloaders."""
+
+from __future__ import annotations
+
+import os
+
+from datasets import DatasetDict, load_dataset
+from torch.utils.data import DataLoader
+from transformers import default_data_collator
+
+from common.arguments import DataArguments, UsageError
+
+FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
+
+
+def load_raw_datasets(args: DataArguments, seed: int) -> DatasetDict:
+    """A DatasetDict with `train` and `validation` (split off train if none is given)."""
+    if args.dataset_name:
+        raw = load_dataset(args.dataset_name, args.dataset_config_name)
+    else:
+        data_files = {"train": args.train_file}
+        if args.validation_file:
+            data_files["validation"] = args.validation_file
+        extensions = {os.path.splitext(path)[1].lower() for path in data_files.values()}
+        if len(extensions) != 1 or extensions.issubset(FILE_BUILDERS) is False:
+            raise UsageError(f"data files must share one of {sorted(FILE_BUILDERS)}; got {sorted(extensions)}")
+        raw = load_dataset(FILE_BUILDERS[extensions.pop()], data_files=data_files)
+    if "validation" not in raw:
+        split = raw["train"].train_test_split(test_size=args.validation_split_percentage / 100, seed=seed)
+        raw = DatasetDict(train=split["train"], validation=split["test"])
+    if args.max_eval_samples:
+        raw["validation"] = raw["validation"].select(range(min(args.max_eval_samples, len(raw["validation"]))))
+    return raw
+
+
+def pack_sequences(examples: dict, block_size: int, eos_token_id: int) -> dict:
+    """Concatenate `input_ids` documents with EOS after each, cut into `block_size` blocks.
+
+    Blocks tile the stream exactly; only the final partial block (< block_size
+    tokens) of each batch passed in is dropped. No padding, so no compute is spent on it."""
+    stream: list[int] = []
+    for ids in examples["input_ids"]:
+        stream.extend(ids)
+        stream.append(eos_token_id)
+    usable = len(stream) // block_size * block_size
+    blocks = [stream[start:start + block_size] for start in range(0, usable, block_size)]
+    return {"input_ids": blocks, "labels": [list(block) for block in blocks]}
+
+
+def tokenize_and_pack(raw: DatasetDict, tokenizer, text_column: str, block_size: int,
+                      accelerator, num_proc: int | None = None) -> DatasetDict:
+    """Tokenize every split (batched, cached) and pack it into blocks of `block_size`."""
+    if text_column not in raw["train"].column_names:
+        raise UsageError(f"text_column {text_column!r} not in the data (columns: {raw['train'].column_names}); "
+                         "set --text_column")
+    if tokenizer.eos_token_id is None:
+        raise UsageError("the tokenizer has no eos_token, which packing puts between documents; set one")
+
+    def tokenize(batch):
+        return tokenizer(batch[text_column], add_special_tokens=False, return_attention_mask=False)
+
+    with accelerator.main_process_first():  # rank 0 builds the cache, the others read it
+        tokenized = raw.map(tokenize, batched=True, num_proc=num_proc,
+                            remove_columns=raw["train"].column_names, desc="tokenizing")
+        packed = tokenized.map(pack_sequences, batched=True, batch_size=1000, num_proc=num_proc,
+                               fn_kwargs={"block_size": block_size, "eos_token_id": tokenizer.eos_token_id},
+                               remove_columns=tokenized["train"].column_names, desc=f"packing into {block_size}-token blocks")
+    for split, dataset in packed.items():
+        if len(dataset) == 0:
+            raise UsageError(f"the {split} split has fewer than block_size={block_size} tokens; lower --block_size")
+    return packed
+
+
+def make_dataloaders(datasets: DatasetDict, train_batch_size: int, eval_batch_size: int,
+                     seed: int, collate_fn=default_data_collator):
+    """Shuffled train loader (the order is a function of seed and epoch, so it resumes) and an eval loader."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    train = DataLoader(datasets["train"], shuffle=True, batch_size=train_batch_size,
+                       collate_fn=collate_fn, generator=generator, drop_last=True)
+    evaluation = DataLoader(datasets["validation"], batch_size=eval_batch_size, collate_fn=collate_fn)
+    return train, evaluation

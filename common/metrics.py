@@ -1,0 +1,84 @@
+"""What a practitioner watches, computed and logged in one place.
+
+Train lines carry step, loss, lr, grad_norm, tokens/s, samples/s and elapsed
+time; eval lines carry eval_loss and friends. Each goes to
+`output_dir/metrics.jsonl` (appended, so a resumed run continues the file), to
+accelerate's trackers (TensorBoard, W&B) and to a tqdm bar on the main process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+
+class MetricsLogger:
+    def __init__(self, accelerator, output_dir: str, total_steps: int, start_step: int = 0):
+        self.accelerator = accelerator
+        self.path = os.path.join(output_dir, "metrics.jsonl")
+        self.start_time = time.perf_counter()
+        self.window_start = self.start_time
+        self.window_tokens = torch.zeros(2, device=accelerator.device)  # tokens, samples on this rank
+        self.window_loss, self.window_batches = 0.0, 0
+        self.progress = tqdm(total=total_steps, initial=start_step, desc="training",
+                             disable=not accelerator.is_main_process, dynamic_ncols=True)
+
+    def record_batch(self, loss: torch.Tensor, batch: dict) -> None:
+        """Call on every micro-batch: counts tokens that carry a label, and the loss."""
+        labels = batch.get("labels", batch["input_ids"])
+        self.window_tokens[0] += (labels != -100).sum()
+        self.window_tokens[1] += labels.shape[0]
+        self.window_loss += loss.detach().float()
+        self.window_batches += 1
+
+    def log_train(self, step: int, lr: float, grad_norm) -> dict:
+        """Average the window over micro-batches and ranks; call on every rank."""
+        totals = self.accelerator.reduce(self.window_tokens.clone(), reduction="sum")
+        mean_loss = self.accelerator.reduce(
+            torch.as_tensor(self.window_loss / max(self.window_batches, 1), device=self.accelerator.device),
+            reduction="mean")
+        now = time.perf_counter()
+        seconds = max(now - self.window_start, 1e-9)
+        row = {"step": step, "loss": float(mean_loss), "lr": lr,
+               "grad_norm": None if grad_norm is None else float(grad_norm),
+               "tokens_per_s": float(totals[0]) / seconds, "samples_per_s": float(totals[1]) / seconds,
+               "tokens_per_s_per_device": float(totals[0]) / seconds / self.accelerator.num_processes,
+               "elapsed_s": now - self.start_time}
+        self.window_start, self.window_loss, self.window_batches = now, 0.0, 0
+        self.window_tokens.zero_()
+        self._write(row)
+        self.progress.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{lr:.2e}")
+        return row
+
+    def log_eval(self, step: int, metrics: dict) -> dict:
+        row = {"step": step, **metrics, "elapsed_s": time.perf_counter() - self.start_time}
+        self._write(row)
+        if self.accelerator.is_main_process:
+            self.progress.write(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+        return row
+
+    def advance(self) -> None:
+        self.progress.update(1)
+
+    def close(self) -> None:
+        self.progress.close()
+        self.accelerator.end_training()
+
+    def _write(self, row: dict) -> None:
+        self.accelerator.log({k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "step"},
+                             step=row["step"])
+        if self.accelerator.is_main_process:
+            with open(self.path, "a") as handle:
+                handle.write(json.dumps(row) + "\n")
+
+
+def peak_memory_mb(device) -> float:
+    """Peak accelerator memory on GPU, peak resident set size on CPU."""
+    if torch.cuda.is_available() and getattr(device, "type", "") == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -1,0 +1,68 @@
+"""`output_dir/run.json`: what ran, resolved, so it is never a guess."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import platform
+
+from common.accelerator import launched_strategy, participating_processes
+
+PACKAGES = ("torch", "accelerate", "transformers", "datasets", "deepspeed", "peft", "evaluate", "tokenizers")
+
+
+def package_versions() -> dict:
+    versions = {"python": platform.python_version()}
+    for name in PACKAGES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def strategy_details(accelerator) -> dict:
+    state = accelerator.state
+    details = {"launched_strategy": launched_strategy()}
+    if getattr(state, "deepspeed_plugin", None) is not None:
+        zero = state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {})
+        details.update(zero_stage=zero.get("stage"),
+                       offload_optimizer=zero.get("offload_optimizer", {}).get("device", "none"),
+                       offload_param=zero.get("offload_param", {}).get("device", "none"))
+    if getattr(state, "fsdp_plugin", None) is not None:
+        plugin = state.fsdp_plugin
+        details.update(fsdp_version=plugin.fsdp_version, fsdp_reshard_after_forward=str(plugin.reshard_after_forward),
+                       fsdp_offload_params=bool(getattr(plugin.cpu_offload, "offload_params", False)),
+                       fsdp_state_dict_type=str(plugin.state_dict_type),
+                       fsdp_activation_checkpointing=bool(plugin.activation_checkpointing))
+    return details
+
+
+def record_run(accelerator, args: dict, output_dir: str, **extra) -> dict:
+    """Print the resolved arguments once and write run.json (main process)."""
+    world_size = accelerator.num_processes
+    record = {
+        "args": args,
+        "world_size": world_size,
+        "participating_processes": participating_processes(accelerator),
+        "distributed_type": str(accelerator.distributed_type).split(".")[-1],
+        "mixed_precision": accelerator.mixed_precision,
+        "mixed_precision_requested": getattr(accelerator, "requested_mixed_precision", accelerator.mixed_precision),
+        "device": str(accelerator.device),
+        "effective_batch_size": args["per_device_train_batch_size"] * args["gradient_accumulation_steps"] * world_size,
+        **strategy_details(accelerator),
+        **extra,
+        "versions": package_versions(),
+    }
+    if accelerator.is_main_process:
+        os.makedirs(output_dir, exist_ok=True)
+        print(json.dumps(record, indent=2, default=str))
+        with open(os.path.join(output_dir, "run.json"), "w") as handle:
+            json.dump(record, handle, indent=2, default=str)
+    return record
+
+
+def tracker_config(args: dict) -> dict:
+    """The scalar arguments, which is what TensorBoard's hparams accept."""
+    return {k: v for k, v in args.items() if isinstance(v, (int, float, str, bool))}

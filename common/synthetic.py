@@ -1,0 +1,126 @@
+"""Data the project generates itself, so demos and tests never touch a hub.
+
+`MarkovSource` is a word-level first-order Markov chain whose end-of-document
+marker is one of its states. A stream of documents joined by EOS is then a
+sample path of the chain, and the best possible next-token loss on it is the
+chain's entropy rate, known in closed form: sum_s pi(s) * H(P[s, :]).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+PAD, UNK, EOS = "<pad>", "<unk>", "<eos>"
+SPECIAL_TOKENS = [PAD, UNK, EOS]
+
+
+def make_words(count: int, seed: int) -> list[str]:
+    """`count` distinct pronounceable words (consonant-vowel pairs), seeded."""
+    rng = np.random.default_rng(seed)
+    consonants, vowels = list("bdfgklmnprstvz"), list("aeiou")
+    words: set[str] = set()
+    while len(words) < count:
+        syllables = rng.integers(2, 4)
+        words.add("".join(rng.choice(consonants) + rng.choice(vowels) for _ in range(syllables)))
+    return sorted(words)
+
+
+@dataclass
+class MarkovSource:
+    """Transition matrix over `words + [EOS]`; row i is P(next | current = i)."""
+
+    words: list[str]
+    transitions: np.ndarray
+
+    @classmethod
+    def random(cls, num_words=48, successors=4, end_probability=0.08, start_words=8, seed=0):
+        rng = np.random.default_rng(seed)
+        words = make_words(num_words, seed)
+        eos = num_words
+        transitions = np.zeros((num_words + 1, num_words + 1))
+        for state in range(num_words):
+            nexts = rng.choice(num_words, size=successors, replace=False)
+            transitions[state, nexts] = rng.dirichlet(np.ones(successors)) * (1 - end_probability)
+            transitions[state, eos] = end_probability
+        starts = rng.choice(num_words, size=start_words, replace=False)
+        transitions[eos, starts] = rng.dirichlet(np.ones(start_words))
+        return cls(words, transitions)
+
+    @property
+    def eos_state(self) -> int:
+        return len(self.words)
+
+    def stationary_distribution(self) -> np.ndarray:
+        eigenvalues, eigenvectors = np.linalg.eig(self.transitions.T)
+        vector = np.real(eigenvectors[:, np.argmin(np.abs(eigenvalues - 1))])
+        return vector / vector.sum()
+
+    def entropy_rate(self) -> float:
+        """Nats per token of the stream `doc EOS doc EOS ...` (EOS counted as a token)."""
+        with np.errstate(divide="ignore", invalid="ignore"):
+            logs = np.where(self.transitions > 0, np.log(self.transitions), 0.0)
+        row_entropy = -(self.transitions * logs).sum(axis=1)
+        return float(self.stationary_distribution() @ row_entropy)
+
+    def sample_documents(self, count: int, seed: int) -> list[str]:
+        rng = np.random.default_rng(seed)
+        cumulative = np.cumsum(self.transitions, axis=1)
+        documents = []
+        for _ in range(count):
+            state, words = self.eos_state, []
+            while True:
+                state = int(np.searchsorted(cumulative[state], rng.random(), side="right"))
+                state = min(state, self.eos_state)
+                if state == self.eos_state:
+                    break
+                words.append(self.words[state])
+            documents.append(" ".join(words))
+        return documents
+
+
+def build_word_tokenizer(words: list[str], chat_template: str | None = None):
+    """A whitespace word-level tokenizer over `words`, as a transformers tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS + list(words))}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.decoder = decoders.WordPiece(prefix="##")  # joins words with single spaces
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token=PAD, unk_token=UNK, eos_token=EOS
+    )
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def write_jsonl(path: str, rows: list[dict]) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as handle:
+        for row in rows:
+            handle.write(json.dumps(row) + "\n")
+    os.replace(tmp, path)
+
+
+def write_markov_corpus(out_dir: str, train_docs=6000, validation_docs=400, seed=0) -> dict:
+    """Write train/validation jsonl, the tokenizer and `source.json` (with the floor)."""
+    source = MarkovSource.random(seed=seed)
+    write_jsonl(os.path.join(out_dir, "train.jsonl"),
+                [{"text": t} for t in source.sample_documents(train_docs, seed + 1)])
+    write_jsonl(os.path.join(out_dir, "validation.jsonl"),
+                [{"text": t} for t in source.sample_documents(validation_docs, seed + 2)])
+    build_word_tokenizer(source.words).save_pretrained(os.path.join(out_dir, "tokenizer"))
+    info = {"seed": seed, "train_docs": train_docs, "validation_docs": validation_docs,
+            "entropy_rate_nats": source.entropy_rate(),
+            "entropy_rate_bits": source.entropy_rate() / math.log(2),
+            "num_words": len(source.words)}
+    with open(os.path.join(out_dir, "source.json"), "w") as handle:
+        json.dump(info, handle, indent=2)
+    return info

@@ -1,0 +1,116 @@
+"""Train a decoder language model from scratch, or continue training a pretrained one.
+
+Documents are tokenized and packed into fixed-length blocks (EOS between
+documents), so no compute is spent on padding. Evaluates loss and perplexity,
+checkpoints every --save_steps, resumes, and exports a Hugging Face folder to
+output_dir/final.
+
+The strategy comes from the accelerate config alone; this file never changes:
+
+    make demo                                         # demo data, 2 CPU processes, DDP
+    accelerate launch --config_file accelerate_configs/ddp.yaml recipes/causal_lm.py \
+        --config recipes/configs/causal_lm_demo.yaml
+    accelerate launch --config_file accelerate_configs/single.yaml recipes/causal_lm.py \
+        --config recipes/configs/causal_lm_demo.yaml --max_steps 50 --output_dir outputs/try
+    accelerate launch --config_file accelerate_configs/ddp.yaml recipes/causal_lm.py \
+        --config recipes/configs/causal_lm_demo.yaml --resume_from_checkpoint latest
+
+Your own data and model: --train_file my.jsonl (or --dataset_name), and
+--model_name_or_path gpt2 (continue training) or --model_config cfg.json
+--tokenizer_name_or_path gpt2 (from scratch).
+"""
+
+import math
+
+from accelerate.utils import set_seed
+
+from common.accelerator import build_accelerator
+from common.arguments import DataArguments, ModelArguments, TrainingArguments, parse_args, to_dict
+from common.checkpoints import (check_output_dir, export_final, load_checkpoint, resolve_checkpoint,
+                                save_checkpoint)
+from common.data import load_raw_datasets, make_dataloaders, tokenize_and_pack
+from common.metrics import MetricsLogger
+from common.model import count_parameters, load_model, load_tokenizer
+from common.run_info import record_run, tracker_config
+from common.training import create_optimizer, create_scheduler, evaluate_loss, total_training_steps
+
+
+def main(argv=None):
+    model_args, data_args, args = parse_args((ModelArguments, DataArguments, TrainingArguments), argv)
+    check_output_dir(args.output_dir, args.resume_from_checkpoint, args.overwrite_output_dir)
+    accelerator = build_accelerator(args.gradient_accumulation_steps, args.report_to, args.output_dir)
+    set_seed(args.seed)
+
+    # Data: tokenize and pack into blocks of block_size tokens.
+    tokenizer = load_tokenizer(model_args)
+    raw = load_raw_datasets(data_args, args.seed)
+    datasets = tokenize_and_pack(raw, tokenizer, data_args.text_column, data_args.block_size,
+                                 accelerator, data_args.preprocessing_num_workers)
+    train_loader, eval_loader = make_dataloaders(
+        datasets, args.per_device_train_batch_size, args.per_device_eval_batch_size, args.seed)
+
+    # Model, optimizer, schedule.
+    model = load_model(model_args, tokenizer, args.seed, args.gradient_checkpointing)
+    parameters = count_parameters(model)
+    optimizer = create_optimizer(model, args)
+    batches_per_epoch = len(train_loader) // accelerator.num_processes
+    max_steps = total_training_steps(args, batches_per_epoch)
+    scheduler = create_scheduler(optimizer, args, max_steps, accelerator.num_processes)
+    model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
+        model, optimizer, train_loader, eval_loader, scheduler)
+
+    run = record_run(accelerator, to_dict(model_args, data_args, args), args.output_dir,
+                     max_steps=max_steps, train_blocks=len(datasets["train"]), **parameters)
+    accelerator.init_trackers(args.run_name, tracker_config(run["args"]))
+
+    step = 0
+    checkpoint = resolve_checkpoint(args.output_dir, args.resume_from_checkpoint)
+    if checkpoint:
+        step = load_checkpoint(accelerator, checkpoint)["step"]
+        accelerator.print(f"resumed from {checkpoint} at step {step}")
+    metrics = MetricsLogger(accelerator, args.output_dir, max_steps, start_step=step)
+
+    # Training loop: one optimizer step per gradient_accumulation_steps batches.
+    model.train()
+    batches_done = step * args.gradient_accumulation_steps
+    epoch = batches_done // len(train_loader)
+    grad_norm = None
+    while step < max_steps:
+        train_loader.set_epoch(epoch)
+        skip = batches_done - epoch * len(train_loader)
+        batches = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
+        for batch in batches:
+            with accelerator.accumulate(model):
+                loss = model(**batch).loss
+                metrics.record_batch(loss, batch)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            batches_done += 1
+            if not accelerator.sync_gradients:
+                continue
+            step += 1
+            metrics.advance()
+            if step % args.logging_steps == 0:
+                metrics.log_train(step, scheduler.get_last_lr()[0], grad_norm)
+            if args.eval_steps and step % args.eval_steps == 0 and step < max_steps:
+                metrics.log_eval(step, evaluate_loss(model, eval_loader, accelerator))
+            if args.save_steps and step % args.save_steps == 0:
+                save_checkpoint(accelerator, args.output_dir, step, {"epoch": epoch}, args.save_total_limit)
+            if step >= max_steps:
+                break
+        epoch += 1
+
+    final_eval = metrics.log_eval(step, evaluate_loss(model, eval_loader, accelerator))
+    final_dir = export_final(accelerator, model, tokenizer, args.output_dir)
+    metrics.close()
+    accelerator.print(f"eval_loss={final_eval['eval_loss']:.4f} perplexity={math.exp(final_eval['eval_loss']):.3f} "
+                      f"saved to {final_dir}")
+    return final_eval
+
+
+if __name__ == "__main__":
+    main()
