@@ -38,9 +38,8 @@ demo-data: install
 
 # The demo: a tiny Llama trained from scratch on 2 processes (DDP; gloo on a CPU host).
 demo: demo-data
-	rm -rf outputs/causal_lm_demo
 	$(LAUNCH) --config_file accelerate_configs/ddp.yaml recipes/causal_lm.py \
-		--config recipes/configs/causal_lm_demo.yaml $(ARGS)
+		--config recipes/configs/causal_lm_demo.yaml --overwrite_output_dir $(ARGS)
 	$(PY) scripts/demo_report.py --run outputs/causal_lm_demo --data outputs/data/markov
 
 # make causal_lm CONFIG=accelerate_configs/fsdp.yaml ARGS="--max_steps 100"

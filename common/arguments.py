@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 
 import yaml
@@ -136,7 +137,9 @@ def parse_args(dataclass_types, argv: list[str] | None = None):
         return _parse(dataclass_types, argv)
     except UsageError as error:
         if int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {error}", file=sys.stderr)
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        else:  # let rank 0 report first: torchrun kills the other ranks once one exits
+            time.sleep(10)
         sys.exit(2)
 
 

@@ -40,6 +40,20 @@ def check_output_dir(output_dir: str, resume_from_checkpoint: str | None, overwr
                          "to continue it, --overwrite_output_dir to start afresh, or another --output_dir")
 
 
+def prepare_output_dir(accelerator, output_dir: str, resume_from_checkpoint: str | None,
+                       overwrite: bool) -> str | None:
+    """The checkpoint to resume from, or None for a fresh run; a fresh run with
+    --overwrite_output_dir first clears the earlier run's checkpoints, export and metrics."""
+    checkpoint = resolve_checkpoint(output_dir, resume_from_checkpoint)
+    if checkpoint is None and overwrite and accelerator.is_main_process:
+        for name in ("checkpoints", "final", "logs"):
+            shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
+        if os.path.exists(os.path.join(output_dir, "metrics.jsonl")):
+            os.remove(os.path.join(output_dir, "metrics.jsonl"))
+    accelerator.wait_for_everyone()
+    return checkpoint
+
+
 def resolve_checkpoint(output_dir: str, resume_from_checkpoint: str | None) -> str | None:
     if resume_from_checkpoint != "latest":
         if resume_from_checkpoint and not os.path.isfile(os.path.join(resume_from_checkpoint, STATE_FILE)):

@@ -26,7 +26,7 @@ from accelerate.utils import set_seed
 
 from common.accelerator import build_accelerator
 from common.arguments import DataArguments, ModelArguments, TrainingArguments, parse_args, to_dict
-from common.checkpoints import (check_output_dir, export_final, load_checkpoint, resolve_checkpoint,
+from common.checkpoints import (check_output_dir, export_final, load_checkpoint, prepare_output_dir,
                                 save_checkpoint)
 from common.data import load_raw_datasets, make_dataloaders, tokenize_and_pack
 from common.metrics import MetricsLogger
@@ -40,6 +40,8 @@ def main(argv=None):
     check_output_dir(args.output_dir, args.resume_from_checkpoint, args.overwrite_output_dir)
     accelerator = build_accelerator(args.gradient_accumulation_steps, args.report_to, args.output_dir)
     set_seed(args.seed)
+    checkpoint = prepare_output_dir(accelerator, args.output_dir, args.resume_from_checkpoint,
+                                    args.overwrite_output_dir)
 
     # Data: tokenize and pack into blocks of block_size tokens.
     tokenizer = load_tokenizer(model_args)
@@ -64,7 +66,6 @@ def main(argv=None):
     accelerator.init_trackers(args.run_name, tracker_config(run["args"]))
 
     step = 0
-    checkpoint = resolve_checkpoint(args.output_dir, args.resume_from_checkpoint)
     if checkpoint:
         step = load_checkpoint(accelerator, checkpoint)["step"]
         accelerator.print(f"resumed from {checkpoint} at step {step}")

@@ -1,0 +1,103 @@
+"""Real `accelerate launch` runs of recipes/causal_lm.py on CPU."""
+
+import json
+import shutil
+
+import pytest
+
+from conftest import REPO, causal_lm_args, launch, losses, read_metrics, read_run, run, BIN
+
+
+def test_ddp_two_processes_train_export_and_reload(markov_data, tmp_path):
+    out = tmp_path / "ddp"
+    launch("ddp.yaml", "causal_lm.py", causal_lm_args(markov_data, out, max_steps=30, logging_steps=5))
+    record = read_run(out)
+    assert record["world_size"] == 2 and record["participating_processes"] == 2
+    assert record["distributed_type"] == "MULTI_CPU"
+    assert record["effective_batch_size"] == 4 * 1 * 2
+    assert record["mixed_precision"] == "no" and record["mixed_precision_requested"] == "bf16"
+    train, evals = read_metrics(out)
+    assert train[-1]["loss"] < 0.7 * train[0]["loss"]
+    for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "samples_per_s", "elapsed_s"):
+        assert key in train[-1]
+    assert train[-1]["tokens_per_s"] > 0 and evals[-1]["step"] == 30
+    assert (out / "final" / "model.safetensors").exists() and (out / "final" / "tokenizer.json").exists()
+
+    reloaded = run([BIN / "python", REPO / "scripts/evaluate_model.py", "--model_name_or_path", out / "final",
+                    "--train_file", markov_data / "train.jsonl", "--validation_file", markov_data / "validation.jsonl",
+                    "--block_size", "32", "--per_device_eval_batch_size", "8"])
+    assert json.loads(reloaded.stdout.strip().splitlines()[-1])["eval_loss"] == pytest.approx(
+        evals[-1]["eval_loss"], abs=1e-5)
+
+
+def test_one_process_and_two_processes_log_the_same_losses(markov_data, tmp_path):
+    """Global batch 8: one process x 8 vs two processes x 4 see the same data per step."""
+    launch("single.yaml", "causal_lm.py",
+           causal_lm_args(markov_data, tmp_path / "one", per_device_train_batch_size=8))
+    launch("ddp.yaml", "causal_lm.py",
+           causal_lm_args(markov_data, tmp_path / "two", per_device_train_batch_size=4))
+    assert read_run(tmp_path / "one")["participating_processes"] == 1
+    assert read_run(tmp_path / "two")["participating_processes"] == 2
+    one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert len(one) == len(two) == 12
+    assert max(abs(a - b) for a, b in zip(one, two)) < 1e-4, (one, two)
+
+
+def test_gradient_accumulation_matches_a_bigger_batch(markov_data, tmp_path):
+    launch("ddp.yaml", "causal_lm.py", causal_lm_args(markov_data, tmp_path / "big", per_device_train_batch_size=4))
+    launch("ddp.yaml", "causal_lm.py", causal_lm_args(markov_data, tmp_path / "accum", per_device_train_batch_size=2,
+                                                      gradient_accumulation_steps=2))
+    assert read_run(tmp_path / "accum")["effective_batch_size"] == 8
+    big, accum = losses(tmp_path / "big"), losses(tmp_path / "accum")
+    assert max(abs(a - b) for a, b in zip(big, accum)) < 1e-4, (big, accum)
+
+
+def test_resume_from_latest_continues_the_same_run(markov_data, tmp_path):
+    full = tmp_path / "full"
+    launch("ddp.yaml", "causal_lm.py", causal_lm_args(markov_data, full, save_steps=6))
+    assert sorted(p.name for p in (full / "checkpoints").iterdir()) == ["step_12", "step_6"]
+    # A run that stopped right after its step-6 checkpoint.
+    stopped = tmp_path / "stopped"
+    shutil.copytree(full / "checkpoints" / "step_6", stopped / "checkpoints" / "step_6")
+    result = launch("ddp.yaml", "causal_lm.py",
+                    causal_lm_args(markov_data, stopped, save_steps=6, resume_from_checkpoint="latest"))
+    assert "resumed from" in result.stdout + result.stderr
+    resumed = read_metrics(stopped)[0]
+    assert [r["step"] for r in resumed] == list(range(7, 13))
+    assert max(abs(a - b) for a, b in zip(losses(full)[6:], [r["loss"] for r in resumed])) < 1e-5
+    assert (stopped / "checkpoints" / "step_12").is_dir()
+
+
+def test_copied_recipe_runs_outside_the_repository(markov_data, tmp_path):
+    work = tmp_path / "my_project"
+    work.mkdir()
+    shutil.copy(REPO / "recipes" / "causal_lm.py", work / "train.py")
+    launch("ddp.yaml", work / "train.py", causal_lm_args(markov_data, work / "out", max_steps=4), cwd=work)
+    assert read_run(work / "out")["participating_processes"] == 2
+    assert (work / "out" / "final" / "config.json").exists()
+
+
+@pytest.mark.parametrize("override, message", [
+    ({"config": "/nonexistent/recipe.yaml"}, "does not exist"),
+    ({"train_file": "/nonexistent/train.jsonl"}, "train_file: /nonexistent/train.jsonl does not exist"),
+    ({"no_such_key": "1"}, "unknown argument"),
+    ({"max_steps": "ten"}, "invalid int value: 'ten'"),
+])
+def test_bad_input_is_one_line_and_nonzero_exit(markov_data, tmp_path, override, message):
+    result = launch("ddp.yaml", "causal_lm.py", causal_lm_args(markov_data, tmp_path / "bad", **override), check=False)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], result.stderr[-2000:]
+    assert "causal_lm.py\", line" not in result.stderr  # no traceback from the recipe (torchrun adds its own)
+    assert not (tmp_path / "bad").exists()  # failed before anything was written
+
+
+def test_existing_run_is_not_overwritten(markov_data, tmp_path):
+    out = tmp_path / "run"
+    launch("single.yaml", "causal_lm.py", causal_lm_args(markov_data, out, max_steps=2))
+    before = (out / "final" / "model.safetensors").read_bytes()
+    result = run([BIN / "python", REPO / "recipes/causal_lm.py"] + causal_lm_args(markov_data, out, max_steps=2),
+                 check=False)
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith("error: output_dir") and result.stderr.count("\n") == 1
+    assert (out / "final" / "model.safetensors").read_bytes() == before
