@@ -39,15 +39,31 @@ def launched_strategy() -> str:
     return "ddp" if launched_world_size() > 1 else "single"
 
 
+def _warn_fp32_fallback(requested: str) -> None:
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"warning: mixed_precision={requested} asked for on a host without a GPU; training in fp32 "
+              "(set mixed_precision: no, or bf16.enabled: false in a DeepSpeed JSON, to silence this)",
+              file=sys.stderr)
+
+
 def _fall_back_to_fp32_on_cpu() -> str:
-    """bf16/fp16 autocast on a CPU is slow and breaks fp32 parity: run fp32 and say so once."""
+    """bf16/fp16 on a CPU is slow and breaks fp32 parity: run fp32 and say so once."""
     requested = os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
     if requested not in ("no", "fp32") and not torch.cuda.is_available():
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"warning: mixed_precision={requested} asked for on a host without a GPU; "
-                  "training in fp32 (set mixed_precision: no in the accelerate config to silence this)",
-                  file=sys.stderr)
+        _warn_fp32_fallback(requested)
         os.environ["ACCELERATE_MIXED_PRECISION"] = "no"
+    return requested
+
+
+def _deepspeed_json_fp32_on_cpu(plugin) -> str | None:
+    """The same fallback for precision set inside a DeepSpeed JSON (deepspeed_config_file)."""
+    requested = None
+    for key in ("bf16", "fp16"):
+        block = plugin.deepspeed_config.get(key)
+        if isinstance(block, dict) and block.get("enabled") is True:
+            block["enabled"], requested = False, key
+    if requested:
+        _warn_fp32_fallback(requested)
     return requested
 
 
@@ -73,12 +89,25 @@ def build_accelerator(gradient_accumulation_steps: int = 1, report_to: str = "no
         else:
             kwargs["cpu"] = True
     accelerator = Accelerator(**kwargs)
+    if not torch.cuda.is_available() and strategy == "fsdp":
+        _unpin_fsdp_offload(accelerator.state.fsdp_plugin)
+    if not torch.cuda.is_available() and strategy == "deepspeed":
+        requested_precision = _deepspeed_json_fp32_on_cpu(accelerator.state.deepspeed_plugin) or requested_precision
     accelerator.requested_mixed_precision = requested_precision
     if accelerator.num_processes != launched_world_size():
         raise RuntimeError(
             f"accelerate launched {launched_world_size()} processes but this rank sees "
             f"{accelerator.num_processes} ({accelerator.distributed_type}); each rank would train alone")
     return accelerator
+
+
+def _unpin_fsdp_offload(plugin) -> None:
+    """FSDP2's CPU offload pins host memory, which needs CUDA; on a CPU host keep the
+    offload code path (parameters and optimizer step on CPU) without pinning."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    if isinstance(plugin.cpu_offload, CPUOffloadPolicy):
+        plugin.cpu_offload = CPUOffloadPolicy(pin_memory=False)
 
 
 def participating_processes(accelerator: Accelerator) -> int:

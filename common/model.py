@@ -33,6 +33,9 @@ def load_model(args: ModelArguments, tokenizer, seed: int, gradient_checkpointin
 
 
 def count_parameters(model) -> dict:
-    total = sum(p.numel() for p in model.parameters())
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    def numel(p):  # under ZeRO-3 init a parameter is an empty placeholder; ds_numel is its size
+        return getattr(p, "ds_numel", p.numel())
+
+    total = sum(numel(p) for p in model.parameters())
+    trainable = sum(numel(p) for p in model.parameters() if p.requires_grad)
     return {"total_parameters": total, "trainable_parameters": trainable}

@@ -7,6 +7,8 @@ import json
 import os
 import platform
 
+import torch
+
 from common.accelerator import launched_strategy, participating_processes
 
 PACKAGES = ("torch", "accelerate", "transformers", "datasets", "deepspeed", "peft", "evaluate", "tokenizers")
@@ -33,15 +35,37 @@ def strategy_details(accelerator) -> dict:
     if getattr(state, "fsdp_plugin", None) is not None:
         plugin = state.fsdp_plugin
         details.update(fsdp_version=plugin.fsdp_version, fsdp_reshard_after_forward=str(plugin.reshard_after_forward),
-                       fsdp_offload_params=bool(getattr(plugin.cpu_offload, "offload_params", False)),
+                       fsdp_offload_params=_fsdp_offloads(plugin),
                        fsdp_state_dict_type=str(plugin.state_dict_type),
                        fsdp_activation_checkpointing=bool(plugin.activation_checkpointing))
     return details
 
 
-def record_run(accelerator, args: dict, output_dir: str, **extra) -> dict:
-    """Print the resolved arguments once and write run.json (main process)."""
+def _fsdp_offloads(plugin) -> bool:
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    return isinstance(plugin.cpu_offload, CPUOffloadPolicy) or bool(getattr(plugin.cpu_offload, "offload_params", False))
+
+
+def local_parameter_elements(model) -> int:
+    """Parameter elements this rank stores: its shard under ZeRO-3 or FSDP, all of them otherwise."""
+    count = 0
+    for parameter in model.parameters():
+        if hasattr(parameter, "ds_tensor"):  # DeepSpeed ZeRO-3 partition
+            count += parameter.ds_tensor.numel()
+        elif hasattr(parameter, "to_local"):  # FSDP2 DTensor shard
+            count += parameter.to_local().numel()
+        else:
+            count += parameter.numel()
+    return count
+
+
+def record_run(accelerator, model, args: dict, output_dir: str, **extra) -> dict:
+    """Print the resolved arguments once and write run.json (main process).
+
+    `model` is the prepared model: run.json records each rank's share of its parameters."""
     world_size = accelerator.num_processes
+    local = torch.tensor([local_parameter_elements(model)], device=accelerator.device)
     record = {
         "args": args,
         "world_size": world_size,
@@ -50,6 +74,7 @@ def record_run(accelerator, args: dict, output_dir: str, **extra) -> dict:
         "mixed_precision": accelerator.mixed_precision,
         "mixed_precision_requested": getattr(accelerator, "requested_mixed_precision", accelerator.mixed_precision),
         "device": str(accelerator.device),
+        "local_parameter_elements": [int(n) for n in accelerator.gather(local).tolist()],
         "effective_batch_size": args["per_device_train_batch_size"] * args["gradient_accumulation_steps"] * world_size,
         **strategy_details(accelerator),
         **extra,

@@ -61,7 +61,7 @@ def main(argv=None):
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler)
 
-    run = record_run(accelerator, to_dict(model_args, data_args, args), args.output_dir,
+    run = record_run(accelerator, model, to_dict(model_args, data_args, args), args.output_dir,
                      max_steps=max_steps, train_blocks=len(datasets["train"]), **parameters)
     accelerator.init_trackers(args.run_name, tracker_config(run["args"]))
 
