@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install install-test demo demo-data test test-fast causal_lm clean
+.PHONY: install install-test demo demo-data test test-fast causal_lm check-config clean
 
 # torch first: the CPU wheel on hosts without an NVIDIA GPU (no CUDA download),
 # the normal CUDA build where nvidia-smi sees a GPU. Later `torch>=...` pins are then satisfied.
@@ -45,6 +45,11 @@ demo: demo-data
 # make causal_lm CONFIG=accelerate_configs/fsdp.yaml ARGS="--max_steps 100"
 causal_lm: demo-data
 	$(LAUNCH) --config_file $(CONFIG) recipes/causal_lm.py --config recipes/configs/causal_lm_demo.yaml $(ARGS)
+
+# make check-config CONFIG=accelerate_configs/zero3.yaml [RECIPE_CONFIG=recipes/configs/....yaml]
+RECIPE_CONFIG ?= recipes/configs/causal_lm_demo.yaml
+check-config: install
+	$(PY) scripts/check_config.py $(CONFIG) --recipe_config $(RECIPE_CONFIG)
 
 test: install-test
 	$(PY) -m pytest tests $(ARGS)

@@ -35,7 +35,8 @@ class ModelArguments:
 
     def __post_init__(self):
         if bool(self.model_name_or_path) == bool(self.model_config):
-            raise UsageError("give exactly one of --model_name_or_path or --model_config")
+            raise UsageError("give exactly one of --model_name_or_path or --model_config "
+                             "(clear one set in the recipe YAML with --model_config \"\")")
         if self.model_config:
             require_path(self.model_config, "model_config")
         if not (self.tokenizer_name_or_path or self.model_name_or_path):

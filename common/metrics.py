@@ -41,13 +41,16 @@ class MetricsLogger:
         mean_loss = self.accelerator.reduce(
             torch.as_tensor(self.window_loss / max(self.window_batches, 1), device=self.accelerator.device),
             reduction="mean")
+        peak = self.accelerator.gather(torch.tensor([peak_memory_mb(self.accelerator.device)],
+                                                    device=self.accelerator.device))
         now = time.perf_counter()
         seconds = max(now - self.window_start, 1e-9)
         row = {"step": step, "loss": float(mean_loss), "lr": lr,
                "grad_norm": None if grad_norm is None else float(grad_norm),
                "tokens_per_s": float(totals[0]) / seconds, "samples_per_s": float(totals[1]) / seconds,
                "tokens_per_s_per_device": float(totals[0]) / seconds / self.accelerator.num_processes,
-               "elapsed_s": now - self.start_time}
+               "elapsed_s": now - self.start_time,
+               "peak_memory_mb_per_rank": [round(float(m), 1) for m in peak.tolist()]}
         self.window_start, self.window_loss, self.window_batches = now, 0.0, 0
         self.window_tokens.zero_()
         self._write(row)
@@ -77,7 +80,7 @@ class MetricsLogger:
 
 
 def peak_memory_mb(device) -> float:
-    """Peak accelerator memory on GPU, peak resident set size on CPU."""
+    """Peak allocated GPU memory on a GPU, else the process's peak resident set size."""
     if torch.cuda.is_available() and getattr(device, "type", "") == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     import resource

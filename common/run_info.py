@@ -31,7 +31,9 @@ def strategy_details(accelerator) -> dict:
         zero = state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {})
         details.update(zero_stage=zero.get("stage"),
                        offload_optimizer=zero.get("offload_optimizer", {}).get("device", "none"),
-                       offload_param=zero.get("offload_param", {}).get("device", "none"))
+                       offload_param=zero.get("offload_param", {}).get("device", "none"),
+                       deepspeed_cpu_adam=bool(state.deepspeed_plugin.deepspeed_config.get("zero_force_ds_cpu_optimizer", True))
+                       and zero.get("offload_optimizer", {}).get("device", "none") != "none")
     if getattr(state, "fsdp_plugin", None) is not None:
         plugin = state.fsdp_plugin
         details.update(fsdp_version=plugin.fsdp_version, fsdp_reshard_after_forward=str(plugin.reshard_after_forward),

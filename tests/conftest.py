@@ -34,16 +34,22 @@ def run(command: list[str], cwd=REPO, env: dict | None = None, check=True, timeo
     return result
 
 
+def launch_command(config: str, recipe: str, args: list, launcher_args: list | None = None) -> list[str]:
+    """`accelerate launch --config_file accelerate_configs/<config> <recipe> <args>` as a user types it."""
+    launcher_args = list(launcher_args or [])
+    if "--main_process_port" not in launcher_args:
+        launcher_args += ["--main_process_port", str(free_port())]
+    recipe_path = recipe if os.path.isabs(str(recipe)) else RECIPES / recipe
+    return [str(c) for c in [BIN / "accelerate", "launch", "--config_file", CONFIGS / config,
+                             *launcher_args, recipe_path, *args]]
+
+
 def launch(config: str, recipe: str, args: list, num_processes: int | None = None, cwd=REPO,
            env: dict | None = None, check=True, launcher_args: list | None = None):
-    """`accelerate launch --config_file accelerate_configs/<config> <recipe> <args>` as a user types it."""
-    command = [BIN / "accelerate", "launch", "--config_file", CONFIGS / config,
-               "--main_process_port", str(free_port())]
+    launcher_args = list(launcher_args or [])
     if num_processes is not None:
-        command += ["--num_processes", str(num_processes)]
-    command += list(launcher_args or [])
-    recipe_path = recipe if os.path.isabs(str(recipe)) else RECIPES / recipe
-    return run(command + [recipe_path] + list(args), cwd=cwd, env=env, check=check)
+        launcher_args += ["--num_processes", str(num_processes)]
+    return run(launch_command(config, recipe, args, launcher_args), cwd=cwd, env=env, check=check)
 
 
 def read_run(output_dir) -> dict:
@@ -78,3 +84,63 @@ def causal_lm_args(data: Path, output_dir: Path, **overrides) -> list[str]:
               "per_device_eval_batch_size": 8, "warmup_steps": 2, "report_to": "none"}
     values.update(overrides)
     return [token for key, value in values.items() for token in (f"--{key}", str(value))]
+
+
+@pytest.fixture(scope="session")
+def initial_model(markov_data, tmp_path_factory) -> Path:
+    """A seeded random tiny Llama saved as a pretrained folder, so every strategy starts
+    from the same weights (ZeRO-3's zero.Init draws a from-config init differently)."""
+    from common.arguments import ModelArguments
+    from common.model import load_model, load_tokenizer
+
+    out = tmp_path_factory.mktemp("initial_model")
+    args = ModelArguments(model_config=str(REPO / "recipes/configs/tiny_llama.json"),
+                          tokenizer_name_or_path=str(markov_data / "tokenizer"))
+    tokenizer = load_tokenizer(args)
+    load_model(args, tokenizer, seed=0).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def pretrained_args(data: Path, model: Path, output_dir: Path, **overrides) -> list[str]:
+    """causal_lm_args continuing from `model` (a folder) instead of a config."""
+    args = causal_lm_args(data, output_dir, **overrides)
+    drop = {"--model_config", "--tokenizer_name_or_path"}
+    kept = [t for i, t in enumerate(args) if t not in drop and (i == 0 or args[i - 1] not in drop)]
+    return kept + ["--model_config", "", "--model_name_or_path", str(model)]
+
+
+def load_weights(folder) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(folder) / "model.safetensors"))
+
+
+def max_weight_difference(a, b) -> float:
+    left, right = load_weights(a), load_weights(b)
+    assert left.keys() == right.keys(), (sorted(left), sorted(right))
+    return max(float((left[k].float() - right[k].float()).abs().max()) for k in left)
+
+
+def load_script(relative_path: str):
+    """Import a file under scripts/ as a module, to call its main() in-process."""
+    import importlib.util
+
+    path = REPO / relative_path
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+STEPS, SAVE_AT = 12, 6
+
+
+@pytest.fixture(scope="session")
+def reference(markov_data, initial_model, tmp_path_factory):
+    """One process, global batch 8, from the shared initial model."""
+    out = tmp_path_factory.mktemp("reference") / "run"
+    launch("single.yaml", "causal_lm.py", pretrained_args(
+        markov_data, initial_model, out, per_device_train_batch_size=8, max_steps=STEPS))
+    assert read_run(out)["participating_processes"] == 1
+    return out

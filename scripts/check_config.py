@@ -1,0 +1,179 @@
+"""Check an accelerate config before launch: one line per thing that would break.
+
+    make check-config CONFIG=accelerate_configs/zero3.yaml
+    python scripts/check_config.py accelerate_configs/fsdp.yaml --recipe_config recipes/configs/causal_lm_demo.yaml
+
+Loads the YAML with accelerate's own loader, then checks what accelerate does
+not: keys inside fsdp_config/deepspeed_config that `accelerate launch` does not
+know, FSDP wrap class names the recipe's model does not have, DeepSpeed batch
+sizes and clipping that disagree with the recipe's arguments, and offload asked
+of a ZeRO stage that cannot do it. Exit status 1 if anything is wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import yaml
+
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+def launch_keys() -> set[str]:
+    from accelerate.commands.launch import launch_command_parser
+
+    return {action.dest for action in launch_command_parser()._actions}
+
+
+def recipe_values(recipe_config: str | None) -> dict:
+    """The recipe YAML's values over TrainingArguments' defaults."""
+    from common.arguments import TrainingArguments
+    import dataclasses
+
+    values = {f.name: f.default for f in dataclasses.fields(TrainingArguments)}
+    if recipe_config:
+        with open(recipe_config) as handle:
+            values.update(yaml.safe_load(handle) or {})
+    return values
+
+
+def model_class_names(recipe: dict) -> set[str] | None:
+    """Module class names of the recipe's model, built on the meta device (no weights)."""
+    import torch
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    source = recipe.get("model_config") or recipe.get("model_name_or_path")
+    if not source:
+        return None
+    try:
+        config = AutoConfig.from_pretrained(source)
+    except (OSError, ValueError):
+        return None  # not reachable from here (e.g. a Hub name offline): skip the check
+    with torch.device("meta"):
+        try:
+            model = AutoModelForCausalLM.from_config(config)
+        except ValueError:
+            model = AutoModel.from_config(config)
+    return {type(module).__name__ for module in model.modules()}
+
+
+def check(config_path: str, recipe_config: str | None = None, num_processes: int | None = None) -> list[str]:
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    problems: list[str] = []
+    try:
+        load_config_from_file(config_path)
+    except (ValueError, TypeError, FileNotFoundError) as error:
+        return [str(error).splitlines()[0]]
+    with open(config_path) as handle:
+        raw = yaml.safe_load(handle)
+    for key, value in raw.items():
+        if isinstance(value, str) and value.startswith("FILL_ME"):
+            problems.append(f"{key}: still the template's {value}; set it, or pass --{key} to accelerate launch")
+    known = launch_keys()
+    recipe = recipe_values(recipe_config)
+    world = num_processes or raw.get("num_processes", 1)
+
+    fsdp = raw.get("fsdp_config") or {}
+    for key in fsdp:
+        if key not in known:
+            problems.append(f"fsdp_config.{key}: unknown to accelerate launch (known: fsdp_* keys of `accelerate launch --help`)")
+    wrap = fsdp.get("fsdp_transformer_layer_cls_to_wrap")
+    if raw.get("distributed_type") == "FSDP" and wrap:
+        names = model_class_names(recipe)
+        for name in ([wrap] if isinstance(wrap, str) else wrap):
+            for single in str(name).split(","):
+                if names is not None and single.strip() not in names:
+                    problems.append(f"fsdp_transformer_layer_cls_to_wrap: the model has no {single.strip()!r} "
+                                    "layer; name one of its decoder/encoder layer classes or remove the key")
+
+    deepspeed = raw.get("deepspeed_config") or {}
+    for key in deepspeed:
+        if key not in known:
+            problems.append(f"deepspeed_config.{key}: unknown to accelerate launch")
+    if raw.get("distributed_type") == "DEEPSPEED":
+        problems += check_deepspeed(deepspeed, raw, recipe, world, config_path)
+    return problems
+
+
+def check_deepspeed(deepspeed: dict, raw: dict, recipe: dict, world: int, config_path: str) -> list[str]:
+    problems = []
+    micro = recipe["per_device_train_batch_size"]
+    accumulation = recipe["gradient_accumulation_steps"]
+    clipping = recipe["max_grad_norm"]
+    if "deepspeed_config_file" in deepspeed:
+        path = deepspeed["deepspeed_config_file"]
+        if not os.path.isfile(path):
+            return [f"deepspeed_config_file: {path} does not exist (paths are relative to where you launch)"]
+        with open(path) as handle:
+            try:
+                ds = json.load(handle)
+            except json.JSONDecodeError as error:
+                return [f"{path}: not valid JSON ({error})"]
+        if "mixed_precision" in raw:
+            problems.append("mixed_precision: set it in the DeepSpeed JSON (bf16/fp16 blocks), not beside "
+                            "deepspeed_config_file; accelerate refuses both")
+        zero = ds.get("zero_optimization", {})
+        stage = zero.get("stage", 0)
+        offload_optimizer = zero.get("offload_optimizer", {}).get("device", "none")
+        offload_param = zero.get("offload_param", {}).get("device", "none")
+        values = {k: ds.get(k, "auto") for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                                                  "train_batch_size", "gradient_clipping")}
+        if values["train_micro_batch_size_per_gpu"] not in ("auto", micro):
+            problems.append(f"{path}: train_micro_batch_size_per_gpu={values['train_micro_batch_size_per_gpu']} but the "
+                            f"recipe's per_device_train_batch_size={micro}; use \"auto\"")
+        if values["gradient_accumulation_steps"] not in ("auto", accumulation):
+            problems.append(f"{path}: gradient_accumulation_steps={values['gradient_accumulation_steps']} but the "
+                            f"recipe's is {accumulation}; use \"auto\"")
+        expected = micro * accumulation * world
+        if values["train_batch_size"] not in ("auto", expected):
+            problems.append(f"{path}: train_batch_size={values['train_batch_size']} != micro {micro} x accumulation "
+                            f"{accumulation} x world size {world} = {expected}; use \"auto\"")
+        if values["gradient_clipping"] not in ("auto", clipping):
+            problems.append(f"{path}: gradient_clipping={values['gradient_clipping']} but the recipe's "
+                            f"max_grad_norm={clipping}; make them equal or use \"auto\"")
+    else:
+        stage = deepspeed.get("zero_stage", 0)
+        offload_optimizer = deepspeed.get("offload_optimizer_device", "none")
+        offload_param = deepspeed.get("offload_param_device", "none")
+        if "gradient_clipping" in deepspeed and float(deepspeed["gradient_clipping"]) != float(clipping):
+            problems.append(f"deepspeed_config.gradient_clipping={deepspeed['gradient_clipping']} but the recipe's "
+                            f"max_grad_norm={clipping}; DeepSpeed does the clipping, so make them equal")
+        if "gradient_accumulation_steps" in deepspeed and deepspeed["gradient_accumulation_steps"] != accumulation:
+            problems.append(f"deepspeed_config.gradient_accumulation_steps={deepspeed['gradient_accumulation_steps']} "
+                            f"but the recipe's is {accumulation}; remove the key (the recipe sets it)")
+    if stage not in ZERO_STAGES:
+        problems.append(f"zero stage {stage!r}: must be one of {ZERO_STAGES}")
+    if offload_param not in ("none", None) and stage != 3:
+        problems.append(f"offload_param_device={offload_param} needs ZeRO stage 3 (got {stage}); use zero3_offload.yaml "
+                        "or set offload_param_device: none")
+    if offload_optimizer not in ("none", None) and stage == 0:
+        problems.append(f"offload_optimizer_device={offload_optimizer} needs ZeRO stage 1, 2 or 3 (got 0)")
+    return problems
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("config_file", help="accelerate config YAML")
+    parser.add_argument("--recipe_config", help="recipe YAML whose batch sizes and model to check against")
+    parser.add_argument("--num_processes", type=int, help="world size, if not the YAML's num_processes")
+    args = parser.parse_args(argv)
+    if not os.path.isfile(args.config_file):
+        print(f"{args.config_file}: does not exist", file=sys.stderr)
+        return 1
+    if args.recipe_config and not os.path.isfile(args.recipe_config):
+        print(f"{args.recipe_config}: does not exist", file=sys.stderr)
+        return 1
+    problems = check(args.config_file, args.recipe_config, args.num_processes)
+    for problem in problems:
+        print(f"{args.config_file}: {problem}")
+    if not problems:
+        print(f"{args.config_file}: ok")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

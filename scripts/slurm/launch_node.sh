@@ -1,0 +1,18 @@
+#!/bin/bash
+# One node's launch line, run by srun on every node of a job (see train.sbatch).
+# Usage: launch_node.sh ACCELERATE_CONFIG RECIPE [RECIPE ARGS...]
+set -euo pipefail
+config="$1"; shift
+
+nodes="${SLURM_NNODES:?run under srun (SLURM_NNODES unset)}"
+node_rank="${SLURM_NODEID:?run under srun (SLURM_NODEID unset)}"
+gpus="${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-1}}"
+accelerate="${ACCELERATE:-accelerate}"
+[ -x .venv/bin/accelerate ] && [ -z "${ACCELERATE:-}" ] && accelerate=.venv/bin/accelerate
+
+echo "node $(hostname): machine_rank=$node_rank of $nodes, $gpus processes, main=$MAIN_PROCESS_IP:$MAIN_PROCESS_PORT" >&2
+exec "$accelerate" launch --config_file "$config" \
+    --num_machines "$nodes" --machine_rank "$node_rank" \
+    --num_processes $((nodes * gpus)) \
+    --main_process_ip "$MAIN_PROCESS_IP" --main_process_port "$MAIN_PROCESS_PORT" \
+    "$@"

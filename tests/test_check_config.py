@@ -1,0 +1,104 @@
+"""scripts/check_config.py on the shipped configs and on broken copies of them."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import CONFIGS, REPO, load_script, run
+
+TEMPLATES = {"multi_node_ddp.yaml", "multi_node_fsdp.yaml", "multi_node_zero3.yaml"}
+SHIPPED = sorted(p.name for p in CONFIGS.glob("*.yaml"))
+
+
+class Result:
+    def __init__(self, returncode, stdout, stderr):
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+@pytest.fixture(autouse=True)
+def _in_repo(monkeypatch):
+    monkeypatch.chdir(REPO)  # deepspeed_config_file paths are relative to the launch directory
+
+
+def check(config, *extra):
+    """scripts/check_config.py's main(), in-process (the make target test runs it as a command)."""
+    import contextlib
+    import io
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = load_script("scripts/check_config.py").main(
+            [str(config), "--recipe_config", str(REPO / "recipes/configs/causal_lm_demo.yaml"), *map(str, extra)])
+    return Result(code, out.getvalue(), err.getvalue())
+
+
+def broken_copy(tmp_path, name, edit) -> Path:
+    config = yaml.safe_load((CONFIGS / name).read_text())
+    edit(config)
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.mark.parametrize("name", [n for n in SHIPPED if n not in TEMPLATES])
+def test_shipped_configs_pass(name):
+    result = check(CONFIGS / name)
+    assert result.returncode == 0 and result.stdout.strip().endswith(": ok"), result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("name", sorted(TEMPLATES))
+def test_templates_name_the_fields_to_fill(name):
+    result = check(CONFIGS / name)
+    assert result.returncode == 1 and "main_process_ip: still the template's FILL_ME" in result.stdout
+
+
+def test_make_check_config_target():
+    result = run(["make", "-s", "check-config", "CONFIG=accelerate_configs/zero3.yaml"])
+    assert "accelerate_configs/zero3.yaml: ok" in result.stdout
+
+
+def _set(path: str, value):
+    def edit(config):
+        *parents, leaf = path.split(".")
+        node = config
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return edit
+
+
+@pytest.mark.parametrize("name, edit, expected", [
+    ("ddp.yaml", _set("num_gpus_total", 8), r"unknown keys \(\['num_gpus_total'\]\)"),
+    ("fsdp.yaml", _set("fsdp_config.fsdp_reshard_after_forwrd", True), r"fsdp_config.fsdp_reshard_after_forwrd: unknown"),
+    ("fsdp.yaml", _set("fsdp_config.fsdp_transformer_layer_cls_to_wrap", "GPT2Block"), r"the model has no 'GPT2Block' layer"),
+    ("zero2.yaml", _set("deepspeed_config.offload_param_device", "cpu"), r"offload_param_device=cpu needs ZeRO stage 3 \(got 2\)"),
+    ("zero3.yaml", _set("deepspeed_config.gradient_clipping", 0.5), r"gradient_clipping=0.5 but the recipe's max_grad_norm=1.0"),
+    ("zero3.yaml", _set("deepspeed_config.zero_stagee", 3), r"deepspeed_config.zero_stagee: unknown"),
+])
+def test_broken_copies_are_reported(tmp_path, name, edit, expected):
+    result = check(broken_copy(tmp_path, name, edit))
+    assert result.returncode == 1
+    assert re.search(expected, result.stdout + result.stderr), result.stdout + result.stderr
+    assert len([l for l in result.stdout.splitlines() if l.strip()]) == 1  # one line per problem
+
+
+def test_wrap_class_the_model_has_passes(tmp_path):
+    path = broken_copy(tmp_path, "fsdp.yaml", _set("fsdp_config.fsdp_transformer_layer_cls_to_wrap", "LlamaDecoderLayer"))
+    assert check(path).returncode == 0
+
+
+def test_deepspeed_json_batch_sizes_must_agree(tmp_path):
+    ds = json.loads((CONFIGS / "deepspeed/zero2_auto.json").read_text())
+    ds.update(train_batch_size=64, train_micro_batch_size_per_gpu=8)
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    path = broken_copy(tmp_path, "zero2_json.yaml", _set("deepspeed_config.deepspeed_config_file", str(tmp_path / "ds.json")))
+    out = check(path).stdout
+    # The demo recipe: per_device_train_batch_size 8, accumulation 1, world size 2 -> 16.
+    assert "train_batch_size=64 != micro 8 x accumulation 1 x world size 2 = 16" in out
+    ds.update(train_batch_size=16)
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    assert check(path).returncode == 0
+    assert "= 32" in check(path, "--num_processes", "4").stdout  # a bigger world changes the expected size

@@ -1,0 +1,81 @@
+"""Two "machines" on loopback, and the SLURM batch script with faked SLURM variables."""
+
+import os
+import stat
+import subprocess
+
+import pytest
+
+from conftest import (BIN, OFFLINE_ENV, REPO, free_port, launch_command, losses, pretrained_args, read_run)
+
+TEMPLATES = {"multi_node_ddp.yaml": "MULTI_CPU", "multi_node_fsdp.yaml": "FSDP", "multi_node_zero3.yaml": "DEEPSPEED"}
+
+
+def wait_all(processes, timeout=600):
+    outputs = []
+    for process in processes:
+        try:
+            out, _ = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for p in processes:
+                p.kill()
+            raise AssertionError("a node hung (did two nodes claim the same machine_rank?)")
+        outputs.append(out)
+    for process, out in zip(processes, outputs):
+        assert process.returncode == 0, out[-6000:]
+    return outputs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", sorted(TEMPLATES))
+def test_two_machines_on_loopback_match_one_process(config, markov_data, initial_model, reference, tmp_path):
+    out, port = tmp_path / "run", free_port()
+    args = pretrained_args(markov_data, initial_model, out, per_device_train_batch_size=4, max_steps=12)
+    nodes = [subprocess.Popen(
+        launch_command(config, "causal_lm.py", args, [
+            "--num_machines", "2", "--num_processes", "2", "--machine_rank", str(rank),
+            "--main_process_ip", "127.0.0.1", "--main_process_port", str(port)]),
+        cwd=REPO, env={**os.environ, **OFFLINE_ENV}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for rank in (0, 1)]
+    wait_all(nodes)
+    record = read_run(out)
+    assert record["participating_processes"] == 2 and record["distributed_type"] == TEMPLATES[config]
+    gap = max(abs(a - b) for a, b in zip(losses(out), losses(reference)))
+    print(f"{config} on 2 loopback machines: max loss gap to one process {gap:.2e}")
+    assert len(losses(out)) == 12 and gap < 1e-5
+
+
+FAKE_SRUN = """#!/bin/bash
+# Stand-in for srun: start the command once per node, each with its own SLURM_NODEID.
+while [[ "$1" == --* ]]; do shift; done
+pids=()
+for ((node = 0; node < SLURM_NNODES; node++)); do
+    SLURM_NODEID=$node SLURM_PROCID=$node "$@" &
+    pids+=($!)
+done
+status=0
+for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
+exit $status
+"""
+
+
+@pytest.mark.slow
+def test_slurm_batch_script_on_two_fake_nodes(markov_data, initial_model, reference, tmp_path):
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    for name, text in {"srun": FAKE_SRUN, "scontrol": "#!/bin/bash\necho 127.0.0.1\necho 127.0.0.1\n"}.items():
+        (fake_bin / name).write_text(text)
+        (fake_bin / name).chmod(stat.S_IRWXU)
+    out = tmp_path / "run"
+    env = {**os.environ, **OFFLINE_ENV, "PATH": f"{fake_bin}:{OFFLINE_ENV['PATH']}", "SLURM_NNODES": "2",
+           "SLURM_JOB_NODELIST": "node[0-1]", "GPUS_PER_NODE": "1", "MAIN_PROCESS_PORT": str(free_port()),
+           "ACCELERATE": str(BIN / "accelerate")}
+    env.pop("SLURM_NODEID", None)
+    process = subprocess.Popen(
+        ["bash", "scripts/slurm/train.sbatch", "accelerate_configs/multi_node_ddp.yaml", "recipes/causal_lm.py",
+         *pretrained_args(markov_data, initial_model, out, per_device_train_batch_size=4, max_steps=12)],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = wait_all([process])[0]
+    assert "machine_rank=0 of 2" in log and "machine_rank=1 of 2" in log
+    assert read_run(out)["participating_processes"] == 2
+    assert max(abs(a - b) for a, b in zip(losses(out), losses(reference))) < 1e-5
