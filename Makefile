@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install install-test demo demo-data test test-fast causal_lm check-config clean
+.PHONY: install install-test demo demo-data test test-fast causal_lm evaluate benchmark check-config clean
 
 # torch first: the CPU wheel on hosts without an NVIDIA GPU (no CUDA download),
 # the normal CUDA build where nvidia-smi sees a GPU. Later `torch>=...` pins are then satisfied.
@@ -45,6 +45,16 @@ demo: demo-data
 # make causal_lm CONFIG=accelerate_configs/fsdp.yaml ARGS="--max_steps 100"
 causal_lm: demo-data
 	$(LAUNCH) --config_file $(CONFIG) recipes/causal_lm.py --config recipes/configs/causal_lm_demo.yaml $(ARGS)
+
+# make evaluate MODEL=outputs/causal_lm_demo/final
+MODEL ?= outputs/causal_lm_demo/final
+evaluate: demo-data
+	$(PY) scripts/evaluate_model.py --model_name_or_path $(MODEL) --train_file outputs/data/markov/train.jsonl \
+		--validation_file outputs/data/markov/validation.jsonl --block_size 64 $(ARGS)
+
+# Steps/s and peak memory per rank of every CPU-runnable config, in one run (ratios vs DDP).
+benchmark: install
+	$(PY) scripts/benchmark_strategies.py $(ARGS)
 
 # make check-config CONFIG=accelerate_configs/zero3.yaml [RECIPE_CONFIG=recipes/configs/....yaml]
 RECIPE_CONFIG ?= recipes/configs/causal_lm_demo.yaml
