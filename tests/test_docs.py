@@ -1,0 +1,86 @@
+"""README commands and make targets stay in step, and each make target runs."""
+
+import json
+import re
+import shlex
+
+import pytest
+
+from conftest import REPO, read_metrics, read_run, run
+
+README = (REPO / "README.md").read_text()
+MAKEFILE = (REPO / "Makefile").read_text()
+
+
+def readme_commands() -> list[str]:
+    blocks = re.findall(r"```bash\n(.*?)```", README, flags=re.S)
+    lines = [line.split("  #")[0].strip() for block in blocks for line in block.splitlines()]
+    return [line for line in lines if line]
+
+
+def make_targets() -> set[str]:
+    return set(re.findall(r"^([a-z][\w-]*):", MAKEFILE, flags=re.M))
+
+
+def make_dry_run(command: str) -> list[str]:
+    return run(["make", "-n", *shlex.split(command)[1:]]).stdout.splitlines()
+
+
+def test_every_readme_command_is_a_make_target_or_what_one_runs():
+    commands = readme_commands()
+    assert commands[:2] == ["make demo", "make test"]  # the Quick start: exactly these two
+    previous = None
+    for command in commands:
+        if command.startswith("make "):
+            assert shlex.split(command)[1] in make_targets(), command
+            previous = command
+        else:  # a spelled-out command must be exactly what the make line before it runs
+            assert previous is not None, command
+            ran = [line.replace(".venv/bin/", "") for line in make_dry_run(previous)]
+            assert command in ran, (command, ran)
+
+
+def test_ci_runs_the_readme_test_command():
+    assert "make test" in (REPO / ".ci/run").read_text().split("\n", 3)[-1]
+
+
+def test_recipe_docstrings_use_shipped_configs_and_targets():
+    for recipe in (REPO / "recipes").glob("*.py"):
+        doc = recipe.read_text().split('"""')[1]
+        assert f"recipes/{recipe.name}" in doc or f"make {recipe.stem}" in doc, recipe
+        for path in re.findall(r"((?:accelerate_configs|recipes/configs)/[\w./]+\.(?:yaml|json))", doc):
+            assert (REPO / path).exists(), f"{recipe.name} docstring names missing {path}"
+        for target in re.findall(r"^\s*make ([\w-]+)", doc, flags=re.M):
+            assert target in make_targets(), f"{recipe.name} docstring names missing make target {target}"
+        assert recipe.stem in make_targets(), f"no make target for {recipe.name}"
+
+
+@pytest.mark.slow
+def test_make_demo_meets_its_target_and_make_evaluate_reproduces_it():
+    result = run(["make", "demo"])
+    match = re.search(r"eval loss ([\d.]+) nats/token vs entropy floor ([\d.]+)", result.stdout)
+    assert match, result.stdout[-2000:]
+    loss, floor = map(float, match.groups())
+    assert loss <= 1.10 * floor
+    out = REPO / "outputs/causal_lm_demo"
+    assert read_run(out)["participating_processes"] == 2
+    logged = read_metrics(out)[1][-1]["eval_loss"]
+    assert logged == pytest.approx(loss, abs=1e-4)
+    evaluated = json.loads(run(["make", "-s", "evaluate"]).stdout.strip().splitlines()[-1])
+    assert evaluated["eval_loss"] == pytest.approx(logged, abs=1e-5)
+
+
+@pytest.mark.slow
+def test_make_causal_lm_with_another_config(tmp_path):
+    out = tmp_path / "fsdp"
+    run(["make", "causal_lm", "CONFIG=accelerate_configs/fsdp.yaml",
+         f"ARGS=--max_steps 3 --eval_steps 0 --save_steps 0 --report_to none --output_dir {out}"])
+    assert read_run(out)["distributed_type"] == "FSDP" and read_run(out)["participating_processes"] == 2
+
+
+@pytest.mark.slow
+def test_make_benchmark_prints_ratios():
+    result = run(["make", "-s", "benchmark", "ARGS=--configs single.yaml ddp.yaml --steps 6"])
+    rows = [line.split() for line in result.stdout.splitlines() if line.startswith(("single.yaml", "ddp.yaml"))]
+    assert [r[0] for r in rows] == ["single.yaml", "ddp.yaml"] and [r[1] for r in rows] == ["1", "2"]
+    assert float(rows[1][4]) == 1.0 and float(rows[0][3]) > 0
