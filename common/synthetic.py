@@ -40,7 +40,7 @@ class MarkovSource:
     @classmethod
     def random(cls, num_words=48, successors=4, end_probability=0.08, start_words=8, seed=0):
         rng = np.random.default_rng(seed)
-        words = make_words(num_words, seed)
+        words = make_words(num_words, 0)  # one vocabulary for every chain: seeds share a tokenizer
         eos = num_words
         transitions = np.zeros((num_words + 1, num_words + 1))
         for state in range(num_words):
@@ -83,18 +83,18 @@ class MarkovSource:
         return documents
 
 
-def build_word_tokenizer(words: list[str], chat_template: str | None = None):
+def build_word_tokenizer(words: list[str], chat_template: str | None = None, extra_special: tuple = ()):
     """A whitespace word-level tokenizer over `words`, as a transformers tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS + list(words))}
+    vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS + list(extra_special) + list(words))}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     backend.decoder = decoders.WordPiece(prefix="##")  # joins words with single spaces
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token=PAD, unk_token=UNK, eos_token=EOS
-    )
+        tokenizer_object=backend, pad_token=PAD, unk_token=UNK, eos_token=EOS,
+        additional_special_tokens=list(extra_special) or None)
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     return tokenizer
@@ -109,7 +109,7 @@ def write_jsonl(path: str, rows: list[dict]) -> None:
     os.replace(tmp, path)
 
 
-def write_markov_corpus(out_dir: str, train_docs=6000, validation_docs=400, seed=0) -> dict:
+def write_markov_corpus(out_dir: str, seed=0, train_docs=6000, validation_docs=400) -> dict:
     """Write train/validation jsonl, the tokenizer and `source.json` (with the floor)."""
     source = MarkovSource.random(seed=seed)
     write_jsonl(os.path.join(out_dir, "train.jsonl"),
@@ -124,3 +124,72 @@ def write_markov_corpus(out_dir: str, train_docs=6000, validation_docs=400, seed
     with open(os.path.join(out_dir, "source.json"), "w") as handle:
         json.dump(info, handle, indent=2)
     return info
+
+
+# --- Sentiment: labelled sentences for sequence classification -------------------------
+
+POSITIVE = ["wonderful", "excellent", "delightful", "great", "fantastic", "superb", "lovely", "brilliant",
+            "pleasant", "amazing", "charming", "enjoyable"]
+NEGATIVE = ["terrible", "awful", "dreadful", "horrible", "poor", "disappointing", "boring", "bad",
+            "miserable", "unpleasant", "annoying", "mediocre"]
+SUBJECTS = ["the film", "this restaurant", "my new phone", "the hotel", "the concert", "that book",
+            "the service", "our trip", "the coffee", "this game", "the lecture", "the show"]
+TRAIN_TEMPLATES = ["{subject} was {adjective}.", "i found {subject} {adjective}.",
+                   "honestly, {subject} is {adjective}.", "everyone said {subject} was {adjective}."]
+HELD_OUT_TEMPLATES = ["in my opinion {subject} felt {adjective} overall.",
+                      "we all agreed that {subject} turned out {adjective}."]
+
+
+def sentiment_examples(count: int, seed: int, templates: list[str]) -> list[dict]:
+    """Sentences whose label ("positive"/"negative") is the sentiment of their adjective."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(count):
+        label = "positive" if rng.random() < 0.5 else "negative"
+        adjective = rng.choice(POSITIVE if label == "positive" else NEGATIVE)
+        text = rng.choice(templates).format(subject=rng.choice(SUBJECTS), adjective=adjective)
+        rows.append({"text": text, "label": label})
+    return rows
+
+
+def write_sentiment_data(out_dir: str, train=1200, validation=201, seed=0) -> None:
+    """Validation sentences use templates never seen in training."""
+    write_jsonl(os.path.join(out_dir, "train.jsonl"), sentiment_examples(train, seed, TRAIN_TEMPLATES))
+    write_jsonl(os.path.join(out_dir, "validation.jsonl"), sentiment_examples(validation, seed + 1, HELD_OUT_TEMPLATES))
+
+
+# --- Arithmetic instructions: chat data with checkable answers -------------------------
+
+USER, ASSISTANT = "<user>", "<assistant>"
+# Prompt tokens are rendered outside {% generation %}, so return_assistant_tokens_mask
+# marks exactly the answer and its EOS as the tokens to learn.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}<user> {{ message['content'] }} "
+    "{% elif message['role'] == 'assistant' %}<assistant> {% generation %}{{ message['content'] }} <eos>{% endgeneration %} "
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<assistant> {% endif %}")
+ARITHMETIC_WORDS = ["what", "is", "plus", "minus", "?"] + [str(n) for n in range(19)]
+
+
+def arithmetic_examples(count: int, seed: int, max_operand: int = 9) -> list[dict]:
+    """'what is a plus b ?' / 'what is a minus b ?' (a >= b) with the answer as the assistant turn."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(count):
+        a, b = (int(x) for x in rng.integers(0, max_operand + 1, size=2))
+        if rng.random() < 0.5:
+            question, answer = f"what is {a} plus {b} ?", a + b
+        else:
+            a, b = max(a, b), min(a, b)
+            question, answer = f"what is {a} minus {b} ?", a - b
+        rows.append({"messages": [{"role": "user", "content": question},
+                                  {"role": "assistant", "content": str(answer)}]})
+    return rows
+
+
+def write_arithmetic_data(out_dir: str, train=3000, validation=101, seed=0) -> None:
+    write_jsonl(os.path.join(out_dir, "train.jsonl"), arithmetic_examples(train, seed))
+    write_jsonl(os.path.join(out_dir, "validation.jsonl"), arithmetic_examples(validation, seed + 1))
+    tokenizer = build_word_tokenizer(ARITHMETIC_WORDS, chat_template=CHAT_TEMPLATE, extra_special=(USER, ASSISTANT))
+    tokenizer.save_pretrained(os.path.join(out_dir, "tokenizer"))

@@ -60,3 +60,15 @@ def evaluate_loss(model, dataloader, accelerator) -> dict:
     model.train()
     loss = loss_sum / max(token_count, 1)
     return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0)), "eval_tokens": token_count}
+
+
+def train_batches(accelerator, dataloader, start_step: int, gradient_accumulation_steps: int):
+    """Training batches, epoch after epoch without end, starting where `start_step`
+    optimizer steps left off: the epoch's seeded order is restored with `set_epoch`
+    and the batches already consumed in it are skipped. The caller stops at max_steps."""
+    batches_done = start_step * gradient_accumulation_steps
+    epoch, skip = divmod(batches_done, len(dataloader))
+    while True:
+        dataloader.set_epoch(epoch)
+        yield from accelerator.skip_first_batches(dataloader, skip) if skip else dataloader
+        epoch, skip = epoch + 1, 0

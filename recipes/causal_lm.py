@@ -32,7 +32,8 @@ from common.data import load_raw_datasets, make_dataloaders, tokenize_and_pack
 from common.metrics import MetricsLogger
 from common.model import count_parameters, load_model, load_tokenizer
 from common.run_info import record_run, tracker_config
-from common.training import create_optimizer, create_scheduler, evaluate_loss, total_training_steps
+from common.training import (create_optimizer, create_scheduler, evaluate_loss, total_training_steps,
+                             train_batches)
 
 
 def main(argv=None):
@@ -73,37 +74,29 @@ def main(argv=None):
 
     # Training loop: one optimizer step per gradient_accumulation_steps batches.
     model.train()
-    batches_done = step * args.gradient_accumulation_steps
-    epoch = batches_done // len(train_loader)
     grad_norm = None
-    while step < max_steps:
-        train_loader.set_epoch(epoch)
-        skip = batches_done - epoch * len(train_loader)
-        batches = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
-        for batch in batches:
-            with accelerator.accumulate(model):
-                loss = model(**batch).loss
-                metrics.record_batch(loss, batch)
-                accelerator.backward(loss)
-                if accelerator.sync_gradients:
-                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad()
-            batches_done += 1
-            if not accelerator.sync_gradients:
-                continue
-            step += 1
-            metrics.advance()
-            if step % args.logging_steps == 0:
-                metrics.log_train(step, scheduler.get_last_lr()[0], grad_norm)
-            if args.eval_steps and step % args.eval_steps == 0 and step < max_steps:
-                metrics.log_eval(step, evaluate_loss(model, eval_loader, accelerator))
-            if args.save_steps and step % args.save_steps == 0:
-                save_checkpoint(accelerator, args.output_dir, step, {"epoch": epoch}, args.save_total_limit)
-            if step >= max_steps:
-                break
-        epoch += 1
+    for batch in train_batches(accelerator, train_loader, step, args.gradient_accumulation_steps):
+        with accelerator.accumulate(model):
+            loss = model(**batch).loss
+            metrics.record_batch(loss, batch)
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        if not accelerator.sync_gradients:
+            continue
+        step += 1
+        metrics.advance()
+        if step % args.logging_steps == 0:
+            metrics.log_train(step, scheduler.get_last_lr()[0], grad_norm)
+        if args.eval_steps and step % args.eval_steps == 0 and step < max_steps:
+            metrics.log_eval(step, evaluate_loss(model, eval_loader, accelerator))
+        if args.save_steps and step % args.save_steps == 0:
+            save_checkpoint(accelerator, args.output_dir, step, {}, args.save_total_limit)
+        if step >= max_steps:
+            break
 
     final_eval = metrics.log_eval(step, evaluate_loss(model, eval_loader, accelerator))
     final_dir = export_final(accelerator, model, tokenizer, args.output_dir)

@@ -1,32 +1,41 @@
-"""Generate the demo corpus: a seeded word-level Markov source with a known entropy floor.
+"""Generate the demo data sets (seeded, offline). Idempotent: an existing set is kept.
 
-    python scripts/make_demo_data.py --out outputs/data/markov
+    python scripts/make_demo_data.py --task markov --out outputs/data/markov
+    python scripts/make_demo_data.py --task markov --seed 1 --out outputs/data/markov_shift
+    python scripts/make_demo_data.py --task sentiment --out outputs/data/sentiment
+    python scripts/make_demo_data.py --task arithmetic --out outputs/data/arithmetic
+
+markov: a word-level Markov corpus with a known entropy floor (source.json) and its
+tokenizer; another --seed gives a different chain over the same vocabulary.
+sentiment: labelled sentences for classification. arithmetic: chat-formatted
+questions with checkable answers, with a tokenizer that has a chat template.
 """
 
 import argparse
 import json
 import os
 
-from common.synthetic import write_markov_corpus
+from common.synthetic import write_arithmetic_data, write_markov_corpus, write_sentiment_data
+
+WRITERS = {"markov": write_markov_corpus, "sentiment": write_sentiment_data, "arithmetic": write_arithmetic_data}
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--task", choices=sorted(WRITERS), default="markov")
     parser.add_argument("--out", default="outputs/data/markov")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--train_docs", type=int, default=6000)
-    parser.add_argument("--validation_docs", type=int, default=400)
     args = parser.parse_args(argv)
-    marker = os.path.join(args.out, "source.json")
-    if os.path.exists(marker):
-        with open(marker) as handle:
-            info = json.load(handle)
-        if info.get("seed") == args.seed and info.get("train_docs") == args.train_docs:
-            print(f"demo data already in {args.out}")
-            return info
-    info = write_markov_corpus(args.out, args.train_docs, args.validation_docs, args.seed)
-    print(f"wrote {args.out}: entropy floor {info['entropy_rate_nats']:.4f} nats/token")
-    return info
+    marker = os.path.join(args.out, "generated.json")
+    wanted = {"task": args.task, "seed": args.seed}
+    if os.path.exists(marker) and json.load(open(marker)) == wanted:
+        print(f"demo data already in {args.out}")
+        return
+    info = WRITERS[args.task](args.out, seed=args.seed)
+    with open(marker, "w") as handle:
+        json.dump(wanted, handle)
+    floor = f": entropy floor {info['entropy_rate_nats']:.4f} nats/token" if info else ""
+    print(f"wrote {args.task} data to {args.out}{floor}")
 
 
 if __name__ == "__main__":

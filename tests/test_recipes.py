@@ -1,0 +1,184 @@
+"""The recipe set (sequence classification, LoRA, SFT) under DDP, FSDP2 and ZeRO-3 on 2 CPU processes."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import BIN, REPO, flags, launch, read_metrics, read_run, run
+
+STRATEGIES = {"ddp.yaml": "MULTI_CPU", "fsdp.yaml": "FSDP", "zero3.yaml": "DEEPSPEED"}
+
+
+def assert_two_process_run(out, config):
+    record = read_run(out)
+    assert record["participating_processes"] == 2 and record["world_size"] == 2
+    assert record["distributed_type"] == STRATEGIES[config]
+    return record
+
+
+def first_and_last_loss(out):
+    train = read_metrics(out)[0]
+    return train[0]["loss"], train[-1]["loss"]
+
+
+# --- sequence classification --------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", list(STRATEGIES))
+def test_sequence_classification(config, sentiment_data, minilm, tmp_path):
+    out = tmp_path / "run"
+    launch(config, "sequence_classification.py", flags(
+        config=REPO / "recipes/configs/sequence_classification_demo.yaml", model_name_or_path=minilm,
+        train_file=sentiment_data / "train.jsonl", validation_file=sentiment_data / "validation.jsonl",
+        output_dir=out, max_steps=16, eval_steps=8, logging_steps=4, per_device_train_batch_size=8,
+        early_stopping_patience=3))
+    record = assert_two_process_run(out, config)
+    assert record["labels"] == ["negative", "positive"]
+    first, last = first_and_last_loss(out)
+    assert last < first
+    evals = read_metrics(out)[1]
+    # Every held-out example counted exactly once, though 201 does not split evenly over 2 ranks.
+    assert all(e["eval_samples"] == 201 for e in evals)
+    final = evals[-1]
+    print(f"{config}: held-out accuracy {[round(e['eval_accuracy'], 4) for e in evals]}, f1 {final['eval_f1']:.4f}")
+    if config in ("ddp.yaml", "zero3.yaml"):
+        assert final["eval_accuracy"] >= 0.90
+
+    # The export reloads and reproduces the logged accuracy; best/ holds the best evaluation's model.
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    rows = [json.loads(line) for line in (sentiment_data / "validation.jsonl").read_text().splitlines()]
+    for folder, expected in (("final", final["eval_accuracy"]), ("best", max(e["eval_accuracy"] for e in evals))):
+        model = AutoModelForSequenceClassification.from_pretrained(out / folder).eval()
+        tokenizer = AutoTokenizer.from_pretrained(out / folder)
+        with torch.no_grad():
+            logits = model(**tokenizer([r["text"] for r in rows], padding=True, return_tensors="pt")).logits
+        predicted = [model.config.id2label[i] for i in logits.argmax(-1).tolist()]
+        accuracy = sum(p == r["label"] for p, r in zip(predicted, rows)) / len(rows)
+        assert accuracy == pytest.approx(expected, abs=1e-9), folder
+
+
+def test_best_model_tracker_and_early_stopping():
+    from common.evaluation import BestModelTracker
+
+    tracker = BestModelTracker("eval_accuracy", greater_is_better=True, patience=2)
+    assert [tracker.update(s, {"eval_accuracy": a}) for s, a in [(1, 0.5), (2, 0.7), (3, 0.7), (4, 0.6)]] == \
+        [True, True, False, False]
+    assert tracker.best_step == 2 and tracker.should_stop
+    restored = BestModelTracker("eval_accuracy", patience=2)
+    restored.load_state_dict(tracker.state_dict())
+    assert restored.best_value == 0.7 and restored.should_stop
+    lower = BestModelTracker("eval_loss", greater_is_better=False)
+    assert lower.update(1, {"eval_loss": 2.0}) and lower.update(2, {"eval_loss": 1.0}) and not lower.update(3, {"eval_loss": 1.5})
+
+
+def test_shipped_metrics_load_offline_and_compute():
+    from common.evaluation import load_metric
+
+    assert load_metric("accuracy").compute(predictions=[1, 0, 1, 1], references=[1, 1, 1, 0])["accuracy"] == 0.5
+    f1 = load_metric("f1")
+    assert f1.compute(predictions=[1, 0, 1, 1], references=[1, 1, 1, 0])["f1"] == pytest.approx(2 / 3)
+    assert f1.compute(predictions=[0, 1, 2, 2], references=[0, 2, 2, 1], average="macro")["f1"] == pytest.approx(0.5)
+
+
+# --- LoRA ---------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", list(STRATEGIES))
+def test_lora(config, trained_base, shifted_markov_data, tmp_path):
+    out = tmp_path / "run"
+    data = flags(train_file=shifted_markov_data / "train.jsonl", validation_file=shifted_markov_data / "validation.jsonl",
+                 block_size=32)
+    launch(config, "lora.py", ["--config", REPO / "recipes/configs/lora_demo.yaml", "--model_name_or_path", trained_base,
+                               *data, *flags(output_dir=out, max_steps=30, eval_steps=0, save_steps=0, logging_steps=5,
+                                              per_device_train_batch_size=4, lora_r=4)])
+    record = assert_two_process_run(out, config)
+    # Rank 4 on 7 projections of 2 layers: 4 x (in + out) per projection.
+    assert 0 < record["trainable_parameters"] < record["total_parameters"] / 2
+    first, last = first_and_last_loss(out)
+    evals = read_metrics(out)[1]
+    assert last < first and evals[-1]["eval_loss"] < evals[0]["eval_loss"]  # evals[0]: the base model
+
+    # The saved adapter is not empty: LoRA's B matrices start at zero and must have trained.
+    from safetensors.torch import load_file
+
+    adapter = load_file(str(out / "final" / "adapter_model.safetensors"))
+    b_norms = [float(t.norm()) for k, t in adapter.items() if "lora_B" in k]
+    assert len(b_norms) == 2 * 7 and min(b_norms) > 0, adapter.keys()
+    assert not (out / "final" / "model.safetensors").exists()  # adapter only
+
+    # Base + reloaded adapter, and the merged export, give the eval loss logged at the end of training.
+    evaluate = [BIN / "python", REPO / "scripts/evaluate_model.py", *data, "--per_device_eval_batch_size", "16"]
+    with_adapter = run(evaluate + ["--model_name_or_path", trained_base, "--adapter_name_or_path", out / "final"])
+    merged = run(evaluate + ["--model_name_or_path", out / "final_merged"])
+    for result in (with_adapter, merged):
+        assert json.loads(result.stdout.strip().splitlines()[-1])["eval_loss"] == pytest.approx(
+            evals[-1]["eval_loss"], abs=1e-5)
+
+
+# --- SFT ----------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", list(STRATEGIES))
+def test_sft(config, arithmetic_data, tmp_path):
+    out = tmp_path / "run"
+    steps = 300 if config == "ddp.yaml" else 120
+    launch(config, "sft.py", flags(
+        config=REPO / "recipes/configs/sft_demo.yaml", tokenizer_name_or_path=arithmetic_data / "tokenizer",
+        train_file=arithmetic_data / "train.jsonl", validation_file=arithmetic_data / "validation.jsonl",
+        output_dir=out, max_steps=steps, logging_steps=20))
+    assert_two_process_run(out, config)
+    first, last = first_and_last_loss(out)
+    before, after = read_metrics(out)[1][0], read_metrics(out)[1][-1]
+    assert before["step"] == 0 and after["step"] == steps and after["eval_generated"] == 101
+    print(f"{config}: exact match {before['eval_exact_match']:.3f} untrained -> {after['eval_exact_match']:.3f} "
+          f"after {steps} steps; loss {first:.3f} -> {last:.3f}")
+    assert last < first / 2
+    assert after["eval_exact_match"] >= before["eval_exact_match"] + (0.5 if config == "ddp.yaml" else 0.1)
+    from transformers import AutoModelForCausalLM
+
+    reloaded = AutoModelForCausalLM.from_pretrained(out / "final")
+    assert reloaded.config.vocab_size == len(json.loads((out / "final" / "tokenizer.json").read_text())["model"]["vocab"])
+
+
+def _chat_batches(arithmetic_data, count=12):
+    from accelerate import PartialState
+    from datasets import DatasetDict, load_dataset
+    from transformers import AutoTokenizer
+
+    from common.data import tokenize_chat
+
+    tokenizer = AutoTokenizer.from_pretrained(arithmetic_data / "tokenizer")
+    raw = load_dataset("json", data_files={"train": str(arithmetic_data / "validation.jsonl"),
+                                           "validation": str(arithmetic_data / "validation.jsonl")})
+    raw = DatasetDict({k: v.select(range(count)) for k, v in raw.items()})
+    return tokenizer, raw, tokenize_chat(raw, tokenizer, "messages", 64, PartialState(cpu=True))
+
+
+def test_chat_labels_cover_the_assistant_answer_only(arithmetic_data):
+    tokenizer, raw, tokenized = _chat_batches(arithmetic_data)
+    for example, messages in zip(tokenized["train"], raw["train"]["messages"]):
+        learned = [t for t in example["labels"] if t != -100]
+        assert tokenizer.decode(learned) == f"{messages[-1]['content']} <eos>"
+        assert len(example["labels"]) == len(example["input_ids"])
+
+
+def test_packing_leaves_the_per_token_loss_unchanged(arithmetic_data):
+    """One flattened row with restarting position ids == a padded batch, for the same weights."""
+    from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening
+
+    from common.arguments import ModelArguments
+    from common.model import load_model
+
+    tokenizer, _, tokenized = _chat_batches(arithmetic_data)
+    features = [{k: e[k] for k in ("input_ids", "labels")} for e in tokenized["train"]]
+    model = load_model(ModelArguments(model_config=str(REPO / "recipes/configs/tiny_llama.json"),
+                                      tokenizer_name_or_path=str(arithmetic_data / "tokenizer")), tokenizer, seed=3)
+    packed = DataCollatorWithFlattening()(features)
+    padded = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)(features)
+    assert packed["input_ids"].shape[0] == 1 and padded["input_ids"].shape[0] == len(features)
+    assert int((packed["input_ids"] == tokenizer.pad_token_id).sum()) == 0
+    with torch.no_grad():
+        packed_loss, padded_loss = model(**packed).loss.item(), model(**padded).loss.item()
+    assert packed_loss == pytest.approx(padded_loss, abs=1e-5)
