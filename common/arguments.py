@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -139,11 +140,27 @@ def parse_args(dataclass_types, argv: list[str] | None = None):
     try:
         return _parse(dataclass_types, argv)
     except UsageError as error:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {error}", file=sys.stderr, flush=True)
-        else:  # let rank 0 report first: torchrun kills the other ranks once one exits
-            time.sleep(10)
-        sys.exit(2)
+        exit_with_usage_error(error)
+
+
+def exit_with_usage_error(error: UsageError):
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+    else:  # let rank 0 report first: torchrun kills the other ranks once one exits
+        time.sleep(10)
+    sys.exit(2)
+
+
+def exits_on_usage_error(main):
+    """Decorate a recipe's main(): bad input found anywhere in the run (a missing column,
+    an output_dir holding a run, ...) ends it with one line and exit status 2."""
+    @functools.wraps(main)
+    def wrapper(*args, **kwargs):
+        try:
+            return main(*args, **kwargs)
+        except UsageError as error:
+            exit_with_usage_error(error)
+    return wrapper
 
 
 def _parse(dataclass_types, argv):

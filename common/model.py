@@ -41,16 +41,17 @@ def load_model(args: ModelArguments, tokenizer, seed: int, gradient_checkpointin
 
 
 def declare_layer_classes(model) -> None:
-    """Make sure `_no_split_modules` names the repeated transformer layer class.
+    """Make `_no_split_modules` name the repeated transformer layer classes, and only them.
 
-    FSDP's transformer-layer wrapping reads it; some architectures (BERT) leave it
-    unset. The layer class is the one repeated in the model's largest ModuleList."""
-    if getattr(model, "_no_split_modules", None):
-        return
-    layer_lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 1
-                   and len({type(child) for child in m}) == 1]
-    if layer_lists:
-        model._no_split_modules = [type(max(layer_lists, key=len)[0]).__name__]
+    FSDP's transformer-layer wrapping reads it. Some models leave it unset; others
+    (BERT: BertEmbeddings) list a module holding the input embeddings, which
+    accelerate then shards twice (it also shards the embeddings on their own) and
+    FSDP2 fails. Layer classes are those repeated in a ModuleList."""
+    repeated = {type(child).__name__ for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 1
+                for child in m if len({type(c) for c in m}) == 1}
+    declared = [name for name in (getattr(model, "_no_split_modules", None) or []) if name in repeated]
+    if declared or repeated:
+        model._no_split_modules = declared or sorted(repeated)
 
 
 def apply_lora(model, args):

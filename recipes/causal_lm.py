@@ -25,7 +25,8 @@ import math
 from accelerate.utils import set_seed
 
 from common.accelerator import build_accelerator
-from common.arguments import DataArguments, ModelArguments, TrainingArguments, parse_args, to_dict
+from common.arguments import (DataArguments, ModelArguments, TrainingArguments, exits_on_usage_error,
+                              parse_args, to_dict)
 from common.checkpoints import (check_output_dir, export_final, load_checkpoint, prepare_output_dir,
                                 save_checkpoint)
 from common.data import load_raw_datasets, make_dataloaders, tokenize_and_pack
@@ -36,6 +37,7 @@ from common.training import (create_optimizer, create_scheduler, evaluate_loss, 
                              train_batches)
 
 
+@exits_on_usage_error
 def main(argv=None):
     model_args, data_args, args = parse_args((ModelArguments, DataArguments, TrainingArguments), argv)
     check_output_dir(args.output_dir, args.resume_from_checkpoint, args.overwrite_output_dir)

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from accelerate.utils import set_seed
 
 from common.accelerator import build_accelerator
-from common.arguments import DataArguments, ModelArguments, TrainingArguments, parse_args, to_dict
+from common.arguments import (DataArguments, ModelArguments, TrainingArguments, exits_on_usage_error,
+                              parse_args, to_dict)
 from common.checkpoints import check_output_dir, export_final, load_checkpoint, prepare_output_dir, save_checkpoint
 from common.data import load_raw_datasets, make_dataloaders, tokenize_and_pack
 from common.metrics import MetricsLogger
@@ -38,6 +39,7 @@ class LoraArguments:
     save_merged_model: bool = field(default=False, metadata={"help": "Also export base+adapter merged."})
 
 
+@exits_on_usage_error
 def main(argv=None):
     model_args, data_args, lora_args, args = parse_args(
         (ModelArguments, DataArguments, LoraArguments, TrainingArguments), argv)

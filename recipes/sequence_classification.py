@@ -20,7 +20,8 @@ from accelerate.utils import set_seed
 from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding
 
 from common.accelerator import build_accelerator
-from common.arguments import DataArguments, ModelArguments, TrainingArguments, parse_args, to_dict
+from common.arguments import (DataArguments, ModelArguments, TrainingArguments, exits_on_usage_error,
+                              parse_args, to_dict)
 from common.checkpoints import check_output_dir, export_final, load_checkpoint, prepare_output_dir, save_checkpoint
 from common.data import load_raw_datasets, make_dataloaders, tokenize_for_classification
 from common.evaluation import BestModelTracker, evaluate_classification, load_metric
@@ -40,6 +41,7 @@ class ClassificationArguments:
     early_stopping_patience: int | None = field(default=None, metadata={"help": "Evaluations without improvement before stopping."})
 
 
+@exits_on_usage_error
 def main(argv=None):
     model_args, data_args, task_args, args = parse_args(
         (ModelArguments, DataArguments, ClassificationArguments, TrainingArguments), argv)

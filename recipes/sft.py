@@ -20,7 +20,8 @@ from accelerate.utils import set_seed
 from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening
 
 from common.accelerator import build_accelerator
-from common.arguments import DataArguments, ModelArguments, TrainingArguments, parse_args, to_dict
+from common.arguments import (DataArguments, ModelArguments, TrainingArguments, exits_on_usage_error,
+                              parse_args, to_dict)
 from common.checkpoints import check_output_dir, export_final, load_checkpoint, prepare_output_dir, save_checkpoint
 from common.data import load_raw_datasets, make_dataloaders, tokenize_chat
 from common.evaluation import evaluate_generation
@@ -39,6 +40,7 @@ class SFTArguments:
     max_generation_samples: int | None = field(default=None, metadata={"help": "Eval conversations to generate for."})
 
 
+@exits_on_usage_error
 def main(argv=None):
     model_args, data_args, sft_args, args = parse_args(
         (ModelArguments, DataArguments, SFTArguments, TrainingArguments), argv)

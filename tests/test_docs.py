@@ -84,3 +84,17 @@ def test_make_benchmark_prints_ratios():
     rows = [line.split() for line in result.stdout.splitlines() if line.startswith(("single.yaml", "ddp.yaml"))]
     assert [r[0] for r in rows] == ["single.yaml", "ddp.yaml"] and [r[1] for r in rows] == ["1", "2"]
     assert float(rows[1][4]) == 1.0 and float(rows[0][3]) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target, config, extra", [
+    ("sft", "zero3.yaml", "--max_steps 10 --logging_steps 5"),
+    ("lora", "fsdp.yaml", "--max_steps 10 --logging_steps 5 --eval_steps 0 --save_steps 0"),
+    ("sequence_classification", "ddp.yaml", "--max_steps 4 --logging_steps 2 --eval_steps 0"),
+])
+def test_recipe_make_targets(target, config, extra, tmp_path):
+    out = tmp_path / target
+    run(["make", target, f"CONFIG=accelerate_configs/{config}", f"ARGS={extra} --output_dir {out}"])
+    record = read_run(out)
+    assert record["participating_processes"] == 2 and record["args"]["output_dir"] == str(out)
+    assert (out / "final").is_dir()
