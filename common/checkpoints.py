@@ -8,6 +8,7 @@ only once complete, and pruned only after that.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -109,7 +110,8 @@ def export_final(accelerator, model, tokenizer, output_dir: str, name: str = "fi
         _write_folder(target, lambda tmp: (unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True),
                                            tokenizer is not None and tokenizer.save_pretrained(tmp)))
         if merge_adapter and hasattr(unwrapped, "peft_config"):
-            _write_folder(f"{target}_merged", lambda tmp: _save_merged(unwrapped, target, tmp, tokenizer))
+            with _without_zero3_init():  # only this process reloads the base model
+                _write_folder(f"{target}_merged", lambda tmp: _save_merged(unwrapped, target, tmp, tokenizer))
     accelerator.wait_for_everyone()
     return target
 
@@ -121,6 +123,21 @@ def _write_folder(target: str, write) -> None:
     write(tmp)
     shutil.rmtree(target, ignore_errors=True)
     os.replace(tmp, target)
+
+
+@contextlib.contextmanager
+def _without_zero3_init():
+    """While a ZeRO-3 config is registered, transformers builds every model inside
+    deepspeed.zero.Init, whose broadcasts need all ranks: a model built on one process
+    would hang. (accelerate's zero3_init_context_manager re-registers the config.)"""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    saved = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
 
 
 def _save_merged(peft_model, adapter_dir: str, out: str, tokenizer) -> None:

@@ -98,3 +98,18 @@ def test_recipe_make_targets(target, config, extra, tmp_path):
     record = read_run(out)
     assert record["participating_processes"] == 2 and record["args"]["output_dir"] == str(out)
     assert (out / "final").is_dir()
+
+
+def _loop(recipe: str) -> list[str]:
+    """The recipe's training step: from `for batch in train_batches(` to the step count."""
+    lines = (REPO / "recipes" / recipe).read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip().startswith("for batch in train_batches("))
+    end = next(i for i in range(start, len(lines)) if lines[i].strip() == "metrics.advance()")
+    return [line.strip() for line in lines[start:end + 1]]
+
+
+@pytest.mark.parametrize("recipe", ["sequence_classification.py", "lora.py", "sft.py"])
+def test_training_loops_do_not_drift(recipe):
+    """Each recipe writes its loop out in full (readers copy one file); the copies stay identical
+    to causal_lm.py's, the way accelerate's examples diff each feature script against its base."""
+    assert _loop(recipe) == _loop("causal_lm.py")
