@@ -72,7 +72,8 @@ def build_accelerator(gradient_accumulation_steps: int = 1, report_to: str = "no
     kwargs = dict(
         gradient_accumulation_steps=gradient_accumulation_steps,
         log_with=None if report_to == "none" else report_to,
-        project_config=ProjectConfiguration(project_dir=output_dir, logging_dir=output_dir and os.path.join(output_dir, "logs")),
+        project_config=ProjectConfiguration(project_dir=output_dir,
+                                            logging_dir=output_dir and os.path.join(output_dir, "logs")),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
     )
     requested_precision = _fall_back_to_fp32_on_cpu()
@@ -89,12 +90,12 @@ def build_accelerator(gradient_accumulation_steps: int = 1, report_to: str = "no
         else:
             kwargs["cpu"] = True
     accelerator = Accelerator(**kwargs)
-    if not torch.cuda.is_available() and strategy == "fsdp":
-        _unpin_fsdp_offload(accelerator.state.fsdp_plugin)
     if strategy == "deepspeed":
         _keep_torch_optimizer_on_offload(accelerator.state.deepspeed_plugin)
-    if not torch.cuda.is_available() and strategy == "deepspeed":
-        requested_precision = _deepspeed_json_fp32_on_cpu(accelerator.state.deepspeed_plugin) or requested_precision
+        if not torch.cuda.is_available():
+            requested_precision = _deepspeed_json_fp32_on_cpu(accelerator.state.deepspeed_plugin) or requested_precision
+    if strategy == "fsdp" and not torch.cuda.is_available():
+        _unpin_fsdp_offload(accelerator.state.fsdp_plugin)
     accelerator.requested_mixed_precision = requested_precision
     if accelerator.num_processes != launched_world_size():
         raise RuntimeError(

@@ -23,7 +23,7 @@ def load_raw_datasets(args: DataArguments, seed: int) -> DatasetDict:
         if args.validation_file:
             data_files["validation"] = args.validation_file
         extensions = {os.path.splitext(path)[1].lower() for path in data_files.values()}
-        if len(extensions) != 1 or extensions.issubset(FILE_BUILDERS) is False:
+        if len(extensions) != 1 or not extensions <= FILE_BUILDERS.keys():
             raise UsageError(f"data files must share one of {sorted(FILE_BUILDERS)}; got {sorted(extensions)}")
         raw = load_dataset(FILE_BUILDERS[extensions.pop()], data_files=data_files)
     if "validation" not in raw:
@@ -51,9 +51,7 @@ def pack_sequences(examples: dict, block_size: int, eos_token_id: int) -> dict:
 def tokenize_and_pack(raw: DatasetDict, tokenizer, text_column: str, block_size: int,
                       accelerator, num_proc: int | None = None) -> DatasetDict:
     """Tokenize every split (batched, cached) and pack it into blocks of `block_size`."""
-    if text_column not in raw["train"].column_names:
-        raise UsageError(f"text_column {text_column!r} not in the data (columns: {raw['train'].column_names}); "
-                         "set --text_column")
+    _check_columns(raw, text_column)
     if tokenizer.eos_token_id is None:
         raise UsageError("the tokenizer has no eos_token, which packing puts between documents; set one")
 

@@ -101,3 +101,13 @@ def test_existing_run_is_not_overwritten(markov_data, tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().startswith("error: output_dir") and result.stderr.count("\n") == 1
     assert (out / "final" / "model.safetensors").read_bytes() == before
+
+
+def test_rotation_and_gradient_checkpointing(markov_data, tmp_path):
+    """save_total_limit keeps the newest checkpoints; gradient checkpointing leaves the losses unchanged."""
+    plain, checkpointed = tmp_path / "plain", tmp_path / "ckpt"
+    launch("single.yaml", "causal_lm.py", causal_lm_args(markov_data, plain, max_steps=6))
+    launch("single.yaml", "causal_lm.py", causal_lm_args(markov_data, checkpointed, max_steps=6, save_steps=2,
+                                                         save_total_limit=2, gradient_checkpointing="true"))
+    assert sorted(p.name for p in (checkpointed / "checkpoints").iterdir()) == ["step_4", "step_6"]
+    assert max(abs(a - b) for a, b in zip(losses(plain), losses(checkpointed))) < 1e-5
