@@ -64,6 +64,7 @@ def test_make_demo_meets_its_target_and_make_evaluate_reproduces_it():
     assert loss <= 1.10 * floor
     out = REPO / "outputs/causal_lm_demo"
     assert read_run(out)["participating_processes"] == 2
+    assert list((out / "logs").rglob("events.out.tfevents*")), "no TensorBoard events (--report_to tensorboard)"
     logged = read_metrics(out)[1][-1]["eval_loss"]
     assert logged == pytest.approx(loss, abs=1e-4)
     evaluated = json.loads(run(["make", "-s", "evaluate"]).stdout.strip().splitlines()[-1])
