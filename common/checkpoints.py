@@ -89,11 +89,16 @@ def save_checkpoint(accelerator, output_dir: str, step: int, state: dict, total_
     return final
 
 
-def load_checkpoint(accelerator, path: str) -> dict:
-    """Restore model, optimizer, scheduler and RNG state; return the saved trainer state."""
+def load_checkpoint(accelerator, path: str | None) -> dict:
+    """Restore model, optimizer, scheduler and RNG state; return the saved trainer state
+    ({"step": 0} for a fresh run, when `path` is None)."""
+    if path is None:
+        return {"step": 0}
     accelerator.load_state(path)
     with open(os.path.join(path, STATE_FILE)) as handle:
-        return json.load(handle)
+        state = json.load(handle)
+    accelerator.print(f"resumed from {path} at step {state['step']}")
+    return state
 
 
 def export_final(accelerator, model, tokenizer, output_dir: str, name: str = "final",

@@ -24,8 +24,17 @@ class MetricsLogger:
         self.window_start = self.start_time
         self.window_tokens = torch.zeros(2, device=accelerator.device)  # tokens, samples on this rank
         self.window_loss, self.window_batches = 0.0, 0
+        if accelerator.is_main_process and os.path.exists(self.path):
+            self._drop_rows_after(start_step)
         self.progress = tqdm(total=total_steps, initial=start_step, desc="training",
                              disable=not accelerator.is_main_process, dynamic_ncols=True)
+
+    def _drop_rows_after(self, step: int) -> None:
+        """A resumed run repeats the steps after its checkpoint: drop the crashed run's copies."""
+        with open(self.path) as handle:
+            kept = [line for line in handle if json.loads(line)["step"] <= step]
+        with open(self.path, "w") as handle:
+            handle.writelines(kept)
 
     def record_batch(self, loss: torch.Tensor, batch: dict) -> None:
         """Call on every micro-batch: counts tokens that carry a label, and the loss."""

@@ -1,4 +1,4 @@
-"""`output_dir/run.json`: what ran, resolved, so it is never a guess."""
+"""Starting a run, and `output_dir/run.json`: what ran, resolved, so it is never a guess."""
 
 from __future__ import annotations
 
@@ -9,9 +9,23 @@ import platform
 
 import torch
 
-from common.accelerator import launched_strategy, participating_processes
+from accelerate.utils import set_seed
+
+from common.accelerator import build_accelerator, launched_strategy, participating_processes
+from common.checkpoints import check_output_dir, prepare_output_dir
 
 PACKAGES = ("torch", "accelerate", "transformers", "datasets", "deepspeed", "peft", "evaluate", "tokenizers")
+
+
+def start_run(args):
+    """Refuse to clobber an earlier run (before any process group starts), build the
+    accelerator, seed everything, and return it with the checkpoint to resume from
+    (None for a fresh run)."""
+    check_output_dir(args.output_dir, args.resume_from_checkpoint, args.overwrite_output_dir)
+    accelerator = build_accelerator(args.gradient_accumulation_steps, args.report_to, args.output_dir)
+    set_seed(args.seed)
+    return accelerator, prepare_output_dir(accelerator, args.output_dir, args.resume_from_checkpoint,
+                                           args.overwrite_output_dir)
 
 
 def package_versions() -> dict:

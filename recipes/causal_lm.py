@@ -22,17 +22,13 @@ Your own data and model: --train_file my.jsonl (or --dataset_name), and
 
 import math
 
-from accelerate.utils import set_seed
-
-from common.accelerator import build_accelerator
 from common.arguments import (DataArguments, ModelArguments, TrainingArguments, exits_on_usage_error,
                               parse_args, to_dict)
-from common.checkpoints import (check_output_dir, export_final, load_checkpoint, prepare_output_dir,
-                                save_checkpoint)
+from common.checkpoints import export_final, load_checkpoint, save_checkpoint
 from common.data import load_raw_datasets, make_dataloaders, tokenize_and_pack
 from common.metrics import MetricsLogger
 from common.model import count_parameters, load_model, load_tokenizer
-from common.run_info import record_run, tracker_config
+from common.run_info import record_run, start_run, tracker_config
 from common.training import (create_optimizer, create_scheduler, evaluate_loss, total_training_steps,
                              train_batches)
 
@@ -40,11 +36,7 @@ from common.training import (create_optimizer, create_scheduler, evaluate_loss, 
 @exits_on_usage_error
 def main(argv=None):
     model_args, data_args, args = parse_args((ModelArguments, DataArguments, TrainingArguments), argv)
-    check_output_dir(args.output_dir, args.resume_from_checkpoint, args.overwrite_output_dir)
-    accelerator = build_accelerator(args.gradient_accumulation_steps, args.report_to, args.output_dir)
-    set_seed(args.seed)
-    checkpoint = prepare_output_dir(accelerator, args.output_dir, args.resume_from_checkpoint,
-                                    args.overwrite_output_dir)
+    accelerator, checkpoint = start_run(args)
 
     # Data: tokenize and pack into blocks of block_size tokens.
     tokenizer = load_tokenizer(model_args)
@@ -68,10 +60,7 @@ def main(argv=None):
                      max_steps=max_steps, train_blocks=len(datasets["train"]), **parameters)
     accelerator.init_trackers(args.run_name, tracker_config(run["args"]))
 
-    step = 0
-    if checkpoint:
-        step = load_checkpoint(accelerator, checkpoint)["step"]
-        accelerator.print(f"resumed from {checkpoint} at step {step}")
+    step = load_checkpoint(accelerator, checkpoint)["step"]  # 0 for a fresh run
     metrics = MetricsLogger(accelerator, args.output_dir, max_steps, start_step=step)
 
     # Training loop: one optimizer step per gradient_accumulation_steps batches.

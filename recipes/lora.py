@@ -16,16 +16,13 @@ same words (outputs/data/markov_shift).
 import math
 from dataclasses import dataclass, field
 
-from accelerate.utils import set_seed
-
-from common.accelerator import build_accelerator
 from common.arguments import (DataArguments, ModelArguments, TrainingArguments, exits_on_usage_error,
                               parse_args, to_dict)
-from common.checkpoints import check_output_dir, export_final, load_checkpoint, prepare_output_dir, save_checkpoint
+from common.checkpoints import export_final, load_checkpoint, save_checkpoint
 from common.data import load_raw_datasets, make_dataloaders, tokenize_and_pack
 from common.metrics import MetricsLogger
 from common.model import apply_lora, count_parameters, load_model, load_tokenizer
-from common.run_info import record_run, tracker_config
+from common.run_info import record_run, start_run, tracker_config
 from common.training import (create_optimizer, create_scheduler, evaluate_loss, total_training_steps,
                              train_batches)
 
@@ -43,11 +40,7 @@ class LoraArguments:
 def main(argv=None):
     model_args, data_args, lora_args, args = parse_args(
         (ModelArguments, DataArguments, LoraArguments, TrainingArguments), argv)
-    check_output_dir(args.output_dir, args.resume_from_checkpoint, args.overwrite_output_dir)
-    accelerator = build_accelerator(args.gradient_accumulation_steps, args.report_to, args.output_dir)
-    set_seed(args.seed)
-    checkpoint = prepare_output_dir(accelerator, args.output_dir, args.resume_from_checkpoint,
-                                    args.overwrite_output_dir)
+    accelerator, checkpoint = start_run(args)
 
     tokenizer = load_tokenizer(model_args)
     raw = load_raw_datasets(data_args, args.seed)
@@ -68,10 +61,7 @@ def main(argv=None):
     run = record_run(accelerator, model, to_dict(model_args, data_args, lora_args, args), args.output_dir,
                      max_steps=max_steps, **parameters)
     accelerator.init_trackers(args.run_name, tracker_config(run["args"]))
-    step = 0
-    if checkpoint:
-        step = load_checkpoint(accelerator, checkpoint)["step"]
-        accelerator.print(f"resumed from {checkpoint} at step {step}")
+    step = load_checkpoint(accelerator, checkpoint)["step"]  # 0 for a fresh run
     metrics = MetricsLogger(accelerator, args.output_dir, max_steps, start_step=step)
     metrics.log_eval(step, evaluate_loss(model, eval_loader, accelerator))  # the base model's loss
 

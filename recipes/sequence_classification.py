@@ -16,18 +16,16 @@ Your own data: --train_file/--validation_file with --text_column and --label_col
 
 from dataclasses import dataclass, field
 
-from accelerate.utils import set_seed
 from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding
 
-from common.accelerator import build_accelerator
 from common.arguments import (DataArguments, ModelArguments, TrainingArguments, exits_on_usage_error,
                               parse_args, to_dict)
-from common.checkpoints import check_output_dir, export_final, load_checkpoint, prepare_output_dir, save_checkpoint
+from common.checkpoints import export_final, load_checkpoint, save_checkpoint
 from common.data import load_raw_datasets, make_dataloaders, tokenize_for_classification
 from common.evaluation import BestModelTracker, evaluate_classification, load_metric
 from common.metrics import MetricsLogger
 from common.model import count_parameters, load_model, load_tokenizer
-from common.run_info import record_run, tracker_config
+from common.run_info import record_run, start_run, tracker_config
 from common.training import create_optimizer, create_scheduler, total_training_steps, train_batches
 
 
@@ -45,11 +43,7 @@ class ClassificationArguments:
 def main(argv=None):
     model_args, data_args, task_args, args = parse_args(
         (ModelArguments, DataArguments, ClassificationArguments, TrainingArguments), argv)
-    check_output_dir(args.output_dir, args.resume_from_checkpoint, args.overwrite_output_dir)
-    accelerator = build_accelerator(args.gradient_accumulation_steps, args.report_to, args.output_dir)
-    set_seed(args.seed)
-    checkpoint = prepare_output_dir(accelerator, args.output_dir, args.resume_from_checkpoint,
-                                    args.overwrite_output_dir)
+    accelerator, checkpoint = start_run(args)
     metric_modules = {name: load_metric(name) for name in task_args.metrics}
 
     # Data: tokenize (block_size is the maximum length), pad per batch.
@@ -77,12 +71,9 @@ def main(argv=None):
     accelerator.init_trackers(args.run_name, tracker_config(run["args"]))
     best = BestModelTracker(task_args.metric_for_best_model, task_args.greater_is_better,
                             task_args.early_stopping_patience)
-    step = 0
-    if checkpoint:
-        state = load_checkpoint(accelerator, checkpoint)
-        step = state["step"]
-        best.load_state_dict(state["best"])
-        accelerator.print(f"resumed from {checkpoint} at step {step}")
+    state = load_checkpoint(accelerator, checkpoint)  # {"step": 0} for a fresh run
+    step = state["step"]
+    best.load_state_dict(state.get("best", {}))
     metrics = MetricsLogger(accelerator, args.output_dir, max_steps, start_step=step)
 
     def evaluate_and_track():

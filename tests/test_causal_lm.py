@@ -59,11 +59,14 @@ def test_resume_from_latest_continues_the_same_run(markov_data, tmp_path):
     # A run that stopped right after its step-6 checkpoint.
     stopped = tmp_path / "stopped"
     shutil.copytree(full / "checkpoints" / "step_6", stopped / "checkpoints" / "step_6")
+    # Its metrics went on past the checkpoint (to step 8) before it stopped.
+    (stopped / "metrics.jsonl").write_text("".join(l + "\n" for l in (full / "metrics.jsonl").read_text().splitlines()[:8]))
     result = launch("ddp.yaml", "causal_lm.py",
                     causal_lm_args(markov_data, stopped, save_steps=6, resume_from_checkpoint="latest"))
     assert "resumed from" in result.stdout + result.stderr
-    resumed = read_metrics(stopped)[0]
-    assert [r["step"] for r in resumed] == list(range(7, 13))
+    rows = read_metrics(stopped)[0]
+    assert [r["step"] for r in rows] == list(range(1, 13))  # steps 7 and 8 logged once, by the resumed run
+    resumed = rows[6:]
     assert max(abs(a - b) for a, b in zip(losses(full)[6:], [r["loss"] for r in resumed])) < 1e-5
     assert (stopped / "checkpoints" / "step_12").is_dir()
 

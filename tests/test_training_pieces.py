@@ -3,7 +3,6 @@
 import os
 
 import pytest
-import torch
 
 from common.arguments import TrainingArguments, UsageError
 from common.checkpoints import check_output_dir, list_checkpoints, resolve_checkpoint
