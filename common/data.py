@@ -71,14 +71,15 @@ def tokenize_and_pack(raw: DatasetDict, tokenizer, text_column: str, block_size:
 
 
 def make_dataloaders(datasets: DatasetDict, train_batch_size: int, eval_batch_size: int,
-                     seed: int, collate_fn=default_data_collator):
-    """Shuffled train loader (the order is a function of seed and epoch, so it resumes) and an eval loader."""
+                     seed: int, collate_fn=default_data_collator, eval_collate_fn=None):
+    """Shuffled train loader (the order is a function of seed and epoch, so it resumes) and an
+    eval loader (with `eval_collate_fn` if given, else `collate_fn`)."""
     import torch
 
     generator = torch.Generator().manual_seed(seed)
     train = DataLoader(datasets["train"], shuffle=True, batch_size=train_batch_size,
                        collate_fn=collate_fn, generator=generator, drop_last=True)
-    evaluation = DataLoader(datasets["validation"], batch_size=eval_batch_size, collate_fn=collate_fn)
+    evaluation = DataLoader(datasets["validation"], batch_size=eval_batch_size, collate_fn=eval_collate_fn or collate_fn)
     return train, evaluation
 
 

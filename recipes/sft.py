@@ -49,10 +49,10 @@ def main(argv=None):
     raw = load_raw_datasets(data_args, args.seed)
     datasets = tokenize_chat(raw, tokenizer, sft_args.messages_column, data_args.block_size, accelerator)
     padding = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
-    train_loader, _ = make_dataloaders(datasets, args.per_device_train_batch_size, args.per_device_eval_batch_size,
-                                       args.seed, collate_fn=DataCollatorWithFlattening() if sft_args.packing else padding)
-    _, eval_loader = make_dataloaders(datasets, args.per_device_train_batch_size, args.per_device_eval_batch_size,
-                                      args.seed, collate_fn=padding)  # one row per conversation: exact counts
+    train_loader, eval_loader = make_dataloaders(
+        datasets, args.per_device_train_batch_size, args.per_device_eval_batch_size, args.seed,
+        collate_fn=DataCollatorWithFlattening() if sft_args.packing else padding,
+        eval_collate_fn=padding)  # eval keeps one row per conversation, so every one is counted once
     conversations = raw["validation"][sft_args.messages_column][:sft_args.max_generation_samples]
 
     model = load_model(model_args, tokenizer, args.seed, args.gradient_checkpointing)
