@@ -33,7 +33,9 @@ def test_schedule_horizon_counts_accelerates_per_process_steps():
     scheduler = create_scheduler(optimizer, args, max_steps=10, num_processes=2)
     lrs = []
     for _ in range(10):  # accelerate's prepared scheduler steps num_processes times per optimizer step
-        scheduler.step(); scheduler.step()
+        optimizer.step()
+        scheduler.step()
+        scheduler.step()
         lrs.append(scheduler.get_last_lr()[0])
     assert lrs[:2] == pytest.approx([0.5, 1.0]) and lrs[-1] == pytest.approx(0.0)  # warmup is 2 optimizer steps
     assert total_training_steps(TrainingArguments(num_train_epochs=3, gradient_accumulation_steps=2), 10) == 15
