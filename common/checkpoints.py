@@ -79,9 +79,7 @@ def save_checkpoint(accelerator, output_dir: str, step: int, state: dict, total_
     if accelerator.is_main_process:
         with open(os.path.join(tmp, STATE_FILE), "w") as handle:
             json.dump({"step": step, **state}, handle)
-        if os.path.exists(final):  # same step saved by an earlier attempt: replace it
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        _swap_into_place(tmp, final)  # a same-step folder from an earlier attempt is replaced
         if total_limit:
             for old in list_checkpoints(output_dir)[:-total_limit]:
                 shutil.rmtree(old)
@@ -111,9 +109,13 @@ def export_final(accelerator, model, tokenizer, output_dir: str, name: str = "fi
     target = os.path.join(output_dir, name)
     state_dict = accelerator.get_state_dict(model)
     unwrapped = accelerator.unwrap_model(model)
+    def save_model(folder):
+        unwrapped.save_pretrained(folder, state_dict=state_dict, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(folder)
+
     if accelerator.is_main_process:
-        _write_folder(target, lambda tmp: (unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True),
-                                           tokenizer is not None and tokenizer.save_pretrained(tmp)))
+        _write_folder(target, save_model)
         if merge_adapter and hasattr(unwrapped, "peft_config"):
             with _without_zero3_init():  # only this process reloads the base model
                 _write_folder(f"{target}_merged", lambda tmp: _save_merged(unwrapped, target, tmp, tokenizer))
@@ -126,6 +128,11 @@ def _write_folder(target: str, write) -> None:
     tmp = f"{target}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     write(tmp)
+    _swap_into_place(tmp, target)
+
+
+def _swap_into_place(tmp: str, target: str) -> None:
+    """Replace `target` with the complete folder `tmp` (the rename itself is atomic)."""
     shutil.rmtree(target, ignore_errors=True)
     os.replace(tmp, target)
 
