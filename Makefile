@@ -71,7 +71,7 @@ sft: install
 MODEL ?= outputs/causal_lm_demo/final
 evaluate: demo-data
 	$(PY) scripts/evaluate_model.py --model_name_or_path $(MODEL) --train_file outputs/data/markov/train.jsonl \
-		--validation_file outputs/data/markov/validation.jsonl --block_size 64 $(ARGS)
+		--validation_file outputs/data/markov/validation.jsonl --block_size 64 --mixed_precision bf16 $(ARGS)
 
 # Steps/s and peak memory per rank of every CPU-runnable config, in one run (ratios vs DDP).
 benchmark: install

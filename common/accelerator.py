@@ -1,25 +1,24 @@
 """Build the `Accelerator` for whatever config `accelerate launch` was given.
 
-On a GPU host this is a plain `Accelerator`. On a host without CUDA a plain
-`Accelerator()` resolves every launched rank to a lone single-process run, so
-the same YAML is mapped to its CPU equivalent instead:
-
-  MULTI_GPU  -> MULTI_CPU over gloo
-  FSDP       -> FSDP2 (`fully_shard`) over gloo
-  DeepSpeed  -> DeepSpeed's CPU accelerator over gloo
-
-and the launched world size is checked against the one the accelerator sees.
+This is the path a GPU user runs: the launched precision, gradient accumulation
+that the recipe's loop drives window by window, clipping from `--max_grad_norm`
+under every strategy (DeepSpeed included), and a check that every launched rank
+really takes part. On a host without CUDA, `common.cpu_host` maps the same YAML
+to its CPU equivalent (gloo, FSDP2 on CPU, DeepSpeed's CPU accelerator).
 Recipes never learn which strategy they run under.
 """
 
 from __future__ import annotations
 
+import math
 import os
-import sys
 
 import torch
-from accelerate import Accelerator, DataLoaderConfiguration, PartialState
-from accelerate.utils import DistributedType, InitProcessGroupKwargs, ProjectConfiguration
+from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate.utils import GradientAccumulationPlugin, ProjectConfiguration
+
+from common import cpu_host
+from common.arguments import UsageError
 
 
 def _env_flag(name: str) -> bool:
@@ -39,64 +38,34 @@ def launched_strategy() -> str:
     return "ddp" if launched_world_size() > 1 else "single"
 
 
-def _warn_fp32_fallback(requested: str) -> None:
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"warning: mixed_precision={requested} asked for on a host without a GPU; training in fp32 "
-              "(set mixed_precision: no, or bf16.enabled: false in a DeepSpeed JSON, to silence this)",
-              file=sys.stderr)
-
-
-def _fall_back_to_fp32_on_cpu() -> str:
-    """bf16/fp16 on a CPU is slow and breaks fp32 parity: run fp32 and say so once."""
-    requested = os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
-    if requested not in ("no", "fp32") and not torch.cuda.is_available():
-        _warn_fp32_fallback(requested)
-        os.environ["ACCELERATE_MIXED_PRECISION"] = "no"
-    return requested
-
-
-def _deepspeed_json_fp32_on_cpu(plugin) -> str | None:
-    """The same fallback for precision set inside a DeepSpeed JSON (deepspeed_config_file)."""
-    requested = None
-    for key in ("bf16", "fp16"):
-        block = plugin.deepspeed_config.get(key)
-        if isinstance(block, dict) and block.get("enabled") is True:
-            block["enabled"], requested = False, key
-    if requested:
-        _warn_fp32_fallback(requested)
-    return requested
-
-
-def build_accelerator(gradient_accumulation_steps: int = 1, report_to: str = "none",
-                      output_dir: str | None = None) -> Accelerator:
+def build_accelerator(args) -> Accelerator:
+    """`args`: the recipe's TrainingArguments (accumulation, clipping, trackers, output_dir)."""
+    strategy = launched_strategy()
+    sync_each_micro_batch = args.sync_each_micro_batch
+    if sync_each_micro_batch is None:  # FSDP: reduce-scatter every micro-batch so gradients stay sharded
+        sync_each_micro_batch = strategy == "fsdp"
     kwargs = dict(
-        gradient_accumulation_steps=gradient_accumulation_steps,
-        log_with=None if report_to == "none" else report_to,
-        project_config=ProjectConfiguration(project_dir=output_dir,
-                                            logging_dir=output_dir and os.path.join(output_dir, "logs")),
+        # The loop's windows (common.training.train_batches) end each optimizer step, epoch
+        # boundaries included, so accelerate's own end-of-dataloader sync is switched off.
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False,
+            sync_each_batch=sync_each_micro_batch),
+        log_with=None if args.report_to == "none" else args.report_to,
+        project_config=ProjectConfiguration(project_dir=args.output_dir,
+                                            logging_dir=os.path.join(args.output_dir, "logs")),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
     )
-    requested_precision = _fall_back_to_fp32_on_cpu()
-    strategy = launched_strategy()
-    if not torch.cuda.is_available() and strategy != "single":
-        if strategy == "deepspeed":
-            # DeepSpeed's branch needs cpu=False; without gloo accelerate counts one process.
-            kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
-        elif strategy == "fsdp":
-            # accelerate only enables FSDP from a MULTI_GPU state: start the CPU process
-            # group ourselves, then present it as MULTI_GPU so the FSDP plugin is applied.
-            PartialState(cpu=True)
-            PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
-        else:
-            kwargs["cpu"] = True
+    requested_precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    on_cpu_host = not torch.cuda.is_available()
+    if on_cpu_host:
+        kwargs.update(cpu_host.accelerator_kwargs(strategy))
     accelerator = Accelerator(**kwargs)
-    if strategy == "deepspeed":
-        _keep_torch_optimizer_on_offload(accelerator.state.deepspeed_plugin)
-        if not torch.cuda.is_available():
-            requested_precision = _deepspeed_json_fp32_on_cpu(accelerator.state.deepspeed_plugin) or requested_precision
-    if strategy == "fsdp" and not torch.cuda.is_available():
-        _unpin_fsdp_offload(accelerator.state.fsdp_plugin)
+    accelerator.sync_each_micro_batch = sync_each_micro_batch
     accelerator.requested_mixed_precision = requested_precision
+    if strategy == "deepspeed":
+        _clip_with_max_grad_norm(accelerator.state.deepspeed_plugin, args.max_grad_norm)
+    if on_cpu_host:
+        cpu_host.adapt(accelerator, strategy)
     if accelerator.num_processes != launched_world_size():
         raise RuntimeError(
             f"accelerate launched {launched_world_size()} processes but this rank sees "
@@ -104,25 +73,18 @@ def build_accelerator(gradient_accumulation_steps: int = 1, report_to: str = "no
     return accelerator
 
 
-def _unpin_fsdp_offload(plugin) -> None:
-    """FSDP2's CPU offload pins host memory, which needs CUDA; on a CPU host keep the
-    offload code path (parameters and optimizer step on CPU) without pinning."""
-    from torch.distributed.fsdp import CPUOffloadPolicy
-
-    if isinstance(plugin.cpu_offload, CPUOffloadPolicy):
-        plugin.cpu_offload = CPUOffloadPolicy(pin_memory=False)
-
-
-def _keep_torch_optimizer_on_offload(plugin) -> None:
-    """With offload_optimizer, accelerate swaps the recipe's AdamW for DeepSpeedCPUAdam.
-    Seen here (deepspeed 0.19.8): after resuming from a checkpoint, DeepSpeedCPUAdam's
-    second update differs from an uninterrupted run's (loss gap 0.14 by step 12),
-    while torch's AdamW on the offloaded fp32 shards resumes exactly. Keep the
-    recipe's optimizer unless the DeepSpeed JSON sets zero_force_ds_cpu_optimizer."""
+def _clip_with_max_grad_norm(plugin, max_grad_norm: float) -> None:
+    """DeepSpeed clips inside its step with its config's `gradient_clipping` and ignores the
+    norm the loop passes: set it from --max_grad_norm (0 = no clipping), and refuse a config
+    that names another value rather than train with a threshold nobody asked for."""
     config = plugin.deepspeed_config
-    offload = config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
-    if offload not in (None, "none") and "zero_force_ds_cpu_optimizer" not in config:
-        config["zero_force_ds_cpu_optimizer"] = False
+    configured = config.get("gradient_clipping", "auto")
+    if configured not in ("auto", None) and not math.isclose(float(configured), max_grad_norm):
+        raise UsageError(f"the DeepSpeed config sets gradient_clipping: {configured} but --max_grad_norm is "
+                         f"{max_grad_norm}; remove gradient_clipping from the config (or set it to \"auto\") so "
+                         "--max_grad_norm decides, or pass the same value to both")
+    config["gradient_clipping"] = float(max_grad_norm)
+    plugin.gradient_clipping = float(max_grad_norm)
 
 
 def participating_processes(accelerator: Accelerator) -> int:

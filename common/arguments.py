@@ -25,6 +25,9 @@ class UsageError(ValueError):
     """Bad input from the user: the message says what is wrong and what to do."""
 
 
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
 @dataclass
 class ModelArguments:
     model_name_or_path: str | None = field(
@@ -35,6 +38,14 @@ class ModelArguments:
         default=None, metadata={"help": "Tokenizer; defaults to model_name_or_path."})
     adapter_name_or_path: str | None = field(
         default=None, metadata={"help": "A saved PEFT adapter to load on top of model_name_or_path."})
+    torch_dtype: str = field(
+        default="float32", metadata={"help": "dtype the weights are loaded and trained in: float32 (fp32 master "
+                                             "weights, whatever the checkpoint's dtype; mixed precision comes from the "
+                                             "accelerate config), auto (the checkpoint's), bfloat16 or float16."})
+    save_dtype: str = field(
+        default="auto", metadata={"help": "dtype of the exported model: auto (the dtype the pretrained checkpoint "
+                                          "was saved in; float32 for a model built from a config), float32, "
+                                          "bfloat16 or float16."})
 
     def __post_init__(self):
         if bool(self.model_name_or_path) == bool(self.model_config):
@@ -44,6 +55,9 @@ class ModelArguments:
             require_path(self.model_config, "model_config")
         if not (self.tokenizer_name_or_path or self.model_name_or_path):
             raise UsageError("--model_config needs --tokenizer_name_or_path")
+        for key, allowed in (("torch_dtype", DTYPES), ("save_dtype", DTYPES)):
+            if getattr(self, key) not in allowed:
+                raise UsageError(f"--{key} must be one of {', '.join(allowed)}, got {getattr(self, key)!r}")
 
 
 @dataclass
@@ -84,7 +98,8 @@ class TrainingArguments:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_epsilon: float = 1e-8
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = field(default=1.0, metadata={
+        "help": "Clip the global gradient norm to this under every strategy (DeepSpeed included); 0: no clipping."})
     lr_scheduler_type: str = field(default="cosine", metadata={"help": "Any transformers.get_scheduler name."})
     warmup_steps: int = 0
     logging_steps: int = 10
@@ -94,6 +109,9 @@ class TrainingArguments:
     resume_from_checkpoint: str | None = field(default=None, metadata={"help": "'latest' or a checkpoint folder."})
     report_to: str = field(default="tensorboard", metadata={"help": "tensorboard, wandb or none."})
     gradient_checkpointing: bool = False
+    sync_each_micro_batch: bool | None = field(default=None, metadata={
+        "help": "Reduce gradients after every micro-batch rather than once per optimizer step. Default: on under "
+                "FSDP (gradients stay sharded while accumulating: less memory, more communication), off otherwise."})
     run_name: str = "recipe"
 
     def __post_init__(self):
@@ -102,6 +120,8 @@ class TrainingArguments:
         for key in positive:
             if getattr(self, key) < 1:
                 raise UsageError(f"--{key} must be at least 1, got {getattr(self, key)}")
+        if not self.max_grad_norm >= 0:
+            raise UsageError(f"--max_grad_norm must be >= 0 (0 turns clipping off), got {self.max_grad_norm}")
         if self.report_to not in ("tensorboard", "wandb", "none"):
             raise UsageError(f"--report_to must be tensorboard, wandb or none, got {self.report_to!r}")
         if self.resume_from_checkpoint not in (None, "latest"):

@@ -14,6 +14,8 @@ import os
 import re
 import shutil
 
+import torch
+
 from common.arguments import UsageError
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -99,18 +101,30 @@ def load_checkpoint(accelerator, path: str | None) -> dict:
     return state
 
 
-def export_final(accelerator, model, tokenizer, output_dir: str, name: str = "final",
+def export_final(accelerator, model, tokenizer, output_dir: str, dtype, name: str = "final",
                  merge_adapter: bool = False) -> str:
-    """Hugging Face folder (safetensors + config + tokenizer) under any strategy.
+    """Hugging Face folder (safetensors + config + tokenizer) in `dtype`, under any strategy.
 
-    `get_state_dict` gathers the full weights from ZeRO-3 or FSDP shards; every
-    rank must call it, only the main process writes. A peft model saves its adapter
-    only; with `merge_adapter` the merged full model also goes to `<name>_merged`."""
+    The weights exported are the ones the optimizer updates (fp32 master weights under
+    DeepSpeed's bf16 too), gathered from ZeRO-3 or FSDP shards, then cast to `dtype`
+    (common.model.export_dtype), so every strategy writes the same file. Every rank must
+    call it; only the main process writes. A peft model saves its adapter only; with
+    `merge_adapter` the merged full model also goes to `<name>_merged`."""
     target = os.path.join(output_dir, name)
-    state_dict = accelerator.get_state_dict(model)
+    state_dict = master_state_dict(accelerator, model)
     unwrapped = accelerator.unwrap_model(model)
+
     def save_model(folder):
-        unwrapped.save_pretrained(folder, state_dict=state_dict, safe_serialization=True)
+        config = getattr(unwrapped, "config", None)
+        trained_dtype = getattr(config, "dtype", None)
+        if config is not None:
+            config.dtype = dtype  # config.json says what the file holds
+        try:
+            unwrapped.save_pretrained(folder, safe_serialization=True, state_dict={
+                k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()})
+        finally:
+            if config is not None:
+                config.dtype = trained_dtype
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
 
@@ -118,9 +132,26 @@ def export_final(accelerator, model, tokenizer, output_dir: str, name: str = "fi
         _write_folder(target, save_model)
         if merge_adapter and hasattr(unwrapped, "peft_config"):
             with _without_zero3_init():  # only this process reloads the base model
-                _write_folder(f"{target}_merged", lambda tmp: _save_merged(unwrapped, target, tmp, tokenizer))
+                _write_folder(f"{target}_merged", lambda tmp: _save_merged(unwrapped, target, tmp, tokenizer, dtype))
     accelerator.wait_for_everyone()
     return target
+
+
+def master_state_dict(accelerator, model) -> dict:
+    """The full state dict, with trainable parameters taken from the optimizer's master
+    copy where DeepSpeed keeps one (its bf16 mode trains fp32 partitions behind bf16
+    module weights). Collective: every rank calls it; ZeRO-3 gathers each parameter."""
+    state_dict = accelerator.get_state_dict(model)
+    if getattr(accelerator.state, "deepspeed_plugin", None) is None:
+        return state_dict
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    for key, parameter in accelerator.unwrap_model(model).named_parameters():
+        if parameter.requires_grad:
+            master = safe_get_full_fp32_param(parameter)
+            if master is not None and accelerator.is_main_process and key in state_dict:
+                state_dict[key] = master.detach().cpu()
+    return state_dict
 
 
 def _write_folder(target: str, write) -> None:
@@ -152,13 +183,14 @@ def _without_zero3_init():
         hf_deepspeed._hf_deepspeed_config_weak_ref = saved
 
 
-def _save_merged(peft_model, adapter_dir: str, out: str, tokenizer) -> None:
+def _save_merged(peft_model, adapter_dir: str, out: str, tokenizer, dtype) -> None:
     """Base model + saved adapter, merged into plain weights (loads without peft)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     base_path = peft_model.peft_config["default"].base_model_name_or_path
-    merged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_path), adapter_dir).merge_and_unload()
+    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload().to(dtype)
     merged.save_pretrained(out, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)

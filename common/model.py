@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import zlib
+
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -17,9 +20,15 @@ def load_tokenizer(args: ModelArguments):
 
 def load_model(args: ModelArguments, tokenizer, seed: int, gradient_checkpointing: bool = False,
                auto_class=AutoModelForCausalLM, **config_overrides):
-    """From `model_name_or_path`, or a fresh model from `model_config` sized to the tokenizer."""
+    """From `model_name_or_path`, or a fresh model from `model_config` sized to the tokenizer.
+
+    Weights are loaded in `--torch_dtype` (float32 by default: fp32 master weights even
+    from a checkpoint saved in bf16; the accelerate config's mixed precision sets the
+    compute dtype). A model built from a config gets the same initial weights for the
+    same seed under every strategy (`initialise_weights`)."""
+    dtype = "auto" if args.torch_dtype == "auto" else getattr(torch, args.torch_dtype)
     if args.model_name_or_path:
-        model = auto_class.from_pretrained(args.model_name_or_path, **config_overrides)
+        model = auto_class.from_pretrained(args.model_name_or_path, dtype=dtype, **config_overrides)
         if args.adapter_name_or_path:  # a trained PEFT adapter on top (e.g. to evaluate it)
             from peft import PeftModel
             model = PeftModel.from_pretrained(model, args.adapter_name_or_path)
@@ -27,8 +36,8 @@ def load_model(args: ModelArguments, tokenizer, seed: int, gradient_checkpointin
         config = AutoConfig.from_pretrained(
             args.model_config, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
             eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id, **config_overrides)
-        torch.manual_seed(seed)
-        model = auto_class.from_config(config)
+        model = auto_class.from_config(config, dtype=torch.float32 if dtype == "auto" else dtype)
+        initialise_weights(model, seed)
     declare_layer_classes(model)
     # Training never reuses a KV cache, and transformers isolates packed sequences
     # (position ids restarting at 0) only when no cache is passed. generate() still
@@ -38,6 +47,44 @@ def load_model(args: ModelArguments, tokenizer, seed: int, gradient_checkpointin
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
+
+
+def initialise_weights(model, seed: int) -> None:
+    """(Re)initialise every module with the model's own `_init_weights`, drawing from a
+    generator seeded by (seed, module name). The result does not depend on the order
+    modules were built in, or on where: under DeepSpeed's zero.Init (ZeRO-3's
+    `zero3_init_flag`) each module's parameters are gathered whole only while it is
+    initialised, so the memory saving of building the model partitioned is kept."""
+    for name, module in model.named_modules():
+        parameters = list(module.parameters(recurse=False))
+        if not parameters:
+            continue
+        with _gathered_for_init(parameters):
+            torch.manual_seed(seed + zlib.crc32(name.encode()))
+            model._init_weights(module)
+    torch.manual_seed(seed)
+
+
+def _gathered_for_init(parameters):
+    if not any(hasattr(p, "ds_id") for p in parameters):  # not partitioned by ZeRO-3
+        return contextlib.nullcontext()
+    import deepspeed
+
+    # Every rank draws the same values; rank 0's are scattered back into the partitions.
+    return deepspeed.zero.GatheredParameters(parameters, modifier_rank=0)
+
+
+def export_dtype(args: ModelArguments) -> torch.dtype:
+    """The dtype `final/` is saved in: --save_dtype, or with `auto` the dtype the pretrained
+    checkpoint was saved in (float32 for a model built from a config)."""
+    if args.save_dtype != "auto":
+        return getattr(torch, args.save_dtype)
+    if args.model_config:
+        return torch.float32
+    saved = getattr(AutoConfig.from_pretrained(args.model_name_or_path), "dtype", None)
+    if isinstance(saved, str):
+        saved = getattr(torch, saved)
+    return saved if isinstance(saved, torch.dtype) else torch.float32
 
 
 def declare_layer_classes(model) -> None:

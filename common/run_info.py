@@ -22,7 +22,7 @@ def start_run(args):
     accelerator, seed everything, and return it with the checkpoint to resume from
     (None for a fresh run)."""
     check_output_dir(args.output_dir, args.resume_from_checkpoint, args.overwrite_output_dir)
-    accelerator = build_accelerator(args.gradient_accumulation_steps, args.report_to, args.output_dir)
+    accelerator = build_accelerator(args)
     set_seed(args.seed)
     return accelerator, prepare_output_dir(accelerator, args.output_dir, args.resume_from_checkpoint,
                                            args.overwrite_output_dir)
@@ -76,10 +76,49 @@ def local_parameter_elements(model) -> int:
     return count
 
 
-def record_run(accelerator, model, args: dict, output_dir: str, **extra) -> dict:
+def _dtype_name(dtype) -> str | None:
+    return None if dtype is None else str(dtype).replace("torch.", "")
+
+
+def _master_dtype(optimizer):
+    """dtype of the weights the optimizer updates. accelerate's and DeepSpeed's wrappers hold
+    the optimizer over the master copy; ZeRO keeps it in flat fp32 partitions."""
+    while optimizer is not None:
+        for flat in ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups"):  # ZeRO-3, ZeRO-1/2
+            if getattr(optimizer, flat, None):
+                return getattr(optimizer, flat)[0].dtype
+        if not hasattr(optimizer, "optimizer"):
+            updated = [p for group in optimizer.param_groups for p in group["params"]]
+            return updated[0].dtype if updated else None
+        optimizer = optimizer.optimizer
+    return None
+
+
+def precision_details(accelerator, model, optimizer) -> dict:
+    """What precision this run really trains in: the compute dtype, the dtype of the
+    weights the optimizer updates (its states are created like them), and the dtype
+    gradients are reduced in across ranks."""
+    master = _master_dtype(optimizer)
+    compute = {"bf16": "bfloat16", "fp16": "float16"}.get(accelerator.mixed_precision)
+    reduce = None
+    if getattr(accelerator.state, "deepspeed_plugin", None) is not None:
+        engine = model
+        compute = "bfloat16" if engine.bfloat16_enabled() else "float16" if engine.fp16_enabled() else None
+        reduce = engine.communication_data_type
+    elif getattr(accelerator.state, "fsdp_plugin", None) is not None:
+        policy = accelerator.state.fsdp_plugin.mixed_precision_policy
+        reduce = getattr(policy, "reduce_dtype", None) or getattr(policy, "param_dtype", None) or master
+    elif accelerator.num_processes > 1:
+        reduce = master  # DDP reduces gradients in the parameters' dtype; autocast does not change it
+    return {"compute_dtype": compute or _dtype_name(master), "master_weights_dtype": _dtype_name(master),
+            "optimizer_states_dtype": _dtype_name(master), "gradient_reduce_dtype": _dtype_name(reduce)}
+
+
+def record_run(accelerator, model, optimizer, args: dict, output_dir: str, **extra) -> dict:
     """Print the resolved arguments once and write run.json (main process).
 
-    `model` is the prepared model: run.json records each rank's share of its parameters."""
+    `model` and `optimizer` are the prepared ones: run.json records each rank's share of
+    the parameters and the precision the run trains in."""
     world_size = accelerator.num_processes
     local = torch.tensor([local_parameter_elements(model)], device=accelerator.device)
     record = {
@@ -89,6 +128,8 @@ def record_run(accelerator, model, args: dict, output_dir: str, **extra) -> dict
         "distributed_type": str(accelerator.distributed_type).split(".")[-1],
         "mixed_precision": accelerator.mixed_precision,
         "mixed_precision_requested": getattr(accelerator, "requested_mixed_precision", accelerator.mixed_precision),
+        **precision_details(accelerator, model, optimizer),
+        "sync_each_micro_batch": getattr(accelerator, "sync_each_micro_batch", None),
         "device": str(accelerator.device),
         "local_parameter_elements": [int(n) for n in accelerator.gather(local).tolist()],
         "effective_batch_size": args["per_device_train_batch_size"] * args["gradient_accumulation_steps"] * world_size,

@@ -169,16 +169,22 @@ CHAT_TEMPLATE = (
     "{% elif message['role'] == 'assistant' %}<assistant> {% generation %}{{ message['content'] }} <eos>{% endgeneration %} "
     "{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<assistant> {% endif %}")
-ARITHMETIC_WORDS = ["what", "is", "plus", "minus", "?"] + [str(n) for n in range(19)]
+ARITHMETIC_WORDS = ["what", "is", "plus", "minus", "?", "count", "from", "to"] + [str(n) for n in range(19)]
 
 
-def arithmetic_examples(count: int, seed: int, max_operand: int = 9) -> list[dict]:
-    """'what is a plus b ?' / 'what is a minus b ?' (a >= b) with the answer as the assistant turn."""
+def arithmetic_examples(count: int, seed: int, max_operand: int = 9, counting: bool = False) -> list[dict]:
+    """'what is a plus b ?' / 'what is a minus b ?' (a >= b) with the answer as the assistant turn.
+    With `counting`, a third of the questions are 'count from a to b ?' (answer: a .. b, 1 to
+    12 tokens), so conversations carry very different numbers of label tokens."""
     rng = np.random.default_rng(seed)
     rows = []
     for _ in range(count):
         a, b = (int(x) for x in rng.integers(0, max_operand + 1, size=2))
-        if rng.random() < 0.5:
+        if counting and rng.random() < 1 / 3:
+            a = int(rng.integers(0, 7))
+            b = a + int(rng.integers(0, 12))
+            question, answer = f"count from {a} to {b} ?", " ".join(str(n) for n in range(a, b + 1))
+        elif rng.random() < 0.5:
             question, answer = f"what is {a} plus {b} ?", a + b
         else:
             a, b = max(a, b), min(a, b)
@@ -188,8 +194,8 @@ def arithmetic_examples(count: int, seed: int, max_operand: int = 9) -> list[dic
     return rows
 
 
-def write_arithmetic_data(out_dir: str, train=3000, validation=101, seed=0) -> None:
-    write_jsonl(os.path.join(out_dir, "train.jsonl"), arithmetic_examples(train, seed))
-    write_jsonl(os.path.join(out_dir, "validation.jsonl"), arithmetic_examples(validation, seed + 1))
+def write_arithmetic_data(out_dir: str, train=3000, validation=101, seed=0, counting=False) -> None:
+    write_jsonl(os.path.join(out_dir, "train.jsonl"), arithmetic_examples(train, seed, counting=counting))
+    write_jsonl(os.path.join(out_dir, "validation.jsonl"), arithmetic_examples(validation, seed + 1, counting=counting))
     tokenizer = build_word_tokenizer(ARITHMETIC_WORDS, chat_template=CHAT_TEMPLATE, extra_special=(USER, ASSISTANT))
     tokenizer.save_pretrained(os.path.join(out_dir, "tokenizer"))

@@ -7,29 +7,49 @@ import math
 import torch
 from transformers import get_scheduler
 
-from common.arguments import TrainingArguments
+from common.arguments import TrainingArguments, UsageError
 
-NO_DECAY = ("bias", "norm")  # LayerNorm/RMSNorm weights and biases are not decayed
+NORM_TYPES = (torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.modules.batchnorm._BatchNorm)
+
+
+def is_norm(module) -> bool:
+    """LayerNorm/GroupNorm/BatchNorm, or a model's own norm class (LlamaRMSNorm, T5LayerNorm, ...)."""
+    return isinstance(module, NORM_TYPES) or "Norm" in type(module).__name__
 
 
 def create_optimizer(model, args: TrainingArguments) -> torch.optim.Optimizer:
-    """AdamW with two groups: weight decay on matrices, none on biases and norms."""
-    decay, no_decay = [], []
-    for name, parameter in model.named_parameters():
-        if not parameter.requires_grad:
-            continue
-        (no_decay if any(key in name.lower() for key in NO_DECAY) else decay).append(parameter)
+    """AdamW with two groups: weight decay on weights, none on biases or on the parameters
+    of normalisation layers (chosen by module type, so GPT-2's ln_1/ln_f count too)."""
+    decay, no_decay, seen = [], [], set()
+    for module in model.modules():
+        for name, parameter in module.named_parameters(recurse=False):
+            if not parameter.requires_grad or id(parameter) in seen:  # tied weights count once
+                continue
+            seen.add(id(parameter))
+            (no_decay if is_norm(module) or name == "bias" else decay).append(parameter)
     groups = [{"params": decay, "weight_decay": args.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=args.learning_rate,
                              betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
 
 
+def steps_per_epoch(batches_per_epoch: int, gradient_accumulation_steps: int) -> int:
+    """Optimizer steps in one epoch of `batches_per_epoch` batches per rank. Every step
+    accumulates exactly gradient_accumulation_steps micro-batches; the last
+    batches_per_epoch % gradient_accumulation_steps batches of an epoch are left out (as
+    drop_last leaves out a partial batch; the next epoch's shuffle uses them)."""
+    steps = batches_per_epoch // gradient_accumulation_steps
+    if steps < 1:
+        raise UsageError(f"an epoch has {batches_per_epoch} batches per process, fewer than "
+                         f"gradient_accumulation_steps={gradient_accumulation_steps}: use more data, a smaller "
+                         "per_device_train_batch_size or fewer accumulation steps")
+    return steps
+
+
 def total_training_steps(args: TrainingArguments, batches_per_epoch: int) -> int:
-    """Optimizer steps in the run: max_steps if set, else epochs x updates per epoch."""
-    if args.max_steps > 0:
-        return args.max_steps
-    return args.num_train_epochs * max(1, batches_per_epoch // args.gradient_accumulation_steps)
+    """Optimizer steps in the run: max_steps if set, else epochs x steps per epoch."""
+    per_epoch = steps_per_epoch(batches_per_epoch, args.gradient_accumulation_steps)
+    return args.max_steps if args.max_steps > 0 else args.num_train_epochs * per_epoch
 
 
 def create_scheduler(optimizer, args: TrainingArguments, max_steps: int, num_processes: int):
@@ -62,13 +82,56 @@ def evaluate_loss(model, dataloader, accelerator) -> dict:
     return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0)), "eval_tokens": token_count}
 
 
-def train_batches(accelerator, dataloader, start_step: int, gradient_accumulation_steps: int):
-    """Training batches, epoch after epoch without end, starting where `start_step`
-    optimizer steps left off: the epoch's seeded order is restored with `set_epoch`
-    and the batches already consumed in it are skipped. The caller stops at max_steps."""
-    batches_done = start_step * gradient_accumulation_steps
-    epoch, skip = divmod(batches_done, len(dataloader))
-    while True:
-        dataloader.set_epoch(epoch)
-        yield from accelerator.skip_first_batches(dataloader, skip) if skip else dataloader
-        epoch, skip = epoch + 1, 0
+class TrainBatches:
+    """The loop's micro-batches, epoch after epoch without end (the loop stops at max_steps),
+    one optimizer step's window of gradient_accumulation_steps batches at a time.
+
+    * Loss normalisation: before a window is handed out, its label tokens are counted
+      over every micro-batch and every rank. Each batch carries `num_items_in_batch` =
+      that count / (processes x accumulation steps), so the model's summed token loss,
+      after accelerate divides by the accumulation steps and the strategy averages over
+      ranks, is the mean over all label tokens of the global batch: 1 x B, 2 x B/2 and
+      1 x B/2 with accumulation 2 train the same model, whatever the lengths.
+    * Sync: the last micro-batch of each window syncs and steps (accelerate's counter
+      is aligned to the window), epoch boundaries included.
+    * Position: `position` is where the data order stands after the current window
+      (epoch, batches into it); a checkpoint stores it and a resumed run restarts there,
+      the epoch's seeded order restored with `set_epoch`."""
+
+    def __init__(self, accelerator, dataloader, gradient_accumulation_steps: int, resume_from: dict):
+        self.accelerator, self.dataloader = accelerator, dataloader
+        self.accumulation = gradient_accumulation_steps
+        self.per_epoch = steps_per_epoch(len(dataloader), gradient_accumulation_steps)
+        position = resume_from.get("data")
+        if position is None:  # a fresh run, or a checkpoint that stored only its step
+            epoch, steps_in = divmod(resume_from["step"], self.per_epoch)
+            position = {"epoch": epoch, "batches": steps_in * gradient_accumulation_steps}
+        self.position = dict(position)
+
+    def __iter__(self):
+        epoch, skip = self.position["epoch"], self.position["batches"]
+        used = self.per_epoch * self.accumulation
+        while True:
+            self.dataloader.set_epoch(epoch)
+            batches = iter(self.accelerator.skip_first_batches(self.dataloader, skip) if skip else self.dataloader)
+            for start in range(skip, used, self.accumulation):
+                window = [next(batches) for _ in range(self.accumulation)]
+                end = start + self.accumulation
+                self.position = {"epoch": epoch + 1, "batches": 0} if end == used else {"epoch": epoch, "batches": end}
+                tokens = self._label_tokens(window)
+                self.accelerator.step = 0  # accelerate's counter: the window's last batch syncs
+                for batch in window:
+                    if tokens is not None:
+                        batch = {**batch, "num_items_in_batch": tokens / (self.accelerator.num_processes * self.accumulation)}
+                    yield batch
+            for _ in batches:  # the epoch's leftover batches: finish the iterator so accelerate closes it
+                pass
+            epoch, skip = epoch + 1, 0
+
+    def _label_tokens(self, window):
+        """Next-token targets (labels after the shift, not -100) in the window, over all ranks;
+        None for sequence-level labels (one per example), whose loss is already a mean."""
+        if any("labels" not in b or b["labels"].dim() < 2 for b in window):
+            return None
+        local = sum((b["labels"][:, 1:] != -100).sum() for b in window)
+        return self.accelerator.reduce(local.to(self.accelerator.device), reduction="sum").float().clamp(min=1)

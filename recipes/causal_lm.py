@@ -27,10 +27,10 @@ from common.arguments import (DataArguments, ModelArguments, TrainingArguments, 
 from common.checkpoints import export_final, load_checkpoint, save_checkpoint
 from common.data import load_raw_datasets, make_dataloaders, tokenize_and_pack
 from common.metrics import MetricsLogger
-from common.model import count_parameters, load_model, load_tokenizer
+from common.model import count_parameters, export_dtype, load_model, load_tokenizer
 from common.run_info import record_run, start_run, tracker_config
 from common.training import (create_optimizer, create_scheduler, evaluate_loss, total_training_steps,
-                             train_batches)
+                             TrainBatches)
 
 
 @exits_on_usage_error
@@ -56,23 +56,25 @@ def main(argv=None):
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler)
 
-    run = record_run(accelerator, model, to_dict(model_args, data_args, args), args.output_dir,
+    run = record_run(accelerator, model, optimizer, to_dict(model_args, data_args, args), args.output_dir,
                      max_steps=max_steps, train_blocks=len(datasets["train"]), **parameters)
     accelerator.init_trackers(args.run_name, tracker_config(run["args"]))
 
-    step = load_checkpoint(accelerator, checkpoint)["step"]  # 0 for a fresh run
+    state = load_checkpoint(accelerator, checkpoint)  # {"step": 0} for a fresh run
+    step = state["step"]
     metrics = MetricsLogger(accelerator, args.output_dir, max_steps, start_step=step)
 
     # Training loop: one optimizer step per gradient_accumulation_steps batches.
     model.train()
     grad_norm = None
-    for batch in train_batches(accelerator, train_loader, step, args.gradient_accumulation_steps):
+    batches = TrainBatches(accelerator, train_loader, args.gradient_accumulation_steps, resume_from=state)
+    for batch in batches:
         with accelerator.accumulate(model):
             loss = model(**batch).loss
             metrics.record_batch(loss, batch)
             accelerator.backward(loss)
             if accelerator.sync_gradients:
-                grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)  # 0: off
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad()
@@ -85,12 +87,12 @@ def main(argv=None):
         if args.eval_steps and step % args.eval_steps == 0 and step < max_steps:
             metrics.log_eval(step, evaluate_loss(model, eval_loader, accelerator))
         if args.save_steps and step % args.save_steps == 0:
-            save_checkpoint(accelerator, args.output_dir, step, {}, args.save_total_limit)
+            save_checkpoint(accelerator, args.output_dir, step, {"data": batches.position}, args.save_total_limit)
         if step >= max_steps:
             break
 
     final_eval = metrics.log_eval(step, evaluate_loss(model, eval_loader, accelerator))
-    final_dir = export_final(accelerator, model, tokenizer, args.output_dir)
+    final_dir = export_final(accelerator, model, tokenizer, args.output_dir, export_dtype(model_args))
     metrics.close()
     accelerator.print(f"eval_loss={final_eval['eval_loss']:.4f} perplexity={math.exp(final_eval['eval_loss']):.3f} "
                       f"saved to {final_dir}")

@@ -14,6 +14,7 @@ last model to output_dir/final.
 Your own data: --train_file/--validation_file with --text_column and --label_column.
 """
 
+import math
 from dataclasses import dataclass, field
 
 from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding
@@ -24,9 +25,9 @@ from common.checkpoints import export_final, load_checkpoint, save_checkpoint
 from common.data import load_raw_datasets, make_dataloaders, tokenize_for_classification
 from common.evaluation import BestModelTracker, evaluate_classification, load_metric
 from common.metrics import MetricsLogger
-from common.model import count_parameters, load_model, load_tokenizer
+from common.model import count_parameters, export_dtype, load_model, load_tokenizer
 from common.run_info import record_run, start_run, tracker_config
-from common.training import create_optimizer, create_scheduler, total_training_steps, train_batches
+from common.training import create_optimizer, create_scheduler, total_training_steps, TrainBatches
 
 
 @dataclass
@@ -66,7 +67,7 @@ def main(argv=None):
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler)
 
-    run = record_run(accelerator, model, to_dict(model_args, data_args, task_args, args), args.output_dir,
+    run = record_run(accelerator, model, optimizer, to_dict(model_args, data_args, task_args, args), args.output_dir,
                      max_steps=max_steps, labels=label_names, eval_examples=len(datasets["validation"]), **parameters)
     accelerator.init_trackers(args.run_name, tracker_config(run["args"]))
     best = BestModelTracker(task_args.metric_for_best_model, task_args.greater_is_better,
@@ -80,19 +81,20 @@ def main(argv=None):
         results = metrics.log_eval(step, evaluate_classification(model, eval_loader, accelerator,
                                                                  metric_modules, task_args.f1_average))
         if best.update(step, results):
-            export_final(accelerator, model, tokenizer, args.output_dir, name="best")
+            export_final(accelerator, model, tokenizer, args.output_dir, export_dtype(model_args), name="best")
         return results
 
     # Training loop.
     model.train()
     grad_norm = None
-    for batch in train_batches(accelerator, train_loader, step, args.gradient_accumulation_steps):
+    batches = TrainBatches(accelerator, train_loader, args.gradient_accumulation_steps, resume_from=state)
+    for batch in batches:
         with accelerator.accumulate(model):
             loss = model(**batch).loss
             metrics.record_batch(loss, batch)
             accelerator.backward(loss)
             if accelerator.sync_gradients:
-                grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)  # 0: off
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad()
@@ -109,12 +111,13 @@ def main(argv=None):
                                   f"at step {best.best_step}")
                 break
         if args.save_steps and step % args.save_steps == 0:
-            save_checkpoint(accelerator, args.output_dir, step, {"best": best.state_dict()}, args.save_total_limit)
+            save_checkpoint(accelerator, args.output_dir, step, {"data": batches.position, "best": best.state_dict()},
+                            args.save_total_limit)
         if step >= max_steps:
             break
 
     final = evaluate_and_track()
-    export_final(accelerator, model, tokenizer, args.output_dir)
+    export_final(accelerator, model, tokenizer, args.output_dir, export_dtype(model_args))
     metrics.close()
     accelerator.print(f"eval_accuracy={final.get('eval_accuracy', float('nan')):.4f} best "
                       f"{best.metric}={best.best_value:.4f} at step {best.best_step}")

@@ -141,7 +141,7 @@ def check_deepspeed(deepspeed: dict, raw: dict, recipe: dict, world: int, config
         offload_param = deepspeed.get("offload_param_device", "none")
         if "gradient_clipping" in deepspeed and float(deepspeed["gradient_clipping"]) != float(clipping):
             problems.append(f"deepspeed_config.gradient_clipping={deepspeed['gradient_clipping']} but the recipe's "
-                            f"max_grad_norm={clipping}; DeepSpeed does the clipping, so make them equal")
+                            f"max_grad_norm={clipping}; remove the key (--max_grad_norm sets it) or make them equal")
         if "gradient_accumulation_steps" in deepspeed and deepspeed["gradient_accumulation_steps"] != accumulation:
             problems.append(f"deepspeed_config.gradient_accumulation_steps={deepspeed['gradient_accumulation_steps']} "
                             f"but the recipe's is {accumulation}; remove the key (the recipe sets it)")

@@ -6,10 +6,11 @@ figure matches the eval_loss the run logged.
 
     python scripts/evaluate_model.py --model_name_or_path outputs/causal_lm_demo/final \
         --train_file outputs/data/markov/train.jsonl \
-        --validation_file outputs/data/markov/validation.jsonl --block_size 64
+        --validation_file outputs/data/markov/validation.jsonl --block_size 64 --mixed_precision bf16
 """
 
 import json
+from dataclasses import dataclass, field
 
 from accelerate import Accelerator
 from common.arguments import DataArguments, ModelArguments, TrainingArguments, parse_args
@@ -18,9 +19,16 @@ from common.model import load_model, load_tokenizer
 from common.training import evaluate_loss
 
 
+@dataclass
+class EvalArguments:
+    mixed_precision: str = field(default="no", metadata={
+        "help": "no or bf16: evaluate as the run did (bf16 autocast for a run launched with a bf16 config)."})
+
+
 def main(argv=None):
-    model_args, data_args, args = parse_args((ModelArguments, DataArguments, TrainingArguments), argv)
-    accelerator = Accelerator(cpu=True)
+    model_args, data_args, eval_args, args = parse_args(
+        (ModelArguments, DataArguments, EvalArguments, TrainingArguments), argv)
+    accelerator = Accelerator(cpu=True, mixed_precision=eval_args.mixed_precision)
     tokenizer = load_tokenizer(model_args)
     # The same validation split training used: --validation_file, or the seeded hold-out of train.
     raw = load_raw_datasets(data_args, args.seed)

@@ -44,6 +44,10 @@ def launch_command(config: str, recipe: str, args: list, launcher_args: list | N
                              *launcher_args, recipe_path, *args]]
 
 
+# Launcher flag for the runs that check bit-level fp32 parity; the shipped configs ask for bf16.
+FP32 = ["--mixed_precision", "no"]
+
+
 def launch(config: str, recipe: str, args: list, num_processes: int | None = None, cwd=REPO,
            env: dict | None = None, check=True, launcher_args: list | None = None):
     launcher_args = list(launcher_args or [])
@@ -87,17 +91,18 @@ def causal_lm_args(data: Path, output_dir: Path, **overrides) -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def initial_model(markov_data, tmp_path_factory) -> Path:
-    """A seeded random tiny Llama saved as a pretrained folder, so every strategy starts
-    from the same weights (ZeRO-3's zero.Init draws a from-config init differently)."""
+def bf16_checkpoint(markov_data, tmp_path_factory) -> Path:
+    """A seeded random tiny Llama saved in bf16, as Hub checkpoints are."""
+    import torch
+
     from common.arguments import ModelArguments
     from common.model import load_model, load_tokenizer
 
-    out = tmp_path_factory.mktemp("initial_model")
+    out = tmp_path_factory.mktemp("bf16_checkpoint")
     args = ModelArguments(model_config=str(REPO / "recipes/configs/tiny_llama.json"),
                           tokenizer_name_or_path=str(markov_data / "tokenizer"))
     tokenizer = load_tokenizer(args)
-    load_model(args, tokenizer, seed=0).save_pretrained(out)
+    load_model(args, tokenizer, seed=0).to(torch.bfloat16).save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
 
@@ -137,13 +142,53 @@ STEPS, SAVE_AT = 12, 6
 
 
 @pytest.fixture(scope="session")
-def reference(markov_data, initial_model, tmp_path_factory):
-    """One process, global batch 8, from the shared initial model."""
+def reference(markov_data, tmp_path_factory):
+    """One process, global batch 8, fp32, the model built from its config (seeded)."""
     out = tmp_path_factory.mktemp("reference") / "run"
-    launch("single.yaml", "causal_lm.py", pretrained_args(
-        markov_data, initial_model, out, per_device_train_batch_size=8, max_steps=STEPS))
+    launch("single.yaml", "causal_lm.py", causal_lm_args(markov_data, out, per_device_train_batch_size=8,
+                                                         max_steps=STEPS), launcher_args=FP32)
     assert read_run(out)["participating_processes"] == 1
     return out
+
+
+@pytest.fixture(scope="session")
+def bf16_reference(markov_data, bf16_checkpoint, tmp_path_factory):
+    """One process, global batch 8, bf16 as the configs ask, fine-tuning the bf16 checkpoint."""
+    out = tmp_path_factory.mktemp("bf16_reference") / "run"
+    launch("single.yaml", "causal_lm.py", pretrained_args(markov_data, bf16_checkpoint, out,
+                                                          per_device_train_batch_size=8, max_steps=STEPS,
+                                                          save_steps=STEPS))
+    assert read_run(out)["participating_processes"] == 1
+    return out
+
+
+def optimizer_state_dtypes(checkpoint) -> set:
+    """dtypes of the Adam moments (exp_avg, exp_avg_sq) stored anywhere in an accelerate
+    checkpoint: torch pickles (single/DDP, DeepSpeed's *optim_states.pt) or DCP metadata (FSDP)."""
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader
+
+    found = set()
+
+    def walk(value, key=""):
+        if isinstance(value, torch.Tensor):
+            if "exp_avg" in key:
+                found.add(value.dtype)
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                walk(v, str(k) if "exp_avg" in str(k) else key)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                walk(v, key)
+
+    for path in Path(checkpoint).rglob("*"):
+        if path.name == ".metadata" and "optimizer" in path.parent.name:
+            for name, meta in FileSystemReader(str(path.parent)).read_metadata().state_dict_metadata.items():
+                if "exp_avg" in name and hasattr(meta, "properties"):
+                    found.add(meta.properties.dtype)
+        elif path.suffix in (".pt", ".bin") and "optim" in path.name:
+            walk(torch.load(path, map_location="cpu", weights_only=False))
+    return found
 
 
 def flags(**values) -> list[str]:
@@ -165,6 +210,16 @@ def arithmetic_data(tmp_path_factory) -> Path:
 
     out = tmp_path_factory.mktemp("arithmetic")
     write_arithmetic_data(str(out), train=3000, validation=101)
+    return out
+
+
+@pytest.fixture(scope="session")
+def counting_data(tmp_path_factory) -> Path:
+    """Chats whose answers are 1 to 12 tokens long ('count from 3 to 9 ?' among the sums)."""
+    from common.synthetic import write_arithmetic_data
+
+    out = tmp_path_factory.mktemp("counting")
+    write_arithmetic_data(str(out), train=400, validation=21, counting=True)
     return out
 
 

@@ -5,17 +5,18 @@ import shutil
 
 import pytest
 
-from conftest import REPO, causal_lm_args, launch, losses, read_metrics, read_run, run, BIN
+from conftest import BIN, FP32, REPO, causal_lm_args, launch, losses, read_metrics, read_run, run
 
 
 def test_ddp_two_processes_train_export_and_reload(markov_data, tmp_path):
     out = tmp_path / "ddp"
-    launch("ddp.yaml", "causal_lm.py", causal_lm_args(markov_data, out, max_steps=30, logging_steps=5))
+    launch("ddp.yaml", "causal_lm.py", causal_lm_args(markov_data, out, max_steps=30, logging_steps=5),
+           launcher_args=FP32)  # fp32: make evaluate (fp32) must reproduce the logged eval loss to 1e-5
     record = read_run(out)
     assert record["world_size"] == 2 and record["participating_processes"] == 2
     assert record["distributed_type"] == "MULTI_CPU"
     assert record["effective_batch_size"] == 4 * 1 * 2
-    assert record["mixed_precision"] == "no" and record["mixed_precision_requested"] == "bf16"
+    assert record["mixed_precision"] == "bf16" and record["compute_dtype"] == "bfloat16"  # as ddp.yaml asks
     train, evals = read_metrics(out)
     assert train[-1]["loss"] < 0.7 * train[0]["loss"]
     for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "samples_per_s", "elapsed_s"):
@@ -33,9 +34,9 @@ def test_ddp_two_processes_train_export_and_reload(markov_data, tmp_path):
 def test_one_process_and_two_processes_log_the_same_losses(markov_data, tmp_path):
     """Global batch 8: one process x 8 vs two processes x 4 see the same data per step."""
     launch("single.yaml", "causal_lm.py",
-           causal_lm_args(markov_data, tmp_path / "one", per_device_train_batch_size=8))
+           causal_lm_args(markov_data, tmp_path / "one", per_device_train_batch_size=8), launcher_args=FP32)
     launch("ddp.yaml", "causal_lm.py",
-           causal_lm_args(markov_data, tmp_path / "two", per_device_train_batch_size=4))
+           causal_lm_args(markov_data, tmp_path / "two", per_device_train_batch_size=4), launcher_args=FP32)
     assert read_run(tmp_path / "one")["participating_processes"] == 1
     assert read_run(tmp_path / "two")["participating_processes"] == 2
     one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
@@ -44,9 +45,10 @@ def test_one_process_and_two_processes_log_the_same_losses(markov_data, tmp_path
 
 
 def test_gradient_accumulation_matches_a_bigger_batch(markov_data, tmp_path):
-    launch("ddp.yaml", "causal_lm.py", causal_lm_args(markov_data, tmp_path / "big", per_device_train_batch_size=4))
+    launch("ddp.yaml", "causal_lm.py", causal_lm_args(markov_data, tmp_path / "big", per_device_train_batch_size=4),
+           launcher_args=FP32)
     launch("ddp.yaml", "causal_lm.py", causal_lm_args(markov_data, tmp_path / "accum", per_device_train_batch_size=2,
-                                                      gradient_accumulation_steps=2))
+                                                      gradient_accumulation_steps=2), launcher_args=FP32)
     assert read_run(tmp_path / "accum")["effective_batch_size"] == 8
     big, accum = losses(tmp_path / "big"), losses(tmp_path / "accum")
     assert max(abs(a - b) for a, b in zip(big, accum)) < 1e-4, (big, accum)
@@ -109,8 +111,9 @@ def test_existing_run_is_not_overwritten(markov_data, tmp_path):
 def test_rotation_and_gradient_checkpointing(markov_data, tmp_path):
     """save_total_limit keeps the newest checkpoints; gradient checkpointing leaves the losses unchanged."""
     plain, checkpointed = tmp_path / "plain", tmp_path / "ckpt"
-    launch("single.yaml", "causal_lm.py", causal_lm_args(markov_data, plain, max_steps=6))
+    launch("single.yaml", "causal_lm.py", causal_lm_args(markov_data, plain, max_steps=6), launcher_args=FP32)
     launch("single.yaml", "causal_lm.py", causal_lm_args(markov_data, checkpointed, max_steps=6, save_steps=2,
-                                                         save_total_limit=2, gradient_checkpointing="true"))
+                                                         save_total_limit=2, gradient_checkpointing="true"),
+           launcher_args=FP32)
     assert sorted(p.name for p in (checkpointed / "checkpoints").iterdir()) == ["step_4", "step_6"]
     assert max(abs(a - b) for a, b in zip(losses(plain), losses(checkpointed))) < 1e-5

@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from conftest import (BIN, OFFLINE_ENV, REPO, free_port, launch_command, losses, pretrained_args, read_run)
+from conftest import (BIN, FP32, OFFLINE_ENV, REPO, causal_lm_args, free_port, launch_command, losses, read_run)
 
 TEMPLATES = {"multi_node_ddp.yaml": "MULTI_CPU", "multi_node_fsdp.yaml": "FSDP", "multi_node_zero3.yaml": "DEEPSPEED"}
 
@@ -28,13 +28,13 @@ def wait_all(processes, timeout=600):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config", sorted(TEMPLATES))
-def test_two_machines_on_loopback_match_one_process(config, markov_data, initial_model, reference, tmp_path):
+def test_two_machines_on_loopback_match_one_process(config, markov_data, reference, tmp_path):
     out, port = tmp_path / "run", free_port()
-    args = pretrained_args(markov_data, initial_model, out, per_device_train_batch_size=4, max_steps=12)
+    args = causal_lm_args(markov_data, out, per_device_train_batch_size=4, max_steps=12)
     nodes = [subprocess.Popen(
         launch_command(config, "causal_lm.py", args, [
             "--num_machines", "2", "--num_processes", "2", "--machine_rank", str(rank),
-            "--main_process_ip", "127.0.0.1", "--main_process_port", str(port)]),
+            "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), *FP32]),
         cwd=REPO, env={**os.environ, **OFFLINE_ENV}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for rank in (0, 1)]
     wait_all(nodes)
@@ -60,7 +60,7 @@ exit $status
 
 
 @pytest.mark.slow
-def test_slurm_batch_script_on_two_fake_nodes(markov_data, initial_model, reference, tmp_path):
+def test_slurm_batch_script_on_two_fake_nodes(markov_data, reference, tmp_path):
     fake_bin = tmp_path / "bin"
     fake_bin.mkdir()
     for name, text in {"srun": FAKE_SRUN, "scontrol": "#!/bin/bash\necho 127.0.0.1\necho 127.0.0.1\n"}.items():
@@ -72,8 +72,8 @@ def test_slurm_batch_script_on_two_fake_nodes(markov_data, initial_model, refere
            "ACCELERATE": str(BIN / "accelerate")}
     env.pop("SLURM_NODEID", None)
     process = subprocess.Popen(
-        ["bash", "scripts/slurm/train.sbatch", "accelerate_configs/multi_node_ddp.yaml", "recipes/causal_lm.py",
-         *pretrained_args(markov_data, initial_model, out, per_device_train_batch_size=4, max_steps=12)],
+        ["bash", "scripts/slurm/train.sbatch", "accelerate_configs/multi_node_ddp.yaml", *FP32, "recipes/causal_lm.py",
+         *causal_lm_args(markov_data, out, per_device_train_batch_size=4, max_steps=12)],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     log = wait_all([process])[0]
     assert "machine_rank=0 of 2" in log and "machine_rank=1 of 2" in log

@@ -39,6 +39,9 @@ def test_schedule_horizon_counts_accelerates_per_process_steps():
         lrs.append(scheduler.get_last_lr()[0])
     assert lrs[:2] == pytest.approx([0.5, 1.0]) and lrs[-1] == pytest.approx(0.0)  # warmup is 2 optimizer steps
     assert total_training_steps(TrainingArguments(num_train_epochs=3, gradient_accumulation_steps=2), 10) == 15
+    assert total_training_steps(TrainingArguments(num_train_epochs=3, gradient_accumulation_steps=3), 10) == 9
+    with pytest.raises(UsageError, match="fewer than gradient_accumulation_steps=4"):
+        total_training_steps(TrainingArguments(gradient_accumulation_steps=4), 3)
     assert total_training_steps(TrainingArguments(max_steps=7), 10) == 7
 
 

@@ -1,0 +1,95 @@
+"""Run the GPU configs on a host without CUDA: what `common.accelerator` adds there.
+
+A plain `Accelerator()` on such a host resolves every launched rank to a lone
+single-process run. So each YAML is mapped to its CPU equivalent:
+
+  MULTI_GPU  -> MULTI_CPU over gloo
+  FSDP       -> FSDP2 (`fully_shard`) over gloo
+  DeepSpeed  -> DeepSpeed's CPU accelerator over gloo
+
+Precision is honoured: bf16 runs under CPU autocast (FSDP2's and DeepSpeed's own
+bf16 paths included) where the CPU has bf16 instructions; on a CPU without them the
+run falls back to fp32 and says so in one line. `run.json` records both.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+from accelerate import PartialState
+from accelerate.utils import DistributedType, InitProcessGroupKwargs
+
+
+def cpu_supports_bf16() -> bool:
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def _requested_precision() -> str:
+    return os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
+
+
+def accelerator_kwargs(strategy: str) -> dict:
+    """Accelerator() arguments (and process-group set-up) for `strategy` on this CPU host."""
+    if _requested_precision() == "bf16" and not cpu_supports_bf16():
+        _say_fp32("bf16", "this CPU has no bf16 instructions (avx512_bf16/amx)")
+        os.environ["ACCELERATE_MIXED_PRECISION"] = "no"
+    if strategy == "single":
+        return {}
+    if strategy == "deepspeed":
+        # DeepSpeed's branch needs cpu=False; without gloo accelerate counts one process.
+        return {"kwargs_handlers": [InitProcessGroupKwargs(backend="gloo")]}
+    if strategy == "fsdp":
+        # accelerate only enables FSDP from a MULTI_GPU state: start the CPU process
+        # group ourselves, then present it as MULTI_GPU so the FSDP plugin is applied.
+        PartialState(cpu=True)
+        PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
+        return {}
+    return {"cpu": True}
+
+
+def adapt(accelerator, strategy: str) -> None:
+    """After the Accelerator exists: the plugin settings a CPU host cannot honour as written."""
+    if strategy == "fsdp":
+        _unpin_fsdp_offload(accelerator.state.fsdp_plugin)
+    if strategy == "deepspeed":
+        _deepspeed_json_precision(accelerator.state.deepspeed_plugin)
+        _keep_torch_optimizer_on_offload(accelerator.state.deepspeed_plugin)
+
+
+def _say_fp32(requested: str, why: str) -> None:
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"warning: mixed_precision={requested} asked for, but {why}; training in fp32", file=sys.stderr)
+
+
+def _deepspeed_json_precision(plugin) -> None:
+    """Precision set inside a DeepSpeed JSON: fp16 needs loss scaling DeepSpeed does not run on
+    CPU, and bf16 needs bf16 instructions; otherwise it is honoured as written."""
+    for key, usable in (("bf16", cpu_supports_bf16()), ("fp16", False)):
+        block = plugin.deepspeed_config.get(key)
+        if isinstance(block, dict) and block.get("enabled") is True and not usable:
+            block["enabled"] = False
+            _say_fp32(key, "this CPU host cannot run it under DeepSpeed")
+
+
+def _unpin_fsdp_offload(plugin) -> None:
+    """FSDP2's CPU offload pins host memory, which needs CUDA; on a CPU host keep the
+    offload code path (parameters and optimizer step on CPU) without pinning."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    if isinstance(plugin.cpu_offload, CPUOffloadPolicy):
+        plugin.cpu_offload = CPUOffloadPolicy(pin_memory=False)
+
+
+def _keep_torch_optimizer_on_offload(plugin) -> None:
+    """With offload_optimizer, accelerate swaps the recipe's AdamW for DeepSpeedCPUAdam.
+    Seen on this CPU host (deepspeed 0.19.8): after resuming from a checkpoint,
+    DeepSpeedCPUAdam's second update differs from an uninterrupted run's (loss gap 0.14
+    by step 12), while torch's AdamW on the offloaded fp32 shards resumes exactly. On a
+    CPU host keep the recipe's optimizer unless the DeepSpeed JSON sets
+    zero_force_ds_cpu_optimizer; GPU hosts get DeepSpeedCPUAdam as DeepSpeed intends."""
+    config = plugin.deepspeed_config
+    offload = config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
+    if offload not in (None, "none") and "zero_force_ds_cpu_optimizer" not in config:
+        config["zero_force_ds_cpu_optimizer"] = False

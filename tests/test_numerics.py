@@ -1,0 +1,173 @@
+"""The numbers a run produces do not depend on the strategy, the split of the global
+batch into processes and accumulation steps, or where an epoch ends."""
+
+import json
+import shutil
+from types import SimpleNamespace
+
+import pytest
+
+from conftest import FP32, REPO, causal_lm_args, flags, launch, losses, max_weight_difference, read_metrics, read_run
+
+from common.arguments import TrainingArguments, UsageError
+
+
+# --- loss = mean over the global batch's label tokens --------------------------------
+
+def sft_args(data, out, batch, accumulation, packing):
+    return flags(config=REPO / "recipes/configs/sft_demo.yaml", tokenizer_name_or_path=data / "tokenizer",
+                 train_file=data / "train.jsonl", validation_file=data / "validation.jsonl", output_dir=out,
+                 per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation, packing=packing,
+                 max_steps=6, logging_steps=1, eval_steps=0, save_steps=0, warmup_steps=0, learning_rate=3e-3,
+                 max_generation_samples=1, max_new_tokens=1, report_to="none")
+
+
+def test_counting_chats_have_label_counts_that_vary(counting_data):
+    from accelerate import PartialState
+    from datasets import load_dataset
+    from transformers import AutoTokenizer
+
+    from common.data import tokenize_chat
+
+    tokenizer = AutoTokenizer.from_pretrained(counting_data / "tokenizer")
+    raw = load_dataset("json", data_files={"train": str(counting_data / "train.jsonl"),
+                                           "validation": str(counting_data / "validation.jsonl")})
+    counts = {sum(t != -100 for t in e["labels"]) for e in tokenize_chat(raw, tokenizer, "messages", 64,
+                                                                         PartialState(cpu=True))["train"]}
+    assert min(counts) == 2 and max(counts) == 13  # answer (1 to 12 tokens) + EOS
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("packing", ["true", "false"])
+def test_sft_objective_is_the_same_however_the_batch_is_split(packing, counting_data, tmp_path):
+    """1 x 8, 1 x 4 with accumulation 2, and 2 processes x 4 under ddp, fsdp and zero3 train the
+    same weights (fp32, from the same config and seed): every label token of the global batch
+    weighs the same, whichever micro-batch or rank it lands in."""
+    runs = {"1x8": ("single.yaml", 8, 1), "1x4x2": ("single.yaml", 4, 2),
+            "ddp 2x4": ("ddp.yaml", 4, 1), "fsdp 2x4": ("fsdp.yaml", 4, 1), "zero3 2x4": ("zero3.yaml", 4, 1)}
+    for name, (config, batch, accumulation) in runs.items():
+        out = tmp_path / name.replace(" ", "_")
+        launch(config, "sft.py", sft_args(counting_data, out, batch, accumulation, packing), launcher_args=FP32)
+        assert read_run(out)["participating_processes"] == (1 if config == "single.yaml" else 2)
+    base = tmp_path / "1x8"
+    for name in list(runs)[1:]:
+        out = tmp_path / name.replace(" ", "_")
+        weight_gap = max_weight_difference(out / "final", base / "final")
+        loss_gap = max(abs(a - b) for a, b in zip(losses(out), losses(base)))
+        print(f"packing={packing} {name} vs 1x8: weight gap {weight_gap:.2e}, logged loss gap {loss_gap:.2e}")
+        assert weight_gap < 1e-5 and loss_gap < 1e-5
+
+
+# --- --max_grad_norm decides clipping under every strategy ---------------------------
+
+@pytest.mark.slow
+def test_small_max_grad_norm_changes_zero2_as_it_changes_one_process(markov_data, reference, tmp_path):
+    one, zero2 = tmp_path / "one", tmp_path / "zero2"
+    launch("single.yaml", "causal_lm.py", causal_lm_args(markov_data, one, per_device_train_batch_size=8,
+                                                         max_grad_norm=0.01), launcher_args=FP32)
+    launch("zero2.yaml", "causal_lm.py", causal_lm_args(markov_data, zero2, per_device_train_batch_size=4,
+                                                        max_grad_norm=0.01), launcher_args=FP32)
+    assert read_run(zero2)["participating_processes"] == 2
+    effect = max(abs(a - b) for a, b in zip(losses(one), losses(reference)))  # 0.01 vs the default 1.0
+    gap = max(abs(a - b) for a, b in zip(losses(zero2), losses(one)))
+    print(f"max_grad_norm 0.01 vs 1.0 moves the losses by up to {effect:.3f}; zero2 vs one process: {gap:.2e}")
+    assert effect > 1e-2 and gap < 1e-5
+
+
+def test_max_grad_norm_must_be_non_negative():
+    with pytest.raises(UsageError, match="max_grad_norm must be >= 0"):
+        TrainingArguments(max_grad_norm=-1)
+    TrainingArguments(max_grad_norm=0)  # 0: no clipping
+
+
+def test_deepspeed_clipping_follows_max_grad_norm_or_is_refused():
+    from common.accelerator import _clip_with_max_grad_norm
+
+    plugin = SimpleNamespace(deepspeed_config={"gradient_clipping": "auto"}, gradient_clipping="auto")
+    _clip_with_max_grad_norm(plugin, 0.25)
+    assert plugin.deepspeed_config["gradient_clipping"] == 0.25
+    plugin = SimpleNamespace(deepspeed_config={}, gradient_clipping=None)
+    _clip_with_max_grad_norm(plugin, 0.0)
+    assert plugin.deepspeed_config["gradient_clipping"] == 0.0  # DeepSpeed: 0 = no clipping
+    with pytest.raises(UsageError, match="gradient_clipping: 1.0 but --max_grad_norm is 0.5"):
+        _clip_with_max_grad_norm(SimpleNamespace(deepspeed_config={"gradient_clipping": 1.0}), 0.5)
+
+
+# --- epochs with a remainder, and resuming past an epoch boundary ---------------------
+
+@pytest.mark.slow
+def test_epochs_with_a_remainder_resume_exactly(tmp_path):
+    from common.synthetic import write_markov_corpus
+
+    data = tmp_path / "data"
+    write_markov_corpus(str(data), train_docs=120, validation_docs=20, seed=0)
+    accumulation = 5
+    args = dict(per_device_train_batch_size=2, gradient_accumulation_steps=accumulation, max_steps=-1,
+                num_train_epochs=3, save_steps=1, warmup_steps=0, lr_scheduler_type="linear")
+    full = tmp_path / "full"
+    launch("ddp.yaml", "causal_lm.py", causal_lm_args(data, full, **args), launcher_args=FP32)
+    record = read_run(full)
+    batches = record["train_blocks"] // (2 * 2)  # per rank per epoch
+    per_epoch = batches // accumulation
+    print(f"{record['train_blocks']} blocks: {batches} batches per rank per epoch, {per_epoch} steps, "
+          f"remainder {batches % accumulation}")
+    assert batches % accumulation != 0 and per_epoch >= 2
+    assert record["max_steps"] == 3 * per_epoch
+    train = read_metrics(full)[0]
+    assert [r["step"] for r in train] == list(range(1, 3 * per_epoch + 1))
+    assert train[-1]["lr"] == pytest.approx(0.0, abs=1e-12)  # the schedule ends on the last step
+
+    # Stopped one step after the first epoch boundary; resumed from that checkpoint.
+    after_boundary = per_epoch + 1
+    state = json.loads((full / "checkpoints" / f"step_{after_boundary}" / "trainer_state.json").read_text())
+    assert state["data"] == {"epoch": 1, "batches": accumulation}
+    stopped = tmp_path / "stopped"
+    shutil.copytree(full / "checkpoints" / f"step_{after_boundary}", stopped / "checkpoints" / f"step_{after_boundary}")
+    launch("ddp.yaml", "causal_lm.py", causal_lm_args(data, stopped, resume_from_checkpoint="latest", **args),
+           launcher_args=FP32)
+    resumed = read_metrics(stopped)[0]
+    assert [r["step"] for r in resumed] == list(range(after_boundary + 1, 3 * per_epoch + 1))
+    gap = max(abs(a["loss"] - b["loss"]) for a, b in zip(train[after_boundary:], resumed))
+    assert gap < 1e-6 and max_weight_difference(stopped / "final", full / "final") < 1e-6
+
+
+# --- weight decay by module type; strategy-independent initialisation -------------------
+
+def test_weight_decay_skips_biases_and_every_norm_layer_by_type():
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from common.training import create_optimizer
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=32, n_positions=16))
+    decayed, plain = create_optimizer(model, TrainingArguments(weight_decay=0.1)).param_groups
+    names = {id(p): n for n, p in model.named_parameters()}
+    plain_names = {names[id(p)] for p in plain["params"]}
+    assert "transformer.h.0.ln_1.weight" in plain_names and "transformer.ln_f.weight" in plain_names
+    assert all(n.endswith("bias") or ".ln_" in n for n in plain_names)
+    decayed_names = {names[id(p)] for p in decayed["params"]}
+    assert "transformer.h.0.attn.c_attn.weight" in decayed_names and not any(".ln_" in n for n in decayed_names)
+    assert len(decayed_names) + len(plain_names) == len(list(model.parameters()))
+    assert isinstance(model.transformer.h[0].ln_1, torch.nn.LayerNorm)
+
+
+def test_initial_weights_do_not_depend_on_the_global_rng_or_build_order():
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from common.model import initialise_weights
+
+    config = LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2)
+    torch.manual_seed(1)
+    first = AutoModelForCausalLM.from_config(config)
+    initialise_weights(first, seed=7)
+    torch.manual_seed(2)
+    torch.rand(1000)  # another RNG state, as another strategy's set-up would leave
+    second = AutoModelForCausalLM.from_config(config)
+    initialise_weights(second, seed=7)
+    for (name, a), b in zip(first.state_dict().items(), second.state_dict().values()):
+        assert torch.equal(a, b), name
+    third = AutoModelForCausalLM.from_config(config)
+    initialise_weights(third, seed=8)
+    assert not torch.equal(third.model.embed_tokens.weight, first.model.embed_tokens.weight)
