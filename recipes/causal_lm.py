@@ -64,7 +64,8 @@ def main(argv=None):
     step = state["step"]
     metrics = MetricsLogger(accelerator, args.output_dir, max_steps, start_step=step)
 
-    # Training loop: one optimizer step per gradient_accumulation_steps batches.
+    # Training loop: one optimizer step per gradient_accumulation_steps batches. Each batch
+    # carries num_items_in_batch, so the loss is the mean over the global batch's label tokens.
     model.train()
     grad_norm = None
     batches = TrainBatches(accelerator, train_loader, args.gradient_accumulation_steps, resume_from=state)

@@ -112,7 +112,7 @@ def pretrained_args(data: Path, model: Path, output_dir: Path, **overrides) -> l
     args = causal_lm_args(data, output_dir, **overrides)
     drop = {"--model_config", "--tokenizer_name_or_path"}
     kept = [t for i, t in enumerate(args) if t not in drop and (i == 0 or args[i - 1] not in drop)]
-    return kept + ["--model_config", "", "--model_name_or_path", str(model)]
+    return kept + ["--model_config", "", "--tokenizer_name_or_path", "", "--model_name_or_path", str(model)]
 
 
 def load_weights(folder) -> dict:

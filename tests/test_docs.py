@@ -84,7 +84,8 @@ def test_make_benchmark_prints_ratios():
     result = run(["make", "-s", "benchmark", "ARGS=--configs single.yaml ddp.yaml --steps 6"])
     rows = [line.split() for line in result.stdout.splitlines() if line.startswith(("single.yaml", "ddp.yaml"))]
     assert [r[0] for r in rows] == ["single.yaml", "ddp.yaml"] and [r[1] for r in rows] == ["1", "2"]
-    assert float(rows[1][4]) == 1.0 and float(rows[0][3]) > 0
+    assert [r[3] for r in rows] == ["bfloat16", "bfloat16"]  # as the configs ship
+    assert float(rows[1][6]) == 1.0 and float(rows[0][5]) > 0
 
 
 @pytest.mark.slow
@@ -102,9 +103,9 @@ def test_recipe_make_targets(target, config, extra, tmp_path):
 
 
 def _loop(recipe: str) -> list[str]:
-    """The recipe's training step: from `for batch in train_batches(` to the step count."""
+    """The recipe's training step: from `batches = TrainBatches(` to the step count."""
     lines = (REPO / "recipes" / recipe).read_text().splitlines()
-    start = next(i for i, line in enumerate(lines) if line.strip().startswith("for batch in train_batches("))
+    start = next(i for i, line in enumerate(lines) if line.strip().startswith("batches = TrainBatches("))
     end = next(i for i in range(start, len(lines)) if lines[i].strip() == "metrics.advance()")
     return [line.strip() for line in lines[start:end + 1]]
 

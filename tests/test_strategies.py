@@ -18,7 +18,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import (FP32, STEPS, SAVE_AT, causal_lm_args, launch, load_weights, losses, max_weight_difference,
+from conftest import (CONFIGS, FP32, STEPS, SAVE_AT, causal_lm_args, launch, load_weights, losses, max_weight_difference,
                       optimizer_state_dtypes, pretrained_args, read_metrics, read_run)
 
 # config -> (distributed type, parameters sharded?)
@@ -42,6 +42,21 @@ FSDP_FLAGS = {"fsdp.yaml": ("True", False, False), "fsdp_shard_grad_op.yaml": ("
               "fsdp_offload.yaml": ("True", True, True)}
 
 
+def fp32_launch(config: str, tmp_path) -> tuple:
+    """(config, launcher flags) for an fp32 run. zero2_json.yaml's precision lives in its
+    DeepSpeed JSON (accelerate refuses --mixed_precision beside it): use a copy with bf16 off."""
+    if config != "zero2_json.yaml":
+        return config, FP32
+    ds = json.loads((CONFIGS / "deepspeed" / "zero2_auto.json").read_text())
+    ds["bf16"]["enabled"] = False
+    (tmp_path / "zero2_fp32.json").write_text(json.dumps(ds))
+    yaml_text = (CONFIGS / config).read_text().replace("accelerate_configs/deepspeed/zero2_auto.json",
+                                                       str(tmp_path / "zero2_fp32.json"))
+    assert str(tmp_path) in yaml_text
+    (tmp_path / config).write_text(yaml_text)
+    return tmp_path / config, []
+
+
 def assert_two_processes(record, config):
     assert record["distributed_type"] == STRATEGIES[config][0]
     assert record["world_size"] == 2 and record["participating_processes"] == 2
@@ -52,7 +67,8 @@ def assert_two_processes(record, config):
 def test_strategy_matches_single_process(config, markov_data, reference, tmp_path):
     out = tmp_path / "run"
     args = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=STEPS, save_steps=SAVE_AT)
-    launch(config, "causal_lm.py", causal_lm_args(markov_data, out, **args), launcher_args=FP32)
+    config_file, precision = fp32_launch(config, tmp_path)
+    launch(config_file, "causal_lm.py", causal_lm_args(markov_data, out, **args), launcher_args=precision)
     record = read_run(out)
     assert_two_processes(record, config)
     assert record["compute_dtype"] == "float32" and record["effective_batch_size"] == 8
@@ -75,8 +91,8 @@ def test_strategy_matches_single_process(config, markov_data, reference, tmp_pat
     # Resume: a run that stopped right after its step-6 checkpoint continues identically.
     stopped = tmp_path / "stopped"
     shutil.copytree(out / "checkpoints" / f"step_{SAVE_AT}", stopped / "checkpoints" / f"step_{SAVE_AT}")
-    launch(config, "causal_lm.py", causal_lm_args(markov_data, stopped, resume_from_checkpoint="latest", **args),
-           launcher_args=FP32)
+    launch(config_file, "causal_lm.py", causal_lm_args(markov_data, stopped, resume_from_checkpoint="latest", **args),
+           launcher_args=precision)
     resumed = read_metrics(stopped)[0]
     assert [r["step"] for r in resumed] == list(range(SAVE_AT + 1, STEPS + 1))
     resume_gap = max(abs(a - r["loss"]) for a, r in zip(mine[SAVE_AT:], resumed))
