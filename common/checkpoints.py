@@ -115,15 +115,15 @@ def export_final(accelerator, model, tokenizer, output_dir: str, dtype, name: st
     unwrapped = accelerator.unwrap_model(model)
 
     def save_model(folder):
+        unwrapped.save_pretrained(folder, safe_serialization=True, state_dict={
+            k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()})
         config = getattr(unwrapped, "config", None)
-        trained_dtype = getattr(config, "dtype", None)
-        if config is not None:
-            config.dtype = dtype  # config.json says what the file holds
-        try:
-            unwrapped.save_pretrained(folder, safe_serialization=True, state_dict={
-                k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()})
-        finally:
-            if config is not None:
+        if config is not None and not hasattr(unwrapped, "peft_config"):
+            # save_pretrained writes the live parameters' dtype; say what the file holds
+            trained_dtype, config.dtype = config.dtype, dtype
+            try:
+                config.save_pretrained(folder)
+            finally:
                 config.dtype = trained_dtype
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
