@@ -37,7 +37,9 @@ STRATEGIES = {
 FP32_TOLERANCE = 1e-5  # per-step loss and final weights vs the single-process run
 # bf16 (8 significant bits): bf16 compute and, under FSDP2/DeepSpeed, bf16 gradient reduction.
 BF16_LOSS_TOLERANCE = 2e-2  # per-step loss vs single-process bf16 (losses about 3.9)
-BF16_WEIGHT_TOLERANCE = 2e-3  # exported bf16 weights vs single-process bf16 (weights up to about 1)
+# Exported bf16 weights vs single-process bf16, as the size of the difference between the two
+# runs' weight updates (final - initial, all tensors) relative to the reference's update.
+BF16_UPDATE_TOLERANCE = 0.05  # seen: 0.005 (ddp) to 0.009 (fsdp, zero2, zero3)
 FSDP_FLAGS = {"fsdp.yaml": ("True", False, False), "fsdp_shard_grad_op.yaml": ("False", False, False),
               "fsdp_offload.yaml": ("True", True, True)}
 
@@ -128,6 +130,17 @@ def test_bf16_fine_tuning_of_a_bf16_checkpoint(config, markov_data, bf16_checkpo
         assert json.loads((run / "final" / "config.json").read_text())["dtype"] == "bfloat16"
     weight_gap = max_weight_difference(out / "final", bf16_reference / "final")
     print(f"{config}: bf16 max loss gap {loss_gap:.2e} (tolerance {BF16_LOSS_TOLERANCE}), exported bf16 weight gap "
-          f"{weight_gap:.2e} (tolerance {BF16_WEIGHT_TOLERANCE}); reduce dtype {record['gradient_reduce_dtype']}")
+          f"{weight_gap:.2e}; reduce dtype {record['gradient_reduce_dtype']}")
     assert loss_gap < BF16_LOSS_TOLERANCE
-    assert weight_gap < BF16_WEIGHT_TOLERANCE
+    update_gap = relative_update_difference(out / "final", bf16_reference / "final", bf16_checkpoint)
+    print(f"{config}: bf16 weight updates differ from the reference's by {update_gap:.3f} of their size")
+    assert update_gap < BF16_UPDATE_TOLERANCE
+
+
+def relative_update_difference(final, reference_final, initial) -> float:
+    """||(final - initial) - (reference - initial)|| / ||reference - initial||, over all tensors."""
+    mine, reference, start = load_weights(final), load_weights(reference_final), load_weights(initial)
+    assert mine.keys() == reference.keys() == start.keys()
+    difference = sum(float((mine[k].float() - reference[k].float()).pow(2).sum()) for k in mine)
+    update = sum(float((reference[k].float() - start[k].float()).pow(2).sum()) for k in mine)
+    return math.sqrt(difference / update)
