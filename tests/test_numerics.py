@@ -60,6 +60,24 @@ def test_sft_objective_is_the_same_however_the_batch_is_split(packing, counting_
 
 # --- --max_grad_norm decides clipping under every strategy ---------------------------
 
+@pytest.mark.slow
+def test_small_max_grad_norm_changes_zero2_as_it_changes_one_process(markov_data, tmp_path):
+    # DeepSpeed clips inside its own step with its config's gradient_clipping; build_accelerator writes
+    # --max_grad_norm there. Adam is almost blind to a uniform gradient scale: a large epsilon lets clipping show.
+    runs = {"unclipped": ("single.yaml", 8, 0), "one": ("single.yaml", 8, 0.01), "zero2": ("zero2.yaml", 4, 0.01)}
+    for name, (config, batch, max_grad_norm) in runs.items():
+        launch(config, "causal_lm.py", causal_lm_args(markov_data, tmp_path / name, per_device_train_batch_size=batch,
+                                                      max_grad_norm=max_grad_norm, adam_epsilon=1e-3, max_steps=6),
+               launcher_args=FP32)
+    assert read_run(tmp_path / "zero2")["participating_processes"] == 2
+    assert read_run(tmp_path / "zero2")["args"]["max_grad_norm"] == 0.01
+    unclipped, one, zero2 = (losses(tmp_path / name) for name in runs)
+    effect = max(abs(a - b) for a, b in zip(one, unclipped))
+    gap = max(abs(a - b) for a, b in zip(zero2, one))
+    print(f"max_grad_norm 0.01 vs 0 (off) moves the losses by up to {effect:.3f}; zero2 vs one process: {gap:.2e}")
+    assert len(zero2) == len(one) == 6 and effect > 1e-2 and gap < 1e-5
+
+
 def test_max_grad_norm_must_be_non_negative():
     with pytest.raises(UsageError, match="max_grad_norm must be >= 0"):
         TrainingArguments(max_grad_norm=-1)
