@@ -112,24 +112,3 @@ def tokenize_for_classification(raw: DatasetDict, tokenizer, text_column: str, l
                             remove_columns=raw["train"].column_names, desc="tokenizing")
     return tokenized, label_names
 
-
-def tokenize_chat(raw: DatasetDict, tokenizer, messages_column: str, max_length: int, accelerator,
-                  num_proc: int | None = None) -> DatasetDict:
-    """Render conversations with the tokenizer's chat template; labels are the assistant
-    tokens only (the template marks them with {% generation %}), -100 elsewhere."""
-    _check_columns(raw, messages_column)
-    if not tokenizer.chat_template:
-        raise UsageError("the tokenizer has no chat_template; set one (see common/synthetic.py CHAT_TEMPLATE)")
-
-    def render(example):
-        encoded = tokenizer.apply_chat_template(example[messages_column], tokenize=True, return_dict=True,
-                                                return_assistant_tokens_mask=True, truncation=True,
-                                                max_length=max_length)
-        ids, mask = encoded["input_ids"], encoded["assistant_masks"]
-        if not any(mask):
-            raise UsageError("a conversation has no assistant tokens: the chat template must wrap assistant "
-                             "content in {% generation %}...{% endgeneration %}")
-        return {"input_ids": ids, "labels": [t if m else -100 for t, m in zip(ids, mask)]}
-
-    with accelerator.main_process_first():
-        return raw.map(render, num_proc=num_proc, remove_columns=raw["train"].column_names, desc="rendering chats")

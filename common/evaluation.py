@@ -84,23 +84,30 @@ def evaluate_classification(model, dataloader, accelerator, metrics: dict, f1_av
 
 
 @torch.no_grad()
-def evaluate_generation(model, tokenizer, conversations: list, accelerator, max_new_tokens: int) -> dict:
-    """Exact match of greedy answers: each conversation's last assistant turn is the reference,
-    the turns before it the prompt. Conversations are split over ranks; every rank runs the
-    same number of generate calls (ZeRO-3 and FSDP need all ranks in each forward)."""
+def evaluate_generation(model, tokenizer, references: list, accelerator, max_new_tokens: int,
+                        stop_ids: list[int] | None = None) -> dict:
+    """Exact match of greedy answers to `references`, (prompt, answer) pairs from
+    `common.chat.generation_references`: a prompt is the turns before a conversation's last
+    assistant turn (rendered with the chat template) or a prompt-completion row's text.
+    Pairs are split over ranks; every rank runs the same number of generate calls (ZeRO-3
+    and FSDP need all ranks in each forward). Generation stops at `stop_ids` (default: EOS)."""
     model.eval()
     unwrapped = accelerator.unwrap_model(model)
-    indexed = list(enumerate(conversations))
+    indexed = list(enumerate(references))
     correct = []
     with accelerator.split_between_processes(indexed, apply_padding=True) as mine:
-        for index, messages in mine:
-            prompt = tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=True, tokenize=True,
-                                                   return_dict=True, return_tensors="pt").to(accelerator.device)
-            output = unwrapped.generate(**prompt, max_new_tokens=max_new_tokens, do_sample=False,
-                                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        for index, (prompt, answer) in mine:
+            if isinstance(prompt, str):
+                inputs = tokenizer(prompt, return_tensors="pt")
+            else:
+                inputs = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
+                                                       return_dict=True, return_tensors="pt")
+            inputs = inputs.to(accelerator.device)
+            output = unwrapped.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
+                                        eos_token_id=stop_ids or tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                                         synced_gpus=accelerator.num_processes > 1)
-            answer = tokenizer.decode(output[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
-            correct.append((index, answer.strip() == messages[-1]["content"].strip()))
+            generated = tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+            correct.append((index, generated.strip() == answer.strip()))
     model.train()
-    seen = dict(gather_object(correct))  # keyed by index: the padding's repeated conversations count once
+    seen = dict(gather_object(correct))  # keyed by index: the padding's repeated pairs count once
     return {"eval_exact_match": sum(seen.values()) / max(len(seen), 1), "eval_generated": len(seen)}

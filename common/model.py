@@ -29,6 +29,10 @@ def load_model(args: ModelArguments, tokenizer, seed: int, gradient_checkpointin
     dtype = "auto" if args.torch_dtype == "auto" else getattr(torch, args.torch_dtype)
     if args.model_name_or_path:
         model = auto_class.from_pretrained(args.model_name_or_path, dtype=dtype, **config_overrides)
+        if getattr(model.config, "pad_token_id", None) is None:
+            # Decoder checkpoints (Llama, Mistral, ...) ship without a pad token: padded batches
+            # (sequence classification finds each row's last real token by it) use the tokenizer's.
+            model.config.pad_token_id = tokenizer.pad_token_id
         if args.adapter_name_or_path:  # a trained PEFT adapter on top (e.g. to evaluate it)
             from peft import PeftModel
             model = PeftModel.from_pretrained(model, args.adapter_name_or_path)

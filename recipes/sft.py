@@ -1,7 +1,9 @@
 """Supervised fine-tuning (instruction tuning) on chat-formatted data.
 
-Conversations are rendered with the tokenizer's chat template; the loss covers
-assistant tokens only. With --packing (default) a batch's conversations are
+Conversations (a `messages` column) are rendered with the tokenizer's chat template,
+or --chat_template's; the loss covers assistant turns only (content and end-of-turn
+token), whatever the template. Prompt-completion data (`prompt`/`completion`
+columns, text or lists of messages) learns the completion only. With --packing (default) a batch's conversations are
 concatenated into one row with per-conversation position ids, so no compute goes
 to padding and no conversation attends to another; --packing false pads instead.
 Evaluates loss and the exact-match accuracy of greedy answers.
@@ -22,7 +24,8 @@ from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening
 from common.arguments import (DataArguments, ModelArguments, TrainingArguments, exits_on_usage_error,
                               parse_args, to_dict)
 from common.checkpoints import export_final, load_checkpoint, save_checkpoint
-from common.data import load_raw_datasets, make_dataloaders, tokenize_chat
+from common.chat import OVERLONG, end_of_turn_ids, generation_references, read_chat_template, tokenize_sft
+from common.data import load_raw_datasets, make_dataloaders
 from common.evaluation import evaluate_generation
 from common.metrics import MetricsLogger
 from common.model import count_parameters, export_dtype, load_model, load_tokenizer
@@ -34,6 +37,10 @@ from common.training import (create_optimizer, create_scheduler, evaluate_loss, 
 @dataclass
 class SFTArguments:
     messages_column: str = "messages"
+    chat_template: str | None = field(
+        default=None, metadata={"help": "A chat template file or text; replaces the tokenizer's (and is saved with it)."})
+    overlong: str = field(default="drop", metadata={
+        "help": f"Examples longer than --block_size: {' or '.join(OVERLONG)} (dropped examples are counted in run.json)."})
     packing: bool = field(default=True, metadata={"help": "Flatten each batch into one row (no padding)."})
     max_new_tokens: int = field(default=8, metadata={"help": "Greedy answer length for exact match."})
     max_generation_samples: int | None = field(default=None, metadata={"help": "Eval conversations to generate for."})
@@ -47,14 +54,19 @@ def main(argv=None):
 
     # Data: chat template, assistant-only labels; block_size is the maximum length.
     tokenizer = load_tokenizer(model_args)
+    if sft_args.chat_template:
+        tokenizer.chat_template = read_chat_template(sft_args.chat_template)
     raw = load_raw_datasets(data_args, args.seed)
-    datasets = tokenize_chat(raw, tokenizer, sft_args.messages_column, data_args.block_size, accelerator)
+    datasets, dropped = tokenize_sft(raw, tokenizer, sft_args.messages_column, data_args.block_size,
+                                     sft_args.overlong, accelerator)
     padding = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
     train_loader, eval_loader = make_dataloaders(
         datasets, args.per_device_train_batch_size, args.per_device_eval_batch_size, args.seed,
         collate_fn=DataCollatorWithFlattening() if sft_args.packing else padding,
         eval_collate_fn=padding)  # eval keeps one row per conversation, so every one is counted once
-    conversations = raw["validation"][sft_args.messages_column][:sft_args.max_generation_samples]
+    references = generation_references(raw["validation"], raw["train"].column_names, sft_args.messages_column,
+                                       sft_args.max_generation_samples)
+    stop_ids = end_of_turn_ids(datasets["validation"])
 
     model = load_model(model_args, tokenizer, args.seed, args.gradient_checkpointing)
     parameters = count_parameters(model)
@@ -65,7 +77,7 @@ def main(argv=None):
         model, optimizer, train_loader, eval_loader, scheduler)
 
     run = record_run(accelerator, model, optimizer, to_dict(model_args, data_args, sft_args, args), args.output_dir,
-                     max_steps=max_steps, **parameters)
+                     max_steps=max_steps, dropped_examples=dropped, **parameters)
     accelerator.init_trackers(args.run_name, tracker_config(run["args"]))
     state = load_checkpoint(accelerator, checkpoint)  # {"step": 0} for a fresh run
     step = state["step"]
@@ -73,8 +85,8 @@ def main(argv=None):
 
     def evaluate():
         return metrics.log_eval(step, {**evaluate_loss(model, eval_loader, accelerator),
-                                       **evaluate_generation(model, tokenizer, conversations, accelerator,
-                                                             sft_args.max_new_tokens)})
+                                       **evaluate_generation(model, tokenizer, references, accelerator,
+                                                             sft_args.max_new_tokens, stop_ids)})
 
     before = evaluate() if step == 0 else None
 

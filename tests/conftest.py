@@ -205,6 +205,34 @@ def sentiment_data(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def decoder_classifier(sentiment_data, tmp_path_factory) -> Path:
+    """A Llama checkpoint saved in bf16 whose config and tokenizer have no pad token, as Llama's
+    on the Hub: a byte-level BPE trained on the sentiment texts, and a model from tiny_llama.json."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    out = tmp_path_factory.mktemp("decoder_classifier")
+    texts = [json.loads(line)["text"] for line in (sentiment_data / "train.jsonl").read_text().splitlines()]
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"],
+                                                           initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                           show_progress=False))
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>")
+    assert tokenizer.pad_token is None
+    tokenizer.save_pretrained(out)
+    config = AutoConfig.from_pretrained(REPO / "recipes/configs/tiny_llama.json", vocab_size=len(tokenizer),
+                                        bos_token_id=0, eos_token_id=1, pad_token_id=None)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(out)
+    assert json.loads((out / "config.json").read_text()).get("pad_token_id") is None
+    return out
+
+
+@pytest.fixture(scope="session")
 def arithmetic_data(tmp_path_factory) -> Path:
     from common.synthetic import write_arithmetic_data
 

@@ -27,13 +27,13 @@ def test_counting_chats_have_label_counts_that_vary(counting_data):
     from datasets import load_dataset
     from transformers import AutoTokenizer
 
-    from common.data import tokenize_chat
+    from common.chat import tokenize_sft
 
     tokenizer = AutoTokenizer.from_pretrained(counting_data / "tokenizer")
     raw = load_dataset("json", data_files={"train": str(counting_data / "train.jsonl"),
                                            "validation": str(counting_data / "validation.jsonl")})
-    counts = {sum(t != -100 for t in e["labels"]) for e in tokenize_chat(raw, tokenizer, "messages", 64,
-                                                                         PartialState(cpu=True))["train"]}
+    counts = {sum(t != -100 for t in e["labels"]) for e in tokenize_sft(raw, tokenizer, "messages", 64, "drop",
+                                                                        PartialState(cpu=True))[0]["train"]}
     assert min(counts) == 2 and max(counts) == 13  # answer (1 to 12 tokens) + EOS
 
 

@@ -59,6 +59,26 @@ def test_sequence_classification(config, sentiment_data, minilm, tmp_path):
         assert accuracy == pytest.approx(expected, abs=1e-9), folder
 
 
+@pytest.mark.slow
+def test_sequence_classification_with_a_decoder_that_has_no_pad_token(decoder_classifier, sentiment_data, tmp_path):
+    """A Llama-style checkpoint (bf16, no pad token in config or tokenizer, as on the Hub)
+    classifies, padded per batch, with the pad token borrowed from EOS and saved in the config."""
+    out = tmp_path / "run"
+    launch("ddp.yaml", "sequence_classification.py", flags(
+        config=REPO / "recipes/configs/sequence_classification_demo.yaml", model_name_or_path=decoder_classifier,
+        train_file=sentiment_data / "train.jsonl", validation_file=sentiment_data / "validation.jsonl",
+        output_dir=out, max_steps=30, eval_steps=0, logging_steps=5, per_device_train_batch_size=8,
+        gradient_accumulation_steps=2, learning_rate=3e-3))
+    assert_two_process_run(out, "ddp.yaml")
+    first, last = first_and_last_loss(out)
+    evals = read_metrics(out)[1]
+    print(f"decoder classifier: loss {first:.4f} -> {last:.4f}, accuracy {[e['eval_accuracy'] for e in evals]}")
+    assert last < first and evals[-1]["eval_accuracy"] > 0.65  # chance: 0.5; validation sentences use unseen templates
+    saved = json.loads((out / "final" / "config.json").read_text())
+    assert saved["architectures"] == ["LlamaForSequenceClassification"] and saved["pad_token_id"] == 1  # </s>
+    assert saved["dtype"] == "bfloat16"  # the checkpoint's dtype (--save_dtype auto)
+
+
 def test_best_model_tracker_and_early_stopping():
     from common.evaluation import BestModelTracker
 
@@ -148,13 +168,13 @@ def _chat_batches(arithmetic_data, count=12):
     from datasets import DatasetDict, load_dataset
     from transformers import AutoTokenizer
 
-    from common.data import tokenize_chat
+    from common.chat import tokenize_sft
 
     tokenizer = AutoTokenizer.from_pretrained(arithmetic_data / "tokenizer")
     raw = load_dataset("json", data_files={"train": str(arithmetic_data / "validation.jsonl"),
                                            "validation": str(arithmetic_data / "validation.jsonl")})
     raw = DatasetDict({k: v.select(range(count)) for k, v in raw.items()})
-    return tokenizer, raw, tokenize_chat(raw, tokenizer, "messages", 64, PartialState(cpu=True))
+    return tokenizer, raw, tokenize_sft(raw, tokenizer, "messages", 64, "drop", PartialState(cpu=True))[0]
 
 
 def test_chat_labels_cover_the_assistant_answer_only(arithmetic_data):
