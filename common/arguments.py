@@ -53,6 +53,9 @@ class ModelArguments:
                              "(clear one set in the recipe YAML with --model_config \"\")")
         if self.model_config:
             require_path(self.model_config, "model_config")
+            _require_json_config(self.model_config)
+        for key in ("model_name_or_path", "tokenizer_name_or_path", "adapter_name_or_path"):
+            _require_local_or_hub_name(getattr(self, key), key)
         if not (self.tokenizer_name_or_path or self.model_name_or_path):
             raise UsageError("--model_config needs --tokenizer_name_or_path")
         for key, allowed in (("torch_dtype", DTYPES), ("save_dtype", DTYPES)):
@@ -122,10 +125,48 @@ class TrainingArguments:
                 raise UsageError(f"--{key} must be at least 1, got {getattr(self, key)}")
         if not self.max_grad_norm >= 0:
             raise UsageError(f"--max_grad_norm must be >= 0 (0 turns clipping off), got {self.max_grad_norm}")
+        for key in ("learning_rate", "adam_epsilon", "weight_decay", "warmup_steps", "eval_steps", "save_steps"):
+            if not getattr(self, key) >= 0:
+                raise UsageError(f"--{key} must be >= 0, got {getattr(self, key)}")
+        if self.learning_rate == 0:
+            raise UsageError("--learning_rate is 0, so nothing would train; pass a positive learning rate")
+        for key in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, key) < 1:
+                raise UsageError(f"--{key} must be in [0, 1), got {getattr(self, key)}")
+        from transformers import SchedulerType
+        schedulers = [kind.value for kind in SchedulerType]
+        if self.lr_scheduler_type not in schedulers:
+            raise UsageError(f"--lr_scheduler_type {self.lr_scheduler_type!r} is not a scheduler; use one of "
+                             f"{', '.join(schedulers)}")
+        if os.path.exists(self.output_dir) and not os.path.isdir(self.output_dir):
+            raise UsageError(f"--output_dir {self.output_dir} is a file; pass a folder (it is created if missing)")
         if self.report_to not in ("tensorboard", "wandb", "none"):
             raise UsageError(f"--report_to must be tensorboard, wandb or none, got {self.report_to!r}")
         if self.resume_from_checkpoint not in (None, "latest"):
             require_path(self.resume_from_checkpoint, "resume_from_checkpoint")
+
+
+def _require_json_config(path: str) -> None:
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    try:
+        with open(file, encoding="utf-8") as handle:
+            config = json.load(handle)
+    except (OSError, ValueError) as error:
+        raise UsageError(f"--model_config {file} is not a readable JSON model config ({error}); pass a config.json "
+                         "such as recipes/configs/tiny_llama.json") from None
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise UsageError(f"--model_config {file} has no \"model_type\"; a transformers config.json names its "
+                         "model_type (llama, gpt2, ...)")
+
+
+def _require_local_or_hub_name(value: str | None, key: str) -> None:
+    """A local folder that exists, or something shaped like a Hub name (`org/name` or `name`).
+    A path that looks local (starts with ., /, ~ or has more than one /) must exist."""
+    if not value or os.path.exists(value):
+        return
+    looks_local = value.startswith((".", "/", "~")) or value.count("/") > 1
+    if looks_local:
+        raise UsageError(f"--{key} {value} does not exist; pass a local model folder or a Hub name (org/name)")
 
 
 def require_path(path: str, key: str) -> None:
@@ -148,6 +189,9 @@ def _yaml_to_argv(config: dict, parser: argparse.ArgumentParser, source: str) ->
 
 
 class _RaisingParser(HfArgumentParser):
+    def __init__(self, dataclass_types):
+        super().__init__(dataclass_types, allow_abbrev=False)  # --learning_rat is an error, not --learning_rate
+
     def error(self, message):  # argparse prints usage and exits; we want one line
         raise UsageError(message)
 

@@ -12,8 +12,10 @@ TYPES = (ModelArguments, DataArguments, TrainingArguments)
 def recipe_yaml(tmp_path):
     data = tmp_path / "train.jsonl"
     data.write_text('{"text": "a b"}\n')
+    model_config = tmp_path / "model.json"
+    model_config.write_text('{"model_type": "llama"}')
     config = tmp_path / "recipe.yaml"
-    config.write_text(f"model_config: {config}\ntokenizer_name_or_path: tok\ntrain_file: {data}\n"
+    config.write_text(f"model_config: {model_config}\ntokenizer_name_or_path: tok\ntrain_file: {data}\n"
                       "learning_rate: 0.01\nmax_steps: 7\ngradient_checkpointing: true\n")
     return config
 
@@ -50,10 +52,33 @@ def test_bad_yaml_names_the_key_and_file(recipe_yaml, line, expected):
     (["--per_device_train_batch_size", "0"], "must be at least 1"),
     (["--report_to", "mlflow"], "report_to"),
     (["--train_file", "/nonexistent/x.jsonl"], "does not exist"),
+    (["--learning_rat", "0.1"], "unknown argument.s. --learning_rat"),  # no prefix matching
+    (["--learning_rate", "-0.1"], "--learning_rate must be >= 0"),
+    (["--learning_rate", "0"], "nothing would train"),
+    (["--adam_beta2", "1.5"], r"--adam_beta2 must be in \[0, 1\)"),
+    (["--lr_scheduler_type", "cosin"], "'cosin' is not a scheduler; use one of linear, cosine"),
+    (["--max_grad_norm", "-1"], "--max_grad_norm must be >= 0"),
+    (["--tokenizer_name_or_path", "./no/such/tokenizer"], "tokenizer_name_or_path ./no/such/tokenizer does not exist"),
+    (["--model_config", "", "--model_name_or_path", "/no/such/model"], "model_name_or_path /no/such/model does not exist"),
 ])
 def test_bad_command_line(recipe_yaml, argv, expected):
     with pytest.raises(UsageError, match=expected):
         _parse(TYPES, ["--config", str(recipe_yaml)] + argv)
+
+
+def test_output_dir_that_is_a_file(recipe_yaml, tmp_path):
+    (tmp_path / "taken").write_text("the user's file")
+    with pytest.raises(UsageError, match="is a file; pass a folder"):
+        _parse(TYPES, ["--config", str(recipe_yaml), "--output_dir", str(tmp_path / "taken")])
+    assert (tmp_path / "taken").read_text() == "the user's file"
+
+
+@pytest.mark.parametrize("content, expected", [("not json", "not a readable JSON model config"),
+                                               ('{"hidden_size": 64}', "has no \"model_type\"")])
+def test_model_config_that_is_not_a_model_config(recipe_yaml, tmp_path, content, expected):
+    (tmp_path / "model.json").write_text(content)
+    with pytest.raises(UsageError, match=expected):
+        _parse(TYPES, ["--config", str(recipe_yaml)])
 
 
 def test_missing_config_file():
