@@ -45,16 +45,23 @@ def check_output_dir(output_dir: str, resume_from_checkpoint: str | None, overwr
 
 def prepare_output_dir(accelerator, output_dir: str, resume_from_checkpoint: str | None,
                        overwrite: bool) -> str | None:
-    """The checkpoint to resume from, or None for a fresh run; a fresh run with
-    --overwrite_output_dir first clears the earlier run's checkpoints, export and metrics."""
+    """The checkpoint to resume from, or None for a fresh run. A fresh run with
+    --overwrite_output_dir clears the earlier run's checkpoints, export and metrics, but only
+    once it is known to start (`clear_earlier_run`, called when run.json is written)."""
     checkpoint = resolve_checkpoint(output_dir, resume_from_checkpoint)
-    if checkpoint is None and overwrite and accelerator.is_main_process:
+    accelerator.earlier_run_to_clear = output_dir if checkpoint is None and overwrite else None
+    return checkpoint
+
+
+def clear_earlier_run(accelerator) -> None:
+    output_dir = getattr(accelerator, "earlier_run_to_clear", None)
+    if output_dir and accelerator.is_main_process:
         for name in ("checkpoints", "final", "logs"):
             shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
         if os.path.exists(os.path.join(output_dir, "metrics.jsonl")):
             os.remove(os.path.join(output_dir, "metrics.jsonl"))
+    accelerator.earlier_run_to_clear = None
     accelerator.wait_for_everyone()
-    return checkpoint
 
 
 def resolve_checkpoint(output_dir: str, resume_from_checkpoint: str | None) -> str | None:
@@ -94,9 +101,16 @@ def load_checkpoint(accelerator, path: str | None) -> dict:
     ({"step": 0} for a fresh run, when `path` is None)."""
     if path is None:
         return {"step": 0}
-    accelerator.load_state(path)
-    with open(os.path.join(path, STATE_FILE)) as handle:
-        state = json.load(handle)
+    try:
+        accelerator.load_state(path)
+        with open(os.path.join(path, STATE_FILE)) as handle:
+            state = json.load(handle)
+    except Exception as error:  # every failure here means the same to the user; name it, keep its first line
+        detail = (str(error).strip().splitlines() or [""])[0][:300]
+        raise UsageError(f"checkpoint {path} does not load into this run ({type(error).__name__}: {detail}); it is "
+                         "damaged or from other model/strategy arguments: resume with the arguments in its run's "
+                         "run.json, pass another --resume_from_checkpoint, or start afresh with "
+                         "--overwrite_output_dir") from None
     accelerator.print(f"resumed from {path} at step {state['step']}")
     return state
 

@@ -25,13 +25,55 @@ def load_raw_datasets(args: DataArguments, seed: int) -> DatasetDict:
         extensions = {os.path.splitext(path)[1].lower() for path in data_files.values()}
         if len(extensions) != 1 or not extensions <= FILE_BUILDERS.keys():
             raise UsageError(f"data files must share one of {sorted(FILE_BUILDERS)}; got {sorted(extensions)}")
-        raw = load_dataset(FILE_BUILDERS[extensions.pop()], data_files=data_files)
+        raw = _load_files(FILE_BUILDERS[extensions.pop()], data_files)
+    for split, dataset in raw.items():
+        if len(dataset) == 0:
+            raise UsageError(f"the {split} split has no rows{_files_of(args, split)}; give a file with data")
     if "validation" not in raw:
         split = raw["train"].train_test_split(test_size=args.validation_split_percentage / 100, seed=seed)
         raw = DatasetDict(train=split["train"], validation=split["test"])
     if args.max_eval_samples:
         raw["validation"] = raw["validation"].select(range(min(args.max_eval_samples, len(raw["validation"]))))
     return raw
+
+
+def _files_of(args: DataArguments, split: str) -> str:
+    path = {"train": args.train_file, "validation": args.validation_file}.get(split)
+    return f" ({path})" if path else ""
+
+
+def _load_files(builder: str, data_files: dict) -> DatasetDict:
+    """load_dataset on local files; a file it cannot read is a one-line error naming it."""
+    from datasets.exceptions import DatasetGenerationError
+
+    try:
+        return load_dataset(builder, data_files=data_files)
+    except StopIteration:  # what datasets raises for an empty file
+        empty = [path for path in data_files.values() if os.path.getsize(path) == 0] or list(data_files.values())
+        raise UsageError(f"{', '.join(empty)}: no data in the file; give a file with rows") from None
+    except DatasetGenerationError:
+        pass
+    columns = {}  # read each file alone to name the one at fault
+    for split, path in data_files.items():
+        try:
+            columns[path] = load_dataset(builder, data_files={split: path})[split].column_names
+        except DatasetGenerationError as error:
+            cause = error.__cause__ or error
+            detail = (str(cause).strip().splitlines() or [""])[0]
+            raise UsageError(f"{path}: not readable as {builder} ({type(cause).__name__}: {detail}); fix the file "
+                             "(rows count from 0)") from None
+    raise UsageError("the data files do not have the same columns ("
+                     + "; ".join(f"{path}: {names}" for path, names in columns.items())
+                     + "); give every split the same columns")
+
+
+def check_text_column(raw: DatasetDict, column: str) -> None:
+    """Every value of `column` is a string (no numbers, lists or nulls), in every split."""
+    for split, dataset in raw.items():
+        for value in dataset[column]:
+            if not isinstance(value, str):
+                raise UsageError(f"column {column!r} of the {split} data holds {value!r}, not text; every value "
+                                 "must be a string (no nulls, numbers or lists)")
 
 
 def pack_sequences(examples: dict, block_size: int, eos_token_id: int) -> dict:
@@ -52,6 +94,7 @@ def tokenize_and_pack(raw: DatasetDict, tokenizer, text_column: str, block_size:
                       accelerator, num_proc: int | None = None) -> DatasetDict:
     """Tokenize every split (batched, cached) and pack it into blocks of `block_size`."""
     _check_columns(raw, text_column)
+    check_text_column(raw, text_column)
     if tokenizer.eos_token_id is None:
         raise UsageError("the tokenizer has no eos_token, which packing puts between documents; set one")
 
@@ -85,9 +128,10 @@ def make_dataloaders(datasets: DatasetDict, train_batch_size: int, eval_batch_si
 
 def _check_columns(raw: DatasetDict, *columns: str) -> None:
     for column in columns:
-        if column not in raw["train"].column_names:
-            raise UsageError(f"column {column!r} not in the data (columns: {raw['train'].column_names}); "
-                             "set --text_column/--label_column/--messages_column")
+        for split, dataset in raw.items():
+            if column not in dataset.column_names:
+                raise UsageError(f"column {column!r} not in the {split} data (columns: {dataset.column_names}); "
+                                 "set --text_column/--label_column/--messages_column")
 
 
 def tokenize_for_classification(raw: DatasetDict, tokenizer, text_column: str, label_column: str,
@@ -96,6 +140,7 @@ def tokenize_for_classification(raw: DatasetDict, tokenizer, text_column: str, l
 
     Returns the datasets and the label names, sorted, as found in the train split."""
     _check_columns(raw, text_column, label_column)
+    check_text_column(raw, text_column)
     label_names = sorted({str(label) for label in raw["train"][label_column]})
     unseen = {str(label) for label in raw["validation"][label_column]} - set(label_names)
     if unseen:

@@ -12,7 +12,7 @@ import torch
 from accelerate.utils import set_seed
 
 from common.accelerator import build_accelerator, launched_strategy, participating_processes
-from common.checkpoints import check_output_dir, prepare_output_dir
+from common.checkpoints import check_output_dir, clear_earlier_run, prepare_output_dir
 
 PACKAGES = ("torch", "accelerate", "transformers", "datasets", "deepspeed", "peft", "evaluate", "tokenizers")
 
@@ -115,7 +115,9 @@ def precision_details(accelerator, model, optimizer) -> dict:
 
 
 def record_run(accelerator, model, optimizer, args: dict, output_dir: str, **extra) -> dict:
-    """Print the resolved arguments once and write run.json (main process).
+    """Print the resolved arguments once and write run.json (main process). Called once the
+    run is known to start (its checkpoint, if any, loaded): an --overwrite_output_dir run
+    clears the earlier run's files here, not before.
 
     `model` and `optimizer` are the prepared ones: run.json records each rank's share of
     the parameters and the precision the run trains in."""
@@ -137,6 +139,7 @@ def record_run(accelerator, model, optimizer, args: dict, output_dir: str, **ext
         **extra,
         "versions": package_versions(),
     }
+    clear_earlier_run(accelerator)
     if accelerator.is_main_process:
         os.makedirs(output_dir, exist_ok=True)
         print(json.dumps(record, indent=2, default=str))

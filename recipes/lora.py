@@ -58,10 +58,11 @@ def main(argv=None):
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler)
 
+    # {"step": 0} for a fresh run. Loaded first: an earlier run's files change only once it has.
+    state = load_checkpoint(accelerator, checkpoint)
     run = record_run(accelerator, model, optimizer, to_dict(model_args, data_args, lora_args, args), args.output_dir,
                      max_steps=max_steps, **parameters)
     accelerator.init_trackers(args.run_name, tracker_config(run["args"]))
-    state = load_checkpoint(accelerator, checkpoint)  # {"step": 0} for a fresh run
     step = state["step"]
     metrics = MetricsLogger(accelerator, args.output_dir, max_steps, start_step=step)
     metrics.log_eval(step, evaluate_loss(model, eval_loader, accelerator))  # the base model's loss

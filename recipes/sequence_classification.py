@@ -67,12 +67,13 @@ def main(argv=None):
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler)
 
+    # {"step": 0} for a fresh run. Loaded first: an earlier run's files change only once it has.
+    state = load_checkpoint(accelerator, checkpoint)
     run = record_run(accelerator, model, optimizer, to_dict(model_args, data_args, task_args, args), args.output_dir,
                      max_steps=max_steps, labels=label_names, eval_examples=len(datasets["validation"]), **parameters)
     accelerator.init_trackers(args.run_name, tracker_config(run["args"]))
     best = BestModelTracker(task_args.metric_for_best_model, task_args.greater_is_better,
                             task_args.early_stopping_patience)
-    state = load_checkpoint(accelerator, checkpoint)  # {"step": 0} for a fresh run
     step = state["step"]
     best.load_state_dict(state.get("best", {}))
     metrics = MetricsLogger(accelerator, args.output_dir, max_steps, start_step=step)
