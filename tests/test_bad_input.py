@@ -1,0 +1,111 @@
+"""Bad input found after the process group starts, launched as users launch (2 processes
+under ddp.yaml): one `error:` line that names what is wrong, a non-zero exit, no traceback
+from the recipes or `common`, and nothing of an earlier run changed. (Bad arguments, found
+before start-up, are tested in-process in test_arguments.py.)"""
+
+import json
+import re
+import shutil
+
+import pytest
+
+from conftest import REPO, causal_lm_args, flags, launch, read_run
+
+GOOD = '{"text": "a b c d e f g h"}\n' * 40
+
+
+def launch_bad(args: list, recipe: str = "causal_lm.py") -> str:
+    """The one error line of a 2-process run that must fail."""
+    result = launch("ddp.yaml", recipe, args, check=False)
+    output = result.stdout + result.stderr
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert result.returncode != 0 and len(errors) == 1, output[-4000:]
+    # torchrun reports the failed child with its own launcher traceback; none comes from our code.
+    assert not re.search(r'File "[^"]*/(recipes|common)/', output), output[-4000:]
+    return errors[0]
+
+
+def data_files(tmp_path, train: str, validation: str = GOOD) -> dict:
+    (tmp_path / "train.jsonl").write_text(train)
+    (tmp_path / "validation.jsonl").write_text(validation)
+    return {"train_file": tmp_path / "train.jsonl", "validation_file": tmp_path / "validation.jsonl"}
+
+
+@pytest.fixture(scope="module")
+def earlier_run(markov_data, tmp_path_factory):
+    """A finished 2-process run with a checkpoint: the one the failed resumes must leave as it was."""
+    out = tmp_path_factory.mktemp("earlier") / "run"
+    launch("ddp.yaml", "causal_lm.py", causal_lm_args(markov_data, out, max_steps=2, save_steps=2))
+    return out
+
+
+def snapshot(out) -> dict:
+    return {name: (out / name).read_bytes() for name in ("run.json", "metrics.jsonl")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("train, validation, expected", [
+    (GOOD + '{"text": "a b\n', GOOD, r"train.jsonl: not readable as json \(ArrowInvalid: JSON parse error"),
+    ("", GOOD, r"train.jsonl: no data in the file"),
+    (GOOD + '{"text": null}\n', GOOD, r"column 'text' of the \w+ data holds None, not text"),
+    (GOOD + '{"text": 3}\n', GOOD, r"column 'text' of the \w+ data holds 3, not text"),
+    (GOOD, '{"body": "a b"}\n', r"do not have the same columns \(.*train.jsonl: \['text'\]; .*validation.jsonl: \['body'\]\)"),
+])
+def test_bad_data_is_one_line(markov_data, tmp_path, train, validation, expected):
+    files = data_files(tmp_path, train, validation)
+    error = launch_bad(causal_lm_args(markov_data, tmp_path / "run", **files))
+    assert re.search(expected, error), error
+
+
+@pytest.mark.slow
+def test_model_config_that_builds_no_model_overwrites_nothing(earlier_run, markov_data, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(earlier_run, out)
+    before = snapshot(out)
+    config = json.loads((REPO / "recipes/configs/tiny_llama.json").read_text())
+    (tmp_path / "bad.json").write_text(json.dumps({**config, "hidden_size": 30, "num_attention_heads": 4}))
+    error = launch_bad(causal_lm_args(markov_data, out, model_config=tmp_path / "bad.json") + ["--overwrite_output_dir"])
+    assert "bad.json does not build a model" in error and "not a multiple of the number of attention heads" in error
+    # --overwrite_output_dir clears the earlier run only once the new one is known to start.
+    assert snapshot(out) == before and (out / "final").is_dir() and (out / "checkpoints" / "step_2").is_dir()
+
+
+@pytest.mark.slow
+def test_folders_without_a_model_or_a_tokenizer(markov_data, tmp_path):
+    (tmp_path / "empty").mkdir()
+    error = launch_bad(causal_lm_args(markov_data, tmp_path / "run", model_config="", model_name_or_path=tmp_path / "empty"))
+    assert re.search(r"no CausalLM model loads from .*empty", error), error
+    error = launch_bad(causal_lm_args(markov_data, tmp_path / "run", tokenizer_name_or_path=tmp_path / "empty"))
+    assert re.search(r"no tokenizer loads from .*empty", error), error
+
+
+@pytest.mark.slow
+def test_sft_data_in_no_known_format(arithmetic_data, tmp_path):
+    files = data_files(tmp_path, '{"question": "q", "answer": "a"}\n' * 8, '{"question": "q", "answer": "a"}\n' * 2)
+    error = launch_bad(flags(config=REPO / "recipes/configs/sft_demo.yaml", tokenizer_name_or_path=arithmetic_data / "tokenizer",
+                             output_dir=tmp_path / "run", max_steps=2, **files), recipe="sft.py")
+    assert "needs a 'messages' column (conversations) or \"prompt\" and \"completion\" columns" in error
+
+
+@pytest.mark.slow
+def test_resume_with_another_model_config_changes_nothing(earlier_run, markov_data, tmp_path):
+    config = json.loads((REPO / "recipes/configs/tiny_llama.json").read_text())
+    (tmp_path / "wider.json").write_text(json.dumps({**config, "intermediate_size": config["intermediate_size"] * 2}))
+    before = snapshot(earlier_run)
+    error = launch_bad(causal_lm_args(markov_data, earlier_run, model_config=tmp_path / "wider.json", max_steps=4,
+                                      resume_from_checkpoint="latest"))
+    assert re.search(r"checkpoint .*step_2 does not load into this run .*resume with the arguments in its run's "
+                     r"run.json", error), error
+    assert snapshot(earlier_run) == before and read_run(earlier_run)["args"]["max_steps"] == 2
+
+
+@pytest.mark.slow
+def test_corrupt_checkpoint_changes_nothing(earlier_run, markov_data, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(earlier_run, out)
+    weights = next((out / "checkpoints" / "step_2").glob("model*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:100])  # a save cut short
+    before = snapshot(out)
+    error = launch_bad(causal_lm_args(markov_data, out, max_steps=4, resume_from_checkpoint="latest"))
+    assert re.search(r"checkpoint .*step_2 does not load into this run \(\w+", error), error
+    assert snapshot(out) == before
