@@ -31,6 +31,7 @@ def test_ddp_two_processes_train_export_and_reload(markov_data, tmp_path):
         evals[-1]["eval_loss"], abs=1e-5)
 
 
+@pytest.mark.slow
 def test_one_process_and_two_processes_log_the_same_losses(markov_data, tmp_path):
     """Global batch 8: one process x 8 vs two processes x 4 see the same data per step."""
     launch("single.yaml", "causal_lm.py",
@@ -44,6 +45,7 @@ def test_one_process_and_two_processes_log_the_same_losses(markov_data, tmp_path
     assert max(abs(a - b) for a, b in zip(one, two)) < 1e-4, (one, two)
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_matches_a_bigger_batch(markov_data, tmp_path):
     launch("ddp.yaml", "causal_lm.py", causal_lm_args(markov_data, tmp_path / "big", per_device_train_batch_size=4),
            launcher_args=FP32)
@@ -54,6 +56,7 @@ def test_gradient_accumulation_matches_a_bigger_batch(markov_data, tmp_path):
     assert max(abs(a - b) for a, b in zip(big, accum)) < 1e-4, (big, accum)
 
 
+@pytest.mark.slow
 def test_resume_from_latest_continues_the_same_run(markov_data, tmp_path):
     full = tmp_path / "full"
     launch("ddp.yaml", "causal_lm.py", causal_lm_args(markov_data, full, save_steps=6))
@@ -84,9 +87,10 @@ def test_copied_recipe_runs_outside_the_repository(markov_data, tmp_path):
 
 @pytest.mark.parametrize("override, message", [
     ({"config": "/nonexistent/recipe.yaml"}, "does not exist"),
-    ({"train_file": "/nonexistent/train.jsonl"}, "train_file: /nonexistent/train.jsonl does not exist"),
-    ({"no_such_key": "1"}, "unknown argument"),
-    ({"max_steps": "ten"}, "invalid int value: 'ten'"),
+    pytest.param({"train_file": "/nonexistent/train.jsonl"}, "train_file: /nonexistent/train.jsonl does not exist",
+                 marks=pytest.mark.slow),
+    pytest.param({"no_such_key": "1"}, "unknown argument", marks=pytest.mark.slow),
+    pytest.param({"max_steps": "ten"}, "invalid int value: 'ten'", marks=pytest.mark.slow),
 ])
 def test_bad_input_is_one_line_and_nonzero_exit(markov_data, tmp_path, override, message):
     result = launch("ddp.yaml", "causal_lm.py", causal_lm_args(markov_data, tmp_path / "bad", **override), check=False)
@@ -108,6 +112,7 @@ def test_existing_run_is_not_overwritten(markov_data, tmp_path):
     assert (out / "final" / "model.safetensors").read_bytes() == before
 
 
+@pytest.mark.slow
 def test_rotation_and_gradient_checkpointing(markov_data, tmp_path):
     """save_total_limit keeps the newest checkpoints; gradient checkpointing leaves the losses unchanged."""
     plain, checkpointed = tmp_path / "plain", tmp_path / "ckpt"
