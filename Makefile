@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install install-test demo demo-data test test-fast causal_lm sequence_classification lora sft evaluate benchmark check-config clean
+.PHONY: install install-test demo demo-data test test-fast causal_lm sequence_classification lora sft evaluate benchmark benchmark-packing check-config clean
 
 # torch first: the CPU wheel on hosts without an NVIDIA GPU (no CUDA download),
 # the normal CUDA build where nvidia-smi sees a GPU. Later `torch>=...` pins are then satisfied.
@@ -76,6 +76,10 @@ evaluate: demo-data
 # Steps/s and peak memory per rank of every CPU-runnable config, in one run (ratios vs DDP).
 benchmark: install
 	$(PY) scripts/benchmark_strategies.py $(ARGS)
+
+# Packed vs padded SFT batches (one process): make benchmark-packing ARGS="--steps 20"
+benchmark-packing: install
+	$(PY) scripts/benchmark_packing.py $(ARGS)
 
 # make check-config CONFIG=accelerate_configs/zero3.yaml [RECIPE_CONFIG=recipes/configs/....yaml]
 RECIPE_CONFIG ?= recipes/configs/causal_lm_demo.yaml

@@ -3,9 +3,12 @@
 Conversations (a `messages` column) are rendered with the tokenizer's chat template,
 or --chat_template's; the loss covers assistant turns only (content and end-of-turn
 token), whatever the template. Prompt-completion data (`prompt`/`completion`
-columns, text or lists of messages) learns the completion only. With --packing (default) a batch's conversations are
-concatenated into one row with per-conversation position ids, so no compute goes
-to padding and no conversation attends to another; --packing false pads instead.
+columns, text or lists of messages) learns the completion only.
+
+With --packing (default) a batch's conversations are concatenated into one row with
+per-conversation position ids, so no compute goes to padding, and attention runs per
+conversation (common.packing's sdpa_varlen: no conversation attends to another, and
+attention costs what a padded batch's does); --packing false pads instead.
 Evaluates loss and the exact-match accuracy of greedy answers.
 
     make sft CONFIG=accelerate_configs/ddp.yaml
@@ -29,6 +32,7 @@ from common.data import load_raw_datasets, make_dataloaders
 from common.evaluation import evaluate_generation
 from common.metrics import MetricsLogger
 from common.model import count_parameters, export_dtype, load_model, load_tokenizer
+from common.packing import use_per_example_attention
 from common.run_info import record_run, start_run, tracker_config
 from common.training import (create_optimizer, create_scheduler, evaluate_loss, total_training_steps,
                              TrainBatches)
@@ -69,6 +73,8 @@ def main(argv=None):
     stop_ids = end_of_turn_ids(datasets["validation"])
 
     model = load_model(model_args, tokenizer, args.seed, args.gradient_checkpointing)
+    attention = use_per_example_attention(model) if sft_args.packing else model.config._attn_implementation
+    accelerator.print(f"{'packed' if sft_args.packing else 'padded'} batches, attention: {attention}")
     parameters = count_parameters(model)
     optimizer = create_optimizer(model, args)
     max_steps = total_training_steps(args, len(train_loader) // accelerator.num_processes)
@@ -79,7 +85,7 @@ def main(argv=None):
     # {"step": 0} for a fresh run. Loaded first: an earlier run's files change only once it has.
     state = load_checkpoint(accelerator, checkpoint)
     run = record_run(accelerator, model, optimizer, to_dict(model_args, data_args, sft_args, args), args.output_dir,
-                     max_steps=max_steps, dropped_examples=dropped, **parameters)
+                     max_steps=max_steps, dropped_examples=dropped, attention=attention, **parameters)
     accelerator.init_trackers(args.run_name, tracker_config(run["args"]))
     step = state["step"]
     metrics = MetricsLogger(accelerator, args.output_dir, max_steps, start_step=step)

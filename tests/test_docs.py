@@ -88,6 +88,16 @@ def test_make_benchmark_prints_ratios():
     assert float(rows[1][6]) == 1.0 and float(rows[0][5]) > 0
 
 
+def test_make_benchmark_packing_compares_the_layouts():
+    result = run(["make", "-s", "benchmark-packing", "ARGS=--steps 3 --warmup 1 --batch_size 16"])
+    rows = {line.split()[0]: line.split() for line in result.stdout.splitlines() if line.startswith(("padded", "packed"))}
+    assert list(rows) == ["padded", "packed-sdpa", "packed-varlen"], result.stdout
+    assert [r[1] for r in rows.values()] == ["sdpa", "sdpa", "sdpa_varlen"]
+    assert rows["padded"][3] == "1.00x" and all(float(r[2]) > 0 for r in rows.values())
+    losses = [float(r[-1]) for r in rows.values()]
+    assert max(losses) - min(losses) < 1e-3  # the same training, three layouts
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("target, config, extra", [
     ("sft", "zero3.yaml", "--max_steps 10 --logging_steps 5 --max_generation_samples 6"),

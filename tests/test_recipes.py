@@ -186,11 +186,14 @@ def test_chat_labels_cover_the_assistant_answer_only(arithmetic_data):
 
 
 def test_packing_leaves_the_per_token_loss_unchanged(arithmetic_data):
-    """One flattened row with restarting position ids == a padded batch, for the same weights."""
+    """One flattened row with restarting position ids == a padded batch, for the same weights:
+    with transformers' dense mask (sdpa) and with attention per conversation (sdpa_varlen),
+    losses and gradients alike."""
     from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening
 
     from common.arguments import ModelArguments
     from common.model import load_model
+    from common.packing import use_per_example_attention
 
     tokenizer, _, tokenized = _chat_batches(arithmetic_data)
     features = [{k: e[k] for k in ("input_ids", "labels")} for e in tokenized["train"]]
@@ -200,6 +203,46 @@ def test_packing_leaves_the_per_token_loss_unchanged(arithmetic_data):
     padded = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)(features)
     assert packed["input_ids"].shape[0] == 1 and padded["input_ids"].shape[0] == len(features)
     assert int((packed["input_ids"] == tokenizer.pad_token_id).sum()) == 0
+
+    def loss_and_gradient(batch):
+        model.zero_grad()
+        loss = model(**batch).loss
+        loss.backward()
+        return loss.item(), torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    padded_loss, padded_gradient = loss_and_gradient(padded)
+    dense_loss, dense_gradient = loss_and_gradient(packed)
+    assert use_per_example_attention(model) == "sdpa_varlen"
+    varlen_loss, varlen_gradient = loss_and_gradient(packed)
+    for loss, gradient in ((dense_loss, dense_gradient), (varlen_loss, varlen_gradient)):
+        assert loss == pytest.approx(padded_loss, abs=1e-5)
+        assert (gradient - padded_gradient).abs().max() < 1e-5
+    assert loss_and_gradient(padded)[0] == padded_loss  # padded batches still take sdpa's own path
+
+
+def test_per_example_attention_never_crosses_conversations(arithmetic_data):
+    """Changing every token of the first conversation in a packed row leaves the others' logits as
+    they were; a model without per-example attention (plain causal over the row) would not."""
+    from transformers import DataCollatorWithFlattening
+
+    from common.arguments import ModelArguments
+    from common.model import load_model
+    from common.packing import use_per_example_attention
+
+    tokenizer, _, tokenized = _chat_batches(arithmetic_data, count=6)
+    features = [{k: e[k] for k in ("input_ids", "labels")} for e in tokenized["train"]]
+    changed = [{**features[0], "input_ids": [(t + 5) % len(tokenizer) for t in features[0]["input_ids"]]}] + features[1:]
+    model = load_model(ModelArguments(model_config=str(REPO / "recipes/configs/tiny_llama.json"),
+                                      tokenizer_name_or_path=str(arithmetic_data / "tokenizer")), tokenizer, seed=3)
+    use_per_example_attention(model)
+    first = len(features[0]["input_ids"])
     with torch.no_grad():
-        packed_loss, padded_loss = model(**packed).loss.item(), model(**padded).loss.item()
-    assert packed_loss == pytest.approx(padded_loss, abs=1e-5)
+        logits = [model(**DataCollatorWithFlattening()(batch)).logits[0] for batch in (features, changed)]
+        assert (logits[0][first:] - logits[1][first:]).abs().max() == 0
+        assert (logits[0][:first] - logits[1][:first]).abs().max() > 0
+        # Control: the same row with positions 0..n-1 throughout is one causal sequence, and leaks.
+        row = DataCollatorWithFlattening()(changed)
+        leaky = model(input_ids=row["input_ids"]).logits[0]
+        assert (leaky[first:] - logits[1][first:]).abs().max() > 1e-4
+
+

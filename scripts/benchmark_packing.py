@@ -1,0 +1,88 @@
+"""Packed vs padded SFT batches, one process, same model, data and batches: label tokens/s
+of full training steps (forward, backward, AdamW) for
+
+  padded          one row per conversation, padded to the batch's longest
+  packed-sdpa     one row per batch, transformers' dense block-diagonal mask
+  packed-varlen   one row per batch, attention per conversation (common.packing)
+
+    make benchmark-packing ARGS="--steps 20 --batch_size 64"
+
+Prints one row per layout and its speed relative to padded (same run, same machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+from datasets import Dataset, DatasetDict  # noqa: E402
+from transformers import AutoTokenizer, DataCollatorForSeq2Seq, DataCollatorWithFlattening  # noqa: E402
+
+from common import packing  # noqa: E402
+from common.arguments import ModelArguments  # noqa: E402
+from common.chat import tokenize_sft  # noqa: E402
+from common.model import load_model  # noqa: E402
+from common.synthetic import write_arithmetic_data  # noqa: E402
+
+
+class _OneProcess:
+    from contextlib import nullcontext as main_process_first
+
+    def print(self, *args):
+        pass
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--batch_size", type=int, default=64)
+    parser.add_argument("--model_config", default="recipes/configs/tiny_llama.json")
+    parser.add_argument("--precision", choices=["bf16", "no"], default="bf16")
+    args = parser.parse_args(argv)
+
+    data = tempfile.mkdtemp(prefix="packing-bench-")
+    write_arithmetic_data(data, train=args.batch_size * (args.steps + args.warmup), validation=8, counting=True)
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(data, "tokenizer"))
+    raw = DatasetDict({split: Dataset.from_json(os.path.join(data, f"{split}.jsonl")) for split in ("train", "validation")})
+    examples = tokenize_sft(raw, tokenizer, "messages", 64, "drop", _OneProcess())[0]["train"]
+    features = [{"input_ids": e["input_ids"], "labels": e["labels"]} for e in examples]
+    batches = [features[i:i + args.batch_size] for i in range(0, len(features) - args.batch_size + 1, args.batch_size)]
+    padded = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
+    layouts = {"padded": (padded, False), "packed-sdpa": (DataCollatorWithFlattening(), False),
+               "packed-varlen": (DataCollatorWithFlattening(), True)}
+
+    model_args = ModelArguments(model_config=args.model_config, tokenizer_name_or_path=os.path.join(data, "tokenizer"))
+    label_tokens = sum(sum(label != -100 for label in f["labels"]) for batch in batches[args.warmup:] for f in batch)
+    print(f"{len(batches) - args.warmup} steps of {args.batch_size} conversations ({label_tokens} label tokens), "
+          f"precision {args.precision}, {torch.get_num_threads()} threads")
+    print(f"{'layout':<14} {'attention':<12} {'label tok/s':>11} {'vs padded':>9} {'final loss':>10}")
+    rates = {}
+    for name, (collate, per_example) in layouts.items():
+        model = load_model(model_args, tokenizer, seed=0)
+        attention = packing.use_per_example_attention(model) if per_example else model.config._attn_implementation
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16")
+        for index, batch in enumerate(batches):
+            if index == args.warmup:
+                start = time.perf_counter()
+            inputs = collate(batch)
+            with autocast:
+                loss = model(**inputs).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        rates[name] = label_tokens / (time.perf_counter() - start)
+        print(f"{name:<14} {attention:<12} {rates[name]:>11.0f} {rates[name] / rates['padded']:>8.2f}x "
+              f"{loss.item():>10.4f}")
+
+
+if __name__ == "__main__":
+    main()
