@@ -166,7 +166,7 @@ def _require_local_or_hub_name(value: str | None, key: str) -> None:
         return
     looks_local = value.startswith((".", "/", "~")) or value.count("/") > 1
     if looks_local:
-        raise UsageError(f"--{key} {value} does not exist; pass a local model folder or a Hub name (org/name)")
+        raise UsageError(f"--{key} {value} does not exist; pass an existing local folder or a Hub name (org/name)")
 
 
 def require_path(path: str, key: str) -> None:

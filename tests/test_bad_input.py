@@ -22,6 +22,7 @@ def launch_bad(args: list, recipe: str = "causal_lm.py") -> str:
     assert result.returncode != 0 and len(errors) == 1, output[-4000:]
     # torchrun reports the failed child with its own launcher traceback; none comes from our code.
     assert not re.search(r'File "[^"]*/(recipes|common)/', output), output[-4000:]
+    print(errors[0])
     return errors[0]
 
 
