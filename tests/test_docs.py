@@ -100,7 +100,7 @@ def test_make_benchmark_packing_compares_the_layouts():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("target, config, extra", [
-    ("sft", "zero3.yaml", "--max_steps 10 --logging_steps 5 --max_generation_samples 6"),
+    ("sft", "ddp.yaml", "--max_steps 10 --logging_steps 5 --max_generation_samples 6"),
     ("lora", "fsdp.yaml", "--max_steps 10 --logging_steps 5 --eval_steps 0 --save_steps 0"),
     ("sequence_classification", "ddp.yaml", "--max_steps 4 --logging_steps 2 --eval_steps 0"),
 ])

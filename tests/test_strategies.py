@@ -90,13 +90,19 @@ def test_strategy_matches_single_process(config, markov_data, reference, tmp_pat
     assert len(mine) == STEPS and loss_gap < FP32_TOLERANCE
     assert weight_gap < FP32_TOLERANCE  # same initial weights (ZeRO-3's zero.Init too) and the same training
 
-    # Resume: a run that stopped right after its step-6 checkpoint continues identically.
+    # Resume: a run that stopped after its step-6 checkpoint, its metrics logged on to step 8,
+    # continues identically, and steps 7 and 8 are logged once (by the resumed run).
     stopped = tmp_path / "stopped"
     shutil.copytree(out / "checkpoints" / f"step_{SAVE_AT}", stopped / "checkpoints" / f"step_{SAVE_AT}")
-    launch(config_file, "causal_lm.py", causal_lm_args(markov_data, stopped, resume_from_checkpoint="latest", **args),
-           launcher_args=precision)
-    resumed = read_metrics(stopped)[0]
-    assert [r["step"] for r in resumed] == list(range(SAVE_AT + 1, STEPS + 1))
+    logged = [line + "\n" for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+    (stopped / "metrics.jsonl").write_text("".join(logged[:SAVE_AT + 2]))
+    result = launch(config_file, "causal_lm.py", causal_lm_args(markov_data, stopped, resume_from_checkpoint="latest",
+                                                                **args), launcher_args=precision)
+    assert f"resumed from {stopped / 'checkpoints' / f'step_{SAVE_AT}'}" in result.stdout + result.stderr
+    rows = read_metrics(stopped)[0]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    resumed = rows[SAVE_AT:]
+    assert (stopped / "checkpoints" / f"step_{STEPS}").is_dir()
     resume_gap = max(abs(a - r["loss"]) for a, r in zip(mine[SAVE_AT:], resumed))
     print(f"{config}: max resumed-loss gap {resume_gap:.2e}")
     assert resume_gap < FP32_TOLERANCE
