@@ -25,6 +25,14 @@ class UsageError(ValueError):
     """Bad input from the user: the message says what is wrong and what to do."""
 
 
+def describe(error: BaseException) -> str:
+    """A library's exception in one line, for a UsageError: its type and the line that says why
+    (transformers' validation errors put it on a later line, "ValueError: The hidden size ...")."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    reason = next((line for line in lines if line.startswith(("ValueError:", "TypeError:"))), lines[0] if lines else "")
+    return f"{type(error).__name__}: {reason}"[:300]
+
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 

@@ -16,7 +16,7 @@ import shutil
 
 import torch
 
-from common.arguments import UsageError
+from common.arguments import UsageError, describe
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 STATE_FILE = "trainer_state.json"
@@ -106,8 +106,7 @@ def load_checkpoint(accelerator, path: str | None) -> dict:
         with open(os.path.join(path, STATE_FILE)) as handle:
             state = json.load(handle)
     except Exception as error:  # every failure here means the same to the user; name it, keep its first line
-        detail = (str(error).strip().splitlines() or [""])[0][:300]
-        raise UsageError(f"checkpoint {path} does not load into this run ({type(error).__name__}: {detail}); it is "
+        raise UsageError(f"checkpoint {path} does not load into this run ({describe(error)}); it is "
                          "damaged or from other model/strategy arguments: resume with the arguments in its run's "
                          "run.json, pass another --resume_from_checkpoint, or start afresh with "
                          "--overwrite_output_dir") from None

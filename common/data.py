@@ -9,7 +9,7 @@ from datasets import DatasetDict, load_dataset
 from torch.utils.data import DataLoader
 from transformers import default_data_collator
 
-from common.arguments import DataArguments, UsageError
+from common.arguments import DataArguments, UsageError, describe
 
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 
@@ -58,9 +58,7 @@ def _load_files(builder: str, data_files: dict) -> DatasetDict:
         try:
             columns[path] = load_dataset(builder, data_files={split: path})[split].column_names
         except DatasetGenerationError as error:
-            cause = error.__cause__ or error
-            detail = (str(cause).strip().splitlines() or [""])[0]
-            raise UsageError(f"{path}: not readable as {builder} ({type(cause).__name__}: {detail}); fix the file "
+            raise UsageError(f"{path}: not readable as {builder} ({describe(error.__cause__ or error)}); fix the file "
                              "(rows count from 0)") from None
     raise UsageError("the data files do not have the same columns ("
                      + "; ".join(f"{path}: {names}" for path, names in columns.items())
@@ -68,12 +66,17 @@ def _load_files(builder: str, data_files: dict) -> DatasetDict:
 
 
 def check_text_column(raw: DatasetDict, column: str) -> None:
-    """Every value of `column` is a string (no numbers, lists or nulls), in every split."""
+    """Every value of `column` is a string (no numbers, lists or nulls), in every split. A column
+    Arrow typed as text can only hold nulls besides strings, which its null count tells without
+    reading the rows; only a mixed column is read to name the first value that is not text."""
     for split, dataset in raw.items():
-        for value in dataset[column]:
-            if not isinstance(value, str):
-                raise UsageError(f"column {column!r} of the {split} data holds {value!r}, not text; every value "
-                                 "must be a string (no nulls, numbers or lists)")
+        if getattr(dataset.features[column], "dtype", None) in ("string", "large_string"):
+            bad = None if dataset.with_format("arrow")[column].null_count == 0 else [None]
+        else:
+            bad = [value for value in dataset[column] if not isinstance(value, str)][:1]
+        if bad:
+            raise UsageError(f"column {column!r} of the {split} data holds {bad[0]!r}, not text; every value "
+                             "must be a string (no nulls, numbers or lists)")
 
 
 def pack_sequences(examples: dict, block_size: int, eos_token_id: int) -> dict:

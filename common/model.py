@@ -9,7 +9,7 @@ import torch
 from huggingface_hub.errors import StrictDataclassError  # transformers' config validation
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from common.arguments import ModelArguments, UsageError
+from common.arguments import ModelArguments, UsageError, describe
 
 
 def load_tokenizer(args: ModelArguments):
@@ -17,7 +17,7 @@ def load_tokenizer(args: ModelArguments):
     try:
         tokenizer = AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError) as error:
-        raise UsageError(f"no tokenizer loads from {name} ({_first_line(error)}); pass --tokenizer_name_or_path "
+        raise UsageError(f"no tokenizer loads from {name} ({describe(error)}); pass --tokenizer_name_or_path "
                          "with a folder holding tokenizer files, or a Hub name reachable from here") from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -38,7 +38,7 @@ def load_model(args: ModelArguments, tokenizer, seed: int, gradient_checkpointin
             model = auto_class.from_pretrained(args.model_name_or_path, dtype=dtype, **config_overrides)
         except (OSError, ValueError) as error:
             raise UsageError(f"no {auto_class.__name__.replace('AutoModelFor', '')} model loads from "
-                             f"{args.model_name_or_path} ({_first_line(error)}); pass a model folder (config.json + "
+                             f"{args.model_name_or_path} ({describe(error)}); pass a model folder (config.json + "
                              "weights) or a Hub name reachable from here") from None
         if getattr(model.config, "pad_token_id", None) is None:
             # Decoder checkpoints (Llama, Mistral, ...) ship without a pad token: padded batches
@@ -54,7 +54,7 @@ def load_model(args: ModelArguments, tokenizer, seed: int, gradient_checkpointin
                 eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id, **config_overrides)
             model = auto_class.from_config(config, dtype=torch.float32 if dtype == "auto" else dtype)
         except (OSError, ValueError, TypeError, KeyError, StrictDataclassError) as error:
-            raise UsageError(f"--model_config {args.model_config} does not build a model ({_first_line(error)}); "
+            raise UsageError(f"--model_config {args.model_config} does not build a model ({describe(error)}); "
                              "fix the config") from None
         initialise_weights(model, seed)
     declare_layer_classes(model)
@@ -66,13 +66,6 @@ def load_model(args: ModelArguments, tokenizer, seed: int, gradient_checkpointin
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
-
-
-def _first_line(error: Exception) -> str:
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    # transformers' validation errors put the reason on a later line ("ValueError: The hidden size ...")
-    reason = next((line for line in lines if line.startswith(("ValueError:", "TypeError:"))), lines[0] if lines else "")
-    return f"{type(error).__name__}: {reason}"[:300]
 
 
 def initialise_weights(model, seed: int) -> None:
