@@ -30,7 +30,12 @@ def load_raw_datasets(args: DataArguments, seed: int) -> DatasetDict:
         if len(dataset) == 0:
             raise UsageError(f"the {split} split has no rows{_files_of(args, split)}; give a file with data")
     if "validation" not in raw:
-        split = raw["train"].train_test_split(test_size=args.validation_split_percentage / 100, seed=seed)
+        try:
+            split = raw["train"].train_test_split(test_size=args.validation_split_percentage / 100, seed=seed)
+        except ValueError as error:  # too few rows to split off a validation set
+            raise UsageError(f"cannot split {len(raw['train'])} training rows at --validation_split_percentage "
+                             f"{args.validation_split_percentage} ({describe(error)}); give a --validation_file "
+                             "or more data") from None
         raw = DatasetDict(train=split["train"], validation=split["test"])
     if args.max_eval_samples:
         raw["validation"] = raw["validation"].select(range(min(args.max_eval_samples, len(raw["validation"]))))

@@ -55,3 +55,12 @@ def test_entropy_formula_matches_an_empirical_estimate():
     empirical = -sum(c / total * math.log(c / firsts[a]) for (a, _), c in pairs.items())
     assert abs(empirical - source.entropy_rate()) < 0.02, (empirical, source.entropy_rate())
     assert 0.5 < source.entropy_rate() < math.log(len(source.words) + 1)
+
+
+def test_too_few_rows_to_split_off_validation_is_one_line(tmp_path):
+    from common.arguments import DataArguments, UsageError
+    from common.data import load_raw_datasets
+
+    (tmp_path / "train.jsonl").write_text('{"text": "a b"}\n')
+    with pytest.raises(UsageError, match="cannot split 1 training rows at --validation_split_percentage 5"):
+        load_raw_datasets(DataArguments(train_file=str(tmp_path / "train.jsonl")), seed=0)
