@@ -25,6 +25,10 @@ class UsageError(ValueError):
     """Bad input from the user: the message says what is wrong and what to do."""
 
 
+class RunStopped(RuntimeError):
+    """The run cannot go on (non-finite weights, a lost peer): the message says why and what to do."""
+
+
 def describe(error: BaseException) -> str:
     """A library's exception in one line, for a UsageError: its type and the line that says why
     (transformers' validation errors put it on a later line, "ValueError: The hidden size ...")."""
@@ -124,6 +128,10 @@ class TrainingArguments:
         "help": "Reduce gradients after every micro-batch rather than once per optimizer step. Default: on under "
                 "FSDP (gradients stay sharded while accumulating: less memory, more communication), off otherwise."})
     run_name: str = "recipe"
+    nonfinite: str = field(default="skip", metadata={
+        "help": "A step whose loss or gradients are not finite on any rank: skip (every rank leaves weights, "
+                "optimizer and schedule as they were; the run stops after --max_nonfinite_skips) or stop."})
+    max_nonfinite_skips: int = field(default=10, metadata={"help": "Skipped non-finite steps the run tolerates."})
 
     def __post_init__(self):
         positive = ["per_device_train_batch_size", "per_device_eval_batch_size",
@@ -148,6 +156,10 @@ class TrainingArguments:
                              f"{', '.join(schedulers)}")
         if os.path.exists(self.output_dir) and not os.path.isdir(self.output_dir):
             raise UsageError(f"--output_dir {self.output_dir} is a file; pass a folder (it is created if missing)")
+        if self.nonfinite not in ("skip", "stop"):
+            raise UsageError(f"--nonfinite must be skip or stop, got {self.nonfinite!r}")
+        if self.max_nonfinite_skips < 0:
+            raise UsageError(f"--max_nonfinite_skips must be >= 0, got {self.max_nonfinite_skips}")
         if self.report_to not in ("tensorboard", "wandb", "none"):
             raise UsageError(f"--report_to must be tensorboard, wandb or none, got {self.report_to!r}")
         if self.resume_from_checkpoint not in (None, "latest"):
@@ -215,23 +227,34 @@ def parse_args(dataclass_types, argv: list[str] | None = None):
         exit_with_usage_error(error)
 
 
-def exit_with_usage_error(error: UsageError):
+def exit_with_usage_error(error: Exception, status: int = 2):
     if int(os.environ.get("RANK", "0")) == 0:
+        _close_progress_bars()  # so the error starts its own line
         print(f"error: {error}", file=sys.stderr, flush=True)
     else:  # let rank 0 report first: torchrun kills the other ranks once one exits
         time.sleep(10)
-    sys.exit(2)
+    sys.exit(status)
+
+
+def _close_progress_bars():
+    from tqdm import tqdm
+
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
 
 
 def exits_on_usage_error(main):
     """Decorate a recipe's main(): bad input found anywhere in the run (a missing column,
-    an output_dir holding a run, ...) ends it with one line and exit status 2."""
+    an output_dir holding a run, ...) ends it with one line and exit status 2; a run that
+    cannot go on (`RunStopped`) with one line and exit status 1."""
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
         try:
             return main(*args, **kwargs)
         except UsageError as error:
             exit_with_usage_error(error)
+        except RunStopped as error:
+            exit_with_usage_error(error, status=1)
     return wrapper
 
 

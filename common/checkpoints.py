@@ -17,6 +17,7 @@ import shutil
 import torch
 
 from common.arguments import UsageError, describe
+from common.nonfinite import check_finite_weights
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 STATE_FILE = "trainer_state.json"
@@ -75,7 +76,10 @@ def resolve_checkpoint(output_dir: str, resume_from_checkpoint: str | None) -> s
 
 
 def save_checkpoint(accelerator, output_dir: str, step: int, state: dict, total_limit: int | None) -> str:
-    """accelerate `save_state` into tmp, then an atomic rename to step_N, then prune."""
+    """accelerate `save_state` into tmp, then an atomic rename to step_N, then prune.
+    Weights that are not finite stop the run instead (nothing is written)."""
+    for model in accelerator._models:  # the prepared model(s) save_state will write
+        check_finite_weights(accelerator, model, step)
     root = checkpoints_dir(output_dir)
     final = os.path.join(root, f"step_{step}")
     tmp = os.path.join(root, f"tmp-step_{step}")

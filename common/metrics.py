@@ -73,6 +73,10 @@ class MetricsLogger:
             self.progress.write(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
         return row
 
+    def log_event(self, row: dict) -> None:
+        """Something the run did besides training (a skipped step, ...): one metrics.jsonl row."""
+        self._write({**row, "elapsed_s": time.perf_counter() - self.start_time})
+
     def advance(self) -> None:
         self.progress.update(1)
 

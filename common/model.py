@@ -141,3 +141,15 @@ def count_parameters(model) -> dict:
     total = sum(numel(p) for p in model.parameters())
     trainable = sum(numel(p) for p in model.parameters() if p.requires_grad)
     return {"total_parameters": total, "trainable_parameters": trainable}
+
+
+def local_parameter_shards(model):
+    """The parameter values this rank stores: its partition under ZeRO-3, its shard under
+    FSDP2, every parameter otherwise."""
+    for parameter in model.parameters():
+        if hasattr(parameter, "ds_tensor"):  # DeepSpeed ZeRO-3 partition
+            yield parameter.ds_tensor
+        elif hasattr(parameter, "to_local"):  # FSDP2 DTensor shard
+            yield parameter.to_local()
+        else:
+            yield parameter

@@ -13,6 +13,7 @@ from accelerate.utils import set_seed
 
 from common.accelerator import build_accelerator, launched_strategy, participating_processes
 from common.checkpoints import check_output_dir, clear_earlier_run, prepare_output_dir
+from common.model import local_parameter_shards
 
 PACKAGES = ("torch", "accelerate", "transformers", "datasets", "deepspeed", "peft", "evaluate", "tokenizers")
 
@@ -65,15 +66,7 @@ def _fsdp_offloads(plugin) -> bool:
 
 def local_parameter_elements(model) -> int:
     """Parameter elements this rank stores: its shard under ZeRO-3 or FSDP, all of them otherwise."""
-    count = 0
-    for parameter in model.parameters():
-        if hasattr(parameter, "ds_tensor"):  # DeepSpeed ZeRO-3 partition
-            count += parameter.ds_tensor.numel()
-        elif hasattr(parameter, "to_local"):  # FSDP2 DTensor shard
-            count += parameter.to_local().numel()
-        else:
-            count += parameter.numel()
-    return count
+    return sum(shard.numel() for shard in local_parameter_shards(model))
 
 
 def _dtype_name(dtype) -> str | None:

@@ -21,6 +21,7 @@ from common.arguments import (DataArguments, ModelArguments, TrainingArguments, 
 from common.checkpoints import export_final, load_checkpoint, save_checkpoint
 from common.data import load_raw_datasets, make_dataloaders, tokenize_and_pack
 from common.metrics import MetricsLogger
+from common.nonfinite import NonFiniteGuard
 from common.model import export_dtype, apply_lora, count_parameters, load_model, load_tokenizer
 from common.run_info import record_run, start_run, tracker_config
 from common.training import (create_optimizer, create_scheduler, evaluate_loss, total_training_steps,
@@ -68,17 +69,21 @@ def main(argv=None):
     metrics.log_eval(step, evaluate_loss(model, eval_loader, accelerator))  # the base model's loss
 
     model.train()
-    grad_norm = None
+    grad_norm, skip_step = None, False
+    nonfinite = NonFiniteGuard(accelerator, model, args.nonfinite, args.max_nonfinite_skips, metrics)
     batches = TrainBatches(accelerator, train_loader, args.gradient_accumulation_steps, resume_from=state)
     for batch in batches:
         with accelerator.accumulate(model):
             loss = model(**batch).loss
             metrics.record_batch(loss, batch)
+            nonfinite.record(loss)
             accelerator.backward(loss)
             if accelerator.sync_gradients:
                 grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)  # 0: off
-            optimizer.step()
-            scheduler.step()
+                skip_step = nonfinite.skip_step(step + 1, grad_norm)  # every rank decides the same
+            if not skip_step:
+                optimizer.step()
+                scheduler.step()
             optimizer.zero_grad()
         if not accelerator.sync_gradients:
             continue

@@ -31,6 +31,7 @@ from common.chat import OVERLONG, end_of_turn_ids, generation_references, read_c
 from common.data import load_raw_datasets, make_dataloaders
 from common.evaluation import evaluate_generation
 from common.metrics import MetricsLogger
+from common.nonfinite import NonFiniteGuard
 from common.model import count_parameters, export_dtype, load_model, load_tokenizer
 from common.packing import use_per_example_attention
 from common.run_info import record_run, start_run, tracker_config
@@ -98,17 +99,21 @@ def main(argv=None):
     before = evaluate() if step == 0 else None
 
     model.train()
-    grad_norm = None
+    grad_norm, skip_step = None, False
+    nonfinite = NonFiniteGuard(accelerator, model, args.nonfinite, args.max_nonfinite_skips, metrics)
     batches = TrainBatches(accelerator, train_loader, args.gradient_accumulation_steps, resume_from=state)
     for batch in batches:
         with accelerator.accumulate(model):
             loss = model(**batch).loss
             metrics.record_batch(loss, batch)
+            nonfinite.record(loss)
             accelerator.backward(loss)
             if accelerator.sync_gradients:
                 grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)  # 0: off
-            optimizer.step()
-            scheduler.step()
+                skip_step = nonfinite.skip_step(step + 1, grad_norm)  # every rank decides the same
+            if not skip_step:
+                optimizer.step()
+                scheduler.step()
             optimizer.zero_grad()
         if not accelerator.sync_gradients:
             continue

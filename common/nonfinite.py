@@ -1,0 +1,84 @@
+"""Non-finite loss or gradients: every rank agrees, then the step is skipped or the run stops.
+
+Each micro-batch's loss is checked on its rank (no synchronisation); at the optimizer step
+one all-gather tells every rank which ranks saw a non-finite loss, and the global gradient
+norm (the same on every rank) says whether any gradient is non-finite. Every rank then
+takes the same decision:
+
+* skip (`--nonfinite skip`, the default): the optimizer and the learning-rate schedule do
+  not step, the gradients are dropped, the data moves on. After `--max_nonfinite_skips`
+  skips the run stops.
+* stop (`--nonfinite stop`): the run ends with one line naming the step and the ranks.
+
+DeepSpeed steps inside `backward`, before the loop can decide; it discards a step whose
+gradient norm is not finite on its own (seen with deepspeed 0.19.8 under ZeRO-2 and ZeRO-3,
+fp32 and bf16), and the loop then skips the schedule's step. Should DeepSpeed ever apply a
+non-finite step (`was_step_applied`), the weights are lost and the run stops whatever the
+policy. Either way no checkpoint is ever written from non-finite weights
+(`check_finite_weights`, called before each save).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from common.arguments import RunStopped
+from common.model import local_parameter_shards
+
+
+class NonFiniteGuard:
+    def __init__(self, accelerator, model, policy: str, max_skips: int, metrics):
+        self.accelerator, self.model, self.metrics = accelerator, model, metrics
+        self.policy, self.max_skips = policy, max_skips
+        self.bad_losses = torch.zeros(1, device=accelerator.device)
+        self.skipped = 0
+
+    def record(self, loss: torch.Tensor) -> None:
+        """Call on every micro-batch (before backward); costs no synchronisation."""
+        self.bad_losses += (~torch.isfinite(loss.detach().float())).sum()
+
+    def skip_step(self, step: int, grad_norm) -> bool:
+        """Call on every rank at each optimizer step, after clipping. True: skip this step."""
+        ranks = self.accelerator.gather(self.bad_losses.clone()).tolist()
+        self.bad_losses.zero_()
+        loss_ranks = [rank for rank, bad in enumerate(ranks) if bad]
+        norm = None if grad_norm is None else float(grad_norm)
+        if not loss_ranks and (norm is None or math.isfinite(norm)):
+            return False
+        what = (f"non-finite loss on rank {', '.join(map(str, loss_ranks))}" if loss_ranks
+                else "non-finite gradients") + f" (gradient norm {norm})"
+        applied = hasattr(self.model, "was_step_applied") and self.model.was_step_applied()
+        self.skipped += not applied
+        stop = applied or self.policy == "stop" or self.skipped > self.max_skips
+        self.metrics.log_event({"step": step, "event": "nonfinite", "loss_ranks": loss_ranks,
+                                "grad_norm": str(norm), "action": "stopped" if stop else "skipped",
+                                "skipped_steps": self.skipped})
+        if applied:
+            raise RunStopped(f"step {step}: {what}, and DeepSpeed applied it, so the weights are no longer "
+                             "finite; resume from the last checkpoint with a lower learning rate or without the "
+                             "offending data")
+        if self.policy == "stop":
+            raise RunStopped(f"step {step}: {what}; stopped (--nonfinite stop). Checkpoints hold finite weights: "
+                             "resume from the last one with a lower learning rate or without the offending data, "
+                             "or pass --nonfinite skip")
+        if self.skipped > self.max_skips:
+            raise RunStopped(f"step {step}: {what}; {self.skipped} steps were non-finite, more than "
+                             f"--max_nonfinite_skips {self.max_skips}: lower the learning rate, check the data "
+                             "and the model's weights, then resume from the last checkpoint")
+        self.accelerator.print(f"warning: step {step}: {what}; step skipped ({self.skipped} of at most "
+                               f"{self.max_skips})")
+        return True
+
+
+def check_finite_weights(accelerator, model, step: int) -> None:
+    """Collective. Stops the run rather than write a checkpoint of non-finite weights."""
+    bad = torch.zeros(1, device=accelerator.device)
+    with torch.no_grad():
+        for shard in local_parameter_shards(model):
+            if shard.numel() and shard.is_floating_point():
+                bad += (~torch.isfinite(shard)).any().float()
+    if float(accelerator.reduce(bad, reduction="sum")) > 0:
+        raise RunStopped(f"step {step}: the weights hold non-finite values, so no checkpoint was written; "
+                         "resume from the last checkpoint with a lower learning rate")

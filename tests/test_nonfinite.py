@@ -1,0 +1,117 @@
+"""Non-finite gradients in a real run: every rank agrees, the step is skipped (weights,
+optimizer and schedule untouched) or the run stops, and no checkpoint holds non-finite weights.
+
+The run goes non-finite for real: a bf16 checkpoint whose embedding row for one word is
+3e38 (finite, near the top of the bf16/fp32 range). Its forward stays finite, but the
+backward of the RMSNorm over it overflows to NaN, in the batches that hold that word only.
+"""
+
+import json
+import math
+import re
+import shutil
+
+import pytest
+import torch
+
+from conftest import launch, load_weights, losses, pretrained_args, read_run
+
+POISON = 3e38
+
+
+@pytest.fixture(scope="module")
+def poisoned(markov_data, bf16_checkpoint, tmp_path_factory):
+    """(data folder, model folder): 150 Markov documents plus one that holds the unknown word,
+    and the bf16 checkpoint with that word's (<unk>'s) embedding row set to POISON."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
+    root = tmp_path_factory.mktemp("poisoned")
+    model = root / "model"
+    shutil.copytree(bf16_checkpoint, model)
+    unk = AutoTokenizer.from_pretrained(model).unk_token_id
+    weights = load_file(str(model / "model.safetensors"))
+    weights["model.embed_tokens.weight"][unk] = POISON
+    save_file(weights, str(model / "model.safetensors"), metadata={"format": "pt"})
+
+    docs = (markov_data / "train.jsonl").read_text().splitlines()[:150]
+    docs.insert(70, json.dumps({"text": "zzzunseenword " + json.loads(docs[70])["text"]}))
+    (root / "train.jsonl").write_text("\n".join(docs) + "\n")
+    return root, model
+
+
+def events(out) -> list[dict]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [row for row in rows if row.get("event") == "nonfinite"]
+
+
+def run_args(markov_data, poisoned, out, **overrides):
+    root, model = poisoned
+    values = dict(train_file=root / "train.jsonl", validation_file=markov_data / "validation.jsonl",
+                  gradient_accumulation_steps=2, per_device_train_batch_size=4, max_steps=10, save_steps=1, save_total_limit=20,
+                  max_grad_norm=1.0, warmup_steps=0)
+    values.update(overrides)
+    return pretrained_args(markov_data, model, out, **values)
+
+
+@pytest.fixture(scope="module")
+def skipping_run(markov_data, poisoned, tmp_path_factory):
+    """ddp.yaml (bf16), 2 processes, accumulation 2, 10 steps over 2 epochs, a checkpoint a step."""
+    out = tmp_path_factory.mktemp("skipping") / "run"
+    result = launch("ddp.yaml", "causal_lm.py", run_args(markov_data, poisoned, out))
+    return out, result.stdout + result.stderr
+
+
+@pytest.mark.slow
+def test_a_non_finite_step_is_skipped_on_every_rank_and_training_goes_on(skipping_run):
+    """Each epoch's window with the poisoned word is skipped; the checkpoint after a skipped
+    step equals the one before it (weights and optimizer), and every other step trains."""
+    out, output = skipping_run
+    assert read_run(out)["participating_processes"] == 2
+    assert read_run(out)["mixed_precision"] == "bf16"
+    skipped = events(out)
+    print("skipped steps:", [(e["step"], e["grad_norm"]) for e in skipped])
+    assert 2 <= len(skipped) <= 4, skipped  # once per epoch (twice if the word's block spans two windows)
+    assert all(e["action"] == "skipped" and e["grad_norm"] == "nan" for e in skipped)
+    assert re.search(rf"warning: step {skipped[0]['step']}: non-finite gradients .* step skipped", output)
+    for event in skipped:
+        before, after = out / f"checkpoints/step_{event['step'] - 1}", out / f"checkpoints/step_{event['step']}"
+        assert (before / "model.safetensors").read_bytes() == (after / "model.safetensors").read_bytes()
+        assert (before / "optimizer.bin").read_bytes() == (after / "optimizer.bin").read_bytes()
+    trained = [s for s in range(2, 11) if s not in {e["step"] for e in skipped}]
+    changed = [s for s in trained if (out / f"checkpoints/step_{s - 1}/model.safetensors").read_bytes()
+               != (out / f"checkpoints/step_{s}/model.safetensors").read_bytes()]
+    assert changed == trained
+    final = load_weights(out / "final")
+    assert all(torch.isfinite(t.float()).all() for t in final.values())
+    assert all(math.isfinite(loss) for loss in losses(out))
+
+
+@pytest.mark.slow
+def test_zero3_skips_the_same_steps_and_follows_the_ddp_run(markov_data, poisoned, skipping_run, tmp_path):
+    """DeepSpeed steps inside backward; ZeRO-3 (bf16) discards the non-finite step itself, and the
+    loop skips its schedule step: the same steps are skipped and the losses follow ddp's."""
+    ddp, _ = skipping_run
+    out = tmp_path / "run"
+    launch("zero3.yaml", "causal_lm.py", run_args(markov_data, poisoned, out, save_steps=0))
+    assert read_run(out)["participating_processes"] == 2
+    assert [(e["step"], e["action"]) for e in events(out)] == [(e["step"], e["action"]) for e in events(ddp)]
+    gap = max(abs(a - b) for a, b in zip(losses(out), losses(ddp)))
+    print(f"zero3 vs ddp loss gap over {len(losses(out))} steps: {gap:.2e}")
+    assert len(losses(out)) == 10 and gap < 2e-2
+
+
+@pytest.mark.slow
+def test_nonfinite_stop_ends_the_run_with_one_line_and_keeps_finite_checkpoints(markov_data, poisoned, tmp_path):
+    out = tmp_path / "run"
+    result = launch("ddp.yaml", "causal_lm.py", run_args(markov_data, poisoned, out, nonfinite="stop"), check=False)
+    output = result.stdout + result.stderr
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert result.returncode != 0 and len(errors) == 1, output[-4000:]
+    print(errors[0])
+    assert re.search(r"non-finite gradients \(gradient norm nan\); stopped \(--nonfinite stop\)", errors[0])
+    step = int(re.search(r"step (\d+)", errors[0]).group(1))
+    assert events(out)[-1]["step"] == step and events(out)[-1]["action"] == "stopped"
+    saved = sorted(int(p.name.split("_")[1]) for p in (out / "checkpoints").glob("step_*"))
+    assert saved == list(range(1, step)), saved  # nothing from the non-finite step on
+    assert not (out / "final").exists()
