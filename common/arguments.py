@@ -131,6 +131,9 @@ class TrainingArguments:
     nonfinite: str = field(default="skip", metadata={
         "help": "A step whose loss or gradients are not finite on any rank: skip (every rank leaves weights, "
                 "optimizer and schedule as they were; the run stops after --max_nonfinite_skips) or stop."})
+    peak_tflops: float | None = field(default=None, metadata={
+        "help": "The device's dense peak TFLOP/s in the compute dtype, for MFU; default: a table of common GPUs "
+                "in bf16/fp16 (MFU is left empty on CPU or an unknown device)."})
     max_nonfinite_skips: int = field(default=10, metadata={"help": "Skipped non-finite steps the run tolerates."})
 
     def __post_init__(self):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 from transformers import get_scheduler
@@ -94,12 +95,14 @@ class TrainBatches:
       1 x B/2 with accumulation 2 train the same model, whatever the lengths.
     * Sync: the last micro-batch of each window syncs and steps (accelerate's counter
       is aligned to the window), epoch boundaries included.
+    * Data wait: the time spent fetching each window goes to `metrics`.
     * Position: `position` is where the data order stands after the current window
       (epoch, batches into it); a checkpoint stores it and a resumed run restarts there,
       the epoch's seeded order restored with `set_epoch`."""
 
-    def __init__(self, accelerator, dataloader, gradient_accumulation_steps: int, resume_from: dict):
-        self.accelerator, self.dataloader = accelerator, dataloader
+    def __init__(self, accelerator, dataloader, gradient_accumulation_steps: int, resume_from: dict, metrics=None):
+        """`metrics` (a MetricsLogger) is told how long each window waited for its batches."""
+        self.accelerator, self.dataloader, self.metrics = accelerator, dataloader, metrics
         self.accumulation = gradient_accumulation_steps
         self.per_epoch = steps_per_epoch(len(dataloader), gradient_accumulation_steps)
         position = resume_from.get("data")
@@ -115,7 +118,10 @@ class TrainBatches:
             self.dataloader.set_epoch(epoch)
             batches = iter(self.accelerator.skip_first_batches(self.dataloader, skip) if skip else self.dataloader)
             for start in range(skip, used, self.accumulation):
+                waiting = time.perf_counter()
                 window = [next(batches) for _ in range(self.accumulation)]
+                if self.metrics is not None:
+                    self.metrics.add_data_wait(time.perf_counter() - waiting)
                 end = start + self.accumulation
                 self.position = {"epoch": epoch + 1, "batches": 0} if end == used else {"epoch": epoch, "batches": end}
                 tokens = self._label_tokens(window)

@@ -65,13 +65,15 @@ def main(argv=None):
                      max_steps=max_steps, **parameters)
     accelerator.init_trackers(args.run_name, tracker_config(run["args"]))
     step = state["step"]
-    metrics = MetricsLogger(accelerator, args.output_dir, max_steps, start_step=step)
+    metrics = MetricsLogger(accelerator, args.output_dir, max_steps, start_step=step, model=model,
+                            peak_tflops=args.peak_tflops)
     metrics.log_eval(step, evaluate_loss(model, eval_loader, accelerator))  # the base model's loss
 
     model.train()
     grad_norm, skip_step = None, False
     nonfinite = NonFiniteGuard(accelerator, model, args.nonfinite, args.max_nonfinite_skips, metrics)
-    batches = TrainBatches(accelerator, train_loader, args.gradient_accumulation_steps, resume_from=state)
+    batches = TrainBatches(accelerator, train_loader, args.gradient_accumulation_steps, resume_from=state,
+                           metrics=metrics)
     for batch in batches:
         with accelerator.accumulate(model):
             loss = model(**batch).loss

@@ -77,7 +77,8 @@ def main(argv=None):
                             task_args.early_stopping_patience)
     step = state["step"]
     best.load_state_dict(state.get("best", {}))
-    metrics = MetricsLogger(accelerator, args.output_dir, max_steps, start_step=step)
+    metrics = MetricsLogger(accelerator, args.output_dir, max_steps, start_step=step, model=model,
+                            peak_tflops=args.peak_tflops)
 
     def evaluate_and_track():
         results = metrics.log_eval(step, evaluate_classification(model, eval_loader, accelerator,
@@ -90,7 +91,8 @@ def main(argv=None):
     model.train()
     grad_norm, skip_step = None, False
     nonfinite = NonFiniteGuard(accelerator, model, args.nonfinite, args.max_nonfinite_skips, metrics)
-    batches = TrainBatches(accelerator, train_loader, args.gradient_accumulation_steps, resume_from=state)
+    batches = TrainBatches(accelerator, train_loader, args.gradient_accumulation_steps, resume_from=state,
+                           metrics=metrics)
     for batch in batches:
         with accelerator.accumulate(model):
             loss = model(**batch).loss

@@ -22,6 +22,14 @@ def test_ddp_two_processes_train_export_and_reload(markov_data, tmp_path):
     for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "samples_per_s", "elapsed_s"):
         assert key in train[-1]
     assert train[-1]["tokens_per_s"] > 0 and evals[-1]["step"] == 30
+    # Achieved FLOP/s: the model's FLOPs per token (common.flops) times the tokens it ran; no MFU on CPU.
+    from transformers import AutoModelForCausalLM
+
+    from common.flops import ModelFlops
+    per_token = ModelFlops(AutoModelForCausalLM.from_pretrained(out / "final")).per_token(32)
+    for row in train:
+        assert row["tflops_per_device"] == pytest.approx(row["tokens_per_s_per_device"] * per_token / 1e12, rel=1e-6)
+        assert row["mfu"] is None and 0 <= row["data_wait_fraction"] < 1
     assert (out / "final" / "model.safetensors").exists() and (out / "final" / "tokenizer.json").exists()
 
     reloaded = run([BIN / "python", REPO / "scripts/evaluate_model.py", "--model_name_or_path", out / "final",

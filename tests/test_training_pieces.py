@@ -58,3 +58,58 @@ def test_latest_checkpoint_ignores_unfinished_saves(tmp_path):
     with pytest.raises(UsageError, match="already holds a run"):
         check_output_dir(str(tmp_path), None, overwrite=False)
     check_output_dir(str(tmp_path), "latest", overwrite=False)
+
+
+def counted_training_flops(model, batch) -> float:
+    """FLOPs torch itself counts for one forward and backward (matmuls and attention)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        model(**batch, labels=batch["input_ids"]).loss.backward()
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2_tied", "llama_lora"])
+def test_model_flops_match_what_torch_counts(kind):
+    """6N + 12 L H Q T (4N + 2N_trainable with LoRA's frozen base), from the model's own layers,
+    equals torch's FLOP counter over a real forward and backward within 1%."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    from common.flops import ModelFlops
+
+    torch.manual_seed(0)
+    if kind == "gpt2_tied":
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=96, n_embd=64, n_layer=2, n_head=4, n_positions=64))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                                             attn_implementation="eager"))  # counted as matmuls
+    if kind == "llama_lora":
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    batch = {"input_ids": torch.randint(0, 96, (3, 40)), "attention_mask": torch.ones(3, 40, dtype=torch.long)}
+    expected = float(ModelFlops(model).per_batch(batch))
+    if kind == "llama_lora":
+        # The formula takes an input gradient for every weight. Autograd computes none where nothing
+        # below needs one: the inputs of layer 0's q/k/v projections (and of its LoRA A matrices),
+        # and layer 0's key gradient (its keys come from a frozen projection of a frozen input).
+        attention = model.base_model.model.model.layers[0].self_attn
+        skipped = [attention.q_proj.base_layer, attention.k_proj, attention.v_proj.base_layer,
+                   attention.q_proj.lora_A["default"], attention.v_proj.lora_A["default"]]
+        expected -= 2 * batch["input_ids"].numel() * sum(layer.weight.numel() for layer in skipped)
+        expected -= 2 * batch["input_ids"].numel() * 64 * batch["input_ids"].shape[1]  # dK = dS^T Q
+    counted = counted_training_flops(model, batch)
+    print(f"{kind}: formula {expected:.4g}, torch counted {counted:.4g}")
+    assert abs(expected - counted) / counted < 0.01
+
+
+def test_mfu_needs_a_known_peak():
+    import torch
+
+    from common.flops import device_peak_tflops
+
+    assert device_peak_tflops(torch.device("cpu"), "bfloat16", None) is None  # no MFU invented on CPU
+    assert device_peak_tflops(torch.device("cpu"), "bfloat16", 100.0) == 100.0
