@@ -131,6 +131,10 @@ class TrainingArguments:
     nonfinite: str = field(default="skip", metadata={
         "help": "A step whose loss or gradients are not finite on any rank: skip (every rank leaves weights, "
                 "optimizer and schedule as they were; the run stops after --max_nonfinite_skips) or stop."})
+    profile_steps: str | None = field(default=None, metadata={
+        "help": "Trace optimizer steps FIRST-LAST (e.g. 3-5) with torch.profiler into output_dir/profile, one "
+                "file per rank (TensorBoard or Perfetto)."})
+    profile_memory: bool = field(default=False, metadata={"help": "With --profile_steps: record memory too."})
     peak_tflops: float | None = field(default=None, metadata={
         "help": "The device's dense peak TFLOP/s in the compute dtype, for MFU; default: a table of common GPUs "
                 "in bf16/fp16 (MFU is left empty on CPU or an unknown device)."})
@@ -159,6 +163,9 @@ class TrainingArguments:
                              f"{', '.join(schedulers)}")
         if os.path.exists(self.output_dir) and not os.path.isdir(self.output_dir):
             raise UsageError(f"--output_dir {self.output_dir} is a file; pass a folder (it is created if missing)")
+        if self.profile_steps:
+            from common.profiling import parse_steps
+            parse_steps(self.profile_steps)
         if self.nonfinite not in ("skip", "stop"):
             raise UsageError(f"--nonfinite must be skip or stop, got {self.nonfinite!r}")
         if self.max_nonfinite_skips < 0:

@@ -32,6 +32,7 @@ from common.data import load_raw_datasets, make_dataloaders
 from common.evaluation import evaluate_generation
 from common.metrics import MetricsLogger
 from common.nonfinite import NonFiniteGuard
+from common.profiling import StepProfiler
 from common.model import count_parameters, export_dtype, load_model, load_tokenizer
 from common.packing import use_per_example_attention
 from common.run_info import record_run, start_run, tracker_config
@@ -104,6 +105,7 @@ def main(argv=None):
     nonfinite = NonFiniteGuard(accelerator, model, args.nonfinite, args.max_nonfinite_skips, metrics)
     batches = TrainBatches(accelerator, train_loader, args.gradient_accumulation_steps, resume_from=state,
                            metrics=metrics)
+    profiler = StepProfiler(accelerator, args.profile_steps, args.output_dir, args.profile_memory, start_step=step)
     for batch in batches:
         with accelerator.accumulate(model):
             loss = model(**batch).loss
@@ -121,6 +123,7 @@ def main(argv=None):
             continue
         step += 1
         metrics.advance()
+        profiler.step()
         if step % args.logging_steps == 0:
             metrics.log_train(step, scheduler.get_last_lr()[0], grad_norm)
         if args.eval_steps and step % args.eval_steps == 0 and step < max_steps:
@@ -129,6 +132,7 @@ def main(argv=None):
             save_checkpoint(accelerator, args.output_dir, step, {"data": batches.position}, args.save_total_limit)
         if step >= max_steps:
             break
+    profiler.stop()
 
     after = evaluate()
     final_dir = export_final(accelerator, model, tokenizer, args.output_dir, export_dtype(model_args))
