@@ -1,7 +1,7 @@
 # Every command in README.md is a target here, and tests/test_docs.py runs or checks each one.
 VENV    ?= .venv
 PY      := $(VENV)/bin/python
-LAUNCH  := $(VENV)/bin/accelerate launch
+LAUNCH   = $(strip $(VENV)/bin/accelerate launch $(RESTARTS) $(LAUNCH_ARGS))
 CONFIG  ?= accelerate_configs/ddp.yaml
 ARGS    ?=
 # Extra pip arguments for torch on a host without a GPU, e.g. a CPU-only wheel index.
@@ -9,6 +9,13 @@ TORCH_INDEX ?=
 export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
+# Extra `accelerate launch` flags, e.g. LAUNCH_ARGS="--max_restarts 2" or "--num_processes 4".
+LAUNCH_ARGS ?=
+# Restarted workers reconnect reliably only through torchrun's c10d rendezvous with a fresh store
+# per attempt (the configs' static rendezvous keeps the first attempt's addresses): with
+# --max_restarts, make adds both.
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE ?= 1
+RESTARTS = $(if $(findstring --max_restarts,$(LAUNCH_ARGS)),--rdzv_backend c10d)
 
 .PHONY: install install-test demo demo-data test test-fast causal_lm sequence_classification lora sft evaluate benchmark benchmark-packing check-config clean
 

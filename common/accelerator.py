@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import math
 import os
+from datetime import timedelta
 
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration
-from accelerate.utils import GradientAccumulationPlugin, ProjectConfiguration
+from accelerate.utils import GradientAccumulationPlugin, InitProcessGroupKwargs, ProjectConfiguration
 
 from common import cpu_host
 from common.arguments import UsageError
@@ -57,8 +58,12 @@ def build_accelerator(args) -> Accelerator:
     )
     requested_precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
     on_cpu_host = not torch.cuda.is_available()
+    # Every collective gives up after --ddp_timeout: a lost peer ends the run (common.peers).
+    process_group = InitProcessGroupKwargs(timeout=timedelta(seconds=args.ddp_timeout))
+    os.environ["RECIPES_DDP_TIMEOUT"] = str(args.ddp_timeout)  # for the lost-peer message
     if on_cpu_host:
-        kwargs.update(cpu_host.accelerator_kwargs(strategy))
+        kwargs.update(cpu_host.accelerator_kwargs(strategy, process_group))
+    kwargs["kwargs_handlers"] = [process_group]
     accelerator = Accelerator(**kwargs)
     accelerator.sync_each_micro_batch = sync_each_micro_batch
     accelerator.requested_mixed_precision = requested_precision

@@ -128,6 +128,9 @@ class TrainingArguments:
         "help": "Reduce gradients after every micro-batch rather than once per optimizer step. Default: on under "
                 "FSDP (gradients stay sharded while accumulating: less memory, more communication), off otherwise."})
     run_name: str = "recipe"
+    ddp_timeout: int = field(default=1800, metadata={
+        "help": "Seconds a collective waits for the other ranks before the run ends with an error naming the "
+                "lost peer. Long enough for work one rank does alone (tokenising a corpus, an export)."})
     nonfinite: str = field(default="skip", metadata={
         "help": "A step whose loss or gradients are not finite on any rank: skip (every rank leaves weights, "
                 "optimizer and schedule as they were; the run stops after --max_nonfinite_skips) or stop."})
@@ -166,6 +169,8 @@ class TrainingArguments:
         if self.profile_steps:
             from common.profiling import parse_steps
             parse_steps(self.profile_steps)
+        if self.ddp_timeout < 1:
+            raise UsageError(f"--ddp_timeout must be at least 1 second, got {self.ddp_timeout}")
         if self.nonfinite not in ("skip", "stop"):
             raise UsageError(f"--nonfinite must be skip or stop, got {self.nonfinite!r}")
         if self.max_nonfinite_skips < 0:
@@ -237,8 +242,10 @@ def parse_args(dataclass_types, argv: list[str] | None = None):
         exit_with_usage_error(error)
 
 
-def exit_with_usage_error(error: Exception, status: int = 2):
-    if int(os.environ.get("RANK", "0")) == 0:
+def exit_with_usage_error(error: Exception | str, status: int = 2, every_node: bool = False):
+    """Print `error: ...` once (rank 0; with `every_node`, local rank 0 of each node) and exit."""
+    reporter = os.environ.get("LOCAL_RANK" if every_node else "RANK", "0")
+    if int(reporter) == 0:
         _close_progress_bars()  # so the error starts its own line
         print(f"error: {error}", file=sys.stderr, flush=True)
     else:  # let rank 0 report first: torchrun kills the other ranks once one exits
@@ -256,7 +263,7 @@ def _close_progress_bars():
 def exits_on_usage_error(main):
     """Decorate a recipe's main(): bad input found anywhere in the run (a missing column,
     an output_dir holding a run, ...) ends it with one line and exit status 2; a run that
-    cannot go on (`RunStopped`) with one line and exit status 1."""
+    cannot go on (`RunStopped`, a lost peer) with one line and exit status 1."""
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
         try:
@@ -265,6 +272,13 @@ def exits_on_usage_error(main):
             exit_with_usage_error(error)
         except RunStopped as error:
             exit_with_usage_error(error, status=1)
+        except RuntimeError as error:
+            from common.peers import lost_peer_message
+
+            message = lost_peer_message(error)
+            if message is None:
+                raise
+            exit_with_usage_error(message, status=1, every_node=True)
     return wrapper
 
 

@@ -30,8 +30,9 @@ def _requested_precision() -> str:
     return os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
 
 
-def accelerator_kwargs(strategy: str) -> dict:
-    """Accelerator() arguments (and process-group set-up) for `strategy` on this CPU host."""
+def accelerator_kwargs(strategy: str, process_group: InitProcessGroupKwargs) -> dict:
+    """Accelerator() arguments (and process-group set-up) for `strategy` on this CPU host;
+    `process_group` carries the recipe's timeout."""
     if _requested_precision() == "bf16" and not cpu_supports_bf16():
         _say_fp32("bf16", "this CPU has no bf16 instructions (avx512_bf16/amx)")
         os.environ["ACCELERATE_MIXED_PRECISION"] = "no"
@@ -39,11 +40,12 @@ def accelerator_kwargs(strategy: str) -> dict:
         return {}
     if strategy == "deepspeed":
         # DeepSpeed's branch needs cpu=False; without gloo accelerate counts one process.
-        return {"kwargs_handlers": [InitProcessGroupKwargs(backend="gloo")]}
+        process_group.backend = "gloo"
+        return {}
     if strategy == "fsdp":
         # accelerate only enables FSDP from a MULTI_GPU state: start the CPU process
         # group ourselves, then present it as MULTI_GPU so the FSDP plugin is applied.
-        PartialState(cpu=True)
+        PartialState(cpu=True, timeout=process_group.timeout)
         PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
         return {}
     return {"cpu": True}

@@ -6,13 +6,14 @@ import importlib.metadata
 import json
 import os
 import platform
+import sys
 
 import torch
 
 from accelerate.utils import set_seed
 
 from common.accelerator import build_accelerator, launched_strategy, participating_processes
-from common.checkpoints import check_output_dir, clear_earlier_run, prepare_output_dir
+from common.checkpoints import check_output_dir, clear_earlier_run, list_checkpoints, prepare_output_dir
 from common.model import local_parameter_shards
 
 PACKAGES = ("torch", "accelerate", "transformers", "datasets", "deepspeed", "peft", "evaluate", "tokenizers")
@@ -21,12 +22,38 @@ PACKAGES = ("torch", "accelerate", "transformers", "datasets", "deepspeed", "pef
 def start_run(args):
     """Refuse to clobber an earlier run (before any process group starts), build the
     accelerator, seed everything, and return it with the checkpoint to resume from
-    (None for a fresh run)."""
+    (None for a fresh run). Under `accelerate launch --max_restarts N`, a restarted
+    worker resumes from the run's latest complete checkpoint by itself."""
+    resume_after_restart(args)
     check_output_dir(args.output_dir, args.resume_from_checkpoint, args.overwrite_output_dir)
     accelerator = build_accelerator(args)
     set_seed(args.seed)
     return accelerator, prepare_output_dir(accelerator, args.output_dir, args.resume_from_checkpoint,
                                            args.overwrite_output_dir)
+
+
+def resume_after_restart(args) -> None:
+    """torchrun sets TORCHELASTIC_RESTART_COUNT in the workers it restarts after a failure. They
+    were launched with the first attempt's arguments (--overwrite_output_dir included): once this
+    run has a complete checkpoint, continue from the latest one instead."""
+    max_restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    if max_restarts and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and _is_rank0():
+        # Seen (torch 2.13, gloo): the static rendezvous keeps its store across attempts, so a restarted
+        # rank can read a dead peer's address and fail with "Connection refused".
+        print("warning: --max_restarts through a rendezvous store kept across attempts: restarted workers may "
+              "connect to the dead ones' addresses. Launch with --rdzv_backend c10d and "
+              "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in the environment (make does both)", file=sys.stderr)
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart and list_checkpoints(args.output_dir):
+        args.resume_from_checkpoint, args.overwrite_output_dir = "latest", False
+    if restart and _is_rank0():
+        print(f"restart {restart} of at most {max_restarts}: "
+              f"{'resuming from the latest checkpoint' if args.resume_from_checkpoint == 'latest' else 'no checkpoint yet, starting again'}",
+              file=sys.stderr)
+
+
+def _is_rank0() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
 
 
 def package_versions() -> dict:

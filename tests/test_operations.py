@@ -1,8 +1,17 @@
-"""Operating a run: profiling a window of steps."""
+"""Operating a run: profiling a window of steps, restarts after a lost worker."""
 
 import json
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
 
-from conftest import causal_lm_args, launch, read_run
+import pytest
+
+from conftest import (OFFLINE_ENV, REPO, causal_lm_args, free_port, launch, max_weight_difference, read_metrics,
+                      read_run)
 
 
 def test_profile_steps_write_one_trace_per_rank_with_the_models_ops(markov_data, tmp_path):
@@ -18,3 +27,50 @@ def test_profile_steps_write_one_trace_per_rank_with_the_models_ops(markov_data,
         for op in ("aten::mm", "MmBackward0", "aten::scaled_dot_product_attention", "Optimizer.step#AdamW.step"):
             assert any(op in name for name in names), (trace.name, op)
         assert any("all_reduce" in name for name in names), trace.name
+
+
+def worker_pid(rank: int, marker: str) -> int | None:
+    """The pid of the recipe process with RANK=rank whose command line holds `marker`."""
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().decode(errors="replace")
+            environ = (proc / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if marker in cmdline and "recipes/causal_lm.py" in cmdline and f"RANK={rank}".encode() in environ:
+            return int(proc.name)
+    return None
+
+
+@pytest.mark.slow
+def test_a_killed_worker_is_restarted_and_the_run_resumes_to_the_same_weights(markov_data, reference, tmp_path):
+    """`make causal_lm LAUNCH_ARGS="--max_restarts 1"` (ddp, 2 processes, fp32): rank 1 is killed
+    (SIGKILL) once the step-2 checkpoint exists. torchrun restarts both workers; they resume from
+    the latest checkpoint by themselves (the command still says --overwrite_output_dir), and the
+    final weights equal an uninterrupted run's (the one-process reference, global batch 8)."""
+    out = tmp_path / "run"
+    args = causal_lm_args(markov_data, out, per_device_train_batch_size=4, save_steps=2, save_total_limit=2)
+    command = ["make", "causal_lm", "CONFIG=accelerate_configs/ddp.yaml",
+               f"LAUNCH_ARGS=--max_restarts 1 --mixed_precision no --main_process_port {free_port()}",
+               "ARGS=" + " ".join(args[2:])]  # the recipe YAML comes from the make target
+    process = subprocess.Popen(command, cwd=REPO, env={**os.environ, **OFFLINE_ENV}, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    killed = None
+    deadline = time.time() + 300
+    while killed is None and process.poll() is None and time.time() < deadline:
+        if (out / "checkpoints/step_2").exists() and (pid := worker_pid(1, str(out))):
+            os.kill(pid, signal.SIGKILL)
+            killed = pid
+        time.sleep(0.005)
+    output = process.communicate(timeout=600)[0]
+    assert killed and process.returncode == 0, output[-4000:]
+    restarted = re.search(r"restart 1 of at most 1: resuming from the latest checkpoint", output)
+    resumed = re.search(r"resumed from \S+/step_(\d+) at step (\d+)", output)
+    assert restarted and resumed, output[-4000:]
+    assert "connect to the dead ones' addresses" not in output  # make chose a fresh store per attempt
+    print(f"killed rank 1 (pid {killed}); restarted from step {resumed.group(2)}")
+    assert int(resumed.group(2)) < 12
+    assert [row["step"] for row in read_metrics(out)[0]] == list(range(1, 13))  # each step logged once
+    gap = max_weight_difference(out / "final", reference / "final")
+    print(f"final weights vs the uninterrupted reference: max gap {gap:.2e}")
+    assert gap < 1e-5

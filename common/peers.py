@@ -1,0 +1,33 @@
+"""A lost peer ends the run loudly: a collective that gives up names the peer and what to check.
+
+Every collective waits at most `--ddp_timeout` seconds (`common.accelerator`). When a rank
+dies, hangs or becomes unreachable, the others fail inside a collective with a backend error
+(gloo: "Timed out waiting ... for recv", "Connection closed by peer [10.77.1.2]:..."). This
+turns that error into one line, printed on every node (the survivors may not include rank 0).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+LOST_PEER = re.compile(r"timed out|timeout|connection (closed|reset|refused)|broken pipe|no route to host|"
+                       r"network is unreachable|connection abort", re.IGNORECASE)
+ADDRESS = re.compile(r"\[([0-9a-fA-F:.]+)\]:(\d+)")
+
+
+def lost_peer_message(error: BaseException) -> str | None:
+    """The one line for a collective that failed because a peer was lost; None for other errors."""
+    text = str(error)
+    if not (isinstance(error, RuntimeError) and LOST_PEER.search(text)):
+        return None
+    reason = next((line.strip() for line in text.splitlines() if LOST_PEER.search(line)), text.splitlines()[0])
+    reason = re.sub(r"^\[[^\]]*\.(cc|cpp):\d+\]\s*", "", reason)[:200]  # drop the backend's source location
+    peers = sorted({address for address, _ in ADDRESS.findall(text)})
+    timeout = os.environ.get("RECIPES_DDP_TIMEOUT", "?")
+    where = f"peer {', '.join(peers)}" if peers else "a peer"
+    return (f"lost contact with {where} during a collective on rank {os.environ.get('RANK', '0')} "
+            f"(host {os.uname().nodename}): {reason}. A process or node died, hangs or cannot be reached: check "
+            "every node's processes and logs, that the nodes reach each other on the interface in use "
+            f"(GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME), then resume with --resume_from_checkpoint latest "
+            f"(collectives wait --ddp_timeout {timeout} s)")
