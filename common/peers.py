@@ -23,10 +23,14 @@ def lost_peer_message(error: BaseException) -> str | None:
         return None
     reason = next((line.strip() for line in text.splitlines() if LOST_PEER.search(line)), text.splitlines()[0])
     reason = re.sub(r"^\[[^\]]*\.(cc|cpp):\d+\]\s*", "", reason)[:200]  # drop the backend's source location
-    peers = sorted({address for address, _ in ADDRESS.findall(text)})
+    addresses = sorted({address for address, _ in ADDRESS.findall(text)})
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    others = [r for r in range(world) if r != rank]
+    where = (f"rank {others[0]}" if len(others) == 1 else f"one of ranks {others[0]}-{others[-1]}") + \
+        (f" at {', '.join(addresses)}" if addresses else "") + \
+        f" (the main node is {os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')})"
     timeout = os.environ.get("RECIPES_DDP_TIMEOUT", "?")
-    where = f"peer {', '.join(peers)}" if peers else "a peer"
-    return (f"lost contact with {where} during a collective on rank {os.environ.get('RANK', '0')} "
+    return (f"lost contact with {where} during a collective on rank {rank} "
             f"(host {os.uname().nodename}): {reason}. A process or node died, hangs or cannot be reached: check "
             "every node's processes and logs, that the nodes reach each other on the interface in use "
             f"(GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME), then resume with --resume_from_checkpoint latest "

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (OFFLINE_ENV, REPO, causal_lm_args, free_port, launch, max_weight_difference, read_metrics,
-                      read_run)
+from conftest import (OFFLINE_ENV, REPO, causal_lm_args, free_port, launch, launch_command, max_weight_difference,
+                      read_metrics, read_run)
 
 
 def test_profile_steps_write_one_trace_per_rank_with_the_models_ops(markov_data, tmp_path):
@@ -74,3 +74,36 @@ def test_a_killed_worker_is_restarted_and_the_run_resumes_to_the_same_weights(ma
     gap = max_weight_difference(out / "final", reference / "final")
     print(f"final weights vs the uninterrupted reference: max gap {gap:.2e}")
     assert gap < 1e-5
+
+
+@pytest.mark.slow
+def test_a_hung_peer_ends_the_run_within_the_timeout_with_one_line(markov_data, tmp_path):
+    """ddp.yaml, 2 processes, --ddp_timeout 10: rank 1 is frozen (SIGSTOP: alive, silent, like a
+    node whose link went down) mid-run. Rank 0 gives up within the timeout plus a margin and
+    prints one line naming the lost peer and what to check; the launch exits non-zero."""
+    out = tmp_path / "run"
+    args = causal_lm_args(markov_data, out, max_steps=100000, logging_steps=1, ddp_timeout=10)
+    process = subprocess.Popen(launch_command("ddp.yaml", "causal_lm.py", args), cwd=REPO,
+                               env={**os.environ, **OFFLINE_ENV}, text=True, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT)
+    frozen = None
+    deadline = time.time() + 300
+    while frozen is None and process.poll() is None and time.time() < deadline:
+        metrics = out / "metrics.jsonl"
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3 and (pid := worker_pid(1, str(out))):
+            os.kill(pid, signal.SIGSTOP)
+            frozen, stopped_at = pid, time.time()
+        time.sleep(0.01)
+    try:
+        output = process.communicate(timeout=120)[0]
+        ended = time.time() - stopped_at
+    finally:
+        if frozen and Path(f"/proc/{frozen}").exists():  # torchrun normally ends it
+            os.kill(frozen, signal.SIGKILL)
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    print(f"rank 1 frozen; the launch exited {process.returncode} after {ended:.1f} s: {errors}")
+    assert frozen and process.returncode != 0 and len(errors) == 1, output[-4000:]
+    assert re.search(r"lost contact with rank 1 \(the main node is 127\.0\.0\.1:\d+\) during a collective on rank 0 "
+                     r".*Timed out waiting 10000ms.*--ddp_timeout 10 s", errors[0]), errors[0]
+    # The timeout, plus torchrun's grace period before it kills the frozen rank (30 s), plus start-up slack.
+    assert ended < 10 + 30 + 15
