@@ -46,11 +46,9 @@ def snapshot(out) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("train, validation, expected", [
+    # The other bad files (empty, null or number text, mismatched columns) are checked in-process
+    # in test_data.py: the same code path, which this launch proves ends in one line.
     (GOOD + '{"text": "a b\n', GOOD, r"train.jsonl: not readable as json \(ArrowInvalid: JSON parse error"),
-    ("", GOOD, r"train.jsonl: no data in the file"),
-    (GOOD + '{"text": null}\n', GOOD, r"column 'text' of the \w+ data holds None, not text"),
-    (GOOD + '{"text": 3}\n', GOOD, r"column 'text' of the \w+ data holds 3, not text"),
-    (GOOD, '{"body": "a b"}\n', r"do not have the same columns \(.*train.jsonl: \['text'\]; .*validation.jsonl: \['body'\]\)"),
 ])
 def test_bad_data_is_one_line(markov_data, tmp_path, train, validation, expected):
     files = data_files(tmp_path, train, validation)

@@ -64,3 +64,25 @@ def test_too_few_rows_to_split_off_validation_is_one_line(tmp_path):
     (tmp_path / "train.jsonl").write_text('{"text": "a b"}\n')
     with pytest.raises(UsageError, match="cannot split 1 training rows at --validation_split_percentage 5"):
         load_raw_datasets(DataArguments(train_file=str(tmp_path / "train.jsonl")), seed=0)
+
+
+GOOD = '{"text": "a b c d e f g h"}\n' * 40
+
+
+@pytest.mark.parametrize("train, validation, expected", [
+    ("", GOOD, r"train.jsonl: no data in the file; give a file with rows"),
+    (GOOD + '{"text": null}\n', GOOD, r"column 'text' of the \w+ data holds None, not text"),
+    (GOOD + '{"text": 3}\n', GOOD, r"column 'text' of the \w+ data holds 3, not text"),
+    (GOOD, '{"body": "a b"}\n', r"do not have the same columns \(.*train.jsonl: \['text'\]; .*validation.jsonl: \['body'\]\)"),
+])
+def test_bad_data_files_are_one_line(tmp_path, train, validation, expected):
+    """What a recipe's start-up does with the files (a launched run of a bad file is in test_bad_input.py)."""
+    from common.arguments import DataArguments
+    from common.data import check_text_column, load_raw_datasets
+
+    (tmp_path / "train.jsonl").write_text(train)
+    (tmp_path / "validation.jsonl").write_text(validation)
+    with pytest.raises(UsageError, match=expected) as error:
+        args = DataArguments(train_file=str(tmp_path / "train.jsonl"), validation_file=str(tmp_path / "validation.jsonl"))
+        check_text_column(load_raw_datasets(args, seed=0), "text")
+    assert "\n" not in str(error.value)
