@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import torch
 
+from common.model import full_numel
+
 # Dense (no sparsity) bf16/fp16 tensor-core peaks, TFLOP/s, from NVIDIA's data sheets.
 # Matched in order against torch.cuda.get_device_name(): more specific names first.
 PEAK_BF16_TFLOPS = (
@@ -39,17 +41,13 @@ def _matmul_weights(model):
             yield module.weight
 
 
-def _numel(parameter) -> int:
-    return getattr(parameter, "ds_numel", parameter.numel())  # ZeRO-3 partitions: the full size
-
-
 class ModelFlops:
     """`per_batch(batch)`: training FLOPs of one micro-batch, as a tensor (no synchronisation)."""
 
     def __init__(self, model):
         weights = {id(w): w for w in _matmul_weights(model)}.values()  # tied weights count once
-        total = sum(_numel(w) for w in weights)
-        trainable = sum(_numel(w) for w in weights if w.requires_grad)
+        total = sum(full_numel(w) for w in weights)
+        trainable = sum(full_numel(w) for w in weights if w.requires_grad)
         self.dense_per_token = 4 * total + 2 * trainable
         config = getattr(model, "config", None)
         layers = getattr(config, "num_hidden_layers", 0) or 0

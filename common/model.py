@@ -134,12 +134,14 @@ def apply_lora(model, args):
                          f"(the model's linear layers: {names})")
 
 
-def count_parameters(model) -> dict:
-    def numel(p):  # under ZeRO-3 init a parameter is an empty placeholder; ds_numel is its size
-        return getattr(p, "ds_numel", p.numel())
+def full_numel(parameter) -> int:
+    """A parameter's size; under ZeRO-3 it is an empty placeholder and ds_numel is its size."""
+    return getattr(parameter, "ds_numel", parameter.numel())
 
-    total = sum(numel(p) for p in model.parameters())
-    trainable = sum(numel(p) for p in model.parameters() if p.requires_grad)
+
+def count_parameters(model) -> dict:
+    total = sum(full_numel(p) for p in model.parameters())
+    trainable = sum(full_numel(p) for p in model.parameters() if p.requires_grad)
     return {"total_parameters": total, "trainable_parameters": trainable}
 
 
