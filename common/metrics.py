@@ -28,12 +28,12 @@ class MetricsLogger:
         self.flops = ModelFlops(accelerator.unwrap_model(model)) if model is not None else None
         compute = {"bf16": "bfloat16", "fp16": "float16"}.get(accelerator.mixed_precision)
         self.peak_tflops = device_peak_tflops(accelerator.device, compute, peak_tflops)
-        self.window_flops = torch.zeros(1, dtype=torch.float64, device=accelerator.device)
         self.data_wait_s = 0.0
         self.path = os.path.join(output_dir, "metrics.jsonl")
         self.start_time = time.perf_counter()
         self.window_start = self.start_time
-        self.window_tokens = torch.zeros(2, device=accelerator.device)  # tokens, samples on this rank
+        # label tokens, samples and model FLOPs on this rank, summed over ranks in one reduce
+        self.window_sums = torch.zeros(3, dtype=torch.float64, device=accelerator.device)
         self.window_loss, self.window_batches = 0.0, 0
         if accelerator.is_main_process and os.path.exists(self.path):
             self._drop_rows_after(start_step)
@@ -50,10 +50,10 @@ class MetricsLogger:
     def record_batch(self, loss: torch.Tensor, batch: dict) -> None:
         """Call on every micro-batch: counts tokens that carry a label, and the loss."""
         labels = batch.get("labels", batch["input_ids"])
-        self.window_tokens[0] += (labels != -100).sum()
-        self.window_tokens[1] += labels.shape[0]
+        self.window_sums[0] += (labels != -100).sum()
+        self.window_sums[1] += labels.shape[0]
         if self.flops is not None:
-            self.window_flops += self.flops.per_batch(batch)
+            self.window_sums[2] += self.flops.per_batch(batch)
         self.window_loss += loss.detach().float()
         self.window_batches += 1
 
@@ -63,30 +63,30 @@ class MetricsLogger:
 
     def log_train(self, step: int, lr: float, grad_norm) -> dict:
         """Average the window over micro-batches and ranks; call on every rank."""
-        totals = self.accelerator.reduce(self.window_tokens.clone(), reduction="sum")
-        flops = float(self.accelerator.reduce(self.window_flops.clone(), reduction="sum"))
-        waited = self.accelerator.gather(torch.tensor([self.data_wait_s], device=self.accelerator.device))
+        device = self.accelerator.device
+        tokens, samples, flops = self.accelerator.reduce(self.window_sums.clone(), reduction="sum").tolist()
         mean_loss = self.accelerator.reduce(
-            torch.as_tensor(self.window_loss / max(self.window_batches, 1), device=self.accelerator.device),
-            reduction="mean")
-        peak = self.accelerator.gather(torch.tensor([peak_memory_mb(self.accelerator.device)],
-                                                    device=self.accelerator.device))
+            torch.as_tensor(self.window_loss / max(self.window_batches, 1), device=device), reduction="mean")
+        # one row per rank: [data wait, peak memory (, allocated, reserved on a GPU)]
+        per_rank = self.accelerator.gather(
+            torch.tensor([[self.data_wait_s, *memory_mb(device)]], dtype=torch.float64, device=device)).tolist()
         now = time.perf_counter()
         seconds = max(now - self.window_start, 1e-9)
         tflops = flops / seconds / self.accelerator.num_processes / 1e12 if self.flops is not None else None
         row = {"step": step, "loss": float(mean_loss), "lr": lr,
                "grad_norm": None if grad_norm is None else float(grad_norm),
-               "tokens_per_s": float(totals[0]) / seconds, "samples_per_s": float(totals[1]) / seconds,
-               "tokens_per_s_per_device": float(totals[0]) / seconds / self.accelerator.num_processes,
+               "tokens_per_s": tokens / seconds, "samples_per_s": samples / seconds,
+               "tokens_per_s_per_device": tokens / seconds / self.accelerator.num_processes,
                "tflops_per_device": tflops,
                "mfu": tflops / self.peak_tflops if tflops is not None and self.peak_tflops else None,
-               "data_wait_fraction": float(waited.max()) / seconds,  # the slowest rank's
+               "data_wait_fraction": max(rank[0] for rank in per_rank) / seconds,  # the slowest rank's
                "elapsed_s": now - self.start_time,
-               "peak_memory_mb_per_rank": [round(float(m), 1) for m in peak.tolist()],
-               **gpu_memory_mb(self.accelerator)}
+               "peak_memory_mb_per_rank": [round(rank[1], 1) for rank in per_rank]}
+        if len(per_rank[0]) > 2:
+            row["memory_allocated_mb_per_rank"] = [round(rank[2], 1) for rank in per_rank]
+            row["memory_reserved_mb_per_rank"] = [round(rank[3], 1) for rank in per_rank]
         self.window_start, self.window_loss, self.window_batches = now, 0.0, 0
-        self.window_tokens.zero_()
-        self.window_flops.zero_()
+        self.window_sums.zero_()
         self.data_wait_s = 0.0
         self._write(row)
         self.progress.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{lr:.2e}")
@@ -118,21 +118,12 @@ class MetricsLogger:
                 handle.write(json.dumps(row) + "\n")
 
 
-def gpu_memory_mb(accelerator) -> dict:
-    """Memory allocated and reserved by torch's caching allocator on each rank's GPU; {} on CPU."""
-    device = accelerator.device
-    if not (torch.cuda.is_available() and getattr(device, "type", "") == "cuda"):
-        return {}
-    local = torch.tensor([torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)],
-                         dtype=torch.float64, device=device) / 2**20
-    both = accelerator.gather(local.unsqueeze(0)).tolist()
-    return {"memory_allocated_mb_per_rank": [round(a, 1) for a, _ in both],
-            "memory_reserved_mb_per_rank": [round(r, 1) for _, r in both]}
-
-
-def peak_memory_mb(device) -> float:
-    """Peak allocated GPU memory on a GPU, else the process's peak resident set size."""
+def memory_mb(device) -> tuple:
+    """(peak allocated, allocated, reserved) by torch's allocator on a GPU; (peak resident set
+    size,) of the process elsewhere."""
     if torch.cuda.is_available() and getattr(device, "type", "") == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
+        return tuple(value / 2**20 for value in (torch.cuda.max_memory_allocated(device),
+                                                  torch.cuda.memory_allocated(device),
+                                                  torch.cuda.memory_reserved(device)))
     import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,)
