@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import socket
@@ -275,3 +276,56 @@ def shifted_markov_data(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("markov_shift")
     write_markov_corpus(str(out), seed=1, train_docs=3000, validation_docs=203)
     return out
+
+
+class TwoHosts:
+    """Two network namespaces joined by a veth pair: two hosts with their own addresses
+    (10.77.<n>.1 on `a`, .2 on `b`), as two cluster nodes on one link."""
+
+    def __init__(self, index: int):
+        self.names = (f"rcp{os.getpid() % 10000}a{index}", f"rcp{os.getpid() % 10000}b{index}")
+        self.links = (f"rv{os.getpid() % 10000}a{index}", f"rv{os.getpid() % 10000}b{index}")
+        self.addresses = (f"10.77.{index}.1", f"10.77.{index}.2")
+
+    def up(self) -> None:
+        a, b = self.names
+        commands = [["netns", "add", a], ["netns", "add", b],
+                    ["link", "add", self.links[0], "type", "veth", "peer", "name", self.links[1]]]
+        for name, link, address in zip(self.names, self.links, self.addresses):
+            commands += [["link", "set", link, "netns", name], ["-n", name, "addr", "add", f"{address}/24", "dev", link],
+                         ["-n", name, "link", "set", "lo", "up"], ["-n", name, "link", "set", link, "up"]]
+        for command in commands:
+            subprocess.run(["ip", *command], check=True, capture_output=True, text=True)
+
+    def set_link(self, host: int, state: str) -> None:
+        subprocess.run(["ip", "-n", self.names[host], "link", "set", self.links[host], state], check=True)
+
+    def command(self, host: int, command: list, ifname: bool = True) -> tuple[list[str], dict]:
+        """`command` run on host 0 or 1 (inside its namespace), and its environment: gloo on that
+        host's link (GLOO_SOCKET_IFNAME) unless ifname is False."""
+        env = {**os.environ, **OFFLINE_ENV}
+        env.pop("GLOO_SOCKET_IFNAME", None)
+        if ifname:
+            env["GLOO_SOCKET_IFNAME"] = self.links[host]
+        return ["ip", "netns", "exec", self.names[host], *map(str, command)], env
+
+    def down(self) -> None:
+        for name in self.names:
+            subprocess.run(["ip", "netns", "delete", name], capture_output=True)
+
+
+_host_pairs = itertools.count()
+
+
+@pytest.fixture
+def two_hosts():
+    """Skips (with the reason) where this host may not create network namespaces."""
+    hosts = TwoHosts(100 + next(_host_pairs))
+    try:
+        hosts.up()
+    except (OSError, subprocess.CalledProcessError) as error:
+        hosts.down()
+        pytest.skip(f"cannot create network namespaces here (needs root and `ip netns`): "
+                    f"{getattr(error, 'stderr', '') or error}")
+    yield hosts
+    hosts.down()
