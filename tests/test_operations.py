@@ -112,3 +112,41 @@ def test_a_hung_peer_ends_the_run_within_the_timeout_with_one_line(markov_data, 
     assert after < 10 + 15  # the timeout, plus slack for a busy machine
     assert re.search(r"lost contact with rank 1 \(the main node is 127\.0\.0\.1:\d+\) during a collective on rank 0 "
                      r".*Timed out waiting 10000ms.*--ddp_timeout 10 s", errors[0][1]), errors[0][1]
+
+
+@pytest.mark.slow
+def test_a_cut_link_ends_the_run_on_both_nodes_within_the_timeout(two_hosts, markov_data, tmp_path):
+    """multi_node_ddp.yaml across two network namespaces (two hosts over a veth pair, gloo on that
+    link), --ddp_timeout 10: the link is taken down mid-run. Both nodes print one line naming the
+    other rank and exit non-zero within the timeout plus a margin, instead of hanging."""
+    out, port = tmp_path / "run", free_port()
+    args = causal_lm_args(markov_data, out, max_steps=100000, logging_steps=1, ddp_timeout=10)
+    lines, processes = ([], []), []
+    for host in (0, 1):
+        command, env = two_hosts.command(host, launch_command("multi_node_ddp.yaml", "causal_lm.py", args, [
+            "--num_machines", "2", "--num_processes", "2", "--machine_rank", str(host),
+            "--main_process_ip", two_hosts.addresses[0], "--main_process_port", str(port)]))
+        process = subprocess.Popen(command, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT)
+        threading.Thread(target=lambda p=process, seen=lines[host]: [seen.append((time.time(), line))
+                                                                     for line in p.stdout], daemon=True).start()
+        processes.append(process)
+    metrics, deadline = out / "metrics.jsonl", time.time() + 300
+    while time.time() < deadline and all(p.poll() is None for p in processes) and \
+            not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        time.sleep(0.05)
+    two_hosts.set_link(1, "down")
+    cut = time.time()
+    for process in processes:
+        process.wait(timeout=120)
+    ended = time.time() - cut
+    for host, process in enumerate(processes):
+        output = "".join(line for _, line in lines[host])
+        errors = [(seen - cut, line.strip()) for seen, line in lines[host] if line.startswith("error:")]
+        assert process.returncode != 0 and len(errors) == 1, output[-4000:]
+        print(f"node {host}: error {errors[0][0]:.1f} s after the cut: {errors[0][1][:160]}")
+        assert errors[0][0] < 10 + 15
+        assert re.search(rf"lost contact with rank {1 - host} \(the main node is {two_hosts.addresses[0]}:{port}\) "
+                         rf"during a collective on rank {host} .*--ddp_timeout 10 s", errors[0][1]), errors[0][1]
+    print(f"both launches ended {ended:.1f} s after the cut")
+    assert ended < 10 + 30
