@@ -22,6 +22,7 @@ from collections import Counter
 from datasets import DatasetDict
 
 from common.arguments import UsageError
+from common.peers import main_process_alone
 
 OVERLONG = ("drop", "truncate")
 GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -152,7 +153,7 @@ def tokenize_sft(raw: DatasetDict, tokenizer, messages_column: str, max_length: 
             status = "no_label_tokens"
         return {"input_ids": ids, "labels": labels, "status": status}
 
-    with accelerator.main_process_first():
+    with accelerator.main_process_first(), main_process_alone(accelerator, "tokenizing"):
         encoded = raw.map(encode, num_proc=num_proc, remove_columns=raw["train"].column_names,
                           desc="tokenizing SFT examples")
     dropped, kept = {}, {}

@@ -18,6 +18,7 @@ import torch
 
 from common.arguments import UsageError, describe
 from common.nonfinite import check_finite_weights
+from common.peers import main_process_alone
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 STATE_FILE = "trainer_state.json"
@@ -145,11 +146,13 @@ def export_final(accelerator, model, tokenizer, output_dir: str, dtype, name: st
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
 
-    if accelerator.is_main_process:
-        _write_folder(target, save_model)
-        if merge_adapter and hasattr(unwrapped, "peft_config"):
-            with _without_zero3_init():  # only this process reloads the base model
-                _write_folder(f"{target}_merged", lambda tmp: _save_merged(unwrapped, target, tmp, tokenizer, dtype))
+    with main_process_alone(accelerator, f"writing {target}"):
+        if accelerator.is_main_process:
+            _write_folder(target, save_model)
+            if merge_adapter and hasattr(unwrapped, "peft_config"):
+                with _without_zero3_init():  # only this process reloads the base model
+                    _write_folder(f"{target}_merged", lambda tmp: _save_merged(unwrapped, target, tmp, tokenizer,
+                                                                               dtype))
     accelerator.wait_for_everyone()
     return target
 

@@ -10,6 +10,7 @@ from torch.utils.data import DataLoader
 from transformers import default_data_collator
 
 from common.arguments import DataArguments, UsageError, describe
+from common.peers import main_process_alone
 
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 
@@ -109,7 +110,8 @@ def tokenize_and_pack(raw: DatasetDict, tokenizer, text_column: str, block_size:
     def tokenize(batch):
         return tokenizer(batch[text_column], add_special_tokens=False, return_attention_mask=False)
 
-    with accelerator.main_process_first():  # rank 0 builds the cache, the others read it
+    # rank 0 builds the cache, the others read it
+    with accelerator.main_process_first(), main_process_alone(accelerator, "tokenizing"):
         tokenized = raw.map(tokenize, batched=True, num_proc=num_proc,
                             remove_columns=raw["train"].column_names, desc="tokenizing")
         packed = tokenized.map(pack_sequences, batched=True, batch_size=1000, num_proc=num_proc,
@@ -160,7 +162,7 @@ def tokenize_for_classification(raw: DatasetDict, tokenizer, text_column: str, l
         encoded["labels"] = [label_ids[str(label)] for label in batch[label_column]]
         return encoded
 
-    with accelerator.main_process_first():
+    with accelerator.main_process_first(), main_process_alone(accelerator, "tokenizing"):
         tokenized = raw.map(tokenize, batched=True, num_proc=num_proc,
                             remove_columns=raw["train"].column_names, desc="tokenizing")
     return tokenized, label_names

@@ -1,4 +1,4 @@
-"""A lost peer ends the run loudly: a collective that gives up names the peer and what to check.
+"""A lost peer ends the run loudly, and long work on the main process alone is seen not to be hung.
 
 Every collective waits at most `--ddp_timeout` seconds (`common.accelerator`). When a rank
 dies, hangs or becomes unreachable, the others fail inside a collective with a backend error
@@ -8,8 +8,12 @@ turns that error into one line, printed on every node (the survivors may not inc
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import sys
+import threading
+import time
 
 LOST_PEER = re.compile(r"timed out|timeout|connection (closed|reset|refused)|broken pipe|no route to host|"
                        r"network is unreachable|connection abort", re.IGNORECASE)
@@ -35,3 +39,35 @@ def lost_peer_message(error: BaseException) -> str | None:
             "every node's processes and logs, that the nodes reach each other on the interface in use "
             f"(GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME), then resume with --resume_from_checkpoint latest "
             f"(collectives wait --ddp_timeout {timeout} s)")
+
+
+@contextlib.contextmanager
+def main_process_alone(accelerator, what: str, every: float = 30.0):
+    """Work the main process does while the other ranks wait for it in a collective (tokenizing a
+    corpus, exporting or merging a large model). Past `every` seconds it prints how long it has
+    been at it and how long the others will wait (--ddp_timeout), so a waiting cluster is seen
+    not to be hung, and warns once half of that wait is spent."""
+    if not accelerator.is_main_process:
+        yield
+        return
+    timeout = float(os.environ.get("RECIPES_DDP_TIMEOUT", "1800"))
+    start, done, said = time.time(), threading.Event(), []
+
+    def report():
+        while not done.wait(every):
+            elapsed = time.time() - start
+            warning = (" - over half of it: if this runs longer, raise --ddp_timeout" if elapsed > timeout / 2
+                       else "")
+            print(f"{what}: {elapsed:.0f} s so far on the main process; the other ranks wait for it up to "
+                  f"--ddp_timeout {timeout:.0f} s{warning}", file=sys.stderr, flush=True)
+            said.append(elapsed)
+
+    thread = threading.Thread(target=report, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        if said:
+            print(f"{what}: done in {time.time() - start:.0f} s", file=sys.stderr, flush=True)

@@ -33,6 +33,7 @@ from common.synthetic import write_arithmetic_data  # noqa: E402
 
 class _OneProcess:
     from contextlib import nullcontext as main_process_first
+    is_main_process = True
 
     def print(self, *args):
         pass

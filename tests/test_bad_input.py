@@ -69,13 +69,20 @@ def test_model_config_that_builds_no_model_overwrites_nothing(earlier_run, marko
     assert snapshot(out) == before and (out / "final").is_dir() and (out / "checkpoints" / "step_2").is_dir()
 
 
-@pytest.mark.slow
 def test_folders_without_a_model_or_a_tokenizer(markov_data, tmp_path):
+    """Raised while loading, on every rank alike: checked in-process (the launches above prove
+    that such an error reaches the user as one line)."""
+    from common.arguments import ModelArguments, UsageError
+    from common.model import load_model, load_tokenizer
+
     (tmp_path / "empty").mkdir()
-    error = launch_bad(causal_lm_args(markov_data, tmp_path / "run", model_config="", model_name_or_path=tmp_path / "empty"))
-    assert re.search(r"no CausalLM model loads from .*empty", error), error
-    error = launch_bad(causal_lm_args(markov_data, tmp_path / "run", tokenizer_name_or_path=tmp_path / "empty"))
-    assert re.search(r"no tokenizer loads from .*empty", error), error
+    config = str(REPO / "recipes/configs/tiny_llama.json")
+    tokenizer = load_tokenizer(ModelArguments(model_config=config, tokenizer_name_or_path=str(markov_data / "tokenizer")))
+    with pytest.raises(UsageError, match=r"no CausalLM model loads from .*empty"):
+        load_model(ModelArguments(model_name_or_path=str(tmp_path / "empty"), tokenizer_name_or_path=str(
+            markov_data / "tokenizer")), tokenizer, seed=0)
+    with pytest.raises(UsageError, match=r"no tokenizer loads from .*empty"):
+        load_tokenizer(ModelArguments(model_config=config, tokenizer_name_or_path=str(tmp_path / "empty")))
 
 
 @pytest.mark.slow

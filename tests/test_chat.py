@@ -17,8 +17,9 @@ TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
 FAMILIES = ["llama3", "chatml_qwen2_5", "mistral", "gemma"]
 
 
-class CPU:  # the two members of an Accelerator that tokenize_sft uses, for one process
+class CPU:  # the members of an Accelerator that tokenize_sft uses, for one process
     from contextlib import nullcontext as main_process_first
+    is_main_process = True
 
     def __init__(self):
         self.printed = []

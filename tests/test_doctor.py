@@ -42,7 +42,7 @@ def test_make_doctor_checks_two_processes(tmp_path):
 def node_commands(config: str, main: str, port: int, extra: list) -> list[list]:
     return [[*DOCTOR, "--config_file", REPO / "accelerate_configs" / config, "--num_machines", "2",
              "--num_processes", "2", "--machine_rank", str(rank), "--main_process_ip", main,
-             "--main_process_port", str(port), "--timeout", "15", *QUICK, *extra] for rank in (0, 1)]
+             "--main_process_port", str(port), "--timeout", "8", *QUICK, *extra] for rank in (0, 1)]
 
 
 def start(commands_and_envs) -> list[subprocess.Popen]:
@@ -105,11 +105,11 @@ def test_doctor_across_two_hosts_names_the_interface_and_the_cut_link(two_hosts,
     two_hosts.set_link(1, "down")
     results = finish(start([two_hosts.command(host, commands[host]) for host in (0, 1)]))
     (code0, out0, seconds0), (code1, out1, seconds1) = results
-    print(f"link down: node 1 failed after {seconds1:.1f} s, node 0 after {seconds0:.1f} s (timeout 15 s)")
+    print(f"link down: node 1 failed after {seconds1:.1f} s, node 0 after {seconds0:.1f} s (timeout 8 s)")
     assert code1 == 1 and seconds1 < 10 and out1.strip().splitlines()[-1].startswith(
         f"error: machine_rank 1: this host has no route to the main node {main} (Network is unreachable)"), out1
-    assert code0 == 1 and seconds0 < 15 + 20 and out0.strip().splitlines()[-1].startswith(
-        "error: the main node waited 15 s and only 1 of 2 nodes joined"), out0[-3000:]
+    assert code0 == 1 and seconds0 < 8 + 20 and out0.strip().splitlines()[-1].startswith(
+        "error: the main node waited 8 s and only 1 of 2 nodes joined"), out0[-3000:]
 
 
 def test_versions_that_differ_between_ranks_are_named():

@@ -113,3 +113,26 @@ def test_mfu_needs_a_known_peak():
 
     assert device_peak_tflops(torch.device("cpu"), "bfloat16", None) is None  # no MFU invented on CPU
     assert device_peak_tflops(torch.device("cpu"), "bfloat16", 100.0) == 100.0
+
+
+def test_long_work_on_the_main_process_reports_while_the_others_wait(capsys, monkeypatch):
+    """Progress lines past every N seconds, the warning once half of --ddp_timeout is spent, a
+    closing line; nothing for quick work, and nothing from the ranks that wait."""
+    import time
+    from types import SimpleNamespace
+
+    from common.peers import main_process_alone
+
+    monkeypatch.setenv("RECIPES_DDP_TIMEOUT", "1")
+    with main_process_alone(SimpleNamespace(is_main_process=True), "tokenizing", every=0.2):
+        time.sleep(0.9)
+    lines = capsys.readouterr().err.strip().splitlines()
+    progress = [line for line in lines if "s so far on the main process; the other ranks wait for it up to " \
+                "--ddp_timeout 1 s" in line]
+    assert len(progress) >= 3 and lines[-1].startswith("tokenizing: done in"), lines
+    assert "raise --ddp_timeout" not in progress[0] and "raise --ddp_timeout" in progress[-1], progress
+    for accelerator, seconds in ((SimpleNamespace(is_main_process=True), 0.0),
+                                 (SimpleNamespace(is_main_process=False), 0.5)):
+        with main_process_alone(accelerator, "tokenizing", every=0.2):
+            time.sleep(seconds)
+        assert capsys.readouterr().err == ""
