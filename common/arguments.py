@@ -108,6 +108,9 @@ class TrainingArguments:
     per_device_train_batch_size: int = 8
     per_device_eval_batch_size: int = 8
     gradient_accumulation_steps: int = 1
+    auto_find_batch_size: bool = field(default=False, metadata={
+        "help": "Before training, halve the per-device batch (to a divisor) while a training step runs out of "
+                "memory, raising gradient_accumulation_steps to keep the global batch (common/batch_size.py)."})
     learning_rate: float = 5e-4
     weight_decay: float = 0.0
     adam_beta1: float = 0.9

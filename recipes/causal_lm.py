@@ -24,6 +24,7 @@ import math
 
 from common.arguments import (DataArguments, ModelArguments, TrainingArguments, exits_on_usage_error,
                               parse_args, to_dict)
+from common.batch_size import fit_batch_size
 from common.checkpoints import export_final, load_checkpoint, save_checkpoint
 from common.data import load_raw_datasets, make_dataloaders, tokenize_and_pack
 from common.metrics import MetricsLogger
@@ -52,6 +53,7 @@ def main(argv=None):
     model = load_model(model_args, tokenizer, args.seed, args.gradient_checkpointing)
     parameters = count_parameters(model)
     optimizer = create_optimizer(model, args)
+    train_loader = fit_batch_size(accelerator, model, train_loader, args)  # --auto_find_batch_size
     batches_per_epoch = len(train_loader) // accelerator.num_processes
     max_steps = total_training_steps(args, batches_per_epoch)
     scheduler = create_scheduler(optimizer, args, max_steps, accelerator.num_processes)

@@ -21,6 +21,7 @@ from transformers import AutoModelForSequenceClassification, DataCollatorWithPad
 
 from common.arguments import (DataArguments, ModelArguments, TrainingArguments, exits_on_usage_error,
                               parse_args, to_dict)
+from common.batch_size import fit_batch_size
 from common.checkpoints import export_final, load_checkpoint, save_checkpoint
 from common.data import load_raw_datasets, make_dataloaders, tokenize_for_classification
 from common.evaluation import BestModelTracker, evaluate_classification, load_metric
@@ -64,6 +65,7 @@ def main(argv=None):
                        label2id={name: i for i, name in enumerate(label_names)})
     parameters = count_parameters(model)
     optimizer = create_optimizer(model, args)
+    train_loader = fit_batch_size(accelerator, model, train_loader, args)  # --auto_find_batch_size
     max_steps = total_training_steps(args, len(train_loader) // accelerator.num_processes)
     scheduler = create_scheduler(optimizer, args, max_steps, accelerator.num_processes)
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(

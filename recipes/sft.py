@@ -26,6 +26,7 @@ from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening
 
 from common.arguments import (DataArguments, ModelArguments, TrainingArguments, exits_on_usage_error,
                               parse_args, to_dict)
+from common.batch_size import fit_batch_size
 from common.checkpoints import export_final, load_checkpoint, save_checkpoint
 from common.chat import OVERLONG, end_of_turn_ids, generation_references, read_chat_template, tokenize_sft
 from common.data import load_raw_datasets, make_dataloaders
@@ -79,6 +80,7 @@ def main(argv=None):
     accelerator.print(f"{'packed' if sft_args.packing else 'padded'} batches, attention: {attention}")
     parameters = count_parameters(model)
     optimizer = create_optimizer(model, args)
+    train_loader = fit_batch_size(accelerator, model, train_loader, args)  # --auto_find_batch_size
     max_steps = total_training_steps(args, len(train_loader) // accelerator.num_processes)
     scheduler = create_scheduler(optimizer, args, max_steps, accelerator.num_processes)
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(

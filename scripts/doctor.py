@@ -38,6 +38,13 @@ ENV_PREFIXES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_R
                 "MASTER_PORT", "CUDA_VISIBLE_DEVICES", "NCCL_", "GLOO_", "TORCHELASTIC_", "ACCELERATE_USE_",
                 "ACCELERATE_MIXED_PRECISION", "OMP_NUM_THREADS")
 REPO = Path(__file__).resolve().parents[1]
+WORKER = "RECIPES_DOCTOR_WORKER"  # set for the launched copies of this script
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def fail(message: str) -> None:
@@ -220,11 +227,18 @@ def worker(args) -> None:
     import torch
     import torch.distributed as dist
 
+    if "RANK" not in os.environ:  # a one-process config: accelerate starts the script without torchrun
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     main = os.environ.get("MASTER_ADDR", "127.0.0.1")
     use_gpu = torch.cuda.is_available() and os.environ.get("ACCELERATE_USE_CPU", "false").lower() != "true"
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_gpu else torch.device("cpu")
+    if use_gpu and local_world > torch.cuda.device_count():
+        fail(f"rank {rank}: {local_world} processes on this node but {torch.cuda.device_count()} GPU(s) visible "
+             f"(NCCL needs one GPU per process): launch with --num_processes {torch.cuda.device_count()} per node, "
+             "or check CUDA_VISIBLE_DEVICES")
     if use_gpu:
         torch.cuda.set_device(device)
     net = network(main)
@@ -239,7 +253,7 @@ def worker(args) -> None:
         reports = [None] * world
         dist.all_gather_object(reports, report)
         checks = check_collectives(dist, device, world, rank)
-        sizes = [s for s in (2**k for k in range(2, 40, 2)) if s <= args.max_size]
+        sizes = [s for s in (2**k for k in range(2, 40, 2)) if s <= args.max_size] if world > 1 else []
         bandwidth = time_all_reduce(dist, device, world, sizes, args.iterations)
     except Exception as error:  # every failure inside the process group gets its cause named
         from common.peers import lost_peer_message
@@ -276,6 +290,9 @@ def print_summary(summary: dict) -> None:
         print(f"rank {r['rank']} on {r['host']} ({r['address']} via {r['network'].get('route_interface')}): "
               f"{r['devices']['cpu_cores']} CPU cores, {gpus}{extra}\n    {env}")
     print("collectives: " + ", ".join(f"{k} {'ok' if ok else 'WRONG'}" for k, ok in summary["collectives"].items()))
+    if summary["world_size"] == 1:
+        print("all_reduce not timed: one rank, nothing crosses a link (launch 2 or more processes to time it)")
+        return
     print(f"all_reduce over {summary['world_size']} ranks:\n{'bytes':>12} {'time_us':>10} {'algbw_GB/s':>11} "
           f"{'busbw_GB/s':>11}")
     for row in summary["all_reduce"]:
@@ -318,7 +335,7 @@ def launch(args, launcher_args: list[str]) -> None:
                args.config_file, *launcher_args, __file__, "--timeout", str(args.timeout), "--iterations",
                str(args.iterations), *(["--max_size", str(args.max_size)] if args.max_size else []),
                *(["--report", args.report] if args.report else [])]
-    process = subprocess.Popen(command, env={**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}"
+    process = subprocess.Popen(command, env={**os.environ, WORKER: "1", "PYTHONPATH": f"{REPO}{os.pathsep}"
                                              f"{os.environ.get('PYTHONPATH', '')}"}, stderr=subprocess.PIPE, text=True)
     errors = []
     for line in process.stderr:  # passed through as it comes, kept to name the cause
@@ -347,7 +364,7 @@ def main(argv=None) -> None:
     parser.add_argument("--iterations", type=int, default=20, help="timed calls per size (fewer above 1 MB)")
     parser.add_argument("--report", default=None, help="also write the rank-0 summary here as JSON")
     args, launcher_args = parser.parse_known_args(argv)
-    if "RANK" in os.environ and "LOCAL_RANK" in os.environ:
+    if os.environ.get(WORKER) or ("RANK" in os.environ and "LOCAL_RANK" in os.environ):
         if launcher_args:
             fail(f"unknown arguments {' '.join(launcher_args)}")
         if args.max_size is None:

@@ -1,5 +1,8 @@
 """Behaviour that only a GPU shows. Skipped, with the reason, on hosts without CUDA."""
 
+import math
+import os
+
 import pytest
 import torch
 
@@ -42,3 +45,93 @@ def test_gpu_metrics_report_mfu_memory_and_a_profile_with_kernels(markov_data, t
     kernels = [e for e in events if e.get("cat") == "kernel"]
     print(f"{len(kernels)} CUDA kernel events in the trace of steps 3-4")
     assert kernels and any("gemm" in e["name"].lower() or "sm90" in e["name"].lower() for e in kernels)
+
+
+@needs_gpu
+def test_doctor_on_the_gpu_reports_nccl_and_names_too_many_processes(tmp_path):
+    """make doctor with one process on the GPU: the GPU, driver, CUDA and NCCL versions and the collectives
+    over NCCL (nothing to time on one rank); asking for more processes than GPUs is one line, not an NCCL crash."""
+    import json
+
+    from conftest import free_port, run
+
+    report = tmp_path / "doctor.json"
+    result = run(["make", "doctor", "CONFIG=accelerate_configs/single.yaml",
+                  "ARGS=--report " + str(report)])
+    print(result.stdout[-3000:])
+    summary = json.loads(report.read_text())
+    devices = summary["ranks"][0]["devices"]
+    assert summary["backend"] == "nccl" and summary["world_size"] == 1
+    assert devices["gpus"] and devices["gpus"][0]["name"] == torch.cuda.get_device_name(0)
+    assert devices["nccl"] and devices["cuda"] and devices["driver"]
+    assert all(summary["collectives"].values())
+    assert summary["all_reduce"] == [] and "all_reduce not timed: one rank" in result.stdout
+    too_many = torch.cuda.device_count() + 1
+    result = run(["make", "doctor", "CONFIG=accelerate_configs/ddp.yaml",
+                  f"LAUNCH_ARGS=--num_processes {too_many} --main_process_port {free_port()}",
+                  "ARGS=--max_size 1M --iterations 2"], check=False)
+    assert result.returncode != 0
+    assert f"{too_many} processes on this node but {torch.cuda.device_count()} GPU(s) visible" in result.stderr, \
+        result.stderr[-3000:]
+
+
+@needs_gpu
+def test_auto_find_batch_size_halves_on_a_real_cuda_out_of_memory(tmp_path):
+    """A 103M-parameter Llama from a config on 512-token blocks, bf16, with the process capped at 16 GiB of
+    GPU memory (torch's own per-process limit, set from sitecustomize as a smaller GPU would be): a
+    per-device batch of 128 runs out of memory for real (the control launch without the finder fails),
+    the finder halves it, raises accumulation to keep 128 per device per step, and that run trains as one
+    launched with the chosen batch and accumulation by hand, within the cap."""
+    import json
+    import re
+
+    from common.synthetic import write_markov_corpus
+    from conftest import OFFLINE_ENV, REPO, read_metrics
+
+    data = tmp_path / "data"
+    write_markov_corpus(str(data), train_docs=12000, validation_docs=200, seed=0)
+    config = json.loads((REPO / "recipes/configs/tiny_llama.json").read_text())
+    config.update(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
+                  num_key_value_heads=16, max_position_embeddings=512)
+    (tmp_path / "llama.json").write_text(json.dumps(config))
+    cap = tmp_path / "cap"
+    cap.mkdir()
+    (cap / "sitecustomize.py").write_text(
+        "import os\nif os.environ.get('CAP_GIB'):\n    import torch\n    if torch.cuda.is_available():\n"
+        "        torch.cuda.set_per_process_memory_fraction(float(os.environ['CAP_GIB']) * 2**30 / "
+        "torch.cuda.get_device_properties(0).total_memory)\n")
+    env = {**OFFLINE_ENV, "CAP_GIB": "16", "PYTHONPATH": f"{cap}{os.pathsep}{os.environ.get('PYTHONPATH', REPO)}"}
+
+    def train(out, *extra):
+        return launch("single.yaml", "causal_lm.py", causal_lm_args(
+            data, out, model_config=tmp_path / "llama.json", block_size=512, per_device_train_batch_size=128,
+            per_device_eval_batch_size=8, gradient_accumulation_steps=1, max_steps=2) + list(extra),
+            env=env, check=False)
+
+    control = train(tmp_path / "control")
+    assert control.returncode != 0 and "out of memory" in control.stderr.lower(), control.stderr[-3000:]
+    out = tmp_path / "found"
+    result = train(out, "--auto_find_batch_size", "true")
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    chosen = re.search(r"auto_find_batch_size: per-device batch 128(, \d+)* ran out of memory; training with (\d+) "
+                       r"x gradient_accumulation_steps (\d+) per process", output)
+    assert chosen, output[-4000:]
+    print(chosen.group(0))
+    batch, accumulation = int(chosen.group(2)), int(chosen.group(3))
+    assert batch < 128 and batch * accumulation == 128
+    record = read_run(out)
+    assert record["total_parameters"] > 100e6
+    assert (record["args"]["per_device_train_batch_size"], record["args"]["gradient_accumulation_steps"]) == \
+        (batch, accumulation)
+    rows = read_metrics(out)[0]
+    print({k: rows[-1].get(k) for k in ("loss", "memory_allocated_mb_per_rank", "memory_reserved_mb_per_rank",
+                                        "peak_memory_mb_per_rank")})
+    assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)
+    assert max(r["peak_memory_mb_per_rank"][0] for r in rows) <= 16 * 1024
+    by_hand = tmp_path / "by_hand"
+    result = train(by_hand, "--per_device_train_batch_size", str(batch), "--gradient_accumulation_steps",
+                   str(accumulation))
+    assert result.returncode == 0, result.stderr[-3000:]
+    print("losses with the finder", losses(out), "by hand", losses(by_hand))
+    assert losses(out) == pytest.approx(losses(by_hand), rel=1e-3)

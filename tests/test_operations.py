@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (OFFLINE_ENV, REPO, causal_lm_args, free_port, launch, launch_command, max_weight_difference,
-                      read_metrics, read_run)
+from conftest import (FP32, OFFLINE_ENV, REPO, causal_lm_args, free_port, launch, launch_command, losses,
+                      max_weight_difference, read_metrics, read_run)
 
 
 def test_profile_steps_write_one_trace_per_rank_with_the_models_ops(markov_data, tmp_path):
@@ -150,3 +150,47 @@ def test_a_cut_link_ends_the_run_on_both_nodes_within_the_timeout(two_hosts, mar
                          rf"during a collective on rank {host} .*--ddp_timeout 10 s", errors[0][1]), errors[0][1]
     print(f"both launches ended {ended:.1f} s after the cut")
     assert ended < 10 + 30
+
+
+@pytest.mark.slow
+def test_auto_find_batch_size_halves_on_a_real_out_of_memory_and_keeps_the_global_batch(markov_data, tmp_path):
+    """ddp, 2 processes, a 13M-parameter Llama on 256-token blocks, each process's data limited to 3 GiB
+    (prlimit --data): the asked per-device batch of 64 runs out of memory for real (torch's CPU allocator
+    fails), the finder settles on a divisor and raises accumulation, and the run then trains exactly as
+    one launched with that batch and accumulation by hand. glibc's mmap threshold is fixed for the test:
+    by default it rises after the first large free and later tensors come from a heap that keeps its
+    size, so the limit would count memory the trial freed (a CPU allocator artefact; on a GPU torch's
+    caching allocator reuses it, tests/test_gpu.py)."""
+    import shutil
+
+    prlimit = shutil.which("prlimit")
+    if prlimit is None:
+        pytest.skip("needs prlimit (util-linux) to cap the processes' memory")
+    config = json.loads((REPO / "recipes/configs/tiny_llama.json").read_text())
+    config.update(hidden_size=512, intermediate_size=1376, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=8, max_position_embeddings=256)
+    (tmp_path / "llama.json").write_text(json.dumps(config))
+    common = dict(model_config=tmp_path / "llama.json", block_size=256, max_steps=2, per_device_eval_batch_size=2)
+    found = tmp_path / "found"
+    command = launch_command("ddp.yaml", "causal_lm.py", causal_lm_args(
+        markov_data, found, per_device_train_batch_size=64, gradient_accumulation_steps=1, **common) +
+        ["--auto_find_batch_size", "true"], FP32)
+    result = subprocess.run([prlimit, f"--data={3 * 2**30}", *command], cwd=REPO, capture_output=True, text=True,
+                            env={**os.environ, **OFFLINE_ENV, "MALLOC_MMAP_THRESHOLD_": "131072"}, timeout=900)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    chosen = re.search(r"auto_find_batch_size: per-device batch 64(, \d+)* ran out of memory; training with (\d+) x "
+                       r"gradient_accumulation_steps (\d+) per process", output)
+    assert chosen, output[-4000:]
+    batch, accumulation = int(chosen.group(2)), int(chosen.group(3))
+    print(chosen.group(0))
+    assert batch < 64 and batch * accumulation == 64
+    record = read_run(found)
+    assert record["participating_processes"] == 2
+    assert (record["args"]["per_device_train_batch_size"], record["args"]["gradient_accumulation_steps"]) == \
+        (batch, accumulation)
+    by_hand = tmp_path / "by_hand"
+    launch("ddp.yaml", "causal_lm.py", causal_lm_args(markov_data, by_hand, per_device_train_batch_size=batch,
+                                                       gradient_accumulation_steps=accumulation, **common),
+           launcher_args=FP32)
+    assert losses(found) == pytest.approx(losses(by_hand), abs=1e-6) and len(losses(found)) == 2
