@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -280,12 +281,16 @@ def shifted_markov_data(tmp_path_factory) -> Path:
 
 class TwoHosts:
     """Two network namespaces joined by a veth pair: two hosts with their own addresses
-    (10.77.<n>.1 on `a`, .2 on `b`), as two cluster nodes on one link."""
+    (10.77.<n>.1 on `a`, .2 on `b`), as two cluster nodes on one link. Each namespace has its
+    own /etc/hosts (ip netns mounts /etc/netns/<name>/hosts) naming both nodes; a command run
+    with own_hostname gets its node's name (a UTS namespace), which then resolves to its address
+    as on a cluster. Without it the hostname is this machine's, which resolves to loopback."""
 
     def __init__(self, index: int):
         self.names = (f"rcp{os.getpid() % 10000}a{index}", f"rcp{os.getpid() % 10000}b{index}")
         self.links = (f"rv{os.getpid() % 10000}a{index}", f"rv{os.getpid() % 10000}b{index}")
         self.addresses = (f"10.77.{index}.1", f"10.77.{index}.2")
+        self.hostnames = (f"node{index}a", f"node{index}b")
 
     def up(self) -> None:
         a, b = self.names
@@ -296,22 +301,32 @@ class TwoHosts:
                          ["-n", name, "link", "set", "lo", "up"], ["-n", name, "link", "set", link, "up"]]
         for command in commands:
             subprocess.run(["ip", *command], check=True, capture_output=True, text=True)
+        hosts = f"127.0.0.1 localhost {socket.gethostname()}\n" + "".join(
+            f"{address} {hostname}\n" for address, hostname in zip(self.addresses, self.hostnames))
+        for name in self.names:
+            Path(f"/etc/netns/{name}").mkdir(parents=True, exist_ok=True)
+            Path(f"/etc/netns/{name}/hosts").write_text(hosts)
 
     def set_link(self, host: int, state: str) -> None:
         subprocess.run(["ip", "-n", self.names[host], "link", "set", self.links[host], state], check=True)
 
-    def command(self, host: int, command: list, ifname: bool = True) -> tuple[list[str], dict]:
+    def command(self, host: int, command: list, ifname: bool = True, own_hostname: bool = False
+                ) -> tuple[list[str], dict]:
         """`command` run on host 0 or 1 (inside its namespace), and its environment: gloo on that
         host's link (GLOO_SOCKET_IFNAME) unless ifname is False."""
         env = {**os.environ, **OFFLINE_ENV}
         env.pop("GLOO_SOCKET_IFNAME", None)
         if ifname:
             env["GLOO_SOCKET_IFNAME"] = self.links[host]
-        return ["ip", "netns", "exec", self.names[host], *map(str, command)], env
+        prefix = ["ip", "netns", "exec", self.names[host]]
+        if own_hostname:
+            prefix += ["unshare", "--uts", "sh", "-c", f'hostname {self.hostnames[host]} && exec "$@"', "sh"]
+        return [*prefix, *map(str, command)], env
 
     def down(self) -> None:
         for name in self.names:
             subprocess.run(["ip", "netns", "delete", name], capture_output=True)
+            shutil.rmtree(f"/etc/netns/{name}", ignore_errors=True)
 
 
 _host_pairs = itertools.count()
