@@ -17,7 +17,7 @@ LAUNCH_ARGS ?=
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE ?= 1
 RESTARTS = $(if $(findstring --max_restarts,$(LAUNCH_ARGS)),--rdzv_backend c10d)
 
-.PHONY: install install-test demo demo-data test test-fast doctor causal_lm sequence_classification lora sft evaluate benchmark benchmark-packing check-config clean
+.PHONY: install install-test demo demo-data test test-fast doctor causal_lm sequence_classification lora sft evaluate benchmark benchmark-packing estimate-memory check-config clean
 
 # torch first: the CPU wheel on hosts without an NVIDIA GPU (no CUDA download),
 # the normal CUDA build where nvidia-smi sees a GPU. Later `torch>=...` pins are then satisfied.
@@ -89,6 +89,12 @@ doctor: install
 # Steps/s and peak memory per rank of every CPU-runnable config, in one run (ratios vs DDP).
 benchmark: install
 	$(PY) scripts/benchmark_strategies.py $(ARGS)
+
+# Memory per rank by category for a model under a config, before launching:
+#   make estimate-memory MODEL=recipes/configs/llama_100m.json CONFIG=accelerate_configs/zero3.yaml ARGS="--seq_len 2048"
+ESTIMATE_MODEL = $(if $(filter command line environment,$(origin MODEL)),$(MODEL),recipes/configs/llama_100m.json)
+estimate-memory: install
+	$(PY) scripts/estimate_memory.py --model $(ESTIMATE_MODEL) --config $(CONFIG) $(ARGS)
 
 # Packed vs padded SFT batches (one process): make benchmark-packing ARGS="--steps 20"
 benchmark-packing: install

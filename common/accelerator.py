@@ -69,6 +69,7 @@ def build_accelerator(args) -> Accelerator:
     accelerator.requested_mixed_precision = requested_precision
     if strategy == "deepspeed":
         _clip_with_max_grad_norm(accelerator.state.deepspeed_plugin, args.max_grad_norm)
+        _size_buckets_to_model(accelerator.state.deepspeed_plugin)
     if on_cpu_host:
         cpu_host.adapt(accelerator, strategy)
     if accelerator.num_processes != launched_world_size():
@@ -90,6 +91,20 @@ def _clip_with_max_grad_norm(plugin, max_grad_norm: float) -> None:
                          "--max_grad_norm decides, or pass the same value to both")
     config["gradient_clipping"] = float(max_grad_norm)
     plugin.gradient_clipping = float(max_grad_norm)
+
+
+BUCKET_KEYS = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
+
+
+def _size_buckets_to_model(plugin) -> None:
+    """Bucket sizes the DeepSpeed config leaves unset become "auto", which accelerate sizes from
+    the model's hidden size h at prepare (h*h elements to reduce, 0.9*h*h to prefetch, 10*h to
+    keep whole), as the HF Trainer's configs do. DeepSpeed's own defaults are fixed: ZeRO-3
+    allocates a 500M-element reduce bucket (1 GB in bf16) on every rank whatever the model's
+    size, which the memory account found (`common.memory`)."""
+    zero = plugin.deepspeed_config.setdefault("zero_optimization", {})
+    for key in BUCKET_KEYS:
+        zero.setdefault(key, "auto")
 
 
 def participating_processes(accelerator: Accelerator) -> int:

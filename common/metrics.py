@@ -17,14 +17,20 @@ import time
 import torch
 from tqdm.auto import tqdm
 
+from accelerate.utils import gather_object
+
 from common.flops import ModelFlops, device_peak_tflops
+from common.memory import MemoryAccount
 
 
 class MetricsLogger:
     def __init__(self, accelerator, output_dir: str, total_steps: int, start_step: int = 0, model=None,
-                 peak_tflops: float | None = None):
-        """`model` (prepared) gives the FLOPs per token; `peak_tflops` overrides the device table."""
+                 optimizer=None, peak_tflops: float | None = None):
+        """`model` (prepared) gives the FLOPs per token, and with `optimizer` (prepared) the
+        memory account (`common.memory`); `peak_tflops` overrides the device table."""
         self.accelerator = accelerator
+        self.output_dir = output_dir
+        self.memory = MemoryAccount(model, optimizer, accelerator.device) if optimizer is not None else None
         self.flops = ModelFlops(accelerator.unwrap_model(model)) if model is not None else None
         compute = {"bf16": "bfloat16", "fp16": "float16"}.get(accelerator.mixed_precision)
         self.peak_tflops = device_peak_tflops(accelerator.device, compute, peak_tflops)
@@ -90,7 +96,24 @@ class MetricsLogger:
         self.data_wait_s = 0.0
         self._write(row)
         self.progress.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{lr:.2e}")
+        self._log_memory(step)
         return row
+
+    def _log_memory(self, step: int) -> None:
+        """The memory account, once every rank has one (after the first optimizer step, on all
+        ranks alike): a metrics.jsonl row and run.json's "memory_per_rank"."""
+        if self.memory is None or self.memory.report is None:
+            return
+        per_rank = gather_object([self.memory.report])
+        self.memory = None
+        self._write({"step": step, "memory_per_rank": per_rank})
+        path = os.path.join(self.output_dir, "run.json")
+        if self.accelerator.is_main_process and os.path.exists(path):
+            with open(path) as handle:
+                record = json.load(handle)
+            record["memory_per_rank"] = per_rank
+            with open(path, "w") as handle:
+                json.dump(record, handle, indent=2, default=str)
 
     def log_eval(self, step: int, metrics: dict) -> dict:
         row = {"step": step, **metrics, "elapsed_s": time.perf_counter() - self.start_time}

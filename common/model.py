@@ -9,6 +9,7 @@ import torch
 from huggingface_hub.errors import StrictDataclassError  # transformers' config validation
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from common import memory
 from common.arguments import ModelArguments, UsageError, describe
 
 
@@ -52,11 +53,19 @@ def load_model(args: ModelArguments, tokenizer, seed: int, gradient_checkpointin
             config = AutoConfig.from_pretrained(
                 args.model_config, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
                 eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id, **config_overrides)
-            model = auto_class.from_config(config, dtype=torch.float32 if dtype == "auto" else dtype)
+            build_dtype = torch.float32 if dtype == "auto" else dtype
+            if _weights_come_from_rank0():
+                from accelerate import init_empty_weights
+
+                with init_empty_weights(include_buffers=False):  # parameters on the meta device
+                    model = auto_class.from_config(config, dtype=build_dtype)
+                _uninitialised_on_cpu(model)
+            else:
+                model = auto_class.from_config(config, dtype=build_dtype)
+                initialise_weights(model, seed)
         except (OSError, ValueError, TypeError, KeyError, StrictDataclassError) as error:
             raise UsageError(f"--model_config {args.model_config} does not build a model ({describe(error)}); "
                              "fix the config") from None
-        initialise_weights(model, seed)
     declare_layer_classes(model)
     # Training never reuses a KV cache, and transformers isolates packed sequences
     # (position ids restarting at 0) only when no cache is passed. generate() still
@@ -65,7 +74,30 @@ def load_model(args: ModelArguments, tokenizer, seed: int, gradient_checkpointin
         model.config.use_cache = False
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    memory.mark("model_built")
     return model
+
+
+def _weights_come_from_rank0() -> bool:
+    """FSDP with fsdp_cpu_ram_efficient_loading (the shipped FSDP configs): at prepare, accelerate
+    shards the model on the meta device and broadcasts rank 0's weights into the shards, so
+    the other ranks build theirs without memory (transformers does the same for a pretrained
+    model, read by local rank 0). Under ZeRO-3, zero.Init builds each rank's partition."""
+    from transformers.distributed.fsdp import is_fsdp_enabled
+
+    return is_fsdp_enabled() and torch.distributed.get_rank() != 0
+
+
+def _uninitialised_on_cpu(model) -> None:
+    """Give meta parameters CPU storage that is never written: the OS backs untouched pages
+    with no memory, and each parameter gets its own address (accelerate matches the
+    optimizer's parameters to the sharded ones by it; on the meta device all are 0)."""
+    buffers = {name: buffer for name, buffer in model.named_buffers()}
+    model.to_empty(device="cpu")
+    for name, buffer in buffers.items():  # to_empty replaces buffers too: keep the built ones
+        model.get_buffer(name).copy_(buffer)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
 
 
 def initialise_weights(model, seed: int) -> None:

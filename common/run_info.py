@@ -12,6 +12,7 @@ import torch
 
 from accelerate.utils import set_seed
 
+from common import memory
 from common.accelerator import build_accelerator, launched_strategy, participating_processes
 from common.checkpoints import check_output_dir, clear_earlier_run, list_checkpoints, prepare_output_dir
 from common.model import local_parameter_shards
@@ -27,6 +28,7 @@ def start_run(args):
     resume_after_restart(args)
     check_output_dir(args.output_dir, args.resume_from_checkpoint, args.overwrite_output_dir)
     accelerator = build_accelerator(args)
+    memory.mark("started")
     set_seed(args.seed)
     return accelerator, prepare_output_dir(accelerator, args.output_dir, args.resume_from_checkpoint,
                                            args.overwrite_output_dir)
@@ -141,6 +143,7 @@ def record_run(accelerator, model, optimizer, args: dict, output_dir: str, **ext
 
     `model` and `optimizer` are the prepared ones: run.json records each rank's share of
     the parameters and the precision the run trains in."""
+    memory.mark("prepared")
     world_size = accelerator.num_processes
     local = torch.tensor([local_parameter_elements(model)], device=accelerator.device)
     record = {

@@ -66,7 +66,7 @@ def main(argv=None):
                      max_steps=max_steps, train_blocks=len(datasets["train"]), **parameters)
     accelerator.init_trackers(args.run_name, tracker_config(run["args"]))
     step = state["step"]
-    metrics = MetricsLogger(accelerator, args.output_dir, max_steps, start_step=step, model=model,
+    metrics = MetricsLogger(accelerator, args.output_dir, max_steps, start_step=step, model=model, optimizer=optimizer,
                             peak_tflops=args.peak_tflops)
 
     # Training loop: one optimizer step per gradient_accumulation_steps batches. Each batch

@@ -68,7 +68,7 @@ def main(argv=None):
                      max_steps=max_steps, **parameters)
     accelerator.init_trackers(args.run_name, tracker_config(run["args"]))
     step = state["step"]
-    metrics = MetricsLogger(accelerator, args.output_dir, max_steps, start_step=step, model=model,
+    metrics = MetricsLogger(accelerator, args.output_dir, max_steps, start_step=step, model=model, optimizer=optimizer,
                             peak_tflops=args.peak_tflops)
     metrics.log_eval(step, evaluate_loss(model, eval_loader, accelerator))  # the base model's loss
 

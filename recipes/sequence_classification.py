@@ -80,7 +80,7 @@ def main(argv=None):
                             task_args.early_stopping_patience)
     step = state["step"]
     best.load_state_dict(state.get("best", {}))
-    metrics = MetricsLogger(accelerator, args.output_dir, max_steps, start_step=step, model=model,
+    metrics = MetricsLogger(accelerator, args.output_dir, max_steps, start_step=step, model=model, optimizer=optimizer,
                             peak_tflops=args.peak_tflops)
 
     def evaluate_and_track():

@@ -92,7 +92,7 @@ def main(argv=None):
                      max_steps=max_steps, dropped_examples=dropped, attention=attention, **parameters)
     accelerator.init_trackers(args.run_name, tracker_config(run["args"]))
     step = state["step"]
-    metrics = MetricsLogger(accelerator, args.output_dir, max_steps, start_step=step, model=model,
+    metrics = MetricsLogger(accelerator, args.output_dir, max_steps, start_step=step, model=model, optimizer=optimizer,
                             peak_tflops=args.peak_tflops)
 
     def evaluate():

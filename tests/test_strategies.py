@@ -125,6 +125,16 @@ def test_bf16_fine_tuning_of_a_bf16_checkpoint(config, markov_data, bf16_checkpo
                 record["fsdp_activation_checkpointing"]) == FSDP_FLAGS[config]
         assert record["sync_each_micro_batch"] is True  # gradients stay sharded while accumulating
 
+    # The memory account (common.memory): each rank's parameter bytes are its share of the
+    # elements in the dtype it keeps them in (fp32 master weights; DeepSpeed's bf16 model copy)
+    element_bytes = 2 if STRATEGIES[config][0] == "DEEPSPEED" else 4
+    accounts = record["memory_per_rank"]
+    assert len(accounts) == 2
+    for account, elements in zip(accounts, record["local_parameter_elements"]):
+        parameter_bytes = sum(account["bytes_by_category"]["parameters"].values())
+        assert parameter_bytes == pytest.approx(elements * element_bytes, rel=0.1), account
+        assert account["optimizer_states_mb"] > 0 and account["gradients_mb"] > 0, account
+
     mine, ref = losses(out), losses(bf16_reference)
     assert len(mine) == STEPS and all(math.isfinite(x) for x in mine) and mine[-1] < mine[0]
     loss_gap = max(abs(a - b) for a, b in zip(mine, ref))

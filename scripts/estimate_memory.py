@@ -1,0 +1,197 @@
+"""Memory per rank for a model under an accelerate config, by category, before launching.
+
+The model is read on the meta device (a config file, a local folder or a Hub name: no
+weights are loaded), the strategy from the accelerate config (its DeepSpeed JSON too).
+Model-state bytes follow what each strategy keeps between steps, as the runs' own
+memory account (`common.memory`, in run.json) counts them; Ψ parameters, N processes,
+c bytes per element in the compute dtype (2 in bf16, 4 in fp32):
+
+  config              parameters  master  gradients        optimizer  buckets
+  single / DDP        4Ψ          -       4Ψ               8Ψ         4Ψ (DDP's, N > 1)
+  FSDP2 (all three)   4Ψ/N        -       4Ψ/N             8Ψ/N       -
+  ZeRO-1 / ZeRO-2     cΨ          4Ψ/N    cΨ/N + 4Ψ/N      8Ψ/N       c·h² (reduce)
+  ZeRO-3              cΨ/N        4Ψ/N    cΨ/N + 4Ψ/N      8Ψ/N       c·h² (reduce)
+
+(DeepSpeed keeps the model in the compute dtype and a separate fp32 master copy, and
+makes an fp32 copy of each rank's gradient partition for the step; with ZeRO-1/2
+offload the gradients reach that fp32 partition through a cΨ/N buffer. Offload moves
+the master copy and the optimizer to the CPU: on a GPU that leaves device memory, on a
+CPU-only host it changes nothing. Under DDP with bf16, autocast's bf16 copy of every
+weight, saved for backward, counts with the activations.) The peak adds one micro-batch's activations, the largest
+transient (the optimizer step's temporaries, as big as the largest tensor it updates:
+DeepSpeed's flat partition), and on a CPU host this process's own size after the same
+imports (the run's start-up).
+
+    python scripts/estimate_memory.py --model recipes/configs/llama_100m.json \\
+        --config accelerate_configs/zero3.yaml --num_processes 2 --batch_size 1 --seq_len 64
+    make estimate-memory MODEL=recipes/configs/llama_100m.json CONFIG=accelerate_configs/fsdp.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MB = 2**20
+
+
+def read_strategy(config_file: str, num_processes: int | None, mixed_precision: str | None) -> dict:
+    """Strategy, world size and precision from an accelerate config YAML (and its DeepSpeed JSON)."""
+    import yaml
+
+    with open(config_file) as handle:
+        config = yaml.safe_load(handle)
+    kind = config.get("distributed_type", "NO")
+    strategy = {"DEEPSPEED": "deepspeed", "FSDP": "fsdp"}.get(kind, "ddp")
+    precision = mixed_precision or config.get("mixed_precision", "no")
+    stage, offload = None, False
+    if strategy == "deepspeed":
+        deepspeed = config.get("deepspeed_config", {})
+        if deepspeed.get("deepspeed_config_file"):
+            path = deepspeed["deepspeed_config_file"]
+            with open(path if os.path.isabs(path) else os.path.join(REPO, path)) as handle:
+                ds = json.load(handle)
+            zero = ds.get("zero_optimization", {})
+            stage = zero.get("stage", 0)
+            offload = zero.get("offload_optimizer", {}).get("device", "none") != "none"
+            if mixed_precision is None:
+                precision = "bf16" if ds.get("bf16", {}).get("enabled") else "fp16" if ds.get("fp16", {}).get(
+                    "enabled") else "no"
+        else:
+            stage = deepspeed.get("zero_stage", 0)
+            offload = deepspeed.get("offload_optimizer_device", "none") != "none"
+    processes = num_processes or (1 if kind == "NO" else config.get("num_processes", 1))
+    return {"strategy": strategy, "zero_stage": stage, "offload": offload, "num_processes": processes,
+            "mixed_precision": precision,
+            "fsdp_reshard_after_forward": str(config.get("fsdp_config", {}).get("fsdp_reshard_after_forward",
+                                                                                 True)).lower() == "true"}
+
+
+def read_model(model: str, vocab_size: int | None = None) -> dict:
+    """Sizes from a model built on the meta device: no weights are read or allocated."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    overrides = {"vocab_size": vocab_size} if vocab_size else {}
+    config = AutoConfig.from_pretrained(model, **overrides)
+    with torch.device("meta"):
+        built = AutoModelForCausalLM.from_config(config)
+    parameters = list(built.parameters())
+    return {"parameters": sum(p.numel() for p in parameters), "largest_tensor": max(p.numel() for p in parameters),
+            "hidden_size": config.hidden_size, "intermediate_size": getattr(config, "intermediate_size",
+                                                                             4 * config.hidden_size),
+            "layers": config.num_hidden_layers, "vocab_size": config.vocab_size}
+
+
+def activation_bytes(model: dict, batch_size: int, seq_len: int, compute_bytes: int, checkpointing: bool) -> int:
+    """Tensors one micro-batch's forward saves for backward, for a Llama-style decoder.
+
+    Per layer and token: the two RMSNorm inputs in fp32 (8h), the inputs of the q/k/v, o, gate/up
+    and down projections in the compute dtype (c(2h + i)), attention's q, k, v and output (4ch)
+    and the MLP's gate, up and activation (3ci); then the logits and their log-softmax in fp32
+    (8V). With activation checkpointing a layer keeps only its input, and one layer's
+    worth is rebuilt during backward."""
+    h, i, vocab, layers = model["hidden_size"], model["intermediate_size"], model["vocab_size"], model["layers"]
+    tokens = batch_size * seq_len
+    per_layer = 8 * h + compute_bytes * (2 * h + i) + 4 * compute_bytes * h + 3 * compute_bytes * i
+    logits = 8 * vocab + compute_bytes * h
+    if checkpointing:
+        return tokens * (layers * 4 * h + per_layer + logits)
+    return tokens * (layers * per_layer + logits)
+
+
+def estimate(model: dict, strategy: dict, batch_size: int, seq_len: int, checkpointing: bool = False) -> dict:
+    """Bytes per rank by category (the memory account's), and the peak."""
+    psi, n = model["parameters"], strategy["num_processes"]
+    c = 2 if strategy["mixed_precision"] in ("bf16", "fp16") else 4
+    kind, stage = strategy["strategy"], strategy["zero_stage"]
+    buckets = 0
+    if kind == "deepspeed":
+        parameters = c * psi / n if stage == 3 else c * psi
+        master, gradients = 4 * psi / n, c * psi / n + 4 * psi / n
+        optimizer = 8 * psi / n
+        buckets = c * model["hidden_size"] ** 2  # reduce bucket of h*h elements ("auto")
+        if stage in (1, 2) and strategy["offload"]:  # gradients go to the fp32 partition through a buffer
+            gradients, buckets = 4 * psi / n, c * psi / n + buckets
+        step_transient = 2 * 4 * psi / n  # Adam's temporaries over the flat fp32 partition
+    elif kind == "fsdp":
+        parameters, master, gradients, optimizer = 4 * psi / n, 0, 4 * psi / n, 8 * psi / n
+        step_transient = 2 * 4 * model["largest_tensor"] / n
+        if not strategy["fsdp_reshard_after_forward"]:  # unsharded weights held from forward to backward
+            step_transient = max(step_transient, c * psi)
+    else:
+        parameters, master, gradients, optimizer = 4 * psi, 0, 4 * psi, 8 * psi
+        buckets = 4 * psi if n > 1 else 0
+        step_transient = 2 * 4 * model["largest_tensor"]
+    categories = {"parameters": parameters, "master_weights": master, "gradients": gradients,
+                  "optimizer_states": optimizer, "communication_buffers": buckets}
+    activations = activation_bytes(model, batch_size, seq_len, c, checkpointing)
+    if kind == "ddp" and c == 2:  # autocast's low-precision copy of each weight, saved for backward
+        activations += c * psi
+    model_state = parameters + master + gradients + optimizer
+    return {**{k: int(v) for k, v in categories.items()}, "model_state": int(model_state),
+            "activations": int(activations), "step_transient": int(step_transient),
+            "tensors_peak": int(model_state + buckets + activations + step_transient)}
+
+
+def process_baseline_mb(strategy: dict) -> float:
+    """This process's resident set after the imports a run makes (its start-up on a CPU host)."""
+    import accelerate  # noqa: F401
+    import datasets  # noqa: F401
+
+    if strategy["strategy"] == "deepspeed":
+        import deepspeed  # noqa: F401
+    with open("/proc/self/status") as handle:
+        return next(int(line.split()[1]) / 1024 for line in handle if line.startswith("VmRSS"))
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="a config.json, a model folder, or a Hub name")
+    parser.add_argument("--config", default=os.path.join(REPO, "accelerate_configs/ddp.yaml"),
+                        help="an accelerate config YAML")
+    parser.add_argument("--num_processes", type=int, help="world size (default: the config's)")
+    parser.add_argument("--batch_size", type=int, default=1, help="per-device micro-batch")
+    parser.add_argument("--seq_len", type=int, default=1024)
+    parser.add_argument("--mixed_precision", choices=["no", "bf16", "fp16"], help="default: the config's")
+    parser.add_argument("--gradient_checkpointing", action="store_true")
+    parser.add_argument("--vocab_size", type=int, help="override the config's (a model built for a tokenizer)")
+    parser.add_argument("--json", help="also write the estimate here")
+    args = parser.parse_args(argv)
+    for path, what in ((args.config, "--config"),):
+        if not os.path.isfile(path):
+            raise SystemExit(f"error: {what} {path} is not a file; pass an accelerate config YAML "
+                             "(accelerate_configs/*.yaml)")
+    strategy = read_strategy(args.config, args.num_processes, args.mixed_precision)
+    try:
+        model = read_model(args.model, args.vocab_size)
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"error: --model {args.model} gives no model config ({str(error).splitlines()[0]}); "
+                         "pass a config.json, a model folder or a Hub name reachable from here")
+    result = estimate(model, strategy, args.batch_size, args.seq_len, args.gradient_checkpointing)
+    import torch
+
+    baseline = 0.0 if torch.cuda.is_available() else process_baseline_mb(strategy)
+    result["process_baseline_mb"] = round(baseline, 1)
+    result["peak_mb"] = round(result["tensors_peak"] / MB + baseline, 1)
+    print(f"{model['parameters']:,} parameters; {os.path.basename(args.config)} on {strategy['num_processes']} "
+          f"process(es), {strategy['mixed_precision']}, batch {args.batch_size} x {args.seq_len} tokens"
+          f"{', activation checkpointing' if args.gradient_checkpointing else ''}; MB per rank:")
+    for key in ("parameters", "master_weights", "gradients", "optimizer_states", "model_state",
+                "communication_buffers", "activations", "step_transient"):
+        print(f"  {key:22} {result[key] / MB:10.1f}")
+    if baseline:
+        print(f"  {'process (start-up)':22} {baseline:10.1f}")
+    print(f"  {'peak':22} {result['peak_mb']:10.1f}")
+    result.update(strategy=strategy, model=model)
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(result, handle, indent=2)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main() and 0)
