@@ -86,7 +86,7 @@ class _Tally:
 
 def _deepspeed_category(attribute: str) -> str:
     name = attribute.lower()
-    if "ipg" in name or "bucket" in name or "buffer" in name and "grad" not in name:
+    if "ipg" in name or "bucket" in name or ("buffer" in name and "grad" not in name):
         return "communication_buffers"
     if "grad" in name:
         return "gradients"
@@ -119,11 +119,15 @@ def mark(phase: str) -> None:
 def current_memory(device) -> dict:
     """The process's resident set now and at its peak (MB); on a GPU also torch's allocator."""
     status = {}
-    with open("/proc/self/status") as handle:
-        for line in handle:
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                status[key] = int(value.split()[0]) / 1024
+    try:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                key, _, value = line.partition(":")
+                if key in ("VmRSS", "VmHWM"):
+                    status[key] = int(value.split()[0]) / 1024
+    except OSError:  # no /proc (macOS): the peak only, from getrusage (bytes there, KB on Linux)
+        import resource
+        status["VmHWM"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     figures = {"rss_mb": status.get("VmRSS"), "peak_rss_mb": status.get("VmHWM")}
     if getattr(device, "type", "") == "cuda":
         figures.update(allocated_mb=torch.cuda.memory_allocated(device) / MB,
