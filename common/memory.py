@@ -17,7 +17,7 @@ this rank can reach is counted once, by its storage, into the first category tha
 saved-tensors hook; parameters excluded, autocast's low-precision weight copies
 included), counted at the end of that forward. Beside them: the process's resident set
 now and its peak (what the OS charges on CPU), and on a GPU torch's allocator figures.
-The account goes to run.json ("memory") and to a metrics.jsonl row.
+The account goes to run.json ("memory_per_rank") and to a metrics.jsonl row.
 """
 
 from __future__ import annotations
