@@ -23,6 +23,7 @@ The account goes to run.json ("memory_per_rank") and to a metrics.jsonl row.
 from __future__ import annotations
 
 import gc
+import warnings
 from collections import defaultdict
 
 import torch
@@ -205,9 +206,11 @@ class MemoryAccount:
         for value in alive:  # DeepSpeed's bucket objects (ZeRO-3's IPGBucketZ3, ...) wherever held
             if "bucket" in type(value).__name__.lower() and hasattr(value, "__dict__"):
                 tally.claim_all("communication_buffers", vars(value))
-        for value in alive:
-            if isinstance(value, torch.Tensor):
-                tally.claim("other_tensors", value)
+        with warnings.catch_warnings():  # isinstance on torch's deprecated `reduce_op` object warns
+            warnings.simplefilter("ignore", FutureWarning)
+            for value in alive:
+                if isinstance(value, torch.Tensor):
+                    tally.claim("other_tensors", value)
         return self._summary(tally)
 
     def _summary(self, tally: _Tally) -> dict:

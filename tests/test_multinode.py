@@ -3,6 +3,7 @@
 import os
 import stat
 import subprocess
+import threading
 
 import pytest
 
@@ -12,15 +13,25 @@ TEMPLATES = {"multi_node_ddp.yaml": "MULTI_CPU", "multi_node_fsdp.yaml": "FSDP",
 
 
 def wait_all(processes, timeout=600):
-    outputs = []
-    for process in processes:
+    """Read every node's output at the same time: reading them one after another lets a later
+    node fill its pipe and block inside a collective, which hangs the node being read too."""
+    outputs = [None] * len(processes)
+
+    def read(index):
         try:
-            out, _ = process.communicate(timeout=timeout)
+            outputs[index] = processes[index].communicate(timeout=timeout)[0]
         except subprocess.TimeoutExpired:
-            for p in processes:
-                p.kill()
-            raise AssertionError("a node hung (did two nodes claim the same machine_rank?)")
-        outputs.append(out)
+            outputs[index] = None
+
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(len(processes))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if any(out is None for out in outputs):
+        for p in processes:
+            p.kill()
+        raise AssertionError("a node hung (did two nodes claim the same machine_rank?)")
     for process, out in zip(processes, outputs):
         assert process.returncode == 0, out[-6000:]
     return outputs
@@ -37,7 +48,8 @@ def test_two_machines_on_loopback_match_one_process(config, markov_data, referen
             "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), *FP32]),
         cwd=REPO, env={**os.environ, **OFFLINE_ENV}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for rank in (0, 1)]
-    wait_all(nodes)
+    logs = wait_all(nodes)
+    print(f"{config}: node output {[len(log) for log in logs]} characters")
     record = read_run(out)
     assert record["participating_processes"] == 2 and record["distributed_type"] == TEMPLATES[config]
     gap = max(abs(a - b) for a, b in zip(losses(out), losses(reference)))
