@@ -129,6 +129,18 @@ def max_weight_difference(a, b) -> float:
     return max(float((left[k].float() - right[k].float()).abs().max()) for k in left)
 
 
+def evaluate_in_process(argv: list) -> dict:
+    """scripts/evaluate_model.py's main() here (saves a process start; `make evaluate` runs it
+    as a command), with accelerate's process-wide state reset around it."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)
+    try:
+        return load_script("scripts/evaluate_model.py").main([str(a) for a in argv])
+    finally:
+        AcceleratorState._reset_state(True)
+
+
 def load_script(relative_path: str):
     """Import a file under scripts/ as a module, to call its main() in-process."""
     import importlib.util

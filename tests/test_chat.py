@@ -8,8 +8,6 @@ from pathlib import Path
 import pytest
 from datasets import Dataset, DatasetDict
 
-from conftest import REPO
-
 from common.arguments import UsageError
 from common.chat import GENERATION_MARKER, assistant_spans, end_of_turn_ids, generation_references, read_chat_template, tokenize_sft
 

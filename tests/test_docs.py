@@ -98,20 +98,6 @@ def test_make_benchmark_packing_compares_the_layouts():
     assert max(losses) - min(losses) < 1e-3  # the same training, three layouts
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("target, config, extra", [
-    ("sft", "ddp.yaml", "--max_steps 10 --logging_steps 5 --max_generation_samples 6"),
-    ("lora", "fsdp.yaml", "--max_steps 10 --logging_steps 5 --eval_steps 0 --save_steps 0"),
-    ("sequence_classification", "ddp.yaml", "--max_steps 4 --logging_steps 2 --eval_steps 0"),
-])
-def test_recipe_make_targets(target, config, extra, tmp_path):
-    out = tmp_path / target
-    run(["make", target, f"CONFIG=accelerate_configs/{config}", f"ARGS={extra} --output_dir {out}"])
-    record = read_run(out)
-    assert record["participating_processes"] == 2 and record["args"]["output_dir"] == str(out)
-    assert (out / "final").is_dir()
-
-
 def _loop(recipe: str) -> list[str]:
     """The recipe's training step: from `batches = TrainBatches(` to the step count."""
     lines = (REPO / "recipes" / recipe).read_text().splitlines()

@@ -1,13 +1,29 @@
-"""The recipe set (sequence classification, LoRA, SFT) under DDP, FSDP2 and ZeRO-3 on 2 CPU processes."""
+"""The recipe set (sequence classification, LoRA, SFT) under DDP, FSDP2 and ZeRO-3 on 2 CPU processes.
+
+One config of each recipe is launched through its make target (`make sft CONFIG=...
+ARGS=...`, as the README shows), so each target is run for real by the test that checks
+what the run did."""
 
 import json
+import shlex
 
 import pytest
 import torch
 
-from conftest import BIN, FP32, REPO, flags, launch, read_metrics, read_run, run
+from conftest import FP32, REPO, evaluate_in_process, flags, free_port, launch, read_metrics, read_run, run
 
 STRATEGIES = {"ddp.yaml": "MULTI_CPU", "fsdp.yaml": "FSDP", "zero3.yaml": "DEEPSPEED"}
+MAKE_TARGETS = {"sequence_classification.py": "ddp.yaml", "lora.py": "fsdp.yaml", "sft.py": "ddp.yaml"}
+
+
+def launch_recipe(config: str, recipe: str, args: list, launcher_args: list | None = None):
+    """`accelerate launch` of the recipe, or for the config in MAKE_TARGETS its make target
+    (which makes the demo data first, then launches with ARGS after the demo's own flags)."""
+    if MAKE_TARGETS.get(recipe) != config:
+        return launch(config, recipe, args, launcher_args=launcher_args)
+    launch_args = [*(launcher_args or []), "--main_process_port", str(free_port())]
+    return run(["make", recipe.removesuffix(".py"), f"CONFIG=accelerate_configs/{config}",
+                f"LAUNCH_ARGS={shlex.join(launch_args)}", f"ARGS={shlex.join(map(str, args))}"])
 
 
 def assert_two_process_run(out, config):
@@ -28,7 +44,7 @@ def first_and_last_loss(out):
 @pytest.mark.parametrize("config", list(STRATEGIES))
 def test_sequence_classification(config, sentiment_data, minilm, tmp_path):
     out = tmp_path / "run"
-    launch(config, "sequence_classification.py", flags(
+    launch_recipe(config, "sequence_classification.py", flags(
         config=REPO / "recipes/configs/sequence_classification_demo.yaml", model_name_or_path=minilm,
         train_file=sentiment_data / "train.jsonl", validation_file=sentiment_data / "validation.jsonl",
         output_dir=out, max_steps=16, eval_steps=8, logging_steps=4, per_device_train_batch_size=8,
@@ -110,7 +126,7 @@ def test_lora(config, trained_base, shifted_markov_data, tmp_path):
     out = tmp_path / "run"
     data = flags(train_file=shifted_markov_data / "train.jsonl", validation_file=shifted_markov_data / "validation.jsonl",
                  block_size=32)
-    launch(config, "lora.py", ["--config", REPO / "recipes/configs/lora_demo.yaml", "--model_name_or_path", trained_base,
+    launch_recipe(config, "lora.py", ["--config", REPO / "recipes/configs/lora_demo.yaml", "--model_name_or_path", trained_base,
                                *data, *flags(output_dir=out, max_steps=30, eval_steps=0, save_steps=0, logging_steps=5,
                                               per_device_train_batch_size=4, lora_r=4)], launcher_args=FP32)
     record = assert_two_process_run(out, config)
@@ -130,12 +146,12 @@ def test_lora(config, trained_base, shifted_markov_data, tmp_path):
 
     # Base + reloaded adapter, and the merged export, give the eval loss logged at the end of training
     # (fp32 throughout, so that the round trip is checked to 1e-5 rather than to bf16's rounding).
-    evaluate = [BIN / "python", REPO / "scripts/evaluate_model.py", *data, "--per_device_eval_batch_size", "16"]
-    with_adapter = run(evaluate + ["--model_name_or_path", trained_base, "--adapter_name_or_path", out / "final"])
-    merged = run(evaluate + ["--model_name_or_path", out / "final_merged"])
+    evaluate = [*data, "--per_device_eval_batch_size", "16"]
+    with_adapter = evaluate_in_process(evaluate + ["--model_name_or_path", trained_base,
+                                                   "--adapter_name_or_path", out / "final"])
+    merged = evaluate_in_process(evaluate + ["--model_name_or_path", out / "final_merged"])
     for result in (with_adapter, merged):
-        assert json.loads(result.stdout.strip().splitlines()[-1])["eval_loss"] == pytest.approx(
-            evals[-1]["eval_loss"], abs=1e-5)
+        assert result["eval_loss"] == pytest.approx(evals[-1]["eval_loss"], abs=1e-5)
 
 
 # --- SFT ----------------------------------------------------------------------------
@@ -145,7 +161,7 @@ def test_lora(config, trained_base, shifted_markov_data, tmp_path):
 def test_sft(config, arithmetic_data, tmp_path):
     out = tmp_path / "run"
     steps = 300 if config == "ddp.yaml" else 120
-    launch(config, "sft.py", flags(
+    launch_recipe(config, "sft.py", flags(
         config=REPO / "recipes/configs/sft_demo.yaml", tokenizer_name_or_path=arithmetic_data / "tokenizer",
         train_file=arithmetic_data / "train.jsonl", validation_file=arithmetic_data / "validation.jsonl",
         output_dir=out, max_steps=steps, logging_steps=20))

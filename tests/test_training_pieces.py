@@ -62,7 +62,6 @@ def test_latest_checkpoint_ignores_unfinished_saves(tmp_path):
 
 def counted_training_flops(model, batch) -> float:
     """FLOPs torch itself counts for one forward and backward (matmuls and attention)."""
-    import torch
     from torch.utils.flop_counter import FlopCounterMode
 
     with FlopCounterMode(display=False) as counter:
