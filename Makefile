@@ -17,7 +17,7 @@ LAUNCH_ARGS ?=
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE ?= 1
 RESTARTS = $(if $(findstring --max_restarts,$(LAUNCH_ARGS)),--rdzv_backend c10d)
 
-.PHONY: install install-test demo demo-data test test-fast doctor causal_lm sequence_classification lora sft evaluate benchmark benchmark-packing estimate-memory check-config clean
+.PHONY: install install-test demo demo-data test test-fast doctor causal_lm sequence_classification lora sft evaluate benchmark benchmark-packing estimate-memory export-checkpoint check-config clean
 
 # torch first: the CPU wheel on hosts without an NVIDIA GPU (no CUDA download),
 # the normal CUDA build where nvidia-smi sees a GPU. Later `torch>=...` pins are then satisfied.
@@ -79,6 +79,12 @@ MODEL ?= outputs/causal_lm_demo/final
 evaluate: demo-data
 	$(PY) scripts/evaluate_model.py --model_name_or_path $(MODEL) --train_file outputs/data/markov/train.jsonl \
 		--validation_file outputs/data/markov/validation.jsonl --block_size 64 --mixed_precision bf16 $(ARGS)
+
+# Any checkpoint (one process, DDP, FSDP2 sharded, ZeRO-1/2/3) as a Hugging Face folder, no launch:
+#   make export-checkpoint CHECKPOINT=outputs/causal_lm_demo/checkpoints/step_200 OUT=outputs/step_200
+CHECKPOINT ?= outputs/causal_lm_demo/checkpoints/step_300
+export-checkpoint: install
+	$(PY) scripts/export_checkpoint.py --checkpoint $(CHECKPOINT) $(if $(OUT),--output_dir $(OUT)) $(ARGS)
 
 # Versions, devices and each rank's environment, then every collective checked and all_reduce
 # timed (busbw), on any config and any number of nodes; one line naming the cause on failure:

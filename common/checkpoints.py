@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shutil
+import warnings
 
 import torch
 
@@ -22,6 +23,7 @@ from common.peers import main_process_alone
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 STATE_FILE = "trainer_state.json"
+MODEL_FILES = "model_files"
 
 
 def checkpoints_dir(output_dir: str) -> str:
@@ -76,9 +78,13 @@ def resolve_checkpoint(output_dir: str, resume_from_checkpoint: str | None) -> s
     return found[-1] if found else None  # 'latest' with none yet starts from scratch
 
 
-def save_checkpoint(accelerator, output_dir: str, step: int, state: dict, total_limit: int | None) -> str:
+def save_checkpoint(accelerator, output_dir: str, step: int, state: dict, total_limit: int | None,
+                    tokenizer=None, dtype: torch.dtype | None = None) -> str:
     """accelerate `save_state` into tmp, then an atomic rename to step_N, then prune.
-    Weights that are not finite stop the run instead (nothing is written)."""
+    Weights that are not finite stop the run instead (nothing is written). Beside the state,
+    MODEL_FILES holds what a Hugging Face folder needs besides the weights (config in the
+    export `dtype`, tokenizer, adapter config), so scripts/export_checkpoint.py can turn any
+    checkpoint into one without launching."""
     for model in accelerator._models:  # the prepared model(s) save_state will write
         check_finite_weights(accelerator, model, step)
     root = checkpoints_dir(output_dir)
@@ -91,6 +97,8 @@ def save_checkpoint(accelerator, output_dir: str, step: int, state: dict, total_
     accelerator.save_state(tmp)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
+        write_model_files(accelerator.unwrap_model(accelerator._models[0]), tokenizer, dtype,
+                          os.path.join(tmp, MODEL_FILES))
         with open(os.path.join(tmp, STATE_FILE), "w") as handle:
             json.dump({"step": step, **state}, handle)
         _swap_into_place(tmp, final)  # a same-step folder from an earlier attempt is replaced
@@ -131,30 +139,89 @@ def export_final(accelerator, model, tokenizer, output_dir: str, dtype, name: st
     target = os.path.join(output_dir, name)
     state_dict = master_state_dict(accelerator, model)
     unwrapped = accelerator.unwrap_model(model)
-
-    def save_model(folder):
-        unwrapped.save_pretrained(folder, safe_serialization=True, state_dict={
-            k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()})
-        config = getattr(unwrapped, "config", None)
-        if config is not None and not hasattr(unwrapped, "peft_config"):
-            # save_pretrained writes the live parameters' dtype; say what the file holds
-            trained_dtype, config.dtype = config.dtype, dtype
-            try:
-                config.save_pretrained(folder)
-            finally:
-                config.dtype = trained_dtype
-        if tokenizer is not None:
-            tokenizer.save_pretrained(folder)
-
     with main_process_alone(accelerator, f"writing {target}"):
         if accelerator.is_main_process:
-            _write_folder(target, save_model)
+            write_folder(target, lambda folder: write_hf_folder(unwrapped, state_dict, tokenizer, dtype, folder))
             if merge_adapter and hasattr(unwrapped, "peft_config"):
                 with _without_zero3_init():  # only this process reloads the base model
-                    _write_folder(f"{target}_merged", lambda tmp: _save_merged(unwrapped, target, tmp, tokenizer,
+                    write_folder(f"{target}_merged", lambda tmp: _save_merged(unwrapped, target, tmp, tokenizer,
                                                                                dtype))
     accelerator.wait_for_everyone()
     return target
+
+
+def write_hf_folder(model, state_dict: dict, tokenizer, dtype, folder: str) -> None:
+    """`model.save_pretrained` with `state_dict` cast to `dtype` (safetensors), the config
+    saying that dtype, and the tokenizer. A peft model writes its adapter only."""
+    model.save_pretrained(folder, safe_serialization=True, state_dict={
+        k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()})
+    if not hasattr(model, "peft_config"):
+        _save_config(model.config, dtype, folder)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+
+
+def write_model_files(model, tokenizer, dtype, folder: str) -> None:
+    """What write_hf_folder writes besides the weights, with the base model's config (and
+    generation config) for a peft model, so that the model can be built again from them."""
+    os.makedirs(folder, exist_ok=True)
+    base = model.get_base_model() if hasattr(model, "peft_config") else model
+    _save_config(base.config, dtype or base.config.dtype, folder)
+    if getattr(base, "generation_config", None) is not None and base.can_generate():
+        base.generation_config.save_pretrained(folder)
+    if hasattr(model, "peft_config"):
+        model.peft_config["default"].save_pretrained(folder)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+
+
+def _save_config(config, dtype, folder: str) -> None:
+    """save_pretrained writes the live parameters' dtype; say what the file holds."""
+    trained_dtype, config.dtype = config.dtype, dtype
+    try:
+        config.save_pretrained(folder)
+    finally:
+        config.dtype = trained_dtype
+
+
+def read_checkpoint_weights(path: str) -> dict:
+    """The model's full state dict from a checkpoint folder, whichever strategy wrote it, on
+    CPU with no process group: fp32 master weights rebuilt from ZeRO-1/2/3 partitions
+    (DeepSpeed's own zero_to_fp32), FSDP2's sharded DCP files, or the one file DDP and a
+    single process write."""
+    latest = os.path.join(path, "latest")
+    if os.path.isfile(latest):  # DeepSpeed: the tag names the folder its engine wrote
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        with open(latest) as handle:
+            tag = handle.read().strip()
+        with contextlib.redirect_stdout(None):
+            return dict(get_fp32_state_dict_from_zero_checkpoint(path, tag=tag))
+    sharded = os.path.join(path, "pytorch_model_fsdp_0")
+    if os.path.isdir(sharded):
+        return _read_dcp(sharded)
+    single = os.path.join(path, "model.safetensors")
+    if os.path.isfile(single):
+        from safetensors.torch import load_file
+
+        return load_file(single)
+    raise UsageError(f"{path} holds no model weights this project writes (DeepSpeed's 'latest' tag, "
+                     "pytorch_model_fsdp_0/ or model.safetensors); pass a checkpoints/step_N folder of a run")
+
+
+def _read_dcp(folder: str) -> dict:
+    """FSDP2's distributed checkpoint, read whole in one process. accelerate saves it as
+    {"model": state_dict}, so every key starts with "model."."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = dcp.FileSystemReader(folder).read_metadata()
+    state = {key: torch.empty(item.size, dtype=item.properties.dtype)
+             for key, item in metadata.state_dict_metadata.items() if isinstance(item, TensorStorageMetadata)}
+    with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": one process is the intent
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, storage_reader=dcp.FileSystemReader(folder), no_dist=True)
+    return {key.removeprefix("model."): value for key, value in state.items()}
 
 
 def master_state_dict(accelerator, model) -> dict:
@@ -174,7 +241,7 @@ def master_state_dict(accelerator, model) -> dict:
     return state_dict
 
 
-def _write_folder(target: str, write) -> None:
+def write_folder(target: str, write) -> None:
     """Write into target.tmp, then swap it into place, so a crash leaves the old folder whole."""
     tmp = f"{target}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)

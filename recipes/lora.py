@@ -101,7 +101,8 @@ def main(argv=None):
         if args.eval_steps and step % args.eval_steps == 0 and step < max_steps:
             metrics.log_eval(step, evaluate_loss(model, eval_loader, accelerator))
         if args.save_steps and step % args.save_steps == 0:
-            save_checkpoint(accelerator, args.output_dir, step, {"data": batches.position}, args.save_total_limit)
+            save_checkpoint(accelerator, args.output_dir, step, {"data": batches.position}, args.save_total_limit,
+                            tokenizer, export_dtype(model_args))
         if step >= max_steps:
             break
     profiler.stop()

@@ -125,7 +125,7 @@ def main(argv=None):
                 break
         if args.save_steps and step % args.save_steps == 0:
             save_checkpoint(accelerator, args.output_dir, step, {"data": batches.position, "best": best.state_dict()},
-                            args.save_total_limit)
+                            args.save_total_limit, tokenizer, export_dtype(model_args))
         if step >= max_steps:
             break
     profiler.stop()

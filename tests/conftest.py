@@ -129,6 +129,37 @@ def max_weight_difference(a, b) -> float:
     return max(float((left[k].float() - right[k].float()).abs().max()) for k in left)
 
 
+def assert_same_hf_folder(exported, final) -> None:
+    """Same files; safetensors with equal tensors of the same dtype; JSON files equal (peft's
+    target_modules, a set, in any order); every other file byte for byte."""
+    import torch
+    from safetensors.torch import load_file
+
+    exported, final = Path(exported), Path(final)
+    assert sorted(p.name for p in exported.iterdir()) == sorted(p.name for p in final.iterdir())
+    for path in final.iterdir():
+        mine = exported / path.name
+        if path.suffix == ".safetensors":
+            left, right = load_file(str(mine)), load_file(str(path))
+            assert left.keys() == right.keys(), (sorted(left), sorted(right))
+            for key in right:
+                assert left[key].dtype == right[key].dtype and torch.equal(left[key], right[key]), key
+        elif path.suffix == ".json":
+            left, right = (json.loads(p.read_text()) for p in (mine, path))
+            for side in (left, right):
+                if isinstance(side.get("target_modules"), list):
+                    side["target_modules"] = sorted(side["target_modules"])
+            assert left == right, path.name
+        else:
+            assert mine.read_bytes() == path.read_bytes(), path.name
+
+
+def export_checkpoint(checkpoint, output_dir) -> Path:
+    """scripts/export_checkpoint.py's main() here (`make export-checkpoint` runs it as a command)."""
+    return Path(load_script("scripts/export_checkpoint.py").main(["--checkpoint", str(checkpoint),
+                                                                  "--output_dir", str(output_dir)]))
+
+
 def evaluate_in_process(argv: list) -> dict:
     """scripts/evaluate_model.py's main() here (saves a process start; `make evaluate` runs it
     as a command), with accelerate's process-wide state reset around it."""

@@ -6,7 +6,7 @@ import shlex
 
 import pytest
 
-from conftest import REPO, read_metrics, read_run, run
+from conftest import REPO, assert_same_hf_folder, read_metrics, read_run, run
 
 README = (REPO / "README.md").read_text()
 MAKEFILE = (REPO / "Makefile").read_text()
@@ -56,7 +56,7 @@ def test_recipe_docstrings_use_shipped_configs_and_targets():
 
 
 @pytest.mark.slow
-def test_make_demo_meets_its_target_and_make_evaluate_reproduces_it():
+def test_make_demo_meets_its_target_and_make_evaluate_reproduces_it(tmp_path):
     result = run(["make", "demo"])
     match = re.search(r"eval loss ([\d.]+) nats/token vs entropy floor ([\d.]+)", result.stdout)
     assert match, result.stdout[-2000:]
@@ -69,6 +69,9 @@ def test_make_demo_meets_its_target_and_make_evaluate_reproduces_it():
     assert logged == pytest.approx(loss, abs=1e-4)
     evaluated = json.loads(run(["make", "-s", "evaluate"]).stdout.strip().splitlines()[-1])
     assert evaluated["eval_loss"] == pytest.approx(logged, abs=1e-5)
+    exported = tmp_path / "step_300"  # the demo's last checkpoint, exported without launching
+    assert "exported in float32" in run(["make", "-s", "export-checkpoint", f"OUT={exported}"]).stdout
+    assert_same_hf_folder(exported, out / "final")
 
 
 @pytest.mark.slow

@@ -10,7 +10,8 @@ import shlex
 import pytest
 import torch
 
-from conftest import FP32, REPO, evaluate_in_process, flags, free_port, launch, read_metrics, read_run, run
+from conftest import (FP32, REPO, assert_same_hf_folder, evaluate_in_process, export_checkpoint, flags, free_port, launch,
+                      read_metrics, read_run, run)
 
 STRATEGIES = {"ddp.yaml": "MULTI_CPU", "fsdp.yaml": "FSDP", "zero3.yaml": "DEEPSPEED"}
 MAKE_TARGETS = {"sequence_classification.py": "ddp.yaml", "lora.py": "fsdp.yaml", "sft.py": "ddp.yaml"}
@@ -127,7 +128,7 @@ def test_lora(config, trained_base, shifted_markov_data, tmp_path):
     data = flags(train_file=shifted_markov_data / "train.jsonl", validation_file=shifted_markov_data / "validation.jsonl",
                  block_size=32)
     launch_recipe(config, "lora.py", ["--config", REPO / "recipes/configs/lora_demo.yaml", "--model_name_or_path", trained_base,
-                               *data, *flags(output_dir=out, max_steps=30, eval_steps=0, save_steps=0, logging_steps=5,
+                               *data, *flags(output_dir=out, max_steps=30, eval_steps=0, save_steps=30, logging_steps=5,
                                               per_device_train_batch_size=4, lora_r=4)], launcher_args=FP32)
     record = assert_two_process_run(out, config)
     # Rank 4 on 7 projections of 2 layers: 4 x (in + out) per projection.
@@ -143,6 +144,7 @@ def test_lora(config, trained_base, shifted_markov_data, tmp_path):
     b_norms = [float(t.norm()) for k, t in adapter.items() if "lora_B" in k]
     assert len(b_norms) == 2 * 7 and min(b_norms) > 0, adapter.keys()
     assert not (out / "final" / "model.safetensors").exists()  # adapter only
+    assert_same_hf_folder(export_checkpoint(out / "checkpoints" / "step_30", tmp_path / "exported"), out / "final")
 
     # Base + reloaded adapter, and the merged export, give the eval loss logged at the end of training
     # (fp32 throughout, so that the round trip is checked to 1e-5 rather than to bf16's rounding).

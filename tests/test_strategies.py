@@ -3,7 +3,8 @@
 fp32 parity: each strategy builds its model from the config with the same seed as a
 single-process reference (global batch 8 there as 1 x 8; here 2 processes x 2 x
 accumulation 2) and must reproduce its per-step losses and final weights, shard what
-it claims to shard, and resume to the same losses.
+it claims to shard, and resume to the same losses. Its last checkpoint, exported without
+launching (scripts/export_checkpoint.py), equals its final/ export, in fp32 and in bf16.
 
 bf16, as the configs ask: each strategy fine-tunes a checkpoint saved in bf16 with
 fp32 master weights and bf16 compute, stays within a stated tolerance of a
@@ -18,8 +19,9 @@ import shutil
 import pytest
 import torch
 
-from conftest import (CONFIGS, FP32, STEPS, SAVE_AT, causal_lm_args, launch, load_weights, losses, max_weight_difference,
-                      optimizer_state_dtypes, pretrained_args, read_metrics, read_run)
+from conftest import (CONFIGS, FP32, STEPS, SAVE_AT, assert_same_hf_folder, causal_lm_args, export_checkpoint, launch,
+                      load_weights, losses, max_weight_difference, optimizer_state_dtypes, pretrained_args, read_metrics,
+                      read_run)
 
 # config -> (distributed type, parameters sharded?)
 STRATEGIES = {
@@ -89,6 +91,8 @@ def test_strategy_matches_single_process(config, markov_data, reference, tmp_pat
     print(f"{config}: max loss gap {loss_gap:.2e}, max final-weight gap {weight_gap:.2e} (fp32, accumulation 2)")
     assert len(mine) == STEPS and loss_gap < FP32_TOLERANCE
     assert weight_gap < FP32_TOLERANCE  # same initial weights (ZeRO-3's zero.Init too) and the same training
+    # The last checkpoint, exported without launching (scripts/export_checkpoint.py), is final/.
+    assert_same_hf_folder(export_checkpoint(out / "checkpoints" / f"step_{STEPS}", tmp_path / "exported"), out / "final")
 
     # Resume: a run that stopped after its step-6 checkpoint, its metrics logged on to step 8,
     # continues identically, and steps 7 and 8 are logged once (by the resumed run).
@@ -145,6 +149,7 @@ def test_bf16_fine_tuning_of_a_bf16_checkpoint(config, markov_data, bf16_checkpo
         assert {t.dtype for t in weights.values()} == {torch.bfloat16}
         assert json.loads((run / "final" / "config.json").read_text())["dtype"] == "bfloat16"
     weight_gap = max_weight_difference(out / "final", bf16_reference / "final")
+    assert_same_hf_folder(export_checkpoint(out / "checkpoints" / f"step_{STEPS}", tmp_path / "exported"), out / "final")
     print(f"{config}: bf16 max loss gap {loss_gap:.2e} (tolerance {BF16_LOSS_TOLERANCE}), exported bf16 weight gap "
           f"{weight_gap:.2e}; reduce dtype {record['gradient_reduce_dtype']}")
     assert loss_gap < BF16_LOSS_TOLERANCE
