@@ -13,6 +13,8 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 import warnings
 
 import torch
@@ -24,6 +26,7 @@ from common.peers import main_process_alone
 STEP_DIR = re.compile(r"^step_(\d+)$")
 STATE_FILE = "trainer_state.json"
 MODEL_FILES = "model_files"
+UNIVERSAL = "universal"  # a DeepSpeed checkpoint converted for another world size, inside its step_N
 
 
 def checkpoints_dir(output_dir: str) -> str:
@@ -100,7 +103,7 @@ def save_checkpoint(accelerator, output_dir: str, step: int, state: dict, total_
         write_model_files(accelerator.unwrap_model(accelerator._models[0]), tokenizer, dtype,
                           os.path.join(tmp, MODEL_FILES))
         with open(os.path.join(tmp, STATE_FILE), "w") as handle:
-            json.dump({"step": step, **state}, handle)
+            json.dump({"step": step, "num_processes": accelerator.num_processes, **state}, handle)
         _swap_into_place(tmp, final)  # a same-step folder from an earlier attempt is replaced
         if total_limit:
             for old in list_checkpoints(output_dir)[:-total_limit]:
@@ -109,13 +112,62 @@ def save_checkpoint(accelerator, output_dir: str, step: int, state: dict, total_
     return final
 
 
+def for_this_world_size(accelerator, path: str | None) -> str | None:
+    """The checkpoint to load on this run's number of processes. FSDP2 (DCP) reshards on load
+    and DDP/one-process state is whole, so those load as they are. A DeepSpeed ZeRO checkpoint
+    is partitioned by the world size that wrote it: from another one, the main process
+    converts it once into DeepSpeed's universal format (`ds_to_universal`, into
+    step_N/universal beside the original, which is left as it is) and the engine is told to
+    load that. Call before `accelerator.prepare` (the flag is read when the engine is built)."""
+    if path is None or accelerator.state.deepspeed_plugin is None:
+        return path
+    with open(os.path.join(path, STATE_FILE)) as handle:
+        saved = json.load(handle).get("num_processes", accelerator.num_processes)
+    if saved == accelerator.num_processes:
+        return path
+    target = os.path.join(path, UNIVERSAL)
+    if accelerator.is_main_process and not os.path.isfile(os.path.join(target, STATE_FILE)):
+        _convert_to_universal(path, target)
+    accelerator.wait_for_everyone()
+    accelerator.state.deepspeed_plugin.deepspeed_config.setdefault("checkpoint", {})["load_universal"] = True
+    accelerator.print(f"{path} was saved by {saved} processes: loading its universal conversion {target}")
+    return target
+
+
+def _convert_to_universal(path: str, target: str) -> None:
+    """step_N/pytorch_model (ZeRO shards) -> target/pytorch_model (universal, per parameter),
+    with the rest of the checkpoint copied beside it; written to a temporary folder first."""
+    tmp = target + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(path, tmp, ignore=lambda folder, names: [
+        name for name in names if folder == path and (name in ("pytorch_model", "latest", UNIVERSAL)
+                                                      or name.startswith(UNIVERSAL + ".") or name.endswith(".py"))])
+    result = subprocess.run(
+        [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+         os.path.join(path, "pytorch_model"), "--output_folder", os.path.join(tmp, "pytorch_model"),
+         "--num_extract_workers", "1", "--num_merge_workers", "1", "--inject_missing_state"],
+        capture_output=True, text=True)
+    if result.returncode != 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        last = (result.stderr.strip() or result.stdout.strip() or "no output").splitlines()[-1]
+        raise UsageError(f"checkpoint {path} could not be converted for another number of processes "
+                         f"(deepspeed.checkpoint.ds_to_universal: {last}); resume it on the number of "
+                         "processes that wrote it (num_processes in its trainer_state.json)")
+    shutil.rmtree(target, ignore_errors=True)  # only ever an incomplete conversion (no state file)
+    os.replace(tmp, target)
+
+
 def load_checkpoint(accelerator, path: str | None) -> dict:
     """Restore model, optimizer, scheduler and RNG state; return the saved trainer state
     ({"step": 0} for a fresh run, when `path` is None)."""
     if path is None:
         return {"step": 0}
+    universal = os.path.basename(os.path.normpath(path)) == UNIVERSAL
+    hyperparameters = _group_hyperparameters(accelerator)
     try:
         accelerator.load_state(path)
+        if universal:
+            _repair_universal_load(accelerator, hyperparameters)
         with open(os.path.join(path, STATE_FILE)) as handle:
             state = json.load(handle)
     except Exception as error:  # every failure here means the same to the user; name it, keep its first line
@@ -123,8 +175,51 @@ def load_checkpoint(accelerator, path: str | None) -> dict:
                          "damaged or from other model/strategy arguments: resume with the arguments in its run's "
                          "run.json, pass another --resume_from_checkpoint, or start afresh with "
                          "--overwrite_output_dir") from None
-    accelerator.print(f"resumed from {path} at step {state['step']}")
+    saved_processes = state.get("num_processes", accelerator.num_processes)
+    if saved_processes != accelerator.num_processes:
+        _rescale_schedules(accelerator, saved_processes)
+    accelerator.print(f"resumed from {path} at step {state['step']}"
+                      + (f" (saved by {saved_processes} processes)" if saved_processes != accelerator.num_processes else ""))
     return state
+
+
+def _inner_optimizers(accelerator):
+    """The torch optimizers that hold the state (under DeepSpeed, inside its ZeRO optimizer)."""
+    for prepared in accelerator._optimizers:
+        wrapped = prepared.optimizer
+        yield getattr(wrapped, "optimizer", wrapped)
+
+
+def _group_hyperparameters(accelerator) -> list:
+    return [[{key: value for key, value in group.items() if key not in ("params", "lr")}
+             for group in optimizer.param_groups] for optimizer in _inner_optimizers(accelerator)]
+
+
+def _repair_universal_load(accelerator, hyperparameters: list) -> None:
+    """Two faults of DeepSpeed 0.19.8's ZeRO-3 universal load (`load_hp_checkpoint_state_from_
+    checkpoint_dir_stage3`), seen as losses that left the uninterrupted run's from the second
+    step after resuming: it gives every parameter group the first group's hyperparameters (the
+    norms and biases, weight_decay 0, got 0.01), and one `step` tensor to every group's state,
+    which torch's AdamW increments in place, so the step count advanced once per group per
+    step. Each group gets its own hyperparameters (this run's, less the learning rate that the
+    schedule sets) and its own step count back."""
+    for optimizer, groups in zip(_inner_optimizers(accelerator), hyperparameters):
+        for group, before in zip(optimizer.param_groups, groups):
+            group.update(before)
+        for state in optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
+
+
+def _rescale_schedules(accelerator, saved_processes: int) -> None:
+    """accelerate's prepared scheduler advances num_processes times per optimizer step (see
+    common.training.create_scheduler), so a schedule saved by another number of processes
+    stands at a multiple of the steps it took: put it at the same step on this world size."""
+    for prepared in accelerator._schedulers:
+        schedule = prepared.scheduler
+        steps = schedule.last_epoch // saved_processes
+        schedule.last_epoch = steps * accelerator.num_processes - 1
+        schedule.step()  # recomputes the learning rates at the rescaled position
 
 
 def export_final(accelerator, model, tokenizer, output_dir: str, dtype, name: str = "final",

@@ -14,7 +14,8 @@ from accelerate.utils import set_seed
 
 from common import memory
 from common.accelerator import build_accelerator, launched_strategy, participating_processes
-from common.checkpoints import check_output_dir, clear_earlier_run, list_checkpoints, prepare_output_dir
+from common.checkpoints import (check_output_dir, clear_earlier_run, for_this_world_size, list_checkpoints,
+                                prepare_output_dir)
 from common.model import local_parameter_shards
 
 PACKAGES = ("torch", "accelerate", "transformers", "datasets", "deepspeed", "peft", "evaluate", "tokenizers")
@@ -23,15 +24,15 @@ PACKAGES = ("torch", "accelerate", "transformers", "datasets", "deepspeed", "pef
 def start_run(args):
     """Refuse to clobber an earlier run (before any process group starts), build the
     accelerator, seed everything, and return it with the checkpoint to resume from
-    (None for a fresh run). Under `accelerate launch --max_restarts N`, a restarted
+    (None for a fresh run; a DeepSpeed one saved by another number of processes is converted). Under `accelerate launch --max_restarts N`, a restarted
     worker resumes from the run's latest complete checkpoint by itself."""
     resume_after_restart(args)
     check_output_dir(args.output_dir, args.resume_from_checkpoint, args.overwrite_output_dir)
     accelerator = build_accelerator(args)
     memory.mark("started")
     set_seed(args.seed)
-    return accelerator, prepare_output_dir(accelerator, args.output_dir, args.resume_from_checkpoint,
-                                           args.overwrite_output_dir)
+    checkpoint = prepare_output_dir(accelerator, args.output_dir, args.resume_from_checkpoint, args.overwrite_output_dir)
+    return accelerator, for_this_world_size(accelerator, checkpoint)
 
 
 def resume_after_restart(args) -> None:

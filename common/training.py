@@ -96,23 +96,40 @@ class TrainBatches:
     * Sync: the last micro-batch of each window syncs and steps (accelerate's counter
       is aligned to the window), epoch boundaries included.
     * Data wait: the time spent fetching each window goes to `metrics`.
-    * Position: `position` is where the data order stands after the current window
-      (epoch, batches into it); a checkpoint stores it and a resumed run restarts there,
-      the epoch's seeded order restored with `set_epoch`."""
+    * Position: `position` is where the data order stands after the current window: the
+      epoch, the samples of it already trained on and the global batch (processes x batch x
+      accumulation). A checkpoint stores it and a resumed run restarts there, the epoch's
+      seeded order restored with `set_epoch`. The order does not depend on the layout: the
+      epoch's shuffle is one permutation of the whole dataset and step k of an epoch trains
+      on its samples [k x G, (k+1) x G) for global batch G, split across ranks and
+      micro-batches. So a run resumes on any number of processes that keeps G (batch or
+      accumulation rescaled), at the same sample, with the same steps per epoch
+      (floor(dataset / G)); another G is refused."""
 
     def __init__(self, accelerator, dataloader, gradient_accumulation_steps: int, resume_from: dict, metrics=None):
         """`metrics` (a MetricsLogger) is told how long each window waited for its batches."""
         self.accelerator, self.dataloader, self.metrics = accelerator, dataloader, metrics
         self.accumulation = gradient_accumulation_steps
         self.per_epoch = steps_per_epoch(len(dataloader), gradient_accumulation_steps)
+        self.batch = dataloader.total_batch_size  # samples per micro-batch over all ranks (an accelerate loader)
+        self.global_batch = self.batch * gradient_accumulation_steps
         position = resume_from.get("data")
         if position is None:  # a fresh run, or a checkpoint that stored only its step
             epoch, steps_in = divmod(resume_from["step"], self.per_epoch)
-            position = {"epoch": epoch, "batches": steps_in * gradient_accumulation_steps}
-        self.position = dict(position)
+            position = {"epoch": epoch, "samples": steps_in * self.global_batch}
+        elif "samples" not in position:  # written before positions were counted in samples: same layout
+            position = {"epoch": position["epoch"], "samples": position["batches"] * self.batch}
+        saved = position.get("global_batch", self.global_batch)
+        if saved != self.global_batch:
+            raise UsageError(
+                f"the checkpoint was trained with a global batch of {saved} samples per step and this run's is "
+                f"{self.global_batch} ({accelerator.num_processes} processes x {self.batch // accelerator.num_processes} "
+                f"per device x {gradient_accumulation_steps} accumulation): set --per_device_train_batch_size and "
+                f"--gradient_accumulation_steps so that processes x batch x accumulation = {saved}")
+        self.position = {"epoch": position["epoch"], "samples": position["samples"], "global_batch": self.global_batch}
 
     def __iter__(self):
-        epoch, skip = self.position["epoch"], self.position["batches"]
+        epoch, skip = self.position["epoch"], self.position["samples"] // self.batch
         used = self.per_epoch * self.accumulation
         while True:
             self.dataloader.set_epoch(epoch)
@@ -123,7 +140,8 @@ class TrainBatches:
                 if self.metrics is not None:
                     self.metrics.add_data_wait(time.perf_counter() - waiting)
                 end = start + self.accumulation
-                self.position = {"epoch": epoch + 1, "batches": 0} if end == used else {"epoch": epoch, "batches": end}
+                done = (epoch + 1, 0) if end == used else (epoch, end * self.batch)
+                self.position = {"epoch": done[0], "samples": done[1], "global_batch": self.global_batch}
                 tokens = self._label_tokens(window)
                 self.accelerator.step = 0  # accelerate's counter: the window's last batch syncs
                 for batch in window:

@@ -125,7 +125,7 @@ def test_epochs_with_a_remainder_resume_exactly(tmp_path):
     # Stopped one step after the first epoch boundary; resumed from that checkpoint.
     after_boundary = per_epoch + 1
     state = json.loads((full / "checkpoints" / f"step_{after_boundary}" / "trainer_state.json").read_text())
-    assert state["data"] == {"epoch": 1, "batches": accumulation}
+    assert state["data"] == {"epoch": 1, "samples": accumulation * 2 * 2, "global_batch": accumulation * 2 * 2}
     stopped = tmp_path / "stopped"
     shutil.copytree(full / "checkpoints" / f"step_{after_boundary}", stopped / "checkpoints" / f"step_{after_boundary}")
     launch("ddp.yaml", "causal_lm.py", causal_lm_args(data, stopped, resume_from_checkpoint="latest", **args),

@@ -3,7 +3,9 @@
 fp32 parity: each strategy builds its model from the config with the same seed as a
 single-process reference (global batch 8 there as 1 x 8; here 2 processes x 2 x
 accumulation 2) and must reproduce its per-step losses and final weights, shard what
-it claims to shard, and resume to the same losses. Its last checkpoint, exported without
+it claims to shard, and resume to the same losses: on 2 processes, or for five configs on
+another world size (1 or 4 processes, the global batch kept: FSDP2 through DCP resharding,
+DeepSpeed through its universal checkpoint). Its last checkpoint, exported without
 launching (scripts/export_checkpoint.py), equals its final/ export, in fp32 and in bf16.
 
 bf16, as the configs ask: each strategy fine-tunes a checkpoint saved in bf16 with
@@ -42,6 +44,8 @@ BF16_LOSS_TOLERANCE = 2e-2  # per-step loss vs single-process bf16 (losses about
 # Exported bf16 weights vs single-process bf16, as the size of the difference between the two
 # runs' weight updates (final - initial, all tensors) relative to the reference's update.
 BF16_UPDATE_TOLERANCE = 0.05  # seen: 0.005 (ddp) to 0.009 (fsdp, zero2, zero3)
+# config -> processes its stopped run resumes on (the checkpoint was written by 2); the others resume on 2.
+RESUME_PROCESSES = {"fsdp.yaml": 4, "fsdp_offload.yaml": 1, "zero2.yaml": 1, "zero3.yaml": 4, "zero3_offload.yaml": 1}
 FSDP_FLAGS = {"fsdp.yaml": ("True", False, False), "fsdp_shard_grad_op.yaml": ("False", False, False),
               "fsdp_offload.yaml": ("True", True, True)}
 
@@ -95,21 +99,36 @@ def test_strategy_matches_single_process(config, markov_data, reference, tmp_pat
     assert_same_hf_folder(export_checkpoint(out / "checkpoints" / f"step_{STEPS}", tmp_path / "exported"), out / "final")
 
     # Resume: a run that stopped after its step-6 checkpoint, its metrics logged on to step 8,
-    # continues identically, and steps 7 and 8 are logged once (by the resumed run).
+    # continues identically, and steps 7 and 8 are logged once (by the resumed run). On another
+    # world size the global batch stays 8 (2 per device, accumulation 8 / (2 x processes)).
+    processes = RESUME_PROCESSES.get(config, 2)
     stopped = tmp_path / "stopped"
-    shutil.copytree(out / "checkpoints" / f"step_{SAVE_AT}", stopped / "checkpoints" / f"step_{SAVE_AT}")
+    checkpoint = stopped / "checkpoints" / f"step_{SAVE_AT}"
+    shutil.copytree(out / "checkpoints" / f"step_{SAVE_AT}", checkpoint)
     logged = [line + "\n" for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
     (stopped / "metrics.jsonl").write_text("".join(logged[:SAVE_AT + 2]))
+    saved_files = sorted(p.relative_to(checkpoint) for p in checkpoint.rglob("*"))
+    resume_args = dict(args, gradient_accumulation_steps=8 // (2 * processes))
     result = launch(config_file, "causal_lm.py", causal_lm_args(markov_data, stopped, resume_from_checkpoint="latest",
-                                                                **args), launcher_args=precision)
-    assert f"resumed from {stopped / 'checkpoints' / f'step_{SAVE_AT}'}" in result.stdout + result.stderr
+                                                                **resume_args),
+                    num_processes=processes, launcher_args=precision)
+    assert read_run(stopped)["participating_processes"] == processes
+    assert f"resumed from {checkpoint}" in result.stdout + result.stderr
+    universal = checkpoint / "universal"
+    if processes != 2 and STRATEGIES[config][0] == "DEEPSPEED":  # converted once, beside the original
+        assert (universal / "pytorch_model" / "zero" / "optimizer_state.pt").is_file()
+    else:
+        assert not universal.exists()
+    assert sorted(p.relative_to(checkpoint) for p in checkpoint.rglob("*")
+                  if universal not in p.parents and p != universal) == saved_files
     rows = read_metrics(stopped)[0]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     resumed = rows[SAVE_AT:]
     assert (stopped / "checkpoints" / f"step_{STEPS}").is_dir()
     resume_gap = max(abs(a - r["loss"]) for a, r in zip(mine[SAVE_AT:], resumed))
-    print(f"{config}: max resumed-loss gap {resume_gap:.2e}")
-    assert resume_gap < FP32_TOLERANCE
+    lr_gap = max(abs(a["lr"] - r["lr"]) for a, r in zip(read_metrics(out)[0][SAVE_AT:], resumed))
+    print(f"{config}: max resumed-loss gap {resume_gap:.2e} on {processes} processes, lr gap {lr_gap:.1e}")
+    assert resume_gap < FP32_TOLERANCE and lr_gap < 1e-12
     assert max_weight_difference(stopped / "final", out / "final") < FP32_TOLERANCE
 
 

@@ -135,3 +135,39 @@ def test_long_work_on_the_main_process_reports_while_the_others_wait(capsys, mon
         with main_process_alone(accelerator, "tokenizing", every=0.2):
             time.sleep(seconds)
         assert capsys.readouterr().err == ""
+
+
+def test_the_data_position_is_the_same_sample_under_another_split_and_another_global_batch_is_refused():
+    """Step k of an epoch trains on samples [k x G, (k+1) x G) of the epoch's permutation for
+    global batch G, however G is split: a position saved as 4 per batch x accumulation 4
+    resumes as 8 x 2 at the same sample. Another G gets one line saying what to set."""
+    import torch
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from torch.utils.data import DataLoader
+
+    from common.training import TrainBatches
+
+    def order(batch_size, accumulation, resume_from):
+        AcceleratorState._reset_state(True)
+        accelerator = Accelerator(cpu=True)
+        examples = [{"input_ids": torch.tensor([i])} for i in range(100)]
+        loader = accelerator.prepare(DataLoader(examples, batch_size=batch_size, shuffle=True, drop_last=True,
+                                                generator=torch.Generator().manual_seed(7)))
+        batches = TrainBatches(accelerator, loader, accumulation, resume_from=resume_from)
+        return batches, iter(batches)
+
+    try:
+        batches, stream = order(4, 4, {"step": 0})
+        trained = [int(x) for _ in range(8) for x in next(stream)["input_ids"].flatten()]  # steps 1 and 2
+        saved = batches.position  # what a checkpoint at step 2 stores
+        assert saved == {"epoch": 0, "samples": 32, "global_batch": 16}
+        _, stream = order(8, 2, {"step": 2, "data": saved})
+        resumed = [int(x) for _ in range(2) for x in next(stream)["input_ids"].flatten()]
+        _, fresh = order(4, 4, {"step": 0})
+        whole = [int(x) for _ in range(12) for x in next(fresh)["input_ids"].flatten()]
+        assert resumed == whole[32:48] and trained == whole[:32] and len(set(whole)) == 48
+        with pytest.raises(UsageError, match=r"global batch of 16 samples per step and this run's is 8 .*= 16$"):
+            order(4, 2, {"step": 2, "data": saved})
+    finally:
+        AcceleratorState._reset_state(True)
