@@ -85,6 +85,9 @@ def strategy_details(accelerator) -> dict:
                        fsdp_offload_params=_fsdp_offloads(plugin),
                        fsdp_state_dict_type=str(plugin.state_dict_type),
                        fsdp_activation_checkpointing=bool(plugin.activation_checkpointing))
+    mesh = getattr(state, "device_mesh", None)  # a parallelism_config (HSDP: dp_replicate x dp_shard)
+    if mesh is not None and mesh.mesh_dim_names:
+        details["device_mesh"] = dict(zip(mesh.mesh_dim_names, mesh.mesh.shape))
     return details
 
 

@@ -84,8 +84,8 @@ def evaluate_loss(model, dataloader, accelerator) -> dict:
 
 
 class TrainBatches:
-    """The loop's micro-batches, epoch after epoch without end (the loop stops at max_steps),
-    one optimizer step's window of gradient_accumulation_steps batches at a time.
+    """The loop's micro-batches, epoch after epoch until optimizer step `max_steps` (none when
+    resumed there), one optimizer step's window of gradient_accumulation_steps batches at a time.
 
     * Loss normalisation: before a window is handed out, its label tokens are counted
       over every micro-batch and every rank. Each batch carries `num_items_in_batch` =
@@ -106,10 +106,11 @@ class TrainBatches:
       accumulation rescaled), at the same sample, with the same steps per epoch
       (floor(dataset / G)); another G is refused."""
 
-    def __init__(self, accelerator, dataloader, gradient_accumulation_steps: int, resume_from: dict, metrics=None):
+    def __init__(self, accelerator, dataloader, gradient_accumulation_steps: int, max_steps: int, resume_from: dict,
+                 metrics=None):
         """`metrics` (a MetricsLogger) is told how long each window waited for its batches."""
         self.accelerator, self.dataloader, self.metrics = accelerator, dataloader, metrics
-        self.accumulation = gradient_accumulation_steps
+        self.accumulation, self.max_steps, self.start_step = gradient_accumulation_steps, max_steps, resume_from["step"]
         self.per_epoch = steps_per_epoch(len(dataloader), gradient_accumulation_steps)
         self.batch = dataloader.total_batch_size  # samples per micro-batch over all ranks (an accelerate loader)
         self.global_batch = self.batch * gradient_accumulation_steps
@@ -131,10 +132,13 @@ class TrainBatches:
     def __iter__(self):
         epoch, skip = self.position["epoch"], self.position["samples"] // self.batch
         used = self.per_epoch * self.accumulation
-        while True:
+        step = self.start_step
+        while step < self.max_steps:
             self.dataloader.set_epoch(epoch)
             batches = iter(self.accelerator.skip_first_batches(self.dataloader, skip) if skip else self.dataloader)
             for start in range(skip, used, self.accumulation):
+                if step == self.max_steps:
+                    return  # mid-epoch: the rest of the epoch is not read
                 waiting = time.perf_counter()
                 window = [next(batches) for _ in range(self.accumulation)]
                 if self.metrics is not None:
@@ -148,6 +152,7 @@ class TrainBatches:
                     if tokens is not None:
                         batch = {**batch, "num_items_in_batch": tokens / (self.accelerator.num_processes * self.accumulation)}
                     yield batch
+                step += 1
             for _ in batches:  # the epoch's leftover batches: finish the iterator so accelerate closes it
                 pass
             epoch, skip = epoch + 1, 0

@@ -105,8 +105,8 @@ def main(argv=None):
     model.train()
     grad_norm, skip_step = None, False
     nonfinite = NonFiniteGuard(accelerator, model, args.nonfinite, args.max_nonfinite_skips, metrics)
-    batches = TrainBatches(accelerator, train_loader, args.gradient_accumulation_steps, resume_from=state,
-                           metrics=metrics)
+    batches = TrainBatches(accelerator, train_loader, args.gradient_accumulation_steps, max_steps, resume_from=state,
+                           metrics=metrics)  # ends after step max_steps
     profiler = StepProfiler(accelerator, args.profile_steps, args.output_dir, args.profile_memory, start_step=step)
     for batch in batches:
         with accelerator.accumulate(model):
@@ -133,8 +133,6 @@ def main(argv=None):
         if args.save_steps and step % args.save_steps == 0:
             save_checkpoint(accelerator, args.output_dir, step, {"data": batches.position}, args.save_total_limit,
                             tokenizer, export_dtype(model_args))
-        if step >= max_steps:
-            break
     profiler.stop()
 
     after = evaluate()

@@ -90,6 +90,17 @@ def check(config_path: str, recipe_config: str | None = None, num_processes: int
                     problems.append(f"fsdp_transformer_layer_cls_to_wrap: the model has no {single.strip()!r} "
                                     "layer; name one of its decoder/encoder layer classes or remove the key")
 
+    mesh = raw.get("parallelism_config") or {}
+    if mesh:
+        replicate = mesh.get("parallelism_config_dp_replicate_size", 1)
+        shard = mesh.get("parallelism_config_dp_shard_size", 1)
+        if raw.get("distributed_type") != "FSDP" or str(fsdp.get("fsdp_version")) != "2":
+            problems.append("parallelism_config: needs distributed_type FSDP with fsdp_version 2")
+        if replicate * shard != world:
+            problems.append(f"parallelism_config: dp_replicate_size {replicate} x dp_shard_size {shard} = "
+                            f"{replicate * shard} processes but num_processes is {world}; set dp_replicate_size to "
+                            "the number of nodes and dp_shard_size to the processes (GPUs) per node")
+
     deepspeed = raw.get("deepspeed_config") or {}
     for key in deepspeed:
         if key not in known:

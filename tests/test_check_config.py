@@ -9,7 +9,7 @@ import yaml
 
 from conftest import CONFIGS, REPO, load_script, run
 
-TEMPLATES = {"multi_node_ddp.yaml", "multi_node_fsdp.yaml", "multi_node_zero3.yaml"}
+TEMPLATES = {"multi_node_ddp.yaml", "multi_node_fsdp.yaml", "multi_node_hsdp.yaml", "multi_node_zero3.yaml"}
 SHIPPED = sorted(p.name for p in CONFIGS.glob("*.yaml"))
 
 
@@ -53,6 +53,15 @@ def test_shipped_configs_pass(name):
 def test_templates_name_the_fields_to_fill(name):
     result = check(CONFIGS / name)
     assert result.returncode == 1 and "main_process_ip: still the template's FILL_ME" in result.stdout
+
+
+def test_a_hybrid_shard_mesh_that_is_not_the_world_size_is_named(tmp_path):
+    """16 processes as 2 nodes x 8 pass; the same mesh under 4 processes is refused with the fix."""
+    filled = broken_copy(tmp_path, "multi_node_hsdp.yaml", lambda c: c.update(main_process_ip="10.0.0.1"))
+    assert check(filled).returncode == 0
+    result = check(filled, "--num_processes", 4)
+    assert result.returncode == 1
+    assert "dp_replicate_size 2 x dp_shard_size 8 = 16 processes but num_processes is 4" in result.stdout
 
 
 def test_make_check_config_target():

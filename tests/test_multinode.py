@@ -1,4 +1,4 @@
-"""Two "machines" on loopback, and the SLURM batch script with faked SLURM variables."""
+"""Two "machines" on loopback, and the SLURM batch script with faked SLURM variables (running HSDP)."""
 
 import os
 import stat
@@ -72,7 +72,11 @@ exit $status
 
 
 @pytest.mark.slow
-def test_slurm_batch_script_on_two_fake_nodes(markov_data, reference, tmp_path):
+def test_slurm_batch_script_runs_hsdp_on_two_fake_nodes_of_two_processes(markov_data, reference, tmp_path):
+    """scripts/slurm/train.sbatch with multi_node_hsdp.yaml on 2 fake nodes x 2 processes (loopback):
+    the script sets the mesh from the job (dp_replicate = nodes, dp_shard = GPUs per node), so the
+    parameters are sharded over a node's 2 processes (each rank holds half, not a quarter) and
+    replicated across the nodes, and the run trains the same model as one process (4 ranks x 2)."""
     fake_bin = tmp_path / "bin"
     fake_bin.mkdir()
     for name, text in {"srun": FAKE_SRUN, "scontrol": "#!/bin/bash\necho 127.0.0.1\necho 127.0.0.1\n"}.items():
@@ -80,14 +84,21 @@ def test_slurm_batch_script_on_two_fake_nodes(markov_data, reference, tmp_path):
         (fake_bin / name).chmod(stat.S_IRWXU)
     out = tmp_path / "run"
     env = {**os.environ, **OFFLINE_ENV, "PATH": f"{fake_bin}:{OFFLINE_ENV['PATH']}", "SLURM_NNODES": "2",
-           "SLURM_JOB_NODELIST": "node[0-1]", "GPUS_PER_NODE": "1", "MAIN_PROCESS_PORT": str(free_port()),
+           "SLURM_JOB_NODELIST": "node[0-1]", "GPUS_PER_NODE": "2", "MAIN_PROCESS_PORT": str(free_port()),
            "ACCELERATE": str(BIN / "accelerate")}
     env.pop("SLURM_NODEID", None)
     process = subprocess.Popen(
-        ["bash", "scripts/slurm/train.sbatch", "accelerate_configs/multi_node_ddp.yaml", *FP32, "recipes/causal_lm.py",
-         *causal_lm_args(markov_data, out, per_device_train_batch_size=4, max_steps=12)],
+        ["bash", "scripts/slurm/train.sbatch", "accelerate_configs/multi_node_hsdp.yaml", *FP32, "recipes/causal_lm.py",
+         *causal_lm_args(markov_data, out, per_device_train_batch_size=2, max_steps=12)],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     log = wait_all([process])[0]
-    assert "machine_rank=0 of 2" in log and "machine_rank=1 of 2" in log
-    assert read_run(out)["participating_processes"] == 2
-    assert max(abs(a - b) for a, b in zip(losses(out), losses(reference))) < 1e-5
+    assert "machine_rank=0 of 2, 2 processes" in log and "machine_rank=1 of 2, 2 processes" in log
+    record = read_run(out)
+    assert record["participating_processes"] == 4 and record["distributed_type"] == "FSDP"
+    assert record["device_mesh"] == {"dp_replicate": 2, "dp_shard": 2}
+    total, local = record["total_parameters"], record["local_parameter_elements"]
+    assert all(0.45 * total <= n <= 0.55 * total for n in local), (local, total)
+    gap = max(abs(a - b) for a, b in zip(losses(out), losses(reference)))
+    print(f"HSDP, 2 fake SLURM nodes x 2 processes: local parameter elements {local} of {total}, "
+          f"max loss gap to one process {gap:.2e}")
+    assert len(losses(out)) == 12 and gap < 1e-5

@@ -154,7 +154,7 @@ def test_the_data_position_is_the_same_sample_under_another_split_and_another_gl
         examples = [{"input_ids": torch.tensor([i])} for i in range(100)]
         loader = accelerator.prepare(DataLoader(examples, batch_size=batch_size, shuffle=True, drop_last=True,
                                                 generator=torch.Generator().manual_seed(7)))
-        batches = TrainBatches(accelerator, loader, accumulation, resume_from=resume_from)
+        batches = TrainBatches(accelerator, loader, accumulation, 6, resume_from=resume_from)
         return batches, iter(batches)
 
     try:
@@ -167,6 +167,9 @@ def test_the_data_position_is_the_same_sample_under_another_split_and_another_gl
         _, fresh = order(4, 4, {"step": 0})
         whole = [int(x) for _ in range(12) for x in next(fresh)["input_ids"].flatten()]
         assert resumed == whole[32:48] and trained == whole[:32] and len(set(whole)) == 48
+        # Steps 1-6 in all (max_steps 6): 24 micro-batches of 4, then the iteration ends; none when resumed at 6.
+        assert len(list(order(4, 4, {"step": 0})[0])) == 24
+        assert list(order(4, 4, {"step": 6, "data": {"epoch": 1, "samples": 0, "global_batch": 16}})[0]) == []
         with pytest.raises(UsageError, match=r"global batch of 16 samples per step and this run's is 8 .*= 16$"):
             order(4, 2, {"step": 2, "data": saved})
     finally:

@@ -10,9 +10,15 @@ gpus="${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-1}}"
 accelerate="${ACCELERATE:-accelerate}"
 [ -x .venv/bin/accelerate ] && [ -z "${ACCELERATE:-}" ] && accelerate=.venv/bin/accelerate
 
+# A hybrid-shard config (multi_node_hsdp.yaml) shards within a node and replicates across nodes.
+mesh=()
+if grep -q '^parallelism_config:' "$config"; then
+    mesh=(--parallelism_config_dp_replicate_size "$nodes" --parallelism_config_dp_shard_size "$gpus")
+fi
+
 echo "node $(hostname): machine_rank=$node_rank of $nodes, $gpus processes, main=$MAIN_PROCESS_IP:$MAIN_PROCESS_PORT" >&2
 exec "$accelerate" launch --config_file "$config" \
     --num_machines "$nodes" --machine_rank "$node_rank" \
-    --num_processes $((nodes * gpus)) \
+    --num_processes $((nodes * gpus)) "${mesh[@]}" \
     --main_process_ip "$MAIN_PROCESS_IP" --main_process_port "$MAIN_PROCESS_PORT" \
     "$@"
