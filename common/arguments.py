@@ -87,6 +87,10 @@ class DataArguments:
     block_size: int = field(default=128, metadata={"help": "Tokens per packed training block."})
     max_eval_samples: int | None = None
     preprocessing_num_workers: int | None = None
+    streaming: bool = field(default=False, metadata={
+        "help": "Read the training split as it is consumed (an IterableDataset: data larger than memory or disk), "
+                "each process tokenizing and packing its own documents, in file order; needs --max_steps. "
+                "See common/streaming.py."})
 
     def __post_init__(self):
         if bool(self.dataset_name) == bool(self.train_file):
@@ -309,7 +313,22 @@ def _parse(dataclass_types, argv):
         args=yaml_argv + argv, return_remaining_strings=True, look_for_args_file=False)
     if remaining:
         raise UsageError(f"unknown argument(s) {' '.join(remaining)}; run with --help to list them")
+    _check_together(parsed)
     return tuple(parsed[:len(dataclass_types)])  # parsed[-1] is the namespace holding --config
+
+
+def _check_together(parsed) -> None:
+    """Arguments that are fine alone but not together."""
+    data = next((p for p in parsed if isinstance(p, DataArguments)), None)
+    training = next((p for p in parsed if isinstance(p, TrainingArguments)), None)
+    if data is not None and training is not None and getattr(data, "streaming", False):
+        if any(getattr(p, "reads_data_in_memory", False) for p in parsed):
+            raise UsageError("--streaming is for the packed-text recipes (causal_lm.py, lora.py); this recipe reads "
+                             "its data in memory: drop --streaming")
+        if training.max_steps <= 0:
+            raise UsageError("--streaming needs --max_steps: a stream has no length to count epochs by")
+        if training.auto_find_batch_size:
+            raise UsageError("--streaming cannot be used with --auto_find_batch_size; set --per_device_train_batch_size")
 
 
 def _find_config(argv: list[str]) -> str | None:

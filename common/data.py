@@ -5,28 +5,36 @@ from __future__ import annotations
 
 import os
 
-from datasets import DatasetDict, load_dataset
+from datasets import Dataset, DatasetDict, IterableDataset, load_dataset
 from torch.utils.data import DataLoader
 from transformers import default_data_collator
 
 from common.arguments import DataArguments, UsageError, describe
 from common.peers import main_process_alone
+from common.streaming import StreamLoader, load_train_stream, tokenize_and_pack_stream
 
+STREAM_HELD_OUT = 1000  # validation rows taken from a stream that has no validation split
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 
 
 def load_raw_datasets(args: DataArguments, seed: int) -> DatasetDict:
-    """A DatasetDict with `train` and `validation` (split off train if none is given)."""
-    if args.dataset_name:
-        raw = load_dataset(args.dataset_name, args.dataset_config_name)
-    else:
+    """A DatasetDict with `train` and `validation` (split off train if none is given).
+    With --streaming, `train` is an IterableDataset read as it is consumed (common.streaming)."""
+    builder = data_files = None
+    if not args.dataset_name:
         data_files = {"train": args.train_file}
         if args.validation_file:
             data_files["validation"] = args.validation_file
         extensions = {os.path.splitext(path)[1].lower() for path in data_files.values()}
         if len(extensions) != 1 or not extensions <= FILE_BUILDERS.keys():
             raise UsageError(f"data files must share one of {sorted(FILE_BUILDERS)}; got {sorted(extensions)}")
-        raw = _load_files(FILE_BUILDERS[extensions.pop()], data_files)
+        builder = FILE_BUILDERS[extensions.pop()]
+    if args.streaming:
+        return _load_streaming(args, builder, data_files)
+    if args.dataset_name:
+        raw = load_dataset(args.dataset_name, args.dataset_config_name)
+    else:
+        raw = _load_files(builder, data_files)
     for split, dataset in raw.items():
         if len(dataset) == 0:
             raise UsageError(f"the {split} split has no rows{_files_of(args, split)}; give a file with data")
@@ -41,6 +49,31 @@ def load_raw_datasets(args: DataArguments, seed: int) -> DatasetDict:
     if args.max_eval_samples:
         raw["validation"] = raw["validation"].select(range(min(args.max_eval_samples, len(raw["validation"]))))
     return raw
+
+
+def _load_streaming(args: DataArguments, builder: str | None, data_files: dict | None) -> DatasetDict:
+    """--streaming: the train stream, and a validation split held in memory: the validation
+    file or the Hub's validation split (its first --max_eval_samples rows, default
+    STREAM_HELD_OUT), else the stream's first rows, which training then skips."""
+    train = load_train_stream(args, builder, data_files)
+    held_out = args.max_eval_samples or STREAM_HELD_OUT
+    if args.validation_file:
+        validation = _load_files(builder, {"validation": args.validation_file})["validation"]
+    else:
+        validation = None
+        if args.dataset_name:
+            try:
+                validation = load_dataset(args.dataset_name, args.dataset_config_name, split="validation", streaming=True)
+            except ValueError:  # no validation split on the Hub
+                pass
+        if validation is None:
+            validation, train = train.take(held_out), train.skip(held_out)
+        validation = Dataset.from_list(list(validation.take(held_out)))
+    if len(validation) == 0:
+        raise UsageError(f"the validation split has no rows{_files_of(args, 'validation')}; give a file with data")
+    if args.max_eval_samples:
+        validation = validation.select(range(min(args.max_eval_samples, len(validation))))
+    return DatasetDict(train=train, validation=validation)
 
 
 def _files_of(args: DataArguments, split: str) -> str:
@@ -102,6 +135,9 @@ def pack_sequences(examples: dict, block_size: int, eos_token_id: int) -> dict:
 def tokenize_and_pack(raw: DatasetDict, tokenizer, text_column: str, block_size: int,
                       accelerator, num_proc: int | None = None) -> DatasetDict:
     """Tokenize every split (batched, cached) and pack it into blocks of `block_size`."""
+    stream = raw["train"] if isinstance(raw["train"], IterableDataset) else None
+    if stream is not None:  # --streaming: each rank packs its own documents as they are read
+        raw = DatasetDict(validation=raw["validation"])
     _check_columns(raw, text_column)
     check_text_column(raw, text_column)
     if tokenizer.eos_token_id is None:
@@ -113,13 +149,16 @@ def tokenize_and_pack(raw: DatasetDict, tokenizer, text_column: str, block_size:
     # rank 0 builds the cache, the others read it
     with accelerator.main_process_first(), main_process_alone(accelerator, "tokenizing"):
         tokenized = raw.map(tokenize, batched=True, num_proc=num_proc,
-                            remove_columns=raw["train"].column_names, desc="tokenizing")
+                            remove_columns=raw["validation"].column_names, desc="tokenizing")
         packed = tokenized.map(pack_sequences, batched=True, batch_size=1000, num_proc=num_proc,
                                fn_kwargs={"block_size": block_size, "eos_token_id": tokenizer.eos_token_id},
-                               remove_columns=tokenized["train"].column_names, desc=f"packing into {block_size}-token blocks")
+                               remove_columns=tokenized["validation"].column_names, desc=f"packing into {block_size}-token blocks")
     for split, dataset in packed.items():
         if len(dataset) == 0:
             raise UsageError(f"the {split} split has fewer than block_size={block_size} tokens; lower --block_size")
+    if stream is not None:
+        packed["train"] = tokenize_and_pack_stream(stream, text_column, tokenize, pack_sequences, block_size,
+                                                   tokenizer.eos_token_id, accelerator)
     return packed
 
 
@@ -130,7 +169,10 @@ def make_dataloaders(datasets: DatasetDict, train_batch_size: int, eval_batch_si
     import torch
 
     generator = torch.Generator().manual_seed(seed)
-    train = DataLoader(datasets["train"], shuffle=True, batch_size=train_batch_size,
+    if isinstance(datasets["train"], IterableDataset):  # --streaming: already this rank's share
+        train = StreamLoader(datasets["train"], train_batch_size)
+    else:
+        train = DataLoader(datasets["train"], shuffle=True, batch_size=train_batch_size,
                        collate_fn=collate_fn, generator=generator, drop_last=True)
     evaluation = DataLoader(datasets["validation"], batch_size=eval_batch_size, collate_fn=eval_collate_fn or collate_fn)
     return train, evaluation

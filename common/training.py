@@ -8,7 +8,10 @@ import time
 import torch
 from transformers import get_scheduler
 
+from accelerate.utils import gather_object
+
 from common.arguments import TrainingArguments, UsageError
+from common.streaming import StreamLoader, check_resumable, every_rank_has
 
 NORM_TYPES = (torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.modules.batchnorm._BatchNorm)
 
@@ -47,10 +50,12 @@ def steps_per_epoch(batches_per_epoch: int, gradient_accumulation_steps: int) ->
     return steps
 
 
-def total_training_steps(args: TrainingArguments, batches_per_epoch: int) -> int:
-    """Optimizer steps in the run: max_steps if set, else epochs x steps per epoch."""
-    per_epoch = steps_per_epoch(batches_per_epoch, args.gradient_accumulation_steps)
-    return args.max_steps if args.max_steps > 0 else args.num_train_epochs * per_epoch
+def total_training_steps(args: TrainingArguments, train_loader, num_processes: int) -> int:
+    """Optimizer steps in the run: max_steps if set (a --streaming loader has no length), else
+    epochs x steps per epoch of the (unprepared) train loader's batches split over the processes."""
+    if args.max_steps > 0:
+        return args.max_steps
+    return args.num_train_epochs * steps_per_epoch(len(train_loader) // num_processes, args.gradient_accumulation_steps)
 
 
 def create_scheduler(optimizer, args: TrainingArguments, max_steps: int, num_processes: int):
@@ -108,54 +113,94 @@ class TrainBatches:
 
     def __init__(self, accelerator, dataloader, gradient_accumulation_steps: int, max_steps: int, resume_from: dict,
                  metrics=None):
-        """`metrics` (a MetricsLogger) is told how long each window waited for its batches."""
+        """`metrics` (a MetricsLogger) is told how long each window waited for its batches.
+        `dataloader` is a prepared DataLoader, or a common.streaming.StreamLoader (--streaming)."""
         self.accelerator, self.dataloader, self.metrics = accelerator, dataloader, metrics
         self.accumulation, self.max_steps, self.start_step = gradient_accumulation_steps, max_steps, resume_from["step"]
-        self.per_epoch = steps_per_epoch(len(dataloader), gradient_accumulation_steps)
-        self.batch = dataloader.total_batch_size  # samples per micro-batch over all ranks (an accelerate loader)
+        self.batch = dataloader.total_batch_size  # samples per micro-batch over all ranks
         self.global_batch = self.batch * gradient_accumulation_steps
+        self.stream = dataloader if isinstance(dataloader, StreamLoader) else None
         position = resume_from.get("data")
+        if self.stream is not None:
+            if position is not None:
+                self._check_global_batch(position.get("global_batch", self.global_batch))
+                check_resumable(position, accelerator)
+                self.stream.restore(position["ranks"][accelerator.process_index])
+            return
+        self.per_epoch = steps_per_epoch(len(dataloader), gradient_accumulation_steps)
         if position is None:  # a fresh run, or a checkpoint that stored only its step
             epoch, steps_in = divmod(resume_from["step"], self.per_epoch)
             position = {"epoch": epoch, "samples": steps_in * self.global_batch}
         elif "samples" not in position:  # written before positions were counted in samples: same layout
             position = {"epoch": position["epoch"], "samples": position["batches"] * self.batch}
-        saved = position.get("global_batch", self.global_batch)
+        self._check_global_batch(position.get("global_batch", self.global_batch))
+        self._position = {"epoch": position["epoch"], "samples": position["samples"], "global_batch": self.global_batch}
+
+    def _check_global_batch(self, saved: int) -> None:
         if saved != self.global_batch:
+            processes = self.accelerator.num_processes
             raise UsageError(
                 f"the checkpoint was trained with a global batch of {saved} samples per step and this run's is "
-                f"{self.global_batch} ({accelerator.num_processes} processes x {self.batch // accelerator.num_processes} "
-                f"per device x {gradient_accumulation_steps} accumulation): set --per_device_train_batch_size and "
+                f"{self.global_batch} ({processes} processes x {self.batch // processes} per device x "
+                f"{self.accumulation} accumulation): set --per_device_train_batch_size and "
                 f"--gradient_accumulation_steps so that processes x batch x accumulation = {saved}")
-        self.position = {"epoch": position["epoch"], "samples": position["samples"], "global_batch": self.global_batch}
+
+    @property
+    def position(self) -> dict:
+        """Where the data order stands after the last window handed out (what a checkpoint
+        stores). Streaming: every rank's stream state, gathered (all ranks call it together)."""
+        if self.stream is None:
+            return self._position
+        return {"ranks": gather_object([self.stream.state()]), "global_batch": self.global_batch}
 
     def __iter__(self):
-        epoch, skip = self.position["epoch"], self.position["samples"] // self.batch
+        windows = self._epoch_windows() if self.stream is None else self._stream_windows()
+        for _ in range(self.max_steps - self.start_step):  # one window per optimizer step
+            waiting = time.perf_counter()
+            window = next(windows)
+            if self.metrics is not None:
+                self.metrics.add_data_wait(time.perf_counter() - waiting)
+            tokens = self._label_tokens(window)
+            self.accelerator.step = 0  # accelerate's counter: the window's last batch syncs
+            for batch in window:
+                if tokens is not None:
+                    batch = {**batch, "num_items_in_batch": tokens / (self.accelerator.num_processes * self.accumulation)}
+                yield batch
+
+    def _epoch_windows(self):
+        """Windows of a map-style loader, epoch after epoch (the caller stops mid-epoch: the
+        rest of that epoch is never read)."""
+        epoch, skip = self._position["epoch"], self._position["samples"] // self.batch
         used = self.per_epoch * self.accumulation
-        step = self.start_step
-        while step < self.max_steps:
+        while True:
             self.dataloader.set_epoch(epoch)
             batches = iter(self.accelerator.skip_first_batches(self.dataloader, skip) if skip else self.dataloader)
             for start in range(skip, used, self.accumulation):
-                if step == self.max_steps:
-                    return  # mid-epoch: the rest of the epoch is not read
-                waiting = time.perf_counter()
                 window = [next(batches) for _ in range(self.accumulation)]
-                if self.metrics is not None:
-                    self.metrics.add_data_wait(time.perf_counter() - waiting)
                 end = start + self.accumulation
                 done = (epoch + 1, 0) if end == used else (epoch, end * self.batch)
-                self.position = {"epoch": done[0], "samples": done[1], "global_batch": self.global_batch}
-                tokens = self._label_tokens(window)
-                self.accelerator.step = 0  # accelerate's counter: the window's last batch syncs
-                for batch in window:
-                    if tokens is not None:
-                        batch = {**batch, "num_items_in_batch": tokens / (self.accelerator.num_processes * self.accumulation)}
-                    yield batch
-                step += 1
+                self._position = {"epoch": done[0], "samples": done[1], "global_batch": self.global_batch}
+                yield window
             for _ in batches:  # the epoch's leftover batches: finish the iterator so accelerate closes it
                 pass
             epoch, skip = epoch + 1, 0
+
+    def _stream_windows(self):
+        """Windows of a stream: a step only when every rank has a full window; when any
+        rank's stream runs out, every rank starts the next epoch."""
+        in_epoch = 0 if self.stream.at_epoch_start else 1  # resumed mid-epoch: it already had steps
+        while True:
+            window = self.stream.window(self.accumulation)
+            if every_rank_has(self.accelerator, window):
+                in_epoch += 1
+                yield window
+                continue
+            if in_epoch == 0:
+                raise UsageError(f"the training stream gives a process fewer than one step's blocks "
+                                 f"({self.accumulation} x {self.batch // self.accelerator.num_processes} blocks per "
+                                 "process): use more data, a smaller batch or fewer accumulation steps")
+            self.stream.next_epoch()
+            in_epoch = 0
 
     def _label_tokens(self, window):
         """Next-token targets (labels after the shift, not -100) in the window, over all ranks;

@@ -54,8 +54,7 @@ def main(argv=None):
     parameters = count_parameters(model)
     optimizer = create_optimizer(model, args)
     train_loader = fit_batch_size(accelerator, model, train_loader, args)  # --auto_find_batch_size
-    batches_per_epoch = len(train_loader) // accelerator.num_processes
-    max_steps = total_training_steps(args, batches_per_epoch)
+    max_steps = total_training_steps(args, train_loader, accelerator.num_processes)
     scheduler = create_scheduler(optimizer, args, max_steps, accelerator.num_processes)
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler)
@@ -63,7 +62,7 @@ def main(argv=None):
     # {"step": 0} for a fresh run. Loaded first: an earlier run's files change only once it has.
     state = load_checkpoint(accelerator, checkpoint)
     run = record_run(accelerator, model, optimizer, to_dict(model_args, data_args, args), args.output_dir,
-                     max_steps=max_steps, train_blocks=len(datasets["train"]), **parameters)
+                     max_steps=max_steps, train_blocks=None if data_args.streaming else len(datasets["train"]), **parameters)
     accelerator.init_trackers(args.run_name, tracker_config(run["args"]))
     step = state["step"]
     metrics = MetricsLogger(accelerator, args.output_dir, max_steps, start_step=step, model=model, optimizer=optimizer,

@@ -57,7 +57,7 @@ def main(argv=None):
     parameters = count_parameters(model)
     optimizer = create_optimizer(model, args)
     train_loader = fit_batch_size(accelerator, model, train_loader, args)  # --auto_find_batch_size
-    max_steps = total_training_steps(args, len(train_loader) // accelerator.num_processes)
+    max_steps = total_training_steps(args, train_loader, accelerator.num_processes)
     scheduler = create_scheduler(optimizer, args, max_steps, accelerator.num_processes)
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler)

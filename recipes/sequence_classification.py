@@ -35,6 +35,7 @@ from common.training import create_optimizer, create_scheduler, total_training_s
 
 @dataclass
 class ClassificationArguments:
+    reads_data_in_memory = True  # not a field: --streaming is refused here (common.arguments)
     label_column: str = "label"
     metrics: list[str] = field(default_factory=lambda: ["accuracy", "f1"])
     f1_average: str = field(default="macro", metadata={"help": "binary, macro, micro or weighted"})
@@ -66,7 +67,7 @@ def main(argv=None):
     parameters = count_parameters(model)
     optimizer = create_optimizer(model, args)
     train_loader = fit_batch_size(accelerator, model, train_loader, args)  # --auto_find_batch_size
-    max_steps = total_training_steps(args, len(train_loader) // accelerator.num_processes)
+    max_steps = total_training_steps(args, train_loader, accelerator.num_processes)
     scheduler = create_scheduler(optimizer, args, max_steps, accelerator.num_processes)
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler)

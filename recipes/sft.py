@@ -43,6 +43,7 @@ from common.training import (create_optimizer, create_scheduler, evaluate_loss, 
 
 @dataclass
 class SFTArguments:
+    reads_data_in_memory = True  # not a field: --streaming is refused here (common.arguments)
     messages_column: str = "messages"
     chat_template: str | None = field(
         default=None, metadata={"help": "A chat template file or text; replaces the tokenizer's (and is saved with it)."})
@@ -81,7 +82,7 @@ def main(argv=None):
     parameters = count_parameters(model)
     optimizer = create_optimizer(model, args)
     train_loader = fit_batch_size(accelerator, model, train_loader, args)  # --auto_find_batch_size
-    max_steps = total_training_steps(args, len(train_loader) // accelerator.num_processes)
+    max_steps = total_training_steps(args, train_loader, accelerator.num_processes)
     scheduler = create_scheduler(optimizer, args, max_steps, accelerator.num_processes)
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler)

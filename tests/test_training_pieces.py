@@ -38,11 +38,11 @@ def test_schedule_horizon_counts_accelerates_per_process_steps():
         scheduler.step()
         lrs.append(scheduler.get_last_lr()[0])
     assert lrs[:2] == pytest.approx([0.5, 1.0]) and lrs[-1] == pytest.approx(0.0)  # warmup is 2 optimizer steps
-    assert total_training_steps(TrainingArguments(num_train_epochs=3, gradient_accumulation_steps=2), 10) == 15
-    assert total_training_steps(TrainingArguments(num_train_epochs=3, gradient_accumulation_steps=3), 10) == 9
+    assert total_training_steps(TrainingArguments(num_train_epochs=3, gradient_accumulation_steps=2), range(20), 2) == 15
+    assert total_training_steps(TrainingArguments(num_train_epochs=3, gradient_accumulation_steps=3), range(20), 2) == 9
     with pytest.raises(UsageError, match="fewer than gradient_accumulation_steps=4"):
-        total_training_steps(TrainingArguments(gradient_accumulation_steps=4), 3)
-    assert total_training_steps(TrainingArguments(max_steps=7), 10) == 7
+        total_training_steps(TrainingArguments(gradient_accumulation_steps=4), range(6), 2)
+    assert total_training_steps(TrainingArguments(max_steps=7), None, 2) == 7
 
 
 def test_latest_checkpoint_ignores_unfinished_saves(tmp_path):
