@@ -4,6 +4,7 @@ pack token streams into fixed-length blocks, and build seeded dataloaders."""
 from __future__ import annotations
 
 import os
+import sys
 
 from datasets import Dataset, DatasetDict, IterableDataset, load_dataset
 from torch.utils.data import DataLoader
@@ -153,6 +154,11 @@ def tokenize_and_pack(raw: DatasetDict, tokenizer, text_column: str, block_size:
         packed = tokenized.map(pack_sequences, batched=True, batch_size=1000, num_proc=num_proc,
                                fn_kwargs={"block_size": block_size, "eos_token_id": tokenizer.eos_token_id},
                                remove_columns=tokenized["validation"].column_names, desc=f"packing into {block_size}-token blocks")
+    if getattr(accelerator, "is_local_main_process", False) and not accelerator.is_main_process:  # another node
+        cache = os.path.dirname(packed["validation"].cache_files[0]["filename"]) if packed["validation"].cache_files else "?"
+        print(f"note: the first node tokenized into {cache}; this node used it only if that path is on a filesystem "
+              "all nodes share, else it tokenized its own copy (set HF_DATASETS_CACHE to a shared path, or use "
+              "--streaming)", file=sys.stderr)
     for split, dataset in packed.items():
         if len(dataset) == 0:
             raise UsageError(f"the {split} split has fewer than block_size={block_size} tokens; lower --block_size")

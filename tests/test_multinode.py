@@ -50,6 +50,8 @@ def test_two_machines_on_loopback_match_one_process(config, markov_data, referen
         for rank in (0, 1)]
     logs = wait_all(nodes)
     print(f"{config}: node output {[len(log) for log in logs]} characters")
+    # The second node says where the first node's tokenized cache is, and that it must be shared.
+    assert "note: the first node tokenized into" in logs[1] and "note: the first node" not in logs[0]
     record = read_run(out)
     assert record["participating_processes"] == 2 and record["distributed_type"] == TEMPLATES[config]
     gap = max(abs(a - b) for a, b in zip(losses(out), losses(reference)))
