@@ -5,7 +5,9 @@ precision, accumulation and extra recipe arguments asked for), all in one
 invocation so the figures compare on the same (noisy, shared) machine, and prints
 steps/s, tokens/s per process, peak memory per rank, and each run's speed as a
 ratio to the first DDP run. On a CPU-only host these are CPU figures (peak
-resident set size).
+resident set size). It also draws them (--chart, default outputs/benchmark.png): each
+config's memory per rank by category as the run measured it (run.json's memory
+account) beside scripts/estimate_memory.py's prediction, and its steps/s.
 
     python scripts/benchmark_strategies.py --steps 60
     python scripts/benchmark_strategies.py --configs ddp.yaml fsdp.yaml --precisions bf16 no
@@ -53,6 +55,8 @@ def run_config(config: str, steps: int, data: str, out: str, precision: str, acc
         raise SystemExit(f"error: {config} failed:\n{result.stderr[-3000:]}")
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl")) if '"loss"' in line]
     run = json.load(open(os.path.join(out, "run.json")))
+    with open(os.path.join(out, "final", "config.json")) as handle:
+        run["vocab_size"] = json.load(handle)["vocab_size"]  # as the recipe sized it to the tokenizer
     steady = rows[1:] or rows  # the first window includes warm-up
     seconds = steady[-1]["elapsed_s"] - (rows[0]["elapsed_s"] if len(rows) > 1 else 0.0)
     return {"config": config, "precision": run["compute_dtype"], "accumulation": accumulation,
@@ -60,7 +64,74 @@ def run_config(config: str, steps: int, data: str, out: str, precision: str, acc
             "processes": run["participating_processes"], "type": run["distributed_type"],
             "steps_per_s": window * len(steady) / seconds,
             "tokens_per_s_per_process": sum(r["tokens_per_s_per_device"] for r in steady) / len(steady),
-            "peak_mb_per_rank": rows[-1]["peak_memory_mb_per_rank"], "final_loss": rows[-1]["loss"]}
+            "peak_mb_per_rank": rows[-1]["peak_memory_mb_per_rank"], "final_loss": rows[-1]["loss"],
+            "measured_mb": measured_by_category(run), "estimated_mb": estimated_by_category(config, run, precision, args)}
+
+
+CATEGORIES = ("parameters", "master_weights", "gradients", "optimizer_states", "communication_buffers", "activations")
+
+
+def measured_by_category(run: dict) -> dict:
+    """The memory account of the rank with the highest peak: MB by category, the rest of the
+    first step's peak resident set as `process and transients`."""
+    account = max(run["memory_per_rank"], key=lambda a: a["phases"]["first_step"]["peak_rss_mb"])
+    mb = {key: account[f"{key}_mb"] for key in CATEGORIES}
+    peak = account["phases"]["first_step"]["peak_rss_mb"]
+    return {**mb, "process and transients": max(peak - sum(mb.values()), 0.0), "peak": peak}
+
+
+def estimated_by_category(config: str, run: dict, precision: str, args) -> dict:
+    """scripts/estimate_memory.py for the same model, config, world size, batch and precision
+    (run as a command: its start-up baseline is a fresh process's)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        target = os.path.join(tmp, "estimate.json")
+        command = [sys.executable, os.path.join(REPO, "scripts", "estimate_memory.py"), "--model", args.model_config,
+                   "--config", os.path.join(REPO, "accelerate_configs", config),
+                   "--num_processes", str(run["participating_processes"]), "--batch_size", str(args.batch_size),
+                   "--seq_len", str(args.block_size), "--mixed_precision", precision,
+                   "--vocab_size", str(run["vocab_size"]), "--json", target]
+        subprocess.run(command, cwd=REPO, check=True, capture_output=True, text=True)
+        with open(target) as handle:
+            estimate = json.load(handle)
+    mb = {key: estimate[key] / 2**20 for key in CATEGORIES}
+    return {**mb, "process and transients": estimate["peak_mb"] - sum(mb.values()), "peak": estimate["peak_mb"]}
+
+
+def draw(results: list, path: str, title: str) -> None:
+    """Memory per rank by category (measured | estimated, stacked) and steps/s, one row per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['config'].removesuffix('.yaml')} ({r['processes']}p"
+              + (f", {r['precision']}" if len({x['precision'] for x in results}) > 1 else "")
+              + (f", acc {r['accumulation']}" if len({x['accumulation'] for x in results}) > 1 else "") + ")"
+              for r in results]
+    parts = (*CATEGORIES, "process and transients")
+    colors = plt.get_cmap("tab10").colors
+    figure, (memory, speed) = plt.subplots(1, 2, figsize=(13, 0.55 * len(results) + 1.8), sharey=True,
+                                           gridspec_kw={"width_ratios": [3, 1]})
+    rows = range(len(results))
+    for offset, key, hatch in ((-0.2, "measured_mb", None), (0.2, "estimated_mb", "//")):
+        left = [0.0] * len(results)
+        for index, part in enumerate(parts):
+            widths = [r[key][part] for r in results]
+            memory.barh([y + offset for y in rows], widths, height=0.38, left=left, color=colors[index],
+                        hatch=hatch, edgecolor="white", linewidth=0.3,
+                        label=part.replace("_", " ") if key == "measured_mb" else None)
+            left = [a + b for a, b in zip(left, widths)]
+    memory.set_yticks(list(rows), labels)
+    memory.invert_yaxis()
+    memory.set_xlabel("MB per rank: upper bar measured (run.json), hatched bar estimated (estimate_memory.py)")
+    memory.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12 - 1.2 / (len(results) + 3)), ncol=4, fontsize=8)
+    memory.set_title(title, fontsize=10)
+    speed.barh(list(rows), [r["steps_per_s"] for r in results], color="gray")
+    speed.set_xlabel("optimizer steps / s")
+    figure.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    figure.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(figure)
 
 
 def main(argv=None):
@@ -75,6 +146,8 @@ def main(argv=None):
     parser.add_argument("--recipe_args", nargs=argparse.REMAINDER, default=[],
                         help="passed to every run, e.g. --recipe_args --sync_each_micro_batch false")
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--chart", default=os.path.join(REPO, "outputs", "benchmark.png"),
+                        help="the PNG to draw (memory by category, measured and estimated, and steps/s); '' for none")
     args = parser.parse_args(argv)
     sys.path.insert(0, REPO)
     from common.synthetic import write_markov_corpus
@@ -92,9 +165,18 @@ def main(argv=None):
         print(f"{r['config']:26} {r['processes']:>5} {r['type']:10} {r['precision']:9} {r['accumulation']:>5} "
               f"{r['steps_per_s']:8.2f} {r['steps_per_s'] / baseline:7.2f} {r['tokens_per_s_per_process']:10.0f} "
               f"{', '.join(f'{m:.0f}' for m in r['peak_mb_per_rank'])}")
+    print("MB per rank (the rank with the highest peak), measured / estimated:")
+    for r in results:
+        print(f"{r['config']:26} " + "  ".join(
+            f"{key.split('_')[0]} {r['measured_mb'][key]:.0f}/{r['estimated_mb'][key]:.0f}"
+            for key in (*CATEGORIES, "peak")))
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(results, handle, indent=2)
+    if args.chart:
+        draw(results, args.chart, f"{results[0]['parameters']:,} parameters, batch {args.batch_size} x "
+                                  f"{args.block_size} tokens per process, {args.steps} steps")
+        print(f"chart: {args.chart}")
     return results
 
 

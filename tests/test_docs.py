@@ -83,12 +83,22 @@ def test_make_causal_lm_with_another_config(tmp_path):
 
 
 @pytest.mark.slow
-def test_make_benchmark_prints_ratios():
-    result = run(["make", "-s", "benchmark", "ARGS=--configs single.yaml ddp.yaml --steps 6"])
-    rows = [line.split() for line in result.stdout.splitlines() if line.startswith(("single.yaml", "ddp.yaml"))]
+def test_make_benchmark_prints_ratios_and_draws_the_chart(tmp_path):
+    chart = tmp_path / "benchmark.png"
+    result = run(["make", "-s", "benchmark", f"ARGS=--configs single.yaml ddp.yaml --steps 6 --chart {chart}"])
+    lines = result.stdout.splitlines()
+    rows = [line.split() for line in lines if line.startswith(("single.yaml", "ddp.yaml"))][:2]
     assert [r[0] for r in rows] == ["single.yaml", "ddp.yaml"] and [r[1] for r in rows] == ["1", "2"]
     assert [r[3] for r in rows] == ["bfloat16", "bfloat16"]  # as the configs ship
     assert float(rows[1][6]) == 1.0 and float(rows[0][5]) > 0
+    # Measured / estimated MB by category for each config, and the chart of them.
+    memory = [line for line in lines[lines.index("MB per rank (the rank with the highest peak), measured / estimated:"):]
+              if line.startswith(("single.yaml", "ddp.yaml"))]
+    assert len(memory) == 2 and all("optimizer " in line and "peak " in line for line in memory)
+    peaks = [[float(x) for x in line.split("peak ")[1].split("/")] for line in memory]
+    assert all(measured > 100 and estimated > 100 for measured, estimated in peaks)  # process sizes, in MB
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and chart.stat().st_size > 10_000
+    assert f"chart: {chart}" in result.stdout
 
 
 def test_make_benchmark_packing_compares_the_layouts():
