@@ -37,13 +37,23 @@ def test_ddp_two_processes_train_export_and_reload(markov_data, tmp_path):
     assert reloaded["eval_loss"] == pytest.approx(evals[-1]["eval_loss"], abs=1e-5)
 
 
-def test_copied_recipe_runs_outside_the_repository(markov_data, tmp_path):
+def test_copied_recipe_runs_outside_the_repository_and_never_overwrites_a_run(markov_data, tmp_path):
+    """A recipe copied into another folder trains there (it imports only `common`); started
+    again on the same output_dir, without --overwrite_output_dir, it refuses in one line and
+    leaves the earlier run as it was."""
     work = tmp_path / "my_project"
     work.mkdir()
     shutil.copy(REPO / "recipes" / "causal_lm.py", work / "train.py")
-    launch("ddp.yaml", work / "train.py", causal_lm_args(markov_data, work / "out", max_steps=4), cwd=work)
-    assert read_run(work / "out")["participating_processes"] == 2
-    assert (work / "out" / "final" / "config.json").exists()
+    out = work / "out"
+    launch("ddp.yaml", work / "train.py", causal_lm_args(markov_data, out, max_steps=4), cwd=work)
+    assert read_run(out)["participating_processes"] == 2
+    assert (out / "final" / "config.json").exists()
+    before = (out / "final" / "model.safetensors").read_bytes()
+    result = run([BIN / "python", work / "train.py"] + causal_lm_args(markov_data, out, max_steps=2), cwd=work,
+                 check=False)
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith("error: output_dir") and result.stderr.count("\n") == 1
+    assert (out / "final" / "model.safetensors").read_bytes() == before
 
 
 def test_bad_input_is_one_line_and_nonzero_exit(markov_data, tmp_path):
@@ -56,17 +66,6 @@ def test_bad_input_is_one_line_and_nonzero_exit(markov_data, tmp_path):
     assert len(errors) == 1 and message in errors[0], result.stderr[-2000:]
     assert "causal_lm.py\", line" not in result.stderr  # no traceback from the recipe (torchrun adds its own)
     assert not (tmp_path / "bad").exists()  # failed before anything was written
-
-
-def test_existing_run_is_not_overwritten(markov_data, tmp_path):
-    out = tmp_path / "run"
-    launch("single.yaml", "causal_lm.py", causal_lm_args(markov_data, out, max_steps=2))
-    before = (out / "final" / "model.safetensors").read_bytes()
-    result = run([BIN / "python", REPO / "recipes/causal_lm.py"] + causal_lm_args(markov_data, out, max_steps=2),
-                 check=False)
-    assert result.returncode == 2
-    assert result.stderr.strip().startswith("error: output_dir") and result.stderr.count("\n") == 1
-    assert (out / "final" / "model.safetensors").read_bytes() == before
 
 
 @pytest.mark.slow

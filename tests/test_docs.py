@@ -75,28 +75,19 @@ def test_make_demo_meets_its_target_and_make_evaluate_reproduces_it(tmp_path):
 
 
 @pytest.mark.slow
-def test_make_causal_lm_with_another_config(tmp_path):
-    out = tmp_path / "fsdp"
-    run(["make", "causal_lm", "CONFIG=accelerate_configs/fsdp.yaml",
-         f"ARGS=--max_steps 3 --eval_steps 0 --save_steps 0 --report_to none --output_dir {out}"])
-    assert read_run(out)["distributed_type"] == "FSDP" and read_run(out)["participating_processes"] == 2
-
-
-@pytest.mark.slow
 def test_make_benchmark_prints_ratios_and_draws_the_chart(tmp_path):
     chart = tmp_path / "benchmark.png"
-    result = run(["make", "-s", "benchmark", f"ARGS=--configs single.yaml ddp.yaml --steps 6 --chart {chart}"])
+    result = run(["make", "-s", "benchmark", f"ARGS=--configs ddp.yaml --steps 6 --chart {chart}"])
     lines = result.stdout.splitlines()
-    rows = [line.split() for line in lines if line.startswith(("single.yaml", "ddp.yaml"))][:2]
-    assert [r[0] for r in rows] == ["single.yaml", "ddp.yaml"] and [r[1] for r in rows] == ["1", "2"]
-    assert [r[3] for r in rows] == ["bfloat16", "bfloat16"]  # as the configs ship
-    assert float(rows[1][6]) == 1.0 and float(rows[0][5]) > 0
-    # Measured / estimated MB by category for each config, and the chart of them.
-    memory = [line for line in lines[lines.index("MB per rank (the rank with the highest peak), measured / estimated:"):]
-              if line.startswith(("single.yaml", "ddp.yaml"))]
-    assert len(memory) == 2 and all("optimizer " in line and "peak " in line for line in memory)
-    peaks = [[float(x) for x in line.split("peak ")[1].split("/")] for line in memory]
-    assert all(measured > 100 and estimated > 100 for measured, estimated in peaks)  # process sizes, in MB
+    header = lines.index("MB per rank (the rank with the highest peak), measured / estimated:")
+    speed = [line.split() for line in lines[:header] if line.startswith("ddp.yaml")]
+    memory = [line.split() for line in lines[header:] if line.startswith("ddp.yaml")]
+    assert len(speed) == 1 and len(memory) == 1
+    assert speed[0][:4] == ["ddp.yaml", "2", "MULTI_CPU", "bfloat16"]  # 2 processes, bf16 as the config ships
+    assert float(speed[0][6]) == 1.0 and float(speed[0][5]) > 0  # the ratio to DDP, and steps/s
+    assert "optimizer" in memory[0] and "peak" in memory[0]
+    measured, estimated = (float(x) for x in memory[0][memory[0].index("peak") + 1].split("/"))
+    assert measured > 100 and estimated > 100  # process sizes, in MB
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and chart.stat().st_size > 10_000
     assert f"chart: {chart}" in result.stdout
 

@@ -2,12 +2,13 @@
 ranks without overlap, packed on the fly, and resumed at the exact block after a stop."""
 
 import json
+import shlex
 import shutil
 from types import SimpleNamespace
 
 import pytest
 
-from conftest import REPO, causal_lm_args, launch, losses, read_metrics, read_run
+from conftest import REPO, causal_lm_args, free_port, launch, losses, read_metrics, read_run, run
 
 
 @pytest.fixture(scope="module")
@@ -68,16 +69,21 @@ def test_streaming_is_refused_where_it_cannot_work():
 
 @pytest.mark.slow
 def test_streaming_run_crosses_epochs_and_resumes_at_the_exact_block(small_corpus, tmp_path):
-    """bf16 (as ddp.yaml ships), 2 processes x 2 blocks x accumulation 2: the stream runs out
+    """FSDP2 in bf16 (as fsdp.yaml ships), through `make causal_lm CONFIG=...` (the README's
+    command for another config), 2 processes x 2 blocks x accumulation 2: the stream runs out
     after a few steps and every rank starts the next epoch together; a run stopped at its
     checkpoint after the epoch boundary resumes to the same per-step losses."""
     args = dict(train_file=small_corpus / "train.jsonl", validation_file=small_corpus / "validation.jsonl",
                 tokenizer_name_or_path=small_corpus / "tokenizer", per_device_train_batch_size=2,
                 gradient_accumulation_steps=2, max_steps=16, save_steps=12, streaming="true")
     out = tmp_path / "run"
-    launch("ddp.yaml", "causal_lm.py", causal_lm_args(small_corpus, out, **args))
+    recipe_args = [str(a) for a in causal_lm_args(small_corpus, out, **args)]
+    recipe_args = recipe_args[2:] if recipe_args[0] == "--config" else recipe_args  # make passes the demo's
+    run(["make", "causal_lm", "CONFIG=accelerate_configs/fsdp.yaml", f"LAUNCH_ARGS=--main_process_port {free_port()}",
+         f"ARGS={shlex.join(recipe_args)}"])
     record = read_run(out)
     assert record["participating_processes"] == 2 and record["args"]["streaming"] is True
+    assert record["distributed_type"] == "FSDP"
     assert record["compute_dtype"] == "bfloat16" and record["train_blocks"] is None
     state = json.loads((out / "checkpoints" / "step_12" / "trainer_state.json").read_text())["data"]
     epochs = [rank["epoch"] for rank in state["ranks"]]
@@ -88,7 +94,7 @@ def test_streaming_run_crosses_epochs_and_resumes_at_the_exact_block(small_corpu
 
     stopped = tmp_path / "stopped"
     shutil.copytree(out / "checkpoints" / "step_12", stopped / "checkpoints" / "step_12")
-    launch("ddp.yaml", "causal_lm.py", causal_lm_args(small_corpus, stopped, resume_from_checkpoint="latest", **args))
+    launch("fsdp.yaml", "causal_lm.py", causal_lm_args(small_corpus, stopped, resume_from_checkpoint="latest", **args))
     resumed = read_metrics(stopped)[0]
     assert [r["step"] for r in resumed] == [13, 14, 15, 16]
     gap = max(abs(a - r["loss"]) for a, r in zip(full[12:], resumed))
