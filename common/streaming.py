@@ -64,12 +64,18 @@ class StreamLoader:
         self.total_batch_size = batch_size * PartialState().num_processes
         self.epoch, self._batches = 0, None
 
+    def _open(self, stream_state: dict | None = None) -> None:
+        """Start reading this epoch, from the beginning or from a saved stream state."""
+        self.dataset.set_epoch(self.epoch)
+        if stream_state is not None:
+            self.dataset.load_state_dict(stream_state)
+        self._batches = iter(DataLoader(self.dataset, batch_size=self.batch_size, drop_last=True,
+                                        collate_fn=default_data_collator))
+
     def window(self, size: int) -> list | None:
         """The next `size` batches of this rank, or None if its stream ends first."""
         if self._batches is None:
-            self.dataset.set_epoch(self.epoch)
-            self._batches = iter(DataLoader(self.dataset, batch_size=self.batch_size, drop_last=True,
-                                            collate_fn=default_data_collator))
+            self._open()
         window = []
         for batch in self._batches:
             window.append(send_to_device(batch, self.device))
@@ -90,11 +96,8 @@ class StreamLoader:
 
     def restore(self, state: dict) -> None:
         self.epoch, self._batches = state["epoch"], None
-        if state["stream"] is not None:
-            self.dataset.set_epoch(self.epoch)
-            self.dataset.load_state_dict(state["stream"])
-            self._batches = iter(DataLoader(self.dataset, batch_size=self.batch_size, drop_last=True,
-                                            collate_fn=default_data_collator))
+        if state["stream"] is not None:  # mid-epoch; None: at the start of the epoch
+            self._open(state["stream"])
 
 
 def every_rank_has(accelerator, window) -> bool:
