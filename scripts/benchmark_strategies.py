@@ -14,6 +14,8 @@ account) beside scripts/estimate_memory.py's prediction, and its steps/s.
     # memory with accumulation, at 101M parameters:
     python scripts/benchmark_strategies.py --model_config recipes/configs/llama_100m.json --steps 3 \
         --batch_size 1 --block_size 64 --accumulation 1 4 --configs fsdp.yaml zero3.yaml
+    # on 2 and 4 processes, activation checkpointing off and on:
+    python scripts/benchmark_strategies.py --num_processes 2 4 --activation_checkpointing off on ...
 """
 
 import argparse
@@ -35,10 +37,21 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_config(config: str, steps: int, data: str, out: str, precision: str, accumulation: int, args) -> dict:
+def checkpoints_in_yaml(config: str) -> bool:
+    """The config turns activation checkpointing on itself (FSDP's fsdp_activation_checkpointing)."""
+    import yaml
+
+    with open(os.path.join(REPO, "accelerate_configs", config)) as handle:
+        fsdp = yaml.safe_load(handle).get("fsdp_config") or {}
+    return str(fsdp.get("fsdp_activation_checkpointing", False)).lower() == "true"
+
+
+def run_config(config: str, steps: int, data: str, out: str, precision: str, accumulation: int, processes,
+               checkpointing: str, args) -> dict:
     accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
     window = max(steps // 3, 1)
-    command = [accelerate, "launch", "--config_file", os.path.join(REPO, "accelerate_configs", config),
+    world = ["--num_processes", str(processes)] if processes and config != "single.yaml" else []
+    command = [accelerate, "launch", "--config_file", os.path.join(REPO, "accelerate_configs", config), *world,
                "--main_process_port", str(free_port()), "--mixed_precision", precision,
                os.path.join(REPO, "recipes", "causal_lm.py"),
                "--config", os.path.join(REPO, "recipes/configs/causal_lm_demo.yaml"),
@@ -48,7 +61,8 @@ def run_config(config: str, steps: int, data: str, out: str, precision: str, acc
                "--eval_steps", "0", "--save_steps", "0", "--report_to", "none", "--overwrite_output_dir",
                "--gradient_accumulation_steps", str(accumulation), "--model_config", args.model_config,
                "--per_device_train_batch_size", str(args.batch_size), "--block_size", str(args.block_size),
-               "--per_device_eval_batch_size", str(args.batch_size), "--max_eval_samples", "8", *args.recipe_args]
+               "--per_device_eval_batch_size", str(args.batch_size), "--max_eval_samples", "8",
+               "--gradient_checkpointing", str(checkpointing == "on").lower(), *args.recipe_args]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
                             env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
     if result.returncode != 0:
@@ -59,13 +73,18 @@ def run_config(config: str, steps: int, data: str, out: str, precision: str, acc
         run["vocab_size"] = json.load(handle)["vocab_size"]  # as the recipe sized it to the tokenizer
     steady = rows[1:] or rows  # the first window includes warm-up
     seconds = steady[-1]["elapsed_s"] - (rows[0]["elapsed_s"] if len(rows) > 1 else 0.0)
+    # on when asked, or when the config's FSDP settings turn it on (fsdp_offload.yaml)
+    run["activation_checkpointing"] = bool(run["args"].get("gradient_checkpointing")
+                                           or run.get("fsdp_activation_checkpointing"))
     return {"config": config, "precision": run["compute_dtype"], "accumulation": accumulation,
+            "activation_checkpointing": run["activation_checkpointing"],
             "parameters": run["total_parameters"],
             "processes": run["participating_processes"], "type": run["distributed_type"],
             "steps_per_s": window * len(steady) / seconds,
             "tokens_per_s_per_process": sum(r["tokens_per_s_per_device"] for r in steady) / len(steady),
             "peak_mb_per_rank": rows[-1]["peak_memory_mb_per_rank"], "final_loss": rows[-1]["loss"],
-            "measured_mb": measured_by_category(run), "estimated_mb": estimated_by_category(config, run, precision, args)}
+            "measured_mb": measured_by_category(run),
+            "estimated_mb": estimated_by_category(config, run, precision, accumulation, args)}
 
 
 CATEGORIES = ("parameters", "master_weights", "gradients", "optimizer_states", "communication_buffers", "activations")
@@ -80,16 +99,18 @@ def measured_by_category(run: dict) -> dict:
     return {**mb, "process and transients": max(peak - sum(mb.values()), 0.0), "peak": peak}
 
 
-def estimated_by_category(config: str, run: dict, precision: str, args) -> dict:
-    """scripts/estimate_memory.py for the same model, config, world size, batch and precision
-    (run as a command: its start-up baseline is a fresh process's)."""
+def estimated_by_category(config: str, run: dict, precision: str, accumulation: int, args) -> dict:
+    """scripts/estimate_memory.py for the same model, config, world size, batch, precision,
+    accumulation and activation checkpointing (run as a command: its start-up baseline is a
+    fresh process's)."""
     with tempfile.TemporaryDirectory() as tmp:
         target = os.path.join(tmp, "estimate.json")
         command = [sys.executable, os.path.join(REPO, "scripts", "estimate_memory.py"), "--model", args.model_config,
                    "--config", os.path.join(REPO, "accelerate_configs", config),
                    "--num_processes", str(run["participating_processes"]), "--batch_size", str(args.batch_size),
                    "--seq_len", str(args.block_size), "--mixed_precision", precision,
-                   "--vocab_size", str(run["vocab_size"]), "--json", target]
+                   "--vocab_size", str(run["vocab_size"]), "--gradient_accumulation_steps", str(accumulation),
+                   "--json", target, *(["--gradient_checkpointing"] if run["activation_checkpointing"] else [])]
         subprocess.run(command, cwd=REPO, check=True, capture_output=True, text=True)
         with open(target) as handle:
             estimate = json.load(handle)
@@ -106,7 +127,8 @@ def draw(results: list, path: str, title: str) -> None:
 
     labels = [f"{r['config'].removesuffix('.yaml')} ({r['processes']}p"
               + (f", {r['precision']}" if len({x['precision'] for x in results}) > 1 else "")
-              + (f", acc {r['accumulation']}" if len({x['accumulation'] for x in results}) > 1 else "") + ")"
+              + (f", acc {r['accumulation']}" if len({x['accumulation'] for x in results}) > 1 else "")
+              + (", AC" if r["activation_checkpointing"] else "") + ")"
               for r in results]
     parts = (*CATEGORIES, "process and transients")
     colors = plt.get_cmap("tab10").colors
@@ -140,6 +162,10 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--precisions", nargs="+", default=["bf16"], help="bf16 (as the configs ship) and/or no (fp32)")
     parser.add_argument("--accumulation", nargs="+", type=int, default=[1], help="gradient_accumulation_steps values")
+    parser.add_argument("--num_processes", nargs="+", type=int, default=[None],
+                        help="world sizes to run each config on (default: the config's own)")
+    parser.add_argument("--activation_checkpointing", nargs="+", choices=["off", "on"], default=["off"],
+                        help="the recipe's --gradient_checkpointing (fsdp_offload.yaml turns it on in its YAML)")
     parser.add_argument("--model_config", default=os.path.join(REPO, "recipes/configs/tiny_llama.json"))
     parser.add_argument("--batch_size", type=int, default=8, help="per process (global batch: x processes)")
     parser.add_argument("--block_size", type=int, default=64)
@@ -155,19 +181,24 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         data = os.path.join(tmp, "data")
         write_markov_corpus(data)
-        results = [run_config(c, args.steps, data, os.path.join(tmp, "run"), precision, accumulation, args)
-                   for c in args.configs for precision in args.precisions for accumulation in args.accumulation]
+        results = [run_config(c, args.steps, data, os.path.join(tmp, "run"), precision, accumulation, processes,
+                              checkpointing, args)
+                   for processes in args.num_processes for checkpointing in args.activation_checkpointing
+                   for c in args.configs for precision in args.precisions for accumulation in args.accumulation
+                   if not (c == "single.yaml" and processes not in (None, args.num_processes[0]))
+                   and not (checkpointing == "on" and checkpoints_in_yaml(c))]  # that run is the "off" one
     baseline = next((r["steps_per_s"] for r in results if r["config"] == "ddp.yaml"), results[0]["steps_per_s"])
     print(f"{results[0]['parameters']:,} parameters; batch {args.batch_size} x {args.block_size} tokens per process")
-    print(f"{'config':26} {'procs':>5} {'type':10} {'dtype':9} {'accum':>5} {'steps/s':>8} {'vs ddp':>7} "
+    print(f"{'config':26} {'procs':>5} {'type':10} {'dtype':9} {'accum':>5} {'AC':>3} {'steps/s':>8} {'vs ddp':>7} "
           f"{'tok/s/proc':>10} peak MB per rank")
     for r in results:
         print(f"{r['config']:26} {r['processes']:>5} {r['type']:10} {r['precision']:9} {r['accumulation']:>5} "
+              f"{'on' if r['activation_checkpointing'] else 'off':>3} "
               f"{r['steps_per_s']:8.2f} {r['steps_per_s'] / baseline:7.2f} {r['tokens_per_s_per_process']:10.0f} "
               f"{', '.join(f'{m:.0f}' for m in r['peak_mb_per_rank'])}")
     print("MB per rank (the rank with the highest peak), measured / estimated:")
     for r in results:
-        print(f"{r['config']:26} " + "  ".join(
+        print(f"{r['config']:20} {r['processes']}p {'AC ' if r['activation_checkpointing'] else '   '}" + "  ".join(
             f"{key.split('_')[0]} {r['measured_mb'][key]:.0f}/{r['estimated_mb'][key]:.0f}"
             for key in (*CATEGORIES, "peak")))
     if args.json:

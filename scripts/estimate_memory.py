@@ -9,12 +9,15 @@ c bytes per element in the compute dtype (2 in bf16, 4 in fp32):
   config              parameters  master  gradients        optimizer  buckets
   single / DDP        4Ψ          -       4Ψ               8Ψ         4Ψ (DDP's, N > 1)
   FSDP2 (all three)   4Ψ/N        -       4Ψ/N             8Ψ/N       -
-  ZeRO-1 / ZeRO-2     cΨ          4Ψ/N    cΨ/N + 4Ψ/N      8Ψ/N       c·h² (reduce)
+  ZeRO-1 / ZeRO-2     cΨ          4Ψ/N    cΨ/N + 4Ψ/N      8Ψ/N       -
+   with offload       cΨ          4Ψ/N    4Ψ/N (+ cΨ/N)    8Ψ/N       cΨ/N
   ZeRO-3              cΨ/N        4Ψ/N    cΨ/N + 4Ψ/N      8Ψ/N       c·h² (reduce)
 
 (DeepSpeed keeps the model in the compute dtype and a separate fp32 master copy, and
 makes an fp32 copy of each rank's gradient partition for the step; with ZeRO-1/2
-offload the gradients reach that fp32 partition through a cΨ/N buffer. Offload moves
+offload the updated weights come back through a cΨ/N buffer, the gradients reach the
+fp32 partition through two buffers the size of the largest tensor, and with gradient
+accumulation the micro-batches' sum waits in a further cΨ/N. Offload moves
 the master copy and the optimizer to the CPU: on a GPU that leaves device memory, on a
 CPU-only host it changes nothing. Under DDP with bf16, autocast's bf16 copy of every
 weight, saved for backward, counts with the activations.) The peak adds one micro-batch's activations, the largest
@@ -64,10 +67,11 @@ def read_strategy(config_file: str, num_processes: int | None, mixed_precision: 
             stage = deepspeed.get("zero_stage", 0)
             offload = deepspeed.get("offload_optimizer_device", "none") != "none"
     processes = num_processes or (1 if kind == "NO" else config.get("num_processes", 1))
+    fsdp = config.get("fsdp_config", {})
     return {"strategy": strategy, "zero_stage": stage, "offload": offload, "num_processes": processes,
             "mixed_precision": precision,
-            "fsdp_reshard_after_forward": str(config.get("fsdp_config", {}).get("fsdp_reshard_after_forward",
-                                                                                 True)).lower() == "true"}
+            "fsdp_reshard_after_forward": str(fsdp.get("fsdp_reshard_after_forward", True)).lower() == "true",
+            "activation_checkpointing": str(fsdp.get("fsdp_activation_checkpointing", False)).lower() == "true"}
 
 
 def read_model(model: str, vocab_size: int | None = None) -> dict:
@@ -103,8 +107,11 @@ def activation_bytes(model: dict, batch_size: int, seq_len: int, compute_bytes: 
     return tokens * (layers * per_layer + logits)
 
 
-def estimate(model: dict, strategy: dict, batch_size: int, seq_len: int, checkpointing: bool = False) -> dict:
-    """Bytes per rank by category (the memory account's), and the peak."""
+def estimate(model: dict, strategy: dict, batch_size: int, seq_len: int, checkpointing: bool = False,
+             accumulation: int = 1) -> dict:
+    """Bytes per rank by category (the memory account's), and the peak. Activation checkpointing
+    is on when asked or when the config turns it on (fsdp_activation_checkpointing)."""
+    checkpointing = checkpointing or strategy.get("activation_checkpointing", False)
     psi, n = model["parameters"], strategy["num_processes"]
     c = 2 if strategy["mixed_precision"] in ("bf16", "fp16") else 4
     kind, stage = strategy["strategy"], strategy["zero_stage"]
@@ -113,9 +120,11 @@ def estimate(model: dict, strategy: dict, batch_size: int, seq_len: int, checkpo
         parameters = c * psi / n if stage == 3 else c * psi
         master, gradients = 4 * psi / n, c * psi / n + 4 * psi / n
         optimizer = 8 * psi / n
-        buckets = c * model["hidden_size"] ** 2  # reduce bucket of h*h elements ("auto")
-        if stage in (1, 2) and strategy["offload"]:  # gradients go to the fp32 partition through a buffer
-            gradients, buckets = 4 * psi / n, c * psi / n + buckets
+        # ZeRO-3's reduce bucket of h*h elements ("auto"); ZeRO-1/2's is empty again after the step
+        buckets = c * model["hidden_size"] ** 2 if stage == 3 else 0
+        if stage in (1, 2) and strategy["offload"]:  # DeepSpeed's CPU-offload buffers (see the docstring)
+            gradients = 4 * psi / n + 2 * c * model["largest_tensor"] + (c * psi / n if accumulation > 1 else 0)
+            buckets = c * psi / n
         step_transient = 2 * 4 * psi / n  # Adam's temporaries over the flat fp32 partition
     elif kind == "fsdp":
         parameters, master, gradients, optimizer = 4 * psi / n, 0, 4 * psi / n, 8 * psi / n
@@ -157,7 +166,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--batch_size", type=int, default=1, help="per-device micro-batch")
     parser.add_argument("--seq_len", type=int, default=1024)
     parser.add_argument("--mixed_precision", choices=["no", "bf16", "fp16"], help="default: the config's")
-    parser.add_argument("--gradient_checkpointing", action="store_true")
+    parser.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    parser.add_argument("--gradient_checkpointing", action="store_true",
+                        help="activation checkpointing (also on when the config's FSDP settings turn it on)")
     parser.add_argument("--vocab_size", type=int, help="override the config's (a model built for a tokenizer)")
     parser.add_argument("--json", help="also write the estimate here")
     args = parser.parse_args(argv)
@@ -171,7 +182,9 @@ def main(argv=None) -> dict:
     except (OSError, ValueError) as error:
         raise SystemExit(f"error: --model {args.model} gives no model config ({str(error).splitlines()[0]}); "
                          "pass a config.json, a model folder or a Hub name reachable from here")
-    result = estimate(model, strategy, args.batch_size, args.seq_len, args.gradient_checkpointing)
+    result = estimate(model, strategy, args.batch_size, args.seq_len, args.gradient_checkpointing,
+                      args.gradient_accumulation_steps)
+    checkpointing = args.gradient_checkpointing or strategy["activation_checkpointing"]
     import torch
 
     baseline = 0.0 if torch.cuda.is_available() else process_baseline_mb(strategy)
@@ -179,7 +192,8 @@ def main(argv=None) -> dict:
     result["peak_mb"] = round(result["tensors_peak"] / MB + baseline, 1)
     print(f"{model['parameters']:,} parameters; {os.path.basename(args.config)} on {strategy['num_processes']} "
           f"process(es), {strategy['mixed_precision']}, batch {args.batch_size} x {args.seq_len} tokens"
-          f"{', activation checkpointing' if args.gradient_checkpointing else ''}; MB per rank:")
+          f"{f', accumulation {args.gradient_accumulation_steps}' if args.gradient_accumulation_steps > 1 else ''}"
+          f"{', activation checkpointing' if checkpointing else ''}; MB per rank:")
     for key in ("parameters", "master_weights", "gradients", "optimizer_states", "model_state",
                 "communication_buffers", "activations", "step_transient"):
         print(f"  {key:22} {result[key] / MB:10.1f}")

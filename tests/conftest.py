@@ -154,6 +154,37 @@ def assert_same_hf_folder(exported, final) -> None:
             assert mine.read_bytes() == path.read_bytes(), path.name
 
 
+MODEL_STATE = ("parameters", "master_weights", "gradients", "optimizer_states")
+
+
+def estimate_for_run(output_dir, config_file) -> dict:
+    """scripts/estimate_memory.py's bytes per rank for the run in `output_dir`, as run.json
+    records it: its model (final/config.json), config, world size, precision, micro-batch,
+    accumulation and activation checkpointing."""
+    script = load_script("scripts/estimate_memory.py")
+    record = read_run(output_dir)
+    args = record["args"]
+    precision = {"bfloat16": "bf16", "float16": "fp16", "float32": "no"}[record["compute_dtype"]]
+    strategy = script.read_strategy(str(config_file), record["participating_processes"], precision)
+    model = script.read_model(str(Path(output_dir) / "final"))
+    return script.estimate(model, strategy, args["per_device_train_batch_size"], args["block_size"],
+                           bool(args["gradient_checkpointing"]), args["gradient_accumulation_steps"])
+
+
+def model_state_gaps(output_dir, config_file) -> dict:
+    """Per model-state category, the largest relative gap over the ranks between the bytes the
+    run's memory account counted and the estimate."""
+    predicted = estimate_for_run(output_dir, config_file)
+    gaps = {}
+    for category in (*MODEL_STATE, "model_state"):
+        for account in read_run(output_dir)["memory_per_rank"]:
+            counted = (sum(sum(account["bytes_by_category"][c].values()) for c in MODEL_STATE)
+                       if category == "model_state" else sum(account["bytes_by_category"][category].values()))
+            gap = abs(counted - predicted[category]) / max(predicted[category], 1)
+            gaps[category] = max(gaps.get(category, 0.0), gap if predicted[category] else float(counted > 0))
+    return gaps
+
+
 def export_checkpoint(checkpoint, output_dir) -> Path:
     """scripts/export_checkpoint.py's main() here (`make export-checkpoint` runs it as a command)."""
     return Path(load_script("scripts/export_checkpoint.py").main(["--checkpoint", str(checkpoint),

@@ -33,7 +33,7 @@ def measured(markov_data, tmp_path_factory):
 def estimate(config: str, record: dict) -> dict:
     script = load_script("scripts/estimate_memory.py")
     return script.main(["--model", str(MODEL), "--config", str(REPO / "accelerate_configs" / config),
-                        "--num_processes", "2", "--batch_size", "1", "--seq_len", "64",
+                        "--num_processes", "2", "--batch_size", "1", "--seq_len", "64", "--gradient_accumulation_steps", "2",
                         "--vocab_size", str(vocab(record))])
 
 
@@ -99,7 +99,8 @@ def test_estimate_memory_prints_each_category(capsys):
         assert key in printed
     psi = result["model"]["parameters"]
     assert result["strategy"] == {"strategy": "deepspeed", "zero_stage": 3, "offload": False, "num_processes": 2,
-                                  "mixed_precision": "bf16", "fsdp_reshard_after_forward": True}
+                                  "mixed_precision": "bf16", "fsdp_reshard_after_forward": True,
+                                  "activation_checkpointing": False}
     assert result["parameters"] == psi  # bf16 partition: 2 bytes x psi / 2 ranks
     assert result["model_state"] == pytest.approx(10 * psi, abs=4)
     json.dumps(result)
