@@ -186,7 +186,9 @@ def main(argv=None):
                    for processes in args.num_processes for checkpointing in args.activation_checkpointing
                    for c in args.configs for precision in args.precisions for accumulation in args.accumulation
                    if not (c == "single.yaml" and processes not in (None, args.num_processes[0]))
-                   and not (checkpointing == "on" and checkpoints_in_yaml(c))]  # that run is the "off" one
+                   # a config that turns it on itself runs once ("off" is then that same run)
+                   and not (checkpointing == "on" and "off" in args.activation_checkpointing
+                            and checkpoints_in_yaml(c))]
     baseline = next((r["steps_per_s"] for r in results if r["config"] == "ddp.yaml"), results[0]["steps_per_s"])
     print(f"{results[0]['parameters']:,} parameters; batch {args.batch_size} x {args.block_size} tokens per process")
     print(f"{'config':26} {'procs':>5} {'type':10} {'dtype':9} {'accum':>5} {'AC':>3} {'steps/s':>8} {'vs ddp':>7} "

@@ -77,15 +77,17 @@ def test_make_demo_meets_its_target_and_make_evaluate_reproduces_it(tmp_path):
 @pytest.mark.slow
 def test_make_benchmark_prints_ratios_and_draws_the_chart(tmp_path):
     chart = tmp_path / "benchmark.png"
-    result = run(["make", "-s", "benchmark", f"ARGS=--configs ddp.yaml --steps 6 --chart {chart}"])
+    result = run(["make", "-s", "benchmark", f"ARGS=--configs ddp.yaml --steps 6 --num_processes 2 "
+                                             f"--activation_checkpointing on --chart {chart}"])
     lines = result.stdout.splitlines()
     header = lines.index("MB per rank (the rank with the highest peak), measured / estimated:")
     speed = [line.split() for line in lines[:header] if line.startswith("ddp.yaml")]
     memory = [line.split() for line in lines[header:] if line.startswith("ddp.yaml")]
     assert len(speed) == 1 and len(memory) == 1
-    assert speed[0][:4] == ["ddp.yaml", "2", "MULTI_CPU", "bfloat16"]  # 2 processes, bf16 as the config ships
-    assert float(speed[0][6]) == 1.0 and float(speed[0][5]) > 0  # the ratio to DDP, and steps/s
-    assert "optimizer" in memory[0] and "peak" in memory[0]
+    # 2 processes, bf16 as the config ships, accumulation 1, the recipe's activation checkpointing on
+    assert speed[0][:6] == ["ddp.yaml", "2", "MULTI_CPU", "bfloat16", "1", "on"]
+    assert float(speed[0][7]) == 1.0 and float(speed[0][6]) > 0  # the ratio to DDP, and steps/s
+    assert memory[0][1:3] == ["2p", "AC"] and "optimizer" in memory[0] and "peak" in memory[0]
     measured, estimated = (float(x) for x in memory[0][memory[0].index("peak") + 1].split("/"))
     assert measured > 100 and estimated > 100  # process sizes, in MB
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and chart.stat().st_size > 10_000

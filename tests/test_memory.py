@@ -1,5 +1,7 @@
 """The memory account each run writes (common/memory.py) against scripts/estimate_memory.py,
-at 101M parameters, bf16 as the configs ship, accumulation 2, 2 processes."""
+at 101M parameters, bf16 as the configs ship, accumulation 2: ddp, fsdp and zero3 on 2
+processes, and zero3 on 4 with activation checkpointing. (tests/test_strategies.py checks the
+model-state categories of every config's runs on 1, 2 and 4 processes, at the tiny size.)"""
 
 import json
 import subprocess
@@ -16,25 +18,33 @@ MODEL = REPO / "recipes/configs/llama_100m.json"
 LIVE_RSS = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 
 
+# run -> (config, processes, activation checkpointing)
+RUNS = {"ddp.yaml": ("ddp.yaml", 2, False), "fsdp.yaml": ("fsdp.yaml", 2, False),
+        "zero3.yaml": ("zero3.yaml", 2, False), "zero3.yaml on 4, checkpointing": ("zero3.yaml", 4, True)}
+
+
 @pytest.fixture(scope="module")
 def measured(markov_data, tmp_path_factory):
-    """ddp, fsdp and zero3 on a 101M-parameter Llama: 2 steps of 2 micro-batches of 1 x 64 tokens."""
+    """Each run on a 101M-parameter Llama: one step of 2 micro-batches of 1 x 64 tokens (the
+    account is taken at the first optimizer step)."""
     runs = {}
-    for config in ("ddp.yaml", "fsdp.yaml", "zero3.yaml"):
+    for name, (config, processes, checkpointing) in RUNS.items():
         out = tmp_path_factory.mktemp(config.split(".")[0]) / "run"
         launch(config, "causal_lm.py", causal_lm_args(
             markov_data, out, model_config=MODEL, block_size=64, per_device_train_batch_size=1,
-            per_device_eval_batch_size=1, gradient_accumulation_steps=2, max_steps=2, max_eval_samples=16),
-            env=LIVE_RSS)
-        runs[config] = read_run(out)
+            per_device_eval_batch_size=1, gradient_accumulation_steps=2, max_steps=1, max_eval_samples=16,
+            gradient_checkpointing=str(checkpointing).lower()), num_processes=processes, env=LIVE_RSS)
+        runs[name] = read_run(out)
     return runs
 
 
-def estimate(config: str, record: dict) -> dict:
+def estimate(name: str, record: dict) -> dict:
+    config, processes, checkpointing = RUNS[name]
     script = load_script("scripts/estimate_memory.py")
     return script.main(["--model", str(MODEL), "--config", str(REPO / "accelerate_configs" / config),
-                        "--num_processes", "2", "--batch_size", "1", "--seq_len", "64", "--gradient_accumulation_steps", "2",
-                        "--vocab_size", str(vocab(record))])
+                        "--num_processes", str(processes), "--batch_size", "1", "--seq_len", "64",
+                        "--gradient_accumulation_steps", "2", "--vocab_size", str(vocab(record)),
+                        *(["--gradient_checkpointing"] if checkpointing else [])])
 
 
 def vocab(record: dict) -> int:
@@ -44,15 +54,17 @@ def vocab(record: dict) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", ["ddp.yaml", "fsdp.yaml", "zero3.yaml"])
-def test_estimate_matches_the_measured_account(config, measured):
-    record = measured[config]
-    assert record["participating_processes"] == 2 and record["compute_dtype"] == "bfloat16"
+@pytest.mark.parametrize("name", list(RUNS))
+def test_estimate_matches_the_measured_account(name, measured):
+    record = measured[name]
+    processes = RUNS[name][1]
+    assert record["participating_processes"] == processes and record["compute_dtype"] == "bfloat16"
+    assert len(record["memory_per_rank"]) == processes
     assert record["total_parameters"] >= 100_000_000
-    predicted = estimate(config, record)
+    predicted = estimate(name, record)
     for rank, account in enumerate(record["memory_per_rank"]):
         state, peak = account["model_state_mb"], account["phases"]["first_step"]["peak_rss_mb"]
-        print(f"{config} rank {rank}: model state {state:.0f} MB (estimated {predicted['model_state'] / 2**20:.0f}), "
+        print(f"{name} rank {rank}: model state {state:.0f} MB (estimated {predicted['model_state'] / 2**20:.0f}), "
               f"peak RSS {peak:.0f} MB (estimated {predicted['peak_mb']:.0f}); {account['bytes_by_category']}")
         assert state == pytest.approx(predicted["model_state"] / 2**20, rel=0.05)
         assert peak == pytest.approx(predicted["peak_mb"], rel=0.15)
@@ -78,6 +90,10 @@ def test_sharded_strategies_hold_less_than_ddp(measured):
     assert peak("zero3.yaml") < 0.85 * ddp_peak
     # Buckets sized to the model (h*h elements), not DeepSpeed's fixed 500M (1 GB in bf16)
     assert worst("zero3.yaml", "communication_buffers_mb") < 10
+    # Activation checkpointing: each layer keeps its input only (the micro-batch is the same on 4)
+    checkpointed = worst("zero3.yaml on 4, checkpointing", "activations_mb")
+    print(f"activations per micro-batch: {worst('zero3.yaml', 'activations_mb')} MB, {checkpointed} MB checkpointed")
+    assert checkpointed < 0.2 * worst("zero3.yaml", "activations_mb")
     # FSDP: rank 1 builds its model on the meta device; rank 0's weights are broadcast into the shards
     phases = measured["fsdp.yaml"]["memory_per_rank"][1]["phases"]
     assert phases["model_built"]["rss_mb"] - phases["started"]["rss_mb"] < 100  # a whole model is 386 MB
