@@ -9,7 +9,9 @@ single-process run. So each YAML is mapped to its CPU equivalent:
 
 Precision is honoured: bf16 runs under CPU autocast (FSDP2's and DeepSpeed's own
 bf16 paths included) where the CPU has bf16 instructions; on a CPU without them the
-run falls back to fp32 and says so in one line. `run.json` records both.
+run falls back to fp32 and says so in one line, unless RECIPES_EMULATE_BF16=true asks
+for bf16 anyway (torch emulates it there: the same numerics, several times slower; the
+tests set it, so that they check bf16 on any CPU). `run.json` records both.
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ from accelerate import PartialState
 from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
 
-def cpu_supports_bf16() -> bool:
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+def cpu_runs_bf16() -> bool:
+    """The CPU has bf16 instructions (avx512_bf16/amx), or RECIPES_EMULATE_BF16=true."""
+    return (os.environ.get("RECIPES_EMULATE_BF16", "false").lower() == "true"
+            or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
 
 
 def _requested_precision() -> str:
@@ -33,8 +37,9 @@ def _requested_precision() -> str:
 def accelerator_kwargs(strategy: str, process_group: InitProcessGroupKwargs) -> dict:
     """Accelerator() arguments (and process-group set-up) for `strategy` on this CPU host;
     `process_group` carries the recipe's timeout."""
-    if _requested_precision() == "bf16" and not cpu_supports_bf16():
-        _say_fp32("bf16", "this CPU has no bf16 instructions (avx512_bf16/amx)")
+    if _requested_precision() == "bf16" and not cpu_runs_bf16():
+        _say_fp32("bf16", "this CPU has no bf16 instructions (avx512_bf16/amx; RECIPES_EMULATE_BF16=true runs "
+                          "bf16 anyway, several times slower)")
         os.environ["ACCELERATE_MIXED_PRECISION"] = "no"
     if strategy == "single":
         return {}
@@ -68,7 +73,7 @@ def _say_fp32(requested: str, why: str) -> None:
 def _deepspeed_json_precision(plugin) -> None:
     """Precision set inside a DeepSpeed JSON: fp16 needs loss scaling DeepSpeed does not run on
     CPU, and bf16 needs bf16 instructions; otherwise it is honoured as written."""
-    for key, usable in (("bf16", cpu_supports_bf16()), ("fp16", False)):
+    for key, usable in (("bf16", cpu_runs_bf16()), ("fp16", False)):
         block = plugin.deepspeed_config.get(key)
         if isinstance(block, dict) and block.get("enabled") is True and not usable:
             block["enabled"] = False

@@ -132,7 +132,8 @@ def current_memory(device) -> dict:
     figures = {"rss_mb": status.get("VmRSS"), "peak_rss_mb": status.get("VmHWM")}
     if getattr(device, "type", "") == "cuda":
         figures.update(allocated_mb=torch.cuda.memory_allocated(device) / MB,
-                       peak_allocated_mb=torch.cuda.max_memory_allocated(device) / MB)
+                       peak_allocated_mb=torch.cuda.max_memory_allocated(device) / MB,
+                       reserved_mb=torch.cuda.memory_reserved(device) / MB)
     return figures
 
 

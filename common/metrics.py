@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from accelerate.utils import gather_object
 
 from common.flops import ModelFlops, device_peak_tflops
-from common.memory import MemoryAccount
+from common.memory import MemoryAccount, current_memory
 
 
 class MetricsLogger:
@@ -144,9 +144,7 @@ class MetricsLogger:
 def memory_mb(device) -> tuple:
     """(peak allocated, allocated, reserved) by torch's allocator on a GPU; (peak resident set
     size,) of the process elsewhere."""
-    if torch.cuda.is_available() and getattr(device, "type", "") == "cuda":
-        return tuple(value / 2**20 for value in (torch.cuda.max_memory_allocated(device),
-                                                  torch.cuda.memory_allocated(device),
-                                                  torch.cuda.memory_reserved(device)))
-    import resource
-    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,)
+    figures = current_memory(device)
+    if "allocated_mb" in figures:
+        return figures["peak_allocated_mb"], figures["allocated_mb"], figures["reserved_mb"]
+    return (figures["peak_rss_mb"],)

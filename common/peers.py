@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import socket
 import sys
 import threading
 import time
@@ -18,6 +19,13 @@ import time
 LOST_PEER = re.compile(r"timed out|timeout|connection (closed|reset|refused)|broken pipe|no route to host|"
                        r"network is unreachable|connection abort", re.IGNORECASE)
 ADDRESS = re.compile(r"\[([0-9a-fA-F:.]+)\]:(\d+)")
+
+
+def free_port() -> int:
+    """A TCP port free on this host now, for a launch's rendezvous (--main_process_port)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def lost_peer_message(error: BaseException) -> str | None:

@@ -21,29 +21,22 @@ account) beside scripts/estimate_memory.py's prediction, and its steps/s.
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
+
+from common.peers import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU_CONFIGS = ["single.yaml", "ddp.yaml", "fsdp.yaml", "fsdp_shard_grad_op.yaml", "fsdp_offload.yaml",
                "zero1.yaml", "zero2.yaml", "zero2_offload.yaml", "zero2_json.yaml", "zero3.yaml", "zero3_offload.yaml"]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def checkpoints_in_yaml(config: str) -> bool:
     """The config turns activation checkpointing on itself (FSDP's fsdp_activation_checkpointing)."""
-    import yaml
+    from estimate_memory import read_strategy
 
-    with open(os.path.join(REPO, "accelerate_configs", config)) as handle:
-        fsdp = yaml.safe_load(handle).get("fsdp_config") or {}
-    return str(fsdp.get("fsdp_activation_checkpointing", False)).lower() == "true"
+    return read_strategy(os.path.join(REPO, "accelerate_configs", config), None, None)["activation_checkpointing"]
 
 
 def run_config(config: str, steps: int, data: str, out: str, precision: str, accumulation: int, processes,

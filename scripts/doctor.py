@@ -41,12 +41,6 @@ REPO = Path(__file__).resolve().parents[1]
 WORKER = "RECIPES_DOCTOR_WORKER"  # set for the launched copies of this script
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def fail(message: str) -> None:
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(1)
@@ -226,6 +220,8 @@ def worker(args) -> None:
     """One launched rank: report, then test the collectives with every other rank."""
     import torch
     import torch.distributed as dist
+
+    from common.peers import free_port
 
     if "RANK" not in os.environ:  # a one-process config: accelerate starts the script without torchrun
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",

@@ -13,18 +13,16 @@ from pathlib import Path
 
 import pytest
 
+from common.peers import free_port  # noqa: F401 (tests import it from here)
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 CONFIGS = REPO / "accelerate_configs"
 RECIPES = REPO / "recipes"
+# bf16 as the configs ask, on any CPU: emulated where it has no bf16 instructions (common/cpu_host.py)
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+               "RECIPES_EMULATE_BF16": "true",
                "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run(command: list[str], cwd=REPO, env: dict | None = None, check=True, timeout=900):

@@ -6,7 +6,7 @@ import shlex
 
 import pytest
 
-from conftest import REPO, assert_same_hf_folder, read_metrics, read_run, run
+from conftest import REPO, assert_same_hf_folder, free_port, read_metrics, read_run, run
 
 README = (REPO / "README.md").read_text()
 MAKEFILE = (REPO / "Makefile").read_text()
@@ -57,7 +57,7 @@ def test_recipe_docstrings_use_shipped_configs_and_targets():
 
 @pytest.mark.slow
 def test_make_demo_meets_its_target_and_make_evaluate_reproduces_it(tmp_path):
-    result = run(["make", "demo"])
+    result = run(["make", "demo", f"LAUNCH_ARGS=--main_process_port {free_port()}"])
     match = re.search(r"eval loss ([\d.]+) nats/token vs entropy floor ([\d.]+)", result.stdout)
     assert match, result.stdout[-2000:]
     loss, floor = map(float, match.groups())

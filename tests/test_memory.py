@@ -16,6 +16,7 @@ MODEL = REPO / "recipes/configs/llama_100m.json"
 # earlier steps freed; a fixed mmap threshold returns it, and RSS is then the live memory
 # the account and the estimate describe (it halves CPU throughput: the recipes leave it).
 LIVE_RSS = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+SEQ_LEN = 16
 
 
 # run -> (config, processes, activation checkpointing)
@@ -25,14 +26,15 @@ RUNS = {"ddp.yaml": ("ddp.yaml", 2, False), "fsdp.yaml": ("fsdp.yaml", 2, False)
 
 @pytest.fixture(scope="module")
 def measured(markov_data, tmp_path_factory):
-    """Each run on a 101M-parameter Llama: one step of 2 micro-batches of 1 x 64 tokens (the
-    account is taken at the first optimizer step)."""
+    """Each run on a 101M-parameter Llama: one step of 2 micro-batches of 1 x 16 tokens (the
+    account is taken at the first optimizer step; short blocks, because on a CPU without bf16
+    instructions the emulated bf16 runs at about 1 GFLOP/s)."""
     runs = {}
     for name, (config, processes, checkpointing) in RUNS.items():
         out = tmp_path_factory.mktemp(config.split(".")[0]) / "run"
         launch(config, "causal_lm.py", causal_lm_args(
-            markov_data, out, model_config=MODEL, block_size=64, per_device_train_batch_size=1,
-            per_device_eval_batch_size=1, gradient_accumulation_steps=2, max_steps=1, max_eval_samples=16,
+            markov_data, out, model_config=MODEL, block_size=SEQ_LEN, per_device_train_batch_size=1,
+            per_device_eval_batch_size=1, gradient_accumulation_steps=2, max_steps=1, max_eval_samples=2,
             gradient_checkpointing=str(checkpointing).lower()), num_processes=processes, env=LIVE_RSS)
         runs[name] = read_run(out)
     return runs
@@ -42,7 +44,7 @@ def estimate(name: str, record: dict) -> dict:
     config, processes, checkpointing = RUNS[name]
     script = load_script("scripts/estimate_memory.py")
     return script.main(["--model", str(MODEL), "--config", str(REPO / "accelerate_configs" / config),
-                        "--num_processes", str(processes), "--batch_size", "1", "--seq_len", "64",
+                        "--num_processes", str(processes), "--batch_size", "1", "--seq_len", str(SEQ_LEN),
                         "--gradient_accumulation_steps", "2", "--vocab_size", str(vocab(record)),
                         *(["--gradient_checkpointing"] if checkpointing else [])])
 

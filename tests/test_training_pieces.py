@@ -174,3 +174,27 @@ def test_the_data_position_is_the_same_sample_under_another_split_and_another_gl
             order(4, 2, {"step": 2, "data": saved})
     finally:
         AcceleratorState._reset_state(True)
+
+
+@pytest.mark.parametrize("emulate", ["false", "true"])
+def test_bf16_on_a_cpu_without_bf16_instructions_falls_back_to_fp32_unless_emulation_is_asked(emulate, monkeypatch,
+                                                                                                capsys):
+    """Where the CPU has no bf16 instructions (stood in for by the probe answering no), a bf16
+    launch trains in fp32 and says so once; RECIPES_EMULATE_BF16=true keeps bf16."""
+    import torch
+    from accelerate.utils import InitProcessGroupKwargs
+
+    from common import cpu_host
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    monkeypatch.setenv("RECIPES_EMULATE_BF16", emulate)
+    monkeypatch.setenv("RANK", "0")
+    assert cpu_host.accelerator_kwargs("single", InitProcessGroupKwargs()) == {}
+    warned = capsys.readouterr().err
+    if emulate == "true":
+        assert os.environ["ACCELERATE_MIXED_PRECISION"] == "bf16" and warned == ""
+    else:
+        assert os.environ["ACCELERATE_MIXED_PRECISION"] == "no"
+        assert warned.startswith("warning: mixed_precision=bf16 asked for, but this CPU has no bf16 instructions")
+        assert "RECIPES_EMULATE_BF16=true" in warned and warned.strip().endswith("training in fp32")
