@@ -3,15 +3,16 @@
 fp32 parity: each strategy builds its model from the config with the same seed as a
 single-process reference (global batch 8 there as 1 x 8; here 2 processes x 2 x
 accumulation 2) and must reproduce its per-step losses and final weights, shard what
-it claims to shard, and resume to the same losses: on 2 processes, or for five configs on
-another world size (1 or 4 processes, the global batch kept: FSDP2 through DCP resharding,
-DeepSpeed through its universal checkpoint). Its last checkpoint, exported without
+it claims to shard, and resume to the same losses: eight configs on another world size (1 or
+4 processes, the global batch kept: FSDP2 through DCP resharding, DeepSpeed through its
+universal checkpoint), fsdp_shard_grad_op and zero2_offload on the 2 that wrote it. Its last checkpoint, exported without
 launching (scripts/export_checkpoint.py), equals its final/ export, in fp32 and in bf16.
 
 bf16, as the configs ask: each strategy fine-tunes a checkpoint saved in bf16 with
 fp32 master weights and bf16 compute, stays within a stated tolerance of a
 single-process bf16 run, keeps fp32 optimizer states in its checkpoint and exports
-bf16 weights (the checkpoint's dtype) equal to the reference's within tolerance.
+bf16 weights (the checkpoint's dtype) equal to the reference's within tolerance; fsdp, zero2
+and zero3 resume it on 1 process within the same tolerance of the run on 2.
 
 Every run's memory account (common/memory.py, run.json) holds, on every rank and in each
 model-state category, the bytes scripts/estimate_memory.py predicts for that run's world
@@ -53,7 +54,10 @@ BF16_UPDATE_TOLERANCE = 0.05  # seen: 0.005 (ddp) to 0.009 (fsdp, zero2, zero3)
 # bf16 copy is padded to the partition alignment, which matters at this size only)
 MODEL_STATE_TOLERANCE = 0.05
 # config -> processes its stopped run resumes on (the checkpoint was written by 2); the others resume on 2.
-RESUME_PROCESSES = {"fsdp.yaml": 4, "fsdp_offload.yaml": 1, "zero2.yaml": 1, "zero3.yaml": 4, "zero3_offload.yaml": 1}
+RESUME_PROCESSES = {"ddp.yaml": 4, "fsdp.yaml": 4, "fsdp_offload.yaml": 1, "zero1.yaml": 1, "zero2.yaml": 1,
+                    "zero2_json.yaml": 1, "zero3.yaml": 4, "zero3_offload.yaml": 1}
+# config -> processes its bf16 run resumes on (from the step-6 checkpoint its 2 processes wrote)
+BF16_RESUME_PROCESSES = {"fsdp.yaml": 1, "zero2.yaml": 1, "zero3.yaml": 1}
 FSDP_FLAGS = {"fsdp.yaml": ("True", False, False), "fsdp_shard_grad_op.yaml": ("False", False, False),
               "fsdp_offload.yaml": ("True", True, True)}
 
@@ -113,15 +117,10 @@ def test_strategy_matches_single_process(config, markov_data, reference, tmp_pat
     processes = RESUME_PROCESSES.get(config, 2)
     stopped = tmp_path / "stopped"
     checkpoint = stopped / "checkpoints" / f"step_{SAVE_AT}"
-    shutil.copytree(out / "checkpoints" / f"step_{SAVE_AT}", checkpoint)
-    logged = [line + "\n" for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
-    (stopped / "metrics.jsonl").write_text("".join(logged[:SAVE_AT + 2]))
-    saved_files = sorted(p.relative_to(checkpoint) for p in checkpoint.rglob("*"))
-    resume_args = dict(args, gradient_accumulation_steps=8 // (2 * processes))
-    result = launch(config_file, "causal_lm.py", causal_lm_args(markov_data, stopped, resume_from_checkpoint="latest",
-                                                                **resume_args),
-                    num_processes=processes, launcher_args=precision)
-    assert read_run(stopped)["participating_processes"] == processes
+    saved_files = sorted(p.relative_to(out / "checkpoints" / f"step_{SAVE_AT}")
+                         for p in (out / "checkpoints" / f"step_{SAVE_AT}").rglob("*"))
+    result = stop_and_resume(out, stopped, processes, config_file, precision,
+                             lambda **resume: causal_lm_args(markov_data, stopped, **dict(args, **resume)))
     assert_model_state_as_estimated(stopped, CONFIGS / config_file)
     assert f"resumed from {checkpoint}" in result.stdout + result.stderr
     universal = checkpoint / "universal"
@@ -146,8 +145,8 @@ def test_strategy_matches_single_process(config, markov_data, reference, tmp_pat
 @pytest.mark.parametrize("config", list(STRATEGIES))
 def test_bf16_fine_tuning_of_a_bf16_checkpoint(config, markov_data, bf16_checkpoint, bf16_reference, tmp_path):
     out = tmp_path / "run"
-    launch(config, "causal_lm.py", pretrained_args(markov_data, bf16_checkpoint, out, per_device_train_batch_size=2,
-                                                   gradient_accumulation_steps=2, max_steps=STEPS, save_steps=STEPS))
+    args = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=STEPS, save_steps=SAVE_AT)
+    launch(config, "causal_lm.py", pretrained_args(markov_data, bf16_checkpoint, out, **args))
     record, reference_record = read_run(out), read_run(bf16_reference)
     assert_two_processes(record, config)
     for run in (record, reference_record):  # fp32 master weights from a bf16 file; bf16 compute
@@ -186,6 +185,32 @@ def test_bf16_fine_tuning_of_a_bf16_checkpoint(config, markov_data, bf16_checkpo
     update_gap = relative_update_difference(out / "final", bf16_reference / "final", bf16_checkpoint)
     print(f"{config}: bf16 weight updates differ from the reference's by {update_gap:.3f} of their size")
     assert update_gap < BF16_UPDATE_TOLERANCE
+
+    # Resumed from its step-6 checkpoint on another world size (bf16 reductions in another order)
+    if config in BF16_RESUME_PROCESSES:
+        stopped, processes = tmp_path / "stopped", BF16_RESUME_PROCESSES[config]
+        stop_and_resume(out, stopped, processes, config, [],
+                        lambda **resume: pretrained_args(markov_data, bf16_checkpoint, stopped, **dict(args, **resume)))
+        resumed = read_metrics(stopped)[0][SAVE_AT:]
+        resume_gap = max(abs(a - r["loss"]) for a, r in zip(mine[SAVE_AT:], resumed))
+        print(f"{config}: bf16 resumed on {processes} process(es): max loss gap {resume_gap:.2e} to the run on 2")
+        assert [r["step"] for r in resumed] == list(range(SAVE_AT + 1, STEPS + 1))
+        assert resume_gap < BF16_LOSS_TOLERANCE
+
+
+def stop_and_resume(out, stopped, processes: int, config, launcher_args, recipe_args):
+    """Copy the run's step-SAVE_AT checkpoint and its metrics logged to step SAVE_AT + 2 into
+    `stopped`, as a run that stopped there leaves them, and resume it on `processes`, the
+    global batch kept at 8 (accumulation 8 / (2 x processes)); recipe_args(**overrides) gives
+    the recipe's arguments."""
+    shutil.copytree(out / "checkpoints" / f"step_{SAVE_AT}", stopped / "checkpoints" / f"step_{SAVE_AT}")
+    logged = [line + "\n" for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+    (stopped / "metrics.jsonl").write_text("".join(logged[:SAVE_AT + 2]))
+    result = launch(config, "causal_lm.py", recipe_args(resume_from_checkpoint="latest",
+                                                        gradient_accumulation_steps=8 // (2 * processes)),
+                    num_processes=processes, launcher_args=launcher_args)
+    assert read_run(stopped)["participating_processes"] == processes
+    return result
 
 
 def assert_model_state_as_estimated(out, config_file):
