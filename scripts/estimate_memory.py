@@ -22,8 +22,13 @@ the master copy and the optimizer to the CPU: on a GPU that leaves device memory
 CPU-only host it changes nothing. Under DDP with bf16, autocast's bf16 copy of every
 weight, saved for backward, counts with the activations.) The peak adds one micro-batch's activations, the largest
 transient (the optimizer step's temporaries, as big as the largest tensor it updates:
-DeepSpeed's flat partition), and on a CPU host this process's own size after the same
-imports (the run's start-up).
+DeepSpeed's flat partition; under FSDP2 with resharding, a layer gathered whole in the
+compute dtype and the next one prefetched, when larger), and on a CPU host this
+process's own size after the same imports (the run's start-up). FSDP2 with
+fsdp_cpu_ram_efficient_loading (the shipped FSDP configs) builds the whole fp32 model on
+rank 0 alone and broadcasts it into the shards at prepare, so rank 0 also peaks at 4Ψ +
+4Ψ/N + one fp32 layer in flight: `peak` is the larger of the two (on 4 processes at 101M
+this loading is rank 0's peak; on 2 the step is).
 
     python scripts/estimate_memory.py --model recipes/configs/llama_100m.json \\
         --config accelerate_configs/zero3.yaml --num_processes 2 --batch_size 1 --seq_len 64
@@ -71,7 +76,8 @@ def read_strategy(config_file: str, num_processes: int | None, mixed_precision: 
     return {"strategy": strategy, "zero_stage": stage, "offload": offload, "num_processes": processes,
             "mixed_precision": precision,
             "fsdp_reshard_after_forward": str(fsdp.get("fsdp_reshard_after_forward", True)).lower() == "true",
-            "activation_checkpointing": str(fsdp.get("fsdp_activation_checkpointing", False)).lower() == "true"}
+            "activation_checkpointing": str(fsdp.get("fsdp_activation_checkpointing", False)).lower() == "true",
+            "fsdp_cpu_ram_efficient_loading": str(fsdp.get("fsdp_cpu_ram_efficient_loading", False)).lower() == "true"}
 
 
 def read_model(model: str, vocab_size: int | None = None) -> dict:
@@ -84,7 +90,11 @@ def read_model(model: str, vocab_size: int | None = None) -> dict:
     with torch.device("meta"):
         built = AutoModelForCausalLM.from_config(config)
     parameters = list(built.parameters())
+    layers = next((m for m in built.modules() if isinstance(m, torch.nn.ModuleList)
+                   and len(m) == config.num_hidden_layers), [])
     return {"parameters": sum(p.numel() for p in parameters), "largest_tensor": max(p.numel() for p in parameters),
+            "largest_layer": max((sum(p.numel() for p in layer.parameters()) for layer in layers),
+                                 default=max(p.numel() for p in parameters)),
             "hidden_size": config.hidden_size, "intermediate_size": getattr(config, "intermediate_size",
                                                                              4 * config.hidden_size),
             "layers": config.num_hidden_layers, "vocab_size": config.vocab_size}
@@ -115,7 +125,7 @@ def estimate(model: dict, strategy: dict, batch_size: int, seq_len: int, checkpo
     psi, n = model["parameters"], strategy["num_processes"]
     c = 2 if strategy["mixed_precision"] in ("bf16", "fp16") else 4
     kind, stage = strategy["strategy"], strategy["zero_stage"]
-    buckets = 0
+    buckets, loading = 0, 0
     if kind == "deepspeed":
         parameters = c * psi / n if stage == 3 else c * psi
         master, gradients = 4 * psi / n, c * psi / n + 4 * psi / n
@@ -128,9 +138,12 @@ def estimate(model: dict, strategy: dict, batch_size: int, seq_len: int, checkpo
         step_transient = 2 * 4 * psi / n  # Adam's temporaries over the flat fp32 partition
     elif kind == "fsdp":
         parameters, master, gradients, optimizer = 4 * psi / n, 0, 4 * psi / n, 8 * psi / n
-        step_transient = 2 * 4 * model["largest_tensor"] / n
+        # Adam's temporaries, or a layer gathered whole and the next prefetched
+        step_transient = max(2 * 4 * model["largest_tensor"] / n, 2 * c * model["largest_layer"])
         if not strategy["fsdp_reshard_after_forward"]:  # unsharded weights held from forward to backward
             step_transient = max(step_transient, c * psi)
+        if strategy.get("fsdp_cpu_ram_efficient_loading"):  # rank 0: the whole model, its shard, a layer
+            loading = 4 * psi + 4 * psi / n + 4 * model["largest_layer"]
     else:
         parameters, master, gradients, optimizer = 4 * psi, 0, 4 * psi, 8 * psi
         buckets = 4 * psi if n > 1 else 0
@@ -142,8 +155,8 @@ def estimate(model: dict, strategy: dict, batch_size: int, seq_len: int, checkpo
         activations += c * psi
     model_state = parameters + master + gradients + optimizer
     return {**{k: int(v) for k, v in categories.items()}, "model_state": int(model_state),
-            "activations": int(activations), "step_transient": int(step_transient),
-            "tensors_peak": int(model_state + buckets + activations + step_transient)}
+            "activations": int(activations), "step_transient": int(step_transient), "loading_peak": int(loading),
+            "tensors_peak": int(max(model_state + buckets + activations + step_transient, loading))}
 
 
 def process_baseline_mb(strategy: dict) -> float:
@@ -195,7 +208,7 @@ def main(argv=None) -> dict:
           f"{f', accumulation {args.gradient_accumulation_steps}' if args.gradient_accumulation_steps > 1 else ''}"
           f"{', activation checkpointing' if checkpointing else ''}; MB per rank:")
     for key in ("parameters", "master_weights", "gradients", "optimizer_states", "model_state",
-                "communication_buffers", "activations", "step_transient"):
+                "communication_buffers", "activations", "step_transient", "loading_peak"):
         print(f"  {key:22} {result[key] / MB:10.1f}")
     if baseline:
         print(f"  {'process (start-up)':22} {baseline:10.1f}")

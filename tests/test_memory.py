@@ -72,6 +72,11 @@ def test_estimate_matches_the_measured_account(name, measured):
         assert peak == pytest.approx(predicted["peak_mb"], rel=0.15)
         for category in ("parameters", "master_weights", "gradients", "optimizer_states"):
             assert account[f"{category}_mb"] == pytest.approx(predicted[category] / 2**20, rel=0.05, abs=1), category
+    if predicted["loading_peak"]:  # FSDP2: rank 0 holds the whole model while it broadcasts it into the shards
+        loading = record["memory_per_rank"][0]["phases"]["prepared"]["peak_rss_mb"]
+        expected = predicted["loading_peak"] / 2**20 + predicted["process_baseline_mb"]
+        print(f"{name} rank 0 at prepare: peak RSS {loading:.0f} MB (estimated {expected:.0f})")
+        assert loading == pytest.approx(expected, rel=0.15)
 
 
 @pytest.mark.slow
@@ -118,7 +123,7 @@ def test_estimate_memory_prints_each_category(capsys):
     psi = result["model"]["parameters"]
     assert result["strategy"] == {"strategy": "deepspeed", "zero_stage": 3, "offload": False, "num_processes": 2,
                                   "mixed_precision": "bf16", "fsdp_reshard_after_forward": True,
-                                  "activation_checkpointing": False}
+                                  "activation_checkpointing": False, "fsdp_cpu_ram_efficient_loading": False}
     assert result["parameters"] == psi  # bf16 partition: 2 bytes x psi / 2 ranks
     assert result["model_state"] == pytest.approx(10 * psi, abs=4)
     json.dumps(result)
