@@ -6,6 +6,7 @@ what the run did."""
 
 import json
 import shlex
+import shutil
 
 import pytest
 import torch
@@ -14,6 +15,8 @@ from conftest import (FP32, REPO, assert_same_hf_folder, evaluate_in_process, ex
                       read_metrics, read_run, run)
 
 STRATEGIES = {"ddp.yaml": "MULTI_CPU", "fsdp.yaml": "FSDP", "zero3.yaml": "DEEPSPEED"}
+# config -> processes its LoRA run's step-15 checkpoint resumes on (written by 2)
+LORA_RESUME_PROCESSES = {"fsdp.yaml": 1, "zero3.yaml": 1}
 MAKE_TARGETS = {"sequence_classification.py": "ddp.yaml", "lora.py": "fsdp.yaml", "sft.py": "ddp.yaml"}
 
 
@@ -127,9 +130,13 @@ def test_lora(config, trained_base, shifted_markov_data, tmp_path):
     out = tmp_path / "run"
     data = flags(train_file=shifted_markov_data / "train.jsonl", validation_file=shifted_markov_data / "validation.jsonl",
                  block_size=32)
-    launch_recipe(config, "lora.py", ["--config", REPO / "recipes/configs/lora_demo.yaml", "--model_name_or_path", trained_base,
-                               *data, *flags(output_dir=out, max_steps=30, eval_steps=0, save_steps=30, logging_steps=5,
-                                              per_device_train_batch_size=4, lora_r=4)], launcher_args=FP32)
+    def lora_args(output_dir, **overrides):
+        return ["--config", REPO / "recipes/configs/lora_demo.yaml", "--model_name_or_path", trained_base, *data,
+                *flags(**{"output_dir": output_dir, "max_steps": 30, "eval_steps": 0, "save_steps": 15,
+                          "save_total_limit": 2, "logging_steps": 5, "per_device_train_batch_size": 4, "lora_r": 4,
+                          **overrides})]
+
+    launch_recipe(config, "lora.py", lora_args(out), launcher_args=FP32)
     record = assert_two_process_run(out, config)
     # Rank 4 on 7 projections of 2 layers: 4 x (in + out) per projection.
     assert 0 < record["trainable_parameters"] < record["total_parameters"] / 2
@@ -154,6 +161,20 @@ def test_lora(config, trained_base, shifted_markov_data, tmp_path):
     merged = evaluate_in_process(evaluate + ["--model_name_or_path", out / "final_merged"])
     for result in (with_adapter, merged):
         assert result["eval_loss"] == pytest.approx(evals[-1]["eval_loss"], abs=1e-5)
+
+    # The step-15 checkpoint, written by 2 processes, resumes on 1 (the global batch of 8 kept:
+    # accumulation 2) to the same losses: only the adapter and its optimizer state are saved.
+    if config in LORA_RESUME_PROCESSES:
+        stopped, processes = tmp_path / "stopped", LORA_RESUME_PROCESSES[config]
+        shutil.copytree(out / "checkpoints" / "step_15", stopped / "checkpoints" / "step_15")
+        launch(config, "lora.py", lora_args(stopped, resume_from_checkpoint="latest", gradient_accumulation_steps=2),
+               num_processes=processes, launcher_args=FP32)
+        assert read_run(stopped)["participating_processes"] == processes
+        resumed, logged = read_metrics(stopped)[0], read_metrics(out)[0]
+        assert [r["step"] for r in resumed] == [20, 25, 30]
+        gap = max(abs(a["loss"] - b["loss"]) for a, b in zip(logged[-3:], resumed))
+        print(f"{config}: LoRA resumed on {processes} process(es), max loss gap {gap:.2e} (fp32)")
+        assert gap < 1e-5
 
 
 # --- SFT ----------------------------------------------------------------------------
