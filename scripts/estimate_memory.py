@@ -155,7 +155,8 @@ def estimate(model: dict, strategy: dict, batch_size: int, seq_len: int, checkpo
         activations += c * psi
     model_state = parameters + master + gradients + optimizer
     return {**{k: int(v) for k, v in categories.items()}, "model_state": int(model_state),
-            "activations": int(activations), "step_transient": int(step_transient), "loading_peak": int(loading),
+            "activations": int(activations), "activation_checkpointing": checkpointing,
+            "step_transient": int(step_transient), "loading_peak": int(loading),
             "tensors_peak": int(max(model_state + buckets + activations + step_transient, loading))}
 
 
@@ -197,7 +198,6 @@ def main(argv=None) -> dict:
                          "pass a config.json, a model folder or a Hub name reachable from here")
     result = estimate(model, strategy, args.batch_size, args.seq_len, args.gradient_checkpointing,
                       args.gradient_accumulation_steps)
-    checkpointing = args.gradient_checkpointing or strategy["activation_checkpointing"]
     import torch
 
     baseline = 0.0 if torch.cuda.is_available() else process_baseline_mb(strategy)
@@ -206,7 +206,7 @@ def main(argv=None) -> dict:
     print(f"{model['parameters']:,} parameters; {os.path.basename(args.config)} on {strategy['num_processes']} "
           f"process(es), {strategy['mixed_precision']}, batch {args.batch_size} x {args.seq_len} tokens"
           f"{f', accumulation {args.gradient_accumulation_steps}' if args.gradient_accumulation_steps > 1 else ''}"
-          f"{', activation checkpointing' if checkpointing else ''}; MB per rank:")
+          f"{', activation checkpointing' if result['activation_checkpointing'] else ''}; MB per rank:")
     for key in ("parameters", "master_weights", "gradients", "optimizer_states", "model_state",
                 "communication_buffers", "activations", "step_transient", "loading_peak"):
         print(f"  {key:22} {result[key] / MB:10.1f}")
