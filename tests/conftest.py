@@ -156,17 +156,18 @@ MODEL_STATE = ("parameters", "master_weights", "gradients", "optimizer_states")
 
 
 def estimate_for_run(output_dir, config_file) -> dict:
-    """scripts/estimate_memory.py's bytes per rank for the run in `output_dir`, as run.json
-    records it: its model (final/config.json), config, world size, precision, micro-batch,
-    accumulation and activation checkpointing."""
-    script = load_script("scripts/estimate_memory.py")
+    """scripts/estimate_memory.py (its main(), with the process's start-up in `peak_mb`) for the
+    run in `output_dir`, as run.json records it: its model (final/config.json), config, world
+    size, precision, micro-batch, accumulation and activation checkpointing."""
     record = read_run(output_dir)
     args = record["args"]
     precision = {"bfloat16": "bf16", "float16": "fp16", "float32": "no"}[record["compute_dtype"]]
-    strategy = script.read_strategy(str(config_file), record["participating_processes"], precision)
-    model = script.read_model(str(Path(output_dir) / "final"))
-    return script.estimate(model, strategy, args["per_device_train_batch_size"], args["block_size"],
-                           bool(args["gradient_checkpointing"]), args["gradient_accumulation_steps"])
+    return load_script("scripts/estimate_memory.py").main(
+        ["--model", str(Path(output_dir) / "final"), "--config", str(config_file),
+         "--num_processes", str(record["participating_processes"]), "--mixed_precision", precision,
+         "--batch_size", str(args["per_device_train_batch_size"]), "--seq_len", str(args["block_size"]),
+         "--gradient_accumulation_steps", str(args["gradient_accumulation_steps"]),
+         *(["--gradient_checkpointing"] if args["gradient_checkpointing"] else [])])
 
 
 def model_state_gaps(output_dir, config_file) -> dict:
@@ -213,6 +214,22 @@ def load_script(relative_path: str):
 
 
 STEPS, SAVE_AT = 12, 6
+
+
+def resume_elsewhere(out, stopped, step: int, processes: int, config, recipe: str, recipe_args, accumulation: int,
+                     launcher_args=(), logged_rows: int = 0):
+    """Copy the run's step-`step` checkpoint, and the first `logged_rows` loss rows of its
+    metrics, into `stopped`, as a run that stopped there leaves them; resume it there with
+    `accumulation` on `processes` (recipe_args(**overrides) gives the recipe's arguments), and
+    check that that many processes took part."""
+    shutil.copytree(out / "checkpoints" / f"step_{step}", stopped / "checkpoints" / f"step_{step}")
+    if logged_rows:
+        logged = [line + "\n" for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+        (stopped / "metrics.jsonl").write_text("".join(logged[:logged_rows]))
+    result = launch(config, recipe, recipe_args(resume_from_checkpoint="latest", gradient_accumulation_steps=accumulation),
+                    num_processes=processes, launcher_args=list(launcher_args))
+    assert read_run(stopped)["participating_processes"] == processes
+    return result
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, causal_lm_args, launch, load_script, read_run
+from conftest import CONFIGS, REPO, causal_lm_args, estimate_for_run, launch, load_script, read_run
 
 MODEL = REPO / "recipes/configs/llama_100m.json"
 # glibc keeps freed heap for reuse, so a CPU process's resident set also holds what
@@ -50,34 +50,19 @@ def measured(markov_data, tmp_path_factory):
             markov_data, out, model_config=MODEL, block_size=SEQ_LEN, per_device_train_batch_size=1,
             per_device_eval_batch_size=1, gradient_accumulation_steps=2, max_steps=1, max_eval_samples=2,
             gradient_checkpointing=str(checkpointing).lower()), num_processes=processes, env=LIVE_RSS)
-        runs[name] = read_run(out)
+        runs[name] = out
     return runs
-
-
-def estimate(name: str, record: dict) -> dict:
-    config, processes, checkpointing = RUNS[name]
-    script = load_script("scripts/estimate_memory.py")
-    return script.main(["--model", str(MODEL), "--config", str(REPO / "accelerate_configs" / config),
-                        "--num_processes", str(processes), "--batch_size", "1", "--seq_len", str(SEQ_LEN),
-                        "--gradient_accumulation_steps", "2", "--vocab_size", str(vocab(record)),
-                        *(["--gradient_checkpointing"] if checkpointing else [])])
-
-
-def vocab(record: dict) -> int:
-    from transformers import AutoTokenizer
-
-    return len(AutoTokenizer.from_pretrained(record["args"]["tokenizer_name_or_path"]))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(RUNS))
 def test_estimate_matches_the_measured_account(name, measured):
-    record = measured[name]
-    processes = RUNS[name][1]
+    record = read_run(measured[name])
+    config, processes, _ = RUNS[name]
     assert record["participating_processes"] == processes and record["compute_dtype"] == "bfloat16"
     assert len(record["memory_per_rank"]) == processes
     assert record["total_parameters"] >= 100_000_000
-    predicted = estimate(name, record)
+    predicted = estimate_for_run(measured[name], CONFIGS / config)
     for rank, account in enumerate(record["memory_per_rank"]):
         state, peak = account["model_state_mb"], account["phases"]["first_step"]["peak_rss_mb"]
         print(f"{name} rank {rank}: model state {state:.0f} MB (estimated {predicted['model_state'] / 2**20:.0f}), "
@@ -96,10 +81,10 @@ def test_estimate_matches_the_measured_account(name, measured):
 @pytest.mark.slow
 def test_sharded_strategies_hold_less_than_ddp(measured):
     def worst(config, key):
-        return max(account[key] for account in measured[config]["memory_per_rank"])
+        return max(account[key] for account in read_run(measured[config])["memory_per_rank"])
 
     def peak(config):
-        return max(a["phases"]["first_step"]["peak_rss_mb"] for a in measured[config]["memory_per_rank"])
+        return max(a["phases"]["first_step"]["peak_rss_mb"] for a in read_run(measured[config])["memory_per_rank"])
 
     ddp_state, ddp_peak = worst("ddp.yaml", "model_state_mb"), peak("ddp.yaml")
     for config in ("fsdp.yaml", "zero3.yaml"):
@@ -116,7 +101,7 @@ def test_sharded_strategies_hold_less_than_ddp(measured):
     print(f"activations per micro-batch: {worst('zero3.yaml', 'activations_mb')} MB, {checkpointed} MB checkpointed")
     assert checkpointed < 0.2 * worst("zero3.yaml", "activations_mb")
     # FSDP: rank 1 builds its model on the meta device; rank 0's weights are broadcast into the shards
-    phases = measured["fsdp.yaml"]["memory_per_rank"][1]["phases"]
+    phases = read_run(measured["fsdp.yaml"])["memory_per_rank"][1]["phases"]
     assert phases["model_built"]["rss_mb"] - phases["started"]["rss_mb"] < 100  # a whole model is 386 MB
 
 

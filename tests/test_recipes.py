@@ -6,13 +6,12 @@ what the run did."""
 
 import json
 import shlex
-import shutil
 
 import pytest
 import torch
 
 from conftest import (FP32, REPO, assert_same_hf_folder, evaluate_in_process, export_checkpoint, flags, free_port, launch,
-                      read_metrics, read_run, run)
+                      read_metrics, read_run, resume_elsewhere, run)
 
 STRATEGIES = {"ddp.yaml": "MULTI_CPU", "fsdp.yaml": "FSDP", "zero3.yaml": "DEEPSPEED"}
 # config -> processes its LoRA run's step-15 checkpoint resumes on (written by 2)
@@ -166,10 +165,8 @@ def test_lora(config, trained_base, shifted_markov_data, tmp_path):
     # accumulation 2) to the same losses: only the adapter and its optimizer state are saved.
     if config in LORA_RESUME_PROCESSES:
         stopped, processes = tmp_path / "stopped", LORA_RESUME_PROCESSES[config]
-        shutil.copytree(out / "checkpoints" / "step_15", stopped / "checkpoints" / "step_15")
-        launch(config, "lora.py", lora_args(stopped, resume_from_checkpoint="latest", gradient_accumulation_steps=2),
-               num_processes=processes, launcher_args=FP32)
-        assert read_run(stopped)["participating_processes"] == processes
+        resume_elsewhere(out, stopped, 15, processes, config, "lora.py", lambda **resume: lora_args(stopped, **resume),
+                         accumulation=2, launcher_args=FP32)
         resumed, logged = read_metrics(stopped)[0], read_metrics(out)[0]
         assert [r["step"] for r in resumed] == [20, 25, 30]
         gap = max(abs(a["loss"] - b["loss"]) for a, b in zip(logged[-3:], resumed))

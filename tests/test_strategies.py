@@ -22,14 +22,13 @@ and in bf16 on 2 processes, and five on 1 or 4 (tests/test_memory.py: peaks, at 
 
 import json
 import math
-import shutil
 
 import pytest
 import torch
 
 from conftest import (CONFIGS, FP32, STEPS, SAVE_AT, assert_same_hf_folder, causal_lm_args, export_checkpoint, launch,
                       load_weights, losses, max_weight_difference, model_state_gaps, optimizer_state_dtypes,
-                      pretrained_args, read_metrics, read_run)
+                      pretrained_args, read_metrics, read_run, resume_elsewhere)
 
 # config -> (distributed type, parameters sharded?)
 STRATEGIES = {
@@ -199,18 +198,10 @@ def test_bf16_fine_tuning_of_a_bf16_checkpoint(config, markov_data, bf16_checkpo
 
 
 def stop_and_resume(out, stopped, processes: int, config, launcher_args, recipe_args):
-    """Copy the run's step-SAVE_AT checkpoint and its metrics logged to step SAVE_AT + 2 into
-    `stopped`, as a run that stopped there leaves them, and resume it on `processes`, the
-    global batch kept at 8 (accumulation 8 / (2 x processes)); recipe_args(**overrides) gives
-    the recipe's arguments."""
-    shutil.copytree(out / "checkpoints" / f"step_{SAVE_AT}", stopped / "checkpoints" / f"step_{SAVE_AT}")
-    logged = [line + "\n" for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
-    (stopped / "metrics.jsonl").write_text("".join(logged[:SAVE_AT + 2]))
-    result = launch(config, "causal_lm.py", recipe_args(resume_from_checkpoint="latest",
-                                                        gradient_accumulation_steps=8 // (2 * processes)),
-                    num_processes=processes, launcher_args=launcher_args)
-    assert read_run(stopped)["participating_processes"] == processes
-    return result
+    """Resume the run's step-SAVE_AT checkpoint, with its metrics logged to step SAVE_AT + 2, on
+    `processes`, the global batch kept at 8 (accumulation 8 / (2 x processes))."""
+    return resume_elsewhere(out, stopped, SAVE_AT, processes, config, "causal_lm.py", recipe_args,
+                            8 // (2 * processes), launcher_args, logged_rows=SAVE_AT + 2)
 
 
 def assert_model_state_as_estimated(out, config_file):
