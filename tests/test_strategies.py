@@ -17,7 +17,8 @@ and zero3 resume it on 1 process within the same tolerance of the run on 2.
 Every run's memory account (common/memory.py, run.json) holds, on every rank and in each
 model-state category, the bytes scripts/estimate_memory.py predicts for that run's world
 size, precision and accumulation, to within MODEL_STATE_TOLERANCE: all ten configs in fp32
-and in bf16 on 2 processes, and five on 1 or 4 (tests/test_memory.py: peaks, at 101M).
+and in bf16 on 2 processes, and the eight resumed on 1 or 4 (tests/test_memory.py: peaks, at
+101M).
 """
 
 import json
