@@ -23,7 +23,11 @@ def is_norm(module) -> bool:
 
 def create_optimizer(model, args: TrainingArguments) -> torch.optim.Optimizer:
     """AdamW with two groups: weight decay on weights, none on biases or on the parameters
-    of normalisation layers (chosen by module type, so GPT-2's ln_1/ln_f count too)."""
+    of normalisation layers (chosen by module type, so GPT-2's ln_1/ln_f count too). Torch's
+    fused kernel (GPU and CPU), as the HF Trainer's default: it updates in place, where the
+    per-tensor step makes temporaries as large as the tensor it updates, which under DeepSpeed
+    is the rank's whole flat fp32 partition (386 MB more at the peak of ZeRO-2/3 on 2
+    processes at 101M)."""
     decay, no_decay, seen = [], [], set()
     for module in model.modules():
         for name, parameter in module.named_parameters(recurse=False):
@@ -34,7 +38,7 @@ def create_optimizer(model, args: TrainingArguments) -> torch.optim.Optimizer:
     groups = [{"params": decay, "weight_decay": args.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=args.learning_rate,
-                             betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
+                             betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon, fused=True)
 
 
 def steps_per_epoch(batches_per_epoch: int, gradient_accumulation_steps: int) -> int:

@@ -21,9 +21,10 @@ accumulation the micro-batches' sum waits in a further cΨ/N. Offload moves
 the master copy and the optimizer to the CPU: on a GPU that leaves device memory, on a
 CPU-only host it changes nothing. Under DDP with bf16, autocast's bf16 copy of every
 weight, saved for backward, counts with the activations.) The peak adds one micro-batch's activations, the largest
-transient (the optimizer step's temporaries, as big as the largest tensor it updates:
-DeepSpeed's flat partition; under FSDP2 with resharding, a layer gathered whole in the
-compute dtype and the next one prefetched, when larger), and on a CPU host this
+transient (under FSDP2 with resharding, a layer gathered whole in the compute dtype and
+the next one prefetched; without resharding, the whole unsharded model; the optimizer
+step adds none, since the recipes' AdamW is torch's fused kernel, which updates in
+place), and on a CPU host this
 process's own size after the same imports (the run's start-up). FSDP2 with
 fsdp_cpu_ram_efficient_loading (the shipped FSDP configs) builds the whole fp32 model on
 rank 0 alone and broadcasts it into the shards at prepare, so rank 0 also peaks at 4Ψ +
@@ -125,7 +126,7 @@ def estimate(model: dict, strategy: dict, batch_size: int, seq_len: int, checkpo
     psi, n = model["parameters"], strategy["num_processes"]
     c = 2 if strategy["mixed_precision"] in ("bf16", "fp16") else 4
     kind, stage = strategy["strategy"], strategy["zero_stage"]
-    buckets, loading = 0, 0
+    buckets, loading, step_transient = 0, 0, 0  # fused AdamW: no temporaries in the step
     if kind == "deepspeed":
         parameters = c * psi / n if stage == 3 else c * psi
         master, gradients = 4 * psi / n, c * psi / n + 4 * psi / n
@@ -135,19 +136,16 @@ def estimate(model: dict, strategy: dict, batch_size: int, seq_len: int, checkpo
         if stage in (1, 2) and strategy["offload"]:  # DeepSpeed's CPU-offload buffers (see the docstring)
             gradients = 4 * psi / n + 2 * c * model["largest_tensor"] + (c * psi / n if accumulation > 1 else 0)
             buckets = c * psi / n
-        step_transient = 2 * 4 * psi / n  # Adam's temporaries over the flat fp32 partition
     elif kind == "fsdp":
         parameters, master, gradients, optimizer = 4 * psi / n, 0, 4 * psi / n, 8 * psi / n
-        # Adam's temporaries, or a layer gathered whole and the next prefetched
-        step_transient = max(2 * 4 * model["largest_tensor"] / n, 2 * c * model["largest_layer"])
-        if not strategy["fsdp_reshard_after_forward"]:  # unsharded weights held from forward to backward
-            step_transient = max(step_transient, c * psi)
+        # a layer gathered whole and the next prefetched; without resharding, the whole unsharded
+        # model, held from forward to backward
+        step_transient = 2 * c * model["largest_layer"] if strategy["fsdp_reshard_after_forward"] else c * psi
         if strategy.get("fsdp_cpu_ram_efficient_loading"):  # rank 0: the whole model, its shard, a layer
             loading = 4 * psi + 4 * psi / n + 4 * model["largest_layer"]
     else:
         parameters, master, gradients, optimizer = 4 * psi, 0, 4 * psi, 8 * psi
         buckets = 4 * psi if n > 1 else 0
-        step_transient = 2 * 4 * model["largest_tensor"]
     categories = {"parameters": parameters, "master_weights": master, "gradients": gradients,
                   "optimizer_states": optimizer, "communication_buffers": buckets}
     activations = activation_bytes(model, batch_size, seq_len, c, checkpointing)

@@ -92,8 +92,9 @@ def test_sharded_strategies_hold_less_than_ddp(measured):
               f"peak RSS {peak(config) / ddp_peak:.2f}x")
         assert worst(config, "model_state_mb") <= 0.65 * ddp_state
     assert peak("fsdp.yaml") <= 0.6 * ddp_peak
-    # ZeRO-3's step holds Adam's temporaries over its whole flat fp32 partition (2 x 4 bytes x 50M)
-    assert peak("zero3.yaml") < 0.85 * ddp_peak
+    # ZeRO-3 keeps a bf16 model partition and bf16 + fp32 gradient partitions beside its fp32 master
+    # weights (model state 0.62x DDP's); fused AdamW adds no temporaries over the flat partition in the step
+    assert peak("zero3.yaml") < 0.7 * ddp_peak
     # Buckets sized to the model (h*h elements), not DeepSpeed's fixed 500M (1 GB in bf16)
     assert worst("zero3.yaml", "communication_buffers_mb") < 10
     # Activation checkpointing: each layer keeps its input only (the micro-batch is the same on 4)
