@@ -96,6 +96,11 @@ def _clip_with_max_grad_norm(plugin, max_grad_norm: float) -> None:
 
 
 BUCKET_KEYS = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
+# ZeRO-3 steps its optimizer one sub-group of this many partition elements at a time, each with an
+# fp32 copy of the sub-group's gradients made for the step and freed after it. DeepSpeed's default
+# (1e9) makes that copy the rank's whole partition at once (4Ψ/N, plus the bf16 flatten it is
+# made from); at 1e7 it is at most ~60 MB, and a step has more, smaller optimizer calls.
+ZERO3_SUB_GROUP_SIZE = 10_000_000
 
 
 def _size_buckets_to_model(plugin) -> None:
@@ -103,10 +108,14 @@ def _size_buckets_to_model(plugin) -> None:
     the model's hidden size h at prepare (h*h elements to reduce, 0.9*h*h to prefetch, 10*h to
     keep whole), as the HF Trainer's configs do. DeepSpeed's own defaults are fixed: ZeRO-3
     allocates a 500M-element reduce bucket (1 GB in bf16) on every rank whatever the model's
-    size, which the memory account found (`common.memory`)."""
+    size, which the memory account found (`common.memory`). Under ZeRO-3 an unset
+    sub_group_size becomes ZERO3_SUB_GROUP_SIZE (the HF docs' advice for an out-of-memory in
+    the optimizer step: 0.63x -> 0.57x DDP's peak per rank at 101M on 2 processes)."""
     zero = plugin.deepspeed_config.setdefault("zero_optimization", {})
     for key in BUCKET_KEYS:
         zero.setdefault(key, "auto")
+    if zero.get("stage") == 3:
+        zero.setdefault("sub_group_size", ZERO3_SUB_GROUP_SIZE)
 
 
 def _quiet_deepspeed_collective_warnings() -> None:

@@ -27,6 +27,7 @@ STEP_DIR = re.compile(r"^step_(\d+)$")
 STATE_FILE = "trainer_state.json"
 MODEL_FILES = "model_files"
 UNIVERSAL = "universal"  # a DeepSpeed checkpoint converted for another world size, inside its step_N
+ZERO3_DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's, when a config sets none
 
 
 def checkpoints_dir(output_dir: str) -> str:
@@ -103,7 +104,8 @@ def save_checkpoint(accelerator, output_dir: str, step: int, state: dict, total_
         write_model_files(accelerator.unwrap_model(accelerator._models[0]), tokenizer, dtype,
                           os.path.join(tmp, MODEL_FILES))
         with open(os.path.join(tmp, STATE_FILE), "w") as handle:
-            json.dump({"step": step, "num_processes": accelerator.num_processes, **state}, handle)
+            json.dump({"step": step, "num_processes": accelerator.num_processes,
+                       **_zero3_layout(accelerator), **state}, handle)
         _swap_into_place(tmp, final)  # a same-step folder from an earlier attempt is replaced
         if total_limit:
             for old in list_checkpoints(output_dir)[:-total_limit]:
@@ -112,25 +114,41 @@ def save_checkpoint(accelerator, output_dir: str, step: int, state: dict, total_
     return final
 
 
+def _zero3_layout(accelerator) -> dict:
+    """ZeRO-3's sub-group size, which shapes its flat optimizer partitions as the world size does."""
+    plugin = accelerator.state.deepspeed_plugin
+    zero = plugin.deepspeed_config.get("zero_optimization", {}) if plugin is not None else {}
+    return {"zero3_sub_group_size": int(float(zero.get("sub_group_size", ZERO3_DEFAULT_SUB_GROUP_SIZE)))} \
+        if zero.get("stage") == 3 else {}
+
+
 def for_this_world_size(accelerator, path: str | None) -> str | None:
     """The checkpoint to load on this run's number of processes. FSDP2 (DCP) reshards on load
     and DDP/one-process state is whole, so those load as they are. A DeepSpeed ZeRO checkpoint
-    is partitioned by the world size that wrote it: from another one, the main process
-    converts it once into DeepSpeed's universal format (`ds_to_universal`, into
+    is partitioned by the world size that wrote it (and under ZeRO-3 by its sub-group size, which
+    checkpoints written before it was recorded had at DeepSpeed's default): from another one, the
+    main process converts it once into DeepSpeed's universal format (`ds_to_universal`, into
     step_N/universal beside the original, which is left as it is) and the engine is told to
     load that. Call before `accelerator.prepare` (the flag is read when the engine is built)."""
     if path is None or accelerator.state.deepspeed_plugin is None:
         return path
     with open(os.path.join(path, STATE_FILE)) as handle:
-        saved = json.load(handle).get("num_processes", accelerator.num_processes)
-    if saved == accelerator.num_processes:
+        saved_state = json.load(handle)
+    saved = saved_state.get("num_processes", accelerator.num_processes)
+    sub_group_size = _zero3_layout(accelerator).get("zero3_sub_group_size")
+    saved_sub_group_size = saved_state.get("zero3_sub_group_size", ZERO3_DEFAULT_SUB_GROUP_SIZE)
+    same_layout = sub_group_size in (None, saved_sub_group_size)
+    if saved == accelerator.num_processes and same_layout:
         return path
     target = os.path.join(path, UNIVERSAL)
     if accelerator.is_main_process and not os.path.isfile(os.path.join(target, STATE_FILE)):
         _convert_to_universal(path, target)
     accelerator.wait_for_everyone()
     accelerator.state.deepspeed_plugin.deepspeed_config.setdefault("checkpoint", {})["load_universal"] = True
-    accelerator.print(f"{path} was saved by {saved} processes: loading its universal conversion {target}")
+    accelerator.print(f"{path} was saved by {saved} processes"
+                      + ("" if same_layout else f" with ZeRO-3 sub_group_size {saved_sub_group_size} (this run: "
+                                                f"{sub_group_size})")
+                      + f": loading its universal conversion {target}")
     return target
 
 

@@ -1,7 +1,8 @@
 """What each rank holds in memory, by category, counted in the run itself.
 
 Right after the first optimizer step (a step post-hook on the optimizer that updates the
-weights, when gradients, optimizer states and any master copy all exist) every tensor
+weights, when gradients, optimizer states and any master copy all exist; under ZeRO-3, which
+calls it once per sub-group, after the last sub-group's) every tensor
 this rank can reach is counted once, by its storage, into the first category that claims it:
 
 - parameters: what the model computes with (this rank's shard under FSDP2 and ZeRO-3;
@@ -177,6 +178,9 @@ class MemoryAccount:
             hook.remove()
 
     def _after_step(self, inner, args, kwargs):
+        groups = getattr(_zero_optimizer(self.optimizer), "fp32_partitioned_groups_flat", None)
+        if groups and not any(p is groups[-1] for group in inner.param_groups for p in group["params"]):
+            return  # ZeRO-3 steps its sub-groups one at a time: count after the last
         self._hooks[0].remove()
         mark("first_step")
         self.report = {**self.count(inner), "phases": dict(_phases)}
@@ -192,11 +196,11 @@ class MemoryAccount:
                 tally.claim("master_weights", parameter)
         for parameter in model.parameters():
             tally.claim("gradients", parameter.grad)
-        for group in inner.param_groups:
-            for parameter in group["params"]:
-                tally.claim("gradients", parameter.grad)
-        tally.claim_all("optimizer_states", list(inner.state.values()))
         zero = _zero_optimizer(self.optimizer)
+        flat_groups = getattr(zero, "fp32_partitioned_groups_flat", [])  # ZeRO-3's, stepped one at a time
+        for parameter in [p for group in inner.param_groups for p in group["params"]] + list(flat_groups):
+            tally.claim("gradients", parameter.grad)
+        tally.claim_all("optimizer_states", list(inner.state.values()))
         if zero is not None:
             for attribute, value in vars(zero).items():
                 tally.claim_all(_deepspeed_category(attribute), value)

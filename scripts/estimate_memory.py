@@ -11,10 +11,14 @@ c bytes per element in the compute dtype (2 in bf16, 4 in fp32):
   FSDP2 (all three)   4Ψ/N        -       4Ψ/N             8Ψ/N       -
   ZeRO-1 / ZeRO-2     cΨ          4Ψ/N    cΨ/N + 4Ψ/N      8Ψ/N       -
    with offload       cΨ          4Ψ/N    4Ψ/N (+ cΨ/N)    8Ψ/N       cΨ/N
-  ZeRO-3              cΨ/N        4Ψ/N    cΨ/N + 4Ψ/N      8Ψ/N       c·h² (reduce)
+  ZeRO-3              cΨ/N        4Ψ/N    cΨ/N             8Ψ/N       c·h² (reduce)
+   with offload       cΨ/N        4Ψ/N    cΨ/N + 4Ψ/N      8Ψ/N       c·h² (reduce)
 
 (DeepSpeed keeps the model in the compute dtype and a separate fp32 master copy, and
-makes an fp32 copy of each rank's gradient partition for the step; with ZeRO-1/2
+makes an fp32 copy of each rank's gradient partition for the step: ZeRO-1/2 keep it,
+ZeRO-3 makes it one optimizer sub-group at a time and frees it after the sub-group's step
+(a transient of (c + 4) x the largest sub-group: the recipes set sub_group_size to 1e7
+elements where a config leaves it unset), and ZeRO-3 with offload keeps it; with ZeRO-1/2
 offload the updated weights come back through a cΨ/N buffer, the gradients reach the
 fp32 partition through two buffers the size of the largest tensor, and with gradient
 accumulation the micro-batches' sum waits in a further cΨ/N. Offload moves
@@ -56,7 +60,7 @@ def read_strategy(config_file: str, num_processes: int | None, mixed_precision: 
     kind = config.get("distributed_type", "NO")
     strategy = {"DEEPSPEED": "deepspeed", "FSDP": "fsdp"}.get(kind, "ddp")
     precision = mixed_precision or config.get("mixed_precision", "no")
-    stage, offload = None, False
+    stage, offload, sub_group_size = None, False, None
     if strategy == "deepspeed":
         deepspeed = config.get("deepspeed_config", {})
         if deepspeed.get("deepspeed_config_file"):
@@ -66,15 +70,22 @@ def read_strategy(config_file: str, num_processes: int | None, mixed_precision: 
             zero = ds.get("zero_optimization", {})
             stage = zero.get("stage", 0)
             offload = zero.get("offload_optimizer", {}).get("device", "none") != "none"
+            sub_group_size = zero.get("sub_group_size")
             if mixed_precision is None:
                 precision = "bf16" if ds.get("bf16", {}).get("enabled") else "fp16" if ds.get("fp16", {}).get(
                     "enabled") else "no"
         else:
             stage = deepspeed.get("zero_stage", 0)
             offload = deepspeed.get("offload_optimizer_device", "none") != "none"
+    if stage == 3 and sub_group_size is None:  # what common.accelerator sets
+        sys.path.insert(0, REPO)
+        from common.accelerator import ZERO3_SUB_GROUP_SIZE
+
+        sub_group_size = ZERO3_SUB_GROUP_SIZE
     processes = num_processes or (1 if kind == "NO" else config.get("num_processes", 1))
     fsdp = config.get("fsdp_config", {})
     return {"strategy": strategy, "zero_stage": stage, "offload": offload, "num_processes": processes,
+            "zero3_sub_group_size": None if sub_group_size is None else int(float(sub_group_size)),
             "mixed_precision": precision,
             "fsdp_reshard_after_forward": str(fsdp.get("fsdp_reshard_after_forward", True)).lower() == "true",
             "activation_checkpointing": str(fsdp.get("fsdp_activation_checkpointing", False)).lower() == "true",
@@ -131,6 +142,10 @@ def estimate(model: dict, strategy: dict, batch_size: int, seq_len: int, checkpo
         parameters = c * psi / n if stage == 3 else c * psi
         master, gradients = 4 * psi / n, c * psi / n + 4 * psi / n
         optimizer = 8 * psi / n
+        if stage == 3 and not strategy["offload"]:  # the fp32 gradients, one sub-group at a time in the step
+            gradients = c * psi / n
+            sub_group = min(psi / n, strategy["zero3_sub_group_size"] + model["largest_tensor"] / n)
+            step_transient = (4 + (c if c < 4 else 0)) * sub_group  # its flattened copy, then that in fp32
         # ZeRO-3's reduce bucket of h*h elements ("auto"); ZeRO-1/2's is empty again after the step
         buckets = c * model["hidden_size"] ** 2 if stage == 3 else 0
         if stage in (1, 2) and strategy["offload"]:  # DeepSpeed's CPU-offload buffers (see the docstring)

@@ -221,3 +221,33 @@ def relative_update_difference(final, reference_final, initial) -> float:
     difference = sum(float((mine[k].float() - reference[k].float()).pow(2).sum()) for k in mine)
     update = sum(float((reference[k].float() - start[k].float()).pow(2).sum()) for k in mine)
     return math.sqrt(difference / update)
+
+
+@pytest.mark.slow
+def test_zero3_checkpoint_of_another_sub_group_size_resumes_through_its_universal_conversion(markov_data, tmp_path):
+    """ZeRO-3's flat optimizer partitions are cut into sub-groups of sub_group_size elements, so a
+    checkpoint from a run with another size (e.g. one written before common.accelerator set it)
+    does not load as it is: it is converted, as for another world size, and continues exactly."""
+    ds = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+          "gradient_clipping": "auto", "bf16": {"enabled": False},
+          "zero_optimization": {"stage": 3, "sub_group_size": 1000, "stage3_gather_16bit_weights_on_model_save": True}}
+    (tmp_path / "zero3_small_groups.json").write_text(json.dumps(ds))
+    writer = tmp_path / "zero3_small_groups.yaml"
+    writer.write_text((CONFIGS / "zero2_json.yaml").read_text().replace(
+        "accelerate_configs/deepspeed/zero2_auto.json", str(tmp_path / "zero3_small_groups.json")).replace(
+        "zero3_init_flag: false", "zero3_init_flag: true"))
+    out, stopped, steps = tmp_path / "run", tmp_path / "stopped", 8
+    args = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=steps, save_steps=4)
+    launch(writer, "causal_lm.py", causal_lm_args(markov_data, out, **args))
+    saved = json.loads((out / "checkpoints" / "step_4" / "trainer_state.json").read_text())
+    assert read_run(out)["zero3_sub_group_size"] == saved["zero3_sub_group_size"] == 1000
+
+    result = resume_elsewhere(out, stopped, 4, 2, "zero3.yaml", "causal_lm.py",
+                              lambda **resume: causal_lm_args(markov_data, stopped, **dict(args, **resume)), 2, FP32,
+                              logged_rows=4)
+    assert "with ZeRO-3 sub_group_size 1000 (this run: 10000000)" in result.stdout + result.stderr
+    assert (stopped / "checkpoints" / "step_4" / "universal" / "pytorch_model" / "zero" / "optimizer_state.pt").is_file()
+    assert read_run(stopped)["zero3_sub_group_size"] == 10_000_000
+    gap = max(abs(a - b) for a, b in zip(losses(out)[4:], losses(stopped)[4:]))
+    print(f"zero3, sub_group_size 1000 -> 1e7 on 2 processes: max resumed-loss gap {gap:.2e}")
+    assert len(losses(stopped)) == steps and gap < FP32_TOLERANCE
