@@ -19,6 +19,9 @@ model-state category, the bytes scripts/estimate_memory.py predicts for that run
 size, precision and accumulation, to within MODEL_STATE_TOLERANCE: all ten configs in fp32
 and in bf16 on 2 processes, and the eight resumed on 1 or 4 (tests/test_memory.py: peaks, at
 101M).
+
+A ZeRO-3 checkpoint written with another sub_group_size (its flat partitions cut otherwise)
+resumes through its universal conversion and continues exactly.
 """
 
 import json
@@ -241,6 +244,8 @@ def test_zero3_checkpoint_of_another_sub_group_size_resumes_through_its_universa
     launch(writer, "causal_lm.py", causal_lm_args(markov_data, out, **args))
     saved = json.loads((out / "checkpoints" / "step_4" / "trainer_state.json").read_text())
     assert read_run(out)["zero3_sub_group_size"] == saved["zero3_sub_group_size"] == 1000
+    # its many small sub-groups export (DeepSpeed's zero_to_fp32) to the run's own final/
+    assert_same_hf_folder(export_checkpoint(out / "checkpoints" / f"step_{steps}", tmp_path / "exported"), out / "final")
 
     result = resume_elsewhere(out, stopped, 4, 2, "zero3.yaml", "causal_lm.py",
                               lambda **resume: causal_lm_args(markov_data, stopped, **dict(args, **resume)), 2, FP32,
