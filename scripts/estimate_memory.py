@@ -78,7 +78,8 @@ def read_strategy(config_file: str, num_processes: int | None, mixed_precision: 
             stage = deepspeed.get("zero_stage", 0)
             offload = deepspeed.get("offload_optimizer_device", "none") != "none"
     if stage == 3 and sub_group_size is None:  # what common.accelerator sets
-        sys.path.insert(0, REPO)
+        if REPO not in sys.path:
+            sys.path.insert(0, REPO)
         from common.accelerator import ZERO3_SUB_GROUP_SIZE
 
         sub_group_size = ZERO3_SUB_GROUP_SIZE

@@ -65,6 +65,18 @@ FSDP_FLAGS = {"fsdp.yaml": ("True", False, False), "fsdp_shard_grad_op.yaml": ("
               "fsdp_offload.yaml": ("True", True, True)}
 
 
+def deepspeed_json_config(tmp_path, name: str, ds: dict, zero3_init: bool = False):
+    """zero2_json.yaml with its DeepSpeed JSON replaced by `ds` (tmp_path/name.json, .yaml)."""
+    (tmp_path / f"{name}.json").write_text(json.dumps(ds))
+    yaml_text = (CONFIGS / "zero2_json.yaml").read_text().replace("accelerate_configs/deepspeed/zero2_auto.json",
+                                                                  str(tmp_path / f"{name}.json"))
+    if zero3_init:
+        yaml_text = yaml_text.replace("zero3_init_flag: false", "zero3_init_flag: true")
+    assert str(tmp_path) in yaml_text and ("zero3_init_flag: true" in yaml_text) == zero3_init
+    (tmp_path / f"{name}.yaml").write_text(yaml_text)
+    return tmp_path / f"{name}.yaml"
+
+
 def fp32_launch(config: str, tmp_path) -> tuple:
     """(config, launcher flags) for an fp32 run. zero2_json.yaml's precision lives in its
     DeepSpeed JSON (accelerate refuses --mixed_precision beside it): use a copy with bf16 off."""
@@ -72,12 +84,7 @@ def fp32_launch(config: str, tmp_path) -> tuple:
         return config, FP32
     ds = json.loads((CONFIGS / "deepspeed" / "zero2_auto.json").read_text())
     ds["bf16"]["enabled"] = False
-    (tmp_path / "zero2_fp32.json").write_text(json.dumps(ds))
-    yaml_text = (CONFIGS / config).read_text().replace("accelerate_configs/deepspeed/zero2_auto.json",
-                                                       str(tmp_path / "zero2_fp32.json"))
-    assert str(tmp_path) in yaml_text
-    (tmp_path / config).write_text(yaml_text)
-    return tmp_path / config, []
+    return deepspeed_json_config(tmp_path, "zero2_fp32", ds), []
 
 
 def assert_two_processes(record, config):
@@ -234,11 +241,7 @@ def test_zero3_checkpoint_of_another_sub_group_size_resumes_through_its_universa
     ds = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
           "gradient_clipping": "auto", "bf16": {"enabled": False},
           "zero_optimization": {"stage": 3, "sub_group_size": 1000, "stage3_gather_16bit_weights_on_model_save": True}}
-    (tmp_path / "zero3_small_groups.json").write_text(json.dumps(ds))
-    writer = tmp_path / "zero3_small_groups.yaml"
-    writer.write_text((CONFIGS / "zero2_json.yaml").read_text().replace(
-        "accelerate_configs/deepspeed/zero2_auto.json", str(tmp_path / "zero3_small_groups.json")).replace(
-        "zero3_init_flag: false", "zero3_init_flag: true"))
+    writer = deepspeed_json_config(tmp_path, "zero3_small_groups", ds, zero3_init=True)
     out, stopped, steps = tmp_path / "run", tmp_path / "stopped", 8
     args = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=steps, save_steps=4)
     launch(writer, "causal_lm.py", causal_lm_args(markov_data, out, **args))
