@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -20,7 +21,7 @@ from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.utils import GradientAccumulationPlugin, InitProcessGroupKwargs, ProjectConfiguration
 
 from common import cpu_host
-from common.arguments import UsageError
+from common.errors import UsageError
 
 
 def _env_flag(name: str) -> bool:
@@ -40,8 +41,19 @@ def launched_strategy() -> str:
     return "ddp" if launched_world_size() > 1 else "single"
 
 
-def build_accelerator(args) -> Accelerator:
-    """`args`: the recipe's TrainingArguments (accumulation, clipping, trackers, output_dir)."""
+@dataclass(frozen=True)
+class Launch:
+    """What was launched, beside what the Accelerator resolved it to (both go to run.json)."""
+    strategy: str  # single, ddp, fsdp or deepspeed, as the accelerate config asked
+    requested_mixed_precision: str
+    sync_each_micro_batch: bool
+
+
+def build_accelerator(args) -> tuple[Accelerator, Launch]:
+    """`args`: the recipe's TrainingArguments (accumulation, clipping, trackers, output_dir).
+    The learning-rate schedule steps once per optimizer step (the recipes call it only then),
+    not num_processes times as accelerate does by default, so its horizon is the run's steps on
+    any world size."""
     strategy = launched_strategy()
     sync_each_micro_batch = args.sync_each_micro_batch
     if sync_each_micro_batch is None:  # FSDP: reduce-scatter every micro-batch so gradients stay sharded
@@ -56,18 +68,16 @@ def build_accelerator(args) -> Accelerator:
         project_config=ProjectConfiguration(project_dir=args.output_dir,
                                             logging_dir=os.path.join(args.output_dir, "logs")),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+        step_scheduler_with_optimizer=False,
     )
     requested_precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
     on_cpu_host = not torch.cuda.is_available()
     # Every collective gives up after --ddp_timeout: a lost peer ends the run (common.peers).
     process_group = InitProcessGroupKwargs(timeout=timedelta(seconds=args.ddp_timeout))
-    os.environ["RECIPES_DDP_TIMEOUT"] = str(args.ddp_timeout)  # for the lost-peer message
     if on_cpu_host:
         kwargs.update(cpu_host.accelerator_kwargs(strategy, process_group))
     kwargs["kwargs_handlers"] = [process_group]
     accelerator = Accelerator(**kwargs)
-    accelerator.sync_each_micro_batch = sync_each_micro_batch
-    accelerator.requested_mixed_precision = requested_precision
     if strategy == "deepspeed":
         _clip_with_max_grad_norm(accelerator.state.deepspeed_plugin, args.max_grad_norm)
         _size_buckets_to_model(accelerator.state.deepspeed_plugin)
@@ -78,7 +88,7 @@ def build_accelerator(args) -> Accelerator:
         raise RuntimeError(
             f"accelerate launched {launched_world_size()} processes but this rank sees "
             f"{accelerator.num_processes} ({accelerator.distributed_type}); each rank would train alone")
-    return accelerator
+    return accelerator, Launch(strategy, requested_precision, sync_each_micro_batch)
 
 
 def _clip_with_max_grad_norm(plugin, max_grad_norm: float) -> None:
@@ -101,6 +111,7 @@ BUCKET_KEYS = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_para
 # (1e9) makes that copy the rank's whole partition at once (4Ψ/N, plus the bf16 flatten it is
 # made from); at 1e7 it is at most ~60 MB, and a step has more, smaller optimizer calls.
 ZERO3_SUB_GROUP_SIZE = 10_000_000
+ZERO3_DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's, when a config sets none
 
 
 def _size_buckets_to_model(plugin) -> None:
@@ -116,6 +127,12 @@ def _size_buckets_to_model(plugin) -> None:
         zero.setdefault(key, "auto")
     if zero.get("stage") == 3:
         zero.setdefault("sub_group_size", ZERO3_SUB_GROUP_SIZE)
+
+
+def zero3_sub_group_size(plugin) -> int | None:
+    """The sub-group size a ZeRO-3 run steps its optimizer in (None for any other strategy)."""
+    zero = plugin.deepspeed_config.get("zero_optimization", {}) if plugin is not None else {}
+    return int(float(zero.get("sub_group_size", ZERO3_DEFAULT_SUB_GROUP_SIZE))) if zero.get("stage") == 3 else None
 
 
 def _quiet_deepspeed_collective_warnings() -> None:

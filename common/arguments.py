@@ -2,39 +2,24 @@
 
 Precedence: dataclass defaults < recipe YAML < `--key value` on the command line.
 Every problem (unknown key, wrong type, missing file) is a `UsageError` with a
-one-line message; `parse_args` prints it and exits with status 2, before any
-process group exists.
+one-line message; `parse_args` prints it and exits with status 2 (`common.errors`),
+before any process group exists.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import os
 import sys
-import time
 from dataclasses import dataclass, field
 
 import yaml
 from transformers import HfArgumentParser
 
-
-class UsageError(ValueError):
-    """Bad input from the user: the message says what is wrong and what to do."""
-
-
-class RunStopped(RuntimeError):
-    """The run cannot go on (non-finite weights, a lost peer): the message says why and what to do."""
-
-
-def describe(error: BaseException) -> str:
-    """A library's exception in one line, for a UsageError: its type and the line that says why
-    (transformers' validation errors put it on a later line, "ValueError: The hidden size ...")."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    reason = next((line for line in lines if line.startswith(("ValueError:", "TypeError:"))), lines[0] if lines else "")
-    return f"{type(error).__name__}: {reason}"[:300]
+from common.errors import UsageError, exit_with_error
+from common.internals import parser_actions
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -218,7 +203,7 @@ def require_path(path: str, key: str) -> None:
 
 def _yaml_to_argv(config: dict, parser: argparse.ArgumentParser, source: str) -> list[str]:
     """Turn recipe-YAML keys into command-line tokens, so argparse checks their types."""
-    actions = {action.dest: action for action in parser._actions}
+    actions = parser_actions(parser)
     argv = []
     for key, value in config.items():
         if key not in actions or key in ("help", "config"):
@@ -246,47 +231,7 @@ def parse_args(dataclass_types, argv: list[str] | None = None):
     try:
         return _parse(dataclass_types, argv)
     except UsageError as error:
-        exit_with_usage_error(error)
-
-
-def exit_with_usage_error(error: Exception | str, status: int = 2, every_node: bool = False):
-    """Print `error: ...` once (rank 0; with `every_node`, local rank 0 of each node) and exit."""
-    reporter = os.environ.get("LOCAL_RANK" if every_node else "RANK", "0")
-    if int(reporter) == 0:
-        _close_progress_bars()  # so the error starts its own line
-        print(f"error: {error}", file=sys.stderr, flush=True)
-    else:  # let rank 0 report first: torchrun kills the other ranks once one exits
-        time.sleep(10)
-    sys.exit(status)
-
-
-def _close_progress_bars():
-    from tqdm import tqdm
-
-    for bar in list(getattr(tqdm, "_instances", ())):
-        bar.close()
-
-
-def exits_on_usage_error(main):
-    """Decorate a recipe's main(): bad input found anywhere in the run (a missing column,
-    an output_dir holding a run, ...) ends it with one line and exit status 2; a run that
-    cannot go on (`RunStopped`, a lost peer) with one line and exit status 1."""
-    @functools.wraps(main)
-    def wrapper(*args, **kwargs):
-        try:
-            return main(*args, **kwargs)
-        except UsageError as error:
-            exit_with_usage_error(error)
-        except RunStopped as error:
-            exit_with_usage_error(error, status=1)
-        except RuntimeError as error:
-            from common.peers import lost_peer_message
-
-            message = lost_peer_message(error)
-            if message is None:
-                raise
-            exit_with_usage_error(message, status=1, every_node=True)
-    return wrapper
+        exit_with_error(error)
 
 
 def _parse(dataclass_types, argv):

@@ -24,7 +24,7 @@ from accelerate.utils import find_executable_batch_size
 from accelerate.utils.memory import clear_device_cache
 from torch.utils.data import DataLoader, RandomSampler
 
-from common.arguments import UsageError
+from common.errors import UsageError
 
 
 def fit_batch_size(accelerator, model, train_loader: DataLoader, args) -> DataLoader:

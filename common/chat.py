@@ -21,7 +21,7 @@ from collections import Counter
 
 from datasets import DatasetDict
 
-from common.arguments import UsageError
+from common.errors import UsageError
 from common.peers import main_process_alone
 
 OVERLONG = ("drop", "truncate")

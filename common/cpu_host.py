@@ -19,15 +19,16 @@ from __future__ import annotations
 import os
 import sys
 
-import torch
 from accelerate import PartialState
 from accelerate.utils import DistributedType, InitProcessGroupKwargs
+
+from common.internals import cpu_has_bf16_instructions, present_cpu_group_as_multi_gpu
 
 
 def cpu_runs_bf16() -> bool:
     """The CPU has bf16 instructions (avx512_bf16/amx), or RECIPES_EMULATE_BF16=true."""
     return (os.environ.get("RECIPES_EMULATE_BF16", "false").lower() == "true"
-            or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+            or cpu_has_bf16_instructions())
 
 
 def _requested_precision() -> str:
@@ -51,7 +52,7 @@ def accelerator_kwargs(strategy: str, process_group: InitProcessGroupKwargs) -> 
         # accelerate only enables FSDP from a MULTI_GPU state: start the CPU process
         # group ourselves, then present it as MULTI_GPU so the FSDP plugin is applied.
         PartialState(cpu=True, timeout=process_group.timeout)
-        PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
+        present_cpu_group_as_multi_gpu(DistributedType.MULTI_GPU)
         return {}
     return {"cpu": True}
 

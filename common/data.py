@@ -10,7 +10,8 @@ from datasets import Dataset, DatasetDict, IterableDataset, load_dataset
 from torch.utils.data import DataLoader
 from transformers import default_data_collator
 
-from common.arguments import DataArguments, UsageError, describe
+from common.arguments import DataArguments
+from common.errors import UsageError, describe
 from common.peers import main_process_alone
 from common.streaming import StreamLoader, load_train_stream, tokenize_and_pack_stream
 

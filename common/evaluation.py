@@ -8,7 +8,7 @@ import evaluate
 import torch
 from accelerate.utils import gather_object
 
-from common.arguments import UsageError
+from common.errors import UsageError
 
 SHIPPED_METRICS = os.path.join(os.path.dirname(__file__), "evaluate_metrics")
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from common.model import full_numel
+from common.internals import full_numel
 
 # Dense (no sparsity) bf16/fp16 tensor-core peaks, TFLOP/s, from NVIDIA's data sheets.
 # Matched in order against torch.cuda.get_device_name(): more specific names first.

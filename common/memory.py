@@ -29,26 +29,13 @@ from collections import defaultdict
 
 import torch
 
+from common.internals import (ddp_bucket_bytes, innermost_optimizer, zero3_flat_master_groups, zero3_partition,
+                              zero_attribute_category, zero_optimizer)
+
 CATEGORIES = ("parameters", "master_weights", "gradients", "optimizer_states", "communication_buffers",
               "other_tensors")
 MODEL_STATE = ("parameters", "master_weights", "gradients", "optimizer_states")
 MB = 2**20
-
-
-def innermost_optimizer(optimizer):
-    """The torch optimizer that updates the weights, under accelerate's and DeepSpeed's wrappers."""
-    while hasattr(optimizer, "optimizer"):
-        optimizer = optimizer.optimizer
-    return optimizer
-
-
-def _zero_optimizer(optimizer):
-    """DeepSpeed's ZeRO optimizer (holding flat partitions and buckets), if this run has one."""
-    while hasattr(optimizer, "optimizer"):
-        if type(optimizer).__module__.startswith("deepspeed.runtime.zero"):
-            return optimizer
-        optimizer = optimizer.optimizer
-    return None
 
 
 def _local(tensor):
@@ -84,27 +71,6 @@ class _Tally:
         elif depth and isinstance(value, dict):
             for item in value.values():
                 self.claim_all(category, item, depth - 1)
-
-
-def _deepspeed_category(attribute: str) -> str:
-    name = attribute.lower()
-    if "ipg" in name or "bucket" in name or ("buffer" in name and "grad" not in name):
-        return "communication_buffers"
-    if "grad" in name:
-        return "gradients"
-    if "fp32" in name:
-        return "master_weights"
-    if "fp16" in name or "bit16" in name or "param" in name:
-        return "parameters"
-    return "other_tensors"
-
-
-def _ddp_bucket_bytes(model) -> int:
-    """DDP's gradient buckets (a copy of the gradients unless gradient_as_bucket_view)."""
-    if not isinstance(model, torch.nn.parallel.DistributedDataParallel) or model.gradient_as_bucket_view:
-        return 0
-    sizes = model._get_ddp_logging_data().get("bucket_sizes", "")
-    return sum(int(size) for size in str(sizes).split(",") if size.strip())
 
 
 _phases: dict = {}
@@ -178,7 +144,7 @@ class MemoryAccount:
             hook.remove()
 
     def _after_step(self, inner, args, kwargs):
-        groups = getattr(_zero_optimizer(self.optimizer), "fp32_partitioned_groups_flat", None)
+        groups = zero3_flat_master_groups(self.optimizer)
         if groups and not any(p is groups[-1] for group in inner.param_groups for p in group["params"]):
             return  # ZeRO-3 steps its sub-groups one at a time: count after the last
         self._hooks[0].remove()
@@ -189,22 +155,22 @@ class MemoryAccount:
         tally = _Tally()
         model = self.model
         for parameter in model.parameters():
-            tally.claim("parameters", getattr(parameter, "ds_tensor", None))  # ZeRO-3 partition
+            tally.claim("parameters", zero3_partition(parameter))
             tally.claim("parameters", parameter)
         for group in inner.param_groups:
             for parameter in group["params"]:
                 tally.claim("master_weights", parameter)
         for parameter in model.parameters():
             tally.claim("gradients", parameter.grad)
-        zero = _zero_optimizer(self.optimizer)
-        flat_groups = getattr(zero, "fp32_partitioned_groups_flat", [])  # ZeRO-3's, stepped one at a time
-        for parameter in [p for group in inner.param_groups for p in group["params"]] + list(flat_groups):
+        zero = zero_optimizer(self.optimizer)
+        flat_groups = zero3_flat_master_groups(self.optimizer)  # ZeRO-3's, stepped one at a time
+        for parameter in [p for group in inner.param_groups for p in group["params"]] + flat_groups:
             tally.claim("gradients", parameter.grad)
         tally.claim_all("optimizer_states", list(inner.state.values()))
         if zero is not None:
             for attribute, value in vars(zero).items():
-                tally.claim_all(_deepspeed_category(attribute), value)
-        buckets = _ddp_bucket_bytes(model)
+                tally.claim_all(zero_attribute_category(attribute), value)
+        buckets = ddp_bucket_bytes(model)
         if buckets:  # in the gradients' dtype
             tally.bytes["communication_buffers"][str(next(model.parameters()).dtype).replace("torch.", "")] += buckets
         alive = gc.get_objects()

@@ -10,7 +10,10 @@ from huggingface_hub.errors import StrictDataclassError  # transformers' config 
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from common import memory
-from common.arguments import ModelArguments, UsageError, describe
+from common.arguments import ModelArguments
+from common.errors import UsageError, describe
+from common.internals import (declare_layer_classes, declared_layer_classes, full_numel, init_module_weights,
+                              is_zero3_parameter, zero3_partition)
 
 
 def load_tokenizer(args: ModelArguments):
@@ -66,7 +69,7 @@ def load_model(args: ModelArguments, tokenizer, seed: int, gradient_checkpointin
         except (OSError, ValueError, TypeError, KeyError, StrictDataclassError) as error:
             raise UsageError(f"--model_config {args.model_config} does not build a model ({describe(error)}); "
                              "fix the config") from None
-    declare_layer_classes(model)
+    name_layer_classes(model)
     # Training never reuses a KV cache, and transformers isolates packed sequences
     # (position ids restarting at 0) only when no cache is passed. generate() still
     # caches: it follows generation_config.use_cache.
@@ -112,12 +115,12 @@ def initialise_weights(model, seed: int) -> None:
             continue
         with _gathered_for_init(parameters):
             torch.manual_seed(seed + zlib.crc32(name.encode()))
-            model._init_weights(module)
+            init_module_weights(model, module)
     torch.manual_seed(seed)
 
 
 def _gathered_for_init(parameters):
-    if not any(hasattr(p, "ds_id") for p in parameters):  # not partitioned by ZeRO-3
+    if not any(is_zero3_parameter(p) for p in parameters):
         return contextlib.nullcontext()
     import deepspeed
 
@@ -138,7 +141,7 @@ def export_dtype(args: ModelArguments) -> torch.dtype:
     return saved if isinstance(saved, torch.dtype) else torch.float32
 
 
-def declare_layer_classes(model) -> None:
+def name_layer_classes(model) -> None:
     """Make `_no_split_modules` name the repeated transformer layer classes, and only them.
 
     FSDP's transformer-layer wrapping reads it. Some models leave it unset; others
@@ -147,9 +150,9 @@ def declare_layer_classes(model) -> None:
     FSDP2 fails. Layer classes are those repeated in a ModuleList."""
     repeated = {type(child).__name__ for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 1
                 for child in m if len({type(c) for c in m}) == 1}
-    declared = [name for name in (getattr(model, "_no_split_modules", None) or []) if name in repeated]
+    declared = [name for name in declared_layer_classes(model) if name in repeated]
     if declared or repeated:
-        model._no_split_modules = declared or sorted(repeated)
+        declare_layer_classes(model, declared or sorted(repeated))
 
 
 def apply_lora(model, args):
@@ -166,11 +169,6 @@ def apply_lora(model, args):
                          f"(the model's linear layers: {names})")
 
 
-def full_numel(parameter) -> int:
-    """A parameter's size; under ZeRO-3 it is an empty placeholder and ds_numel is its size."""
-    return getattr(parameter, "ds_numel", parameter.numel())
-
-
 def count_parameters(model) -> dict:
     total = sum(full_numel(p) for p in model.parameters())
     trainable = sum(full_numel(p) for p in model.parameters() if p.requires_grad)
@@ -181,8 +179,8 @@ def local_parameter_shards(model):
     """The parameter values this rank stores: its partition under ZeRO-3, its shard under
     FSDP2, every parameter otherwise."""
     for parameter in model.parameters():
-        if hasattr(parameter, "ds_tensor"):  # DeepSpeed ZeRO-3 partition
-            yield parameter.ds_tensor
+        if zero3_partition(parameter) is not None:  # DeepSpeed ZeRO-3 partition
+            yield zero3_partition(parameter)
         elif hasattr(parameter, "to_local"):  # FSDP2 DTensor shard
             yield parameter.to_local()
         else:

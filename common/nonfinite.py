@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from common.arguments import RunStopped
+from common.errors import RunStopped
 from common.model import local_parameter_shards
 
 

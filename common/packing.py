@@ -20,6 +20,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+from common.internals import attention_implementation
+
 NAME = "sdpa_varlen"
 _PACKED = torch.empty(0, dtype=torch.bool)  # stands for "packed row, no dense mask"; plain sdpa would refuse it
 
@@ -70,8 +72,8 @@ ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, _mask)
 
 def use_per_example_attention(model) -> str:
     """Switch a model on sdpa to `sdpa_varlen` for packed training; returns the attention it uses."""
-    config = getattr(model, "config", None)
-    if config is None or getattr(config, "_attn_implementation", None) != "sdpa":
-        return getattr(config, "_attn_implementation", "unknown")
+    current = attention_implementation(model)
+    if current != "sdpa":
+        return current
     model.set_attn_implementation(NAME)
     return NAME

@@ -28,8 +28,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def lost_peer_message(error: BaseException) -> str | None:
-    """The one line for a collective that failed because a peer was lost; None for other errors."""
+def lost_peer_message(error: BaseException, timeout: float | None) -> str | None:
+    """The one line for a collective that failed because a peer was lost; None for other errors.
+    `timeout`: the seconds every collective waits (--ddp_timeout), for the line to say."""
     text = str(error)
     if not (isinstance(error, RuntimeError) and LOST_PEER.search(text)):
         return None
@@ -41,12 +42,20 @@ def lost_peer_message(error: BaseException) -> str | None:
     where = (f"rank {others[0]}" if len(others) == 1 else f"one of ranks {others[0]}-{others[-1]}") + \
         (f" at {', '.join(addresses)}" if addresses else "") + \
         f" (the main node is {os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')})"
-    timeout = os.environ.get("RECIPES_DDP_TIMEOUT", "?")
     return (f"lost contact with {where} during a collective on rank {rank} "
             f"(host {os.uname().nodename}): {reason}. A process or node died, hangs or cannot be reached: check "
             "every node's processes and logs, that the nodes reach each other on the interface in use "
             f"(GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME), then resume with --resume_from_checkpoint latest "
-            f"(collectives wait --ddp_timeout {timeout} s)")
+            f"(collectives wait --ddp_timeout {'?' if timeout is None else f'{timeout:g}'} s)")
+
+
+def collective_timeout(accelerator) -> float:
+    """Seconds a collective waits for the other ranks: the timeout the accelerator's process group
+    was given (--ddp_timeout, `common.accelerator`), else torch's default."""
+    from torch.distributed.constants import default_pg_timeout
+
+    handler = getattr(accelerator, "init_handler", None)
+    return (handler.timeout if handler is not None else default_pg_timeout).total_seconds()
 
 
 @contextlib.contextmanager
@@ -58,7 +67,7 @@ def main_process_alone(accelerator, what: str, every: float = 30.0):
     if not accelerator.is_main_process:
         yield
         return
-    timeout = float(os.environ.get("RECIPES_DDP_TIMEOUT", "1800"))
+    timeout = collective_timeout(accelerator)
     start, done, said = time.time(), threading.Event(), []
 
     def report():

@@ -14,7 +14,8 @@ import os
 import torch
 from torch.profiler import ProfilerAction, ProfilerActivity
 
-from common.arguments import UsageError
+from common.errors import UsageError
+from common.internals import start_profiler_at
 
 
 def parse_steps(text: str) -> tuple[int, int]:
@@ -51,8 +52,7 @@ class StepProfiler:
         self.profiler = torch.profiler.profile(
             activities=activities, schedule=schedule, record_shapes=True, profile_memory=memory, with_stack=memory,
             on_trace_ready=torch.profiler.tensorboard_trace_handler(folder, worker_name=f"rank{accelerator.process_index}"))
-        self.profiler.step_num = start_step + 1  # the optimizer step about to run
-        self.profiler.current_action = schedule(self.profiler.step_num)
+        start_profiler_at(self.profiler, start_step + 1, schedule(start_step + 1))  # the step about to run
         self.profiler.start()
         accelerator.print(f"profiling optimizer steps {first}-{last} into {folder}")
 

@@ -32,7 +32,7 @@ from datasets.distributed import split_dataset_by_node
 from torch.utils.data import DataLoader
 from transformers import default_data_collator
 
-from common.arguments import UsageError
+from common.errors import UsageError
 
 
 def load_train_stream(args, builder: str | None, data_files: dict | None) -> IterableDataset:

@@ -10,10 +10,13 @@ from transformers import get_scheduler
 
 from accelerate.utils import gather_object
 
-from common.arguments import TrainingArguments, UsageError
+from common.arguments import TrainingArguments
+from common.errors import UsageError
+from common.internals import start_accumulation_window
 from common.streaming import StreamLoader, check_resumable, every_rank_has
 
-NORM_TYPES = (torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.modules.batchnorm._BatchNorm)
+NORM_TYPES = (torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d,
+              torch.nn.SyncBatchNorm)
 
 
 def is_norm(module) -> bool:
@@ -62,12 +65,11 @@ def total_training_steps(args: TrainingArguments, train_loader, num_processes: i
     return args.num_train_epochs * steps_per_epoch(len(train_loader) // num_processes, args.gradient_accumulation_steps)
 
 
-def create_scheduler(optimizer, args: TrainingArguments, max_steps: int, num_processes: int):
-    # accelerate's prepared scheduler advances num_processes times per optimizer step
-    # (it assumes a batch grows with the world size), so the horizon is scaled to match.
-    return get_scheduler(args.lr_scheduler_type, optimizer,
-                         num_warmup_steps=args.warmup_steps * num_processes,
-                         num_training_steps=max_steps * num_processes)
+def create_scheduler(optimizer, args: TrainingArguments, max_steps: int):
+    """transformers' schedule over the run's optimizer steps: the recipes step it once per
+    optimizer step (`common.accelerator` tells accelerate not to step it per process)."""
+    return get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=args.warmup_steps,
+                         num_training_steps=max_steps)
 
 
 @torch.no_grad()
@@ -165,7 +167,7 @@ class TrainBatches:
             if self.metrics is not None:
                 self.metrics.add_data_wait(time.perf_counter() - waiting)
             tokens = self._label_tokens(window)
-            self.accelerator.step = 0  # accelerate's counter: the window's last batch syncs
+            start_accumulation_window(self.accelerator)  # the window's last batch syncs
             for batch in window:
                 if tokens is not None:
                     batch = {**batch, "num_items_in_batch": tokens / (self.accelerator.num_processes * self.accumulation)}

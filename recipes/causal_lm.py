@@ -22,24 +22,17 @@ Your own data and model: --train_file my.jsonl (or --dataset_name), and
 
 import math
 
-from common.arguments import (DataArguments, ModelArguments, TrainingArguments, exits_on_usage_error,
-                              parse_args, to_dict)
+from common.arguments import DataArguments, ModelArguments, TrainingArguments
 from common.batch_size import fit_batch_size
-from common.checkpoints import export_final, load_checkpoint, save_checkpoint
 from common.data import load_raw_datasets, make_dataloaders, tokenize_and_pack
-from common.metrics import MetricsLogger
-from common.nonfinite import NonFiniteGuard
-from common.profiling import StepProfiler
-from common.model import count_parameters, export_dtype, load_model, load_tokenizer
-from common.run_info import record_run, start_run, tracker_config
-from common.training import (create_optimizer, create_scheduler, evaluate_loss, total_training_steps,
-                             TrainBatches)
+from common.model import load_model, load_tokenizer
+from common.run import run_recipe, start_run
+from common.training import create_optimizer, create_scheduler, evaluate_loss, total_training_steps, TrainBatches
 
 
-@exits_on_usage_error
-def main(argv=None):
-    model_args, data_args, args = parse_args((ModelArguments, DataArguments, TrainingArguments), argv)
-    accelerator, checkpoint = start_run(args)
+def main(model_args: ModelArguments, data_args: DataArguments, args: TrainingArguments):
+    run = start_run(model_args, data_args, args)
+    accelerator = run.accelerator
 
     # Data: tokenize and pack into blocks of block_size tokens.
     tokenizer = load_tokenizer(model_args)
@@ -51,31 +44,24 @@ def main(argv=None):
 
     # Model, optimizer, schedule.
     model = load_model(model_args, tokenizer, args.seed, args.gradient_checkpointing)
-    parameters = count_parameters(model)
     optimizer = create_optimizer(model, args)
     train_loader = fit_batch_size(accelerator, model, train_loader, args)  # --auto_find_batch_size
     max_steps = total_training_steps(args, train_loader, accelerator.num_processes)
-    scheduler = create_scheduler(optimizer, args, max_steps, accelerator.num_processes)
+    scheduler = create_scheduler(optimizer, args, max_steps)
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler)
 
-    # {"step": 0} for a fresh run. Loaded first: an earlier run's files change only once it has.
-    state = load_checkpoint(accelerator, checkpoint)
-    run = record_run(accelerator, model, optimizer, to_dict(model_args, data_args, args), args.output_dir,
-                     max_steps=max_steps, train_blocks=None if data_args.streaming else len(datasets["train"]), **parameters)
-    accelerator.init_trackers(args.run_name, tracker_config(run["args"]))
-    step = state["step"]
-    metrics = MetricsLogger(accelerator, args.output_dir, max_steps, start_step=step, model=model, optimizer=optimizer,
-                            peak_tflops=args.peak_tflops)
+    # Resume from the checkpoint (if any), write run.json, start the metrics. {"step": 0} for a fresh run.
+    state = run.begin(model, optimizer, scheduler, tokenizer, max_steps,
+                      train_blocks=None if data_args.streaming else len(datasets["train"]))
+    step, metrics, nonfinite, profiler = state["step"], run.metrics, run.nonfinite, run.profiler
 
     # Training loop: one optimizer step per gradient_accumulation_steps batches. Each batch
     # carries num_items_in_batch, so the loss is the mean over the global batch's label tokens.
     model.train()
-    grad_norm, skip_step = None, False
-    nonfinite = NonFiniteGuard(accelerator, model, args.nonfinite, args.max_nonfinite_skips, metrics)
+    grad_norm = None
     batches = TrainBatches(accelerator, train_loader, args.gradient_accumulation_steps, max_steps, resume_from=state,
                            metrics=metrics)  # ends after step max_steps
-    profiler = StepProfiler(accelerator, args.profile_steps, args.output_dir, args.profile_memory, start_step=step)
     for batch in batches:
         with accelerator.accumulate(model):
             loss = model(**batch).loss
@@ -84,10 +70,9 @@ def main(argv=None):
             accelerator.backward(loss)
             if accelerator.sync_gradients:
                 grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)  # 0: off
-                skip_step = nonfinite.skip_step(step + 1, grad_norm)  # every rank decides the same
-            if not skip_step:
-                optimizer.step()
-                scheduler.step()
+                if not nonfinite.skip_step(step + 1, grad_norm):  # every rank decides the same
+                    optimizer.step()
+                    scheduler.step()  # once per optimizer step
             optimizer.zero_grad()
         if not accelerator.sync_gradients:
             continue
@@ -99,17 +84,14 @@ def main(argv=None):
         if args.eval_steps and step % args.eval_steps == 0 and step < max_steps:
             metrics.log_eval(step, evaluate_loss(model, eval_loader, accelerator))
         if args.save_steps and step % args.save_steps == 0:
-            save_checkpoint(accelerator, args.output_dir, step, {"data": batches.position}, args.save_total_limit,
-                            tokenizer, export_dtype(model_args))
-    profiler.stop()
+            run.save_checkpoint(step, {"data": batches.position})
 
     final_eval = metrics.log_eval(step, evaluate_loss(model, eval_loader, accelerator))
-    final_dir = export_final(accelerator, model, tokenizer, args.output_dir, export_dtype(model_args))
-    metrics.close()
+    final_dir = run.finish()
     accelerator.print(f"eval_loss={final_eval['eval_loss']:.4f} perplexity={math.exp(final_eval['eval_loss']):.3f} "
                       f"saved to {final_dir}")
     return final_eval
 
 
 if __name__ == "__main__":
-    main()
+    run_recipe(main, ModelArguments, DataArguments, TrainingArguments)

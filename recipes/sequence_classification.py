@@ -19,17 +19,12 @@ from dataclasses import dataclass, field
 
 from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding
 
-from common.arguments import (DataArguments, ModelArguments, TrainingArguments, exits_on_usage_error,
-                              parse_args, to_dict)
+from common.arguments import DataArguments, ModelArguments, TrainingArguments
 from common.batch_size import fit_batch_size
-from common.checkpoints import export_final, load_checkpoint, save_checkpoint
 from common.data import load_raw_datasets, make_dataloaders, tokenize_for_classification
 from common.evaluation import BestModelTracker, evaluate_classification, load_metric
-from common.metrics import MetricsLogger
-from common.nonfinite import NonFiniteGuard
-from common.profiling import StepProfiler
-from common.model import count_parameters, export_dtype, load_model, load_tokenizer
-from common.run_info import record_run, start_run, tracker_config
+from common.model import load_model, load_tokenizer
+from common.run import run_recipe, start_run
 from common.training import create_optimizer, create_scheduler, total_training_steps, TrainBatches
 
 
@@ -44,11 +39,10 @@ class ClassificationArguments:
     early_stopping_patience: int | None = field(default=None, metadata={"help": "Evaluations without improvement before stopping."})
 
 
-@exits_on_usage_error
-def main(argv=None):
-    model_args, data_args, task_args, args = parse_args(
-        (ModelArguments, DataArguments, ClassificationArguments, TrainingArguments), argv)
-    accelerator, checkpoint = start_run(args)
+def main(model_args: ModelArguments, data_args: DataArguments, task_args: ClassificationArguments,
+         args: TrainingArguments):
+    run = start_run(model_args, data_args, task_args, args)
+    accelerator = run.accelerator
     metric_modules = {name: load_metric(name) for name in task_args.metrics}
 
     # Data: tokenize (block_size is the maximum length), pad per batch.
@@ -64,40 +58,33 @@ def main(argv=None):
                        auto_class=AutoModelForSequenceClassification, num_labels=len(label_names),
                        id2label=dict(enumerate(label_names)),
                        label2id={name: i for i, name in enumerate(label_names)})
-    parameters = count_parameters(model)
     optimizer = create_optimizer(model, args)
     train_loader = fit_batch_size(accelerator, model, train_loader, args)  # --auto_find_batch_size
     max_steps = total_training_steps(args, train_loader, accelerator.num_processes)
-    scheduler = create_scheduler(optimizer, args, max_steps, accelerator.num_processes)
+    scheduler = create_scheduler(optimizer, args, max_steps)
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler)
 
-    # {"step": 0} for a fresh run. Loaded first: an earlier run's files change only once it has.
-    state = load_checkpoint(accelerator, checkpoint)
-    run = record_run(accelerator, model, optimizer, to_dict(model_args, data_args, task_args, args), args.output_dir,
-                     max_steps=max_steps, labels=label_names, eval_examples=len(datasets["validation"]), **parameters)
-    accelerator.init_trackers(args.run_name, tracker_config(run["args"]))
+    # Resume from the checkpoint (if any), write run.json, start the metrics. {"step": 0} for a fresh run.
+    state = run.begin(model, optimizer, scheduler, tokenizer, max_steps, labels=label_names,
+                      eval_examples=len(datasets["validation"]))
+    step, metrics, nonfinite, profiler = state["step"], run.metrics, run.nonfinite, run.profiler
     best = BestModelTracker(task_args.metric_for_best_model, task_args.greater_is_better,
                             task_args.early_stopping_patience)
-    step = state["step"]
     best.load_state_dict(state.get("best", {}))
-    metrics = MetricsLogger(accelerator, args.output_dir, max_steps, start_step=step, model=model, optimizer=optimizer,
-                            peak_tflops=args.peak_tflops)
 
     def evaluate_and_track():
         results = metrics.log_eval(step, evaluate_classification(model, eval_loader, accelerator,
                                                                  metric_modules, task_args.f1_average))
         if best.update(step, results):
-            export_final(accelerator, model, tokenizer, args.output_dir, export_dtype(model_args), name="best")
+            run.export("best")
         return results
 
     # Training loop.
     model.train()
-    grad_norm, skip_step = None, False
-    nonfinite = NonFiniteGuard(accelerator, model, args.nonfinite, args.max_nonfinite_skips, metrics)
+    grad_norm = None
     batches = TrainBatches(accelerator, train_loader, args.gradient_accumulation_steps, max_steps, resume_from=state,
                            metrics=metrics)  # ends after step max_steps
-    profiler = StepProfiler(accelerator, args.profile_steps, args.output_dir, args.profile_memory, start_step=step)
     for batch in batches:
         with accelerator.accumulate(model):
             loss = model(**batch).loss
@@ -106,10 +93,9 @@ def main(argv=None):
             accelerator.backward(loss)
             if accelerator.sync_gradients:
                 grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)  # 0: off
-                skip_step = nonfinite.skip_step(step + 1, grad_norm)  # every rank decides the same
-            if not skip_step:
-                optimizer.step()
-                scheduler.step()
+                if not nonfinite.skip_step(step + 1, grad_norm):  # every rank decides the same
+                    optimizer.step()
+                    scheduler.step()  # once per optimizer step
             optimizer.zero_grad()
         if not accelerator.sync_gradients:
             continue
@@ -125,17 +111,14 @@ def main(argv=None):
                                   f"at step {best.best_step}")
                 break
         if args.save_steps and step % args.save_steps == 0:
-            save_checkpoint(accelerator, args.output_dir, step, {"data": batches.position, "best": best.state_dict()},
-                            args.save_total_limit, tokenizer, export_dtype(model_args))
-    profiler.stop()
+            run.save_checkpoint(step, {"data": batches.position, "best": best.state_dict()})
 
     final = evaluate_and_track()
-    export_final(accelerator, model, tokenizer, args.output_dir, export_dtype(model_args))
-    metrics.close()
+    run.finish()
     accelerator.print(f"eval_accuracy={final.get('eval_accuracy', float('nan')):.4f} best "
                       f"{best.metric}={best.best_value:.4f} at step {best.best_step}")
     return final
 
 
 if __name__ == "__main__":
-    main()
+    run_recipe(main, ModelArguments, DataArguments, ClassificationArguments, TrainingArguments)

@@ -27,6 +27,7 @@ from transformers import AutoTokenizer, DataCollatorForSeq2Seq, DataCollatorWith
 from common import packing  # noqa: E402
 from common.arguments import ModelArguments  # noqa: E402
 from common.chat import tokenize_sft  # noqa: E402
+from common.internals import attention_implementation  # noqa: E402
 from common.model import load_model  # noqa: E402
 from common.synthetic import write_arithmetic_data  # noqa: E402
 
@@ -68,7 +69,7 @@ def main(argv=None):
     rates = {}
     for name, (collate, per_example) in layouts.items():
         model = load_model(model_args, tokenizer, seed=0)
-        attention = packing.use_per_example_attention(model) if per_example else model.config._attn_implementation
+        attention = packing.use_per_example_attention(model) if per_example else attention_implementation(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16")
         for index, batch in enumerate(batches):

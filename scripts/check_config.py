@@ -25,7 +25,9 @@ ZERO_STAGES = (0, 1, 2, 3)
 def launch_keys() -> set[str]:
     from accelerate.commands.launch import launch_command_parser
 
-    return {action.dest for action in launch_command_parser()._actions}
+    from common.internals import parser_actions
+
+    return set(parser_actions(launch_command_parser()))
 
 
 def recipe_values(recipe_config: str | None) -> dict:

@@ -20,10 +20,8 @@ import argparse
 import contextlib
 import errno
 import fcntl
-import importlib.metadata
 import json
 import os
-import platform
 import re
 import socket
 import struct
@@ -33,7 +31,6 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-PACKAGES = ("torch", "accelerate", "transformers", "datasets", "deepspeed", "peft", "evaluate")
 ENV_PREFIXES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
                 "MASTER_PORT", "CUDA_VISIBLE_DEVICES", "NCCL_", "GLOO_", "TORCHELASTIC_", "ACCELERATE_USE_",
                 "ACCELERATE_MIXED_PRECISION", "OMP_NUM_THREADS")
@@ -47,16 +44,6 @@ def fail(message: str) -> None:
 
 
 # ---- what this host has ----------------------------------------------------------------------
-
-def versions() -> dict:
-    found = {"python": platform.python_version()}
-    for name in PACKAGES:
-        try:
-            found[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            found[name] = None
-    return found
-
 
 def devices() -> dict:
     import torch
@@ -222,6 +209,7 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     from common.peers import free_port
+    from common.run_info import package_versions
 
     if "RANK" not in os.environ:  # a one-process config: accelerate starts the script without torchrun
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
@@ -238,7 +226,7 @@ def worker(args) -> None:
     if use_gpu:
         torch.cuda.set_device(device)
     net = network(main)
-    report = {"rank": rank, "host": net["hostname"], "address": net.get("route_address"), "versions": versions(),
+    report = {"rank": rank, "host": net["hostname"], "address": net.get("route_address"), "versions": package_versions(),
               "devices": devices(), "env": distributed_env(), "network": net}
     problem = network_problem(net, multi_host=world > local_world)
     if problem:
@@ -254,8 +242,7 @@ def worker(args) -> None:
     except Exception as error:  # every failure inside the process group gets its cause named
         from common.peers import lost_peer_message
 
-        os.environ.setdefault("RECIPES_DDP_TIMEOUT", str(args.timeout))
-        fail(lost_peer_message(error) or f"rank {rank}: a collective failed ({type(error).__name__}: "
+        fail(lost_peer_message(error, args.timeout) or f"rank {rank}: a collective failed ({type(error).__name__}: "
                                           f"{str(error).splitlines()[0] if str(error) else ''})")
     if rank == 0:
         mismatches = version_mismatches(reports)

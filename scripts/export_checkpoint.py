@@ -23,8 +23,10 @@ import json
 import os
 import shutil
 
-from common.arguments import UsageError, exits_on_usage_error
-from common.checkpoints import MODEL_FILES, STATE_FILE, read_checkpoint_weights, write_folder, write_hf_folder
+from common.errors import UsageError, exits_on_usage_error
+from common.export import read_checkpoint_weights, write_hf_folder
+from common.internals import set_base_model_name
+from common.run_dir import MODEL_FILES, STATE_FILE, write_folder
 
 
 MODEL_CONFIGS = ("config.json", "generation_config.json", "adapter_config.json")
@@ -52,7 +54,7 @@ def build_model(model_files: str):
 
         adapter = PeftConfig.from_pretrained(model_files)
         # the adapter config and model card name the run's base model, as in its final/ export
-        model.name_or_path = model.config._name_or_path = adapter.base_model_name_or_path
+        set_base_model_name(model, adapter.base_model_name_or_path)
         model = get_peft_model(model, adapter)
     dtype = config.dtype if isinstance(config.dtype, torch.dtype) else getattr(torch, config.dtype or "float32")
     return model, dtype

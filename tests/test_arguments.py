@@ -2,8 +2,8 @@ import dataclasses
 
 import pytest
 
-from common.arguments import (DataArguments, ModelArguments, TrainingArguments, UsageError, _parse,
-                              parse_args)
+from common.arguments import DataArguments, ModelArguments, TrainingArguments, _parse, parse_args
+from common.errors import UsageError
 
 TYPES = (ModelArguments, DataArguments, TrainingArguments)
 

@@ -72,7 +72,8 @@ def test_model_config_that_builds_no_model_overwrites_nothing(earlier_run, marko
 def test_folders_without_a_model_or_a_tokenizer(markov_data, tmp_path):
     """Raised while loading, on every rank alike: checked in-process (the launches above prove
     that such an error reaches the user as one line)."""
-    from common.arguments import ModelArguments, UsageError
+    from common.arguments import ModelArguments
+    from common.errors import UsageError
     from common.model import load_model, load_tokenizer
 
     (tmp_path / "empty").mkdir()

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from datasets import Dataset, DatasetDict
 
-from common.arguments import UsageError
+from common.errors import UsageError
 from common.chat import GENERATION_MARKER, assistant_spans, end_of_turn_ids, generation_references, read_chat_template, tokenize_sft
 
 TEMPLATES = Path(__file__).parent / "data" / "chat_templates"

@@ -6,7 +6,7 @@ import pytest
 from accelerate import PartialState
 from datasets import Dataset, DatasetDict
 
-from common.arguments import UsageError
+from common.errors import UsageError
 from common.data import pack_sequences, tokenize_and_pack
 from common.synthetic import MarkovSource, build_word_tokenizer
 
@@ -58,7 +58,8 @@ def test_entropy_formula_matches_an_empirical_estimate():
 
 
 def test_too_few_rows_to_split_off_validation_is_one_line(tmp_path):
-    from common.arguments import DataArguments, UsageError
+    from common.arguments import DataArguments
+    from common.errors import UsageError
     from common.data import load_raw_datasets
 
     (tmp_path / "train.jsonl").write_text('{"text": "a b"}\n')

@@ -9,7 +9,8 @@ import pytest
 
 from conftest import FP32, REPO, causal_lm_args, flags, launch, losses, max_weight_difference, read_metrics, read_run
 
-from common.arguments import TrainingArguments, UsageError
+from common.arguments import TrainingArguments
+from common.errors import UsageError
 
 
 # --- loss = mean over the global batch's label tokens --------------------------------

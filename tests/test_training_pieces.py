@@ -4,8 +4,9 @@ import os
 
 import pytest
 
-from common.arguments import TrainingArguments, UsageError
-from common.checkpoints import check_output_dir, list_checkpoints, resolve_checkpoint
+from common.arguments import TrainingArguments
+from common.errors import UsageError
+from common.run_dir import check_output_dir, list_checkpoints, resolve_checkpoint
 from common.training import create_optimizer, create_scheduler, total_training_steps
 
 
@@ -27,14 +28,13 @@ def test_weight_decay_skips_norms_and_biases():
     assert len(decayed["params"]) + len(plain["params"]) == len(list(model.parameters()))
 
 
-def test_schedule_horizon_counts_accelerates_per_process_steps():
+def test_schedule_horizon_is_the_runs_optimizer_steps():
     args = TrainingArguments(warmup_steps=2, lr_scheduler_type="linear", learning_rate=1.0)
     optimizer = create_optimizer(tiny_llama(), args)
-    scheduler = create_scheduler(optimizer, args, max_steps=10, num_processes=2)
+    scheduler = create_scheduler(optimizer, args, max_steps=10)
     lrs = []
-    for _ in range(10):  # accelerate's prepared scheduler steps num_processes times per optimizer step
+    for _ in range(10):  # the recipes step the schedule once per optimizer step, on any world size
         optimizer.step()
-        scheduler.step()
         scheduler.step()
         lrs.append(scheduler.get_last_lr()[0])
     assert lrs[:2] == pytest.approx([0.5, 1.0]) and lrs[-1] == pytest.approx(0.0)  # warmup is 2 optimizer steps
@@ -114,16 +114,19 @@ def test_mfu_needs_a_known_peak():
     assert device_peak_tflops(torch.device("cpu"), "bfloat16", 100.0) == 100.0
 
 
-def test_long_work_on_the_main_process_reports_while_the_others_wait(capsys, monkeypatch):
+def test_long_work_on_the_main_process_reports_while_the_others_wait(capsys):
     """Progress lines past every N seconds, the warning once half of --ddp_timeout is spent, a
     closing line; nothing for quick work, and nothing from the ranks that wait."""
     import time
+    from datetime import timedelta
     from types import SimpleNamespace
+
+    from accelerate.utils import InitProcessGroupKwargs
 
     from common.peers import main_process_alone
 
-    monkeypatch.setenv("RECIPES_DDP_TIMEOUT", "1")
-    with main_process_alone(SimpleNamespace(is_main_process=True), "tokenizing", every=0.2):
+    main = SimpleNamespace(is_main_process=True, init_handler=InitProcessGroupKwargs(timeout=timedelta(seconds=1)))
+    with main_process_alone(main, "tokenizing", every=0.2):
         time.sleep(0.9)
     lines = capsys.readouterr().err.strip().splitlines()
     progress = [line for line in lines if "s so far on the main process; the other ranks wait for it up to " \

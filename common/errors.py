@@ -1,0 +1,72 @@
+"""The errors a run ends with, and the exit policy: one line, `error: ...`, and a non-zero status.
+
+`UsageError` (bad input: exit 2) and `RunStopped` (the run cannot go on: exit 1) carry a
+message that says what is wrong and what to do. A collective that fails because a peer was
+lost becomes one line on every node (`common.peers.lost_peer_message`). Anything else keeps
+its traceback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import sys
+import time
+
+from common.internals import close_progress_bars
+from common.peers import lost_peer_message
+
+
+class UsageError(ValueError):
+    """Bad input from the user: the message says what is wrong and what to do."""
+
+
+class RunStopped(RuntimeError):
+    """The run cannot go on (non-finite weights, a lost peer): the message says why and what to do."""
+
+
+def describe(error: BaseException) -> str:
+    """A library's exception in one line, for a UsageError: its type and the line that says why
+    (transformers' validation errors put it on a later line, "ValueError: The hidden size ...")."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    reason = next((line for line in lines if line.startswith(("ValueError:", "TypeError:"))), lines[0] if lines else "")
+    return f"{type(error).__name__}: {reason}"[:300]
+
+
+def exit_with_error(error: Exception | str, status: int = 2, every_node: bool = False):
+    """Print `error: ...` once (rank 0; with `every_node`, local rank 0 of each node) and exit."""
+    reporter = os.environ.get("LOCAL_RANK" if every_node else "RANK", "0")
+    if int(reporter) == 0:
+        close_progress_bars()  # so the error starts its own line
+        print(f"error: {error}", file=sys.stderr, flush=True)
+    else:  # let rank 0 report first: torchrun kills the other ranks once one exits
+        time.sleep(10)
+    sys.exit(status)
+
+
+@contextlib.contextmanager
+def one_line_errors(ddp_timeout: float | None = None):
+    """Bad input found anywhere in the run (a missing column, an output_dir holding a run, ...)
+    ends it with one line and exit status 2; a run that cannot go on (`RunStopped`, a lost peer
+    within `ddp_timeout` seconds) with one line and exit status 1."""
+    try:
+        yield
+    except UsageError as error:
+        exit_with_error(error)
+    except RunStopped as error:
+        exit_with_error(error, status=1)
+    except RuntimeError as error:
+        message = lost_peer_message(error, ddp_timeout)
+        if message is None:
+            raise
+        exit_with_error(message, status=1, every_node=True)
+
+
+def exits_on_usage_error(main):
+    """Decorate a script's main(): its errors end it as `one_line_errors` says."""
+    @functools.wraps(main)
+    def wrapper(*args, **kwargs):
+        with one_line_errors():
+            return main(*args, **kwargs)
+    return wrapper

@@ -1,0 +1,254 @@
+"""Every use of another library's private attributes, calls or undocumented layout, with the versions checked.
+
+Each use is one function here, listed in `USES` with the library it leans on. `CHECKED` holds the
+version range each library was checked on. `tests/test_internals.py` fails, naming the uses,
+when an installed version leaves its range, and fails when code outside this module reaches for
+a private attribute; `start_run` prints one warning line for it at start-up. After an upgrade:
+run the suite, fix what broke here, and widen the range.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import re
+from dataclasses import dataclass
+
+import torch
+
+# library -> (lowest checked, first version not checked)
+CHECKED = {
+    "torch": ("2.13.0", "2.14"),
+    "accelerate": ("1.15.0", "1.16"),
+    "transformers": ("5.23.0", "5.24"),
+    "deepspeed": ("0.19.8", "0.19.9"),
+    "tqdm": ("4.60", "5"),
+}
+
+
+@dataclass(frozen=True)
+class Use:
+    library: str
+    what: str
+    why: str
+
+
+USES = (
+    Use("accelerate", "Accelerator.step (the accumulation counter)",
+        "start_accumulation_window: each window's last micro-batch syncs, epoch ends included"),
+    Use("accelerate", "PartialState._shared_state['distributed_type']",
+        "present_cpu_group_as_multi_gpu: accelerate applies the FSDP plugin only from MULTI_GPU"),
+    Use("transformers", "integrations.deepspeed._hf_deepspeed_config_weak_ref",
+        "without_zero3_init: build a model on one process while a ZeRO-3 config is registered"),
+    Use("transformers", "PreTrainedModel._init_weights",
+        "init_module_weights: seeded initialisation module by module (the same weights under every strategy)"),
+    Use("transformers", "PreTrainedModel._no_split_modules",
+        "declared_layer_classes / declare_layer_classes: the layer classes FSDP wraps"),
+    Use("transformers", "PretrainedConfig._attn_implementation", "attention_implementation"),
+    Use("transformers", "PretrainedConfig._name_or_path", "set_base_model_name"),
+    Use("transformers", "integrations.sdpa_attention.sdpa_attention_forward, masking_utils.sdpa_mask and "
+                        "the mask function's allow_is_causal_skip keyword", "common/packing.py's sdpa_varlen"),
+    Use("torch", "profiler.profile.step_num / current_action", "start_profiler_at: label steps by optimizer step"),
+    Use("torch", "DistributedDataParallel._get_ddp_logging_data()['bucket_sizes']",
+        "ddp_bucket_bytes: DDP's gradient buckets, held by C++ only"),
+    Use("torch", "torch.ops.mkldnn._is_mkldnn_bf16_supported", "cpu_has_bf16_instructions"),
+    Use("deepspeed", "the ZeRO optimizers' module path and attribute names (fp32_partitioned_groups_flat, "
+                     "single_partition_of_fp32_groups, *bucket*/ipg/grad/fp32/bit16 attributes)",
+        "zero_optimizer, master_weights_dtype, zero_attribute_category: the memory account and run.json"),
+    Use("deepspeed", "ZeRO-3 parameter attributes ds_tensor, ds_numel, ds_id", "zero3_partition, full_numel"),
+    Use("deepspeed", "0.19.8's ZeRO-3 universal load (load_hp_checkpoint_state_from_checkpoint_dir_stage3)",
+        "repair_zero3_universal_load: its two faults, put right after loading"),
+    Use("tqdm", "tqdm._instances", "close_progress_bars: an error starts its own line"),
+    Use("python", "argparse.ArgumentParser._actions", "parser_actions: the keys a recipe YAML may set"),
+)
+
+
+def _release(version: str) -> tuple:
+    """(2, 14, 0) for 2.14.0, 2.14.0rc1 or 2.14.0+cu128: the release a version belongs to."""
+    return tuple(int(number) for number in re.findall(r"^\d+(?:\.\d+)*", version)[0].split("."))
+
+
+def outside_checked_range() -> list[str]:
+    """One line for each installed library whose version leaves the range its uses were checked on."""
+    lines = []
+    for library, (lowest, first_unchecked) in CHECKED.items():
+        try:
+            installed = importlib.metadata.version(library)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        if not _release(lowest) <= _release(installed) < _release(first_unchecked):
+            uses = "; ".join(use.what for use in USES if use.library == library)
+            lines.append(f"{library} {installed} is outside the range common/internals.py was checked on "
+                         f"(>={lowest},<{first_unchecked}); its uses of {library}'s internals may break: {uses}")
+    return lines
+
+
+# ---- accelerate ------------------------------------------------------------------------------
+
+def start_accumulation_window(accelerator) -> None:
+    """accelerate syncs gradients when its micro-batch counter reaches a multiple of the
+    accumulation steps: zero it at each window's start so the window's last batch syncs."""
+    accelerator.step = 0
+
+
+def present_cpu_group_as_multi_gpu(distributed_type) -> None:
+    """PartialState is shared by every AcceleratorState: set the type in its shared dict."""
+    from accelerate import PartialState
+
+    PartialState._shared_state["distributed_type"] = distributed_type
+
+
+# ---- transformers ----------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def without_zero3_init():
+    """While a ZeRO-3 config is registered, transformers builds every model inside
+    deepspeed.zero.Init, whose broadcasts need all ranks: a model built on one process
+    would hang. (accelerate's zero3_init_context_manager re-registers the config.)"""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    saved = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
+
+
+def init_module_weights(model, module) -> None:
+    model._init_weights(module)
+
+
+def declared_layer_classes(model) -> list[str]:
+    return list(getattr(model, "_no_split_modules", None) or [])
+
+
+def declare_layer_classes(model, names: list[str]) -> None:
+    model._no_split_modules = names
+
+
+def attention_implementation(model) -> str:
+    config = getattr(model, "config", None)
+    return getattr(config, "_attn_implementation", None) or "unknown"
+
+
+def set_base_model_name(model, name: str) -> None:
+    model.name_or_path = model.config._name_or_path = name
+
+
+# ---- torch -----------------------------------------------------------------------------------
+
+def start_profiler_at(profiler, step: int, action) -> None:
+    """Number the profiler's steps by optimizer step (a resumed run starts past 1)."""
+    profiler.step_num = step
+    profiler.current_action = action
+
+
+def ddp_bucket_bytes(model) -> int:
+    """DDP's gradient buckets (a copy of the gradients unless gradient_as_bucket_view)."""
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel) or model.gradient_as_bucket_view:
+        return 0
+    sizes = model._get_ddp_logging_data().get("bucket_sizes", "")
+    return sum(int(size) for size in str(sizes).split(",") if size.strip())
+
+
+def cpu_has_bf16_instructions() -> bool:
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+# ---- deepspeed -------------------------------------------------------------------------------
+
+def innermost_optimizer(optimizer):
+    """The torch optimizer that updates the weights, under accelerate's and DeepSpeed's wrappers
+    (each holds the one it wraps as `.optimizer`)."""
+    while hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def zero_optimizer(optimizer):
+    """DeepSpeed's ZeRO optimizer (holding flat partitions and buckets), if this run has one."""
+    while hasattr(optimizer, "optimizer"):
+        if type(optimizer).__module__.startswith("deepspeed.runtime.zero"):
+            return optimizer
+        optimizer = optimizer.optimizer
+    return None
+
+
+def zero3_flat_master_groups(optimizer) -> list:
+    """ZeRO-3's flat fp32 partitions, stepped one sub-group at a time ([] elsewhere)."""
+    return list(getattr(zero_optimizer(optimizer), "fp32_partitioned_groups_flat", None) or [])
+
+
+def master_weights_dtype(optimizer):
+    """dtype of the weights the optimizer updates: ZeRO keeps them in flat fp32 partitions."""
+    zero = zero_optimizer(optimizer)
+    for flat in ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups"):  # ZeRO-3, ZeRO-1/2
+        if getattr(zero, flat, None):
+            return getattr(zero, flat)[0].dtype
+    updated = [p for group in innermost_optimizer(optimizer).param_groups for p in group["params"]]
+    return updated[0].dtype if updated else None
+
+
+def zero_attribute_category(attribute: str) -> str:
+    """A memory category for a ZeRO optimizer attribute, by DeepSpeed's naming."""
+    name = attribute.lower()
+    if "ipg" in name or "bucket" in name or ("buffer" in name and "grad" not in name):
+        return "communication_buffers"
+    if "grad" in name:
+        return "gradients"
+    if "fp32" in name:
+        return "master_weights"
+    if "fp16" in name or "bit16" in name or "param" in name:
+        return "parameters"
+    return "other_tensors"
+
+
+def zero3_partition(parameter):
+    """This rank's partition of a ZeRO-3 parameter (None for any other parameter)."""
+    return getattr(parameter, "ds_tensor", None)
+
+
+def is_zero3_parameter(parameter) -> bool:
+    return hasattr(parameter, "ds_id")
+
+
+def full_numel(parameter) -> int:
+    """A parameter's size; under ZeRO-3 it is an empty placeholder and ds_numel is its size."""
+    return getattr(parameter, "ds_numel", parameter.numel())
+
+
+def zero3_hyperparameters(optimizer) -> list:
+    """Each param group's hyperparameters but the learning rate (the schedule sets it)."""
+    return [{key: value for key, value in group.items() if key not in ("params", "lr")}
+            for group in innermost_optimizer(optimizer).param_groups]
+
+
+def repair_zero3_universal_load(optimizer, hyperparameters: list) -> None:
+    """Two faults of DeepSpeed 0.19.8's ZeRO-3 universal load, seen as losses that left the
+    uninterrupted run's from the second step after resuming: it gives every parameter group
+    the first group's hyperparameters (the norms and biases, weight_decay 0, got 0.01), and one
+    `step` tensor to every group's state, which torch's AdamW increments in place, so the step
+    count advanced once per group per step. Each group gets its own hyperparameters (taken by
+    `zero3_hyperparameters` before loading) and its own step count back; both are harmless
+    where the load is right."""
+    inner = innermost_optimizer(optimizer)
+    for group, before in zip(inner.param_groups, hyperparameters):
+        group.update(before)
+    for state in inner.state.values():
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].clone()
+
+
+# ---- tqdm, argparse --------------------------------------------------------------------------
+
+def close_progress_bars() -> None:
+    from tqdm import tqdm
+
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
+
+
+def parser_actions(parser) -> dict:
+    """dest -> action of every option an argparse parser knows."""
+    return {action.dest: action for action in parser._actions}

@@ -1,0 +1,138 @@
+"""A run from start to finish: everything around a recipe's training loop, held by one `Run`.
+
+    run_recipe(main, ModelArguments, DataArguments, TrainingArguments)   # parse, then main(...)
+    run = start_run(model_args, data_args, args)      # before any data or model: refuse, build, seed
+    ...data, model, optimizer, scheduler, accelerator.prepare(...)...
+    state = run.begin(model, optimizer, scheduler, tokenizer, max_steps)   # resume, run.json, metrics
+    ...the training loop: run.metrics, run.nonfinite, run.profiler, run.save_checkpoint(step, ...)...
+    final_dir = run.finish()                           # the export, trackers closed
+
+An earlier run in output_dir is left as it was until the new one is known to start (its
+checkpoint loaded): `begin` clears it then, under --overwrite_output_dir.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from accelerate.utils import set_seed
+
+from common import memory
+from common.accelerator import build_accelerator
+from common.arguments import ModelArguments, TrainingArguments, parse_args, to_dict
+from common.checkpoints import load_checkpoint, save_checkpoint
+from common.errors import one_line_errors
+from common.export import export_final
+from common.internals import outside_checked_range
+from common.metrics import MetricsLogger
+from common.model import count_parameters, export_dtype
+from common.nonfinite import NonFiniteGuard
+from common.profiling import StepProfiler
+from common.reshard import for_this_world_size
+from common.run_dir import check_output_dir, clear_earlier_run, list_checkpoints, resolve_checkpoint
+from common.run_info import record_run, tracker_config
+
+
+def run_recipe(main, *argument_types, argv: list[str] | None = None):
+    """Parse the command line (and --config YAML) into `argument_types` and call main with them;
+    an error anywhere ends the process with one line (`common.errors.one_line_errors`)."""
+    parsed = parse_args(argument_types, argv)
+    training = next(p for p in parsed if isinstance(p, TrainingArguments))
+    with one_line_errors(training.ddp_timeout):
+        return main(*parsed)
+
+
+class Run:
+    """The accelerator, the run's folder and resume point, and (after `begin`) the pieces the
+    loop calls: `metrics`, `nonfinite`, `profiler`."""
+
+    def __init__(self, arguments: tuple, accelerator, launch, checkpoint: str | None, clear_earlier: bool):
+        self.arguments = arguments
+        self.args = next(a for a in arguments if isinstance(a, TrainingArguments))
+        model_args = next(a for a in arguments if isinstance(a, ModelArguments))
+        self.accelerator, self.launch, self.checkpoint = accelerator, launch, checkpoint
+        self.clear_earlier = clear_earlier
+        self.export_dtype = export_dtype(model_args)  # read once (a Hub model's config is a request)
+        self.model = self.tokenizer = self.metrics = self.nonfinite = self.profiler = None
+
+    def begin(self, model, optimizer, scheduler, tokenizer, max_steps: int, **record) -> dict:
+        """After `accelerator.prepare`: load the checkpoint to resume from (if any), write run.json
+        (with `record`'s extra fields), start the trackers, metrics, non-finite guard and profiler.
+        Returns the saved trainer state ({"step": 0} for a fresh run)."""
+        accelerator, args = self.accelerator, self.args
+        self.model, self.tokenizer = model, tokenizer
+        state = load_checkpoint(accelerator, self.checkpoint, optimizer, scheduler)
+        if self.clear_earlier and accelerator.is_main_process:
+            clear_earlier_run(args.output_dir)
+        accelerator.wait_for_everyone()
+        written = record_run(accelerator, self.launch, model, optimizer, to_dict(*self.arguments), args.output_dir,
+                             max_steps=max_steps, **record, **count_parameters(model))
+        accelerator.init_trackers(args.run_name, tracker_config(written["args"]))
+        self.metrics = MetricsLogger(accelerator, args.output_dir, max_steps, start_step=state["step"], model=model,
+                                     optimizer=optimizer, peak_tflops=args.peak_tflops)
+        self.nonfinite = NonFiniteGuard(accelerator, model, args.nonfinite, args.max_nonfinite_skips, self.metrics)
+        self.profiler = StepProfiler(accelerator, args.profile_steps, args.output_dir, args.profile_memory,
+                                     start_step=state["step"])
+        return state
+
+    def save_checkpoint(self, step: int, state: dict) -> str:
+        """Every rank calls it: checkpoints/step_N with `state` (the data position, ...) beside
+        accelerate's; the oldest pruned past --save_total_limit."""
+        return save_checkpoint(self.accelerator, self.model, self.args.output_dir, step, state,
+                               self.args.save_total_limit, self.tokenizer, self.export_dtype)
+
+    def export(self, name: str = "final", merge_adapter: bool = False) -> str:
+        """Every rank calls it: output_dir/<name> as a Hugging Face folder in the export dtype."""
+        return export_final(self.accelerator, self.model, self.tokenizer, self.args.output_dir, self.export_dtype,
+                            name=name, merge_adapter=merge_adapter)
+
+    def finish(self, merge_adapter: bool = False) -> str:
+        """After the loop: the profiler stopped, final/ exported, trackers and progress bar closed."""
+        self.profiler.stop()
+        final_dir = self.export(merge_adapter=merge_adapter)
+        self.metrics.close()
+        return final_dir
+
+
+def start_run(*arguments) -> Run:
+    """`arguments`: the recipe's parsed dataclasses. Refuse to clobber an earlier run (before any
+    process group starts), build the accelerator, seed everything, and find the checkpoint to
+    resume from (a DeepSpeed one saved on another layout is converted). Under `accelerate launch
+    --max_restarts N`, a restarted worker resumes from the run's latest complete checkpoint."""
+    args = next(a for a in arguments if isinstance(a, TrainingArguments))
+    resume_after_restart(args)
+    check_output_dir(args.output_dir, args.resume_from_checkpoint, args.overwrite_output_dir)
+    accelerator, launch = build_accelerator(args)
+    memory.mark("started")
+    if accelerator.is_main_process:
+        for line in outside_checked_range():
+            print(f"warning: {line}", file=sys.stderr)
+    set_seed(args.seed)
+    checkpoint = resolve_checkpoint(args.output_dir, args.resume_from_checkpoint)
+    clear_earlier = checkpoint is None and args.overwrite_output_dir
+    return Run(arguments, accelerator, launch, for_this_world_size(accelerator, checkpoint), clear_earlier)
+
+
+def resume_after_restart(args) -> None:
+    """torchrun sets TORCHELASTIC_RESTART_COUNT in the workers it restarts after a failure. They
+    were launched with the first attempt's arguments (--overwrite_output_dir included): once this
+    run has a complete checkpoint, continue from the latest one instead."""
+    max_restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    if max_restarts and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and _is_rank0():
+        # Seen (torch 2.13, gloo): the static rendezvous keeps its store across attempts, so a restarted
+        # rank can read a dead peer's address and fail with "Connection refused".
+        print("warning: --max_restarts through a rendezvous store kept across attempts: restarted workers may "
+              "connect to the dead ones' addresses. Launch with --rdzv_backend c10d and "
+              "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in the environment (make does both)", file=sys.stderr)
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart and list_checkpoints(args.output_dir):
+        args.resume_from_checkpoint, args.overwrite_output_dir = "latest", False
+    if restart and _is_rank0():
+        print(f"restart {restart} of at most {max_restarts}: "
+              f"{'resuming from the latest checkpoint' if args.resume_from_checkpoint == 'latest' else 'no checkpoint yet, starting again'}",
+              file=sys.stderr)
+
+
+def _is_rank0() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0

@@ -1,0 +1,80 @@
+"""Other libraries' internals are used in one place only, and only on the versions they were checked on."""
+
+import ast
+import importlib.metadata
+
+import pytest
+
+from common import internals
+from conftest import REPO
+
+SOURCES = sorted([*REPO.glob("common/*.py"), *REPO.glob("recipes/*.py"), *REPO.glob("scripts/*.py")])
+
+
+def private_uses(source: str) -> list[str]:
+    """`x._name` (but self._name / cls._name), getattr/hasattr/setattr(x, "_name"), and
+    `from library import _name` or `from library._module import ...`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                found.append(f"{node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+                node.func.id in ("getattr", "hasattr", "setattr") and len(node.args) > 1 and \
+                isinstance(node.args[1], ast.Constant) and str(node.args[1].value).startswith("_") and \
+                not str(node.args[1].value).startswith("__"):
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.module.startswith("common") and \
+                node.module != "__future__":
+            if any(part.startswith("_") for part in node.module.split(".")) or \
+                    any(alias.name.startswith("_") for alias in node.names):
+                found.append(f"{node.lineno}: from {node.module} import ...")
+    return found
+
+
+def test_the_finder_finds_each_kind_of_private_use():
+    source = ("import torch\nfrom torch.x import _y\nfrom torch._z import w\nmodel._init_weights(m)\n"
+              "getattr(tqdm, '_instances', ())\nself._ok = 1\nobj.__class__\n")
+    assert sorted(line.split(":")[0] for line in private_uses(source)) == ["2", "3", "4", "5"]
+
+
+def test_no_private_attribute_of_another_library_is_used_outside_common_internals():
+    outside = {str(path.relative_to(REPO)): uses for path in SOURCES if path.name != "internals.py"
+               if (uses := private_uses(path.read_text()))}
+    # The project's own private names, reached across its own modules: none may stand here either.
+    assert not outside, ("private attributes used outside common/internals.py (move each into it, with the "
+                         f"versions it was checked on): {outside}")
+
+
+def test_every_library_with_an_internal_use_has_a_checked_range():
+    libraries = {use.library for use in internals.USES} - {"python"}
+    assert libraries <= set(internals.CHECKED), libraries - set(internals.CHECKED)
+    for use in internals.USES:
+        assert use.what and use.why, use
+
+
+@pytest.mark.parametrize("library", sorted(internals.CHECKED))
+def test_installed_versions_are_the_ones_the_internals_were_checked_on(library):
+    try:
+        installed = importlib.metadata.version(library)
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip(f"{library} is not installed here")
+    lowest, first_unchecked = internals.CHECKED[library]
+    uses = "; ".join(use.what for use in internals.USES if use.library == library)
+    assert not [line for line in internals.outside_checked_range() if line.startswith(f"{library} ")], (
+        f"{library} {installed} leaves the range common/internals.py was checked on (>={lowest},<{first_unchecked}): "
+        f"check these uses against it, fix what broke, then widen CHECKED: {uses}")
+
+
+def test_the_range_check_reads_release_numbers():
+    assert internals._release("2.13.0+cpu") == (2, 13, 0)
+    assert internals._release("2.14.0rc1") == (2, 14, 0)
+    assert internals._release("0.19.8") < internals._release("0.19.9")
+    assert internals._release("5.23.0") < internals._release("5.24")
+
+
+def test_a_version_outside_the_range_gives_one_line_naming_the_uses(monkeypatch):
+    monkeypatch.setitem(internals.CHECKED, "torch", ("0.1", "0.2"))
+    lines = internals.outside_checked_range()
+    assert len(lines) == 1 and lines[0].startswith("torch ") and "(>=0.1,<0.2)" in lines[0], lines
+    assert "_get_ddp_logging_data" in lines[0]
