@@ -6,6 +6,8 @@ CONFIG  ?= accelerate_configs/ddp.yaml
 ARGS    ?=
 # Extra pip arguments for torch on a host without a GPU, e.g. a CPU-only wheel index.
 TORCH_INDEX ?=
+# The torch releases common/internals.py was checked on (its CHECKED["torch"]; a test keeps them equal).
+TORCH_RANGE := torch>=2.13.0,<2.14
 export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
@@ -24,7 +26,7 @@ RESTARTS = $(if $(findstring --max_restarts,$(LAUNCH_ARGS)),--rdzv_backend c10d)
 $(VENV)/.installed: requirements.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
-		$(PY) -m pip install -q torch; \
+		$(PY) -m pip install -q "$(TORCH_RANGE)"; \
 	else \
 		$(PY) -m pip install -q torch==2.13.0 $(TORCH_INDEX); \
 	fi
@@ -93,8 +95,9 @@ doctor: install
 	$(PY) scripts/doctor.py --config_file $(CONFIG) $(LAUNCH_ARGS) $(ARGS)
 
 # Steps/s and peak memory per rank of every CPU-runnable config, in one run (ratios vs DDP).
+# Writes its tables to docs/benchmark.md and its chart to docs/benchmark.png.
 benchmark: install
-	$(PY) scripts/benchmark_strategies.py $(ARGS)
+	$(PY) scripts/benchmark_strategies.py --docs docs/benchmark.md --chart docs/benchmark.png $(ARGS)
 
 # Memory per rank by category for a model under a config, before launching:
 #   make estimate-memory MODEL=recipes/configs/llama_100m.json CONFIG=accelerate_configs/zero3.yaml ARGS="--seq_len 2048"
@@ -102,9 +105,9 @@ ESTIMATE_MODEL = $(if $(filter command line environment,$(origin MODEL)),$(MODEL
 estimate-memory: install
 	$(PY) scripts/estimate_memory.py --model $(ESTIMATE_MODEL) --config $(CONFIG) $(ARGS)
 
-# Packed vs padded SFT batches (one process): make benchmark-packing ARGS="--steps 20"
+# Packed vs padded SFT batches (one process), written to docs/benchmark-packing.md: make benchmark-packing ARGS="--steps 20"
 benchmark-packing: install
-	$(PY) scripts/benchmark_packing.py $(ARGS)
+	$(PY) scripts/benchmark_packing.py --docs docs/benchmark-packing.md $(ARGS)
 
 # make check-config CONFIG=accelerate_configs/zero3.yaml [RECIPE_CONFIG=recipes/configs/....yaml]
 RECIPE_CONFIG ?= recipes/configs/causal_lm_demo.yaml

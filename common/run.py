@@ -20,7 +20,8 @@ from accelerate.utils import set_seed
 
 from common import memory
 from common.accelerator import build_accelerator
-from common.arguments import ModelArguments, TrainingArguments, parse_args, to_dict
+from common.arguments import ModelArguments, TrainingArguments
+from common.parsing import parse_args, to_dict
 from common.checkpoints import load_checkpoint, save_checkpoint
 from common.errors import one_line_errors
 from common.export import export_final

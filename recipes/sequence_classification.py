@@ -30,7 +30,7 @@ from common.training import create_optimizer, create_scheduler, total_training_s
 
 @dataclass
 class ClassificationArguments:
-    reads_data_in_memory = True  # not a field: --streaming is refused here (common.arguments)
+    reads_data_in_memory = True  # not a field: --streaming is refused here (common.parsing)
     label_column: str = "label"
     metrics: list[str] = field(default_factory=lambda: ["accuracy", "f1"])
     f1_average: str = field(default="macro", metadata={"help": "binary, macro, micro or weighted"})

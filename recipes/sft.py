@@ -39,7 +39,7 @@ from common.training import (create_optimizer, create_scheduler, evaluate_loss, 
 
 @dataclass
 class SFTArguments:
-    reads_data_in_memory = True  # not a field: --streaming is refused here (common.arguments)
+    reads_data_in_memory = True  # not a field: --streaming is refused here (common.parsing)
     messages_column: str = "messages"
     chat_template: str | None = field(
         default=None, metadata={"help": "A chat template file or text; replaces the tokenizer's (and is saved with it)."})

@@ -167,6 +167,8 @@ def main(argv=None):
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--chart", default=os.path.join(REPO, "outputs", "benchmark.png"),
                         help="the PNG to draw (memory by category, measured and estimated, and steps/s); '' for none")
+    parser.add_argument("--docs", help="write the tables (and the chart's link) to this markdown page, e.g. "
+                                       "docs/benchmark.md (make benchmark does)")
     args = parser.parse_args(argv)
     sys.path.insert(0, REPO)
     from common.synthetic import write_markov_corpus
@@ -183,7 +185,8 @@ def main(argv=None):
                    and not (checkpointing == "on" and "off" in args.activation_checkpointing
                             and checkpoints_in_yaml(c))]
     baseline = next((r["steps_per_s"] for r in results if r["config"] == "ddp.yaml"), results[0]["steps_per_s"])
-    print(f"{results[0]['parameters']:,} parameters; batch {args.batch_size} x {args.block_size} tokens per process")
+    summary = f"{results[0]['parameters']:,} parameters; batch {args.batch_size} x {args.block_size} tokens per process"
+    print(summary)
     print(f"{'config':26} {'procs':>5} {'type':10} {'dtype':9} {'accum':>5} {'AC':>3} {'steps/s':>8} {'vs ddp':>7} "
           f"{'tok/s/proc':>10} peak MB per rank")
     for r in results:
@@ -203,7 +206,36 @@ def main(argv=None):
         draw(results, args.chart, f"{results[0]['parameters']:,} parameters, batch {args.batch_size} x "
                                   f"{args.block_size} tokens per process, {args.steps} steps")
         print(f"chart: {args.chart}")
+    if args.docs:
+        write_docs(args, results, baseline, summary)
     return results
+
+
+def write_docs(args, results: list, baseline: float, summary: str) -> None:
+    """The two tables as markdown, with the chart beside the page when it was drawn."""
+    from figures import markdown_table, write_page
+
+    speed = markdown_table(
+        ["config", "processes", "distributed type", "compute dtype", "accumulation", "activation checkpointing",
+         "steps/s", "vs ddp", "tokens/s per process", "peak MB per rank"],
+        [[f"`{r['config']}`", r["processes"], r["type"], r["precision"], r["accumulation"],
+          "on" if r["activation_checkpointing"] else "off", f"{r['steps_per_s']:.2f}",
+          f"{r['steps_per_s'] / baseline:.2f}", f"{r['tokens_per_s_per_process']:.0f}",
+          ", ".join(f"{m:.0f}" for m in r["peak_mb_per_rank"])] for r in results])
+    memory = markdown_table(
+        ["config", "processes", "AC", *[key.replace("_", " ") for key in CATEGORIES], "peak"],
+        [[f"`{r['config']}`", r["processes"], "on" if r["activation_checkpointing"] else "off",
+          *[f"{r['measured_mb'][key]:.0f} / {r['estimated_mb'][key]:.0f}" for key in (*CATEGORIES, "peak")]]
+         for r in results])
+    chart = ""
+    if args.chart:
+        chart = f"\n\n![memory by category and steps/s]({os.path.relpath(args.chart, os.path.dirname(os.path.abspath(args.docs)))})"
+    write_page(args.docs, "Strategies: speed and memory per rank", (
+        f"{summary}; {args.steps} optimizer steps per run, all runs in one invocation (compare rows, not "
+        "machines). Steps/s leaves out the first logging window (warm-up).\n\n" + speed +
+        "\n\nMemory per rank in MB, measured at the first optimizer step (run.json's `memory_per_rank`, the rank "
+        "with the highest peak) / estimated before launch by `make estimate-memory`; peak is the process's peak "
+        "resident set by the first step.\n\n" + memory + chart))
 
 
 if __name__ == "__main__":

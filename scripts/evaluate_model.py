@@ -13,7 +13,8 @@ import json
 from dataclasses import dataclass, field
 
 from accelerate import Accelerator
-from common.arguments import DataArguments, ModelArguments, TrainingArguments, parse_args
+from common.arguments import DataArguments, ModelArguments, TrainingArguments
+from common.parsing import parse_args
 from common.data import load_raw_datasets, make_dataloaders, tokenize_and_pack
 from common.model import load_model, load_tokenizer
 from common.training import evaluate_loss

@@ -2,7 +2,8 @@ import dataclasses
 
 import pytest
 
-from common.arguments import DataArguments, ModelArguments, TrainingArguments, _parse, parse_args
+from common.arguments import DataArguments, ModelArguments, TrainingArguments
+from common.parsing import _parse, parse_args
 from common.errors import UsageError
 
 TYPES = (ModelArguments, DataArguments, TrainingArguments)

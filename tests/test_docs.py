@@ -76,9 +76,9 @@ def test_make_demo_meets_its_target_and_make_evaluate_reproduces_it(tmp_path):
 
 @pytest.mark.slow
 def test_make_benchmark_prints_ratios_and_draws_the_chart(tmp_path):
-    chart = tmp_path / "benchmark.png"
+    chart, page = tmp_path / "benchmark.png", tmp_path / "benchmark.md"
     result = run(["make", "-s", "benchmark", f"ARGS=--configs ddp.yaml --steps 6 --num_processes 2 "
-                                             f"--activation_checkpointing on --chart {chart}"])
+                                             f"--activation_checkpointing on --chart {chart} --docs {page}"])
     lines = result.stdout.splitlines()
     header = lines.index("MB per rank (the rank with the highest peak), measured / estimated:")
     speed = [line.split() for line in lines[:header] if line.startswith("ddp.yaml")]
@@ -92,16 +92,23 @@ def test_make_benchmark_prints_ratios_and_draws_the_chart(tmp_path):
     assert measured > 100 and estimated > 100  # process sizes, in MB
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and chart.stat().st_size > 10_000
     assert f"chart: {chart}" in result.stdout
+    written = page.read_text()  # the figures' page: the command, the machine, the tables, the chart
+    assert "Written by `scripts/benchmark_strategies.py --docs docs/benchmark.md" in written
+    assert f"| `ddp.yaml` | 2 | MULTI_CPU | bfloat16 | 1 | on | {speed[0][6]} | 1.00 |" in written
+    assert "![memory by category and steps/s](benchmark.png)" in written
 
 
-def test_make_benchmark_packing_compares_the_layouts():
-    result = run(["make", "-s", "benchmark-packing", "ARGS=--steps 3 --warmup 1 --batch_size 16"])
+def test_make_benchmark_packing_compares_the_layouts(tmp_path):
+    page = tmp_path / "packing.md"
+    result = run(["make", "-s", "benchmark-packing", f"ARGS=--steps 3 --warmup 1 --batch_size 16 --docs {page}"])
     rows = {line.split()[0]: line.split() for line in result.stdout.splitlines() if line.startswith(("padded", "packed"))}
     assert list(rows) == ["padded", "packed-sdpa", "packed-varlen"], result.stdout
     assert [r[1] for r in rows.values()] == ["sdpa", "sdpa", "sdpa_varlen"]
     assert rows["padded"][3] == "1.00x" and all(float(r[2]) > 0 for r in rows.values())
     losses = [float(r[-1]) for r in rows.values()]
     assert max(losses) - min(losses) < 1e-3  # the same training, three layouts
+    written = page.read_text()
+    assert f"| packed-varlen | sdpa_varlen | {rows['packed-varlen'][2]} | {rows['packed-varlen'][3]} |" in written
 
 
 def _loop(recipe: str) -> list[str]:

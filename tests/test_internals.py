@@ -78,3 +78,10 @@ def test_a_version_outside_the_range_gives_one_line_naming_the_uses(monkeypatch)
     lines = internals.outside_checked_range()
     assert len(lines) == 1 and lines[0].startswith("torch ") and "(>=0.1,<0.2)" in lines[0], lines
     assert "_get_ddp_logging_data" in lines[0]
+
+
+def test_make_install_pins_torch_to_the_checked_range():
+    makefile = (REPO / "Makefile").read_text()
+    lowest, first_unchecked = internals.CHECKED["torch"]
+    assert f"TORCH_RANGE := torch>={lowest},<{first_unchecked}\n" in makefile
+    assert '"$(TORCH_RANGE)"' in makefile  # what a GPU host installs

@@ -52,7 +52,8 @@ def test_the_ranks_stream_the_map_style_blocks_dealt_in_turn(small_corpus):
 
 
 def test_streaming_is_refused_where_it_cannot_work():
-    from common.arguments import DataArguments, TrainingArguments, _check_together
+    from common.arguments import DataArguments, TrainingArguments
+    from common.parsing import _check_together
     from common.errors import UsageError
     from common.streaming import check_resumable
 

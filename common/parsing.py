@@ -1,0 +1,114 @@
+"""Parse a recipe YAML (`--config`) and command-line overrides into the recipe's argument dataclasses.
+
+Precedence: dataclass defaults < recipe YAML < `--key value` on the command line. Every
+problem (unknown key, wrong type, missing file, options that clash) is a `UsageError` with a
+one-line message; `parse_args` prints it and exits with status 2 (`common.errors`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+import yaml
+from transformers import HfArgumentParser
+
+from common.arguments import DataArguments, TrainingArguments
+from common.errors import UsageError, exit_with_error
+from common.internals import parser_actions
+
+
+def _yaml_to_argv(config: dict, parser: argparse.ArgumentParser, source: str) -> list[str]:
+    """Turn recipe-YAML keys into command-line tokens, so argparse checks their types."""
+    actions = parser_actions(parser)
+    argv = []
+    for key, value in config.items():
+        if key not in actions or key in ("help", "config"):
+            raise UsageError(f"{source}: unknown key {key!r}; run the recipe with --help to list the keys")
+        if value is None:
+            continue
+        values = value if isinstance(value, list) else [value]
+        argv += [f"--{key}"] + [json.dumps(v) if isinstance(v, (dict, bool)) else str(v) for v in values]
+    return argv
+
+
+class _RaisingParser(HfArgumentParser):
+    def __init__(self, dataclass_types):
+        super().__init__(dataclass_types, allow_abbrev=False)  # --learning_rat is an error, not --learning_rate
+
+    def error(self, message):  # argparse prints usage and exits; we want one line
+        raise UsageError(message)
+
+
+def parse_args(dataclass_types, argv: list[str] | None = None):
+    """Parse `--config recipe.yaml` plus command-line overrides into dataclass instances.
+
+    Prints a one-line error and exits with status 2 on bad input."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        return _parse(dataclass_types, argv)
+    except UsageError as error:
+        exit_with_error(error)
+
+
+def _parse(dataclass_types, argv):
+    parser = _RaisingParser(dataclass_types)
+    parser.add_argument("--config", help="Recipe YAML; command-line flags override its values.")
+    config_path = _find_config(argv)
+    yaml_argv: list[str] = []
+    if config_path is not None:
+        if not os.path.isfile(config_path):
+            raise UsageError(f"--config: {config_path} does not exist; pass a recipe YAML such as recipes/configs/*.yaml")
+        with open(config_path) as handle:
+            try:
+                config = yaml.safe_load(handle) or {}
+            except yaml.YAMLError as error:
+                raise UsageError(f"{config_path}: not valid YAML ({str(error).splitlines()[0]})")
+        if not isinstance(config, dict):
+            raise UsageError(f"{config_path}: expected a mapping of key: value")
+        yaml_argv = _yaml_to_argv(config, parser, config_path)
+        try:  # type-check the YAML on its own, so an error names the file
+            parser.parse_known_args(yaml_argv)
+        except UsageError as error:
+            raise UsageError(f"{config_path}: {error}")
+    *parsed, remaining = parser.parse_args_into_dataclasses(
+        args=yaml_argv + argv, return_remaining_strings=True, look_for_args_file=False)
+    if remaining:
+        raise UsageError(f"unknown argument(s) {' '.join(remaining)}; run with --help to list them")
+    _check_together(parsed)
+    return tuple(parsed[:len(dataclass_types)])  # parsed[-1] is the namespace holding --config
+
+
+def _check_together(parsed) -> None:
+    """Arguments that are fine alone but not together."""
+    data = next((p for p in parsed if isinstance(p, DataArguments)), None)
+    training = next((p for p in parsed if isinstance(p, TrainingArguments)), None)
+    if data is not None and training is not None and getattr(data, "streaming", False):
+        if any(getattr(p, "reads_data_in_memory", False) for p in parsed):
+            raise UsageError("--streaming is for the packed-text recipes (causal_lm.py, lora.py); this recipe reads "
+                             "its data in memory: drop --streaming")
+        if training.max_steps <= 0:
+            raise UsageError("--streaming needs --max_steps: a stream has no length to count epochs by")
+        if training.auto_find_batch_size:
+            raise UsageError("--streaming cannot be used with --auto_find_batch_size; set --per_device_train_batch_size")
+
+
+def _find_config(argv: list[str]) -> str | None:
+    for index, token in enumerate(argv):
+        if token == "--config":
+            if index + 1 >= len(argv):
+                raise UsageError("--config needs a path to a recipe YAML")
+            return argv[index + 1]
+        if token.startswith("--config="):
+            return token.split("=", 1)[1]
+    return None
+
+
+def to_dict(*instances) -> dict:
+    merged = {}
+    for instance in instances:
+        merged.update(dataclasses.asdict(instance))
+    return merged
