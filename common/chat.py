@@ -1,5 +1,7 @@
-"""SFT examples: conversations (`messages`) or prompt-completion pairs, tokenized with
-labels on what the model should learn to say and -100 elsewhere.
+"""SFT examples: conversations or prompt-completion pairs, tokenized with labels on the answers only.
+
+Conversations (`messages`) or prompt-completion pairs get labels on what the model should
+learn to say and -100 elsewhere.
 
 Labels come from the rendered text, so any chat template works, with or without
 `{% generation %}` markers: for each assistant turn the template renders the

@@ -1,5 +1,7 @@
-"""Datasets: load from the Hub or local files, tokenize with a cached batched `map`,
-pack token streams into fixed-length blocks, and build seeded dataloaders."""
+"""Datasets: load, tokenize, pack into blocks and batch, with seeded dataloaders.
+
+From the Hub or local files, tokenized with a cached batched `map`; token streams packed
+into fixed-length blocks."""
 
 from __future__ import annotations
 

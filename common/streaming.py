@@ -1,5 +1,6 @@
-"""--streaming: a training split read as it is consumed (a datasets IterableDataset), for
-corpora larger than memory or disk, from the Hub or from local files.
+"""--streaming: a training split read as it is consumed, for corpora larger than memory or disk.
+
+A datasets IterableDataset, from the Hub or from local files.
 
 * Packed as the map-style path packs (documents joined with EOS, cut into block_size
   blocks, the partial block of every 1,000 documents dropped), on the fly.

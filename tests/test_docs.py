@@ -124,3 +124,30 @@ def test_training_loops_do_not_drift(recipe):
     """Each recipe writes its loop out in full (readers copy one file); the copies stay identical
     to causal_lm.py's, the way accelerate's examples diff each feature script against its base."""
     assert _loop(recipe) == _loop("causal_lm.py")
+
+
+def test_readme_is_a_front_door():
+    assert len(README.splitlines()) <= 250, "README.md is for users: depth and figures go to docs/"
+
+
+def test_readme_layout_names_every_common_module_and_each_opens_with_its_one_job():
+    layout = README.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    listed = {name.strip() for line in layout.splitlines() if line.startswith("  ") and not line.startswith("   ")
+              for name in line.split("  ")[1].split(",")}
+    modules = {path.stem for path in (REPO / "common").glob("*.py") if path.stem != "__init__"}
+    assert modules <= listed, f"common/ modules missing from the README's layout: {sorted(modules - listed)}"
+    for path in (REPO / "common").glob("*.py"):
+        if path.stem == "__init__":
+            continue
+        first = path.read_text().splitlines()[0]
+        assert first.startswith('"""') and first.rstrip('"').endswith("."), \
+            f"{path.name} should open with a one-line docstring of its job, got {first!r}"
+        assert len(path.read_text().splitlines()) <= 270, f"{path.name} has grown past one job's size"
+
+
+def test_links_in_the_readme_and_docs_point_at_files_that_exist():
+    pages = [REPO / "README.md", *(REPO / "docs").glob("*.md")]
+    for page in pages:
+        for target in re.findall(r"\]\(([^)#]+)\)", page.read_text()):
+            if "://" not in target:
+                assert (page.parent / target).exists(), f"{page.name} links to missing {target}"

@@ -3,7 +3,7 @@ at 101M parameters, bf16 as the configs ship, accumulation 2: every CPU-runnable
 processes (single.yaml on 1), and on 4 every config whose memory per rank takes another form
 there (the others are the same YAML in another form, or differ from one of these only where a
 CPU has no device to offload from); zero3 on 4 with activation checkpointing. (The whole
-matrix, every config on 2 and on 4, is `make benchmark`'s table in the README;
+matrix, every config on 2 and on 4, is `make benchmark`'s table, written to docs/benchmark.md;
 tests/test_strategies.py checks the model-state categories of every config's runs on 1, 2 and
 4 processes at the tiny size.)"""
 
@@ -28,7 +28,7 @@ ON_2 = ["ddp.yaml", "fsdp.yaml", "fsdp_shard_grad_op.yaml", "fsdp_offload.yaml",
         "zero2_json.yaml", "zero2_offload.yaml", "zero3.yaml", "zero3_offload.yaml"]
 # Not again on 4: ddp (every rank holds everything, on any number), fsdp_offload (fsdp's
 # shards, and the checkpointing its YAML asks for, which zero3 on 4 has), zero1 (one DeepSpeed
-# optimizer serves ZeRO-1 and 2: the same account on 2 and on 4 in the README's tables),
+# optimizer serves ZeRO-1 and 2: the same account on 2 and on 4 in make benchmark's tables),
 # zero2_json (zero2.yaml as a DeepSpeed JSON) and zero3_offload (zero3's partitions, offloaded
 # to the memory they are already in).
 ON_4 = ["fsdp.yaml", "fsdp_shard_grad_op.yaml", "zero2.yaml", "zero2_offload.yaml"]
