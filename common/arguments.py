@@ -98,7 +98,13 @@ class TrainingArguments:
     adam_epsilon: float = 1e-8
     max_grad_norm: float = field(default=1.0, metadata={
         "help": "Clip the global gradient norm to this under every strategy (DeepSpeed included); 0: no clipping."})
-    lr_scheduler_type: str = field(default="cosine", metadata={"help": "Any transformers.get_scheduler name."})
+    lr_scheduler_type: str = field(default="cosine", metadata={
+        "help": "A transformers.get_scheduler name, stepped once per optimizer step (not reduce_lr_on_plateau or "
+                "greedy, which step on an evaluation metric)."})
+    lr_scheduler_kwargs: str | None = field(default=None, metadata={
+        "help": "The scheduler's own arguments as a JSON object (a mapping in the recipe YAML), e.g. "
+                "'{\"min_lr_rate\": 0.1}' for cosine_with_min_lr, '{\"num_decay_steps\": 100}' for "
+                "warmup_stable_decay."})
     warmup_steps: int = 0
     logging_steps: int = 10
     eval_steps: int = field(default=0, metadata={"help": "Evaluate every N steps; 0 evaluates at the end only."})
@@ -142,11 +148,7 @@ class TrainingArguments:
         for key in ("adam_beta1", "adam_beta2"):
             if not 0 <= getattr(self, key) < 1:
                 raise UsageError(f"--{key} must be in [0, 1), got {getattr(self, key)}")
-        from transformers import SchedulerType
-        schedulers = [kind.value for kind in SchedulerType]
-        if self.lr_scheduler_type not in schedulers:
-            raise UsageError(f"--lr_scheduler_type {self.lr_scheduler_type!r} is not a scheduler; use one of "
-                             f"{', '.join(schedulers)}")
+        self._check_scheduler()
         if os.path.exists(self.output_dir) and not os.path.isdir(self.output_dir):
             raise UsageError(f"--output_dir {self.output_dir} is a file; pass a folder (it is created if missing)")
         if self.profile_steps:
@@ -162,6 +164,52 @@ class TrainingArguments:
             raise UsageError(f"--report_to must be tensorboard, wandb or none, got {self.report_to!r}")
         if self.resume_from_checkpoint not in (None, "latest"):
             require_path(self.resume_from_checkpoint, "resume_from_checkpoint")
+
+
+    @property
+    def scheduler_kwargs(self) -> dict:
+        return json.loads(self.lr_scheduler_kwargs) if self.lr_scheduler_kwargs else {}
+
+    def _check_scheduler(self) -> None:
+        """Every scheduler offered steps with no argument, once per optimizer step: those that need
+        a metric are refused, and those that need arguments are built once here to check them."""
+        import torch
+        from transformers import SchedulerType, get_scheduler
+
+        offered = [kind.value for kind in SchedulerType if kind.value not in METRIC_SCHEDULERS]
+        if self.lr_scheduler_type in METRIC_SCHEDULERS:
+            raise UsageError(f"--lr_scheduler_type {self.lr_scheduler_type} steps on an evaluation metric, which "
+                             f"these recipes' loop does not give it; use one of {', '.join(offered)}")
+        if self.lr_scheduler_type not in offered:
+            raise UsageError(f"--lr_scheduler_type {self.lr_scheduler_type!r} is not a scheduler; use one of "
+                             f"{', '.join(offered)}")
+        try:
+            kwargs = self.scheduler_kwargs
+        except ValueError as error:
+            raise UsageError(f"--lr_scheduler_kwargs is not JSON ({error}); pass an object such as "
+                             f"'{{\"min_lr_rate\": 0.1}}'") from None
+        if not isinstance(kwargs, dict):
+            raise UsageError(f"--lr_scheduler_kwargs must be a JSON object, got {self.lr_scheduler_kwargs}")
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=self.learning_rate or 1.0)
+        steps = max(self.max_steps, self.warmup_steps + 1, 2)
+        try:
+            schedule = get_scheduler(self.lr_scheduler_type, optimizer, num_warmup_steps=self.warmup_steps,
+                                     num_training_steps=steps, scheduler_specific_kwargs=kwargs)
+            optimizer.step()
+            schedule.step()
+        except (TypeError, ValueError) as error:
+            example = SCHEDULER_KWARGS_EXAMPLES.get(self.lr_scheduler_type, "{}")
+            reason = str(error).splitlines()[0]
+            raise UsageError(f"--lr_scheduler_type {self.lr_scheduler_type} with --lr_scheduler_kwargs "
+                             f"{json.dumps(kwargs)}: {reason}; pass its arguments, e.g. --lr_scheduler_kwargs "
+                             f"'{example}'") from None
+
+
+# Schedulers whose step() takes an evaluation metric; the recipes step once per optimizer step.
+METRIC_SCHEDULERS = ("reduce_lr_on_plateau", "greedy")
+SCHEDULER_KWARGS_EXAMPLES = {"cosine_with_min_lr": '{"min_lr_rate": 0.1}',
+                             "cosine_warmup_with_min_lr": '{"min_lr_rate": 0.1}',
+                             "warmup_stable_decay": '{"num_decay_steps": 100}'}
 
 
 def _require_json_config(path: str) -> None:

@@ -9,14 +9,19 @@ before the run starts (`common.reshard`).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import pickle
+import re
 import shutil
+import zipfile
 
 from common import reshard
-from common.errors import UsageError, describe
+from common.errors import RunStopped, UsageError, describe
 from common.internals import repair_zero3_universal_load, zero3_hyperparameters
 from common.nonfinite import check_finite_weights
+from common.peers import lost_peer_message
 from common.run_dir import MODEL_FILES, STATE_FILE, checkpoints_dir, list_checkpoints, swap_into_place
 
 
@@ -63,16 +68,44 @@ def load_checkpoint(accelerator, path: str | None, optimizer, scheduler) -> dict
             repair_zero3_universal_load(optimizer, hyperparameters)
         with open(os.path.join(path, STATE_FILE)) as handle:
             state = json.load(handle)
-    except Exception as error:  # every failure here means the same to the user; name it, keep its first line
-        raise UsageError(f"checkpoint {path} does not load into this run ({describe(error)}); it is "
-                         "damaged or from other model/strategy arguments: resume with the arguments in its run's "
-                         "run.json, pass another --resume_from_checkpoint, or start afresh with "
-                         "--overwrite_output_dir") from None
+    except Exception as error:
+        if lost_peer_message(error, None) is not None:
+            raise  # a collective failed: the exit policy names the lost peer
+        raise load_failure(path, error) from None
     reshard.schedule_from_before_per_step(scheduler, state)
     saved_processes = state.get("num_processes", accelerator.num_processes)
     accelerator.print(f"resumed from {path} at step {state['step']}"
                       + (f" (saved by {saved_processes} processes)" if saved_processes != accelerator.num_processes else ""))
     return state
+
+
+# errno values that mean the host's storage failed, not the checkpoint
+HOST_IO_ERRORS = (errno.EIO, errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.ESTALE, errno.ETIMEDOUT,
+                  errno.ENOMEM, errno.EDQUOT)
+DAMAGED = re.compile(r"deserializ|header|unexpected end|truncat|corrupt|invalid load key|PytorchStreamReader|"
+                     r"zip archive|Expecting value|Unterminated|EOF", re.IGNORECASE)
+
+
+def load_failure(path: str, error: BaseException) -> Exception:
+    """The one-line error for a checkpoint that does not load: a fault of this host (memory, I/O),
+    a damaged file, or a checkpoint written with other model or strategy arguments."""
+    reason = describe(error)
+    if isinstance(error, MemoryError) or "out of memory" in str(error).lower():
+        return RunStopped(f"checkpoint {path} could not be loaded: this host ran out of memory ({reason}); free "
+                          "memory (fewer processes per node, a host with more) and resume again; the checkpoint "
+                          "itself may be fine")
+    if isinstance(error, OSError) and error.errno in HOST_IO_ERRORS:
+        return RunStopped(f"checkpoint {path} could not be read: an I/O error on this host ({reason}); check the "
+                          "filesystem (space, permissions, the mount) and resume again; the checkpoint itself may "
+                          "be fine")
+    if isinstance(error, (FileNotFoundError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile)) or \
+            DAMAGED.search(f"{type(error).__name__}: {error}"):
+        return UsageError(f"checkpoint {path} is damaged ({reason}): resume from an earlier one "
+                          "(--resume_from_checkpoint <output_dir>/checkpoints/step_N) or start afresh with "
+                          "--overwrite_output_dir")
+    return UsageError(f"checkpoint {path} does not load into this run ({reason}); it was written with other "
+                      "model or strategy arguments: resume with the arguments in its run's run.json, pass another "
+                      "--resume_from_checkpoint, or start afresh with --overwrite_output_dir")
 
 
 def write_model_files(model, tokenizer, dtype, folder: str) -> None:

@@ -34,14 +34,22 @@ def describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {reason}"[:300]
 
 
+# How long another rank waits before it reports: an error every rank meets is reported by rank 0,
+# and torchrun ends the other ranks as soon as rank 0 exits.
+REPORT_AFTER_S = 10.0
+
+
 def exit_with_error(error: Exception | str, status: int = 2, every_node: bool = False):
-    """Print `error: ...` once (rank 0; with `every_node`, local rank 0 of each node) and exit."""
-    reporter = os.environ.get("LOCAL_RANK" if every_node else "RANK", "0")
-    if int(reporter) == 0:
-        close_progress_bars()  # so the error starts its own line
-        print(f"error: {error}", file=sys.stderr, flush=True)
-    else:  # let rank 0 report first: torchrun kills the other ranks once one exits
-        time.sleep(10)
+    """Print `error: ...` once and exit. Rank 0 (with `every_node`, local rank 0 of each node)
+    prints at once; another rank prints `error: rank N: ...` only if it is still running
+    REPORT_AFTER_S later, that is when rank 0 did not meet the same error (it may be waiting in
+    a collective for this rank, which torchrun ends once this one exits)."""
+    reporter = int(os.environ.get("LOCAL_RANK" if every_node else "RANK", "0")) == 0
+    if not reporter:
+        time.sleep(REPORT_AFTER_S)
+    close_progress_bars()  # so the error starts its own line
+    where = "" if reporter else f"rank {os.environ.get('RANK', '?')}: "
+    print(f"error: {where}{error}", file=sys.stderr, flush=True)
     sys.exit(status)
 
 

@@ -16,7 +16,7 @@ import torch
 
 from common.checkpoints import save_config
 from common.errors import UsageError
-from common.internals import without_zero3_init
+from common.internals import is_zero3_parameter, without_zero3_init
 from common.peers import main_process_alone
 from common.run_dir import write_folder
 
@@ -96,19 +96,36 @@ def _read_dcp(folder: str) -> dict:
 
 
 def master_state_dict(accelerator, model) -> dict:
-    """The full state dict, with trainable parameters taken from the optimizer's master
-    copy where DeepSpeed keeps one (its bf16 mode trains fp32 partitions behind bf16
-    module weights). Collective: every rank calls it; ZeRO-3 gathers each parameter."""
-    state_dict = accelerator.get_state_dict(model)
-    if getattr(accelerator.state, "deepspeed_plugin", None) is None:
-        return state_dict
+    """The full state dict, on the main process (other ranks get {}), in one gather. Collective:
+    every rank calls it. Under DeepSpeed each trainable parameter comes from the optimizer's
+    fp32 master copy (its bf16 mode trains fp32 partitions behind bf16 module weights), gathered
+    one parameter at a time, and a frozen ZeRO-3 parameter from its partitions; no 16-bit copy of
+    the model is gathered first, so ZeRO-3 needs no stage3_gather_16bit_weights_on_model_save."""
+    if accelerator.state.deepspeed_plugin is None:
+        return accelerator.get_state_dict(model)
+    import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param
 
-    for key, parameter in accelerator.unwrap_model(model).named_parameters():
-        if parameter.requires_grad:
-            master = safe_get_full_fp32_param(parameter)
-            if master is not None and accelerator.is_main_process and key in state_dict:
-                state_dict[key] = master.detach().cpu()
+    unwrapped = accelerator.unwrap_model(model)
+    parameters = dict(unwrapped.named_parameters(remove_duplicate=False))
+    gathered, state_dict = {}, {}
+    for key, value in unwrapped.state_dict().items():  # ZeRO-3: placeholders for parameters, no gather
+        parameter = parameters.get(key)
+        if parameter is None:  # a buffer: whole on every rank
+            full = value
+        elif id(parameter) in gathered:  # tied to a parameter already gathered
+            full = gathered[id(parameter)]
+        else:
+            full = safe_get_full_fp32_param(parameter) if parameter.requires_grad else None
+            if full is None and is_zero3_parameter(parameter):
+                with deepspeed.zero.GatheredParameters([parameter]):
+                    full = parameter.data.detach().cpu().clone() if accelerator.is_main_process else None
+            elif full is None:
+                full = parameter.data
+            full = full.detach().cpu() if accelerator.is_main_process and full is not None else None
+            gathered[id(parameter)] = full
+        if accelerator.is_main_process:
+            state_dict[key] = full.detach().cpu()
     return state_dict
 
 

@@ -21,6 +21,7 @@ from accelerate.utils import gather_object
 
 from common.flops import ModelFlops, device_peak_tflops
 from common.memory import MemoryAccount, current_memory
+from common.run_dir import write_atomically
 
 
 class MetricsLogger:
@@ -47,11 +48,18 @@ class MetricsLogger:
                              disable=not accelerator.is_main_process, dynamic_ncols=True)
 
     def _drop_rows_after(self, step: int) -> None:
-        """A resumed run repeats the steps after its checkpoint: drop the crashed run's copies."""
+        """A resumed run repeats the steps after its checkpoint: drop the crashed run's copies,
+        and a last line that a crash left half-written (the file is replaced whole)."""
+        kept = []
         with open(self.path) as handle:
-            kept = [line for line in handle if json.loads(line)["step"] <= step]
-        with open(self.path, "w") as handle:
-            handle.writelines(kept)
+            for line in handle:
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    continue  # torn by a crash mid-write
+                if row.get("step", 0) <= step:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+        write_atomically(self.path, "".join(kept))
 
     def record_batch(self, loss: torch.Tensor, batch: dict) -> None:
         """Call on every micro-batch: counts tokens that carry a label, and the loss."""
@@ -112,8 +120,7 @@ class MetricsLogger:
             with open(path) as handle:
                 record = json.load(handle)
             record["memory_per_rank"] = per_rank
-            with open(path, "w") as handle:
-                json.dump(record, handle, indent=2, default=str)
+            write_atomically(path, json.dumps(record, indent=2, default=str))
 
     def log_eval(self, step: int, metrics: dict) -> dict:
         row = {"step": step, **metrics, "elapsed_s": time.perf_counter() - self.start_time}

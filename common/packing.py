@@ -49,6 +49,14 @@ def _example_index(position_ids: torch.Tensor):
     return index, real
 
 
+def _sliding_window_mask(length: int, window: int, device) -> torch.Tensor:
+    """Causal attention over the last `window` positions, as transformers' sliding-window mask:
+    query i sees keys j with i - window < j <= i."""
+    positions = torch.arange(length, device=device)
+    offset = positions[:, None] - positions[None, :]
+    return (offset >= 0) & (offset < window)
+
+
 def sdpa_varlen_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     if attention_mask is not _PACKED:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -60,8 +68,10 @@ def sdpa_varlen_forward(module, query, key, value, attention_mask, dropout=0.0, 
     index, real = _example_index(position_ids)
     # [1, heads, tokens, dim] -> [examples, heads, longest, dim]
     q, k, v = (t[0][:, index].transpose(0, 1) for t in (query, key, value))
-    out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout if module.training else 0.0, is_causal=True,
-                                         scale=scaling, enable_gqa=q.shape[1] != k.shape[1])
+    window = kwargs.get("sliding_window")  # Mistral, Qwen2 and friends pass their layer's window
+    mask = None if not window else _sliding_window_mask(q.shape[2], window, q.device)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout if module.training else 0.0,
+                                         is_causal=mask is None, scale=scaling, enable_gqa=q.shape[1] != k.shape[1])
     # real positions, row-major, are the row's tokens in order: [1, tokens, heads, dim]
     return out.transpose(0, 1)[:, real].transpose(0, 1).unsqueeze(0), None
 

@@ -9,6 +9,7 @@ Nothing of an earlier run is touched until the new run is known to start.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import shutil
@@ -61,6 +62,16 @@ def clear_earlier_run(output_dir: str) -> None:
         os.remove(os.path.join(output_dir, "metrics.jsonl"))
 
 
+def write_atomically(path: str, text: str) -> None:
+    """Replace the file at `path` with `text` whole: a crash leaves the old file or the new one."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
 def write_folder(target: str, write) -> None:
     """Write into target.tmp, then swap it into place, so a crash leaves the old folder whole."""
     tmp = f"{target}.tmp"
@@ -70,6 +81,29 @@ def write_folder(target: str, write) -> None:
 
 
 def swap_into_place(tmp: str, target: str) -> None:
-    """Replace `target` with the complete folder `tmp` (the rename itself is atomic)."""
-    shutil.rmtree(target, ignore_errors=True)
-    os.replace(tmp, target)
+    """Replace `target` with the complete folder `tmp`, atomically: `target` names the old folder
+    or the new one at every moment, never neither. Linux's renameat2(RENAME_EXCHANGE) swaps the
+    two names in one step, and the old folder (now at `tmp`) is removed afterwards; where that
+    call is missing, the old folder is first moved to `target.old` (a crash between the two
+    renames leaves it there, and `resolve_checkpoint` never reads it)."""
+    if not os.path.exists(target):
+        os.replace(tmp, target)
+        return
+    if not _exchange(tmp, target):
+        old = f"{target}.old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(target, old)
+        os.replace(tmp, target)
+        tmp = old
+    shutil.rmtree(tmp)
+
+
+def _exchange(first: str, second: str) -> bool:
+    """Swap two paths in one step (Linux renameat2 with RENAME_EXCHANGE); False where unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        rename = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_cwd, exchange = -100, 2  # AT_FDCWD, RENAME_EXCHANGE
+    return rename(at_cwd, os.fsencode(first), at_cwd, os.fsencode(second), exchange) == 0

@@ -13,6 +13,7 @@ from common import memory
 from common.accelerator import Launch, participating_processes
 from common.internals import master_weights_dtype
 from common.model import local_parameter_shards
+from common.run_dir import write_atomically
 
 PACKAGES = ("torch", "accelerate", "transformers", "datasets", "deepspeed", "peft", "evaluate", "tokenizers")
 
@@ -112,8 +113,7 @@ def record_run(accelerator, launch: Launch, model, optimizer, args: dict, output
     if accelerator.is_main_process:
         os.makedirs(output_dir, exist_ok=True)
         print(json.dumps(record, indent=2, default=str))
-        with open(os.path.join(output_dir, "run.json"), "w") as handle:
-            json.dump(record, handle, indent=2, default=str)
+        write_atomically(os.path.join(output_dir, "run.json"), json.dumps(record, indent=2, default=str))
     return record
 
 

@@ -69,7 +69,7 @@ def create_scheduler(optimizer, args: TrainingArguments, max_steps: int):
     """transformers' schedule over the run's optimizer steps: the recipes step it once per
     optimizer step (`common.accelerator` tells accelerate not to step it per process)."""
     return get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=args.warmup_steps,
-                         num_training_steps=max_steps)
+                         num_training_steps=max_steps, scheduler_specific_kwargs=args.scheduler_kwargs)
 
 
 @torch.no_grad()

@@ -114,5 +114,28 @@ def test_corrupt_checkpoint_changes_nothing(earlier_run, markov_data, tmp_path):
     weights.write_bytes(weights.read_bytes()[:100])  # a save cut short
     before = snapshot(out)
     error = launch_bad(causal_lm_args(markov_data, out, max_steps=4, resume_from_checkpoint="latest"))
-    assert re.search(r"checkpoint .*step_2 does not load into this run \(\w+", error), error
+    assert re.search(r"checkpoint .*step_2 is damaged \(\w+.*resume from an earlier one", error), error
     assert snapshot(out) == before
+
+
+@pytest.mark.slow
+def test_an_error_only_rank_1_meets_is_one_line_naming_the_rank_and_every_rank_exits(markov_data, tmp_path):
+    """A copy of a recipe (as a user writes one) whose rank 1 alone meets bad input, while rank 0
+    waits for it in a collective: the user sees one line from rank 1, and the launch ends."""
+    import time
+
+    recipe = tmp_path / "my_recipe.py"
+    recipe.write_text(
+        "from common.arguments import DataArguments, ModelArguments, TrainingArguments\n"
+        "from common.errors import UsageError\n"
+        "from common.run import run_recipe, start_run\n\n\n"
+        "def main(model_args, data_args, args):\n"
+        "    run = start_run(model_args, data_args, args)\n"
+        "    if run.accelerator.process_index == 1:\n"
+        "        raise UsageError('the shard for this rank does not load: check its files')\n"
+        "    run.accelerator.wait_for_everyone()  # rank 0 waits for rank 1\n\n\n"
+        "run_recipe(main, ModelArguments, DataArguments, TrainingArguments)\n")
+    started = time.monotonic()
+    error = launch_bad(causal_lm_args(markov_data, tmp_path / "out"), recipe=recipe)
+    assert error == "error: rank 1: the shard for this rank does not load: check its files"
+    assert time.monotonic() - started < 120  # not the collective timeout (1800 s)

@@ -102,7 +102,7 @@ def test_deepspeed_clipping_follows_max_grad_norm_or_is_refused():
 # --- epochs with a remainder, and resuming past an epoch boundary ---------------------
 
 @pytest.mark.slow
-def test_epochs_with_a_remainder_resume_exactly(tmp_path):
+def test_epochs_with_a_remainder_resume_exactly_past_a_torn_metrics_line(tmp_path):
     from common.synthetic import write_markov_corpus
 
     data = tmp_path / "data"
@@ -129,10 +129,15 @@ def test_epochs_with_a_remainder_resume_exactly(tmp_path):
     assert state["data"] == {"epoch": 1, "samples": accumulation * 2 * 2, "global_batch": accumulation * 2 * 2}
     stopped = tmp_path / "stopped"
     shutil.copytree(full / "checkpoints" / f"step_{after_boundary}", stopped / "checkpoints" / f"step_{after_boundary}")
+    # The stopped run had logged two steps past its checkpoint when a crash tore its last line in half.
+    rows = (full / "metrics.jsonl").read_text().splitlines(keepends=True)
+    logged = [row for row in rows if json.loads(row)["step"] <= after_boundary + 2]
+    (stopped / "metrics.jsonl").write_text("".join(logged) + rows[len(logged)][:25])
     launch("ddp.yaml", "causal_lm.py", causal_lm_args(data, stopped, resume_from_checkpoint="latest", **args),
            launcher_args=FP32)
-    resumed = read_metrics(stopped)[0]
-    assert [r["step"] for r in resumed] == list(range(after_boundary + 1, 3 * per_epoch + 1))
+    kept = read_metrics(stopped)[0]  # every line parses again
+    assert [r["step"] for r in kept] == list(range(1, 3 * per_epoch + 1))  # the crashed run's extra steps dropped
+    resumed = kept[after_boundary:]
     gap = max(abs(a["loss"] - b["loss"]) for a, b in zip(train[after_boundary:], resumed))
     assert gap < 1e-6 and max_weight_difference(stopped / "final", full / "final") < 1e-6
 

@@ -282,3 +282,40 @@ def test_per_example_attention_never_crosses_conversations(arithmetic_data):
         assert (leaky[first:] - logits[1][first:]).abs().max() > 1e-4
 
 
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_per_example_attention_honours_sliding_windows(family):
+    """Mistral-style (every layer) and Qwen2-style (some layers) sliding-window attention: a packed
+    row under sdpa_varlen gives the padded batch's loss and gradients, windows shorter than the
+    conversations included."""
+    from transformers import (DataCollatorWithFlattening, MistralConfig, MistralForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM)
+
+    from common.packing import use_per_example_attention
+
+    shape = dict(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, sliding_window=4, attn_implementation="sdpa", pad_token_id=0, use_cache=False)
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(**shape)) if family == "mistral" else \
+        Qwen2ForCausalLM(Qwen2Config(**shape, use_sliding_window=True, max_window_layers=1))
+    lengths = (11, 7, 13, 5)
+    features = [{"input_ids": ids, "labels": ids} for ids in (torch.randint(3, 100, (n,)).tolist() for n in lengths)]
+    padded = {key: torch.full((len(lengths), max(lengths)), fill) for key, fill in
+              (("input_ids", 0), ("labels", -100), ("attention_mask", 0))}
+    for row, feature in enumerate(features):
+        n = len(feature["input_ids"])
+        padded["input_ids"][row, :n] = padded["labels"][row, :n] = torch.tensor(feature["input_ids"])
+        padded["attention_mask"][row, :n] = 1
+
+    def loss_and_gradient(batch):
+        model.zero_grad()
+        loss = model(**batch).loss
+        loss.backward()
+        return loss.item(), torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    padded_loss, padded_gradient = loss_and_gradient(padded)
+    assert use_per_example_attention(model) == "sdpa_varlen"
+    packed_loss, packed_gradient = loss_and_gradient(DataCollatorWithFlattening()(features))
+    assert packed_loss == pytest.approx(padded_loss, abs=1e-5)
+    assert (packed_gradient - padded_gradient).abs().max() < 1e-5

@@ -237,10 +237,12 @@ def relative_update_difference(final, reference_final, initial) -> float:
 def test_zero3_checkpoint_of_another_sub_group_size_resumes_through_its_universal_conversion(markov_data, tmp_path):
     """ZeRO-3's flat optimizer partitions are cut into sub-groups of sub_group_size elements, so a
     checkpoint from a run with another size (e.g. one written before common.accelerator set it)
-    does not load as it is: it is converted, as for another world size, and continues exactly."""
+    does not load as it is: it is converted, as for another world size, and continues exactly.
+    The JSON leaves out stage3_gather_16bit_weights_on_model_save, as users' often do: the final
+    export gathers the fp32 master weights itself and needs no 16-bit copy."""
     ds = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
           "gradient_clipping": "auto", "bf16": {"enabled": False},
-          "zero_optimization": {"stage": 3, "sub_group_size": 1000, "stage3_gather_16bit_weights_on_model_save": True}}
+          "zero_optimization": {"stage": 3, "sub_group_size": 1000}}
     writer = deepspeed_json_config(tmp_path, "zero3_small_groups", ds, zero3_init=True)
     out, stopped, steps = tmp_path / "run", tmp_path / "stopped", 8
     args = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=steps, save_steps=4)

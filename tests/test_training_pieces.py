@@ -1,6 +1,7 @@
 """Optimizer groups, schedule scaling and checkpoint bookkeeping, without launching anything."""
 
 import os
+import re
 
 import pytest
 
@@ -201,3 +202,95 @@ def test_bf16_on_a_cpu_without_bf16_instructions_falls_back_to_fp32_unless_emula
         assert os.environ["ACCELERATE_MIXED_PRECISION"] == "no"
         assert warned.startswith("warning: mixed_precision=bf16 asked for, but this CPU has no bf16 instructions")
         assert "RECIPES_EMULATE_BF16=true" in warned and warned.strip().endswith("training in fp32")
+
+
+@pytest.mark.parametrize("kind", [kind.value for kind in __import__("transformers").SchedulerType])
+def test_every_scheduler_offered_trains_or_is_refused_before_start_up(kind):
+    """Each transformers scheduler either steps once per optimizer step through the recipes'
+    create_scheduler (with --lr_scheduler_kwargs where it needs arguments, which it names when
+    they are missing) or is refused while parsing with one line."""
+    from common.arguments import METRIC_SCHEDULERS, SCHEDULER_KWARGS_EXAMPLES
+
+    if kind in METRIC_SCHEDULERS:
+        with pytest.raises(UsageError, match=f"{kind} steps on an evaluation metric"):
+            TrainingArguments(lr_scheduler_type=kind)
+        return
+    example = SCHEDULER_KWARGS_EXAMPLES.get(kind)
+    if example is not None:
+        with pytest.raises(UsageError, match=f"pass its arguments, e.g. --lr_scheduler_kwargs '{re.escape(example)}'"):
+            TrainingArguments(lr_scheduler_type=kind, max_steps=10)
+        example = example.replace("100", "4")  # decay over the last 4 of 10 steps
+    args = TrainingArguments(lr_scheduler_type=kind, lr_scheduler_kwargs=example, warmup_steps=2, learning_rate=1.0,
+                             max_steps=10)
+    optimizer = create_optimizer(tiny_llama(), args)
+    scheduler = create_scheduler(optimizer, args, max_steps=10)
+    lrs = []
+    for _ in range(10):
+        optimizer.step()
+        scheduler.step()
+        lrs.append(scheduler.get_last_lr()[0])
+    assert all(0 <= lr <= 1.0 for lr in lrs) and lrs[1] > 0, lrs  # finite, within the peak, and moving
+
+
+def test_a_checkpoint_that_does_not_load_says_whether_the_host_the_file_or_the_arguments_are_at_fault(tmp_path):
+    """Real failures of each kind, raised by the libraries that raise them, classified."""
+    import errno
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from common.checkpoints import load_failure
+    from common.errors import RunStopped
+
+    def failure_of(action):
+        try:
+            action()
+        except Exception as error:  # noqa: BLE001 - the point is to see what each raises
+            return load_failure("step_2", error)
+        raise AssertionError("no failure")
+
+    weights = tmp_path / "model.safetensors"
+    save_file({"w": torch.zeros(4, 4)}, str(weights))
+    weights.write_bytes(weights.read_bytes()[:20])  # a save cut short
+    damaged = failure_of(lambda: load_file(str(weights)))
+    assert isinstance(damaged, UsageError) and "step_2 is damaged" in str(damaged), damaged
+    other = failure_of(lambda: torch.nn.Linear(4, 8).load_state_dict({"weight": torch.zeros(4, 4), "bias": torch.zeros(4)}))
+    assert isinstance(other, UsageError) and "written with other model or strategy arguments" in str(other), other
+    io = failure_of(lambda: (_ for _ in ()).throw(OSError(errno.EIO, "Input/output error", str(weights))))
+    assert isinstance(io, RunStopped) and "an I/O error on this host" in str(io), io
+    memory = failure_of(lambda: (_ for _ in ()).throw(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate")))
+    assert isinstance(memory, RunStopped) and "ran out of memory" in str(memory), memory
+    missing = failure_of(lambda: open(tmp_path / "optimizer.bin", "rb"))
+    assert isinstance(missing, UsageError) and "is damaged" in str(missing), missing
+
+
+def test_a_folder_swap_never_leaves_the_target_missing(tmp_path):
+    """Replacing a complete folder (a same-step checkpoint, final/) is one atomic step: a reader
+    polling the target all along always finds a complete folder, old or new."""
+    import threading
+
+    from common.run_dir import swap_into_place
+
+    target = tmp_path / "step_4"
+    target.mkdir()
+    (target / "complete").write_text("0")
+    missing, done = [], threading.Event()
+
+    def watch():
+        while not done.is_set():
+            if not (target / "complete").exists():
+                missing.append(1)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        for version in range(1, 200):
+            new = tmp_path / "tmp-step_4"
+            new.mkdir()
+            (new / "complete").write_text(str(version))
+            swap_into_place(str(new), str(target))
+            assert not new.exists() and (target / "complete").read_text() == str(version)
+    finally:
+        done.set()
+        watcher.join()
+    assert not missing, f"the target was missing {len(missing)} times while being replaced"
