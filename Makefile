@@ -19,7 +19,7 @@ LAUNCH_ARGS ?=
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE ?= 1
 RESTARTS = $(if $(findstring --max_restarts,$(LAUNCH_ARGS)),--rdzv_backend c10d)
 
-.PHONY: install install-test demo demo-data test test-fast doctor causal_lm sequence_classification lora sft evaluate benchmark benchmark-packing estimate-memory export-checkpoint check-config clean
+.PHONY: install install-test demo demo-data test test-fast test-crashes doctor causal_lm sequence_classification lora sft evaluate benchmark benchmark-packing benchmark-reshard estimate-memory export-checkpoint check-config clean
 
 # torch first: the CPU wheel on hosts without an NVIDIA GPU (no CUDA download),
 # the normal CUDA build where nvidia-smi sees a GPU. Later `torch>=...` pins are then satisfied.
@@ -105,6 +105,11 @@ ESTIMATE_MODEL = $(if $(filter command line environment,$(origin MODEL)),$(MODEL
 estimate-memory: install
 	$(PY) scripts/estimate_memory.py --model $(ESTIMATE_MODEL) --config $(CONFIG) $(ARGS)
 
+# A ZeRO-3 checkpoint's conversion for another world size and the final export's gather, at 101M:
+# time and host memory, written to docs/benchmark-reshard.md.
+benchmark-reshard: install
+	$(PY) scripts/benchmark_reshard.py --docs docs/benchmark-reshard.md $(ARGS)
+
 # Packed vs padded SFT batches (one process), written to docs/benchmark-packing.md: make benchmark-packing ARGS="--steps 20"
 benchmark-packing: install
 	$(PY) scripts/benchmark_packing.py --docs docs/benchmark-packing.md $(ARGS)
@@ -116,6 +121,11 @@ check-config: install
 
 test: install-test
 	$(PY) -m pytest tests $(ARGS)
+
+# Runs killed (SIGKILL, every process) at 21 moments across ddp, fsdp and zero3, inside saves and
+# exports too, each resumed to the uninterrupted run's weights (make test runs 3 of them).
+test-crashes: install-test
+	CRASH_TRIALS=21 $(PY) -m pytest tests/test_crashes.py $(ARGS)
 
 # The quick loop while developing: everything not marked slow.
 test-fast: install-test

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 import warnings
 
 import torch
@@ -17,21 +18,27 @@ import torch
 from common.checkpoints import save_config
 from common.errors import UsageError
 from common.internals import is_zero3_parameter, without_zero3_init
+from common.memory import current_memory
 from common.peers import main_process_alone
 from common.run_dir import write_folder
 
 
 def export_final(accelerator, model, tokenizer, output_dir: str, dtype, name: str = "final",
-                 merge_adapter: bool = False) -> str:
+                 merge_adapter: bool = False, cost: dict | None = None) -> str:
     """Hugging Face folder (safetensors + config + tokenizer) in `dtype`, under any strategy.
 
     The weights exported are the ones the optimizer updates (fp32 master weights under
     DeepSpeed's bf16 too), gathered from ZeRO-3 or FSDP shards, then cast to `dtype`
     (common.model.export_dtype), so every strategy writes the same file. Every rank must
     call it; only the main process writes. A peft model saves its adapter only; with
-    `merge_adapter` the merged full model also goes to `<name>_merged`."""
+    `merge_adapter` the merged full model also goes to `<name>_merged`. `cost`, if given, gets
+    the gather's seconds and the main process's resident set before and with the state dict."""
     target = os.path.join(output_dir, name)
+    started, before = time.perf_counter(), current_memory(None)["rss_mb"]
     state_dict = master_state_dict(accelerator, model)
+    if cost is not None:
+        cost.update(gather_s=round(time.perf_counter() - started, 2), rss_before_mb=round(before, 1),
+                    rss_with_state_dict_mb=round(current_memory(None)["rss_mb"], 1))
     unwrapped = accelerator.unwrap_model(model)
     with main_process_alone(accelerator, f"writing {target}"):
         if accelerator.is_main_process:

@@ -115,11 +115,15 @@ class MetricsLogger:
         per_rank = gather_object([self.memory.report])
         self.memory = None
         self._write({"step": step, "memory_per_rank": per_rank})
+        self.record_in_run_json("memory_per_rank", per_rank)
+
+    def record_in_run_json(self, key: str, value) -> None:
+        """Add a measurement to run.json (main process; the file is replaced whole)."""
         path = os.path.join(self.output_dir, "run.json")
         if self.accelerator.is_main_process and os.path.exists(path):
             with open(path) as handle:
                 record = json.load(handle)
-            record["memory_per_rank"] = per_rank
+            record[key] = value
             write_atomically(path, json.dumps(record, indent=2, default=str))
 
     def log_eval(self, step: int, metrics: dict) -> dict:

@@ -68,16 +68,27 @@ def main_process_alone(accelerator, what: str, every: float = 30.0):
         yield
         return
     timeout = collective_timeout(accelerator)
+
+    def line(elapsed: float) -> str:
+        warning = " - over half of it: if this runs longer, raise --ddp_timeout" if elapsed > timeout / 2 else ""
+        return (f"{what}: {elapsed:.0f} s so far on the main process; the other ranks wait for it up to "
+                f"--ddp_timeout {timeout:.0f} s{warning}")
+
+    with reporting_progress(what, line, every):
+        yield
+
+
+@contextlib.contextmanager
+def reporting_progress(what: str, line=None, every: float = 30.0):
+    """Long work, seen not to be hung: past every `every` seconds one line (`line(elapsed)`, by
+    default how long it has taken so far), and a closing line if any was printed."""
+    line = line or (lambda elapsed: f"{what}: {elapsed:.0f} s so far")
     start, done, said = time.time(), threading.Event(), []
 
     def report():
         while not done.wait(every):
-            elapsed = time.time() - start
-            warning = (" - over half of it: if this runs longer, raise --ddp_timeout" if elapsed > timeout / 2
-                       else "")
-            print(f"{what}: {elapsed:.0f} s so far on the main process; the other ranks wait for it up to "
-                  f"--ddp_timeout {timeout:.0f} s{warning}", file=sys.stderr, flush=True)
-            said.append(elapsed)
+            print(line(time.time() - start), file=sys.stderr, flush=True)
+            said.append(1)
 
     thread = threading.Thread(target=report, daemon=True)
     thread.start()

@@ -11,14 +11,17 @@ needs converting.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import subprocess
 import sys
+import time
 
-from common.accelerator import ZERO3_DEFAULT_SUB_GROUP_SIZE, zero3_sub_group_size
+from common.accelerator import ZERO3_DEFAULT_SUB_GROUP_SIZE, ZERO3_SUB_GROUP_SIZE, zero3_sub_group_size
 from common.errors import UsageError
+from common.peers import reporting_progress
 from common.run_dir import STATE_FILE
 
 UNIVERSAL = "universal"  # a DeepSpeed checkpoint converted for another world size, inside its step_N
@@ -37,34 +40,88 @@ def is_universal(path: str) -> bool:
     return os.path.basename(os.path.normpath(path)) == UNIVERSAL
 
 
+def launched_layout() -> dict | None:
+    """The ZeRO layout this launch will train in, read before any process group exists: the world
+    size, and ZeRO-3's sub-group size as `common.accelerator` will set it. None outside DeepSpeed."""
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
+        return None
+    zero, path = {}, os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if path and os.path.isfile(path):
+        with open(path) as handle:
+            zero = json.load(handle).get("zero_optimization", {})
+    stage = str(zero.get("stage", os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "")))
+    sub_group_size = zero.get("sub_group_size", ZERO3_SUB_GROUP_SIZE) if stage == "3" else None
+    return {"num_processes": int(os.environ.get("WORLD_SIZE", "1")),
+            "zero3_sub_group_size": None if sub_group_size is None else int(float(sub_group_size))}
+
+
+def _saved_layout(path: str) -> dict:
+    with open(os.path.join(path, STATE_FILE)) as handle:
+        saved = json.load(handle)
+    return {"num_processes": saved.get("num_processes"),
+            "zero3_sub_group_size": saved.get("zero3_sub_group_size", ZERO3_DEFAULT_SUB_GROUP_SIZE)}
+
+
+def _differs(saved: dict, layout: dict) -> bool:
+    return saved["num_processes"] not in (None, layout["num_processes"]) or \
+        layout["zero3_sub_group_size"] not in (None, saved["zero3_sub_group_size"])
+
+
+def _converted(target: str) -> bool:
+    return os.path.isfile(os.path.join(target, STATE_FILE))
+
+
+def convert_before_start(path: str | None) -> None:
+    """Before the process group starts: a ZeRO checkpoint written in another layout than this launch's
+    is converted by the first process while the others wait for the converted folder (on the
+    filesystem, not in a collective, so no collective timeout bounds a long conversion). Progress is
+    printed every 30 s. `for_this_world_size` then finds the conversion done."""
+    layout = launched_layout()
+    if path is None or layout is None or not _differs(_saved_layout(path), layout):
+        return
+    target = os.path.join(path, UNIVERSAL)
+    if _converted(target):
+        return
+    if int(os.environ.get("RANK", "0")) == 0:
+        what = f"converting {path} for {layout['num_processes']} processes (DeepSpeed's universal format)"
+        print(f"{what} into {target}", file=sys.stderr, flush=True)
+        with reporting_progress(what):
+            convert_to_universal(path, target)
+        return
+    waiting = reporting_progress(f"waiting for rank 0 to convert {path}") \
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0 else contextlib.nullcontext()  # one line per node
+    with waiting:
+        while not _converted(target):  # rank 0 ends the launch (and this process) if it fails
+            time.sleep(1.0)
+
+
 def for_this_world_size(accelerator, path: str | None) -> str | None:
     """The checkpoint to load on this run's layout: `path` itself, or for a ZeRO checkpoint of
     another world size or sub-group size (checkpoints written before the sub-group size was
-    recorded had DeepSpeed's default) its universal conversion, made once by the main process.
-    Call before `accelerator.prepare` (the engine reads the load_universal flag when built)."""
+    recorded had DeepSpeed's default) its universal conversion, which `convert_before_start` has
+    made (made here by the main process otherwise). Call before `accelerator.prepare` (the engine
+    reads the load_universal flag when built)."""
     if path is None or accelerator.state.deepspeed_plugin is None:
         return path
-    with open(os.path.join(path, STATE_FILE)) as handle:
-        saved_state = json.load(handle)
-    saved = saved_state.get("num_processes", accelerator.num_processes)
-    sub_group_size = zero3_sub_group_size(accelerator.state.deepspeed_plugin)
-    saved_sub_group_size = saved_state.get("zero3_sub_group_size", ZERO3_DEFAULT_SUB_GROUP_SIZE)
-    same_layout = sub_group_size in (None, saved_sub_group_size)
-    if saved == accelerator.num_processes and same_layout:
+    saved = _saved_layout(path)
+    layout = {"num_processes": accelerator.num_processes,
+              "zero3_sub_group_size": zero3_sub_group_size(accelerator.state.deepspeed_plugin)}
+    if not _differs(saved, layout):
         return path
     target = os.path.join(path, UNIVERSAL)
-    if accelerator.is_main_process and not os.path.isfile(os.path.join(target, STATE_FILE)):
-        _convert_to_universal(path, target)
+    if accelerator.is_main_process and not _converted(target):
+        convert_to_universal(path, target)
     accelerator.wait_for_everyone()
     accelerator.state.deepspeed_plugin.deepspeed_config.setdefault("checkpoint", {})["load_universal"] = True
-    accelerator.print(f"{path} was saved by {saved} processes"
-                      + ("" if same_layout else f" with ZeRO-3 sub_group_size {saved_sub_group_size} (this run: "
-                                                f"{sub_group_size})")
+    same_sub_groups = layout["zero3_sub_group_size"] in (None, saved["zero3_sub_group_size"])
+    accelerator.print(f"{path} was saved by {saved['num_processes']} processes"
+                      + ("" if same_sub_groups else f" with ZeRO-3 sub_group_size {saved['zero3_sub_group_size']} "
+                                                    f"(this run: {layout['zero3_sub_group_size']})")
                       + f": loading its universal conversion {target}")
     return target
 
 
-def _convert_to_universal(path: str, target: str) -> None:
+def convert_to_universal(path: str, target: str) -> None:
     """step_N/pytorch_model (ZeRO shards) -> target/pytorch_model (universal, per parameter),
     with the rest of the checkpoint copied beside it; written to a temporary folder first."""
     tmp = target + ".tmp"

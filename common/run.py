@@ -23,25 +23,27 @@ from common.accelerator import build_accelerator
 from common.arguments import ModelArguments, TrainingArguments
 from common.parsing import parse_args, to_dict
 from common.checkpoints import load_checkpoint, save_checkpoint
-from common.errors import one_line_errors
+from common.errors import UsageError, exit_now, one_line_errors
 from common.export import export_final
 from common.internals import outside_checked_range
 from common.metrics import MetricsLogger
 from common.model import count_parameters, export_dtype
 from common.nonfinite import NonFiniteGuard
 from common.profiling import StepProfiler
-from common.reshard import for_this_world_size
+from common.reshard import convert_before_start, for_this_world_size
 from common.run_dir import check_output_dir, clear_earlier_run, list_checkpoints, resolve_checkpoint
 from common.run_info import record_run, tracker_config
 
 
 def run_recipe(main, *argument_types, argv: list[str] | None = None):
-    """Parse the command line (and --config YAML) into `argument_types` and call main with them;
-    an error anywhere ends the process with one line (`common.errors.one_line_errors`)."""
+    """Parse the command line (and --config YAML) into `argument_types`, call main with them, and
+    end the process: status 0 once main returns, one line and a non-zero status on an error
+    (`common.errors.one_line_errors`)."""
     parsed = parse_args(argument_types, argv)
     training = next(p for p in parsed if isinstance(p, TrainingArguments))
     with one_line_errors(training.ddp_timeout):
-        return main(*parsed)
+        main(*parsed)
+    exit_now(0)  # finished: exit 0 without the interpreter's teardown (common.errors.exit_now says why)
 
 
 class Run:
@@ -83,15 +85,18 @@ class Run:
         return save_checkpoint(self.accelerator, self.model, self.args.output_dir, step, state,
                                self.args.save_total_limit, self.tokenizer, self.export_dtype)
 
-    def export(self, name: str = "final", merge_adapter: bool = False) -> str:
+    def export(self, name: str = "final", merge_adapter: bool = False, cost: dict | None = None) -> str:
         """Every rank calls it: output_dir/<name> as a Hugging Face folder in the export dtype."""
         return export_final(self.accelerator, self.model, self.tokenizer, self.args.output_dir, self.export_dtype,
-                            name=name, merge_adapter=merge_adapter)
+                            name=name, merge_adapter=merge_adapter, cost=cost)
 
     def finish(self, merge_adapter: bool = False) -> str:
-        """After the loop: the profiler stopped, final/ exported, trackers and progress bar closed."""
+        """After the loop: the profiler stopped, final/ exported (its gather's time and host memory
+        go to run.json's "final_export"), trackers and progress bar closed."""
         self.profiler.stop()
-        final_dir = self.export(merge_adapter=merge_adapter)
+        cost = {}
+        final_dir = self.export(merge_adapter=merge_adapter, cost=cost)
+        self.metrics.record_in_run_json("final_export", cost)
         self.metrics.close()
         return final_dir
 
@@ -104,13 +109,14 @@ def start_run(*arguments) -> Run:
     args = next(a for a in arguments if isinstance(a, TrainingArguments))
     resume_after_restart(args)
     check_output_dir(args.output_dir, args.resume_from_checkpoint, args.overwrite_output_dir)
+    checkpoint = resolve_checkpoint(args.output_dir, args.resume_from_checkpoint)
+    convert_before_start(checkpoint)  # a ZeRO checkpoint of another layout, before any collective can time out
     accelerator, launch = build_accelerator(args)
     memory.mark("started")
     if accelerator.is_main_process:
         for line in outside_checked_range():
             print(f"warning: {line}", file=sys.stderr)
     set_seed(args.seed)
-    checkpoint = resolve_checkpoint(args.output_dir, args.resume_from_checkpoint)
     clear_earlier = checkpoint is None and args.overwrite_output_dir
     return Run(arguments, accelerator, launch, for_this_world_size(accelerator, checkpoint), clear_earlier)
 
@@ -120,13 +126,18 @@ def resume_after_restart(args) -> None:
     were launched with the first attempt's arguments (--overwrite_output_dir included): once this
     run has a complete checkpoint, continue from the latest one instead."""
     max_restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
-    if max_restarts and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and _is_rank0():
-        # Seen (torch 2.13, gloo): the static rendezvous keeps its store across attempts, so a restarted
-        # rank can read a dead peer's address and fail with "Connection refused".
-        print("warning: --max_restarts through a rendezvous store kept across attempts: restarted workers may "
-              "connect to the dead ones' addresses. Launch with --rdzv_backend c10d and "
-              "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in the environment (make does both)", file=sys.stderr)
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if max_restarts and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # Seen (torch 2.13, gloo): a rendezvous store kept across attempts (the configs' static rendezvous,
+        # or c10d sharing the agent's store) hands restarted ranks a dead peer's address: they fail with
+        # "Connection refused" or hang. Refused on the first attempt; torchrun then spends its restarts on
+        # attempts that end at once, without repeating the line.
+        if restart:
+            sys.exit(2)
+        raise UsageError(f"--max_restarts {max_restarts} needs a rendezvous store made fresh for each attempt, or "
+                         "a restarted worker can hang or fail to reach the dead one: launch with "
+                         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 accelerate launch --rdzv_backend c10d --max_restarts "
+                         f"{max_restarts} ... (make <recipe> LAUNCH_ARGS=\"--max_restarts {max_restarts}\" does both)")
     if restart and list_checkpoints(args.output_dir):
         args.resume_from_checkpoint, args.overwrite_output_dir = "latest", False
     if restart and _is_rank0():

@@ -151,3 +151,16 @@ def test_links_in_the_readme_and_docs_point_at_files_that_exist():
         for target in re.findall(r"\]\(([^)#]+)\)", page.read_text()):
             if "://" not in target:
                 assert (page.parent / target).exists(), f"{page.name} links to missing {target}"
+
+
+@pytest.mark.slow
+def test_make_benchmark_reshard_measures_the_conversion_and_the_export(tmp_path):
+    page = tmp_path / "reshard.md"
+    result = run(["make", "-s", "benchmark-reshard",
+                  f"ARGS=--model_config recipes/configs/tiny_llama.json --docs {page}"])
+    figures = dict(line.rsplit(": ", 1) for line in result.stdout.splitlines() if ": " in line
+                   and not line.startswith(("figures", "[")))
+    assert int(figures["parameters"].replace(",", "")) > 0
+    assert float(figures["conversion for 1 process: wall time, s"]) > 0
+    assert float(figures["conversion: peak resident set (its process and DeepSpeed's, the larger), MB"]) > 50
+    assert "| conversion for 1 process: wall time, s |" in page.read_text()

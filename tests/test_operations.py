@@ -212,3 +212,18 @@ def test_auto_find_batch_size_halves_on_a_real_out_of_memory_and_keeps_the_globa
                                                        gradient_accumulation_steps=accumulation, **common),
            launcher_args=FP32)
     assert losses(found) == pytest.approx(losses(by_hand), abs=1e-6) and len(losses(found)) == 2
+
+
+@pytest.mark.slow
+def test_max_restarts_without_a_fresh_rendezvous_store_is_refused_in_one_line(markov_data, tmp_path):
+    """`accelerate launch --config_file ddp.yaml --max_restarts 1` as a user types it (no rendezvous
+    flags, which make adds): restarted workers could hang, so the run is refused at once, with one
+    line that gives the command that works; nothing is trained, and the launch ends."""
+    out = tmp_path / "run"
+    started = time.monotonic()
+    result = launch("ddp.yaml", "causal_lm.py", causal_lm_args(markov_data, out), check=False,
+                    launcher_args=["--max_restarts", "1"], env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"})
+    errors = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("error:")]
+    assert result.returncode != 0 and len(errors) == 1, (result.stdout + result.stderr)[-3000:]
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 accelerate launch --rdzv_backend c10d --max_restarts 1" in errors[0]
+    assert not (out / "run.json").exists() and time.monotonic() - started < 120
