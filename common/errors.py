@@ -59,8 +59,8 @@ def exit_now(status: int) -> None:
     Seen (torch 2.13, gloo, 2 processes; twice in one run of this suite, under ddp and fsdp): a
     rank aborting after its work was done and its process group destroyed ("terminate called
     without an active exception", SIGABRT), so a finished run exited 1: a C++ thread still
-    joinable when the interpreter tore it down. Nothing is left to run by then: trackers and progress bars are
-    closed and files written; only output and logging are flushed."""
+    joinable when the interpreter tore it down. Nothing is left to run by then (trackers and
+    progress bars closed, files written): only output and logging are flushed."""
     import logging
 
     logging.shutdown()

@@ -235,7 +235,18 @@ def write_docs(args, results: list, baseline: float, summary: str) -> None:
         "machines). Steps/s leaves out the first logging window (warm-up).\n\n" + speed +
         "\n\nMemory per rank in MB, measured at the first optimizer step (run.json's `memory_per_rank`, the rank "
         "with the highest peak) / estimated before launch by `make estimate-memory`; peak is the process's peak "
-        "resident set by the first step.\n\n" + memory + chart))
+        f"resident set by the first step. {allocator_note()}\n\n" + memory + chart))
+
+
+def allocator_note() -> str:
+    """How far the peak resident set is live memory: glibc keeps freed heap unless told otherwise."""
+    threshold = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    if threshold:
+        return (f"Run with MALLOC_MMAP_THRESHOLD_={threshold}, so large blocks go back to the OS when freed "
+                "and the resident set is live memory.")
+    return ("Run without MALLOC_MMAP_THRESHOLD_: glibc keeps freed heap in the resident set, so the measured "
+            "peak can exceed the estimate of live memory (set MALLOC_MMAP_THRESHOLD_=131072 to measure live "
+            "memory, at a cost in CPU throughput).")
 
 
 if __name__ == "__main__":

@@ -135,3 +135,49 @@ def test_auto_find_batch_size_halves_on_a_real_cuda_out_of_memory(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     print("losses with the finder", losses(out), "by hand", losses(by_hand))
     assert losses(out) == pytest.approx(losses(by_hand), rel=1e-3)
+
+
+needs_two_gpus = pytest.mark.skipif(
+    torch.cuda.device_count() < 2,
+    reason=f"needs 2 NVIDIA GPUs (NCCL runs one process per GPU; this host has {torch.cuda.device_count()})")
+
+
+@needs_two_gpus
+@pytest.mark.slow
+def test_a_lost_peer_under_nccl_prints_our_one_line_before_nccls_own(markov_data, tmp_path):
+    """ddp.yaml on 2 GPUs, --ddp_timeout 20: rank 1 is killed (SIGKILL) mid-run. What NCCL prints
+    (its watchdog, its abort) is kept in the test's output for the record; our one line naming the
+    lost peer comes first, and the launch ends non-zero."""
+    import re
+    import signal
+    import subprocess
+    import threading
+    import time
+
+    from conftest import OFFLINE_ENV, REPO, launch_command
+    from test_operations import worker_pid
+
+    out = tmp_path / "run"
+    args = causal_lm_args(markov_data, out, max_steps=100000, logging_steps=1, ddp_timeout=20)
+    process = subprocess.Popen(launch_command("ddp.yaml", "causal_lm.py", args), cwd=REPO,
+                               env={**os.environ, **OFFLINE_ENV}, text=True, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT)
+    lines = []
+    reader = threading.Thread(target=lambda: [lines.append(line) for line in process.stdout])
+    reader.start()
+    killed, deadline = None, time.time() + 300
+    while killed is None and process.poll() is None and time.time() < deadline:
+        metrics = out / "metrics.jsonl"
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3 and (pid := worker_pid(1, str(out))):
+            os.kill(pid, signal.SIGKILL)
+            killed, before_kill = pid, len(lines)
+        time.sleep(0.01)
+    process.wait(timeout=300)
+    reader.join()
+    print("".join(lines[-40:]))
+    ours = [i for i, line in enumerate(lines) if line.startswith("error:")]
+    nccl = [i for i, line in enumerate(lines) if i >= before_kill and not line.startswith("error:")
+            and re.search(r"NCCL|Watchdog", line)]
+    assert killed and process.returncode != 0 and len(ours) == 1, "".join(lines[-60:])
+    assert "lost contact with rank 1" in lines[ours[0]]
+    assert not nccl or ours[0] < nccl[0], f"NCCL spoke first: {lines[nccl[0]]}"
