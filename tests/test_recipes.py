@@ -221,6 +221,13 @@ def test_chat_labels_cover_the_assistant_answer_only(arithmetic_data):
         assert len(example["labels"]) == len(example["input_ids"])
 
 
+def loss_and_gradient(model, batch) -> tuple[float, torch.Tensor]:
+    model.zero_grad()
+    loss = model(**batch).loss
+    loss.backward()
+    return loss.item(), torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
 def test_packing_leaves_the_per_token_loss_unchanged(arithmetic_data):
     """One flattened row with restarting position ids == a padded batch, for the same weights:
     with transformers' dense mask (sdpa) and with attention per conversation (sdpa_varlen),
@@ -240,20 +247,14 @@ def test_packing_leaves_the_per_token_loss_unchanged(arithmetic_data):
     assert packed["input_ids"].shape[0] == 1 and padded["input_ids"].shape[0] == len(features)
     assert int((packed["input_ids"] == tokenizer.pad_token_id).sum()) == 0
 
-    def loss_and_gradient(batch):
-        model.zero_grad()
-        loss = model(**batch).loss
-        loss.backward()
-        return loss.item(), torch.cat([p.grad.flatten() for p in model.parameters()])
-
-    padded_loss, padded_gradient = loss_and_gradient(padded)
-    dense_loss, dense_gradient = loss_and_gradient(packed)
+    padded_loss, padded_gradient = loss_and_gradient(model, padded)
+    dense_loss, dense_gradient = loss_and_gradient(model, packed)
     assert use_per_example_attention(model) == "sdpa_varlen"
-    varlen_loss, varlen_gradient = loss_and_gradient(packed)
+    varlen_loss, varlen_gradient = loss_and_gradient(model, packed)
     for loss, gradient in ((dense_loss, dense_gradient), (varlen_loss, varlen_gradient)):
         assert loss == pytest.approx(padded_loss, abs=1e-5)
         assert (gradient - padded_gradient).abs().max() < 1e-5
-    assert loss_and_gradient(padded)[0] == padded_loss  # padded batches still take sdpa's own path
+    assert loss_and_gradient(model, padded)[0] == padded_loss  # padded batches still take sdpa's own path
 
 
 def test_per_example_attention_never_crosses_conversations(arithmetic_data):
@@ -308,14 +309,8 @@ def test_per_example_attention_honours_sliding_windows(family):
         padded["input_ids"][row, :n] = padded["labels"][row, :n] = torch.tensor(feature["input_ids"])
         padded["attention_mask"][row, :n] = 1
 
-    def loss_and_gradient(batch):
-        model.zero_grad()
-        loss = model(**batch).loss
-        loss.backward()
-        return loss.item(), torch.cat([p.grad.flatten() for p in model.parameters()])
-
-    padded_loss, padded_gradient = loss_and_gradient(padded)
+    padded_loss, padded_gradient = loss_and_gradient(model, padded)
     assert use_per_example_attention(model) == "sdpa_varlen"
-    packed_loss, packed_gradient = loss_and_gradient(DataCollatorWithFlattening()(features))
+    packed_loss, packed_gradient = loss_and_gradient(model, DataCollatorWithFlattening()(features))
     assert packed_loss == pytest.approx(padded_loss, abs=1e-5)
     assert (packed_gradient - padded_gradient).abs().max() < 1e-5
