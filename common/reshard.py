@@ -62,9 +62,9 @@ def _saved_layout(path: str) -> dict:
             "zero3_sub_group_size": saved.get("zero3_sub_group_size", ZERO3_DEFAULT_SUB_GROUP_SIZE)}
 
 
-def _differs(saved: dict, layout: dict) -> bool:
-    return saved["num_processes"] not in (None, layout["num_processes"]) or \
-        layout["zero3_sub_group_size"] not in (None, saved["zero3_sub_group_size"])
+def _differs(saved: dict, wanted: dict) -> bool:
+    return saved["num_processes"] not in (None, wanted["num_processes"]) or \
+        wanted["zero3_sub_group_size"] not in (None, saved["zero3_sub_group_size"])
 
 
 def _converted(target: str) -> bool:
@@ -76,14 +76,14 @@ def convert_before_start(path: str | None) -> None:
     is converted by the first process while the others wait for the converted folder (on the
     filesystem, not in a collective, so no collective timeout bounds a long conversion). Progress is
     printed every 30 s. `for_this_world_size` then finds the conversion done."""
-    layout = launched_layout()
-    if path is None or layout is None or not _differs(_saved_layout(path), layout):
+    launched = launched_layout()
+    if path is None or launched is None or not _differs(_saved_layout(path), launched):
         return
     target = os.path.join(path, UNIVERSAL)
     if _converted(target):
         return
     if int(os.environ.get("RANK", "0")) == 0:
-        what = f"converting {path} for {layout['num_processes']} processes (DeepSpeed's universal format)"
+        what = f"converting {path} for {launched['num_processes']} processes (DeepSpeed's universal format)"
         print(f"{what} into {target}", file=sys.stderr, flush=True)
         with reporting_progress(what):
             convert_to_universal(path, target)
@@ -104,19 +104,19 @@ def for_this_world_size(accelerator, path: str | None) -> str | None:
     if path is None or accelerator.state.deepspeed_plugin is None:
         return path
     saved = _saved_layout(path)
-    layout = {"num_processes": accelerator.num_processes,
-              "zero3_sub_group_size": zero3_sub_group_size(accelerator.state.deepspeed_plugin)}
-    if not _differs(saved, layout):
+    this_run = {"num_processes": accelerator.num_processes,
+                "zero3_sub_group_size": zero3_sub_group_size(accelerator.state.deepspeed_plugin)}
+    if not _differs(saved, this_run):
         return path
     target = os.path.join(path, UNIVERSAL)
     if accelerator.is_main_process and not _converted(target):
         convert_to_universal(path, target)
     accelerator.wait_for_everyone()
     accelerator.state.deepspeed_plugin.deepspeed_config.setdefault("checkpoint", {})["load_universal"] = True
-    same_sub_groups = layout["zero3_sub_group_size"] in (None, saved["zero3_sub_group_size"])
+    same_sub_groups = this_run["zero3_sub_group_size"] in (None, saved["zero3_sub_group_size"])
     accelerator.print(f"{path} was saved by {saved['num_processes']} processes"
                       + ("" if same_sub_groups else f" with ZeRO-3 sub_group_size {saved['zero3_sub_group_size']} "
-                                                    f"(this run: {layout['zero3_sub_group_size']})")
+                                                    f"(this run: {this_run['zero3_sub_group_size']})")
                       + f": loading its universal conversion {target}")
     return target
 
