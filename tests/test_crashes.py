@@ -1,24 +1,28 @@
 """A crash at any moment leaves a run that resumes to the uninterrupted run's weights.
 
 Each trial starts a 2-process fp32 run and kills every one of its processes with SIGKILL (a
-power cut: the launcher and both ranks at once) at a random moment, or the moment a checkpoint
+power cut: the launcher, both ranks and anything they started, all stopped first) at a random moment, or the moment a checkpoint
 save or the final export is under way (its temporary folder exists); then the same command
 resumes it with `--resume_from_checkpoint latest`. The resumed run must finish, and its
 `final/` weights must equal the uninterrupted run's bit for bit.
 
 `make test` runs CRASH_TRIALS=3 trials (one per config: ddp, fsdp, zero3); `make test-crashes`
-runs 21 (seven per config).
+runs 21 (seven per config). A last test kills a run while it converts a ZeRO-3 checkpoint for
+another world size.
 """
 
 import os
 import random
+from pathlib import Path
+import shutil
 import signal
 import subprocess
 import time
 
 import pytest
 
-from conftest import FP32, OFFLINE_ENV, causal_lm_args, launch, launch_command, load_weights
+from conftest import (FP32, OFFLINE_ENV, causal_lm_args, launch, launch_command, load_weights, max_weight_difference,
+                      read_run)
 
 TRIALS = int(os.environ.get("CRASH_TRIALS", "3"))
 CONFIGS = ("ddp.yaml", "fsdp.yaml", "zero3.yaml")
@@ -33,42 +37,85 @@ def moments(count: int) -> list[tuple[str, str]]:
     return [(CONFIGS[i % len(CONFIGS)], kinds[(i + i // len(CONFIGS)) % len(kinds)]) for i in range(count)]
 
 
-def kill_everything(process: subprocess.Popen) -> None:
-    os.killpg(process.pid, signal.SIGKILL)
+def process_tree(root: int) -> list[int]:
+    """`root` and every process under it. (torchrun starts each worker in a session of its own, so
+    killing the launcher's process group would leave the workers running.)"""
+    children = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry.name))
+    tree, stack = [], [root]
+    while stack:
+        pid = stack.pop()
+        tree.append(pid)
+        stack += children.get(pid, [])
+    return tree
+
+
+def kill_everything(process: subprocess.Popen) -> int:
+    """A power cut: every process of the launch stopped at once (so none runs on while the others
+    are killed), then killed. Returns how many processes there were."""
+    killed = set()
+    for sig in (signal.SIGSTOP, signal.SIGKILL):
+        for pid in process_tree(process.pid):  # again after SIGSTOP: a stopped process starts no other
+            killed.add(pid)
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
     process.wait()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(alive(pid) for pid in killed):
+        time.sleep(0.05)
+    assert not any(alive(pid) for pid in killed)
+    return len(killed)
 
 
-def run_until_killed(command: list[str], out, when: str, seed: int, reference_s: float) -> str:
+def alive(pid: int) -> bool:
+    try:
+        return (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]) != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def logged_steps(out) -> int:
+    metrics = out / "metrics.jsonl"
+    return metrics.read_text().count('"loss"') if metrics.exists() else 0
+
+
+def run_until_killed(command: list[str], out, when: str, seed: int) -> str:
     """Start the run in its own process group and kill all of it at the chosen moment; returns
-    what was under way (or 'finished' when the moment never came)."""
+    what was under way (or 'finished' when the moment never came). A random moment is a random
+    time (up to 50 ms) after a random step's logged line."""
     process = subprocess.Popen(command, env={**os.environ, **OFFLINE_ENV}, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL, start_new_session=True)
     rng = random.Random(seed)
-    started = time.monotonic()
-    deadline = started + (rng.uniform(0.2, 0.8) * reference_s if when == "random" else 600)
+    after_steps, extra, reached = rng.randint(1, RUN["max_steps"] - 2), rng.uniform(0.0, 0.05), None
     while process.poll() is None:
         if when == "save" and any(p.name.startswith("tmp-step_") for p in (out / "checkpoints").glob("*")):
-            kill_everything(process)
-            return "inside a checkpoint save"
+            return f"inside a checkpoint save ({kill_everything(process)} processes)"
         if when == "export" and (out / "final.tmp").exists():
-            kill_everything(process)
-            return "inside the final export"
-        if time.monotonic() > deadline:
-            kill_everything(process)
-            return f"at random, {time.monotonic() - started:.1f} s in"
+            return f"inside the final export ({kill_everything(process)} processes)"
+        if when == "random" and reached is None and logged_steps(out) >= after_steps:
+            reached = time.monotonic()
+        if reached is not None and time.monotonic() - reached >= extra:
+            return f"at random, {extra:.2f} s after step {after_steps} ({kill_everything(process)} processes)"
         time.sleep(0.001)
     return "finished"
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(markov_data, tmp_path_factory) -> dict:
-    """Each config's uninterrupted run: its final weights and its wall time."""
+    """Each config's uninterrupted run's final weights."""
     runs = {}
     for config in sorted({config for config, _ in moments(TRIALS)}):
         out = tmp_path_factory.mktemp(config.removesuffix(".yaml"))
-        started = time.monotonic()
         launch(config, "causal_lm.py", causal_lm_args(markov_data, out / "run", **RUN), launcher_args=FP32)
-        runs[config] = {"weights": load_weights(out / "run" / "final"), "seconds": time.monotonic() - started}
+        runs[config] = load_weights(out / "run" / "final")
     return runs
 
 
@@ -78,13 +125,41 @@ def test_a_run_killed_at_any_moment_resumes_to_the_same_weights(trial, uninterru
     config, when = moments(TRIALS)[trial]
     out = tmp_path / "run"
     args = causal_lm_args(markov_data, out, **RUN)
-    what = run_until_killed(launch_command(config, "causal_lm.py", args, FP32), out, when, seed=trial,
-                            reference_s=uninterrupted[config]["seconds"])
-    assert what != "finished", f"{config}: the run finished before the moment to kill it ({when}) came"
+    what = run_until_killed(launch_command(config, "causal_lm.py", args, FP32), out, when, seed=trial)
+    assert what != "finished" and "(1 processes)" not in what, \
+        f"{config}: the run's ranks had finished before the moment to kill them ({when}) came: {what}"
     resumed = launch(config, "causal_lm.py", args + ["--resume_from_checkpoint", "latest"], launcher_args=FP32)
     assert resumed.returncode == 0
-    weights, reference = load_weights(out / "final"), uninterrupted[config]["weights"]
+    weights, reference = load_weights(out / "final"), uninterrupted[config]
     assert weights.keys() == reference.keys()
     different = [key for key in weights if not bool((weights[key] == reference[key]).all())]
     print(f"{config}: killed {what}; resumed; {len(different)} of {len(weights)} tensors differ")
     assert not different, f"{config}, killed {what}: the resumed run's final weights differ in {different[:5]}"
+
+
+@pytest.mark.slow
+def test_a_run_killed_while_converting_a_checkpoint_for_another_world_size_resumes(markov_data, tmp_path):
+    """A zero3 checkpoint of 2 processes resumed on 1: every process is killed while rank 0 converts
+    it (DeepSpeed's universal format, written to universal.tmp), and the next resume converts it
+    again and ends where the uninterrupted 2-process run ended."""
+    full, stopped = tmp_path / "full", tmp_path / "stopped"
+    args = dict(RUN, save_steps=4)  # keeps step_4 and step_8
+    launch("zero3.yaml", "causal_lm.py", causal_lm_args(markov_data, full, **args), launcher_args=FP32)
+    shutil.copytree(full / "checkpoints" / "step_4", stopped / "checkpoints" / "step_4")
+    one_process = dict(args, per_device_train_batch_size=4, resume_from_checkpoint="latest")  # the same global batch
+    command = launch_command("zero3.yaml", "causal_lm.py", causal_lm_args(markov_data, stopped, **one_process),
+                             FP32 + ["--num_processes", "1"])
+    process = subprocess.Popen(command, env={**os.environ, **OFFLINE_ENV}, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, start_new_session=True)
+    converting = stopped / "checkpoints" / "step_4" / "universal.tmp"
+    while process.poll() is None and not converting.exists():
+        time.sleep(0.001)
+    assert process.poll() is None, "the run ended before the conversion started"
+    assert kill_everything(process) >= 2  # the launcher and its rank at least
+    assert not (stopped / "checkpoints" / "step_4" / "universal" / "trainer_state.json").exists()
+    resumed = launch("zero3.yaml", "causal_lm.py", causal_lm_args(markov_data, stopped, **one_process),
+                     num_processes=1, launcher_args=FP32)
+    assert "converting" in resumed.stderr and read_run(stopped)["participating_processes"] == 1
+    gap = max_weight_difference(stopped / "final", full / "final")
+    print(f"zero3, killed while converting for 1 process, converted again: max weight gap to 2 processes {gap:.2e}")
+    assert gap < 1e-5
