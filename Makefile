@@ -75,12 +75,12 @@ sequence_classification: install-test
 	$(LAUNCH) --config_file $(CONFIG) recipes/sequence_classification.py \
 		--config recipes/configs/sequence_classification_demo.yaml --model_name_or_path $(MINILM) $(DEMO_RUN) $(ARGS)
 
-# LoRA adapts the model `make demo` trained (made first if missing) to another Markov chain.
+# LoRA (causal_lm.py --use_peft) adapts the model `make demo` trained (made first if missing) to another Markov chain.
 outputs/causal_lm_demo/final/config.json:
 	$(MAKE) demo
 lora: install outputs/causal_lm_demo/final/config.json
 	$(PY) scripts/make_demo_data.py --task markov --seed 1 --out outputs/data/markov_shift
-	$(LAUNCH) --config_file $(CONFIG) recipes/lora.py --config recipes/configs/lora_demo.yaml $(DEMO_RUN) $(ARGS)
+	$(LAUNCH) --config_file $(CONFIG) recipes/causal_lm.py --config recipes/configs/lora_demo.yaml $(DEMO_RUN) $(ARGS)
 
 sft: install
 	$(PY) scripts/make_demo_data.py --task arithmetic --out outputs/data/arithmetic

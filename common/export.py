@@ -18,6 +18,7 @@ import torch
 from common.checkpoints import save_config
 from common.errors import UsageError
 from common.internals import is_zero3_parameter, without_zero3_init
+from common.lora import save_merged
 from common.memory import current_memory
 from common.peers import main_process_alone
 from common.run_dir import write_folder
@@ -45,7 +46,7 @@ def export_final(accelerator, model, tokenizer, output_dir: str, dtype, name: st
             write_folder(target, lambda folder: write_hf_folder(unwrapped, state_dict, tokenizer, dtype, folder))
             if merge_adapter and hasattr(unwrapped, "peft_config"):
                 with without_zero3_init():  # only this process reloads the base model
-                    write_folder(f"{target}_merged", lambda tmp: _save_merged(unwrapped, target, tmp, tokenizer,
+                    write_folder(f"{target}_merged", lambda tmp: save_merged(unwrapped, target, tmp, tokenizer,
                                                                                dtype))
     accelerator.wait_for_everyone()
     return target
@@ -143,16 +144,3 @@ def master_state_dict(accelerator, model) -> dict:
         if accelerator.is_main_process:
             state_dict[key] = full.detach().cpu()
     return state_dict
-
-
-def _save_merged(peft_model, adapter_dir: str, out: str, tokenizer, dtype) -> None:
-    """Base model + saved adapter, merged into plain weights (loads without peft)."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    base_path = peft_model.peft_config["default"].base_model_name_or_path
-    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
-    merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload().to(dtype)
-    merged.save_pretrained(out, safe_serialization=True)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out)

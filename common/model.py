@@ -155,20 +155,6 @@ def name_layer_classes(model) -> None:
         declare_layer_classes(model, declared or sorted(repeated))
 
 
-def apply_lora(model, args):
-    """Wrap `model` with LoRA adapters (peft); only the adapters train."""
-    from peft import LoraConfig, get_peft_model
-
-    config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                        target_modules=args.lora_target_modules, task_type="CAUSAL_LM")
-    try:
-        return get_peft_model(model, config)
-    except ValueError as error:
-        names = sorted({name.split(".")[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
-        raise UsageError(f"lora_target_modules {args.lora_target_modules}: {str(error).splitlines()[0]} "
-                         f"(the model's linear layers: {names})")
-
-
 def count_parameters(model) -> dict:
     total = sum(full_numel(p) for p in model.parameters())
     trainable = sum(full_numel(p) for p in model.parameters() if p.requires_grad)

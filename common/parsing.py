@@ -88,7 +88,7 @@ def _check_together(parsed) -> None:
     training = next((p for p in parsed if isinstance(p, TrainingArguments)), None)
     if data is not None and training is not None and getattr(data, "streaming", False):
         if any(getattr(p, "reads_data_in_memory", False) for p in parsed):
-            raise UsageError("--streaming is for the packed-text recipes (causal_lm.py, lora.py); this recipe reads "
+            raise UsageError("--streaming is for the packed-text recipes (causal_lm.py); this recipe reads "
                              "its data in memory: drop --streaming")
         if training.max_steps <= 0:
             raise UsageError("--streaming needs --max_steps: a stream has no length to count epochs by")

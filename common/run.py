@@ -26,6 +26,7 @@ from common.checkpoints import load_checkpoint, save_checkpoint
 from common.errors import UsageError, exit_now, one_line_errors
 from common.export import export_final
 from common.internals import outside_checked_range
+from common.lora import LoraArguments
 from common.metrics import MetricsLogger
 from common.model import count_parameters, export_dtype
 from common.nonfinite import NonFiniteGuard
@@ -54,6 +55,8 @@ class Run:
         self.arguments = arguments
         self.args = next(a for a in arguments if isinstance(a, TrainingArguments))
         model_args = next(a for a in arguments if isinstance(a, ModelArguments))
+        lora = next((a for a in arguments if isinstance(a, LoraArguments)), None)
+        self.merge_adapter = bool(lora and lora.use_peft and lora.save_merged_model)
         self.accelerator, self.launch, self.checkpoint = accelerator, launch, checkpoint
         self.clear_earlier = clear_earlier
         self.export_dtype = export_dtype(model_args)  # read once (a Hub model's config is a request)
@@ -85,17 +88,18 @@ class Run:
         return save_checkpoint(self.accelerator, self.model, self.args.output_dir, step, state,
                                self.args.save_total_limit, self.tokenizer, self.export_dtype)
 
-    def export(self, name: str = "final", merge_adapter: bool = False, cost: dict | None = None) -> str:
-        """Every rank calls it: output_dir/<name> as a Hugging Face folder in the export dtype."""
+    def export(self, name: str = "final", cost: dict | None = None) -> str:
+        """Every rank calls it: output_dir/<name> as a Hugging Face folder in the export dtype (with
+        --use_peft the adapter, and with --save_merged_model the merged model in <name>_merged)."""
         return export_final(self.accelerator, self.model, self.tokenizer, self.args.output_dir, self.export_dtype,
-                            name=name, merge_adapter=merge_adapter, cost=cost)
+                            name=name, merge_adapter=self.merge_adapter, cost=cost)
 
-    def finish(self, merge_adapter: bool = False) -> str:
+    def finish(self) -> str:
         """After the loop: the profiler stopped, final/ exported (its gather's time and host memory
         go to run.json's "final_export"), trackers and progress bar closed."""
         self.profiler.stop()
         cost = {}
-        final_dir = self.export(merge_adapter=merge_adapter, cost=cost)
+        final_dir = self.export(cost=cost)
         self.metrics.record_in_run_json("final_export", cost)
         self.metrics.close()
         return final_dir

@@ -18,6 +18,12 @@ The strategy comes from the accelerate config alone; this file never changes:
 Your own data and model: --train_file my.jsonl (or --dataset_name), and
 --model_name_or_path gpt2 (continue training) or --model_config cfg.json
 --tokenizer_name_or_path gpt2 (from scratch).
+
+LoRA (peft): --use_peft trains low-rank adapters only (rank, alpha, dropout and target
+modules from --lora_* or the recipe YAML) and saves the adapter to output_dir/final;
+--save_merged_model also writes the merged model to output_dir/final_merged:
+
+    make lora CONFIG=accelerate_configs/zero3.yaml    # recipes/configs/lora_demo.yaml
 """
 
 import math
@@ -25,13 +31,14 @@ import math
 from common.arguments import DataArguments, ModelArguments, TrainingArguments
 from common.batch_size import fit_batch_size
 from common.data import load_raw_datasets, make_dataloaders, tokenize_and_pack
+from common.lora import apply_lora, LoraArguments
 from common.model import load_model, load_tokenizer
 from common.run import run_recipe, start_run
 from common.training import create_optimizer, create_scheduler, evaluate_loss, total_training_steps, TrainBatches
 
 
-def main(model_args: ModelArguments, data_args: DataArguments, args: TrainingArguments):
-    run = start_run(model_args, data_args, args)
+def main(model_args: ModelArguments, data_args: DataArguments, lora_args: LoraArguments, args: TrainingArguments):
+    run = start_run(model_args, data_args, lora_args, args)
     accelerator = run.accelerator
 
     # Data: tokenize and pack into blocks of block_size tokens.
@@ -42,8 +49,8 @@ def main(model_args: ModelArguments, data_args: DataArguments, args: TrainingArg
     train_loader, eval_loader = make_dataloaders(
         datasets, args.per_device_train_batch_size, args.per_device_eval_batch_size, args.seed)
 
-    # Model, optimizer, schedule.
-    model = load_model(model_args, tokenizer, args.seed, args.gradient_checkpointing)
+    # Model (with --use_peft: frozen, with trainable LoRA adapters), optimizer, schedule.
+    model = apply_lora(load_model(model_args, tokenizer, args.seed, args.gradient_checkpointing), lora_args)
     optimizer = create_optimizer(model, args)
     train_loader = fit_batch_size(accelerator, model, train_loader, args)  # --auto_find_batch_size
     max_steps = total_training_steps(args, train_loader, accelerator.num_processes)
@@ -55,6 +62,8 @@ def main(model_args: ModelArguments, data_args: DataArguments, args: TrainingArg
     state = run.begin(model, optimizer, scheduler, tokenizer, max_steps,
                       train_blocks=None if data_args.streaming else len(datasets["train"]))
     step, metrics, nonfinite, profiler = state["step"], run.metrics, run.nonfinite, run.profiler
+    if step == 0 and model_args.model_name_or_path:
+        metrics.log_eval(step, evaluate_loss(model, eval_loader, accelerator))  # the pretrained model's loss
 
     # Training loop: one optimizer step per gradient_accumulation_steps batches. Each batch
     # carries num_items_in_batch, so the loss is the mean over the global batch's label tokens.
@@ -94,4 +103,4 @@ def main(model_args: ModelArguments, data_args: DataArguments, args: TrainingArg
 
 
 if __name__ == "__main__":
-    run_recipe(main, ModelArguments, DataArguments, TrainingArguments)
+    run_recipe(main, ModelArguments, DataArguments, LoraArguments, TrainingArguments)

@@ -12,6 +12,8 @@ last model to output_dir/final.
         --model_name_or_path sentence-transformers/all-MiniLM-L6-v2
 
 Your own data: --train_file/--validation_file with --text_column and --label_column.
+LoRA (peft): --use_peft trains low-rank adapters and the new classification head only
+(--lora_r, --lora_alpha, --lora_target_modules, --save_merged_model; see recipes/causal_lm.py).
 """
 
 import math
@@ -23,6 +25,7 @@ from common.arguments import DataArguments, ModelArguments, TrainingArguments
 from common.batch_size import fit_batch_size
 from common.data import load_raw_datasets, make_dataloaders, tokenize_for_classification
 from common.evaluation import BestModelTracker, evaluate_classification, load_metric
+from common.lora import apply_lora, LoraArguments
 from common.model import load_model, load_tokenizer
 from common.run import run_recipe, start_run
 from common.training import create_optimizer, create_scheduler, total_training_steps, TrainBatches
@@ -40,8 +43,8 @@ class ClassificationArguments:
 
 
 def main(model_args: ModelArguments, data_args: DataArguments, task_args: ClassificationArguments,
-         args: TrainingArguments):
-    run = start_run(model_args, data_args, task_args, args)
+         lora_args: LoraArguments, args: TrainingArguments):
+    run = start_run(model_args, data_args, task_args, lora_args, args)
     accelerator = run.accelerator
     metric_modules = {name: load_metric(name) for name in task_args.metrics}
 
@@ -58,6 +61,7 @@ def main(model_args: ModelArguments, data_args: DataArguments, task_args: Classi
                        auto_class=AutoModelForSequenceClassification, num_labels=len(label_names),
                        id2label=dict(enumerate(label_names)),
                        label2id={name: i for i, name in enumerate(label_names)})
+    model = apply_lora(model, lora_args)  # --use_peft: LoRA adapters and the new head train, the rest is frozen
     optimizer = create_optimizer(model, args)
     train_loader = fit_batch_size(accelerator, model, train_loader, args)  # --auto_find_batch_size
     max_steps = total_training_steps(args, train_loader, accelerator.num_processes)
@@ -121,4 +125,4 @@ def main(model_args: ModelArguments, data_args: DataArguments, task_args: Classi
 
 
 if __name__ == "__main__":
-    run_recipe(main, ModelArguments, DataArguments, ClassificationArguments, TrainingArguments)
+    run_recipe(main, ModelArguments, DataArguments, ClassificationArguments, LoraArguments, TrainingArguments)

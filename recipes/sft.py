@@ -15,6 +15,9 @@ Evaluates loss and the exact-match accuracy of greedy answers.
     accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/sft.py \
         --config recipes/configs/sft_demo.yaml --packing false
 
+LoRA (peft): --use_peft trains low-rank adapters only (--lora_r, --lora_alpha,
+--lora_target_modules, --save_merged_model; see recipes/causal_lm.py).
+
 The demo trains a tiny Llama from scratch on generated arithmetic questions
 ("what is 7 plus 5 ?"), whose answers are checkable.
 """
@@ -29,6 +32,7 @@ from common.batch_size import fit_batch_size
 from common.chat import OVERLONG, end_of_turn_ids, generation_references, read_chat_template, tokenize_sft
 from common.data import load_raw_datasets, make_dataloaders
 from common.evaluation import evaluate_generation
+from common.lora import apply_lora, LoraArguments
 from common.model import load_model, load_tokenizer
 from common.internals import attention_implementation
 from common.packing import use_per_example_attention
@@ -50,8 +54,9 @@ class SFTArguments:
     max_generation_samples: int | None = field(default=None, metadata={"help": "Eval conversations to generate for."})
 
 
-def main(model_args: ModelArguments, data_args: DataArguments, sft_args: SFTArguments, args: TrainingArguments):
-    run = start_run(model_args, data_args, sft_args, args)
+def main(model_args: ModelArguments, data_args: DataArguments, sft_args: SFTArguments, lora_args: LoraArguments,
+         args: TrainingArguments):
+    run = start_run(model_args, data_args, sft_args, lora_args, args)
     accelerator = run.accelerator
 
     # Data: chat template, assistant-only labels; block_size is the maximum length.
@@ -70,7 +75,7 @@ def main(model_args: ModelArguments, data_args: DataArguments, sft_args: SFTArgu
                                        sft_args.max_generation_samples)
     stop_ids = end_of_turn_ids(datasets["validation"])
 
-    model = load_model(model_args, tokenizer, args.seed, args.gradient_checkpointing)
+    model = apply_lora(load_model(model_args, tokenizer, args.seed, args.gradient_checkpointing), lora_args)  # --use_peft
     attention = use_per_example_attention(model) if sft_args.packing else attention_implementation(model)
     accelerator.print(f"{'packed' if sft_args.packing else 'padded'} batches, attention: {attention}")
     optimizer = create_optimizer(model, args)
@@ -128,4 +133,4 @@ def main(model_args: ModelArguments, data_args: DataArguments, sft_args: SFTArgu
 
 
 if __name__ == "__main__":
-    run_recipe(main, ModelArguments, DataArguments, SFTArguments, TrainingArguments)
+    run_recipe(main, ModelArguments, DataArguments, SFTArguments, LoraArguments, TrainingArguments)

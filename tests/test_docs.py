@@ -119,7 +119,7 @@ def _loop(recipe: str) -> list[str]:
     return [line.strip() for line in lines[start:end + 1]]
 
 
-@pytest.mark.parametrize("recipe", ["sequence_classification.py", "lora.py", "sft.py"])
+@pytest.mark.parametrize("recipe", ["sequence_classification.py", "sft.py"])
 def test_training_loops_do_not_drift(recipe):
     """Each recipe writes its loop out in full (readers copy one file); the copies stay identical
     to causal_lm.py's, the way accelerate's examples diff each feature script against its base."""

@@ -16,16 +16,19 @@ from conftest import (FP32, REPO, assert_same_hf_folder, evaluate_in_process, ex
 STRATEGIES = {"ddp.yaml": "MULTI_CPU", "fsdp.yaml": "FSDP", "zero3.yaml": "DEEPSPEED"}
 # config -> processes its LoRA run's step-15 checkpoint resumes on (written by 2)
 LORA_RESUME_PROCESSES = {"fsdp.yaml": 1, "zero3.yaml": 1}
-MAKE_TARGETS = {"sequence_classification.py": "ddp.yaml", "lora.py": "fsdp.yaml", "sft.py": "ddp.yaml"}
+# make target -> the config its test runs it under
+MAKE_TARGETS = {"sequence_classification": "ddp.yaml", "lora": "fsdp.yaml", "sft": "ddp.yaml"}
 
 
-def launch_recipe(config: str, recipe: str, args: list, launcher_args: list | None = None):
+def launch_recipe(config: str, recipe: str, args: list, launcher_args: list | None = None, target: str | None = None):
     """`accelerate launch` of the recipe, or for the config in MAKE_TARGETS its make target
-    (which makes the demo data first, then launches with ARGS after the demo's own flags)."""
-    if MAKE_TARGETS.get(recipe) != config:
+    (`target`, else the recipe's name; it makes the demo data first, then launches with ARGS
+    after the demo's own flags)."""
+    target = target or recipe.removesuffix(".py")
+    if MAKE_TARGETS.get(target) != config:
         return launch(config, recipe, args, launcher_args=launcher_args)
     launch_args = [*(launcher_args or []), "--main_process_port", str(free_port())]
-    return run(["make", recipe.removesuffix(".py"), f"CONFIG=accelerate_configs/{config}",
+    return run(["make", target, f"CONFIG=accelerate_configs/{config}",
                 f"LAUNCH_ARGS={shlex.join(launch_args)}", f"ARGS={shlex.join(map(str, args))}"])
 
 
@@ -135,7 +138,7 @@ def test_lora(config, trained_base, shifted_markov_data, tmp_path):
                           "save_total_limit": 2, "logging_steps": 5, "per_device_train_batch_size": 4, "lora_r": 4,
                           **overrides})]
 
-    launch_recipe(config, "lora.py", lora_args(out), launcher_args=FP32)
+    launch_recipe(config, "causal_lm.py", lora_args(out), launcher_args=FP32, target="lora")
     record = assert_two_process_run(out, config)
     # Rank 4 on 7 projections of 2 layers: 4 x (in + out) per projection.
     assert 0 < record["trainable_parameters"] < record["total_parameters"] / 2
@@ -165,7 +168,7 @@ def test_lora(config, trained_base, shifted_markov_data, tmp_path):
     # accumulation 2) to the same losses: only the adapter and its optimizer state are saved.
     if config in LORA_RESUME_PROCESSES:
         stopped, processes = tmp_path / "stopped", LORA_RESUME_PROCESSES[config]
-        resume_elsewhere(out, stopped, 15, processes, config, "lora.py", lambda **resume: lora_args(stopped, **resume),
+        resume_elsewhere(out, stopped, 15, processes, config, "causal_lm.py", lambda **resume: lora_args(stopped, **resume),
                          accumulation=2, launcher_args=FP32)
         resumed, logged = read_metrics(stopped)[0], read_metrics(out)[0]
         assert [r["step"] for r in resumed] == [20, 25, 30]
