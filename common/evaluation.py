@@ -85,29 +85,38 @@ def evaluate_classification(model, dataloader, accelerator, metrics: dict, f1_av
 
 @torch.no_grad()
 def evaluate_generation(model, tokenizer, references: list, accelerator, max_new_tokens: int,
-                        stop_ids: list[int] | None = None) -> dict:
+                        stop_ids: list[int] | None = None, batch_size: int = 16) -> dict:
     """Exact match of greedy answers to `references`, (prompt, answer) pairs from
     `common.chat.generation_references`: a prompt is the turns before a conversation's last
     assistant turn (rendered with the chat template) or a prompt-completion row's text.
-    Pairs are split over ranks; every rank runs the same number of generate calls (ZeRO-3
-    and FSDP need all ranks in each forward). Generation stops at `stop_ids` (default: EOS)."""
+    Pairs are split over ranks and generated `batch_size` at a time, left-padded; every rank
+    runs the same number of generate calls (ZeRO-3 and FSDP need all ranks in each forward).
+    Generation stops at `stop_ids` (default: EOS)."""
     model.eval()
     unwrapped = accelerator.unwrap_model(model)
     indexed = list(enumerate(references))
     correct = []
-    with accelerator.split_between_processes(indexed, apply_padding=True) as mine:
-        for index, (prompt, answer) in mine:
-            if isinstance(prompt, str):
-                inputs = tokenizer(prompt, return_tensors="pt")
-            else:
-                inputs = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
-                                                       return_dict=True, return_tensors="pt")
-            inputs = inputs.to(accelerator.device)
-            output = unwrapped.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
-                                        eos_token_id=stop_ids or tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                                        synced_gpus=accelerator.num_processes > 1)
-            generated = tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
-            correct.append((index, generated.strip() == answer.strip()))
+    padding_side, tokenizer.padding_side = tokenizer.padding_side, "left"  # answers start at one column
+    try:
+        with accelerator.split_between_processes(indexed, apply_padding=True) as mine:
+            for start in range(0, len(mine), batch_size):
+                chunk = mine[start:start + batch_size]
+                prompts = [prompt if isinstance(prompt, str) else
+                           tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+                           for _, (prompt, _) in chunk]
+                # Text prompts tokenize as plain text does (BOS and all); a rendered template has its own.
+                inputs = tokenizer(prompts, padding=True, return_tensors="pt",
+                                   add_special_tokens=isinstance(chunk[0][1][0], str))
+                inputs = inputs.to(accelerator.device)
+                output = unwrapped.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
+                                            eos_token_id=stop_ids or tokenizer.eos_token_id,
+                                            pad_token_id=tokenizer.pad_token_id,
+                                            synced_gpus=accelerator.num_processes > 1)
+                answers = tokenizer.batch_decode(output[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+                correct += [(index, generated.strip() == answer.strip())
+                            for (index, (_, answer)), generated in zip(chunk, answers)]
+    finally:
+        tokenizer.padding_side = padding_side
     model.train()
     seen = dict(gather_object(correct))  # keyed by index: the padding's repeated pairs count once
     return {"eval_exact_match": sum(seen.values()) / max(len(seen), 1), "eval_generated": len(seen)}

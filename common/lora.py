@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from common.errors import UsageError
+from common.internals import is_zero3_parameter
 
 
 @dataclass
@@ -57,11 +58,27 @@ def apply_lora(model, args: LoraArguments):
                         target_modules=targets[0] if targets == ["all-linear"] else targets,
                         task_type="SEQ_CLS" if classifier else "CAUSAL_LM")
     try:
-        return get_peft_model(model, config)
+        model = get_peft_model(model, config)
     except ValueError as error:
         names = sorted({name.split(".")[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
         raise UsageError(f"--lora_target_modules {targets}: {str(error).splitlines()[0]} "
                          f"(the model's linear layers: {names})") from None
+    _match_zero3_dtype(model)
+    return model
+
+
+def _match_zero3_dtype(model) -> None:
+    """Under ZeRO-3, zero.Init built the base model's parameters in the config's precision (bf16),
+    and DeepSpeed flattens every trainable parameter into one buffer of one dtype (its optimizer
+    keeps fp32 masters of them): parameters peft made afterwards take that dtype. Without this, a
+    classifier's head copied by peft (bf16) and the adapters (fp32) stop DeepSpeed at prepare with
+    a bare AssertionError."""
+    dtypes = {p.dtype for p in model.parameters() if is_zero3_parameter(p)}
+    if len(dtypes) == 1:
+        dtype = dtypes.pop()
+        for parameter in model.parameters():
+            if parameter.requires_grad and not is_zero3_parameter(parameter):
+                parameter.data = parameter.data.to(dtype)
 
 
 def save_merged(peft_model, adapter_dir: str, out: str, tokenizer, dtype) -> None:

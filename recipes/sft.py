@@ -92,7 +92,8 @@ def main(model_args: ModelArguments, data_args: DataArguments, sft_args: SFTArgu
     def evaluate():
         return metrics.log_eval(step, {**evaluate_loss(model, eval_loader, accelerator),
                                        **evaluate_generation(model, tokenizer, references, accelerator,
-                                                             sft_args.max_new_tokens, stop_ids)})
+                                                             sft_args.max_new_tokens, stop_ids,
+                                                             args.per_device_eval_batch_size)})
 
     before = evaluate() if step == 0 else None
 

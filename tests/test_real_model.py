@@ -11,19 +11,13 @@ import pytest
 import torch
 from datasets import Dataset, DatasetDict
 
-from conftest import FP32, REPO, launch, load_weights, pretrained_args, read_run, run
+from conftest import FP32, REPO, launch, load_weights, pretrained_args, read_metrics, read_run, run
 from test_chat import CPU, labelled_runs
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"},
             {"role": "assistant", "content": "The capital of France is Paris."},
             {"role": "user", "content": "And of Italy?"},
             {"role": "assistant", "content": "Rome."}]
-
-
-@pytest.fixture(scope="session")
-def real_model() -> Path:
-    """The folder `make real-model` writes (made once, then kept)."""
-    return REPO / run(["make", "-s", "real-model"]).stdout.strip().splitlines()[-1]
 
 
 @pytest.fixture(scope="module")
@@ -109,44 +103,67 @@ def test_make_estimate_memory_counts_its_tied_weights_once(real_model):
     assert f"{stored:,}" in result.stdout, (stored, result.stdout[-2000:])
 
 
+# precision -> launcher flags; bf16 is the configs' own mixed precision (fp32 master weights).
+PRECISIONS = {"fp32": FP32, "bf16": []}
+
+
 @pytest.fixture(scope="module")
-def one_step_on_one_process(real_model, markov_data, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("real_single") / "run"
-    launch("single.yaml", "causal_lm.py", real_model_args(real_model, markov_data, out, per_device_train_batch_size=2),
-           launcher_args=FP32)
-    return out
+def one_step_on_one_process(real_model, markov_data, tmp_path_factory) -> dict[str, Path]:
+    runs = {}
+    for precision, launcher_args in PRECISIONS.items():
+        runs[precision] = tmp_path_factory.mktemp(f"real_single_{precision}") / "run"
+        launch("single.yaml", "causal_lm.py", real_model_args(real_model, markov_data, runs[precision],
+                                                              per_device_train_batch_size=2), launcher_args=launcher_args)
+    return runs
 
 
 def real_model_args(model: Path, data: Path, out: Path, **overrides) -> list[str]:
-    """One optimizer step of causal_lm.py from the real model, exported in fp32 for a bit-level comparison."""
+    """One optimizer step of causal_lm.py from the real model, exported in fp32 for a bit-level
+    comparison. Adam's first step is about lr * g / (|g| + eps), nearly sign(g) at its default eps,
+    which magnifies rounding in the many gradients near 0 to whole steps and hides a gradient off
+    by a factor (as clipping would): with eps = 1, lr = 1 and no clipping the step is about the
+    gradient itself, so the comparison is of the gradients."""
     return pretrained_args(data, model, out, **{"max_steps": 1, "block_size": 32, "per_device_eval_batch_size": 2,
                                                 "max_eval_samples": 4, "warmup_steps": 0, "save_dtype": "float32",
+                                                "learning_rate": 1.0, "adam_epsilon": 1.0, "weight_decay": 0.0, "max_grad_norm": 0,
                                                 **overrides})
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("precision", list(PRECISIONS))
 @pytest.mark.parametrize("config", ["fsdp.yaml", "zero3.yaml"])
-def test_one_step_of_the_real_model_sharded_equals_one_process(config, real_model, markov_data,
+def test_one_step_of_the_real_model_sharded_equals_one_process(config, precision, real_model, markov_data,
                                                                  one_step_on_one_process, tmp_path):
-    """Tied embeddings and grouped query attention under FSDP2 and ZeRO-3 on 2 processes (fp32, the
-    same global batch of 2): the step equals the single process's to 1e-4 of its size, and the
-    export keeps the tie (one stored tensor for the embedding and the output layer)."""
+    """Tied embeddings and grouped query attention under FSDP2 and ZeRO-3 on 2 processes (the same
+    global batch of 2), in fp32 and in the configs' bf16: in fp32 the step equals the single
+    process's to 1e-4 of its size; in bf16, where each computes in its own way (autocast on one
+    process, bf16 weights under FSDP2's policy and ZeRO-3), the step is as close to the fp32 step
+    as one process's bf16 step is, within 2x. The export keeps the tie (one stored tensor for the
+    embedding and the output layer)."""
     out = tmp_path / "run"
     launch(config, "causal_lm.py", real_model_args(real_model, markov_data, out, per_device_train_batch_size=1),
-           launcher_args=FP32)
+           launcher_args=PRECISIONS[precision])
     record = read_run(out)
     assert record["participating_processes"] == 2 and record["total_parameters"] == 134_515_008
-    mine, reference = load_weights(out / "final"), load_weights(one_step_on_one_process / "final")
+    assert record["mixed_precision"] == ("no" if precision == "fp32" else "bf16")
     start = {key: value.float() for key, value in load_weights(real_model).items()}
-    assert mine.keys() == reference.keys() == start.keys()
-    gap = max(float((mine[k] - reference[k]).abs().max()) for k in mine)
-    relative = math.sqrt(sum(float((mine[k] - reference[k]).pow(2).sum()) for k in mine)
-                         / sum(float((reference[k] - start[k]).pow(2).sum()) for k in mine))
-    print(f"{config}: one step of SmolLM2-135M on 2 processes vs 1: max weight gap {gap:.2e}, "
-          f"difference / update {relative:.2e}")
-    # Adam's first step moves each weight by about lr * g / (|g| + eps): for the many weights whose
-    # gradient is near 0 that ratio amplifies reduction-order differences (ZeRO-3 reduce-scatters in
-    # its own buckets), so the step is compared as a whole, against its own size.
-    assert relative < 1e-4
-    assert "lm_head.weight" not in load_weights(out / "final")
+    mine = load_weights(out / "final")
+    single = {p: load_weights(run / "final") for p, run in one_step_on_one_process.items()}
+    assert mine.keys() == single["fp32"].keys() == start.keys()
+    gap = step_difference(mine, single[precision], start)
+    print(f"{config}, {precision}: one step of SmolLM2-135M on 2 processes vs 1: difference / step {gap:.2e}")
+    if precision == "fp32":
+        assert gap < 1e-4
+    else:
+        sharded, alone = step_difference(mine, single["fp32"], start), step_difference(single["bf16"], single["fp32"], start)
+        print(f"  distance from the fp32 step: 2 processes {sharded:.2e}, 1 process {alone:.2e}")
+        assert sharded < 2 * alone
+    assert "lm_head.weight" not in mine
     assert json.loads((out / "final" / "config.json").read_text())["tie_word_embeddings"] is True
+
+
+def step_difference(weights: dict, reference: dict, start: dict) -> float:
+    """|weights - reference| / |reference - start| over all tensors: the steps' difference against
+    the step's size."""
+    difference = sum(float((weights[k] - reference[k]).pow(2).sum()) for k in weights)
+    return math.sqrt(difference / sum(float((reference[k] - start[k]).pow(2).sum()) for k in weights))

@@ -177,6 +177,101 @@ def test_lora(config, trained_base, shifted_markov_data, tmp_path):
         assert gap < 1e-5
 
 
+@pytest.mark.slow
+def test_lora_on_sequence_classification_under_zero3_in_bf16(sentiment_data, minilm, tmp_path):
+    """--use_peft on the classifier recipe, under ZeRO-3 in the config's bf16: the adapters and the
+    new head train (peft keeps the head as a module to save: a copy DeepSpeed must partition with
+    the adapters), the adapter is saved whole, and the merged export predicts what the adapter on
+    the base model predicts."""
+    out = tmp_path / "run"
+    launch("zero3.yaml", "sequence_classification.py", flags(
+        config=REPO / "recipes/configs/sequence_classification_demo.yaml", model_name_or_path=minilm,
+        train_file=sentiment_data / "train.jsonl", validation_file=sentiment_data / "validation.jsonl",
+        output_dir=out, max_steps=24, eval_steps=12, logging_steps=4, per_device_train_batch_size=8,
+        learning_rate=5e-3, use_peft="true", lora_r=8, save_merged_model="true"))
+    record = assert_two_process_run(out, "zero3.yaml")
+    assert record["mixed_precision"] == "bf16"
+    assert record["trainable_parameters"] < record["total_parameters"] / 20
+    first, last = first_and_last_loss(out)
+    final = read_metrics(out)[1][-1]
+    print(f"LoRA classifier under zero3, bf16: loss {first:.4f} -> {last:.4f}, accuracy {final['eval_accuracy']:.4f}")
+    assert last < first and final["eval_accuracy"] >= 0.8
+
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    adapter = load_file(str(out / "final" / "adapter_model.safetensors"))
+    b_norms = [float(t.norm()) for k, t in adapter.items() if "lora_B" in k]
+    assert len(b_norms) == 2 * 6 and min(b_norms) > 0, adapter.keys()  # query and value of 6 layers
+    head = [k for k in adapter if "classifier" in k]
+    assert sorted(head) == ["base_model.model.classifier.bias", "base_model.model.classifier.weight"], head
+    assert not (out / "final" / "model.safetensors").exists()
+
+    rows = [json.loads(line) for line in (sentiment_data / "validation.jsonl").read_text().splitlines()]
+    tokenizer = AutoTokenizer.from_pretrained(out / "final_merged")
+    batch = tokenizer([r["text"] for r in rows], padding=True, return_tensors="pt")
+    merged = AutoModelForSequenceClassification.from_pretrained(out / "final_merged").eval()
+    base = AutoModelForSequenceClassification.from_pretrained(minilm, num_labels=2)
+    with_adapter = PeftModel.from_pretrained(base, out / "final").eval()
+    with torch.no_grad():
+        merged_logits, adapter_logits = merged(**batch).logits, with_adapter(**batch).logits
+    assert (merged_logits - adapter_logits).abs().max() < 1e-3
+    accuracy = sum(merged.config.id2label[i] == r["label"] for i, r in zip(merged_logits.argmax(-1).tolist(), rows))
+    # the run evaluated in bf16; the export in fp32: a few borderline sentences may flip
+    assert abs(accuracy / len(rows) - final["eval_accuracy"]) <= 3 / len(rows)
+
+
+@pytest.mark.slow
+def test_lora_sft_of_the_real_model_under_zero3_in_bf16(real_model, arithmetic_data, tmp_path):
+    """--use_peft on sft.py with SmolLM2-135M-Instruct (its template, tied embeddings, grouped
+    query attention) under ZeRO-3 in bf16: only the adapters train and are saved (non-empty under
+    ZeRO-3), the merged export keeps the checkpoint's bf16 and its tie and answers as base + adapter
+    does, and the step-3 checkpoint resumes to the same losses."""
+    def sft_args(output_dir, **overrides):
+        return flags(**{"config": REPO / "recipes/configs/sft_chat_demo.yaml", "model_name_or_path": real_model,
+                        "train_file": arithmetic_data / "train.jsonl",
+                        "validation_file": arithmetic_data / "validation.jsonl", "output_dir": output_dir,
+                        "max_steps": 6, "save_steps": 3, "logging_steps": 1, "per_device_train_batch_size": 8,
+                        "max_generation_samples": 8, "learning_rate": 2e-3, "warmup_steps": 0, "use_peft": "true",
+                        "save_merged_model": "true", **overrides})
+
+    out = tmp_path / "run"
+    launch("zero3.yaml", "sft.py", sft_args(out))
+    record = assert_two_process_run(out, "zero3.yaml")
+    assert record["total_parameters"] == 134_515_008 + record["trainable_parameters"]
+    assert record["trainable_parameters"] < record["total_parameters"] / 100
+    train = read_metrics(out)[0]
+    print(f"LoRA SFT of SmolLM2-135M under zero3, bf16: losses {[round(r['loss'], 3) for r in train]}")
+    assert train[-1]["loss"] < train[0]["loss"] / 2
+
+    from safetensors.torch import load_file
+
+    adapter = load_file(str(out / "final" / "adapter_model.safetensors"))
+    b_norms = [float(t.norm()) for k, t in adapter.items() if "lora_B" in k]
+    assert len(b_norms) == 2 * 30 and min(b_norms) > 0  # q_proj and v_proj (peft's default for Llama) x 30
+    assert not (out / "final" / "model.safetensors").exists()
+    merged = json.loads((out / "final_merged" / "config.json").read_text())
+    assert merged["dtype"] == "bfloat16" and merged["tie_word_embeddings"] is True
+    assert "lm_head.weight" not in load_file(str(out / "final_merged" / "model.safetensors"))
+
+    from conftest import load_script
+
+    ask = load_script("scripts/ask.py")
+    question = "what is 7 plus 8 ?"
+    assert ask.answer(str(out / "final_merged"), question, 4) == \
+        ask.answer(str(real_model), question, 4, adapter=str(out / "final"))
+
+    stopped = tmp_path / "stopped"
+    resume_elsewhere(out, stopped, 3, 2, "zero3.yaml", "sft.py", lambda **resume: sft_args(stopped, **resume),
+                     accumulation=1)
+    resumed = read_metrics(stopped)[0]
+    assert [r["step"] for r in resumed] == [4, 5, 6]
+    gap = max(abs(a["loss"] - b["loss"]) for a, b in zip(train[3:], resumed))
+    print(f"resumed at step 3: loss gap {gap:.2e}")
+    assert gap < 1e-3
+
+
 # --- SFT ----------------------------------------------------------------------------
 
 @pytest.mark.slow
