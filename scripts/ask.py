@@ -1,7 +1,8 @@
 """Ask a saved chat model a question: its own chat template, a greedy answer, printed.
 
-Loads any Hugging Face folder a run exported (final/, final_merged/, or a base model with
---adapter_name_or_path for a saved LoRA adapter), the way a user would after training.
+Loads any Hugging Face folder a run exported, the way a user would after training: a full
+model (final/, final_merged/), or a LoRA adapter's folder (--use_peft's final/: the base model
+it names, with the adapter), or a base model with --adapter_name_or_path.
 
     python scripts/ask.py --model_name_or_path outputs/sft_chat_demo/final --question "what is 12 plus 5 ?"
 """
@@ -9,6 +10,7 @@ Loads any Hugging Face folder a run exported (final/, final_merged/, or a base m
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
@@ -17,11 +19,16 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 def answer(model_path: str, question: str, max_new_tokens: int = 32, adapter: str | None = None) -> str:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    if os.path.isfile(os.path.join(model_path, "adapter_config.json")):  # an adapter: on the base it names
+        from peft import AutoPeftModelForCausalLM
+
+        model = AutoPeftModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     if adapter:
         from peft import PeftModel
 
-        model = PeftModel.from_pretrained(model, adapter)
+        model = PeftModel.from_pretrained(model, adapter).eval()
     if not tokenizer.chat_template:
         raise SystemExit(f"error: the tokenizer in {model_path} has no chat template; ask a chat model, or train one "
                          "with recipes/sft.py --chat_template FILE")

@@ -75,6 +75,24 @@ def test_make_demo_meets_its_target_and_make_evaluate_reproduces_it(tmp_path):
 
 
 @pytest.mark.slow
+def test_make_demo_chat_teaches_the_real_model_and_its_export_answers():
+    """The second demo as a user runs it: SmolLM2-135M-Instruct instruction-tuned on 2 processes in
+    ddp.yaml's bf16 goes from answering in sentences (exact match ~0) to the bare number, and the
+    exported folder (bf16, as the checkpoint was) answers a question through its own template."""
+    result = run(["make", "demo-chat", f"LAUNCH_ARGS=--main_process_port {free_port()}"])
+    match = re.search(r"exact match ([\d.]+) untrained -> ([\d.]+) on (\d+) questions", result.stdout)
+    assert match, result.stdout[-2000:]
+    before, after, questions = float(match[1]), float(match[2]), int(match[3])
+    print(f"make demo-chat: exact match {before:.3f} -> {after:.3f} on {questions} questions")
+    assert before <= 0.05 and after >= 0.8 and questions == 101
+    out = REPO / "outputs/sft_chat_demo"
+    record = read_run(out)
+    assert record["participating_processes"] == 2 and record["mixed_precision"] == "bf16"
+    assert json.loads((out / "final" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert "Q: what is 7 plus 8 ?\nA: 15\n" in result.stdout, result.stdout[-500:]
+
+
+@pytest.mark.slow
 def test_make_benchmark_prints_ratios_and_draws_the_chart(tmp_path):
     chart, page = tmp_path / "benchmark.png", tmp_path / "benchmark.md"
     result = run(["make", "-s", "benchmark", f"ARGS=--configs ddp.yaml --steps 6 --num_processes 2 "

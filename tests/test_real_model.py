@@ -11,7 +11,8 @@ import pytest
 import torch
 from datasets import Dataset, DatasetDict
 
-from conftest import FP32, REPO, launch, load_weights, pretrained_args, read_metrics, read_run, run
+from conftest import (CONFIGS, FP32, REPO, launch, load_weights, model_state_gaps, pretrained_args, read_run,
+                      run)
 from test_chat import CPU, labelled_runs
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"},
@@ -139,7 +140,7 @@ def test_one_step_of_the_real_model_sharded_equals_one_process(config, precision
     process's to 1e-4 of its size; in bf16, where each computes in its own way (autocast on one
     process, bf16 weights under FSDP2's policy and ZeRO-3), the step is as close to the fp32 step
     as one process's bf16 step is, within 2x. The export keeps the tie (one stored tensor for the
-    embedding and the output layer)."""
+    embedding and the output layer), and the run's memory account agrees with the estimate."""
     out = tmp_path / "run"
     launch(config, "causal_lm.py", real_model_args(real_model, markov_data, out, per_device_train_batch_size=1),
            launcher_args=PRECISIONS[precision])
@@ -160,6 +161,11 @@ def test_one_step_of_the_real_model_sharded_equals_one_process(config, precision
         assert sharded < 2 * alone
     assert "lm_head.weight" not in mine
     assert json.loads((out / "final" / "config.json").read_text())["tie_word_embeddings"] is True
+    # Its memory account (taken at the step) and make estimate-memory's figures agree, per category,
+    # with the tied output layer counted once.
+    gaps = model_state_gaps(out, CONFIGS / config)
+    print(f"  memory account vs estimate, largest gap per category: {gaps}")
+    assert max(gaps.values()) < 0.05, gaps
 
 
 def step_difference(weights: dict, reference: dict, start: dict) -> float:

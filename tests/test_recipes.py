@@ -277,20 +277,26 @@ def test_lora_sft_of_the_real_model_under_zero3_in_bf16(real_model, arithmetic_d
 @pytest.mark.slow
 @pytest.mark.parametrize("config", list(STRATEGIES))
 def test_sft(config, arithmetic_data, tmp_path):
+    """Under ddp.yaml, through `make sft`, the demo as it ships (bf16, the YAML's 600 steps) answers
+    nearly every held-out question; fsdp and zero3 run a shorter stretch of it."""
     out = tmp_path / "run"
-    steps = 300 if config == "ddp.yaml" else 120
+    steps = {} if config == "ddp.yaml" else {"max_steps": 120}
     launch_recipe(config, "sft.py", flags(
         config=REPO / "recipes/configs/sft_demo.yaml", tokenizer_name_or_path=arithmetic_data / "tokenizer",
         train_file=arithmetic_data / "train.jsonl", validation_file=arithmetic_data / "validation.jsonl",
-        output_dir=out, max_steps=steps, logging_steps=20))
-    assert_two_process_run(out, config)
+        output_dir=out, logging_steps=20, **steps))
+    record = assert_two_process_run(out, config)
+    assert record["mixed_precision"] == "bf16"
     first, last = first_and_last_loss(out)
     before, after = read_metrics(out)[1][0], read_metrics(out)[1][-1]
-    assert before["step"] == 0 and after["step"] == steps and after["eval_generated"] == 101
+    assert before["step"] == 0 and after["step"] == record["max_steps"] and after["eval_generated"] == 101
     print(f"{config}: exact match {before['eval_exact_match']:.3f} untrained -> {after['eval_exact_match']:.3f} "
-          f"after {steps} steps; loss {first:.3f} -> {last:.3f}")
+          f"after {after['step']} steps; loss {first:.3f} -> {last:.3f}")
     assert last < first / 2
-    assert after["eval_exact_match"] >= before["eval_exact_match"] + (0.5 if config == "ddp.yaml" else 0.1)
+    if config == "ddp.yaml":
+        assert after["step"] == 600 and after["eval_exact_match"] >= 0.95
+    else:
+        assert after["eval_exact_match"] >= before["eval_exact_match"] + 0.1
     from transformers import AutoModelForCausalLM
 
     reloaded = AutoModelForCausalLM.from_pretrained(out / "final")
