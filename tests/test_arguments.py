@@ -1,10 +1,12 @@
 import dataclasses
+import re
 
 import pytest
 
 from common.arguments import DataArguments, ModelArguments, TrainingArguments
 from common.parsing import _parse, parse_args
 from common.errors import UsageError
+from common.lora import apply_lora, LoraArguments
 
 TYPES = (ModelArguments, DataArguments, TrainingArguments)
 
@@ -104,3 +106,35 @@ def test_every_training_field_is_settable_from_yaml(tmp_path, recipe_yaml):
     recipe_yaml.write_text(recipe_yaml.read_text() + "seed: 3\nnum_train_epochs: 2\nreport_to: none\n")
     _, _, train = _parse(TYPES, ["--config", str(recipe_yaml)])
     assert (train.seed, train.num_train_epochs, train.report_to) == (3, 2, "none")
+
+
+LORA_TYPES = (*TYPES[:2], LoraArguments, TYPES[2])
+
+
+def test_use_peft_and_the_lora_options_parse_as_trl_spells_them(recipe_yaml):
+    _, _, lora, _ = _parse(LORA_TYPES, ["--config", str(recipe_yaml), "--use_peft", "--lora_r", "16",
+                                        "--lora_target_modules", "q_proj", "v_proj"])
+    assert lora.use_peft is True and lora.lora_r == 16 and lora.lora_target_modules == ["q_proj", "v_proj"]
+    assert _parse(LORA_TYPES, ["--config", str(recipe_yaml)])[2].use_peft is False
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--lora_r", "16"], "--lora_r shape(s) LoRA adapters, which train only with --use_peft; add --use_peft"),
+    (["--save_merged_model", "true"], "--save_merged_model shape(s) LoRA adapters"),
+    (["--use_peft", "--lora_r", "0"], "--lora_r 0 --lora_alpha 16 --lora_dropout 0.0: the rank must be >= 1"),
+])
+def test_lora_options_without_use_peft_or_out_of_range_are_refused(recipe_yaml, argv, expected):
+    with pytest.raises(UsageError, match=re.escape(expected)):
+        _parse(LORA_TYPES, ["--config", str(recipe_yaml), *argv])
+
+
+def test_a_merged_export_needs_a_pretrained_base():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2))
+    with pytest.raises(UsageError, match="--save_merged_model reloads the base model from --model_name_or_path"):
+        apply_lora(model, LoraArguments(use_peft=True, save_merged_model=True))
+    wrapped = apply_lora(model, LoraArguments(use_peft=True, lora_target_modules=["all-linear"]))
+    assert {n.split(".")[-4] for n, p in wrapped.named_parameters() if p.requires_grad} == \
+        {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
