@@ -19,7 +19,7 @@ LAUNCH_ARGS ?=
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE ?= 1
 RESTARTS = $(if $(findstring --max_restarts,$(LAUNCH_ARGS)),--rdzv_backend c10d)
 
-.PHONY: install install-test real-model demo demo-chat demo-data test test-fast test-crashes doctor causal_lm sequence_classification lora sft evaluate benchmark benchmark-packing benchmark-reshard estimate-memory export-checkpoint check-config clean
+.PHONY: install install-test real-model demo demo-chat demo-data test test-fast test-crashes doctor causal_lm sequence_classification lora sft evaluate benchmark benchmark-peers benchmark-packing benchmark-reshard estimate-memory export-checkpoint check-config clean
 
 # torch first: the CPU wheel on hosts without an NVIDIA GPU (no CUDA download),
 # the normal CUDA build where nvidia-smi sees a GPU. Later `torch>=...` pins are then satisfied.
@@ -130,6 +130,11 @@ estimate-memory: install
 # time and host memory, written to docs/benchmark-reshard.md.
 benchmark-reshard: install
 	$(PY) scripts/benchmark_reshard.py --docs docs/benchmark-reshard.md $(ARGS)
+
+# The causal-LM recipe against the plainest accelerate loop and transformers' Trainer on one job
+# (ddp.yaml, 2 processes, bf16), rounds interleaved: tokens/s and ratios, written to docs/benchmark-peers.md.
+benchmark-peers: demo-data
+	$(PY) scripts/benchmark_peers.py --docs docs/benchmark-peers.md $(ARGS)
 
 # Packed vs padded SFT batches (one process), written to docs/benchmark-packing.md: make benchmark-packing ARGS="--steps 20"
 benchmark-packing: install

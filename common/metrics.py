@@ -117,6 +117,16 @@ class MetricsLogger:
         self._write({"step": step, "memory_per_rank": per_rank})
         self.record_in_run_json("memory_per_rank", per_rank)
 
+    def record_whole_run_peak(self) -> list[dict]:
+        """Every rank: its peak over the whole run so far (the process's resident set high-water
+        mark; on a GPU also the allocator's peak), into run.json's "peak_memory_whole_run"; the
+        memory account, taken at the first optimizer step, cannot see what grows after it."""
+        figures = current_memory(self.accelerator.device)
+        peak = {key: round(figures[key], 1) for key in ("peak_rss_mb", "peak_allocated_mb") if figures.get(key)}
+        per_rank = gather_object([peak])
+        self.record_in_run_json("peak_memory_whole_run", per_rank)
+        return per_rank
+
     def record_in_run_json(self, key: str, value) -> None:
         """Add a measurement to run.json (main process; the file is replaced whole)."""
         path = os.path.join(self.output_dir, "run.json")

@@ -1,9 +1,11 @@
 """Non-finite loss or gradients: every rank agrees, then the step is skipped or the run stops.
 
-Each micro-batch's loss is checked on its rank (no synchronisation); at the optimizer step
-one all-gather tells every rank which ranks saw a non-finite loss, and the global gradient
-norm (the same on every rank) says whether any gradient is non-finite. Every rank then
-takes the same decision:
+Each micro-batch's loss is checked on its rank (no synchronisation). At the optimizer step the
+global gradient norm, which clipping has already reduced over every rank (the same on each),
+decides: a non-finite loss makes non-finite gradients, so a finite norm means a good step, at
+the cost of one read of that number and no collective. Only when it is not finite (or when
+there is no norm) does one all-gather tell every rank which ranks saw a non-finite loss. Every
+rank then takes the same decision:
 
 * skip (`--nonfinite skip`, the default): the optimizer and the learning-rate schedule do
   not step, the gradients are dropped, the data moves on. After `--max_nonfinite_skips`
@@ -41,11 +43,14 @@ class NonFiniteGuard:
 
     def skip_step(self, step: int, grad_norm) -> bool:
         """Call on every rank at each optimizer step, after clipping. True: skip this step."""
+        norm = None if grad_norm is None else float(grad_norm)
+        if norm is not None and math.isfinite(norm):  # every rank read the same norm: none gathers
+            self.bad_losses.zero_()
+            return False
         ranks = self.accelerator.gather(self.bad_losses.clone()).tolist()
         self.bad_losses.zero_()
         loss_ranks = [rank for rank, bad in enumerate(ranks) if bad]
-        norm = None if grad_norm is None else float(grad_norm)
-        if not loss_ranks and (norm is None or math.isfinite(norm)):
+        if not loss_ranks and norm is None:
             return False
         what = (f"non-finite loss on rank {', '.join(map(str, loss_ranks))}" if loss_ranks
                 else "non-finite gradients") + f" (gradient norm {norm})"

@@ -96,11 +96,13 @@ class Run:
 
     def finish(self) -> str:
         """After the loop: the profiler stopped, final/ exported (its gather's time and host memory
-        go to run.json's "final_export"), trackers and progress bar closed."""
+        go to run.json's "final_export"), each rank's peak memory over the whole run recorded
+        ("peak_memory_whole_run"), trackers and progress bar closed."""
         self.profiler.stop()
         cost = {}
         final_dir = self.export(cost=cost)
         self.metrics.record_in_run_json("final_export", cost)
+        self.metrics.record_whole_run_peak()
         self.metrics.close()
         return final_dir
 

@@ -93,6 +93,21 @@ def test_make_demo_chat_teaches_the_real_model_and_its_export_answers():
 
 
 @pytest.mark.slow
+def test_make_benchmark_peers_times_the_recipe_the_bare_loop_and_trainer(tmp_path):
+    """One short round of each, on 2 processes in ddp.yaml's bf16: three speeds, the ratios, the page."""
+    page = tmp_path / "peers.md"
+    result = run(["make", "-s", "benchmark-peers", f"ARGS=--rounds 1 --steps 4 --warmup 2 --hidden 64 --layers 2 "
+                                                   f"--block_size 32 --docs {page}"])
+    rows = {line.split("|")[1].strip(): line for line in result.stdout.splitlines()
+            if line.startswith("| ") and line.split("|")[1].strip() in ("recipe", "bare", "trainer")}
+    assert list(rows) == ["recipe", "bare", "trainer"], result.stdout
+    speeds = {name: float(line.split("|")[2]) for name, line in rows.items()}
+    assert all(speed > 0 for speed in speeds.values())
+    assert "| recipe | " in page.read_text() and "1.00x" in rows["recipe"]
+    assert re.search(r"recipe / bare loop: [\d.]+x; recipe / Trainer: [\d.]+x", result.stdout)
+
+
+@pytest.mark.slow
 def test_make_benchmark_prints_ratios_and_draws_the_chart(tmp_path):
     chart, page = tmp_path / "benchmark.png", tmp_path / "benchmark.md"
     result = run(["make", "-s", "benchmark", f"ARGS=--configs ddp.yaml --steps 6 --num_processes 2 "

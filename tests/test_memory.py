@@ -63,7 +63,10 @@ def test_estimate_matches_the_measured_account(name, measured):
     assert len(record["memory_per_rank"]) == processes
     assert record["total_parameters"] >= 100_000_000
     predicted = estimate_for_run(measured[name], CONFIGS / config)
+    whole_run = record["peak_memory_whole_run"]  # each rank's high-water mark, export included
+    assert len(whole_run) == processes
     for rank, account in enumerate(record["memory_per_rank"]):
+        assert whole_run[rank]["peak_rss_mb"] >= account["phases"]["first_step"]["peak_rss_mb"]
         state, peak = account["model_state_mb"], account["phases"]["first_step"]["peak_rss_mb"]
         print(f"{name} rank {rank}: model state {state:.0f} MB (estimated {predicted['model_state'] / 2**20:.0f}), "
               f"peak RSS {peak:.0f} MB (estimated {predicted['peak_mb']:.0f}); {account['bytes_by_category']}")
@@ -86,10 +89,14 @@ def test_sharded_strategies_hold_less_than_ddp(measured):
     def peak(config):
         return max(a["phases"]["first_step"]["peak_rss_mb"] for a in read_run(measured[config])["memory_per_rank"])
 
+    def whole_run(config):
+        return max(rank["peak_rss_mb"] for rank in read_run(measured[config])["peak_memory_whole_run"])
+
     ddp_state, ddp_peak = worst("ddp.yaml", "model_state_mb"), peak("ddp.yaml")
     for config in ("fsdp.yaml", "zero3.yaml"):
         print(f"{config}: model state {worst(config, 'model_state_mb') / ddp_state:.2f}x DDP's, "
-              f"peak RSS {peak(config) / ddp_peak:.2f}x")
+              f"peak RSS {peak(config) / ddp_peak:.2f}x, over the whole run "
+              f"{whole_run(config) / whole_run('ddp.yaml'):.2f}x ({whole_run(config):.0f} MB)")
         assert worst(config, "model_state_mb") <= 0.65 * ddp_state
     # ZeRO-3 keeps a bf16 model and gradient partition beside its fp32 master weights, and makes the fp32
     # gradients one optimizer sub-group at a time (common.accelerator's sub_group_size); fused AdamW adds

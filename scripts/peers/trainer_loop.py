@@ -1,0 +1,77 @@
+"""transformers' Trainer on the job scripts/benchmark_peers.py times, with its defaults for what the job leaves open.
+
+Same model config, packed blocks (common.data, outside the timed steps), per-device batch,
+steps, learning rate and schedule as the recipe and the bare loop; the precision comes from
+the accelerate config it is launched with (bf16 there: Trainer's bf16=True). Its optimizer
+is its default, torch's fused AdamW, with weight decay 0 as in the other two.
+
+    accelerate launch --config_file accelerate_configs/ddp.yaml scripts/peers/trainer_loop.py \
+        --model_config cfg.json --tokenizer tok --train_file train.jsonl --block_size 128 \
+        --batch_size 8 --steps 40 --warmup 10 --learning_rate 1e-3 --out result.json
+"""
+
+import argparse
+import json
+import os
+import tempfile
+import time
+
+import torch
+from accelerate import PartialState
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback,
+                          TrainingArguments, default_data_collator)
+
+from common.arguments import DataArguments
+from common.data import load_raw_datasets, tokenize_and_pack
+
+
+class StepClock(TrainerCallback):
+    """The time at the end of step `warmup` and at the end of the last step."""
+
+    def __init__(self, warmup: int):
+        self.warmup, self.times = warmup, {}
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step in (self.warmup, state.max_steps):
+            self.times[state.global_step] = time.perf_counter()
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    for name in ("model_config", "tokenizer", "train_file", "validation_file", "out"):
+        parser.add_argument(f"--{name}", required=True)
+    for name, default in (("block_size", 128), ("batch_size", 8), ("steps", 40), ("warmup", 10)):
+        parser.add_argument(f"--{name}", type=int, default=default)
+    parser.add_argument("--learning_rate", type=float, default=1e-3)
+    args = parser.parse_args()
+
+    state = PartialState()
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    raw = load_raw_datasets(DataArguments(train_file=args.train_file, validation_file=args.validation_file), 0)
+    train = tokenize_and_pack(raw, tokenizer, "text", args.block_size, state)["train"]
+    config = AutoConfig.from_pretrained(args.model_config, vocab_size=len(tokenizer))
+    model = AutoModelForCausalLM.from_config(config)
+    bf16 = os.environ.get("ACCELERATE_MIXED_PRECISION", "no") == "bf16"
+    clock = StepClock(args.warmup)
+    with tempfile.TemporaryDirectory() as output_dir:
+        training = TrainingArguments(
+            output_dir=output_dir, per_device_train_batch_size=args.batch_size, max_steps=args.steps,
+            learning_rate=args.learning_rate, lr_scheduler_type="linear", warmup_steps=0, weight_decay=0.0,
+            max_grad_norm=1.0, bf16=bf16, logging_steps=args.steps, save_strategy="no", eval_strategy="no",
+            report_to="none", seed=0, dataloader_drop_last=True, disable_tqdm=True,
+            use_cpu=not torch.cuda.is_available())
+        trainer = Trainer(model=model, args=training, train_dataset=train, data_collator=default_data_collator,
+                          callbacks=[clock])
+        result = trainer.train()
+    tokens = (args.steps - args.warmup) * args.batch_size * args.block_size * state.num_processes
+    if state.is_main_process:
+        with open(args.out, "w") as handle:
+            json.dump({"seconds": clock.times[args.steps] - clock.times[args.warmup], "tokens": tokens,
+                       "loss": result.training_loss, "optim": training.optim,
+                       "processes": training.world_size}, handle)
+    if torch.distributed.is_initialized():  # left to the interpreter's exit, gloo's teardown can hang there
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
