@@ -6,9 +6,10 @@ token), whatever the template. Prompt-completion data (`prompt`/`completion`
 columns, text or lists of messages) learns the completion only.
 
 With --packing (default) a batch's conversations are concatenated into one row with
-per-conversation position ids, so no compute goes to padding, and attention runs per
+per-conversation position ids, so no compute goes to padding (a batch that would waste at
+most 20% on padding stays padded: faster there, common.packing.PackOrPad), and attention runs per
 conversation (common.packing's sdpa_varlen: no conversation attends to another, and
-attention costs what a padded batch's does); --packing false pads instead.
+conversations of similar length share an attention call); --packing false pads instead.
 Evaluates loss and the exact-match accuracy of greedy answers.
 
     make sft CONFIG=accelerate_configs/ddp.yaml
@@ -25,7 +26,7 @@ The demo trains a tiny Llama from scratch on generated arithmetic questions
 import math
 from dataclasses import dataclass, field
 
-from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening
+from transformers import DataCollatorForSeq2Seq
 
 from common.arguments import DataArguments, ModelArguments, TrainingArguments
 from common.batch_size import fit_batch_size
@@ -35,7 +36,7 @@ from common.evaluation import evaluate_generation
 from common.lora import apply_lora, LoraArguments
 from common.model import load_model, load_tokenizer
 from common.internals import attention_implementation
-from common.packing import use_per_example_attention
+from common.packing import PackOrPad, use_per_example_attention
 from common.run import run_recipe, start_run
 from common.training import (create_optimizer, create_scheduler, evaluate_loss, total_training_steps,
                              TrainBatches)
@@ -69,7 +70,7 @@ def main(model_args: ModelArguments, data_args: DataArguments, sft_args: SFTArgu
     padding = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
     train_loader, eval_loader = make_dataloaders(
         datasets, args.per_device_train_batch_size, args.per_device_eval_batch_size, args.seed,
-        collate_fn=DataCollatorWithFlattening() if sft_args.packing else padding,
+        collate_fn=PackOrPad(padding) if sft_args.packing else padding,
         eval_collate_fn=padding)  # eval keeps one row per conversation, so every one is counted once
     references = generation_references(raw["validation"], raw["train"].column_names, sft_args.messages_column,
                                        sft_args.max_generation_samples)
@@ -77,7 +78,8 @@ def main(model_args: ModelArguments, data_args: DataArguments, sft_args: SFTArgu
 
     model = apply_lora(load_model(model_args, tokenizer, args.seed, args.gradient_checkpointing), lora_args)  # --use_peft
     attention = use_per_example_attention(model) if sft_args.packing else attention_implementation(model)
-    accelerator.print(f"{'packed' if sft_args.packing else 'padded'} batches, attention: {attention}")
+    layout = "packed (padded where padding would waste at most 20%)" if sft_args.packing else "padded"
+    accelerator.print(f"{layout} batches, attention: {attention}")
     optimizer = create_optimizer(model, args)
     train_loader = fit_batch_size(accelerator, model, train_loader, args)  # --auto_find_batch_size
     max_steps = total_training_steps(args, train_loader, accelerator.num_processes)
@@ -86,7 +88,8 @@ def main(model_args: ModelArguments, data_args: DataArguments, sft_args: SFTArgu
         model, optimizer, train_loader, eval_loader, scheduler)
 
     # Resume from the checkpoint (if any), write run.json, start the metrics. {"step": 0} for a fresh run.
-    state = run.begin(model, optimizer, scheduler, tokenizer, max_steps, dropped_examples=dropped, attention=attention)
+    state = run.begin(model, optimizer, scheduler, tokenizer, max_steps, dropped_examples=dropped, attention=attention,
+                      batches=layout)
     step, metrics, nonfinite, profiler = state["step"], run.metrics, run.nonfinite, run.profiler
 
     def evaluate():

@@ -134,14 +134,21 @@ def test_make_benchmark_prints_ratios_and_draws_the_chart(tmp_path):
 def test_make_benchmark_packing_compares_the_layouts(tmp_path):
     page = tmp_path / "packing.md"
     result = run(["make", "-s", "benchmark-packing", f"ARGS=--steps 3 --warmup 1 --batch_size 16 --docs {page}"])
-    rows = {line.split()[0]: line.split() for line in result.stdout.splitlines() if line.startswith(("padded", "packed"))}
-    assert list(rows) == ["padded", "packed-sdpa", "packed-varlen"], result.stdout
-    assert [r[1] for r in rows.values()] == ["sdpa", "sdpa", "sdpa_varlen"]
-    assert rows["padded"][3] == "1.00x" and all(float(r[2]) > 0 for r in rows.values())
-    losses = [float(r[-1]) for r in rows.values()]
-    assert max(losses) - min(losses) < 1e-3  # the same training, three layouts
+    tables = []  # one per kind of data: equal, mixed and varied lengths
+    for line in result.stdout.splitlines():
+        if line.startswith("padded"):
+            tables.append({})
+        if line.startswith(("padded", "packed", "auto")):
+            tables[-1][line.split()[0]] = line.split()
+    assert len(tables) == 3, result.stdout
     written = page.read_text()
-    assert f"| packed-varlen | sdpa_varlen | {rows['packed-varlen'][2]} | {rows['packed-varlen'][3]} |" in written
+    for rows in tables:
+        assert list(rows) == ["padded", "packed-sdpa", "packed-varlen", "auto"], result.stdout
+        assert [r[1] for r in rows.values()] == ["sdpa", "sdpa", "sdpa_varlen", "sdpa_varlen"]
+        assert rows["padded"][3] == "1.00x" and all(float(r[2]) > 0 for r in rows.values())
+        losses = [float(r[-1]) for r in rows.values()]
+        assert max(losses) - min(losses) < 1e-3  # the same training, four layouts
+        assert f"| packed-varlen | sdpa_varlen | {rows['packed-varlen'][2]} | {rows['packed-varlen'][3]} |" in written
 
 
 def _loop(recipe: str) -> list[str]:

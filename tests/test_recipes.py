@@ -332,24 +332,28 @@ def loss_and_gradient(model, batch) -> tuple[float, torch.Tensor]:
     return loss.item(), torch.cat([p.grad.flatten() for p in model.parameters()])
 
 
-def test_packing_leaves_the_per_token_loss_unchanged(arithmetic_data):
+def test_packing_leaves_the_per_token_loss_unchanged(counting_data):
     """One flattened row with restarting position ids == a padded batch, for the same weights:
-    with transformers' dense mask (sdpa) and with attention per conversation (sdpa_varlen),
-    losses and gradients alike."""
+    with transformers' dense mask (sdpa) and with attention per conversation (sdpa_varlen, whose
+    conversations of different lengths go to different sdpa calls), losses and gradients alike."""
     from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening
 
     from common.arguments import ModelArguments
     from common.model import load_model
     from common.packing import use_per_example_attention
 
-    tokenizer, _, tokenized = _chat_batches(arithmetic_data)
+    tokenizer, _, tokenized = _chat_batches(counting_data)  # 1 to 12 answer tokens: lengths vary
     features = [{k: e[k] for k in ("input_ids", "labels")} for e in tokenized["train"]]
     model = load_model(ModelArguments(model_config=str(REPO / "recipes/configs/tiny_llama.json"),
-                                      tokenizer_name_or_path=str(arithmetic_data / "tokenizer")), tokenizer, seed=3)
+                                      tokenizer_name_or_path=str(counting_data / "tokenizer")), tokenizer, seed=3)
     packed = DataCollatorWithFlattening()(features)
     padded = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)(features)
     assert packed["input_ids"].shape[0] == 1 and padded["input_ids"].shape[0] == len(features)
     assert int((packed["input_ids"] == tokenizer.pad_token_id).sum()) == 0
+    from common.packing import _example_groups
+
+    groups = _example_groups(packed["position_ids"])  # sdpa_varlen attends each length group apart
+    assert len(groups) > 1 and sum(int(real.sum()) for _, real in groups) == packed["input_ids"].shape[1]
 
     padded_loss, padded_gradient = loss_and_gradient(model, padded)
     dense_loss, dense_gradient = loss_and_gradient(model, packed)
