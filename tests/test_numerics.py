@@ -57,7 +57,10 @@ def test_sft_objective_is_the_same_however_the_batch_is_split(packing, counting_
         weight_gap = max_weight_difference(out / "final", base / "final")
         loss_gap = max(abs(a - b) for a, b in zip(losses(out), losses(base)))
         print(f"packing={packing} {name} vs 1x8: weight gap {weight_gap:.2e}, logged loss gap {loss_gap:.2e}")
-        assert weight_gap < 1e-5 and loss_gap < 1e-5
+        # Packed: a batch of 8 and one of 2 may take different layouts (common.packing.PackOrPad keeps a
+        # batch padded when padding wastes little), whose attention sums in another order; a wrong
+        # weighting of label tokens moves the weights by about 1e-3.
+        assert weight_gap < (5e-5 if packing == "true" else 1e-5) and loss_gap < 1e-5
 
 
 # --- --max_grad_norm decides clipping under every strategy ---------------------------
