@@ -10,19 +10,14 @@ is its default, torch's fused AdamW, with weight decay 0 as in the other two.
         --batch_size 8 --steps 40 --warmup 10 --learning_rate 1e-3 --out result.json
 """
 
-import argparse
-import json
 import os
 import tempfile
 import time
 
 import torch
 from accelerate import PartialState
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback,
-                          TrainingArguments, default_data_collator)
-
-from common.arguments import DataArguments
-from common.data import load_raw_datasets, tokenize_and_pack
+from job import packed_blocks_and_model, parse_job, write_result
+from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator
 
 
 class StepClock(TrainerCallback):
@@ -37,20 +32,9 @@ class StepClock(TrainerCallback):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    for name in ("model_config", "tokenizer", "train_file", "validation_file", "out"):
-        parser.add_argument(f"--{name}", required=True)
-    for name, default in (("block_size", 128), ("batch_size", 8), ("steps", 40), ("warmup", 10)):
-        parser.add_argument(f"--{name}", type=int, default=default)
-    parser.add_argument("--learning_rate", type=float, default=1e-3)
-    args = parser.parse_args()
-
+    args = parse_job()
     state = PartialState()
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-    raw = load_raw_datasets(DataArguments(train_file=args.train_file, validation_file=args.validation_file), 0)
-    train = tokenize_and_pack(raw, tokenizer, "text", args.block_size, state)["train"]
-    config = AutoConfig.from_pretrained(args.model_config, vocab_size=len(tokenizer))
-    model = AutoModelForCausalLM.from_config(config)
+    blocks, model = packed_blocks_and_model(args, state)
     bf16 = os.environ.get("ACCELERATE_MIXED_PRECISION", "no") == "bf16"
     clock = StepClock(args.warmup)
     with tempfile.TemporaryDirectory() as output_dir:
@@ -60,15 +44,13 @@ def main():
             max_grad_norm=1.0, bf16=bf16, logging_steps=args.steps, save_strategy="no", eval_strategy="no",
             report_to="none", seed=0, dataloader_drop_last=True, disable_tqdm=True,
             use_cpu=not torch.cuda.is_available())
-        trainer = Trainer(model=model, args=training, train_dataset=train, data_collator=default_data_collator,
+        trainer = Trainer(model=model, args=training, train_dataset=blocks["train"],
+                          data_collator=default_data_collator,
                           callbacks=[clock])
         result = trainer.train()
-    tokens = (args.steps - args.warmup) * args.batch_size * args.block_size * state.num_processes
     if state.is_main_process:
-        with open(args.out, "w") as handle:
-            json.dump({"seconds": clock.times[args.steps] - clock.times[args.warmup], "tokens": tokens,
-                       "loss": result.training_loss, "optim": training.optim,
-                       "processes": training.world_size}, handle)
+        write_result(args, clock.times[args.steps] - clock.times[args.warmup], result.training_loss,
+                     training.world_size, optim=training.optim)
     if torch.distributed.is_initialized():  # left to the interpreter's exit, gloo's teardown can hang there
         torch.distributed.destroy_process_group()
 
