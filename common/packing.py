@@ -37,12 +37,23 @@ def _mask(*args, **kwargs):
 
 
 SIMILAR = 0.8  # an example joins a length group while it is at least this fraction of the group's longest
+# The last row's groups: every attention layer of a forward (and its recomputation under activation
+# checkpointing) gets the same position_ids tensor, so the groups, and the host read of the example
+# lengths they need, are worked out once per row, not once per layer. Holding the tensor keeps its
+# identity from being reused by another.
+_last_row: list = [None, None]
 
 
 def _example_groups(position_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Examples of similar length grouped: per group, [examples, its longest] indices into the row
     (padding repeats an example's first token) and the mask of real positions, from position ids
     that restart at 0 for each example."""
+    if _last_row[0] is not position_ids:
+        _last_row[:] = [position_ids, _groups(position_ids)]
+    return _last_row[1]
+
+
+def _groups(position_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     positions = position_ids[0]
     starts = torch.nonzero(positions == 0).flatten()
     if starts.numel() == 0 or int(starts[0]) != 0:
@@ -126,6 +137,9 @@ class PackOrPad:
         from transformers import DataCollatorWithFlattening
 
         self.padded, self.packed, self.waste = padded, DataCollatorWithFlattening(), waste
+
+    def __str__(self) -> str:
+        return f"packed (padded where padding would waste at most {self.waste:.0%})"
 
     def __call__(self, features: list[dict]) -> dict:
         lengths = [len(feature["input_ids"]) for feature in features]

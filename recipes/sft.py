@@ -68,9 +68,9 @@ def main(model_args: ModelArguments, data_args: DataArguments, sft_args: SFTArgu
     datasets, dropped = tokenize_sft(raw, tokenizer, sft_args.messages_column, data_args.block_size,
                                      sft_args.overlong, accelerator)
     padding = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
+    collate = PackOrPad(padding) if sft_args.packing else padding
     train_loader, eval_loader = make_dataloaders(
-        datasets, args.per_device_train_batch_size, args.per_device_eval_batch_size, args.seed,
-        collate_fn=PackOrPad(padding) if sft_args.packing else padding,
+        datasets, args.per_device_train_batch_size, args.per_device_eval_batch_size, args.seed, collate_fn=collate,
         eval_collate_fn=padding)  # eval keeps one row per conversation, so every one is counted once
     references = generation_references(raw["validation"], raw["train"].column_names, sft_args.messages_column,
                                        sft_args.max_generation_samples)
@@ -78,7 +78,7 @@ def main(model_args: ModelArguments, data_args: DataArguments, sft_args: SFTArgu
 
     model = apply_lora(load_model(model_args, tokenizer, args.seed, args.gradient_checkpointing), lora_args)  # --use_peft
     attention = use_per_example_attention(model) if sft_args.packing else attention_implementation(model)
-    layout = "packed (padded where padding would waste at most 20%)" if sft_args.packing else "padded"
+    layout = str(collate) if sft_args.packing else "padded"
     accelerator.print(f"{layout} batches, attention: {attention}")
     optimizer = create_optimizer(model, args)
     train_loader = fit_batch_size(accelerator, model, train_loader, args)  # --auto_find_batch_size
