@@ -19,7 +19,7 @@ LAUNCH_ARGS ?=
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE ?= 1
 RESTARTS = $(if $(findstring --max_restarts,$(LAUNCH_ARGS)),--rdzv_backend c10d)
 
-.PHONY: install install-test real-model demo demo-chat demo-data test test-fast test-crashes doctor causal_lm sequence_classification lora sft evaluate benchmark benchmark-peers benchmark-packing benchmark-reshard estimate-memory export-checkpoint check-config clean
+.PHONY: install install-test real-model demo demo-chat demo-data test test-fast test-crashes doctor causal_lm sequence_classification lora sft evaluate benchmark benchmark-peers benchmark-options benchmark-packing benchmark-reshard estimate-memory export-checkpoint check-config clean
 
 # torch first: the CPU wheel on hosts without an NVIDIA GPU (no CUDA download),
 # the normal CUDA build where nvidia-smi sees a GPU. Later `torch>=...` pins are then satisfied.
@@ -135,6 +135,11 @@ benchmark-reshard: install
 # (ddp.yaml, 2 processes, bf16), rounds interleaved: tokens/s and ratios, written to docs/benchmark-peers.md.
 benchmark-peers: demo-data
 	$(PY) scripts/benchmark_peers.py --docs docs/benchmark-peers.md $(ARGS)
+
+# Each speed option (compile, AdamW kernel, checkpointing, attention kernel, Liger) against the recipe's defaults
+# on the peers' job, rounds interleaved; those this host cannot run are listed with their refusal.
+benchmark-options: demo-data
+	$(PY) scripts/benchmark_options.py --docs docs/benchmark-options.md $(ARGS)
 
 # Packed vs padded SFT batches (one process), written to docs/benchmark-packing.md: make benchmark-packing ARGS="--steps 20"
 benchmark-packing: install

@@ -22,6 +22,7 @@ from accelerate.utils import GradientAccumulationPlugin, InitProcessGroupKwargs,
 
 from common import cpu_host
 from common.errors import UsageError
+from common.speed import dynamo_plugin
 
 
 def _env_flag(name: str) -> bool:
@@ -69,6 +70,7 @@ def build_accelerator(args) -> tuple[Accelerator, Launch]:
                                             logging_dir=os.path.join(args.output_dir, "logs")),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
         step_scheduler_with_optimizer=False,
+        dynamo_plugin=dynamo_plugin(args),  # --torch_compile: regional compilation at prepare (common.speed)
     )
     requested_precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
     on_cpu_host = not torch.cuda.is_available()
@@ -79,6 +81,10 @@ def build_accelerator(args) -> tuple[Accelerator, Launch]:
     kwargs["kwargs_handlers"] = [process_group]
     accelerator = Accelerator(**kwargs)
     if strategy == "deepspeed":
+        if args.torch_compile and accelerator.state.deepspeed_plugin.zero_stage == 3:
+            raise UsageError("--torch_compile under ZeRO-3: DeepSpeed's parameter hooks make torch.compile recompile "
+                             "every layer for each submodule, then fall back to eager; use fsdp.yaml (FSDP2 compiles "
+                             "per layer) or zero2.yaml, or drop --torch_compile")
         _clip_with_max_grad_norm(accelerator.state.deepspeed_plugin, args.max_grad_norm)
         _size_buckets_to_model(accelerator.state.deepspeed_plugin)
         _quiet_deepspeed_collective_warnings()
@@ -142,6 +148,13 @@ def _quiet_deepspeed_collective_warnings() -> None:
     a user of these recipes can act on, so it is filtered; every other warning still shows."""
     warnings.filterwarnings("ignore", category=FutureWarning,
                             message=r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated")
+
+
+def unwrap(accelerator: Accelerator, model):
+    """The model itself, out of its DDP/DeepSpeed wrapper and uncompiled (same parameters). With
+    --torch_compile under DDP, accelerate's own unwrap (keeping the compiled regions) returns the
+    DDP wrapper of the compiled copy, which has no save_pretrained or config."""
+    return accelerator.unwrap_model(model, keep_torch_compile=False)
 
 
 def participating_processes(accelerator: Accelerator) -> int:

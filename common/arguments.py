@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field
 
 from common.errors import UsageError
+from common.speed import SpeedArguments
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -79,7 +80,7 @@ class DataArguments:
 
 
 @dataclass
-class TrainingArguments:
+class TrainingArguments(SpeedArguments):  # + the speed options (common.speed)
     output_dir: str = field(default="outputs/run", metadata={"help": "Where run.json, metrics, checkpoints and the final model go."})
     overwrite_output_dir: bool = field(default=False, metadata={"help": "Start afresh in an output_dir that already holds a run."})
     seed: int = 42
@@ -112,7 +113,6 @@ class TrainingArguments:
     save_total_limit: int | None = field(default=None, metadata={"help": "Keep at most N checkpoints (oldest pruned after a save succeeds)."})
     resume_from_checkpoint: str | None = field(default=None, metadata={"help": "'latest' or a checkpoint folder."})
     report_to: str = field(default="tensorboard", metadata={"help": "tensorboard, wandb or none."})
-    gradient_checkpointing: bool = False
     sync_each_micro_batch: bool | None = field(default=None, metadata={
         "help": "Reduce gradients after every micro-batch rather than once per optimizer step. Default: on under "
                 "FSDP (gradients stay sharded while accumulating: less memory, more communication), off otherwise."})
@@ -133,6 +133,7 @@ class TrainingArguments:
     max_nonfinite_skips: int = field(default=10, metadata={"help": "Skipped non-finite steps the run tolerates."})
 
     def __post_init__(self):
+        super().__post_init__()
         positive = ["per_device_train_batch_size", "per_device_eval_batch_size",
                     "gradient_accumulation_steps", "logging_steps", "num_train_epochs"]
         for key in positive:

@@ -17,6 +17,7 @@ import re
 import shutil
 import zipfile
 
+from common.accelerator import unwrap
 from common import reshard
 from common.errors import RunStopped, UsageError, describe
 from common.internals import repair_zero3_universal_load, zero3_hyperparameters
@@ -43,7 +44,7 @@ def save_checkpoint(accelerator, model, output_dir: str, step: int, state: dict,
     accelerator.save_state(tmp)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        write_model_files(accelerator.unwrap_model(model), tokenizer, dtype, os.path.join(tmp, MODEL_FILES))
+        write_model_files(unwrap(accelerator, model), tokenizer, dtype, os.path.join(tmp, MODEL_FILES))
         with open(os.path.join(tmp, STATE_FILE), "w") as handle:
             json.dump({"step": step, **reshard.layout(accelerator), **state}, handle)
         swap_into_place(tmp, final)  # a same-step folder from an earlier attempt is replaced

@@ -8,6 +8,7 @@ import evaluate
 import torch
 from accelerate.utils import gather_object
 
+from common.accelerator import unwrap
 from common.errors import UsageError
 
 SHIPPED_METRICS = os.path.join(os.path.dirname(__file__), "evaluate_metrics")
@@ -93,7 +94,7 @@ def evaluate_generation(model, tokenizer, references: list, accelerator, max_new
     runs the same number of generate calls (ZeRO-3 and FSDP need all ranks in each forward).
     Generation stops at `stop_ids` (default: EOS)."""
     model.eval()
-    unwrapped = accelerator.unwrap_model(model)
+    unwrapped = unwrap(accelerator, model)
     indexed = list(enumerate(references))
     correct = []
     padding_side, tokenizer.padding_side = tokenizer.padding_side, "left"  # answers start at one column

@@ -15,6 +15,7 @@ import warnings
 
 import torch
 
+from common.accelerator import unwrap
 from common.checkpoints import save_config
 from common.errors import UsageError
 from common.internals import is_zero3_parameter, without_zero3_init
@@ -40,7 +41,7 @@ def export_final(accelerator, model, tokenizer, output_dir: str, dtype, name: st
     if cost is not None:
         cost.update(gather_s=round(time.perf_counter() - started, 2), rss_before_mb=round(before, 1),
                     rss_with_state_dict_mb=round(current_memory(None)["rss_mb"], 1))
-    unwrapped = accelerator.unwrap_model(model)
+    unwrapped = unwrap(accelerator, model)
     with main_process_alone(accelerator, f"writing {target}"):
         if accelerator.is_main_process:
             write_folder(target, lambda folder: write_hf_folder(unwrapped, state_dict, tokenizer, dtype, folder))
@@ -123,7 +124,7 @@ def master_state_dict(accelerator, model) -> dict:
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param
 
-    unwrapped = accelerator.unwrap_model(model)
+    unwrapped = unwrap(accelerator, model)
     parameters = dict(unwrapped.named_parameters(remove_duplicate=False))
     gathered, state_dict = {}, {}
     for key, value in unwrapped.state_dict().items():  # ZeRO-3: placeholders for parameters, no gather

@@ -45,9 +45,11 @@ USES = (
     Use("transformers", "PreTrainedModel._no_split_modules",
         "declared_layer_classes / declare_layer_classes: the layer classes FSDP wraps"),
     Use("transformers", "PretrainedConfig._attn_implementation", "attention_implementation"),
+    Use("transformers", "PreTrainedModel._supports_flash_attn / _supports_flex_attn", "supports_attention"),
     Use("transformers", "PretrainedConfig._name_or_path", "set_base_model_name"),
     Use("transformers", "integrations.sdpa_attention.sdpa_attention_forward, masking_utils.sdpa_mask and "
                         "the mask function's allow_is_causal_skip keyword", "common/packing.py's sdpa_varlen"),
+    Use("torch", "_dynamo.config.recompile_limit", "allow_recompiles: the compile budget regional compile shares"),
     Use("torch", "profiler.profile.step_num / current_action", "start_profiler_at: label steps by optimizer step"),
     Use("torch", "DistributedDataParallel._get_ddp_logging_data()['bucket_sizes']",
         "ddp_bucket_bytes: DDP's gradient buckets, held by C++ only"),
@@ -132,11 +134,20 @@ def attention_implementation(model) -> str:
     return getattr(config, "_attn_implementation", None) or "unknown"
 
 
+def supports_attention(model, kernel: str) -> bool:
+    """Whether the model's class declares the kernel (flash_attn or flex_attn) as supported."""
+    return bool(getattr(model, f"_supports_{kernel}", False))
+
+
 def set_base_model_name(model, name: str) -> None:
     model.name_or_path = model.config._name_or_path = name
 
 
 # ---- torch -----------------------------------------------------------------------------------
+
+def allow_recompiles(count: int) -> None:
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, count)
+
 
 def start_profiler_at(profiler, step: int, action) -> None:
     """Number the profiler's steps by optimizer step (a resumed run starts past 1)."""

@@ -54,8 +54,11 @@ class _Tally:
         if not isinstance(tensor, torch.Tensor):
             return
         tensor = _local(tensor)
-        storage = tensor.untyped_storage()
-        key = (tensor.device.type, tensor.device.index, storage.data_ptr())
+        try:
+            storage = tensor.untyped_storage()
+            key = (tensor.device.type, tensor.device.index, storage.data_ptr())
+        except (RuntimeError, NotImplementedError):  # a compiler's fake tensor (--torch_compile): no memory
+            return
         if storage.nbytes() == 0 or key in self.seen:
             return
         self.seen.add(key)
@@ -180,7 +183,11 @@ class MemoryAccount:
         with warnings.catch_warnings():  # isinstance on torch's deprecated `reduce_op` object warns
             warnings.simplefilter("ignore", FutureWarning)
             for value in alive:
-                if isinstance(value, torch.Tensor):
+                try:
+                    is_tensor = isinstance(value, torch.Tensor)
+                except ReferenceError:  # a weak proxy (the compiler keeps some) whose object is gone
+                    continue
+                if is_tensor:
                     tally.claim("other_tensors", value)
         return self._summary(tally)
 

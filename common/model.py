@@ -12,6 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from common import memory
 from common.arguments import ModelArguments
 from common.errors import UsageError, describe
+from common.speed import prepare_model, SpeedArguments
 from common.internals import (declare_layer_classes, declared_layer_classes, full_numel, init_module_weights,
                               is_zero3_parameter, zero3_partition)
 
@@ -28,8 +29,8 @@ def load_tokenizer(args: ModelArguments):
     return tokenizer
 
 
-def load_model(args: ModelArguments, tokenizer, seed: int, gradient_checkpointing: bool = False,
-               auto_class=AutoModelForCausalLM, **config_overrides):
+def load_model(args: ModelArguments, tokenizer, seed: int, speed: SpeedArguments | None = None,
+               packed_rows: bool = False, auto_class=AutoModelForCausalLM, **config_overrides):
     """From `model_name_or_path`, or a fresh model from `model_config` sized to the tokenizer.
 
     Weights are loaded in `--torch_dtype` (float32 by default: fp32 master weights even
@@ -75,8 +76,8 @@ def load_model(args: ModelArguments, tokenizer, seed: int, gradient_checkpointin
     # caches: it follows generation_config.use_cache.
     if hasattr(model.config, "use_cache"):
         model.config.use_cache = False
-    if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if speed is not None:  # attention kernel (for `packed_rows` if the batches are packed), checkpointing, Liger
+        prepare_model(model, speed, packed_rows)
     memory.mark("model_built")
     return model
 

@@ -19,7 +19,7 @@ import sys
 from accelerate.utils import set_seed
 
 from common import memory
-from common.accelerator import build_accelerator
+from common.accelerator import build_accelerator, unwrap
 from common.arguments import ModelArguments, TrainingArguments
 from common.parsing import parse_args, to_dict
 from common.checkpoints import load_checkpoint, save_checkpoint
@@ -34,6 +34,7 @@ from common.profiling import StepProfiler
 from common.reshard import convert_before_start, for_this_world_size
 from common.run_dir import check_output_dir, clear_earlier_run, list_checkpoints, resolve_checkpoint
 from common.run_info import record_run, tracker_config
+from common.speed import speed_record
 
 
 def run_recipe(main, *argument_types, argv: list[str] | None = None):
@@ -73,7 +74,8 @@ class Run:
             clear_earlier_run(args.output_dir)
         accelerator.wait_for_everyone()
         written = record_run(accelerator, self.launch, model, optimizer, to_dict(*self.arguments), args.output_dir,
-                             max_steps=max_steps, **record, **count_parameters(model))
+                             max_steps=max_steps, **record, **count_parameters(model),
+                             speed=speed_record(unwrap(accelerator, model), args))
         accelerator.init_trackers(args.run_name, tracker_config(written["args"]))
         self.metrics = MetricsLogger(accelerator, args.output_dir, max_steps, start_step=state["step"], model=model,
                                      optimizer=optimizer, peak_tflops=args.peak_tflops)

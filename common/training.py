@@ -13,6 +13,7 @@ from accelerate.utils import gather_object
 from common.arguments import TrainingArguments
 from common.errors import UsageError
 from common.internals import start_accumulation_window
+from common.speed import adamw_kernel
 from common.streaming import StreamLoader, check_resumable, every_rank_has
 
 NORM_TYPES = (torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d,
@@ -41,7 +42,7 @@ def create_optimizer(model, args: TrainingArguments) -> torch.optim.Optimizer:
     groups = [{"params": decay, "weight_decay": args.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=args.learning_rate,
-                             betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon, fused=True)
+                             betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon, **adamw_kernel(args))
 
 
 def steps_per_epoch(batches_per_epoch: int, gradient_accumulation_steps: int) -> int:

@@ -50,7 +50,7 @@ def main(model_args: ModelArguments, data_args: DataArguments, lora_args: LoraAr
         datasets, args.per_device_train_batch_size, args.per_device_eval_batch_size, args.seed)
 
     # Model (with --use_peft: frozen, with trainable LoRA adapters), optimizer, schedule.
-    model = apply_lora(load_model(model_args, tokenizer, args.seed, args.gradient_checkpointing), lora_args)
+    model = apply_lora(load_model(model_args, tokenizer, args.seed, args), lora_args)
     optimizer = create_optimizer(model, args)
     train_loader = fit_batch_size(accelerator, model, train_loader, args)  # --auto_find_batch_size
     max_steps = total_training_steps(args, train_loader, accelerator.num_processes)

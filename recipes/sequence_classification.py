@@ -57,7 +57,7 @@ def main(model_args: ModelArguments, data_args: DataArguments, task_args: Classi
                                                  args.per_device_eval_batch_size, args.seed,
                                                  collate_fn=DataCollatorWithPadding(tokenizer))
 
-    model = load_model(model_args, tokenizer, args.seed, args.gradient_checkpointing,
+    model = load_model(model_args, tokenizer, args.seed, args,
                        auto_class=AutoModelForSequenceClassification, num_labels=len(label_names),
                        id2label=dict(enumerate(label_names)),
                        label2id={name: i for i, name in enumerate(label_names)})

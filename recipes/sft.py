@@ -36,7 +36,7 @@ from common.evaluation import evaluate_generation
 from common.lora import apply_lora, LoraArguments
 from common.model import load_model, load_tokenizer
 from common.internals import attention_implementation
-from common.packing import PackOrPad, use_per_example_attention
+from common.packing import PackOrPad
 from common.run import run_recipe, start_run
 from common.training import (create_optimizer, create_scheduler, evaluate_loss, total_training_steps,
                              TrainBatches)
@@ -76,10 +76,9 @@ def main(model_args: ModelArguments, data_args: DataArguments, sft_args: SFTArgu
                                        sft_args.max_generation_samples)
     stop_ids = end_of_turn_ids(datasets["validation"])
 
-    model = apply_lora(load_model(model_args, tokenizer, args.seed, args.gradient_checkpointing), lora_args)  # --use_peft
-    attention = use_per_example_attention(model) if sft_args.packing else attention_implementation(model)
+    model = apply_lora(load_model(model_args, tokenizer, args.seed, args, packed_rows=sft_args.packing), lora_args)
     layout = str(collate) if sft_args.packing else "padded"
-    accelerator.print(f"{layout} batches, attention: {attention}")
+    accelerator.print(f"{layout} batches, attention: {attention_implementation(model)}")
     optimizer = create_optimizer(model, args)
     train_loader = fit_batch_size(accelerator, model, train_loader, args)  # --auto_find_batch_size
     max_steps = total_training_steps(args, train_loader, accelerator.num_processes)
@@ -88,8 +87,7 @@ def main(model_args: ModelArguments, data_args: DataArguments, sft_args: SFTArgu
         model, optimizer, train_loader, eval_loader, scheduler)
 
     # Resume from the checkpoint (if any), write run.json, start the metrics. {"step": 0} for a fresh run.
-    state = run.begin(model, optimizer, scheduler, tokenizer, max_steps, dropped_examples=dropped, attention=attention,
-                      batches=layout)
+    state = run.begin(model, optimizer, scheduler, tokenizer, max_steps, dropped_examples=dropped, batches=layout)
     step, metrics, nonfinite, profiler = state["step"], run.metrics, run.nonfinite, run.profiler
 
     def evaluate():

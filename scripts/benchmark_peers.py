@@ -47,9 +47,10 @@ def model_config(hidden: int, layers: int, folder: str) -> str:
     return path
 
 
-def launch(contender: str, args, config: str, folder: str, round_: int) -> dict:
-    """One launch of `contender`; returns its seconds and tokens over the timed steps."""
-    out = os.path.join(folder, f"{contender}_{round_}")
+def launch(contender: str, args, config: str, folder: str, round_: int, recipe_args=(), name: str | None = None) -> dict:
+    """One launch of `contender` (the recipe with `recipe_args` added); returns its seconds and tokens over the
+    timed steps, or {"refused": the recipe's one-line error} when the recipe refused its arguments."""
+    out = os.path.join(folder, f"{name or contender}_{round_}")
     job = ["--block_size", str(args.block_size), "--learning_rate", str(args.learning_rate)]
     data = ["--train_file", os.path.join(DATA, "train.jsonl"), "--validation_file", os.path.join(DATA, "validation.jsonl")]
     if contender == "recipe":
@@ -58,7 +59,7 @@ def launch(contender: str, args, config: str, folder: str, round_: int) -> dict:
                   str(args.batch_size), "--max_steps", str(args.steps), "--logging_steps", str(args.warmup),
                   "--eval_steps", "0", "--save_steps", "0", "--max_eval_samples", "200", "--warmup_steps", "0",
                   "--lr_scheduler_type", "linear", "--weight_decay", "0", "--max_grad_norm", "1.0",
-                  "--report_to", "none", "--seed", "0"]
+                  "--report_to", "none", "--seed", "0", *recipe_args]
     else:
         script = [os.path.join(REPO, "scripts", "peers", f"{contender}_loop.py"), "--model_config", config,
                   "--tokenizer", os.path.join(DATA, "tokenizer"), *data, *job, "--batch_size", str(args.batch_size),
@@ -67,6 +68,9 @@ def launch(contender: str, args, config: str, folder: str, round_: int) -> dict:
                os.path.join(REPO, "accelerate_configs", args.config), "--num_processes", str(args.num_processes),
                *script]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    refusal = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    if result.returncode != 0 and contender == "recipe" and refusal:
+        return {"refused": refusal[0]}
     if result.returncode != 0:
         raise SystemExit(f"error: the {contender} run failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
     if contender != "recipe":
@@ -89,11 +93,14 @@ def recipe_figures(out: str, args) -> dict:
     window = args.warmup * args.batch_size * args.block_size * args.num_processes  # every token of a block is a label
     timed = [row for row in rows if row["step"] > args.warmup]
     return {"seconds": sum(window / row["tokens_per_s"] for row in timed), "tokens": window * len(timed),
-            "loss": timed[-1]["loss"], "processes": processes}
+            "loss": timed[-1]["loss"], "processes": processes, "peak_mb": max(timed[-1]["peak_memory_mb_per_rank"]),
+            "allocated_mb": max(timed[-1].get("memory_allocated_mb_per_rank") or [0])}
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+def job_parser(description: str) -> argparse.ArgumentParser:
+    """The job's options (config, processes, model size, batch, steps, rounds, --docs), shared with
+    scripts/benchmark_options.py."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      allow_abbrev=False)
     parser.add_argument("--config", default="ddp.yaml", help="an accelerate config in accelerate_configs/")
     parser.add_argument("--num_processes", type=int, default=2)
@@ -106,13 +113,26 @@ def main(argv=None):
     parser.add_argument("--learning_rate", type=float, default=1e-3)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--docs", default=None, help="write the table to this markdown page")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def check_job(args) -> None:
     if args.steps <= args.warmup or (args.steps - args.warmup) % args.warmup:
         raise SystemExit(f"error: --steps {args.steps} must exceed --warmup {args.warmup} by a multiple of it "
                          "(the recipe's logging windows are the timed stretches)")
     if not os.path.isfile(os.path.join(DATA, "train.jsonl")):
-        raise SystemExit(f"error: no demo data in {DATA}; run `make demo-data` (make benchmark-peers does)")
+        raise SystemExit(f"error: no demo data in {DATA}; run `make demo-data` (the benchmark targets do)")
 
+
+def job_line(args) -> str:
+    return (f"`{args.config}` on {args.num_processes} processes; a Llama of hidden size {args.hidden} and "
+            f"{args.layers} layers built from a config; per-device batch {args.batch_size} x {args.block_size} "
+            f"tokens; {args.steps} steps, timed after step {args.warmup}; {args.rounds} rounds, interleaved.")
+
+
+def main(argv=None):
+    args = job_parser(__doc__).parse_args(argv)
+    check_job(args)
     results = {name: [] for name in CONTENDERS}
     with tempfile.TemporaryDirectory() as folder:
         config = model_config(args.hidden, args.layers, folder)
@@ -132,11 +152,8 @@ def main(argv=None):
     print(f"recipe / bare loop: {speed['recipe'] / speed['bare']:.3f}x; recipe / Trainer: "
           f"{speed['recipe'] / speed['trainer']:.3f}x")
     if args.docs:
-        job = (f"`{args.config}` on {args.num_processes} processes; a Llama of hidden size {args.hidden} and "
-               f"{args.layers} layers built from a config; per-device batch {args.batch_size} x {args.block_size} "
-               f"tokens; {args.steps} steps, timed after step {args.warmup}; {args.rounds} rounds, interleaved.")
         write_page(args.docs, "The recipe against a bare accelerate loop and Trainer", "\n\n".join([
-            job, markdown_table(header, rows),
+            job_line(args), markdown_table(header, rows),
             f"recipe / bare loop: **{speed['recipe'] / speed['bare']:.3f}x**; recipe / Trainer: "
             f"**{speed['recipe'] / speed['trainer']:.3f}x** (above 1: the recipe is faster).",
             "What each does per optimizer step besides the model's work: the recipe and Trainer average the "

@@ -181,3 +181,57 @@ def test_a_lost_peer_under_nccl_prints_our_one_line_before_nccls_own(markov_data
     assert killed and process.returncode != 0 and len(ours) == 1, "".join(lines[-60:])
     assert "lost contact with rank 1" in lines[ours[0]]
     assert not nccl or ours[0] < nccl[0], f"NCCL spoke first: {lines[nccl[0]]}"
+
+
+@needs_gpu
+def test_packed_rows_on_the_gpu_take_a_varlen_kernel_with_the_padded_batchs_loss_and_gradients(counting_data):
+    """--attn_implementation auto with packed rows on a GPU: flash_attention_2 where flash-attn is installed,
+    else flex_attention (a block mask of the examples); in bf16 its loss and gradients are those of the same
+    conversations padded (under sdpa), to bf16's rounding."""
+    import importlib.util
+
+    from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening
+
+    from common.arguments import ModelArguments, TrainingArguments
+    from common.internals import attention_implementation
+    from common.model import load_model
+    from conftest import REPO
+    from test_recipes import _chat_batches, loss_and_gradient
+
+    tokenizer, _, tokenized = _chat_batches(counting_data)
+    features = [{k: e[k] for k in ("input_ids", "labels")} for e in tokenized["train"]]
+    model_args = ModelArguments(model_config=str(REPO / "recipes/configs/tiny_llama.json"),
+                                tokenizer_name_or_path=str(counting_data / "tokenizer"))
+    padded_model = load_model(model_args, tokenizer, seed=3).cuda()
+    packed_model = load_model(model_args, tokenizer, seed=3, speed=TrainingArguments(), packed_rows=True).cuda()
+    expected = "flash_attention_2" if importlib.util.find_spec("flash_attn") else "flex_attention"
+    assert attention_implementation(packed_model) == expected
+    on_gpu = lambda batch: {k: v.cuda() for k, v in batch.items()}  # noqa: E731
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        padded_loss, padded_gradient = loss_and_gradient(padded_model, on_gpu(DataCollatorForSeq2Seq(
+            tokenizer, padding=True, label_pad_token_id=-100)(features)))
+        packed_loss, packed_gradient = loss_and_gradient(packed_model, on_gpu(DataCollatorWithFlattening()(features)))
+    gap = float((packed_gradient - padded_gradient).norm() / padded_gradient.norm())
+    print(f"{expected}: loss {packed_loss:.5f} vs padded {padded_loss:.5f}; gradient gap {gap:.2e}")
+    assert packed_loss == pytest.approx(padded_loss, rel=2e-2) and gap < 5e-2
+
+
+@needs_gpu
+def test_speed_options_on_the_gpu_train_as_the_defaults(markov_data, tmp_path):
+    """single.yaml on the GPU, bf16: regional compile, foreach AdamW, every other layer checkpointed and,
+    where liger-kernel is installed, Liger's kernels give the default run's losses (to bf16's rounding of
+    other kernels) and run.json records them."""
+    import importlib.util
+
+    liger = importlib.util.find_spec("liger_kernel") is not None
+    plain, fast = tmp_path / "plain", tmp_path / "fast"
+    launch("single.yaml", "causal_lm.py", causal_lm_args(markov_data, plain, max_steps=20, logging_steps=1))
+    launch("single.yaml", "causal_lm.py", causal_lm_args(
+        markov_data, fast, max_steps=20, logging_steps=1, torch_compile="true", optim="adamw_torch",
+        gradient_checkpointing="true", gradient_checkpointing_every_n_layers=2, use_liger_kernel=str(liger).lower()))
+    speed = read_run(fast)["speed"]
+    assert (speed["torch_compile"], speed["optim"], speed["checkpointed_layers"], speed["liger_kernel"]) == (
+        "regional (inductor)", "adamw_torch", "1 of 2", liger)
+    gaps = [abs(a - b) for a, b in zip(losses(plain), losses(fast))]
+    print(f"liger {'on' if liger else 'not installed'}; largest loss gap {max(gaps):.2e}")
+    assert len(gaps) == 20 and max(gaps) < 5e-2 and losses(fast)[-1] < losses(fast)[0]

@@ -287,6 +287,8 @@ def test_sft(config, arithmetic_data, tmp_path):
         output_dir=out, logging_steps=20, **steps))
     record = assert_two_process_run(out, config)
     assert record["mixed_precision"] == "bf16"
+    if record["device"] == "cpu":  # packed rows: per-example sdpa here (a GPU's choice: tests/test_gpu.py)
+        assert record["speed"]["attention"] == "sdpa_varlen"
     first, last = first_and_last_loss(out)
     before, after = read_metrics(out)[1][0], read_metrics(out)[1][-1]
     assert before["step"] == 0 and after["step"] == record["max_steps"] and after["eval_generated"] == 101

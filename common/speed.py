@@ -1,0 +1,153 @@
+"""The speed options: attention kernel, regional compile, AdamW kernel, activation checkpointing, Liger kernels.
+
+Each is a flag (or a recipe-YAML key) with the HF Trainer's / TRL's name. One the host cannot run
+is refused with one line before anything starts (Liger and flex_attention's backward need a GPU;
+flash_attention_2 needs the flash-attn package). `prepare_model` applies the model-side ones in one
+place, `dynamo_plugin` and `adamw_kernel` the others, and `speed_record` says in run.json what ran.
+
+    --attn_implementation auto   # flash_attention_2 where installed; for packed rows flex_attention
+                                 # on a GPU, else common.packing's sdpa_varlen; the model's own otherwise
+    --torch_compile true         # accelerate's regional compile: each repeated layer compiled once
+    --optim adamw_torch          # torch's foreach AdamW instead of the fused kernel (the default)
+    --gradient_checkpointing true --gradient_checkpointing_every_n_layers 2   # every other layer
+    --use_liger_kernel true      # Liger's Triton kernels (RMSNorm, RoPE, SwiGLU, fused linear + loss)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+
+import torch
+
+from common.errors import UsageError
+from common.internals import allow_recompiles, attention_implementation, supports_attention
+
+ATTENTION = ("auto", "sdpa", "eager", "flash_attention_2", "flex_attention", "sdpa_varlen")
+OPTIMIZERS = {"adamw_torch_fused": {"fused": True}, "adamw_torch": {"foreach": True}}
+
+
+def _installed(package: str) -> bool:
+    return importlib.util.find_spec(package) is not None
+
+
+@dataclass
+class SpeedArguments:
+    attn_implementation: str = field(default="auto", metadata={
+        "help": f"Attention kernel: {', '.join(ATTENTION)}. auto: flash_attention_2 where flash-attn is installed "
+                "(GPU); for packed rows flex_attention on a GPU, else sdpa_varlen (per-example sdpa); otherwise "
+                "the model's default (sdpa). run.json records the one used."})
+    torch_compile: bool = field(default=False, metadata={
+        "help": "Compile each repeated layer once with torch.compile (accelerate's regional compilation, inductor); "
+                "the first steps take the compile time."})
+    optim: str = field(default="adamw_torch_fused", metadata={
+        "help": f"AdamW kernel: {' or '.join(OPTIMIZERS)} (torch's foreach implementation)."})
+    gradient_checkpointing: bool = field(default=False, metadata={
+        "help": "Recompute layers' activations in the backward instead of keeping them (less memory, ~1/3 more "
+                "compute per checkpointed layer)."})
+    gradient_checkpointing_every_n_layers: int = field(default=1, metadata={
+        "help": "With --gradient_checkpointing: checkpoint one layer in N (2: every other layer), trading some "
+                "of the memory saved back for speed."})
+    use_liger_kernel: bool = field(default=False, metadata={
+        "help": "Patch the model with Liger's Triton kernels (NVIDIA GPU and the liger-kernel package)."})
+
+    def __post_init__(self):
+        on_gpu = torch.cuda.is_available()
+        if self.attn_implementation not in ATTENTION:
+            raise UsageError(f"--attn_implementation must be one of {', '.join(ATTENTION)}, got "
+                             f"{self.attn_implementation!r}")
+        if self.attn_implementation == "flash_attention_2" and not (on_gpu and _installed("flash_attn")):
+            raise UsageError("--attn_implementation flash_attention_2 needs an NVIDIA GPU and the flash-attn package "
+                             "(pip install flash-attn); --attn_implementation auto picks the fastest kernel installed")
+        if self.attn_implementation == "flex_attention" and not on_gpu:
+            raise UsageError("--attn_implementation flex_attention: torch's flex_attention has no backward on CPU; on "
+                             "a host without a GPU use auto (sdpa, and sdpa_varlen for packed rows)")
+        if self.optim not in OPTIMIZERS:
+            raise UsageError(f"--optim must be one of {', '.join(OPTIMIZERS)}, got {self.optim!r}")
+        if self.gradient_checkpointing_every_n_layers < 1:
+            raise UsageError(f"--gradient_checkpointing_every_n_layers must be at least 1, got "
+                             f"{self.gradient_checkpointing_every_n_layers}")
+        if self.gradient_checkpointing_every_n_layers > 1 and not self.gradient_checkpointing:
+            raise UsageError("--gradient_checkpointing_every_n_layers chooses which layers --gradient_checkpointing "
+                             "recomputes; add --gradient_checkpointing true")
+        if self.use_liger_kernel and not on_gpu:
+            raise UsageError("--use_liger_kernel: Liger's kernels are Triton GPU kernels and this host has no CUDA GPU; "
+                             "drop --use_liger_kernel here")
+        if self.use_liger_kernel and not _installed("liger_kernel"):
+            raise UsageError("--use_liger_kernel needs the liger-kernel package: pip install liger-kernel")
+
+
+def choose_attention(requested: str, model, packed_rows: bool) -> str:
+    """The kernel `--attn_implementation` resolves to for this model and host (see SpeedArguments)."""
+    if requested != "auto":
+        return requested
+    current = attention_implementation(model)
+    on_gpu = torch.cuda.is_available()
+    if on_gpu and _installed("flash_attn") and supports_attention(model, "flash_attn"):
+        return "flash_attention_2"  # packed rows: varlen by their position ids; padded batches: unpadded
+    if not packed_rows:
+        return current
+    if on_gpu and supports_attention(model, "flex_attn"):
+        return "flex_attention"  # transformers builds a block mask of the packed examples
+    return "sdpa_varlen" if current == "sdpa" else current
+
+
+def prepare_model(model, speed: SpeedArguments, packed_rows: bool = False):
+    """Set the attention kernel, activation checkpointing and Liger's kernels on a freshly loaded
+    model (before LoRA adapters, and before `accelerator.prepare`, which compiles)."""
+    attention = choose_attention(speed.attn_implementation, model, packed_rows)
+    if attention != attention_implementation(model):
+        from common.packing import NAME, use_per_example_attention  # registers sdpa_varlen
+
+        try:
+            if attention == NAME:
+                use_per_example_attention(model)
+            else:
+                model.set_attn_implementation(attention)
+        except (ValueError, ImportError) as error:
+            reason = str(error).strip().splitlines()[0]
+            raise UsageError(f"--attn_implementation {attention} does not run on {type(model).__name__} ({reason}); "
+                             "use --attn_implementation auto") from None
+    if speed.gradient_checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False},
+                                              every_n_layers=speed.gradient_checkpointing_every_n_layers)
+    if speed.use_liger_kernel:
+        from transformers.integrations.liger import apply_liger_kernel
+
+        apply_liger_kernel(model, None)  # the kernels for the model's architecture, as Trainer applies them
+    return model
+
+
+def dynamo_plugin(speed: SpeedArguments):
+    """accelerate's regional compilation with inductor for --torch_compile, else None."""
+    if not speed.torch_compile:
+        return None
+    from accelerate.utils import TorchDynamoPlugin
+
+    # Every region (each layer, the embeddings, the head) is compiled through one accelerate
+    # function, so they share its compile budget (8 by default): with the variants evaluation adds
+    # (no grad, other shapes) it runs out and later regions fall back to eager with a warning.
+    allow_recompiles(64)
+    return TorchDynamoPlugin(backend="inductor", use_regional_compilation=True)
+
+
+def adamw_kernel(speed: SpeedArguments) -> dict:
+    """torch.optim.AdamW's keyword choosing the kernel for --optim."""
+    return dict(OPTIMIZERS[speed.optim])
+
+
+def checkpointed_layers(model) -> list[bool]:
+    """Per repeated layer, whether its activations are recomputed in the backward."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [bool(m.gradient_checkpointing) for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def speed_record(model, speed: SpeedArguments) -> dict:
+    """What ran, for run.json: the attention kernel read back from the model, and the other options."""
+    layers = checkpointed_layers(model)
+    return {"attention": attention_implementation(model),
+            "torch_compile": "regional (inductor)" if speed.torch_compile else "off",
+            "optim": speed.optim,
+            "checkpointed_layers": f"{sum(layers)} of {len(layers)}",
+            "liger_kernel": speed.use_liger_kernel}

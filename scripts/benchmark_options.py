@@ -1,0 +1,93 @@
+"""Each speed option (common/speed.py) against the recipe's defaults, on one job, in one run.
+
+The job is scripts/benchmark_peers.py's (recipes/causal_lm.py on a Llama built from a config,
+the demo's Markov corpus in packed blocks, the accelerate config's precision). Each option is
+the defaults plus that option's flags; every variant runs --rounds times, the order rotated
+each round, timed after --warmup steps. The table gives tokens/s (median) and the peak memory of
+the last logged window (the rank with the highest; resident set on a CPU host, the CUDA
+allocator's peak on a GPU), each as a ratio to the defaults. An option the host cannot run is
+listed with the recipe's own one-line refusal (Liger and flex_attention need a GPU).
+
+    make benchmark-options                                # ddp.yaml: 2 processes, bf16
+    make benchmark-options ARGS="--options torch_compile adamw_torch --rounds 3"
+
+With --docs the table goes to docs/benchmark-options.md (scripts/figures.py).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from benchmark_peers import check_job, job_line, job_parser, launch, model_config  # noqa: E402
+from figures import markdown_table, write_page  # noqa: E402
+
+OPTIONS = {
+    "defaults": [],
+    "torch_compile": ["--torch_compile", "true"],
+    "adamw_torch": ["--optim", "adamw_torch"],
+    "checkpoint_every_layer": ["--gradient_checkpointing", "true"],
+    "checkpoint_every_2nd_layer": ["--gradient_checkpointing", "true", "--gradient_checkpointing_every_n_layers", "2"],
+    "attention_eager": ["--attn_implementation", "eager"],
+    "attention_flash": ["--attn_implementation", "flash_attention_2"],
+    "attention_flex": ["--attn_implementation", "flex_attention"],
+    "liger": ["--use_liger_kernel", "true"],
+    "compile_and_liger": ["--torch_compile", "true", "--use_liger_kernel", "true"],
+}
+
+
+def main(argv=None):
+    parser = job_parser(__doc__)
+    parser.add_argument("--options", nargs="+", default=[name for name in OPTIONS if name != "defaults"],
+                        choices=[name for name in OPTIONS if name != "defaults"], help="the options to time")
+    args = parser.parse_args(argv)
+    check_job(args)
+    variants = ["defaults", *args.options]
+    speeds, peaks, refused = {name: [] for name in variants}, {}, {}
+    with tempfile.TemporaryDirectory() as folder:
+        config = model_config(args.hidden, args.layers, folder)
+        for round_ in range(args.rounds):
+            shift = round_ % len(variants)
+            for name in variants[shift:] + variants[:shift]:
+                if name in refused:
+                    continue
+                result = launch("recipe", args, config, folder, round_, recipe_args=OPTIONS[name], name=name)
+                if "refused" in result:
+                    refused[name] = result["refused"]
+                    print(f"round {round_ + 1}: {name:28s} {result['refused']}", flush=True)
+                    continue
+                speeds[name].append(result["tokens"] / result["seconds"])
+                peaks[name] = result["allocated_mb"] or result["peak_mb"]
+                print(f"round {round_ + 1}: {name:28s} {speeds[name][-1]:10.0f} tokens/s, peak {peaks[name]:.0f} MB "
+                      f"(loss {result['loss']:.3f})", flush=True)
+    if "defaults" in refused:
+        raise SystemExit(f"error: the recipe's defaults did not run: {refused['defaults']}")
+
+    base_speed, base_peak = statistics.median(speeds["defaults"]), peaks["defaults"]
+    header = ["option", "flags", "tokens/s (median)", "vs defaults", "peak MB", "vs defaults", "each round's tokens/s"]
+    rows = []
+    for name in variants:
+        flags = " ".join(OPTIONS[name]) or "(none)"
+        if name in refused:
+            rows.append([name, f"`{flags}`", "refused here:", refused[name].removeprefix("error: "), "", "", ""])
+            continue
+        speed = statistics.median(speeds[name])
+        rows.append([name, f"`{flags}`", f"{speed:.0f}", f"{speed / base_speed:.2f}x", f"{peaks[name]:.0f}",
+                     f"{peaks[name] / base_peak:.2f}x", ", ".join(f"{v:.0f}" for v in speeds[name])])
+    table = markdown_table(header, rows)
+    print(table)
+    if args.docs:
+        write_page(args.docs, "The speed options against the recipe's defaults", "\n\n".join([
+            job_line(args), table,
+            "Above 1x in tokens/s: faster than the defaults (fused AdamW, sdpa attention, no compile, no "
+            "activation checkpointing). Peak memory: the last logged window's, the rank with the highest; on a "
+            "CPU host the process's resident set (compile's own memory included), on a GPU the CUDA allocator's "
+            "peak. torch_compile's first steps compile; the timed steps come after --warmup."]))
+
+
+if __name__ == "__main__":
+    main()
