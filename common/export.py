@@ -9,7 +9,10 @@ export equals the run's own.
 from __future__ import annotations
 
 import contextlib
+import json
+import math
 import os
+import struct
 import time
 import warnings
 
@@ -18,7 +21,7 @@ import torch
 from common.accelerator import unwrap
 from common.checkpoints import save_config
 from common.errors import UsageError
-from common.internals import is_zero3_parameter, without_zero3_init
+from common.internals import full_shape, is_zero3_parameter, saves_as_state_dict, without_zero3_init
 from common.lora import save_merged
 from common.memory import current_memory
 from common.peers import main_process_alone
@@ -30,47 +33,121 @@ def export_final(accelerator, model, tokenizer, output_dir: str, dtype, name: st
     """Hugging Face folder (safetensors + config + tokenizer) in `dtype`, under any strategy.
 
     The weights exported are the ones the optimizer updates (fp32 master weights under
-    DeepSpeed's bf16 too), gathered from ZeRO-3 or FSDP shards, then cast to `dtype`
-    (common.model.export_dtype), so every strategy writes the same file. Every rank must
-    call it; only the main process writes. A peft model saves its adapter only; with
-    `merge_adapter` the merged full model also goes to `<name>_merged`. `cost`, if given, gets
-    the gather's seconds and the main process's resident set before and with the state dict."""
+    DeepSpeed's bf16 too), gathered from ZeRO-3 or FSDP shards one tensor at a time and cast to
+    `dtype` (common.model.export_dtype), so every strategy writes the same file. The main process
+    writes each tensor as it arrives (`write_safetensors`): it never holds the whole state dict,
+    only one tensor beside its training state. Every rank must call it. A peft model saves its
+    adapter only, through peft; with `merge_adapter` the merged full model also goes to
+    `<name>_merged`. `cost`, if given, gets the gather's seconds and the main process's resident
+    set before and at its highest during the export."""
     target = os.path.join(output_dir, name)
     started, before = time.perf_counter(), current_memory(None)["rss_mb"]
-    state_dict = master_state_dict(accelerator, model)
+    unwrapped = unwrap(accelerator, model)
+    highest = [before]
+    tensors = _watching_memory(master_tensors(accelerator, model), highest)
+    if accelerator.is_main_process:
+        write_folder(target, lambda folder: write_hf_folder(unwrapped, tensors, tokenizer, dtype, folder))
+    else:
+        for _ in tensors:  # take part in every gather
+            pass
     if cost is not None:
         cost.update(gather_s=round(time.perf_counter() - started, 2), rss_before_mb=round(before, 1),
-                    rss_with_state_dict_mb=round(current_memory(None)["rss_mb"], 1))
-    unwrapped = unwrap(accelerator, model)
-    with main_process_alone(accelerator, f"writing {target}"):
-        if accelerator.is_main_process:
-            write_folder(target, lambda folder: write_hf_folder(unwrapped, state_dict, tokenizer, dtype, folder))
-            if merge_adapter and hasattr(unwrapped, "peft_config"):
-                with without_zero3_init():  # only this process reloads the base model
-                    write_folder(f"{target}_merged", lambda tmp: save_merged(unwrapped, target, tmp, tokenizer,
-                                                                               dtype))
+                    rss_peak_mb=round(max(highest), 1))
+    with main_process_alone(accelerator, f"writing {target}_merged"):
+        if accelerator.is_main_process and merge_adapter and hasattr(unwrapped, "peft_config"):
+            with without_zero3_init():  # only this process reloads the base model
+                write_folder(f"{target}_merged", lambda tmp: save_merged(unwrapped, target, tmp, tokenizer, dtype))
     accelerator.wait_for_everyone()
     return target
 
 
-def write_hf_folder(model, state_dict: dict, tokenizer, dtype, folder: str) -> None:
-    """`model.save_pretrained` with `state_dict` cast to `dtype` (safetensors), the config
-    saying that dtype, and the tokenizer. A peft model writes its adapter only."""
-    model.save_pretrained(folder, safe_serialization=True, state_dict={
-        k: v.to(dtype) if v.is_floating_point() else v for k, v in without_tied_copies(model, state_dict).items()})
+def _watching_memory(tensors, highest: list):
+    for item in tensors:
+        yield item
+        highest.append(current_memory(None)["rss_mb"])
+
+
+def write_hf_folder(model, tensors, tokenizer, dtype, folder: str) -> None:
+    """The model's weights from `tensors` ((name, full tensor) pairs in state-dict order, or a
+    state dict) cast to `dtype`, as model.safetensors, with the config saying that dtype, the
+    generation config and the tokenizer: what `save_pretrained` writes. A model whose saving
+    transformers converts (renamed or re-fused weights, code from the Hub) and a peft model (its
+    adapter only) are written by `save_pretrained` itself, from the whole state dict."""
+    items = tensors.items() if isinstance(tensors, dict) else tensors
+    if hasattr(model, "peft_config") or not saves_as_state_dict(model):
+        model.save_pretrained(folder, safe_serialization=True, state_dict={
+            k: v.to(dtype) if v.is_floating_point() else v for k, v in without_tied_copies(model, dict(items)).items()})
+    else:
+        os.makedirs(folder, exist_ok=True)
+        write_safetensors(os.path.join(folder, "model.safetensors"), export_layout(model, dtype), items)
     if not hasattr(model, "peft_config"):
+        model.config.architectures = [type(model).__name__]
         save_config(model.config, dtype, folder)
+        if model.can_generate() and model.generation_config is not None:
+            model.generation_config.save_pretrained(folder)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
 
 
-def without_tied_copies(model, state_dict: dict) -> dict:
-    """One entry per parameter: a tied parameter (the output layer tied to the input embeddings)
-    is stored once, as transformers stores it and ties it again at load. A state dict gathered from
-    shards holds each of its names as a separate tensor, which save_pretrained would write twice."""
+def exported_names(model) -> list[str]:
+    """The state dict's names, a tied parameter (the output layer tied to the input embeddings)
+    once, as transformers stores it and ties it again at load."""
     first_names = {name for name, _ in model.named_parameters()}
     every_name = {name for name, _ in model.named_parameters(remove_duplicate=False)}
-    return {key: value for key, value in state_dict.items() if key in first_names or key not in every_name}
+    return [key for key in model.state_dict() if key in first_names or key not in every_name]
+
+
+def without_tied_copies(model, state_dict: dict) -> dict:
+    """`state_dict` without tied copies (`exported_names`); a state dict gathered from shards holds
+    each of a tied parameter's names as a separate tensor, which save_pretrained would write twice."""
+    names = set(exported_names(model))
+    return {key: value for key, value in state_dict.items() if key in names}
+
+
+def export_layout(model, dtype) -> list[tuple[str, tuple, torch.dtype]]:
+    """(name, full shape, dtype in the file) of each exported tensor, known before any gather:
+    floating-point tensors in `dtype`, others as they are."""
+    parameters = dict(model.named_parameters(remove_duplicate=False))
+    state = model.state_dict()
+    layout = []
+    for key in exported_names(model):
+        tensor = parameters.get(key, state[key])
+        layout.append((key, full_shape(tensor), dtype if tensor.is_floating_point() else tensor.dtype))
+    return layout
+
+
+SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
+                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                      torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def write_safetensors(path: str, layout: list, tensors) -> None:
+    """A safetensors file written as its tensors arrive: the header (names, dtypes, shapes and
+    offsets, all known from `layout`) first, then each tensor's bytes in layout order, so at most
+    one tensor is held. `tensors` yields (name, tensor) for at least the layout's names, in its
+    order (others, such as tied copies, are skipped)."""
+    header, offset = {}, 0
+    for name, shape, dtype in layout:
+        size = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    header["__metadata__"] = {"format": "pt"}
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    wanted = {name: (shape, dtype) for name, shape, dtype in layout}
+    written = []
+    with open(path, "wb") as handle:
+        handle.write(struct.pack("<Q", len(encoded)) + encoded)
+        for name, tensor in tensors:
+            if name not in wanted:
+                continue
+            shape, dtype = wanted[name]
+            if tuple(tensor.shape) != tuple(shape):
+                raise RuntimeError(f"export: {name} gathered with shape {tuple(tensor.shape)}, expected {tuple(shape)}")
+            handle.write(tensor.detach().to("cpu", dtype).contiguous().reshape(-1).view(torch.uint8).numpy().data)
+            written.append(name)
+    if written != [name for name, _, _ in layout]:
+        raise RuntimeError(f"export: wrote {len(written)} of {len(layout)} tensors, or out of order")
 
 
 def read_checkpoint_weights(path: str) -> dict:
@@ -113,35 +190,36 @@ def _read_dcp(folder: str) -> dict:
     return {key.removeprefix("model."): value for key, value in state.items()}
 
 
-def master_state_dict(accelerator, model) -> dict:
-    """The full state dict, on the main process (other ranks get {}), in one gather. Collective:
-    every rank calls it. Under DeepSpeed each trainable parameter comes from the optimizer's
-    fp32 master copy (its bf16 mode trains fp32 partitions behind bf16 module weights), gathered
-    one parameter at a time, and a frozen ZeRO-3 parameter from its partitions; no 16-bit copy of
-    the model is gathered first, so ZeRO-3 needs no stage3_gather_16bit_weights_on_model_save."""
-    if accelerator.state.deepspeed_plugin is None:
-        return accelerator.get_state_dict(model)
+def master_tensors(accelerator, model):
+    """(name, full tensor) for each exported name (`exported_names`), in state-dict order: the
+    tensor on the main process, None elsewhere. Collective, one gather per tensor: every rank
+    iterates it to the end. Under DeepSpeed each trainable parameter comes from the optimizer's
+    fp32 master copy (its bf16 mode trains fp32 partitions behind bf16 module weights), and a
+    frozen ZeRO-3 parameter from its partitions; no 16-bit copy of the model is gathered first, so
+    ZeRO-3 needs no stage3_gather_16bit_weights_on_model_save. Under FSDP2 each shard is gathered
+    (from wherever it lives: its offloaded shards go through the device)."""
+    unwrapped = unwrap(accelerator, model)
+    parameters = dict(unwrapped.named_parameters(remove_duplicate=False))
+    state = unwrapped.state_dict()  # ZeRO-3: placeholders for parameters; FSDP2: sharded DTensors
+    deepspeed_run = accelerator.state.deepspeed_plugin is not None
+    main = accelerator.is_main_process
+    for key in exported_names(unwrapped):
+        parameter, value = parameters.get(key), state[key]
+        if deepspeed_run and parameter is not None:
+            full = _deepspeed_full(parameter, main)
+        elif hasattr(value, "full_tensor"):  # an FSDP2 shard
+            full = value.to(accelerator.device).full_tensor()
+        else:
+            full = value
+        yield key, (full.detach().cpu() if main and full is not None else None)
+
+
+def _deepspeed_full(parameter, main: bool):
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param
 
-    unwrapped = unwrap(accelerator, model)
-    parameters = dict(unwrapped.named_parameters(remove_duplicate=False))
-    gathered, state_dict = {}, {}
-    for key, value in unwrapped.state_dict().items():  # ZeRO-3: placeholders for parameters, no gather
-        parameter = parameters.get(key)
-        if parameter is None:  # a buffer: whole on every rank
-            full = value
-        elif id(parameter) in gathered:  # tied to a parameter already gathered
-            full = gathered[id(parameter)]
-        else:
-            full = safe_get_full_fp32_param(parameter) if parameter.requires_grad else None
-            if full is None and is_zero3_parameter(parameter):
-                with deepspeed.zero.GatheredParameters([parameter]):
-                    full = parameter.data.detach().cpu().clone() if accelerator.is_main_process else None
-            elif full is None:
-                full = parameter.data
-            full = full.detach().cpu() if accelerator.is_main_process and full is not None else None
-            gathered[id(parameter)] = full
-        if accelerator.is_main_process:
-            state_dict[key] = full.detach().cpu()
-    return state_dict
+    full = safe_get_full_fp32_param(parameter) if parameter.requires_grad else None
+    if full is None and is_zero3_parameter(parameter):
+        with deepspeed.zero.GatheredParameters([parameter]):
+            full = parameter.data.detach().cpu().clone() if main else None
+    return parameter.data if full is None else full

@@ -1,10 +1,9 @@
 """Every use of another library's private attributes, calls or undocumented layout, with the versions checked.
 
-Each use is one function here, listed in `USES` with the library it leans on. `CHECKED` holds the
-version range each library was checked on. `tests/test_internals.py` fails, naming the uses,
-when an installed version leaves its range, and fails when code outside this module reaches for
-a private attribute; `start_run` prints one warning line for it at start-up. After an upgrade:
-run the suite, fix what broke here, and widen the range.
+Each use is one function here, listed in `USES` with the library it leans on; `CHECKED` holds the version range
+each library was checked on. `tests/test_internals.py` fails, naming the uses, when an installed version leaves
+its range (`start_run` warns in one line), and when code outside this module reaches for a private attribute.
+After an upgrade: run the suite, fix what broke here, and widen the range.
 """
 
 from __future__ import annotations
@@ -45,8 +44,8 @@ USES = (
     Use("transformers", "PreTrainedModel._no_split_modules",
         "declared_layer_classes / declare_layer_classes: the layer classes FSDP wraps"),
     Use("transformers", "PretrainedConfig._attn_implementation", "attention_implementation"),
-    Use("transformers", "PreTrainedModel._supports_flash_attn / _supports_flex_attn", "supports_attention"),
     Use("transformers", "PretrainedConfig._name_or_path", "set_base_model_name"),
+    Use("transformers", "PreTrainedModel._weight_conversions, _auto_class, _keys_to_ignore_on_save", "saves_as_state_dict"),
     Use("transformers", "integrations.sdpa_attention.sdpa_attention_forward, masking_utils.sdpa_mask and "
                         "the mask function's allow_is_causal_skip keyword", "common/packing.py's sdpa_varlen"),
     Use("torch", "_dynamo.config.recompile_limit", "allow_recompiles: the compile budget regional compile shares"),
@@ -57,7 +56,7 @@ USES = (
     Use("deepspeed", "the ZeRO optimizers' module path and attribute names (fp32_partitioned_groups_flat, "
                      "single_partition_of_fp32_groups, *bucket*/ipg/grad/fp32/bit16 attributes)",
         "zero_optimizer, master_weights_dtype, zero_attribute_category: the memory account and run.json"),
-    Use("deepspeed", "ZeRO-3 parameter attributes ds_tensor, ds_numel, ds_id", "zero3_partition, full_numel"),
+    Use("deepspeed", "ZeRO-3 parameter attributes ds_tensor, ds_numel, ds_shape, ds_id", "zero3_partition, full_*"),
     Use("deepspeed", "0.19.8's ZeRO-3 universal load (load_hp_checkpoint_state_from_checkpoint_dir_stage3)",
         "repair_zero3_universal_load: its two faults, put right after loading"),
     Use("tqdm", "tqdm._instances", "close_progress_bars: an error starts its own line"),
@@ -88,8 +87,8 @@ def outside_checked_range() -> list[str]:
 # ---- accelerate ------------------------------------------------------------------------------
 
 def start_accumulation_window(accelerator) -> None:
-    """accelerate syncs gradients when its micro-batch counter reaches a multiple of the
-    accumulation steps: zero it at each window's start so the window's last batch syncs."""
+    """accelerate syncs when its micro-batch counter reaches a multiple of the accumulation steps:
+    zeroed at each window's start, the window's last batch syncs."""
     accelerator.step = 0
 
 
@@ -104,9 +103,8 @@ def present_cpu_group_as_multi_gpu(distributed_type) -> None:
 
 @contextlib.contextmanager
 def without_zero3_init():
-    """While a ZeRO-3 config is registered, transformers builds every model inside
-    deepspeed.zero.Init, whose broadcasts need all ranks: a model built on one process
-    would hang. (accelerate's zero3_init_context_manager re-registers the config.)"""
+    """While a ZeRO-3 config is registered, transformers builds every model inside deepspeed.zero.Init, whose
+    broadcasts need all ranks: one built on one process would hang (accelerate's zero3_init_context_manager)."""
     from transformers.integrations import deepspeed as hf_deepspeed
 
     saved = hf_deepspeed._hf_deepspeed_config_weak_ref
@@ -134,9 +132,14 @@ def attention_implementation(model) -> str:
     return getattr(config, "_attn_implementation", None) or "unknown"
 
 
-def supports_attention(model, kernel: str) -> bool:
-    """Whether the model's class declares the kernel (flash_attn or flex_attn) as supported."""
-    return bool(getattr(model, f"_supports_{kernel}", False))
+def saves_as_state_dict(model) -> bool:
+    """Whether save_pretrained writes the state dict as it is: no weight conversion to revert (MoE
+    experts fused at load, renamed keys), no code from the Hub to copy, no keys it leaves out."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
+    conversions = getattr(model, "_weight_conversions", None)  # None: built from a config, the architecture's table
+    conversions = get_model_conversion_mapping(model, add_legacy=False) if conversions is None else conversions
+    return not conversions and getattr(model, "_auto_class", None) is None and not model._keys_to_ignore_on_save
 
 
 def set_base_model_name(model, name: str) -> None:
@@ -170,8 +173,7 @@ def cpu_has_bf16_instructions() -> bool:
 # ---- deepspeed -------------------------------------------------------------------------------
 
 def innermost_optimizer(optimizer):
-    """The torch optimizer that updates the weights, under accelerate's and DeepSpeed's wrappers
-    (each holds the one it wraps as `.optimizer`)."""
+    """The torch optimizer updating the weights, under accelerate's and DeepSpeed's `.optimizer` wrappers."""
     while hasattr(optimizer, "optimizer"):
         optimizer = optimizer.optimizer
     return optimizer
@@ -224,6 +226,11 @@ def is_zero3_parameter(parameter) -> bool:
     return hasattr(parameter, "ds_id")
 
 
+def full_shape(tensor) -> tuple:
+    """A tensor's whole shape: ZeRO-3's ds_shape for its placeholder; an FSDP2 shard's is global."""
+    return tuple(getattr(tensor, "ds_shape", tensor.shape))
+
+
 def full_numel(parameter) -> int:
     """A parameter's size; under ZeRO-3 it is an empty placeholder and ds_numel is its size."""
     return getattr(parameter, "ds_numel", parameter.numel())
@@ -236,13 +243,11 @@ def zero3_hyperparameters(optimizer) -> list:
 
 
 def repair_zero3_universal_load(optimizer, hyperparameters: list) -> None:
-    """Two faults of DeepSpeed 0.19.8's ZeRO-3 universal load, seen as losses that left the
-    uninterrupted run's from the second step after resuming: it gives every parameter group
-    the first group's hyperparameters (the norms and biases, weight_decay 0, got 0.01), and one
-    `step` tensor to every group's state, which torch's AdamW increments in place, so the step
-    count advanced once per group per step. Each group gets its own hyperparameters (taken by
-    `zero3_hyperparameters` before loading) and its own step count back; both are harmless
-    where the load is right."""
+    """Two faults of DeepSpeed 0.19.8's ZeRO-3 universal load (losses left the uninterrupted run's
+    from the second step after resuming): every parameter group got the first group's hyperparameters
+    (the norms and biases, weight_decay 0, got 0.01), and every group's state one shared `step` tensor,
+    which AdamW increments in place once per group. Each group gets its own back (hyperparameters taken
+    by `zero3_hyperparameters` before loading); harmless where the load is right."""
     inner = innermost_optimizer(optimizer)
     for group, before in zip(inner.param_groups, hyperparameters):
         group.update(before)

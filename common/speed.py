@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from common.errors import UsageError
-from common.internals import allow_recompiles, attention_implementation, supports_attention
+from common.internals import allow_recompiles, attention_implementation
 
 ATTENTION = ("auto", "sdpa", "eager", "flash_attention_2", "flex_attention", "sdpa_varlen")
 OPTIMIZERS = {"adamw_torch_fused": {"fused": True}, "adamw_torch": {"foreach": True}}
@@ -77,37 +77,36 @@ class SpeedArguments:
             raise UsageError("--use_liger_kernel needs the liger-kernel package: pip install liger-kernel")
 
 
-def choose_attention(requested: str, model, packed_rows: bool) -> str:
-    """The kernel `--attn_implementation` resolves to for this model and host (see SpeedArguments)."""
+def attention_candidates(requested: str, model, packed_rows: bool) -> list[str]:
+    """The kernels `--attn_implementation` stands for on this host, fastest first; with auto the
+    model's own comes last, so the first the model accepts is used (see SpeedArguments)."""
     if requested != "auto":
-        return requested
-    current = attention_implementation(model)
-    on_gpu = torch.cuda.is_available()
-    if on_gpu and _installed("flash_attn") and supports_attention(model, "flash_attn"):
-        return "flash_attention_2"  # packed rows: varlen by their position ids; padded batches: unpadded
-    if not packed_rows:
-        return current
-    if on_gpu and supports_attention(model, "flex_attn"):
-        return "flex_attention"  # transformers builds a block mask of the packed examples
-    return "sdpa_varlen" if current == "sdpa" else current
+        return [requested]
+    current, on_gpu = attention_implementation(model), torch.cuda.is_available()
+    candidates = ["flash_attention_2"] if on_gpu and _installed("flash_attn") else []  # packed rows: varlen
+    if packed_rows:  # flex_attention: transformers builds a block mask of the packed examples
+        candidates += (["flex_attention"] if on_gpu else []) + (["sdpa_varlen"] if current == "sdpa" else [])
+    return candidates + [current]
 
 
 def prepare_model(model, speed: SpeedArguments, packed_rows: bool = False):
     """Set the attention kernel, activation checkpointing and Liger's kernels on a freshly loaded
     model (before LoRA adapters, and before `accelerator.prepare`, which compiles)."""
-    attention = choose_attention(speed.attn_implementation, model, packed_rows)
-    if attention != attention_implementation(model):
-        from common.packing import NAME, use_per_example_attention  # registers sdpa_varlen
+    from common.packing import NAME, use_per_example_attention  # registers sdpa_varlen
 
+    candidates = attention_candidates(speed.attn_implementation, model, packed_rows)
+    for attention in candidates:
         try:
             if attention == NAME:
                 use_per_example_attention(model)
-            else:
+            elif attention != attention_implementation(model):
                 model.set_attn_implementation(attention)
-        except (ValueError, ImportError) as error:
-            reason = str(error).strip().splitlines()[0]
-            raise UsageError(f"--attn_implementation {attention} does not run on {type(model).__name__} ({reason}); "
-                             "use --attn_implementation auto") from None
+            break
+        except (ValueError, ImportError) as error:  # the model's class does not support it
+            if len(candidates) == 1:
+                reason = str(error).strip().splitlines()[0]
+                raise UsageError(f"--attn_implementation {attention} does not run on {type(model).__name__} "
+                                 f"({reason}); use --attn_implementation auto") from None
     if speed.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False},
                                               every_n_layers=speed.gradient_checkpointing_every_n_layers)

@@ -3,7 +3,7 @@ gather, cost: time and host memory, at a model size where model state dominates.
 
 Trains --steps steps of a causal LM under zero3.yaml on 2 processes (bf16 as shipped) with a
 checkpoint at the last step, reads the final export's gather cost from run.json
-("final_export": the main process's resident set before and with the gathered state dict),
+("final_export": the main process's resident set before and at its highest during the export),
 then converts the checkpoint for 1 process (common/reshard.py, DeepSpeed's ds_to_universal) in
 a process of its own and measures its wall time and the peak resident set of it and its children.
 
@@ -71,7 +71,7 @@ def main(argv=None):
         seconds = time.perf_counter() - started
         peak_mb = float(converted.stdout.strip().splitlines()[-1])
         checkpoint_mb, universal_mb = folder_mb(os.path.join(checkpoint, "pytorch_model")), folder_mb(target)
-    gathered_mb = export["rss_with_state_dict_mb"] - export["rss_before_mb"]
+    gathered_mb = export["rss_peak_mb"] - export["rss_before_mb"]
     rows = [
         ("parameters", f"{parameters:,}"),
         ("ZeRO-3 checkpoint (2 processes), MB on disk", f"{checkpoint_mb:.0f}"),
@@ -79,9 +79,9 @@ def main(argv=None):
         ("conversion: universal folder, MB on disk", f"{universal_mb:.0f}"),
         ("conversion: peak resident set (its process and DeepSpeed's, the larger), MB", f"{peak_mb:.0f}"),
         ("final export: gather time on 2 processes, s", f"{export['gather_s']:.1f}"),
-        ("final export: main process's resident set before / with the gathered state dict, MB",
-         f"{export['rss_before_mb']:.0f} / {export['rss_with_state_dict_mb']:.0f}"),
-        ("final export: host memory the gathered state dict adds, bytes per parameter",
+        ("final export: main process's resident set before / at its highest during the export, MB",
+         f"{export['rss_before_mb']:.0f} / {export['rss_peak_mb']:.0f}"),
+        ("final export: host memory the export adds, bytes per parameter",
          f"{gathered_mb * MB / parameters:.2f}"),
     ]
     for name, value in rows:

@@ -36,3 +36,35 @@ def test_existing_output_is_left_as_it_is(tmp_path, capsys):
     assert "--output_dir" in error_of(capsys, tmp_path, tmp_path / "out")
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["mine.txt"]
     assert (tmp_path / "out" / "mine.txt").read_text() == "keep"
+
+
+def test_the_streamed_safetensors_file_reads_back_as_written(tmp_path):
+    """common.export.write_safetensors (header first, then each tensor as it arrives) gives a file that
+    safetensors reads back with every name, dtype, shape and value, bf16 included; a tensor of another
+    shape than the layout's, or one missing, is an error rather than a wrong file."""
+    import pytest
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from common.export import write_safetensors
+
+    torch.manual_seed(0)
+    tensors = {"embed.weight": torch.randn(7, 5), "norm.weight": torch.randn(5), "step": torch.tensor(3),
+               "mask": torch.tensor([True, False, True]), "lm_head.weight": torch.randn(7, 5)}
+    layout = [(name, tuple(t.shape), torch.bfloat16 if t.is_floating_point() else t.dtype)
+              for name, t in tensors.items() if name != "lm_head.weight"]  # a tied copy: left out
+    path = tmp_path / "model.safetensors"
+    write_safetensors(str(path), layout, iter(tensors.items()))
+    loaded = load_file(str(path))
+    assert set(loaded) == {name for name, _, _ in layout}
+    for name, shape, dtype in layout:
+        assert loaded[name].dtype == dtype and tuple(loaded[name].shape) == shape
+        assert torch.equal(loaded[name], tensors[name].to(dtype)), name
+    with safe_open(str(path), "pt") as handle:
+        assert handle.metadata() == {"format": "pt"}
+    with pytest.raises(RuntimeError, match="gathered with shape"):
+        write_safetensors(str(tmp_path / "bad.safetensors"), [("embed.weight", (5, 7), torch.float32)],
+                          iter(tensors.items()))
+    with pytest.raises(RuntimeError, match="wrote 0 of 1"):
+        write_safetensors(str(tmp_path / "short.safetensors"), [("absent", (1,), torch.float32)], iter(tensors.items()))

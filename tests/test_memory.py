@@ -40,15 +40,16 @@ RUNS = {"single.yaml": ("single.yaml", 1, False),
 
 @pytest.fixture(scope="module")
 def measured(markov_data, tmp_path_factory):
-    """Each run on a 101M-parameter Llama: one step of 2 micro-batches of 1 x 16 tokens (the
-    account is taken at the first optimizer step; short blocks, because on a CPU without bf16
+    """Each run on a 101M-parameter Llama: two steps of 2 micro-batches of 1 x 16 tokens (the
+    account is taken at the first optimizer step, the whole run's peak over both and the
+    export: ZeRO-3's gathering settles from the second step on; short blocks, because on a CPU without bf16
     instructions the emulated bf16 runs at about 1 GFLOP/s)."""
     runs = {}
     for name, (config, processes, checkpointing) in RUNS.items():
         out = tmp_path_factory.mktemp(config.split(".")[0]) / "run"
         launch(config, "causal_lm.py", causal_lm_args(
             markov_data, out, model_config=MODEL, block_size=SEQ_LEN, per_device_train_batch_size=1,
-            per_device_eval_batch_size=1, gradient_accumulation_steps=2, max_steps=1, max_eval_samples=2,
+            per_device_eval_batch_size=1, gradient_accumulation_steps=2, max_steps=2, max_eval_samples=2,
             gradient_checkpointing=str(checkpointing).lower()), num_processes=processes, env=LIVE_RSS)
         runs[name] = out
     return runs
@@ -103,6 +104,11 @@ def test_sharded_strategies_hold_less_than_ddp(measured):
     # no temporaries in the step
     for config in ("fsdp.yaml", "zero3.yaml"):
         assert peak(config) <= 0.6 * ddp_peak
+        # ...and over the whole run: ZeRO-3 keeps two layers gathered at most (common.accelerator's
+        # stage3_max_live_parameters and _reuse_distance), and the export streams one tensor at a time
+        assert whole_run(config) <= 0.6 * whole_run("ddp.yaml")
+    export = read_run(measured["zero3.yaml"])["final_export"]
+    assert export["rss_peak_mb"] - export["rss_before_mb"] < 100  # the model in fp32 is 386 MB
     # Buckets sized to the model (h*h elements), not DeepSpeed's fixed 500M (1 GB in bf16)
     assert worst("zero3.yaml", "communication_buffers_mb") < 10
     # Activation checkpointing: each layer keeps its input only (the micro-batch is the same on 4)
