@@ -19,6 +19,8 @@ from accelerate import PartialState
 from job import packed_blocks_and_model, parse_job, write_result
 from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator
 
+from common.errors import exit_now
+
 
 class StepClock(TrainerCallback):
     """The time at the end of step `warmup` and at the end of the last step."""
@@ -51,8 +53,10 @@ def main():
     if state.is_main_process:
         write_result(args, clock.times[args.steps] - clock.times[args.warmup], result.training_loss,
                      training.world_size, optim=training.optim)
-    if torch.distributed.is_initialized():  # left to the interpreter's exit, gloo's teardown can hang there
-        torch.distributed.destroy_process_group()
+    # Seen (torch 2.13, gloo): at the interpreter's exit, garbage-collecting DDP's reducer deadlocks in
+    # ProcessGroupGloo's destructor (its worker thread waits for the GIL the exiting thread holds), even
+    # with the process group destroyed first. The recipes skip that teardown the same way (common.errors.exit_now).
+    exit_now(0)
 
 
 if __name__ == "__main__":
