@@ -17,8 +17,8 @@ import re
 import shutil
 import zipfile
 
-from common.accelerator import unwrap
 from common import reshard
+from common.accelerator import unwrap
 from common.errors import RunStopped, UsageError, describe
 from common.internals import repair_zero3_universal_load, zero3_hyperparameters
 from common.nonfinite import check_finite_weights

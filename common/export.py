@@ -53,10 +53,11 @@ def export_final(accelerator, model, tokenizer, output_dir: str, dtype, name: st
     if cost is not None:
         cost.update(gather_s=round(time.perf_counter() - started, 2), rss_before_mb=round(before, 1),
                     rss_peak_mb=round(max(highest), 1))
-    with main_process_alone(accelerator, f"writing {target}_merged"):
-        if accelerator.is_main_process and merge_adapter and hasattr(unwrapped, "peft_config"):
-            with without_zero3_init():  # only this process reloads the base model
-                write_folder(f"{target}_merged", lambda tmp: save_merged(unwrapped, target, tmp, tokenizer, dtype))
+    if merge_adapter and hasattr(unwrapped, "peft_config"):
+        with main_process_alone(accelerator, f"writing {target}_merged"):
+            if accelerator.is_main_process:
+                with without_zero3_init():  # only this process reloads the base model
+                    write_folder(f"{target}_merged", lambda tmp: save_merged(unwrapped, target, tmp, tokenizer, dtype))
     accelerator.wait_for_everyone()
     return target
 

@@ -11,8 +11,10 @@ of full training steps (forward, backward, AdamW) for
 
 on three kinds of chats (--data): `equal`, the SFT demo's arithmetic questions (nearly equal
 lengths); `mixed`, with counting questions among them (answers of 1 to 12 tokens); and
-`varied`, chats whose lengths spread as real ones do (20 to 400 tokens, uniformly). Prints one row per layout and its speed relative to padded (same run,
-same machine, same batches).
+`varied`, chats whose lengths spread as real ones do (20 to 400 tokens, uniformly). Each layout
+trains its own copy of the model; the layouts take turns step by step (the order rotated each
+step), so the machine's slow and fast moments are shared. Prints one row per layout and its
+speed relative to padded (same run, same machine, same batches).
 """
 
 from __future__ import annotations
@@ -88,25 +90,32 @@ def measure(kind: str, args) -> tuple[str, list]:
                f"precision {args.precision}, {torch.get_num_threads()} threads")
     print(f"{DATA[kind]}: {summary}")
     print(f"{'layout':<14} {'attention':<12} {'label tok/s':>11} {'vs padded':>9} {'final loss':>10}")
-    rates, rows = {}, []
+    runs = {}  # each layout's own model (the same initial weights), optimizer and attention
     for name, (collate, per_example) in layouts.items():
         model = load_model(model_args, tokenizer, seed=0, max_position_embeddings=512)
         attention = packing.use_per_example_attention(model) if per_example else attention_implementation(model)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16")
-        for index, batch in enumerate(batches):
-            if index == args.warmup:
-                start = time.perf_counter()
+        runs[name] = (collate, model, torch.optim.AdamW(model.parameters(), lr=1e-3), attention)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16")
+    seconds, losses, names = dict.fromkeys(layouts, 0.0), {}, list(layouts)
+    for index, batch in enumerate(batches):  # interleaved: every layout takes each step, in rotated order
+        for name in names[index % len(names):] + names[:index % len(names)]:
+            collate, model, optimizer, _ = runs[name]
+            started = time.perf_counter()
             inputs = collate(batch)
             with autocast:
                 loss = model(**inputs).loss
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
-        rates[name] = label_tokens / (time.perf_counter() - start)
-        print(f"{name:<14} {attention:<12} {rates[name]:>11.0f} {rates[name] / rates['padded']:>8.2f}x "
-              f"{loss.item():>10.4f}")
-        rows.append([name, attention, f"{rates[name]:.0f}", f"{rates[name] / rates['padded']:.2f}x", f"{loss.item():.4f}"])
+            if index >= args.warmup:
+                seconds[name] += time.perf_counter() - started
+            losses[name] = loss.item()
+    rates = {name: label_tokens / seconds[name] for name in names}
+    rows = []
+    for name in names:
+        attention, ratio = runs[name][3], rates[name] / rates["padded"]
+        print(f"{name:<14} {attention:<12} {rates[name]:>11.0f} {ratio:>8.2f}x {losses[name]:>10.4f}")
+        rows.append([name, attention, f"{rates[name]:.0f}", f"{ratio:.2f}x", f"{losses[name]:.4f}"])
     return summary, rows
 
 
@@ -129,7 +138,8 @@ def main(argv=None):
 
         write_page(args.docs, "SFT packing: packed vs padded batches", "\n\n".join(
             ["One process, the demo's tiny Llama from its config (positions up to 512). Label tokens/s of whole "
-             "training steps (forward, backward, AdamW), each layout on the same batches, in one run."] +
+             "training steps (forward, backward, AdamW), each layout on the same batches, in one run, the layouts "
+             "interleaved step by step."] +
             [f"**{DATA[kind]}**: {summary}.\n\n" + markdown_table(
                 ["layout", "attention", "label tokens/s", "vs padded", "final loss"], rows)
              for kind, summary, rows in tables]))
