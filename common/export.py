@@ -82,7 +82,8 @@ def write_hf_folder(model, tensors, tokenizer, dtype, folder: str) -> None:
         os.makedirs(folder, exist_ok=True)
         write_safetensors(os.path.join(folder, "model.safetensors"), export_layout(model, dtype), items)
     if not hasattr(model, "peft_config"):
-        model.config.architectures = [type(model).__name__]
+        # the model's own class, as save_pretrained names it (FSDP2 swaps in a subclass, FSDP<name>)
+        model.config.architectures = [next(c.__name__ for c in type(model).__mro__ if not c.__name__.startswith("FSDP"))]
         save_config(model.config, dtype, folder)
         if model.can_generate() and model.generation_config is not None:
             model.generation_config.save_pretrained(folder)
