@@ -6,7 +6,7 @@ accumulation). Their GPU side is in tests/test_gpu.py."""
 import pytest
 import torch
 
-from common.arguments import ModelArguments, TrainingArguments
+from common.arguments import TrainingArguments
 from common.errors import UsageError
 from conftest import REPO, causal_lm_args, launch, losses, read_run
 
