@@ -43,7 +43,7 @@ def export_final(accelerator, model, tokenizer, output_dir: str, dtype, name: st
     target = os.path.join(output_dir, name)
     started, before = time.perf_counter(), current_memory(None)["rss_mb"]
     unwrapped = unwrap(accelerator, model)
-    highest = [before]
+    highest = {"rss_mb": before}
     tensors = _watching_memory(master_tensors(accelerator, model), highest)
     if accelerator.is_main_process:
         write_folder(target, lambda folder: write_hf_folder(unwrapped, tensors, tokenizer, dtype, folder))
@@ -52,7 +52,7 @@ def export_final(accelerator, model, tokenizer, output_dir: str, dtype, name: st
             pass
     if cost is not None:
         cost.update(gather_s=round(time.perf_counter() - started, 2), rss_before_mb=round(before, 1),
-                    rss_peak_mb=round(max(highest), 1))
+                    rss_peak_mb=round(highest["rss_mb"], 1))
     if merge_adapter and hasattr(unwrapped, "peft_config"):
         with main_process_alone(accelerator, f"writing {target}_merged"):
             if accelerator.is_main_process:
@@ -62,10 +62,11 @@ def export_final(accelerator, model, tokenizer, output_dir: str, dtype, name: st
     return target
 
 
-def _watching_memory(tensors, highest: list):
+def _watching_memory(tensors, highest: dict):
+    """`tensors`, passed through; highest["rss_mb"] keeps the largest resident set seen after each."""
     for item in tensors:
         yield item
-        highest.append(current_memory(None)["rss_mb"])
+        highest["rss_mb"] = max(highest["rss_mb"], current_memory(None)["rss_mb"])
 
 
 def write_hf_folder(model, tensors, tokenizer, dtype, folder: str) -> None:
@@ -91,12 +92,14 @@ def write_hf_folder(model, tensors, tokenizer, dtype, folder: str) -> None:
         tokenizer.save_pretrained(folder)
 
 
-def exported_names(model) -> list[str]:
-    """The state dict's names, a tied parameter (the output layer tied to the input embeddings)
-    once, as transformers stores it and ties it again at load."""
+def exported_names(model, state: dict | None = None) -> list[str]:
+    """The state dict's names (`state`, the model's state dict if already built), a tied parameter
+    (the output layer tied to the input embeddings) once, as transformers stores it and ties it
+    again at load."""
     first_names = {name for name, _ in model.named_parameters()}
     every_name = {name for name, _ in model.named_parameters(remove_duplicate=False)}
-    return [key for key in model.state_dict() if key in first_names or key not in every_name]
+    keys = model.state_dict() if state is None else state
+    return [key for key in keys if key in first_names or key not in every_name]
 
 
 def without_tied_copies(model, state_dict: dict) -> dict:
@@ -112,7 +115,7 @@ def export_layout(model, dtype) -> list[tuple[str, tuple, torch.dtype]]:
     parameters = dict(model.named_parameters(remove_duplicate=False))
     state = model.state_dict()
     layout = []
-    for key in exported_names(model):
+    for key in exported_names(model, state):
         tensor = parameters.get(key, state[key])
         layout.append((key, full_shape(tensor), dtype if tensor.is_floating_point() else tensor.dtype))
     return layout
@@ -204,8 +207,12 @@ def master_tensors(accelerator, model):
     parameters = dict(unwrapped.named_parameters(remove_duplicate=False))
     state = unwrapped.state_dict()  # ZeRO-3: placeholders for parameters; FSDP2: sharded DTensors
     deepspeed_run = accelerator.state.deepspeed_plugin is not None
+    if deepspeed_run and hasattr(model, "empty_partition_cache"):
+        # ZeRO-3 may still hold parameters its last forward gathered or prefetched (an evaluation's,
+        # under stage3_max_live_parameters / _reuse_distance); GatheredParameters asserts on them
+        model.empty_partition_cache()
     main = accelerator.is_main_process
-    for key in exported_names(unwrapped):
+    for key in exported_names(unwrapped, state):
         parameter, value = parameters.get(key), state[key]
         if deepspeed_run and parameter is not None:
             full = _deepspeed_full(parameter, main)

@@ -42,7 +42,8 @@ def _matmul_weights(model):
 
 
 class ModelFlops:
-    """`per_batch(batch)`: training FLOPs of one micro-batch, as a tensor (no synchronisation)."""
+    """`per_batch(batch)`: training FLOPs of one micro-batch, as a tensor on the batch's device or
+    a number (no synchronisation)."""
 
     def __init__(self, model):
         weights = {id(w): w for w in _matmul_weights(model)}.values()  # tied weights count once
@@ -58,11 +59,12 @@ class ModelFlops:
     def per_token(self, sequence_length: int) -> int:
         return self.dense_per_token + self.attention_per_token_and_position * sequence_length
 
-    def per_batch(self, batch: dict) -> torch.Tensor:
+    def per_batch(self, batch: dict) -> torch.Tensor | float:
         input_ids = batch["input_ids"]
         mask = batch.get("attention_mask")
-        tokens = mask.sum() if mask is not None else torch.tensor(input_ids.numel(), device=input_ids.device)
-        return tokens.double() * self.per_token(input_ids.shape[-1])
+        if mask is None:  # a number, not a new device tensor: copying one to a GPU waits for its stream
+            return float(input_ids.numel() * self.per_token(input_ids.shape[-1]))
+        return mask.sum().double() * self.per_token(input_ids.shape[-1])
 
 
 def device_peak_tflops(device, compute_dtype: str | None, override: float | None) -> float | None:

@@ -142,6 +142,16 @@ def export_dtype(args: ModelArguments) -> torch.dtype:
     return saved if isinstance(saved, torch.dtype) else torch.float32
 
 
+def model_hidden_size(args: ModelArguments) -> int | None:
+    """The hidden size the model's config gives (None where it names none or does not load)."""
+    try:
+        config = AutoConfig.from_pretrained(args.model_config or args.model_name_or_path)
+    except (OSError, ValueError):
+        return None
+    size = getattr(config, "hidden_size", None)
+    return size if isinstance(size, int) else None
+
+
 def name_layer_classes(model) -> None:
     """Make `_no_split_modules` name the repeated transformer layer classes, and only them.
 

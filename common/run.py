@@ -28,7 +28,7 @@ from common.export import export_final
 from common.internals import outside_checked_range
 from common.lora import LoraArguments
 from common.metrics import MetricsLogger
-from common.model import count_parameters, export_dtype
+from common.model import count_parameters, export_dtype, model_hidden_size
 from common.nonfinite import NonFiniteGuard
 from common.profiling import StepProfiler
 from common.reshard import convert_before_start, for_this_world_size
@@ -119,7 +119,8 @@ def start_run(*arguments) -> Run:
     check_output_dir(args.output_dir, args.resume_from_checkpoint, args.overwrite_output_dir)
     checkpoint = resolve_checkpoint(args.output_dir, args.resume_from_checkpoint)
     convert_before_start(checkpoint)  # a ZeRO checkpoint of another layout, before any collective can time out
-    accelerator, launch = build_accelerator(args)
+    model_args = next((a for a in arguments if isinstance(a, ModelArguments)), None)
+    accelerator, launch = build_accelerator(args, model_hidden_size(model_args) if model_args else None)
     memory.mark("started")
     if accelerator.is_main_process:
         for line in outside_checked_range():

@@ -34,6 +34,7 @@ def strategy_details(accelerator, launch: Launch) -> dict:
     if getattr(state, "deepspeed_plugin", None) is not None:
         zero = state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {})
         details.update(zero_stage=zero.get("stage"), zero3_sub_group_size=zero.get("sub_group_size"),
+                       zero3_max_live_parameters=zero.get("stage3_max_live_parameters"),
                        offload_optimizer=zero.get("offload_optimizer", {}).get("device", "none"),
                        offload_param=zero.get("offload_param", {}).get("device", "none"),
                        deepspeed_cpu_adam=bool(state.deepspeed_plugin.deepspeed_config.get("zero_force_ds_cpu_optimizer", True))

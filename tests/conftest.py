@@ -56,6 +56,18 @@ def launch(config: str, recipe: str, args: list, num_processes: int | None = Non
     return run(launch_command(config, recipe, args, launcher_args), cwd=cwd, env=env, check=check)
 
 
+WEIGHT_FILES = {".safetensors", ".bin", ".pt", ".pth", ".distcp"}
+
+
+def drop_weights(output_dir) -> None:
+    """Delete a finished run's weight files (its exports and checkpoints), keeping run.json, the
+    metrics and the configs, for fixtures whose tests read only those: at 101M parameters each run
+    leaves 400 MB or more, and the suite's runs would fill a small CI disk."""
+    for path in Path(output_dir).rglob("*"):
+        if path.is_file() and path.suffix in WEIGHT_FILES:
+            path.unlink()
+
+
 def read_run(output_dir) -> dict:
     return json.loads((Path(output_dir) / "run.json").read_text())
 

@@ -42,6 +42,8 @@ def main():
             scheduler.step()
             optimizer.zero_grad()
             step += 1
+            if step in (args.warmup, args.steps) and torch.cuda.is_available():
+                torch.cuda.synchronize()  # the step's kernels done, not just queued
             if step == args.warmup:
                 started = time.perf_counter()
             if step == args.steps:

@@ -30,6 +30,8 @@ class StepClock(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step in (self.warmup, state.max_steps):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # the step's kernels done, not just queued
             self.times[state.global_step] = time.perf_counter()
 
 
