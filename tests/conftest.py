@@ -56,6 +56,15 @@ def launch(config: str, recipe: str, args: list, num_processes: int | None = Non
     return run(launch_command(config, recipe, args, launcher_args), cwd=cwd, env=env, check=check)
 
 
+def pytest_report_header(config):
+    """Free disk where the runs write (the suite needs a few GB: exports, checkpoints, DeepSpeed's
+    JIT build), so that a run that fills the disk says so in its first lines."""
+    import tempfile
+
+    folder = tempfile.gettempdir()
+    return f"free disk in {folder}: {shutil.disk_usage(folder).free / 2**30:.1f} GiB"
+
+
 WEIGHT_FILES = {".safetensors", ".bin", ".pt", ".pth", ".distcp"}
 
 
