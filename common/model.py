@@ -143,10 +143,11 @@ def export_dtype(args: ModelArguments) -> torch.dtype:
 
 
 def model_hidden_size(args: ModelArguments) -> int | None:
-    """The hidden size the model's config gives (None where it names none or does not load)."""
+    """The hidden size the model's config gives (None where it names none or does not load: a
+    config that does not load is refused in one line when the model loads, `load_model`)."""
     try:
         config = AutoConfig.from_pretrained(args.model_config or args.model_name_or_path)
-    except (OSError, ValueError):
+    except Exception:  # noqa: BLE001 (OSError, ValueError, huggingface_hub's StrictDataclassClassValidationError, ...)
         return None
     size = getattr(config, "hidden_size", None)
     return size if isinstance(size, int) else None
