@@ -1,9 +1,9 @@
 """Every use of another library's private attributes, calls or undocumented layout, with the versions checked.
 
-Each use is one function here, listed in `USES` with the library it leans on; `CHECKED` holds the version range
-each library was checked on. `tests/test_internals.py` fails, naming the uses, when an installed version leaves
-its range (`start_run` warns in one line), and when code outside this module reaches for a private attribute.
-After an upgrade: run the suite, fix what broke here, and widen the range.
+Each use is one function here, listed in `USES` with the library it leans on; `CHECKED` holds the version range each
+library was checked on. `tests/test_internals.py` fails, naming the uses, when an installed version leaves its range
+(`start_run` warns in one line), and when code outside this module reaches for a private attribute. After an
+upgrade: run the suite, fix what broke here, and widen the range.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ USES = (
     Use("torch", "DistributedDataParallel._get_ddp_logging_data()['bucket_sizes']",
         "ddp_bucket_bytes: DDP's gradient buckets, held by C++ only"),
     Use("torch", "torch.ops.mkldnn._is_mkldnn_bf16_supported", "cpu_has_bf16_instructions"),
+    Use("torch", "fused Adam(W)'s found_inf (GradScaler's protocol)", "skip_step_on_device"),
     Use("deepspeed", "the ZeRO optimizers' module path and attribute names (fp32_partitioned_groups_flat, "
                      "single_partition_of_fp32_groups, *bucket*/ipg/grad/fp32/bit16 attributes)",
         "zero_optimizer, master_weights_dtype, zero_attribute_category: the memory account and run.json"),
@@ -87,8 +88,7 @@ def outside_checked_range() -> list[str]:
 # ---- accelerate ------------------------------------------------------------------------------
 
 def start_accumulation_window(accelerator) -> None:
-    """accelerate syncs when its micro-batch counter reaches a multiple of the accumulation steps:
-    zeroed at each window's start, the window's last batch syncs."""
+    """accelerate syncs at a multiple of the accumulation steps: zeroed at a window's start, its last batch syncs."""
     accelerator.step = 0
 
 
@@ -103,8 +103,8 @@ def present_cpu_group_as_multi_gpu(distributed_type) -> None:
 
 @contextlib.contextmanager
 def without_zero3_init():
-    """While a ZeRO-3 config is registered, transformers builds every model inside deepspeed.zero.Init, whose
-    broadcasts need all ranks: one built on one process would hang (accelerate's zero3_init_context_manager)."""
+    """Under a registered ZeRO-3 config transformers builds every model in deepspeed.zero.Init, whose broadcasts
+    need all ranks: one built on one process would hang (accelerate's zero3_init_context_manager)."""
     from transformers.integrations import deepspeed as hf_deepspeed
 
     saved = hf_deepspeed._hf_deepspeed_config_weak_ref
@@ -133,8 +133,8 @@ def attention_implementation(model) -> str:
 
 
 def saves_as_state_dict(model) -> bool:
-    """Whether save_pretrained writes the state dict as it is: no weight conversion to revert (MoE
-    experts fused at load, renamed keys), no code from the Hub to copy, no keys it leaves out."""
+    """Whether save_pretrained writes the state dict as it is: no weight conversion to revert (MoE experts fused at
+    load, renamed keys), no code from the Hub to copy, no keys it leaves out."""
     from transformers.conversion_mapping import get_model_conversion_mapping
 
     conversions = getattr(model, "_weight_conversions", None)  # None: built from a config, the architecture's table
@@ -168,6 +168,10 @@ def ddp_bucket_bytes(model) -> int:
 
 def cpu_has_bf16_instructions() -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def skip_step_on_device(optimizer, found_inf: torch.Tensor) -> None:  # the next fused Adam(W) step is a no-op if 1
+    innermost_optimizer(optimizer).found_inf = found_inf
 
 
 # ---- deepspeed -------------------------------------------------------------------------------
@@ -218,8 +222,7 @@ def zero_attribute_category(attribute: str) -> str:
 
 
 def zero3_partition(parameter):
-    """This rank's partition of a ZeRO-3 parameter (None for any other parameter)."""
-    return getattr(parameter, "ds_tensor", None)
+    return getattr(parameter, "ds_tensor", None)  # this rank's partition (None: not a ZeRO-3 parameter)
 
 
 def is_zero3_parameter(parameter) -> bool:
@@ -227,13 +230,11 @@ def is_zero3_parameter(parameter) -> bool:
 
 
 def full_shape(tensor) -> tuple:
-    """A tensor's whole shape: ZeRO-3's ds_shape for its placeholder; an FSDP2 shard's is global."""
-    return tuple(getattr(tensor, "ds_shape", tensor.shape))
+    return tuple(getattr(tensor, "ds_shape", tensor.shape))  # ZeRO-3's placeholder; an FSDP2 shard's shape is global
 
 
 def full_numel(parameter) -> int:
-    """A parameter's size; under ZeRO-3 it is an empty placeholder and ds_numel is its size."""
-    return getattr(parameter, "ds_numel", parameter.numel())
+    return getattr(parameter, "ds_numel", parameter.numel())  # ZeRO-3's placeholder is empty
 
 
 def zero3_hyperparameters(optimizer) -> list:
@@ -243,11 +244,10 @@ def zero3_hyperparameters(optimizer) -> list:
 
 
 def repair_zero3_universal_load(optimizer, hyperparameters: list) -> None:
-    """Two faults of DeepSpeed 0.19.8's ZeRO-3 universal load (losses left the uninterrupted run's
-    from the second step after resuming): every parameter group got the first group's hyperparameters
-    (the norms and biases, weight_decay 0, got 0.01), and every group's state one shared `step` tensor,
-    which AdamW increments in place once per group. Each group gets its own back (hyperparameters taken
-    by `zero3_hyperparameters` before loading); harmless where the load is right."""
+    """Two faults of DeepSpeed 0.19.8's ZeRO-3 universal load (losses left the uninterrupted run's from the second
+    step after resuming): every parameter group got the first group's hyperparameters (the norms and biases, weight
+    decay 0, got 0.01), and every group's state one shared `step` tensor, which AdamW increments in place once per
+    group. Each gets its own back (`zero3_hyperparameters`, taken before loading); harmless where the load is right."""
     inner = innermost_optimizer(optimizer)
     for group, before in zip(inner.param_groups, hyperparameters):
         group.update(before)

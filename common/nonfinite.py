@@ -2,10 +2,18 @@
 
 Each micro-batch's loss is checked on its rank (no synchronisation). At the optimizer step the
 global gradient norm, which clipping has already reduced over every rank (the same on each),
-decides: a non-finite loss makes non-finite gradients, so a finite norm means a good step, at
-the cost of one read of that number and no collective. Only when it is not finite (or when
-there is no norm) does one all-gather tell every rank which ranks saw a non-finite loss. Every
-rank then takes the same decision:
+decides: a non-finite loss makes non-finite gradients, so a finite norm means a good step, with
+no collective. Only when it is not finite (or when there is no norm) does one all-gather tell
+every rank which ranks saw a non-finite loss. Every rank then takes the same decision.
+
+Where the optimizer is torch's fused AdamW on whole parameters (DDP, one process; not FSDP2 or
+DeepSpeed), the norm is not even read at each step, which on a GPU would wait for the step's
+kernels: the optimizer's step becomes a no-op on the device when the norm is not finite (its
+found_inf, as under a GradScaler), and the norms are read on logging steps, before a checkpoint
+and at the end (`settle`), where a skipped step is logged and acted on as below and the
+schedule is stepped back. Until that read the schedule runs at most --logging_steps - 1 steps
+ahead, and --nonfinite stop ends the run there, its weights finite. run.json's
+`nonfinite_check` says which: "device" or "host". Elsewhere the norm is read at every step:
 
 * skip (`--nonfinite skip`, the default): the optimizer and the learning-rate schedule do
   not step, the gradients are dropped, the data moves on. After `--max_nonfinite_skips`
@@ -27,15 +35,35 @@ import math
 import torch
 
 from common.errors import RunStopped
+from common.internals import innermost_optimizer, skip_step_on_device
 from common.model import local_parameter_shards
 
 
+def skips_on_device(accelerator, optimizer, scheduler) -> bool:
+    """Whether a step can be skipped without a host read: torch's fused AdamW on whole (not DTensor)
+    parameters, outside DeepSpeed, with a schedule that is a function of its step (LambdaLR, all
+    of transformers' but reduce_lr_on_plateau), which can be stepped back."""
+    if accelerator.state.deepspeed_plugin is not None or optimizer is None:
+        return False
+    inner = innermost_optimizer(optimizer)
+    whole = not any(hasattr(p, "to_local") for group in inner.param_groups for p in group["params"])
+    schedule = getattr(scheduler, "scheduler", scheduler)  # accelerate's wrapper
+    return (isinstance(inner, torch.optim.Adam) and bool(inner.defaults.get("fused")) and whole
+            and isinstance(schedule, torch.optim.lr_scheduler.LambdaLR))
+
+
 class NonFiniteGuard:
-    def __init__(self, accelerator, model, policy: str, max_skips: int, metrics):
+    def __init__(self, accelerator, model, policy: str, max_skips: int, metrics, optimizer=None, scheduler=None,
+                 read_every: int = 1):
+        """With `optimizer` and `scheduler`, where `skips_on_device`: steps are decided on the device
+        and read every `read_every` steps (the logging steps), before a checkpoint and at the end."""
         self.accelerator, self.model, self.metrics = accelerator, model, metrics
         self.policy, self.max_skips = policy, max_skips
         self.bad_losses = torch.zeros(1, device=accelerator.device)
         self.skipped = 0
+        self.on_device = skips_on_device(accelerator, optimizer, scheduler)
+        self.optimizer, self.scheduler, self.read_every = optimizer, scheduler, max(read_every, 1)
+        self.pending: list = []  # (step, gradient norm, this rank's non-finite losses), not read yet
 
     def record(self, loss: torch.Tensor) -> None:
         """Call on every micro-batch (before backward); costs no synchronisation."""
@@ -43,13 +71,40 @@ class NonFiniteGuard:
 
     def skip_step(self, step: int, grad_norm) -> bool:
         """Call on every rank at each optimizer step, after clipping. True: skip this step."""
+        if self.on_device and torch.is_tensor(grad_norm):
+            norm = grad_norm.detach().float().reshape(())
+            skip_step_on_device(self.optimizer, (~torch.isfinite(norm)).float())
+            self.pending.append((step, norm, self.bad_losses.clone()))
+            self.bad_losses.zero_()
+            if step % self.read_every == 0:
+                self.settle()
+            return False  # the optimizer steps; a non-finite norm makes its step a no-op on the device
         norm = None if grad_norm is None else float(grad_norm)
         if norm is not None and math.isfinite(norm):  # every rank read the same norm: none gathers
             self.bad_losses.zero_()
             return False
         ranks = self.accelerator.gather(self.bad_losses.clone()).tolist()
         self.bad_losses.zero_()
-        loss_ranks = [rank for rank, bad in enumerate(ranks) if bad]
+        return self._decide(step, norm, [rank for rank, bad in enumerate(ranks) if bad])
+
+    def settle(self) -> None:
+        """Read the steps decided on the device since the last read (one host read) and act on those
+        skipped: as at once, and the schedule stepped back. Every rank calls it at the same steps."""
+        if not self.pending:
+            return
+        pending, self.pending = self.pending, []
+        norms = torch.stack([norm for _, norm, _ in pending]).tolist()
+        bad = [i for i, norm in enumerate(norms) if not math.isfinite(norm)]
+        if not bad:
+            return
+        table = self.accelerator.gather(torch.cat([pending[i][2] for i in bad]).reshape(1, -1)).tolist()
+        for column, i in enumerate(bad):
+            self._decide(pending[i][0], norms[i], [rank for rank, row in enumerate(table) if row[column]])
+            schedule = getattr(self.scheduler, "scheduler", self.scheduler)
+            schedule.last_epoch -= 2  # one step back: LambdaLR's rate is a function of its step count
+            schedule.step()
+
+    def _decide(self, step: int, norm, loss_ranks: list) -> bool:
         if not loss_ranks and norm is None:
             return False
         what = (f"non-finite loss on rank {', '.join(map(str, loss_ranks))}" if loss_ranks

@@ -79,7 +79,9 @@ class Run:
         accelerator.init_trackers(args.run_name, tracker_config(written["args"]))
         self.metrics = MetricsLogger(accelerator, args.output_dir, max_steps, start_step=state["step"], model=model,
                                      optimizer=optimizer, peak_tflops=args.peak_tflops)
-        self.nonfinite = NonFiniteGuard(accelerator, model, args.nonfinite, args.max_nonfinite_skips, self.metrics)
+        self.nonfinite = NonFiniteGuard(accelerator, model, args.nonfinite, args.max_nonfinite_skips, self.metrics,
+                                        optimizer, scheduler, read_every=args.logging_steps)
+        self.metrics.record_in_run_json("nonfinite_check", "device" if self.nonfinite.on_device else "host")
         self.profiler = StepProfiler(accelerator, args.profile_steps, args.output_dir, args.profile_memory,
                                      start_step=state["step"])
         return state
@@ -87,6 +89,7 @@ class Run:
     def save_checkpoint(self, step: int, state: dict) -> str:
         """Every rank calls it: checkpoints/step_N with `state` (the data position, ...) beside
         accelerate's; the oldest pruned past --save_total_limit."""
+        self.nonfinite.settle()  # a step skipped on the device is acted on before anything is written
         return save_checkpoint(self.accelerator, self.model, self.args.output_dir, step, state,
                                self.args.save_total_limit, self.tokenizer, self.export_dtype)
 
@@ -101,6 +104,7 @@ class Run:
         go to run.json's "final_export"), each rank's peak memory over the whole run recorded
         ("peak_memory_whole_run"), trackers and progress bar closed."""
         self.profiler.stop()
+        self.nonfinite.settle()
         cost = {}
         final_dir = self.export(cost=cost)
         self.metrics.record_in_run_json("final_export", cost)

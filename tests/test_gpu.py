@@ -235,3 +235,50 @@ def test_speed_options_on_the_gpu_train_as_the_defaults(markov_data, tmp_path):
     gaps = [abs(a - b) for a, b in zip(losses(plain), losses(fast))]
     print(f"liger {'on' if liger else 'not installed'}; largest loss gap {max(gaps):.2e}")
     assert len(gaps) == 20 and max(gaps) < 5e-2 and losses(fast)[-1] < losses(fast)[0]
+
+
+@needs_gpu
+def test_the_nonfinite_guard_reads_nothing_from_the_gpu_between_its_reads():
+    """DDP's and one process's non-finite check on a GPU: between reads (--logging_steps) a step,
+    non-finite or not, makes no host synchronisation (torch's sync debug mode raises on one); a
+    non-finite step leaves the weights as they were, and the read logs it and steps the schedule back."""
+    from accelerate import Accelerator
+
+    from common.nonfinite import NonFiniteGuard
+
+    class Events:
+        def __init__(self):
+            self.rows = []
+
+        def log_event(self, row):
+            self.rows.append(row)
+
+    accelerator = Accelerator()
+    model = torch.nn.Linear(16, 16).cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    events = Events()
+    guard = NonFiniteGuard(accelerator, model, "skip", 5, events, optimizer, scheduler, read_every=4)
+    assert guard.on_device
+    inputs, weights = torch.randn(8, 16, device="cuda"), {}
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step in (1, 2, 3):  # step 2's loss is NaN
+            loss = model(inputs).pow(2).mean() * (torch.nan if step == 2 else 1.0)
+            guard.record(loss)
+            accelerator.backward(loss)
+            norm = accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            assert guard.skip_step(step, norm) is False
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            weights[step] = model.weight.detach().clone()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert events.rows == [] and len(guard.pending) == 3
+    assert torch.equal(weights[1], weights[2]) and not torch.equal(weights[2], weights[3])
+    guard.settle()  # the read: step 2 skipped, its schedule step undone
+    assert [(row["step"], row["action"]) for row in events.rows] == [(2, "skipped")]
+    assert scheduler.scheduler.last_epoch == 2 and guard.pending == []

@@ -14,7 +14,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import launch, load_weights, losses, pretrained_args, read_run
+from conftest import launch, load_weights, losses, pretrained_args, read_metrics, read_run
 
 POISON = 3e38
 
@@ -69,6 +69,7 @@ def test_a_non_finite_step_is_skipped_on_every_rank_and_training_goes_on(skippin
     out, output = skipping_run
     assert read_run(out)["participating_processes"] == 2
     assert read_run(out)["mixed_precision"] == "bf16"
+    assert read_run(out)["nonfinite_check"] == "device"  # DDP + fused AdamW: no host read between logging steps
     skipped = events(out)
     print("skipped steps:", [(e["step"], e["grad_norm"]) for e in skipped])
     assert 2 <= len(skipped) <= 4, skipped  # once per epoch (twice if the word's block spans two windows)
@@ -78,6 +79,8 @@ def test_a_non_finite_step_is_skipped_on_every_rank_and_training_goes_on(skippin
         before, after = out / f"checkpoints/step_{event['step'] - 1}", out / f"checkpoints/step_{event['step']}"
         assert (before / "model.safetensors").read_bytes() == (after / "model.safetensors").read_bytes()
         assert (before / "optimizer.bin").read_bytes() == (after / "optimizer.bin").read_bytes()
+        schedules = [torch.load(folder / "scheduler.bin", weights_only=False) for folder in (before, after)]
+        assert schedules[0]["last_epoch"] == schedules[1]["last_epoch"]  # the schedule did not step either
     trained = [s for s in range(2, 11) if s not in {e["step"] for e in skipped}]
     changed = [s for s in trained if (out / f"checkpoints/step_{s - 1}/model.safetensors").read_bytes()
                != (out / f"checkpoints/step_{s}/model.safetensors").read_bytes()]
@@ -88,13 +91,33 @@ def test_a_non_finite_step_is_skipped_on_every_rank_and_training_goes_on(skippin
 
 
 @pytest.mark.slow
+def test_steps_skipped_on_the_device_are_read_at_the_logging_steps(markov_data, poisoned, skipping_run, tmp_path):
+    """Logging every 4 steps and no checkpoints: the steps are decided on the device and read every
+    4 steps and at the end; the same steps are skipped as in the run read at every step, and the
+    losses follow it (the schedule runs at most 3 steps ahead of a skip until it is read)."""
+    reference, _ = skipping_run
+    out = tmp_path / "run"
+    launch("ddp.yaml", "causal_lm.py", run_args(markov_data, poisoned, out, save_steps=0, logging_steps=4))
+    assert read_run(out)["participating_processes"] == 2 and read_run(out)["nonfinite_check"] == "device"
+    assert [(e["step"], e["action"]) for e in events(out)] == [(e["step"], e["action"]) for e in events(reference)]
+    assert [row["step"] for row in read_metrics(out)[0]] == [4, 8]
+    every_step = {row["step"]: row["loss"] for row in read_metrics(reference)[0]}
+    # a window's mean loss against the mean of the per-step run's losses over the same steps
+    gaps = [abs(row["loss"] - sum(every_step[s] for s in range(row["step"] - 3, row["step"] + 1)) / 4)
+            for row in read_metrics(out)[0]]
+    print(f"loss gap, logging every 4 steps vs every step: {max(gaps):.2e}")
+    assert max(gaps) < 2e-2
+    assert all(torch.isfinite(t.float()).all() for t in load_weights(out / "final").values())
+
+
+@pytest.mark.slow
 def test_zero3_skips_the_same_steps_and_follows_the_ddp_run(markov_data, poisoned, skipping_run, tmp_path):
     """DeepSpeed steps inside backward; ZeRO-3 (bf16) discards the non-finite step itself, and the
     loop skips its schedule step: the same steps are skipped and the losses follow ddp's."""
     ddp, _ = skipping_run
     out = tmp_path / "run"
     launch("zero3.yaml", "causal_lm.py", run_args(markov_data, poisoned, out, save_steps=0))
-    assert read_run(out)["participating_processes"] == 2
+    assert read_run(out)["participating_processes"] == 2 and read_run(out)["nonfinite_check"] == "host"
     assert [(e["step"], e["action"]) for e in events(out)] == [(e["step"], e["action"]) for e in events(ddp)]
     gap = max(abs(a - b) for a, b in zip(losses(out), losses(ddp)))
     print(f"zero3 vs ddp loss gap over {len(losses(out))} steps: {gap:.2e}")
