@@ -39,15 +39,14 @@ from common.internals import innermost_optimizer, skip_step_on_device
 from common.model import local_parameter_shards
 
 
-def skips_on_device(accelerator, optimizer, scheduler) -> bool:
-    """Whether a step can be skipped without a host read: torch's fused AdamW on whole (not DTensor)
-    parameters, outside DeepSpeed, with a schedule that is a function of its step (LambdaLR, all
-    of transformers' but reduce_lr_on_plateau), which can be stepped back."""
-    if accelerator.state.deepspeed_plugin is not None or optimizer is None:
+def skips_on_device(accelerator, inner, schedule) -> bool:
+    """Whether a step can be skipped without a host read: `inner` (the torch optimizer) is the fused
+    AdamW on whole (not DTensor) parameters, outside DeepSpeed, and `schedule` (the torch scheduler)
+    a function of its step (LambdaLR, all of transformers' but reduce_lr_on_plateau), which can be
+    stepped back."""
+    if accelerator.state.deepspeed_plugin is not None or inner is None:
         return False
-    inner = innermost_optimizer(optimizer)
     whole = not any(hasattr(p, "to_local") for group in inner.param_groups for p in group["params"])
-    schedule = getattr(scheduler, "scheduler", scheduler)  # accelerate's wrapper
     return (isinstance(inner, torch.optim.Adam) and bool(inner.defaults.get("fused")) and whole
             and isinstance(schedule, torch.optim.lr_scheduler.LambdaLR))
 
@@ -61,8 +60,11 @@ class NonFiniteGuard:
         self.policy, self.max_skips = policy, max_skips
         self.bad_losses = torch.zeros(1, device=accelerator.device)
         self.skipped = 0
-        self.on_device = skips_on_device(accelerator, optimizer, scheduler)
-        self.optimizer, self.scheduler, self.read_every = optimizer, scheduler, max(read_every, 1)
+        # the torch optimizer and schedule under accelerate's wrappers, found once
+        self.inner = None if optimizer is None else innermost_optimizer(optimizer)
+        self.schedule = getattr(scheduler, "scheduler", scheduler)
+        self.on_device = skips_on_device(accelerator, self.inner, self.schedule)
+        self.read_every = max(read_every, 1)
         self.pending: list = []  # (step, gradient norm, this rank's non-finite losses), not read yet
 
     def record(self, loss: torch.Tensor) -> None:
@@ -73,7 +75,7 @@ class NonFiniteGuard:
         """Call on every rank at each optimizer step, after clipping. True: skip this step."""
         if self.on_device and torch.is_tensor(grad_norm):
             norm = grad_norm.detach().float().reshape(())
-            skip_step_on_device(self.optimizer, (~torch.isfinite(norm)).float())
+            skip_step_on_device(self.inner, (~torch.isfinite(norm)).float())
             self.pending.append((step, norm, self.bad_losses.clone()))
             self.bad_losses.zero_()
             if step % self.read_every == 0:
@@ -100,9 +102,8 @@ class NonFiniteGuard:
         table = self.accelerator.gather(torch.cat([pending[i][2] for i in bad]).reshape(1, -1)).tolist()
         for column, i in enumerate(bad):
             self._decide(pending[i][0], norms[i], [rank for rank, row in enumerate(table) if row[column]])
-            schedule = getattr(self.scheduler, "scheduler", self.scheduler)
-            schedule.last_epoch -= 2  # one step back: LambdaLR's rate is a function of its step count
-            schedule.step()
+            self.schedule.last_epoch -= 2  # one step back: LambdaLR's rate is a function of its step count
+            self.schedule.step()
 
     def _decide(self, step: int, norm, loss_ranks: list) -> bool:
         if not loss_ranks and norm is None:
