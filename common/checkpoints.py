@@ -20,7 +20,7 @@ import zipfile
 from common import reshard
 from common.accelerator import unwrap
 from common.errors import RunStopped, UsageError, describe
-from common.internals import repair_zero3_universal_load, zero3_hyperparameters
+from common.internals import innermost_optimizer, repair_zero3_universal_load
 from common.nonfinite import check_finite_weights
 from common.peers import lost_peer_message
 from common.run_dir import MODEL_FILES, STATE_FILE, checkpoints_dir, list_checkpoints, swap_into_place
@@ -62,7 +62,9 @@ def load_checkpoint(accelerator, path: str | None, optimizer, scheduler) -> dict
     if path is None:
         return {"step": 0}
     universal = reshard.is_universal(path)
-    hyperparameters = zero3_hyperparameters(optimizer) if universal else None
+    # each param group's hyperparameters but the learning rate (the schedule sets it)
+    hyperparameters = [{key: value for key, value in group.items() if key not in ("params", "lr")}
+                       for group in innermost_optimizer(optimizer).param_groups] if universal else None
     try:
         accelerator.load_state(path)
         if universal:

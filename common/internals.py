@@ -8,10 +8,10 @@ upgrade: run the suite, fix what broke here, and widen the range.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import importlib.metadata
 import re
-from dataclasses import dataclass
 
 import torch
 
@@ -25,11 +25,7 @@ CHECKED = {
 }
 
 
-@dataclass(frozen=True)
-class Use:
-    library: str
-    what: str
-    why: str
+Use = collections.namedtuple("Use", ["library", "what", "why"])
 
 
 USES = (
@@ -54,9 +50,10 @@ USES = (
         "ddp_bucket_bytes: DDP's gradient buckets, held by C++ only"),
     Use("torch", "torch.ops.mkldnn._is_mkldnn_bf16_supported", "cpu_has_bf16_instructions"),
     Use("torch", "fused Adam(W)'s found_inf (GradScaler's protocol)", "skip_step_on_device"),
-    Use("deepspeed", "the ZeRO optimizers' module path and attribute names (fp32_partitioned_groups_flat, "
-                     "single_partition_of_fp32_groups, *bucket*/ipg/grad/fp32/bit16 attributes)",
-        "zero_optimizer, master_weights_dtype, zero_attribute_category: the memory account and run.json"),
+    Use("deepspeed", "the ZeRO optimizers' module path and attribute names (fp32_/fp16_partitioned_groups_flat, "
+                     "offload_optimizer, single_partition_of_fp32_groups, *bucket*/ipg/grad/fp32/bit16 attributes)",
+        "zero_optimizer, master_weights_dtype, zero_attribute_category: the memory account and run.json; "
+        "share_zero3_fp32_partitions"),
     Use("deepspeed", "ZeRO-3 parameter attributes ds_tensor, ds_numel, ds_shape, ds_id", "zero3_partition, full_*"),
     Use("deepspeed", "0.19.8's ZeRO-3 universal load (load_hp_checkpoint_state_from_checkpoint_dir_stage3)",
         "repair_zero3_universal_load: its two faults, put right after loading"),
@@ -197,6 +194,20 @@ def zero3_flat_master_groups(optimizer) -> list:
     return list(getattr(zero_optimizer(optimizer), "fp32_partitioned_groups_flat", None) or [])
 
 
+def share_zero3_fp32_partitions(optimizer) -> int:
+    """DeepSpeed 0.19.8's ZeRO-3 means an fp32 model's own partitions to be its fp32 master weights (stage3.py's
+    _create_fp32_partitions), but tests `tensor.device == self.device`, the device's name: never equal in torch 2.13,
+    so it keeps a second fp32 copy. Share the storage as it means to (the same tensors); returns the bytes freed."""
+    zero, freed = zero_optimizer(optimizer), 0
+    if zero is not None and not getattr(zero, "offload_optimizer", True):
+        for master, own in zip(zero.fp32_partitioned_groups_flat, zero.fp16_partitioned_groups_flat):
+            if own is not None and master.data_ptr() != own.data_ptr() and \
+                    (master.dtype, master.device, master.shape) == (own.dtype, own.device, own.shape):
+                freed += master.numel() * master.element_size()
+                master.data = own.data  # the optimizer's state and DeepSpeed's ds_id stay on the same tensor
+    return freed
+
+
 def master_weights_dtype(optimizer):
     """dtype of the weights the optimizer updates: ZeRO keeps them in flat fp32 partitions."""
     zero = zero_optimizer(optimizer)
@@ -212,13 +223,8 @@ def zero_attribute_category(attribute: str) -> str:
     name = attribute.lower()
     if "ipg" in name or "bucket" in name or ("buffer" in name and "grad" not in name):
         return "communication_buffers"
-    if "grad" in name:
-        return "gradients"
-    if "fp32" in name:
-        return "master_weights"
-    if "fp16" in name or "bit16" in name or "param" in name:
-        return "parameters"
-    return "other_tensors"
+    rules = (("gradients", ("grad",)), ("master_weights", ("fp32",)), ("parameters", ("fp16", "bit16", "param")))
+    return next((category for category, marks in rules if any(mark in name for mark in marks)), "other_tensors")
 
 
 def zero3_partition(parameter):
@@ -237,17 +243,11 @@ def full_numel(parameter) -> int:
     return getattr(parameter, "ds_numel", parameter.numel())  # ZeRO-3's placeholder is empty
 
 
-def zero3_hyperparameters(optimizer) -> list:
-    """Each param group's hyperparameters but the learning rate (the schedule sets it)."""
-    return [{key: value for key, value in group.items() if key not in ("params", "lr")}
-            for group in innermost_optimizer(optimizer).param_groups]
-
-
 def repair_zero3_universal_load(optimizer, hyperparameters: list) -> None:
     """Two faults of DeepSpeed 0.19.8's ZeRO-3 universal load (losses left the uninterrupted run's from the second
     step after resuming): every parameter group got the first group's hyperparameters (the norms and biases, weight
     decay 0, got 0.01), and every group's state one shared `step` tensor, which AdamW increments in place once per
-    group. Each gets its own back (`zero3_hyperparameters`, taken before loading); harmless where the load is right."""
+    group. Each gets its own back (`hyperparameters`, taken before loading); harmless where the load is right."""
     inner = innermost_optimizer(optimizer)
     for group, before in zip(inner.param_groups, hyperparameters):
         group.update(before)

@@ -25,7 +25,7 @@ from common.parsing import parse_args, to_dict
 from common.checkpoints import load_checkpoint, save_checkpoint
 from common.errors import UsageError, exit_now, one_line_errors
 from common.export import export_final
-from common.internals import outside_checked_range
+from common.internals import outside_checked_range, share_zero3_fp32_partitions
 from common.lora import LoraArguments
 from common.metrics import MetricsLogger
 from common.model import count_parameters, export_dtype, model_hidden_size
@@ -69,6 +69,7 @@ class Run:
         Returns the saved trainer state ({"step": 0} for a fresh run)."""
         accelerator, args = self.accelerator, self.args
         self.model, self.tokenizer = model, tokenizer
+        share_zero3_fp32_partitions(optimizer)  # ZeRO-3 in fp32: no second fp32 copy (common.internals)
         state = load_checkpoint(accelerator, self.checkpoint, optimizer, scheduler)
         if self.clear_earlier and accelerator.is_main_process:
             clear_earlier_run(args.output_dir)

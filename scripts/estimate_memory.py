@@ -12,9 +12,11 @@ c bytes per element in the compute dtype (2 in bf16, 4 in fp32):
   ZeRO-1 / ZeRO-2     cΨ          4Ψ/N    cΨ/N + 4Ψ/N      8Ψ/N       -
    with offload       cΨ          4Ψ/N    4Ψ/N (+ cΨ/N)    8Ψ/N       cΨ/N
   ZeRO-3              cΨ/N        4Ψ/N    cΨ/N             8Ψ/N       c·h² (reduce)
+   in fp32            4Ψ/N        -       4Ψ/N             8Ψ/N       4·h² (reduce)
    with offload       cΨ/N        4Ψ/N    cΨ/N + 4Ψ/N      8Ψ/N       c·h² (reduce)
 
-(DeepSpeed keeps the model in the compute dtype and a separate fp32 master copy, and
+(DeepSpeed keeps the model in the compute dtype and a separate fp32 master copy (ZeRO-3
+in fp32: none, the model's own partitions are the master weights, common.internals), and
 makes an fp32 copy of each rank's gradient partition for the step: ZeRO-1/2 keep it,
 ZeRO-3 makes it one optimizer sub-group at a time and frees it after the sub-group's step
 (a transient of (c + 4) x the largest sub-group: the recipes set sub_group_size to 1e7
@@ -145,6 +147,8 @@ def estimate(model: dict, strategy: dict, batch_size: int, seq_len: int, checkpo
         optimizer = 8 * psi / n
         if stage == 3 and not strategy["offload"]:  # the fp32 gradients, one sub-group at a time in the step
             gradients = c * psi / n
+            if c == 4:  # an fp32 model's own partitions are the master weights (common.internals)
+                master = 0
             sub_group = min(psi / n, strategy["zero3_sub_group_size"] + model["largest_tensor"] / n)
             step_transient = (4 + (c if c < 4 else 0)) * sub_group  # its flattened copy, then that in fp32
         # ZeRO-3's reduce bucket of h*h elements ("auto"); ZeRO-1/2's is empty again after the step
