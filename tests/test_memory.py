@@ -13,7 +13,8 @@ import sys
 
 import pytest
 
-from conftest import CONFIGS, REPO, causal_lm_args, drop_weights, estimate_for_run, launch, load_script, read_run
+from conftest import (CONFIGS, FP32, REPO, causal_lm_args, drop_weights, estimate_for_run, launch, load_script,
+                      read_run)
 
 MODEL = REPO / "recipes/configs/llama_100m.json"
 # glibc keeps freed heap for reuse, so a CPU process's resident set also holds what
@@ -119,6 +120,46 @@ def test_sharded_strategies_hold_less_than_ddp(measured):
     # FSDP: rank 1 builds its model on the meta device; rank 0's weights are broadcast into the shards
     phases = read_run(measured["fsdp.yaml"])["memory_per_rank"][1]["phases"]
     assert phases["model_built"]["rss_mb"] - phases["started"]["rss_mb"] < 100  # a whole model is 386 MB
+
+
+# fp32 (launched with --mixed_precision no) on a Llama of GPT-2 small's width and 15 layers (106M): a sharded rank
+# also holds the layers in flight (FSDP2's gathered layer, its gradients and the next one prefetched; ZeRO-3's live
+# parameters), two layers' worth, so on the 8 wide layers of llama_100m.json that is a quarter of the model (there
+# fsdp 0.61x and zero3 0.61x DDP in fp32, seen), on these 15 an eighth.
+FP32_MODEL = REPO / "tests/data/llama_106m_15_layers.json"
+
+
+@pytest.fixture(scope="module")
+def measured_fp32(markov_data, tmp_path_factory):
+    runs = {}
+    for config in ("ddp.yaml", "fsdp.yaml", "zero3.yaml"):
+        out = tmp_path_factory.mktemp(config.split(".")[0] + "_fp32") / "run"
+        launch(config, "causal_lm.py", causal_lm_args(
+            markov_data, out, model_config=FP32_MODEL, block_size=SEQ_LEN, per_device_train_batch_size=1,
+            per_device_eval_batch_size=1, gradient_accumulation_steps=2, max_steps=2, max_eval_samples=2),
+            num_processes=2, env=LIVE_RSS, launcher_args=FP32)
+        drop_weights(out)
+        runs[config] = read_run(out)
+    return runs
+
+
+@pytest.mark.slow
+def test_sharded_strategies_hold_less_than_ddp_in_fp32(measured_fp32):
+    def whole_run(config):
+        return max(rank["peak_rss_mb"] for rank in measured_fp32[config]["peak_memory_whole_run"])
+
+    for config, record in measured_fp32.items():
+        assert (record["participating_processes"], record["compute_dtype"]) == (2, "float32")
+        assert record["total_parameters"] >= 100_000_000
+    for config in ("fsdp.yaml", "zero3.yaml"):
+        print(f"fp32 {config}: whole run {whole_run(config):.0f} MB, {whole_run(config) / whole_run('ddp.yaml'):.3f}x "
+              f"DDP's {whole_run('ddp.yaml'):.0f}")
+        assert whole_run(config) <= 0.6 * whole_run("ddp.yaml")
+    # ZeRO-3 updates an fp32 model's own partitions: no second fp32 copy (common.internals.share_zero3_fp32_partitions)
+    for account in measured_fp32["zero3.yaml"]["memory_per_rank"]:
+        assert account["master_weights_mb"] == 0
+        assert account["parameters_mb"] == pytest.approx(account["gradients_mb"], rel=0.01)
+        assert account["optimizer_states_mb"] == pytest.approx(2 * account["parameters_mb"], rel=0.01)
 
 
 def test_estimate_memory_refuses_a_missing_config(tmp_path):
