@@ -51,6 +51,16 @@ def skips_on_device(accelerator, inner, schedule) -> bool:
             and isinstance(schedule, torch.optim.lr_scheduler.LambdaLR))
 
 
+def torch_optimizer_and_schedule(optimizer, scheduler) -> tuple:
+    """The torch optimizer and schedule under accelerate's wrappers."""
+    return (None if optimizer is None else innermost_optimizer(optimizer)), getattr(scheduler, "scheduler", scheduler)
+
+
+def nonfinite_check(accelerator, optimizer, scheduler) -> str:
+    """run.json's "nonfinite_check": "device" where `skips_on_device`, else "host"."""
+    return "device" if skips_on_device(accelerator, *torch_optimizer_and_schedule(optimizer, scheduler)) else "host"
+
+
 class NonFiniteGuard:
     def __init__(self, accelerator, model, policy: str, max_skips: int, metrics, optimizer=None, scheduler=None,
                  read_every: int = 1):
@@ -60,9 +70,7 @@ class NonFiniteGuard:
         self.policy, self.max_skips = policy, max_skips
         self.bad_losses = torch.zeros(1, device=accelerator.device)
         self.skipped = 0
-        # the torch optimizer and schedule under accelerate's wrappers, found once
-        self.inner = None if optimizer is None else innermost_optimizer(optimizer)
-        self.schedule = getattr(scheduler, "scheduler", scheduler)
+        self.inner, self.schedule = torch_optimizer_and_schedule(optimizer, scheduler)  # found once
         self.on_device = skips_on_device(accelerator, self.inner, self.schedule)
         self.read_every = max(read_every, 1)
         self.pending: list = []  # (step, gradient norm, this rank's non-finite losses), not read yet

@@ -29,7 +29,7 @@ from common.internals import outside_checked_range, share_zero3_fp32_partitions
 from common.lora import LoraArguments
 from common.metrics import MetricsLogger
 from common.model import count_parameters, export_dtype, model_hidden_size
-from common.nonfinite import NonFiniteGuard
+from common.nonfinite import NonFiniteGuard, nonfinite_check
 from common.profiling import StepProfiler
 from common.reshard import convert_before_start, for_this_world_size
 from common.run_dir import check_output_dir, clear_earlier_run, list_checkpoints, resolve_checkpoint
@@ -76,13 +76,13 @@ class Run:
         accelerator.wait_for_everyone()
         written = record_run(accelerator, self.launch, model, optimizer, to_dict(*self.arguments), args.output_dir,
                              max_steps=max_steps, **record, **count_parameters(model),
+                             nonfinite_check=nonfinite_check(accelerator, optimizer, scheduler),
                              speed=speed_record(unwrap(accelerator, model), args))
         accelerator.init_trackers(args.run_name, tracker_config(written["args"]))
         self.metrics = MetricsLogger(accelerator, args.output_dir, max_steps, start_step=state["step"], model=model,
                                      optimizer=optimizer, peak_tflops=args.peak_tflops)
         self.nonfinite = NonFiniteGuard(accelerator, model, args.nonfinite, args.max_nonfinite_skips, self.metrics,
                                         optimizer, scheduler, read_every=args.logging_steps)
-        self.metrics.record_in_run_json("nonfinite_check", "device" if self.nonfinite.on_device else "host")
         self.profiler = StepProfiler(accelerator, args.profile_steps, args.output_dir, args.profile_memory,
                                      start_step=state["step"])
         return state
