@@ -95,6 +95,16 @@ def evaluate_loss(model, dataloader, accelerator) -> dict:
     return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0)), "eval_tokens": token_count}
 
 
+def _settled(pending):
+    """A label-token count from `TrainBatches._label_tokens`, once its all-reduce is done."""
+    if pending is None:
+        return None
+    count, reduction = pending
+    if reduction is not None:
+        reduction.wait()
+    return count.float().clamp(min=1)
+
+
 class TrainBatches:
     """The loop's micro-batches, epoch after epoch until optimizer step `max_steps` (none when
     resumed there), one optimizer step's window of gradient_accumulation_steps batches at a time.
@@ -104,7 +114,9 @@ class TrainBatches:
       that count / (processes x accumulation steps), so the model's summed token loss,
       after accelerate divides by the accumulation steps and the strategy averages over
       ranks, is the mean over all label tokens of the global batch: 1 x B, 2 x B/2 and
-      1 x B/2 with accumulation 2 train the same model, whatever the lengths.
+      1 x B/2 with accumulation 2 train the same model, whatever the lengths. The count's
+      all-reduce runs a step ahead, during the previous window's work (a stream's windows are
+      read one at a time: its state is the checkpointed position).
     * Sync: the last micro-batch of each window syncs and steps (accelerate's counter
       is aligned to the window), epoch boundaries included.
     * Data wait: the time spent fetching each window goes to `metrics`.
@@ -162,17 +174,33 @@ class TrainBatches:
 
     def __iter__(self):
         windows = self._epoch_windows() if self.stream is None else self._stream_windows()
-        for _ in range(self.max_steps - self.start_step):  # one window per optimizer step
-            waiting = time.perf_counter()
-            window = next(windows)
-            if self.metrics is not None:
-                self.metrics.add_data_wait(time.perf_counter() - waiting)
-            tokens = self._label_tokens(window)
+        steps = self.max_steps - self.start_step
+        upcoming = self._fetch(windows) if steps > 0 else None
+        for step in range(steps):  # one window per optimizer step
+            window, position, pending = upcoming
+            if self.stream is None and step + 1 < steps:
+                # the next window now: its label-token count's all-reduce then runs during this step
+                # instead of holding every rank at the next one's start (a stream's state must not run ahead)
+                upcoming = self._fetch(windows)
+            if position is not None:
+                self._position = position
+            tokens = _settled(pending)
             start_accumulation_window(self.accelerator)  # the window's last batch syncs
             for batch in window:
                 if tokens is not None:
                     batch = {**batch, "num_items_in_batch": tokens / (self.accelerator.num_processes * self.accumulation)}
                 yield batch
+            if self.stream is not None and step + 1 < steps:
+                upcoming = self._fetch(windows)
+
+    def _fetch(self, windows) -> tuple:
+        """The next window, the data position after it (None for a stream: its live state) and its
+        label-token count, being summed over the ranks."""
+        waiting = time.perf_counter()
+        window, position = next(windows)
+        if self.metrics is not None:
+            self.metrics.add_data_wait(time.perf_counter() - waiting)
+        return window, position, self._label_tokens(window)
 
     def _epoch_windows(self):
         """Windows of a map-style loader, epoch after epoch (the caller stops mid-epoch: the
@@ -186,8 +214,7 @@ class TrainBatches:
                 window = [next(batches) for _ in range(self.accumulation)]
                 end = start + self.accumulation
                 done = (epoch + 1, 0) if end == used else (epoch, end * self.batch)
-                self._position = {"epoch": done[0], "samples": done[1], "global_batch": self.global_batch}
-                yield window
+                yield window, {"epoch": done[0], "samples": done[1], "global_batch": self.global_batch}
             for _ in batches:  # the epoch's leftover batches: finish the iterator so accelerate closes it
                 pass
             epoch, skip = epoch + 1, 0
@@ -200,7 +227,7 @@ class TrainBatches:
             window = self.stream.window(self.accumulation)
             if every_rank_has(self.accelerator, window):
                 in_epoch += 1
-                yield window
+                yield window, None
                 continue
             if in_epoch == 0:
                 raise UsageError(f"the training stream gives a process fewer than one step's blocks "
@@ -210,9 +237,12 @@ class TrainBatches:
             in_epoch = 0
 
     def _label_tokens(self, window):
-        """Next-token targets (labels after the shift, not -100) in the window, over all ranks;
-        None for sequence-level labels (one per example), whose loss is already a mean."""
+        """Next-token targets (labels after the shift, not -100) in the window, over all ranks, as
+        (count, its all-reduce in flight or None), read by `_settled`; None for sequence-level
+        labels (one per example), whose loss is already a mean."""
         if any("labels" not in b or b["labels"].dim() < 2 for b in window):
             return None
-        local = sum((b["labels"][:, 1:] != -100).sum() for b in window)
-        return self.accelerator.reduce(local.to(self.accelerator.device), reduction="sum").float().clamp(min=1)
+        count = sum((b["labels"][:, 1:] != -100).sum() for b in window).to(self.accelerator.device)
+        if self.accelerator.num_processes > 1:
+            return count, torch.distributed.all_reduce(count, async_op=True)
+        return count, None
