@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import zlib
 
 import torch
@@ -129,6 +130,12 @@ def _gathered_for_init(parameters):
     return deepspeed.zero.GatheredParameters(parameters, modifier_rank=0)
 
 
+@functools.lru_cache(maxsize=4)
+def saved_config(name_or_path: str):
+    """A model's config as saved, read once per process (a Hub model's is a request); not to be changed."""
+    return AutoConfig.from_pretrained(name_or_path)
+
+
 def export_dtype(args: ModelArguments) -> torch.dtype:
     """The dtype `final/` is saved in: --save_dtype, or with `auto` the dtype the pretrained
     checkpoint was saved in (float32 for a model built from a config)."""
@@ -136,7 +143,7 @@ def export_dtype(args: ModelArguments) -> torch.dtype:
         return getattr(torch, args.save_dtype)
     if args.model_config:
         return torch.float32
-    saved = getattr(AutoConfig.from_pretrained(args.model_name_or_path), "dtype", None)
+    saved = getattr(saved_config(args.model_name_or_path), "dtype", None)
     if isinstance(saved, str):
         saved = getattr(torch, saved)
     return saved if isinstance(saved, torch.dtype) else torch.float32
@@ -146,7 +153,7 @@ def model_hidden_size(args: ModelArguments) -> int | None:
     """The hidden size the model's config gives (None where it names none or does not load: a
     config that does not load is refused in one line when the model loads, `load_model`)."""
     try:
-        config = AutoConfig.from_pretrained(args.model_config or args.model_name_or_path)
+        config = saved_config(args.model_config or args.model_name_or_path)
     except Exception:  # noqa: BLE001 (OSError, ValueError, huggingface_hub's StrictDataclassClassValidationError, ...)
         return None
     size = getattr(config, "hidden_size", None)

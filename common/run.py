@@ -19,7 +19,7 @@ import sys
 from accelerate.utils import set_seed
 
 from common import memory
-from common.accelerator import build_accelerator, unwrap
+from common.accelerator import build_accelerator, launched_strategy, unwrap
 from common.arguments import ModelArguments, TrainingArguments
 from common.parsing import parse_args, to_dict
 from common.checkpoints import load_checkpoint, save_checkpoint
@@ -125,7 +125,8 @@ def start_run(*arguments) -> Run:
     checkpoint = resolve_checkpoint(args.output_dir, args.resume_from_checkpoint)
     convert_before_start(checkpoint)  # a ZeRO checkpoint of another layout, before any collective can time out
     model_args = next((a for a in arguments if isinstance(a, ModelArguments)), None)
-    accelerator, launch = build_accelerator(args, model_hidden_size(model_args) if model_args else None)
+    sized = model_args is not None and launched_strategy() == "deepspeed"  # ZeRO-3's bounds: the config read there only
+    accelerator, launch = build_accelerator(args, model_hidden_size(model_args) if sized else None)
     memory.mark("started")
     if accelerator.is_main_process:
         for line in outside_checked_range():

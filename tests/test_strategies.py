@@ -162,6 +162,8 @@ def test_bf16_fine_tuning_of_a_bf16_checkpoint(config, markov_data, bf16_checkpo
     for run in (record, reference_record):  # fp32 master weights from a bf16 file; bf16 compute
         assert (run["compute_dtype"], run["master_weights_dtype"], run["optimizer_states_dtype"]) == \
             ("bfloat16", "float32", "float32"), run
+    if config.startswith("zero3"):  # two layers' worth of live parameters, from the checkpoint's config (hidden 64)
+        assert record["zero3_max_live_parameters"] == 24 * 64 * 64
     if config in FSDP_FLAGS:  # the YAML's FSDP settings reach the run (never silently DDP)
         assert (record["fsdp_reshard_after_forward"], record["fsdp_offload_params"],
                 record["fsdp_activation_checkpointing"]) == FSDP_FLAGS[config]
