@@ -194,18 +194,16 @@ def zero3_flat_master_groups(optimizer) -> list:
     return list(getattr(zero_optimizer(optimizer), "fp32_partitioned_groups_flat", None) or [])
 
 
-def share_zero3_fp32_partitions(optimizer) -> int:
+def share_zero3_fp32_partitions(optimizer) -> None:
     """DeepSpeed 0.19.8's ZeRO-3 means an fp32 model's own partitions to be its fp32 master weights (stage3.py's
     _create_fp32_partitions), but tests `tensor.device == self.device`, the device's name: never equal in torch 2.13,
-    so it keeps a second fp32 copy. Share the storage as it means to (the same tensors); returns the bytes freed."""
-    zero, freed = zero_optimizer(optimizer), 0
+    so it keeps a second fp32 copy. Share the storage as it means to (the same tensors)."""
+    zero = zero_optimizer(optimizer)
     if zero is not None and not getattr(zero, "offload_optimizer", True):
         for master, own in zip(zero.fp32_partitioned_groups_flat, zero.fp16_partitioned_groups_flat):
             if own is not None and master.data_ptr() != own.data_ptr() and \
                     (master.dtype, master.device, master.shape) == (own.dtype, own.device, own.shape):
-                freed += master.numel() * master.element_size()
                 master.data = own.data  # the optimizer's state and DeepSpeed's ds_id stay on the same tensor
-    return freed
 
 
 def master_weights_dtype(optimizer):

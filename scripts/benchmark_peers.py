@@ -160,9 +160,10 @@ def main(argv=None):
             "loss over the global batch's label tokens, which takes one all-reduce of the token count per step "
             "(right for any data; here every block is full, so a per-rank mean would give the same loss): "
             "Trainer's holds every rank at the start of each step, the recipe's runs a step ahead, during "
-            "the previous step's work (common.training.TrainBatches); the bare loop averages per rank. The recipe also keeps its metrics on the device (read on logging "
-            "steps only), checks losses for non-finite values without a collective or a host read between logging steps "
-            "(the clipped gradient norm decides on the device) and updates a progress bar.",
+            "the previous step's work (common.training.TrainBatches); the bare loop averages per rank. The "
+            "recipe also keeps its metrics on the device (read on logging steps only), checks losses for "
+            "non-finite values without a collective or a host read between logging steps (the clipped "
+            "gradient norm decides on the device) and updates a progress bar.",
             "What a profile of the three (py-spy, rank 0, 150 steps) shows besides: Trainer wraps the model in "
             "DDP with find_unused_parameters=True, its default for a model without activation checkpointing, "
             "so every forward is followed by a search of the autograd graph; the recipe and the bare loop "
