@@ -18,7 +18,8 @@ from datetime import timedelta
 
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration
-from accelerate.utils import GradientAccumulationPlugin, InitProcessGroupKwargs, ProjectConfiguration
+from accelerate.utils import (DistributedDataParallelKwargs, GradientAccumulationPlugin, InitProcessGroupKwargs,
+                               ProjectConfiguration)
 
 from common import cpu_host
 from common.errors import UsageError
@@ -79,7 +80,9 @@ def build_accelerator(args, hidden_size: int | None = None) -> tuple[Accelerator
     process_group = InitProcessGroupKwargs(timeout=timedelta(seconds=args.ddp_timeout))
     if on_cpu_host:
         kwargs.update(cpu_host.accelerator_kwargs(strategy, process_group))
-    kwargs["kwargs_handlers"] = [process_group]
+    # DDP: each gradient is a view into its all-reduce bucket, so gradients are held once, not
+    # twice, and no copy runs in and out of the buckets each step (torch's default copies).
+    kwargs["kwargs_handlers"] = [process_group, DistributedDataParallelKwargs(gradient_as_bucket_view=True)]
     accelerator = Accelerator(**kwargs)
     if strategy == "deepspeed":
         if args.torch_compile and accelerator.state.deepspeed_plugin.zero_stage == 3:

@@ -1,9 +1,8 @@
 """--auto_find_batch_size: the largest per-device batch that fits, with the global batch kept.
 
 Before the strategy wraps the model, each rank tries what one training micro-batch costs at the
-asked per-device size: AdamW's two moments and one more weight-sized buffer (DDP's gradient
-buckets) held beside the weights, then two forwards and
-backwards (under the launched precision) on a batch of the longest training examples. On
+asked per-device size: AdamW's two moments and one more weight-sized buffer (a margin for
+the strategy's own buffers) held beside the weights, then two forwards and backwards (under the launched precision) on a batch of the longest training examples. On
 out-of-memory it tries the next smaller divisor of the asked size (accelerate's
 `find_executable_batch_size` drives the retries), the ranks agree on the smallest size that fit
 anywhere, and gradient accumulation rises by the same factor: per-device batch x accumulation
@@ -87,8 +86,8 @@ def train_step_fits(accelerator, model, batch: dict) -> None:
     home = next(model.parameters()).device
     was_training = model.training
     model.to(accelerator.device).train()
-    # AdamW's two moments, and one more copy of the trainable weights for what the strategy and the step
-    # hold beside them (DDP's gradient buckets).
+    # AdamW's two moments, and one more copy of the trainable weights as a margin for what the strategy
+    # and the step hold beside them (gathered layers, reduce buckets, the step's temporaries).
     held = [torch.zeros_like(p) for p in model.parameters() if p.requires_grad for _ in range(3)]
     try:
         batch = {k: v.to(accelerator.device) if torch.is_tensor(v) else v for k, v in batch.items()}

@@ -10,8 +10,9 @@ this rank can reach is counted once, by its storage, into the first category tha
 - master_weights: a separate copy the optimizer updates (DeepSpeed's fp32 partitions)
 - gradients: the model's and the master copy's
 - optimizer_states: Adam's moments (and step counters)
-- communication_buffers: DeepSpeed's gradient reduce buckets; DDP's gradient buckets
-  (C++ tensors no Python object holds: sized from DDP's own logging data)
+- communication_buffers: DeepSpeed's gradient reduce buckets; DDP's gradient buckets when
+  they are a copy (C++ tensors no Python object holds: sized from DDP's own logging data;
+  none under the recipes, whose gradients are views into them)
 - other_tensors: everything else alive (buffers such as RoPE tables, the batch, ...)
 
 `activations` are the tensors the first micro-batch's forward saves for backward (a

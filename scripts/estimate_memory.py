@@ -7,7 +7,7 @@ memory account (`common.memory`, in run.json) counts them; Ψ parameters, N proc
 c bytes per element in the compute dtype (2 in bf16, 4 in fp32):
 
   config              parameters  master  gradients        optimizer  buckets
-  single / DDP        4Ψ          -       4Ψ               8Ψ         4Ψ (DDP's, N > 1)
+  single / DDP        4Ψ          -       4Ψ               8Ψ         - (DDP's: the gradients)
   FSDP2 (all three)   4Ψ/N        -       4Ψ/N             8Ψ/N       -
   ZeRO-1 / ZeRO-2     cΨ          4Ψ/N    cΨ/N + 4Ψ/N      8Ψ/N       -
    with offload       cΨ          4Ψ/N    4Ψ/N (+ cΨ/N)    8Ψ/N       cΨ/N
@@ -164,8 +164,8 @@ def estimate(model: dict, strategy: dict, batch_size: int, seq_len: int, checkpo
         if strategy.get("fsdp_cpu_ram_efficient_loading"):  # rank 0: the whole model, its shard, a layer
             loading = 4 * psi + 4 * psi / n + 4 * model["largest_layer"]
     else:
+        # DDP's gradients are views into its all-reduce buckets (common.accelerator): no second copy
         parameters, master, gradients, optimizer = 4 * psi, 0, 4 * psi, 8 * psi
-        buckets = 4 * psi if n > 1 else 0
     categories = {"parameters": parameters, "master_weights": master, "gradients": gradients,
                   "optimizer_states": optimizer, "communication_buffers": buckets}
     activations = activation_bytes(model, batch_size, seq_len, c, checkpointing)
