@@ -163,7 +163,10 @@ def main(argv=None):
             "the previous step's work (common.training.TrainBatches); the bare loop averages per rank. The "
             "recipe also keeps its metrics on the device (read on logging steps only), checks losses for "
             "non-finite values without a collective or a host read between logging steps (the clipped "
-            "gradient norm decides on the device) and updates a progress bar.",
+            "gradient norm decides on the device) and updates a progress bar. Under DDP the recipe's "
+            "gradients are views into DDP's all-reduce buckets (gradient_as_bucket_view, common.accelerator); "
+            "the bare loop and Trainer keep torch's default, which copies every gradient into its bucket and "
+            "the reduced values back at each step.",
             "What a profile of the three (py-spy, rank 0, 150 steps) shows besides: Trainer wraps the model in "
             "DDP with find_unused_parameters=True, its default for a model without activation checkpointing, "
             "so every forward is followed by a search of the autograd graph; the recipe and the bare loop "
