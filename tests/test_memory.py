@@ -131,7 +131,7 @@ def test_sharded_strategies_hold_less_than_ddp(measured):
 # fp32 (launched with --mixed_precision no): DDP on 2 processes (a DDP rank holds the same on any number), the
 # sharded configs on 4. On 2, a sharded rank holds half of DDP's 16 bytes per parameter, plus the process's own
 # ~465 MB that every config has, plus about two layers in flight (FSDP2's gathered layer, its gradients and the next
-# one prefetched; ZeRO-3's live parameters): 0.68x to 0.69x DDP's peak in fp32, seen, since DDP's gradients are
+# one prefetched; ZeRO-3's live parameters): about 0.72x DDP's peak in fp32, seen, since DDP's gradients are
 # views into its buckets (common.accelerator); on 4, their share halves again.
 @pytest.fixture(scope="module")
 def measured_fp32(markov_data, tmp_path_factory):
