@@ -1,6 +1,6 @@
 """The memory account each run writes (common/memory.py) against scripts/estimate_memory.py,
 at 101M parameters, bf16 as the configs ship, accumulation 2: every CPU-runnable config on 2
-processes (single.yaml on 1), and on 4 every config whose memory per rank takes another form
+processes but zero2_json (single.yaml on 1), and on 4 every config whose memory per rank takes another form
 there (the others are the same YAML in another form, or differ from one of these only where a
 CPU has no device to offload from); zero3 on 4 with activation checkpointing. (The whole
 matrix, every config on 2 and on 4, is `make benchmark`'s table, written to docs/benchmark.md;
@@ -25,12 +25,14 @@ SEQ_LEN = 16
 
 
 # run -> (config, processes, activation checkpointing)
+# zero2_json.yaml is zero2.yaml as a DeepSpeed JSON: the same account (make benchmark's tables), and its
+# categories are checked at the tiny size in tests/test_strategies.py.
 ON_2 = ["ddp.yaml", "fsdp.yaml", "fsdp_shard_grad_op.yaml", "fsdp_offload.yaml", "zero1.yaml", "zero2.yaml",
-        "zero2_json.yaml", "zero2_offload.yaml", "zero3.yaml", "zero3_offload.yaml"]
+        "zero2_offload.yaml", "zero3.yaml", "zero3_offload.yaml"]
 # Not again on 4: ddp (every rank holds everything, on any number), fsdp_offload (fsdp's
 # shards, and the checkpointing its YAML asks for, which zero3 on 4 has), zero1 (one DeepSpeed
-# optimizer serves ZeRO-1 and 2: the same account on 2 and on 4 in make benchmark's tables),
-# zero2_json (zero2.yaml as a DeepSpeed JSON) and zero3_offload (zero3's partitions, offloaded
+# optimizer serves ZeRO-1 and 2: the same account on 2 and on 4 in make benchmark's tables)
+# and zero3_offload (zero3's partitions, offloaded
 # to the memory they are already in).
 ON_4 = ["fsdp.yaml", "fsdp_shard_grad_op.yaml", "zero2.yaml", "zero2_offload.yaml"]
 RUNS = {"single.yaml": ("single.yaml", 1, False),
