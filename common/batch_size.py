@@ -2,11 +2,12 @@
 
 Before the strategy wraps the model, each rank tries what one training micro-batch costs at the
 asked per-device size: AdamW's two moments and one more weight-sized buffer (a margin for
-the strategy's own buffers) held beside the weights, then two forwards and backwards (under the launched precision) on a batch of the longest training examples. On
-out-of-memory it tries the next smaller divisor of the asked size (accelerate's
-`find_executable_batch_size` drives the retries), the ranks agree on the smallest size that fit
-anywhere, and gradient accumulation rises by the same factor: per-device batch x accumulation
-x processes stays what the command asked for, and so does every step's loss normalisation.
+the strategy's own buffers) held beside the weights, then two forwards and backwards (under
+the launched precision) on a batch of the longest training examples. On out-of-memory it
+tries the next smaller divisor of the asked size (accelerate's `find_executable_batch_size`
+drives the retries), the ranks agree on the smallest size that fit anywhere, and gradient
+accumulation rises by the same factor: per-device batch x accumulation x processes stays what
+the command asked for, and so does every step's loss normalisation.
 
 The trial holds a whole copy of the model's training state on each device, as DDP does. Under
 FSDP or ZeRO, which shard that state, the size chosen is safe but can be smaller than what

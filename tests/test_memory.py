@@ -1,8 +1,8 @@
 """The memory account each run writes (common/memory.py) against scripts/estimate_memory.py,
-at 101M parameters, bf16 as the configs ship, accumulation 2: every CPU-runnable config on 2
-processes but zero2_json (single.yaml on 1), and on 4 every config whose memory per rank takes another form
-there (the others are the same YAML in another form, or differ from one of these only where a
-CPU has no device to offload from); zero3 on 4 with activation checkpointing. (The whole
+at 101M parameters, bf16 as the configs ship, accumulation 2: every CPU-runnable config but
+zero2_json on 2 processes (single.yaml on 1), and on 4 every config whose memory per rank
+takes another form there (the others are the same YAML in another form, or differ from one of
+these only where a CPU has no device to offload from); zero3 on 4 with activation checkpointing. (The whole
 matrix, every config on 2 and on 4, is `make benchmark`'s table, written to docs/benchmark.md;
 tests/test_strategies.py checks the model-state categories of every config's runs on 1, 2 and
 4 processes at the tiny size.)"""
@@ -31,9 +31,8 @@ ON_2 = ["ddp.yaml", "fsdp.yaml", "fsdp_shard_grad_op.yaml", "fsdp_offload.yaml",
         "zero2_offload.yaml", "zero3.yaml", "zero3_offload.yaml"]
 # Not again on 4: ddp (every rank holds everything, on any number), fsdp_offload (fsdp's
 # shards, and the checkpointing its YAML asks for, which zero3 on 4 has), zero1 (one DeepSpeed
-# optimizer serves ZeRO-1 and 2: the same account on 2 and on 4 in make benchmark's tables)
-# and zero3_offload (zero3's partitions, offloaded
-# to the memory they are already in).
+# optimizer serves ZeRO-1 and 2: the same account on 2 and on 4 in make benchmark's tables) and
+# zero3_offload (zero3's partitions, offloaded to the memory they are already in).
 ON_4 = ["fsdp.yaml", "fsdp_shard_grad_op.yaml", "zero2.yaml", "zero2_offload.yaml"]
 RUNS = {"single.yaml": ("single.yaml", 1, False),
         **{config: (config, 2, False) for config in ON_2},
@@ -135,10 +134,13 @@ def test_sharded_strategies_hold_less_than_ddp(measured):
 # ~465 MB that every config has, plus about two layers in flight (FSDP2's gathered layer, its gradients and the next
 # one prefetched; ZeRO-3's live parameters): about 0.72x DDP's peak in fp32, seen, since DDP's gradients are
 # views into its buckets (common.accelerator); on 4, their share halves again.
+FP32_PROCESSES = {"ddp.yaml": 2, "fsdp.yaml": 4, "zero3.yaml": 4}
+
+
 @pytest.fixture(scope="module")
 def measured_fp32(markov_data, tmp_path_factory):
     runs = {}
-    for config, processes in (("ddp.yaml", 2), ("fsdp.yaml", 4), ("zero3.yaml", 4)):
+    for config, processes in FP32_PROCESSES.items():
         out = tmp_path_factory.mktemp(config.split(".")[0] + "_fp32") / "run"
         launch(config, "causal_lm.py", causal_lm_args(
             markov_data, out, model_config=MODEL, block_size=SEQ_LEN, per_device_train_batch_size=1,
@@ -155,8 +157,7 @@ def test_sharded_strategies_hold_less_than_ddp_in_fp32(measured_fp32):
         return max(rank["peak_rss_mb"] for rank in measured_fp32[config]["peak_memory_whole_run"])
 
     for config, record in measured_fp32.items():
-        assert (record["participating_processes"], record["compute_dtype"]) == ((2 if config == "ddp.yaml" else 4),
-                                                                              "float32")
+        assert (record["participating_processes"], record["compute_dtype"]) == (FP32_PROCESSES[config], "float32")
         assert record["total_parameters"] >= 100_000_000
     for config in ("fsdp.yaml", "zero3.yaml"):
         print(f"fp32 {config} on 4: whole run {whole_run(config):.0f} MB, "
