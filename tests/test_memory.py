@@ -1,11 +1,11 @@
 """The memory account each run writes (common/memory.py) against scripts/estimate_memory.py,
 at 101M parameters, bf16 as the configs ship, accumulation 2: every CPU-runnable config but
-zero2_json on 2 processes (single.yaml on 1), and on 4 every config whose memory per rank
-takes another form there (the others are the same YAML in another form, or differ from one of
-these only where a CPU has no device to offload from); zero3 on 4 with activation checkpointing. (The whole
-matrix, every config on 2 and on 4, is `make benchmark`'s table, written to docs/benchmark.md;
-tests/test_strategies.py checks the model-state categories of every config's runs on 1, 2 and
-4 processes at the tiny size.)"""
+zero2_json on 2 processes (single.yaml on 1), and on 4 one config of each framework's sharding
+(fsdp, zero2) and zero3 with activation checkpointing: the other sharded configs divide their
+shards by the number of processes through the same estimate. (The whole matrix, every config
+on 2 and on 4, is `make benchmark`'s table, written to docs/benchmark.md; tests/test_strategies.py
+checks the model-state categories of every config's runs on 1, 2 and 4 processes at the tiny
+size.)"""
 
 import json
 import subprocess
@@ -29,11 +29,11 @@ SEQ_LEN = 16
 # categories are checked at the tiny size in tests/test_strategies.py.
 ON_2 = ["ddp.yaml", "fsdp.yaml", "fsdp_shard_grad_op.yaml", "fsdp_offload.yaml", "zero1.yaml", "zero2.yaml",
         "zero2_offload.yaml", "zero3.yaml", "zero3_offload.yaml"]
-# Not again on 4: ddp (every rank holds everything, on any number), fsdp_offload (fsdp's
-# shards, and the checkpointing its YAML asks for, which zero3 on 4 has), zero1 (one DeepSpeed
-# optimizer serves ZeRO-1 and 2: the same account on 2 and on 4 in make benchmark's tables) and
-# zero3_offload (zero3's partitions, offloaded to the memory they are already in).
-ON_4 = ["fsdp.yaml", "fsdp_shard_grad_op.yaml", "zero2.yaml", "zero2_offload.yaml"]
+# Not again on 4: ddp (every rank holds everything, on any number), fsdp_shard_grad_op (its gradient and optimizer
+# shards divide as fsdp's do), fsdp_offload (fsdp's shards; the checkpointing its YAML asks for, zero3 on 4 has),
+# zero1, zero2_offload (one DeepSpeed optimizer serves ZeRO-1 and 2, offloaded or not: the same division on 2
+# and on 4 in make benchmark's tables) and zero3_offload (zero3's partitions, offloaded to the memory they are in).
+ON_4 = ["fsdp.yaml", "zero2.yaml"]
 RUNS = {"single.yaml": ("single.yaml", 1, False),
         **{config: (config, 2, False) for config in ON_2},
         **{f"{config} on 4": (config, 4, False) for config in ON_4},
