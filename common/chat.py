@@ -1,7 +1,8 @@
 """SFT examples: conversations or prompt-completion pairs, tokenized with labels on the answers only.
 
 Conversations (`messages`) or prompt-completion pairs get labels on what the model should
-learn to say and -100 elsewhere.
+learn to say and -100 elsewhere. A conversation is a list of {"role", "content"} messages, or
+of ShareGPT's {"from", "value"} turns (human/gpt/system), read as the same.
 
 Labels come from the rendered text, so any chat template works, with or without
 `{% generation %}` markers: for each assistant turn the template renders the
@@ -28,6 +29,8 @@ from common.peers import main_process_alone
 
 OVERLONG = ("drop", "truncate")
 GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
+# ShareGPT's speaker names ("from") -> chat-template roles
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
 
 
 def read_chat_template(value: str) -> str:
@@ -55,8 +58,28 @@ def data_format(columns: list[str], messages_column: str) -> str:
         return "messages"
     if {"prompt", "completion"} <= set(columns):
         return "prompt_completion"
+    hint = " (ShareGPT data: --messages_column conversations)" if "conversations" in columns else ""
     raise UsageError(f"SFT data needs a {messages_column!r} column (conversations) or \"prompt\" and \"completion\" "
-                     f"columns; found {columns}. Set --messages_column or rename the columns")
+                     f"columns; found {columns}. Set --messages_column{hint} or rename the columns")
+
+
+def as_messages(conversation) -> list[dict]:
+    """A conversation as {"role", "content"} messages: as given, or from ShareGPT's {"from", "value"}
+    turns. Anything else is a UsageError that shows the conversation."""
+    def all_text(keys):
+        return isinstance(conversation, list) and all(
+            isinstance(turn, dict) and all(isinstance(turn.get(key), str) for key in keys) for turn in conversation)
+
+    if all_text(("role", "content")):
+        return conversation
+    if all_text(("from", "value")):
+        unknown = sorted({turn["from"] for turn in conversation} - set(SHAREGPT_ROLES))
+        if unknown:
+            raise UsageError(f"ShareGPT turns from {unknown} have no chat role; the speakers read are "
+                             f"{', '.join(SHAREGPT_ROLES)}: rename them in the data")
+        return [{"role": SHAREGPT_ROLES[turn["from"]], "content": turn["value"]} for turn in conversation]
+    raise UsageError(f"a conversation is not a list of {{\"role\": ..., \"content\": ...}} messages (or ShareGPT "
+                     f"{{\"from\": ..., \"value\": ...}} turns) with text content: {str(conversation)[:120]}")
 
 
 def _render(tokenizer, messages, add_generation_prompt=False) -> str:
@@ -116,13 +139,10 @@ def encode_example(example: dict, tokenizer, fmt: str, messages_column: str):
                              "messages")
         return _encode_text(tokenizer, example["prompt"], example["completion"])
     if fmt == "prompt_completion":
-        messages, first = list(example["prompt"]) + list(example["completion"]), len(example["prompt"])
+        prompt = as_messages(example["prompt"])
+        messages, first = prompt + as_messages(example["completion"]), len(prompt)
     else:
-        messages, first = example[messages_column], 0
-    if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                                 and isinstance(m.get("content"), str) for m in messages):
-        raise UsageError(f"a conversation is not a list of {{\"role\": ..., \"content\": ...}} messages with "
-                         f"text content: {str(messages)[:120]}")
+        messages, first = as_messages(example[messages_column]), 0
     if GENERATION_MARKER.search(tokenizer.chat_template):
         return _encode_with_markers(tokenizer, messages, first)
     return _encode_with_spans(tokenizer, messages, first)
@@ -183,12 +203,12 @@ def generation_references(raw_split, fmt_columns: list[str], messages_column: st
     pairs = []
     for row in rows:
         if fmt == "messages":
-            messages = row[messages_column]
+            messages = as_messages(row[messages_column])
             pairs.append((messages[:-1], messages[-1]["content"]))
         elif isinstance(row["completion"], str):
             pairs.append((row["prompt"], row["completion"]))
         else:
-            pairs.append((list(row["prompt"]), row["completion"][-1]["content"]))
+            pairs.append((as_messages(row["prompt"]), as_messages(row["completion"])[-1]["content"]))
     return pairs
 
 

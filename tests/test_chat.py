@@ -175,3 +175,28 @@ def test_bad_chat_inputs_are_usage_errors(byte_bpe, tmp_path):
                                "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
     with pytest.raises(UsageError, match="generation"):
         assistant_spans(tokenizer, conversation(system=False))
+
+
+@pytest.mark.parametrize("family", ["llama3", "chatml_qwen2_5"])
+def test_sharegpt_turns_are_read_as_the_same_messages(byte_bpe, family):
+    """ShareGPT's {"from": human/gpt/system, "value": ...} turns (a `conversations` column) give
+    the tokens, labels and exact-match references of the same conversation as role/content."""
+    tokenizer, spec = family_tokenizer(byte_bpe, family)
+    messages = conversation(system=True)
+    speakers = {"system": "system", "user": "human", "assistant": "gpt"}
+    turns = [{"from": speakers[m["role"]], "value": m["content"]} for m in messages]
+
+    def tokenized(rows, column):
+        raw = DatasetDict(train=Dataset.from_list(rows), validation=Dataset.from_list(rows))
+        return tokenize_sft(raw, tokenizer, column, 512, "drop", CPU())[0]["train"][0], raw
+
+    sharegpt, raw = tokenized([{"conversations": turns}], "conversations")
+    reference, _ = tokenized([{"messages": messages}], "messages")
+    assert sharegpt == reference and len(labelled_runs(sharegpt["labels"])) == 2
+    assert generation_references(raw["validation"], raw["train"].column_names, "conversations", 1) == \
+        [(messages[:-1], messages[-1]["content"])]
+
+    with pytest.raises(UsageError, match=r"--messages_column conversations"):
+        tokenized([{"conversations": turns}], "messages")
+    with pytest.raises(UsageError, match=r"ShareGPT turns from \['bing'\] have no chat role"):
+        tokenized([{"conversations": turns[:-1] + [{"from": "bing", "value": "Hi"}]}], "conversations")
