@@ -8,8 +8,12 @@ ARGS    ?=
 TORCH_INDEX ?=
 # The torch releases common/internals.py was checked on (its CHECKED["torch"]; a test keeps them equal).
 TORCH_RANGE := torch>=2.13.0,<2.14
-export HF_HUB_OFFLINE ?= 1
-export HF_DATASETS_OFFLINE ?= 1
+# The demos, benchmarks and tests read nothing from a hub (their models and data are made here or ship in a
+# package), so they run with downloads off; the recipe targets load your Hub models as the libraries do.
+OFFLINE_TARGETS := demo demo-data demo-chat real-model benchmark benchmark-peers benchmark-options \
+                   benchmark-packing benchmark-reshard test test-fast test-crashes
+$(OFFLINE_TARGETS): export HF_HUB_OFFLINE ?= 1
+$(OFFLINE_TARGETS): export HF_DATASETS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 # Extra `accelerate launch` flags, e.g. LAUNCH_ARGS="--max_restarts 2" or "--num_processes 4".
 LAUNCH_ARGS ?=

@@ -92,7 +92,9 @@ class TrainingArguments(SpeedArguments):  # + the speed options (common.speed)
     auto_find_batch_size: bool = field(default=False, metadata={
         "help": "Before training, halve the per-device batch (to a divisor) while a training step runs out of "
                 "memory, raising gradient_accumulation_steps to keep the global batch (common/batch_size.py)."})
-    learning_rate: float = 5e-4
+    learning_rate: float = field(default=5e-5, metadata={
+        "help": "AdamW's peak learning rate (Trainer's default, for fine-tuning; from scratch, raise it: the demo "
+                "YAMLs set theirs)."})
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999

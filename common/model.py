@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import zlib
 
 import torch
@@ -18,13 +19,22 @@ from common.internals import (declare_layer_classes, declared_layer_classes, ful
                               is_zero3_parameter, zero3_partition)
 
 
+def reachable_hint(name: str) -> str:
+    """What to do about a model or tokenizer that did not load: where downloads are off
+    (HF_HUB_OFFLINE, which make sets for its demos and tests) and `name` is no folder here, say so."""
+    if os.path.isdir(name) or os.environ.get("HF_HUB_OFFLINE", "").lower() not in ("1", "true", "yes", "on"):
+        return "or a Hub name reachable from here"
+    return ("or a Hub name: HF_HUB_OFFLINE is set here, so only models already in the Hub cache load; unset it "
+            "(e.g. HF_HUB_OFFLINE=0) to download")
+
+
 def load_tokenizer(args: ModelArguments):
     name = args.tokenizer_name_or_path or args.model_name_or_path
     try:
         tokenizer = AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError) as error:
         raise UsageError(f"no tokenizer loads from {name} ({describe(error)}); pass --tokenizer_name_or_path "
-                         "with a folder holding tokenizer files, or a Hub name reachable from here") from None
+                         f"with a folder holding tokenizer files, {reachable_hint(name)}") from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -45,7 +55,7 @@ def load_model(args: ModelArguments, tokenizer, seed: int, speed: SpeedArguments
         except (OSError, ValueError) as error:
             raise UsageError(f"no {auto_class.__name__.replace('AutoModelFor', '')} model loads from "
                              f"{args.model_name_or_path} ({describe(error)}); pass a model folder (config.json + "
-                             "weights) or a Hub name reachable from here") from None
+                             f"weights) {reachable_hint(args.model_name_or_path)}") from None
         if getattr(model.config, "pad_token_id", None) is None:
             # Decoder checkpoints (Llama, Mistral, ...) ship without a pad token: padded batches
             # (sequence classification finds each row's last real token by it) use the tokenizer's.
@@ -133,7 +143,11 @@ def _gathered_for_init(parameters):
 @functools.lru_cache(maxsize=4)
 def saved_config(name_or_path: str):
     """A model's config as saved, read once per process (a Hub model's is a request); not to be changed."""
-    return AutoConfig.from_pretrained(name_or_path)
+    try:
+        return AutoConfig.from_pretrained(name_or_path)
+    except OSError as error:  # not found: a missing folder, a mistyped or unreachable Hub name
+        raise UsageError(f"no model config loads from {name_or_path} ({describe(error)}); pass a model folder "
+                         f"(config.json + weights) {reachable_hint(name_or_path)}") from None
 
 
 def export_dtype(args: ModelArguments) -> torch.dtype:

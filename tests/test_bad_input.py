@@ -86,6 +86,25 @@ def test_folders_without_a_model_or_a_tokenizer(markov_data, tmp_path):
         load_tokenizer(ModelArguments(model_config=config, tokenizer_name_or_path=str(tmp_path / "empty")))
 
 
+def test_a_hub_model_with_downloads_off_says_how_to_turn_them_on(monkeypatch):
+    """A Hub name that is not in the cache while HF_HUB_OFFLINE is set (make sets it for the demos
+    and tests): the first read of the model, the run's export dtype in start_run, is one line."""
+    import huggingface_hub
+
+    from common.arguments import ModelArguments
+    from common.errors import UsageError
+    from common.model import export_dtype, load_tokenizer
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read by the Hub client at import
+    args = ModelArguments(model_name_or_path="no-such-org/no-such-model-7b")
+    hint = r"HF_HUB_OFFLINE is set here, so only models already in the Hub cache load; unset it"
+    with pytest.raises(UsageError, match=r"no model config loads from no-such-org/no-such-model-7b .*" + hint):
+        export_dtype(args)
+    with pytest.raises(UsageError, match=r"no tokenizer loads from no-such-org/no-such-model-7b .*" + hint):
+        load_tokenizer(args)
+
+
 @pytest.mark.slow
 def test_sft_data_in_no_known_format(arithmetic_data, tmp_path):
     files = data_files(tmp_path, '{"question": "q", "answer": "a"}\n' * 8, '{"question": "q", "answer": "a"}\n' * 2)
