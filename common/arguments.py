@@ -63,7 +63,8 @@ class DataArguments:
     text_column: str = "text"
     block_size: int = field(default=128, metadata={"help": "Tokens per packed training block."})
     max_eval_samples: int | None = None
-    preprocessing_num_workers: int | None = None
+    preprocessing_num_workers: int | None = field(default=None, metadata={
+        "help": "Processes that tokenize the data (datasets' map num_proc); default: the main process alone."})
     streaming: bool = field(default=False, metadata={
         "help": "Read the training split as it is consumed (an IterableDataset: data larger than memory or disk), "
                 "each process tokenizing and packing its own documents, in file order; needs --max_steps. "

@@ -52,7 +52,8 @@ def main(model_args: ModelArguments, data_args: DataArguments, task_args: Classi
     tokenizer = load_tokenizer(model_args)
     raw = load_raw_datasets(data_args, args.seed)
     datasets, label_names = tokenize_for_classification(
-        raw, tokenizer, data_args.text_column, task_args.label_column, data_args.block_size, accelerator)
+        raw, tokenizer, data_args.text_column, task_args.label_column, data_args.block_size, accelerator,
+        data_args.preprocessing_num_workers)
     train_loader, eval_loader = make_dataloaders(datasets, args.per_device_train_batch_size,
                                                  args.per_device_eval_batch_size, args.seed,
                                                  collate_fn=DataCollatorWithPadding(tokenizer))

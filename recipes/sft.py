@@ -66,7 +66,7 @@ def main(model_args: ModelArguments, data_args: DataArguments, sft_args: SFTArgu
         tokenizer.chat_template = read_chat_template(sft_args.chat_template)
     raw = load_raw_datasets(data_args, args.seed)
     datasets, dropped = tokenize_sft(raw, tokenizer, sft_args.messages_column, data_args.block_size,
-                                     sft_args.overlong, accelerator)
+                                     sft_args.overlong, accelerator, data_args.preprocessing_num_workers)
     padding = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
     collate = PackOrPad(padding) if sft_args.packing else padding
     train_loader, eval_loader = make_dataloaders(

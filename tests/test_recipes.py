@@ -6,6 +6,7 @@ what the run did."""
 
 import json
 import shlex
+import shutil
 
 import pytest
 import torch
@@ -32,6 +33,17 @@ def launch_recipe(config: str, recipe: str, args: list, launcher_args: list | No
                 f"LAUNCH_ARGS={shlex.join(launch_args)}", f"ARGS={shlex.join(map(str, args))}"])
 
 
+def tokenized_by_2_processes(config: str, data, tmp_path) -> dict:
+    """Under zero3.yaml, --preprocessing_num_workers 2, on a copy of the data files (datasets would
+    load the tokenized copy an earlier test cached, and run no workers): the flags that ask for it."""
+    if config != "zero3.yaml":
+        return {}
+    for split in ("train", "validation"):
+        shutil.copy(data / f"{split}.jsonl", tmp_path / f"{split}.jsonl")
+    return {"preprocessing_num_workers": 2, "train_file": tmp_path / "train.jsonl",
+            "validation_file": tmp_path / "validation.jsonl"}
+
+
 def assert_two_process_run(out, config):
     record = read_run(out)
     assert record["participating_processes"] == 2 and record["world_size"] == 2
@@ -50,11 +62,13 @@ def first_and_last_loss(out):
 @pytest.mark.parametrize("config", list(STRATEGIES))
 def test_sequence_classification(config, sentiment_data, minilm, tmp_path):
     out = tmp_path / "run"
-    launch_recipe(config, "sequence_classification.py", flags(
-        config=REPO / "recipes/configs/sequence_classification_demo.yaml", model_name_or_path=minilm,
-        train_file=sentiment_data / "train.jsonl", validation_file=sentiment_data / "validation.jsonl",
-        output_dir=out, max_steps=16, eval_steps=8, logging_steps=4, per_device_train_batch_size=8,
-        early_stopping_patience=3))
+    workers = tokenized_by_2_processes(config, sentiment_data, tmp_path)
+    result = launch_recipe(config, "sequence_classification.py", flags(**{
+        "config": REPO / "recipes/configs/sequence_classification_demo.yaml", "model_name_or_path": minilm,
+        "train_file": sentiment_data / "train.jsonl", "validation_file": sentiment_data / "validation.jsonl",
+        "output_dir": out, "max_steps": 16, "eval_steps": 8, "logging_steps": 4, "per_device_train_batch_size": 8,
+        "early_stopping_patience": 3, **workers}))
+    assert ("tokenizing (num_proc=2)" in result.stderr) == bool(workers)
     record = assert_two_process_run(out, config)
     assert record["labels"] == ["negative", "positive"]
     first, last = first_and_last_loss(out)
@@ -281,10 +295,12 @@ def test_sft(config, arithmetic_data, tmp_path):
     nearly every held-out question; fsdp and zero3 run a shorter stretch of it."""
     out = tmp_path / "run"
     steps = {} if config == "ddp.yaml" else {"max_steps": 120}
-    launch_recipe(config, "sft.py", flags(
-        config=REPO / "recipes/configs/sft_demo.yaml", tokenizer_name_or_path=arithmetic_data / "tokenizer",
-        train_file=arithmetic_data / "train.jsonl", validation_file=arithmetic_data / "validation.jsonl",
-        output_dir=out, logging_steps=20, **steps))
+    workers = tokenized_by_2_processes(config, arithmetic_data, tmp_path)
+    result = launch_recipe(config, "sft.py", flags(**{
+        "config": REPO / "recipes/configs/sft_demo.yaml", "tokenizer_name_or_path": arithmetic_data / "tokenizer",
+        "train_file": arithmetic_data / "train.jsonl", "validation_file": arithmetic_data / "validation.jsonl",
+        "output_dir": out, "logging_steps": 20, **steps, **workers}))
+    assert ("tokenizing SFT examples (num_proc=2)" in result.stderr) == bool(workers)
     record = assert_two_process_run(out, config)
     assert record["mixed_precision"] == "bf16"
     if record["device"] == "cpu":  # packed rows: per-example sdpa here (a GPU's choice: tests/test_gpu.py)
