@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 from transformers import default_data_collator
 
 from common.arguments import DataArguments
-from common.errors import UsageError, describe
+from common.errors import UsageError, describe, downloads_off
 from common.peers import main_process_alone
 from common.streaming import StreamLoader, load_train_stream, tokenize_and_pack_stream
 
@@ -36,7 +36,7 @@ def load_raw_datasets(args: DataArguments, seed: int) -> DatasetDict:
     if args.streaming:
         return _load_streaming(args, builder, data_files)
     if args.dataset_name:
-        raw = load_dataset(args.dataset_name, args.dataset_config_name)
+        raw = load_hub_dataset(args)
     else:
         raw = _load_files(builder, data_files)
     for split, dataset in raw.items():
@@ -55,11 +55,24 @@ def load_raw_datasets(args: DataArguments, seed: int) -> DatasetDict:
     return raw
 
 
+def load_hub_dataset(args: DataArguments, **kwargs):
+    """load_dataset(--dataset_name, --dataset_config_name, **kwargs); one that does not load (a
+    mistyped or unreachable name, a missing config name) is a one-line error."""
+    try:
+        return load_dataset(args.dataset_name, args.dataset_config_name, **kwargs)
+    except (ConnectionError, FileNotFoundError, ValueError) as error:  # DatasetNotFoundError: a FileNotFoundError
+        config = f" --dataset_config_name {args.dataset_config_name}" if args.dataset_config_name else ""
+        raise UsageError(f"--dataset_name {args.dataset_name}{config} does not load ({describe(error)}); pass a Hub "
+                         "dataset reachable from here (with --dataset_config_name where it has several) or "
+                         f"--train_file{downloads_off('HF_DATASETS_OFFLINE', 'HF_HUB_OFFLINE')}") from None
+
+
 def _load_streaming(args: DataArguments, builder: str | None, data_files: dict | None) -> DatasetDict:
     """--streaming: the train stream, and a validation split held in memory: the validation
     file or the Hub's validation split (its first --max_eval_samples rows, default
     STREAM_HELD_OUT), else the stream's first rows, which training then skips."""
-    train = load_train_stream(args, builder, data_files)
+    train = load_hub_dataset(args, split="train", streaming=True) if args.dataset_name else \
+        load_train_stream(builder, data_files)
     held_out = args.max_eval_samples or STREAM_HELD_OUT
     if args.validation_file:
         validation = _load_files(builder, {"validation": args.validation_file})["validation"]

@@ -34,6 +34,17 @@ def describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {reason}"[:300]
 
 
+def downloads_off(*variables: str) -> str:
+    """For an error about something that did not load from the Hub: where downloads are off
+    (`variables` such as HF_HUB_OFFLINE, which make sets for its demos and tests), a clause
+    saying so and how to turn them on; else ''."""
+    names = [name for name in variables if os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")]
+    if not names:
+        return ""
+    return (f"; {' and '.join(names)} {'is' if len(names) == 1 else 'are'} set here, so only what the Hub cache "
+            f"already holds loads: set {'=0 '.join(names)}=0 to download")
+
+
 # How long another rank waits before it reports: an error every rank meets is reported by rank 0,
 # and torchrun ends the other ranks as soon as rank 0 exits.
 REPORT_AFTER_S = 10.0

@@ -13,19 +13,15 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from common import memory
 from common.arguments import ModelArguments
-from common.errors import UsageError, describe
+from common.errors import UsageError, describe, downloads_off
 from common.speed import prepare_model, SpeedArguments
 from common.internals import (declare_layer_classes, declared_layer_classes, full_numel, init_module_weights,
                               is_zero3_parameter, zero3_partition)
 
 
 def reachable_hint(name: str) -> str:
-    """What to do about a model or tokenizer that did not load: where downloads are off
-    (HF_HUB_OFFLINE, which make sets for its demos and tests) and `name` is no folder here, say so."""
-    if os.path.isdir(name) or os.environ.get("HF_HUB_OFFLINE", "").lower() not in ("1", "true", "yes", "on"):
-        return "or a Hub name reachable from here"
-    return ("or a Hub name: HF_HUB_OFFLINE is set here, so only models already in the Hub cache load; unset it "
-            "(e.g. HF_HUB_OFFLINE=0) to download")
+    """The end of the error for a model or tokenizer that did not load."""
+    return "or a Hub name reachable from here" + ("" if os.path.isdir(name) else downloads_off("HF_HUB_OFFLINE"))
 
 
 def load_tokenizer(args: ModelArguments):

@@ -36,10 +36,9 @@ from transformers import default_data_collator
 from common.errors import UsageError
 
 
-def load_train_stream(args, builder: str | None, data_files: dict | None) -> IterableDataset:
-    """The training split as an IterableDataset (nothing downloaded or read ahead)."""
-    if args.dataset_name:
-        return load_dataset(args.dataset_name, args.dataset_config_name, split="train", streaming=True)
+def load_train_stream(builder: str, data_files: dict) -> IterableDataset:
+    """The training file as an IterableDataset (nothing read ahead); a Hub dataset's stream comes
+    from common.data.load_hub_dataset."""
     return load_dataset(builder, data_files={"train": data_files["train"]}, split="train", streaming=True)
 
 

@@ -98,11 +98,31 @@ def test_a_hub_model_with_downloads_off_says_how_to_turn_them_on(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read by the Hub client at import
     args = ModelArguments(model_name_or_path="no-such-org/no-such-model-7b")
-    hint = r"HF_HUB_OFFLINE is set here, so only models already in the Hub cache load; unset it"
+    hint = r"HF_HUB_OFFLINE is set here, so only what the Hub cache already holds loads: set HF_HUB_OFFLINE=0"
     with pytest.raises(UsageError, match=r"no model config loads from no-such-org/no-such-model-7b .*" + hint):
         export_dtype(args)
     with pytest.raises(UsageError, match=r"no tokenizer loads from no-such-org/no-such-model-7b .*" + hint):
         load_tokenizer(args)
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_hub_dataset_that_does_not_load_is_one_line(monkeypatch, streaming):
+    import datasets
+    import huggingface_hub
+
+    from common.arguments import DataArguments
+    from common.data import load_raw_datasets
+    from common.errors import UsageError
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read by the Hub client at import
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    args = DataArguments(dataset_name="no-such-org/no-such-corpus", dataset_config_name="en", streaming=streaming)
+    with pytest.raises(UsageError, match=r"--dataset_name no-such-org/no-such-corpus --dataset_config_name en does "
+                                         r"not load \(.*\); pass a Hub dataset .* or --train_file; HF_DATASETS_OFFLINE "
+                                         r"and HF_HUB_OFFLINE are set here"):
+        load_raw_datasets(args, seed=0)
 
 
 @pytest.mark.slow
