@@ -159,6 +159,27 @@ def export_dtype(args: ModelArguments) -> torch.dtype:
     return saved if isinstance(saved, torch.dtype) else torch.float32
 
 
+def check_block_size(args: ModelArguments, block_size: int) -> str | None:
+    """--block_size against the positions the model's config gives (max_position_embeddings): past a
+    learned position table it is a UsageError (the embedding lookup would fail mid-step); past a
+    pretrained rotary model's, the warning to print (it runs there, on positions it may not have
+    been trained on)."""
+    try:
+        config = saved_config(args.model_config or args.model_name_or_path)
+    except Exception:  # noqa: BLE001 (refused in one line when the model loads, `load_model`)
+        return None
+    limit = getattr(config, "max_position_embeddings", None)
+    if not isinstance(limit, int) or block_size <= limit:
+        return None
+    said = f"--block_size {block_size} is longer than the {limit} positions the model's config gives " \
+           "(max_position_embeddings)"
+    if not (getattr(config, "rope_parameters", None) or getattr(config, "rope_theta", None)):
+        raise UsageError(f"{said}, and its positions are a learned table; pass --block_size {limit} or less")
+    if args.model_config:  # from scratch: trained at this length from the start
+        return None
+    return f"{said}: a rotary model runs there, on positions its pre-training may not have reached"
+
+
 def model_hidden_size(args: ModelArguments) -> int | None:
     """The hidden size the model's config gives (None where it names none or does not load: a
     config that does not load is refused in one line when the model loads, `load_model`)."""

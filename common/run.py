@@ -20,7 +20,7 @@ from accelerate.utils import set_seed
 
 from common import memory
 from common.accelerator import build_accelerator, launched_strategy, unwrap
-from common.arguments import ModelArguments, TrainingArguments
+from common.arguments import DataArguments, ModelArguments, TrainingArguments
 from common.parsing import parse_args, to_dict
 from common.checkpoints import load_checkpoint, save_checkpoint
 from common.errors import UsageError, exit_now, one_line_errors
@@ -28,7 +28,7 @@ from common.export import export_final
 from common.internals import outside_checked_range, share_zero3_fp32_partitions
 from common.lora import LoraArguments
 from common.metrics import MetricsLogger
-from common.model import count_parameters, export_dtype, model_hidden_size
+from common.model import check_block_size, count_parameters, export_dtype, model_hidden_size
 from common.nonfinite import NonFiniteGuard, nonfinite_check
 from common.profiling import StepProfiler
 from common.reshard import convert_before_start, for_this_world_size
@@ -128,8 +128,11 @@ def start_run(*arguments) -> Run:
     sized = model_args is not None and launched_strategy() == "deepspeed"  # ZeRO-3's bounds: the config read there only
     accelerator, launch = build_accelerator(args, model_hidden_size(model_args) if sized else None)
     memory.mark("started")
+    data_args = next((a for a in arguments if isinstance(a, DataArguments)), None)
+    warnings = outside_checked_range() + ([check_block_size(model_args, data_args.block_size)]
+                                          if data_args and model_args else [])
     if accelerator.is_main_process:
-        for line in outside_checked_range():
+        for line in filter(None, warnings):
             print(f"warning: {line}", file=sys.stderr)
     set_seed(args.seed)
     clear_earlier = checkpoint is None and args.overwrite_output_dir

@@ -178,3 +178,27 @@ def test_an_error_only_rank_1_meets_is_one_line_naming_the_rank_and_every_rank_e
     error = launch_bad(causal_lm_args(markov_data, tmp_path / "out"), recipe=recipe)
     assert error == "error: rank 1: the shard for this rank does not load: check its files"
     assert time.monotonic() - started < 120  # not the collective timeout (1800 s)
+
+
+def test_block_size_past_the_models_positions(bf16_checkpoint, markov_data, tmp_path):
+    """A learned position table (GPT-2's n_positions) refuses a longer --block_size in one line (it
+    was an IndexError mid-step); a pretrained rotary model runs past its max_position_embeddings
+    with a warning; a rotary model built from a config trains at any length."""
+    from common.arguments import ModelArguments
+    from common.errors import UsageError
+    from common.model import check_block_size
+
+    (tmp_path / "gpt2.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 2,
+                                                    "n_positions": 64}))
+    tokenizer = str(markov_data / "tokenizer")
+    gpt2 = ModelArguments(model_config=str(tmp_path / "gpt2.json"), tokenizer_name_or_path=tokenizer)
+    with pytest.raises(UsageError, match=r"--block_size 128 is longer than the 64 positions .* learned table; "
+                                         r"pass --block_size 64 or less"):
+        check_block_size(gpt2, 128)
+    assert check_block_size(gpt2, 64) is None
+    limit = json.loads((bf16_checkpoint / "config.json").read_text())["max_position_embeddings"]
+    pretrained = ModelArguments(model_name_or_path=str(bf16_checkpoint))
+    assert "a rotary model runs there" in check_block_size(pretrained, limit + 1)
+    assert check_block_size(pretrained, limit) is None
+    scratch = ModelArguments(model_config=str(REPO / "recipes/configs/tiny_llama.json"), tokenizer_name_or_path=tokenizer)
+    assert check_block_size(scratch, limit + 1) is None
