@@ -21,13 +21,32 @@ from common.errors import UsageError, exit_with_error
 from common.internals import parser_actions
 
 
+# Trainer's options that these recipes take elsewhere: where each is set here
+_PRECISION = "mixed precision comes from the accelerate config, its mixed_precision (or accelerate launch " \
+             "--mixed_precision bf16)"
+_STRATEGY = "the strategy comes from the accelerate config: accelerate launch --config_file accelerate_configs/X.yaml"
+ELSEWHERE = {"bf16": _PRECISION, "fp16": _PRECISION, "deepspeed": _STRATEGY, "fsdp": _STRATEGY, "fsdp_config": _STRATEGY,
+             "eval_strategy": "evaluation runs every --eval_steps N (0: at the end only)",
+             "evaluation_strategy": "evaluation runs every --eval_steps N (0: at the end only)",
+             "save_strategy": "checkpoints are written every --save_steps N (0: none)",
+             "logging_strategy": "metrics are logged every --logging_steps N",
+             "local_rank": "accelerate launch gives each process its rank"}
+
+
+def _where_instead(keys) -> str:
+    """For unknown keys that are Trainer options: where each is set here."""
+    said = [f"--{key}: {ELSEWHERE[key]}" for key in dict.fromkeys(keys) if key in ELSEWHERE]
+    return f". {'; '.join(said)}" if said else ""
+
+
 def _yaml_to_argv(config: dict, parser: argparse.ArgumentParser, source: str) -> list[str]:
     """Turn recipe-YAML keys into command-line tokens, so argparse checks their types."""
     actions = parser_actions(parser)
     argv = []
     for key, value in config.items():
         if key not in actions or key in ("help", "config"):
-            raise UsageError(f"{source}: unknown key {key!r}; run the recipe with --help to list the keys")
+            raise UsageError(f"{source}: unknown key {key!r}; run the recipe with --help to list the "
+                             f"keys{_where_instead([key])}")
         if value is None:
             continue
         values = value if isinstance(value, list) else [value]
@@ -77,7 +96,9 @@ def _parse(dataclass_types, argv):
     *parsed, remaining = parser.parse_args_into_dataclasses(
         args=yaml_argv + argv, return_remaining_strings=True, look_for_args_file=False)
     if remaining:
-        raise UsageError(f"unknown argument(s) {' '.join(remaining)}; run with --help to list them")
+        keys = [token[2:].split("=")[0].replace("-", "_") for token in remaining if token.startswith("--")]
+        raise UsageError(f"unknown argument(s) {' '.join(remaining)}; run with --help to list "
+                         f"them{_where_instead(keys)}")
     _check_together(parsed)
     return tuple(parsed[:len(dataclass_types)])  # parsed[-1] is the namespace holding --config
 
