@@ -141,7 +141,7 @@ def saved_config(name_or_path: str):
     """A model's config as saved, read once per process (a Hub model's is a request); not to be changed."""
     try:
         return AutoConfig.from_pretrained(name_or_path)
-    except OSError as error:  # not found: a missing folder, a mistyped or unreachable Hub name
+    except (OSError, ValueError) as error:  # a missing folder, a mistyped or unreachable Hub name, a bad config
         raise UsageError(f"no model config loads from {name_or_path} ({describe(error)}); pass a model folder "
                          f"(config.json + weights) {reachable_hint(name_or_path)}") from None
 

@@ -52,9 +52,10 @@ def test_bad_yaml_names_the_key_and_file(recipe_yaml, line, expected):
 def test_trainer_options_set_elsewhere_say_where(recipe_yaml):
     """Trainer's --bf16, --deepspeed, --eval_strategy ... are the launcher's or another option's
     here: the one line says which, on the command line and in the recipe YAML."""
-    with pytest.raises(UsageError, match=r"unknown argument\(s\) --bf16 true --deepspeed ds.json --lr 1; .*--bf16: mixed "
-                                         r"precision comes from the accelerate config.*; --deepspeed: the strategy comes "
-                                         r"from the accelerate config: accelerate launch --config_file") as error:
+    expected = (r"unknown argument\(s\) --bf16 true --deepspeed ds.json --lr 1; .*--bf16: mixed precision comes from "
+                r"the accelerate config.*; --deepspeed: the strategy comes from the accelerate config: accelerate "
+                r"launch --config_file")
+    with pytest.raises(UsageError, match=expected) as error:
         _parse(TYPES, ["--config", str(recipe_yaml), "--bf16", "true", "--deepspeed", "ds.json", "--lr", "1"])
     assert "--lr:" not in str(error.value)  # no advice for an option that is not Trainer's
     with pytest.raises(UsageError, match=r"--local_rank: accelerate launch gives each process its rank"):

@@ -200,5 +200,6 @@ def test_block_size_past_the_models_positions(bf16_checkpoint, markov_data, tmp_
     pretrained = ModelArguments(model_name_or_path=str(bf16_checkpoint))
     assert "a rotary model runs there" in check_block_size(pretrained, limit + 1)
     assert check_block_size(pretrained, limit) is None
-    scratch = ModelArguments(model_config=str(REPO / "recipes/configs/tiny_llama.json"), tokenizer_name_or_path=tokenizer)
+    scratch = ModelArguments(model_config=str(REPO / "recipes/configs/tiny_llama.json"),
+                             tokenizer_name_or_path=tokenizer)
     assert check_block_size(scratch, limit + 1) is None
