@@ -1,8 +1,9 @@
 """SFT examples: conversations or prompt-completion pairs, tokenized with labels on the answers only.
 
 Conversations (`messages`) or prompt-completion pairs get labels on what the model should
-learn to say and -100 elsewhere. A conversation is a list of {"role", "content"} messages, or
-of ShareGPT's {"from", "value"} turns (human/gpt/system), read as the same.
+learn to say and -100 elsewhere. A conversation is a list of {"role", "content"} messages
+(content as text or as OpenAI-style text parts), or of ShareGPT's {"from", "value"} turns
+(human/gpt/system), read as the same.
 
 Labels come from the rendered text, so any chat template works, with or without
 `{% generation %}` markers: for each assistant turn the template renders the
@@ -63,15 +64,32 @@ def data_format(columns: list[str], messages_column: str) -> str:
                      f"columns; found {columns}. Set --messages_column{hint} or rename the columns")
 
 
+def _text_of(content):
+    """A message's content as text: a string, or OpenAI-style parts ([{"type": "text", "text": ...}])
+    joined; None for anything else."""
+    if isinstance(content, str) or not isinstance(content, list):
+        return content if isinstance(content, str) else None
+    if not all(isinstance(part, dict) and isinstance(part.get("text"), str) for part in content):
+        kinds = sorted({str(part.get("type")) for part in content if isinstance(part, dict)} - {"text"})
+        if kinds:
+            raise UsageError(f"a message has parts of type {kinds}; SFT here trains on text: keep its text parts only")
+        return None
+    return "".join(part["text"] for part in content)
+
+
 def as_messages(conversation) -> list[dict]:
-    """A conversation as {"role", "content"} messages: as given, or from ShareGPT's {"from", "value"}
-    turns. Anything else is a UsageError that shows the conversation."""
+    """A conversation as {"role", "content"} messages: as given (content as text, or OpenAI-style
+    text parts, joined), or from ShareGPT's {"from", "value"} turns. Anything else is a UsageError
+    that shows the conversation."""
     def all_text(keys):
         return isinstance(conversation, list) and all(
             isinstance(turn, dict) and all(isinstance(turn.get(key), str) for key in keys) for turn in conversation)
 
     if all_text(("role", "content")):
         return conversation
+    if isinstance(conversation, list) and all(isinstance(turn, dict) and isinstance(turn.get("role"), str)
+                                              and _text_of(turn.get("content")) is not None for turn in conversation):
+        return [{"role": turn["role"], "content": _text_of(turn["content"])} for turn in conversation]
     if all_text(("from", "value")):
         unknown = sorted({turn["from"] for turn in conversation} - set(SHAREGPT_ROLES))
         if unknown:

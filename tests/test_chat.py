@@ -200,3 +200,24 @@ def test_sharegpt_turns_are_read_as_the_same_messages(byte_bpe, family):
         tokenized([{"conversations": turns}], "messages")
     with pytest.raises(UsageError, match=r"ShareGPT turns from \['bing'\] have no chat role"):
         tokenized([{"conversations": turns[:-1] + [{"from": "bing", "value": "Hi"}]}], "conversations")
+
+
+def test_openai_style_text_parts_are_read_as_text(byte_bpe):
+    """Content given as [{"type": "text", "text": ...}] parts (OpenAI's chat format) is the same
+    conversation as content given as text; a part of another type is a one-line refusal."""
+    tokenizer, _ = family_tokenizer(byte_bpe, "chatml_qwen2_5")
+    messages = conversation(system=True)
+    parts = [{"role": m["role"], "content": [{"type": "text", "text": m["content"][:9]},
+                                             {"type": "text", "text": m["content"][9:]}]} for m in messages]
+
+    def tokenized(rows):
+        raw = DatasetDict(train=Dataset.from_list(rows), validation=Dataset.from_list(rows))
+        return tokenize_sft(raw, tokenizer, "messages", 512, "drop", CPU())[0]["train"][0], raw
+
+    from_parts, raw = tokenized([{"messages": parts}])
+    assert from_parts == tokenized([{"messages": messages}])[0] and len(labelled_runs(from_parts["labels"])) == 2
+    assert generation_references(raw["validation"], raw["train"].column_names, "messages", 1) == \
+        [(messages[:-1], messages[-1]["content"])]
+    with_image = [{**parts[0], "content": parts[0]["content"] + [{"type": "image_url", "text": None}]}] + parts[1:]
+    with pytest.raises(UsageError, match=r"parts of type \['image_url'\]; SFT here trains on text"):
+        tokenized([{"messages": with_image}])
