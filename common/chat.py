@@ -67,8 +67,10 @@ def data_format(columns: list[str], messages_column: str) -> str:
 def _text_of(content):
     """A message's content as text: a string, or OpenAI-style parts ([{"type": "text", "text": ...}])
     joined; None for anything else."""
-    if isinstance(content, str) or not isinstance(content, list):
-        return content if isinstance(content, str) else None
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        return None
     if not all(isinstance(part, dict) and isinstance(part.get("text"), str) for part in content):
         kinds = sorted({str(part.get("type")) for part in content if isinstance(part, dict)} - {"text"})
         if kinds:
@@ -88,8 +90,10 @@ def as_messages(conversation) -> list[dict]:
     if all_text(("role", "content")):
         return conversation
     if isinstance(conversation, list) and all(isinstance(turn, dict) and isinstance(turn.get("role"), str)
-                                              and _text_of(turn.get("content")) is not None for turn in conversation):
-        return [{"role": turn["role"], "content": _text_of(turn["content"])} for turn in conversation]
+                                              for turn in conversation):
+        texts = [_text_of(turn.get("content")) for turn in conversation]
+        if None not in texts:
+            return [{"role": turn["role"], "content": text} for turn, text in zip(conversation, texts)]
     if all_text(("from", "value")):
         unknown = sorted({turn["from"] for turn in conversation} - set(SHAREGPT_ROLES))
         if unknown:

@@ -25,10 +25,10 @@ from common.internals import parser_actions
 _PRECISION = "mixed precision comes from the accelerate config, its mixed_precision (or accelerate launch " \
              "--mixed_precision bf16)"
 _STRATEGY = "the strategy comes from the accelerate config: accelerate launch --config_file accelerate_configs/X.yaml"
+_EVALUATION = "evaluation runs every --eval_steps N (0: at the end only)"
 ELSEWHERE = {"bf16": _PRECISION, "fp16": _PRECISION,
              "deepspeed": _STRATEGY, "fsdp": _STRATEGY, "fsdp_config": _STRATEGY,
-             "eval_strategy": "evaluation runs every --eval_steps N (0: at the end only)",
-             "evaluation_strategy": "evaluation runs every --eval_steps N (0: at the end only)",
+             "eval_strategy": _EVALUATION, "evaluation_strategy": _EVALUATION,
              "save_strategy": "checkpoints are written every --save_steps N (0: none)",
              "logging_strategy": "metrics are logged every --logging_steps N",
              "local_rank": "accelerate launch gives each process its rank"}
