@@ -9,10 +9,14 @@ its traceback.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import os
+import pickle
+import re
 import sys
 import time
+import zipfile
 
 from common.internals import close_progress_bars
 from common.peers import lost_peer_message, peer_exited
@@ -24,6 +28,10 @@ class UsageError(ValueError):
 
 class RunStopped(RuntimeError):
     """The run cannot go on (non-finite weights, a lost peer): the message says why and what to do."""
+
+
+class NodeStopped(RunStopped):
+    """A RunStopped that every node meets alone (waiting on rank 0's files): each node reports it at once."""
 
 
 def describe(error: BaseException) -> str:
@@ -43,6 +51,28 @@ def downloads_off(*variables: str) -> str:
         return ""
     return (f"; {' and '.join(names)} {'is' if len(names) == 1 else 'are'} set here, so only what the Hub cache "
             f"already holds loads: set {'=0 '.join(names)}=0 to download")
+
+
+# errno values that mean the host's storage failed, not the file read
+HOST_IO_ERRNOS = (errno.EIO, errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.ESTALE, errno.ETIMEDOUT,
+                  errno.ENOMEM, errno.EDQUOT)
+# what the libraries say of a file cut short or corrupt: safetensors' header, a torch zip, a pickle, JSON
+DAMAGE_SAID = re.compile(r"deserializ|header|unexpected end|truncat|corrupt|invalid load key|PytorchStreamReader|"
+                         r"zip archive|Expecting value|Unterminated|EOF", re.IGNORECASE)
+
+
+def load_fault(error: BaseException) -> str | None:
+    """Why a file (weights, a checkpoint, a tokenizer) did not load, as far as the library's error
+    says: "memory" (this host ran out), "io" (this host's storage failed), "damaged" (the file is cut
+    short or corrupt), or None (anything else: a mismatch, a missing name)."""
+    if isinstance(error, MemoryError) or "out of memory" in str(error).lower():
+        return "memory"
+    if isinstance(error, OSError) and error.errno in HOST_IO_ERRNOS:
+        return "io"
+    if isinstance(error, (EOFError, pickle.UnpicklingError, zipfile.BadZipFile)) or \
+            DAMAGE_SAID.search(f"{type(error).__name__}: {error}"):
+        return "damaged"
+    return None
 
 
 # How long another rank waits before it reports: an error every rank meets is reported by rank 0,
@@ -95,7 +125,7 @@ def one_line_errors(ddp_timeout: float | None = None):
     except UsageError as error:
         exit_with_error(error)
     except RunStopped as error:
-        exit_with_error(error, status=1)
+        exit_with_error(error, status=1, every_node=isinstance(error, NodeStopped))
     except RuntimeError as error:
         message = lost_peer_message(error, ddp_timeout)
         if message is None:

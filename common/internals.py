@@ -11,7 +11,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import importlib.metadata
-import re
 
 import torch
 
@@ -43,7 +42,8 @@ USES = (
     Use("transformers", "PretrainedConfig._name_or_path", "set_base_model_name"),
     Use("transformers", "PreTrainedModel._weight_conversions, _auto_class, _keys_to_ignore_on_save", "saves_as_state_dict"),
     Use("transformers", "integrations.sdpa_attention.sdpa_attention_forward, masking_utils.sdpa_mask and "
-                        "the mask function's allow_is_causal_skip keyword", "common/packing.py's sdpa_varlen"),
+                        "the mask function's allow_is_causal_skip keyword",
+        "common/packing.py's sdpa_varlen_forward: the attention registered as sdpa_varlen, and its mask"),
     Use("torch", "_dynamo.config.recompile_limit", "allow_recompiles: the compile budget regional compile shares"),
     Use("torch", "profiler.profile.step_num / current_action", "start_profiler_at: label steps by optimizer step"),
     Use("torch", "DistributedDataParallel._get_ddp_logging_data()['bucket_sizes']",
@@ -62,9 +62,18 @@ USES = (
 )
 
 
-def _release(version: str) -> tuple:
-    """(2, 14, 0) for 2.14.0, 2.14.0rc1 or 2.14.0+cu128: the release a version belongs to."""
-    return tuple(int(number) for number in re.findall(r"^\d+(?:\.\d+)*", version)[0].split("."))
+def in_checked_range(installed: str, lowest: str, first_unchecked: str) -> bool:
+    """`lowest` <= `installed` < `first_unchecked` as releases are ordered: 1.15 is 1.15.0, a
+    pre-release comes before its release (2.13.0rc1 is below a lowest 2.13.0) and belongs to the
+    release it leads to (2.14.0rc1 is not below a first unchecked 2.14), a local build (+cpu) is its
+    release."""
+    from packaging.version import Version
+
+    def release(version: str) -> tuple:
+        numbers = Version(version).release
+        return numbers + (0,) * (4 - len(numbers))
+
+    return Version(installed) >= Version(lowest) and release(installed) < release(first_unchecked)
 
 
 def outside_checked_range() -> list[str]:
@@ -75,7 +84,7 @@ def outside_checked_range() -> list[str]:
             installed = importlib.metadata.version(library)
         except importlib.metadata.PackageNotFoundError:
             continue
-        if not _release(lowest) <= _release(installed) < _release(first_unchecked):
+        if not in_checked_range(installed, lowest, first_unchecked):
             uses = "; ".join(use.what for use in USES if use.library == library)
             lines.append(f"{library} {installed} is outside the range common/internals.py was checked on "
                          f"(>={lowest},<{first_unchecked}); its uses of {library}'s internals may break: {uses}")

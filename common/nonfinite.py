@@ -26,6 +26,12 @@ fp32 and bf16), and the loop then skips the schedule's step. Should DeepSpeed ev
 non-finite step (`was_step_applied`), the weights are lost and the run stops whatever the
 policy. Either way no checkpoint is ever written from non-finite weights
 (`check_finite_weights`, called before each save).
+
+In fp16 the loss is scaled (accelerate's GradScaler, DeepSpeed's dynamic loss scale), and a
+scale too high for a step's gradients overflows them: their norm is not finite while every loss
+was. That is the scaler's routine, not a fault: the step is skipped, the scaler lowers its scale
+(`GradScaler.update`, which its own step would have run) and the run goes on; the overflow is
+logged in metrics.jsonl ("loss_scale_overflow") and counts towards no --max_nonfinite_skips.
 """
 
 from __future__ import annotations
@@ -68,6 +74,9 @@ class NonFiniteGuard:
         and read every `read_every` steps (the logging steps), before a checkpoint and at the end."""
         self.accelerator, self.model, self.metrics = accelerator, model, metrics
         self.policy, self.max_skips = policy, max_skips
+        self.scaler = accelerator.scaler  # fp16 under accelerate: its GradScaler
+        self.scales_loss = self.scaler is not None or bool(getattr(model, "fp16_enabled", lambda: False)())
+        self.overflows = 0
         self.bad_losses = torch.zeros(1, device=accelerator.device)
         self.skipped = 0
         self.inner, self.schedule = torch_optimizer_and_schedule(optimizer, scheduler)  # found once
@@ -95,7 +104,10 @@ class NonFiniteGuard:
             return False
         ranks = self.accelerator.gather(self.bad_losses.clone()).tolist()
         self.bad_losses.zero_()
-        return self._decide(step, norm, [rank for rank, bad in enumerate(ranks) if bad])
+        skip = self._decide(step, norm, [rank for rank, bad in enumerate(ranks) if bad])
+        if skip and self.scaler is not None:
+            self.scaler.update()  # what its step would have run: a lower scale, ready for the next unscale_
+        return skip
 
     def settle(self) -> None:
         """Read the steps decided on the device since the last read (one host read) and act on those
@@ -116,6 +128,11 @@ class NonFiniteGuard:
     def _decide(self, step: int, norm, loss_ranks: list) -> bool:
         if not loss_ranks and norm is None:
             return False
+        if self.scales_loss and not loss_ranks:  # fp16: the loss scale overflowed the gradients
+            self.overflows += 1
+            self.metrics.log_event({"step": step, "event": "loss_scale_overflow", "grad_norm": str(norm),
+                                    "action": "skipped", "overflows": self.overflows})
+            return True
         what = (f"non-finite loss on rank {', '.join(map(str, loss_ranks))}" if loss_ranks
                 else "non-finite gradients") + f" (gradient norm {norm})"
         applied = hasattr(self.model, "was_step_applied") and self.model.was_step_applied()

@@ -19,6 +19,10 @@ import time
 LOST_PEER = re.compile(r"timed out|timeout|connection (closed|reset|refused)|broken pipe|no route to host|"
                        r"network is unreachable|connection abort", re.IGNORECASE)
 ADDRESS = re.compile(r"\[([0-9a-fA-F:.]+)\]:(\d+)")
+# A communication backend's own error: gloo raises a plain RuntimeError carrying its source location
+# ("[.../gloo/transport/tcp/pair.cc:553] Connection closed by peer"); NCCL and the rendezvous store raise
+# torch.distributed's DistError types. Another error that mentions a timeout (a CUDA launch timeout) is not one.
+BACKEND = re.compile(r"/gloo/|ProcessGroup(Gloo|NCCL|MPI|UCC)|\bNCCL\b|\bc10d\b")
 
 
 def free_port() -> int:
@@ -32,7 +36,7 @@ def lost_peer_message(error: BaseException, timeout: float | None) -> str | None
     """The one line for a collective that failed because a peer was lost; None for other errors.
     `timeout`: the seconds every collective waits (--ddp_timeout), for the line to say."""
     text = str(error)
-    if not (isinstance(error, RuntimeError) and LOST_PEER.search(text)):
+    if not (from_the_backend(error) and LOST_PEER.search(text)):
         return None
     reason = next((line.strip() for line in text.splitlines() if LOST_PEER.search(line)), text.splitlines()[0])
     reason = re.sub(r"^\[[^\]]*\.(cc|cpp):\d+\]\s*", "", reason)[:200]  # drop the backend's source location
@@ -47,6 +51,14 @@ def lost_peer_message(error: BaseException, timeout: float | None) -> str | None
             "every node's processes and logs, that the nodes reach each other on the interface in use "
             f"(GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME), then resume with --resume_from_checkpoint latest "
             f"(collectives wait --ddp_timeout {'?' if timeout is None else f'{timeout:g}'} s)")
+
+
+def from_the_backend(error: BaseException) -> bool:
+    """Whether `error` was raised by a collective's communication backend (gloo, NCCL, the store)."""
+    import torch.distributed
+
+    return isinstance(error, getattr(torch.distributed, "DistError", ())) or \
+        (isinstance(error, RuntimeError) and bool(BACKEND.search(str(error))))
 
 
 def peer_exited(error: BaseException) -> bool:

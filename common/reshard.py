@@ -17,12 +17,14 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
+import uuid
 
 from common.accelerator import ZERO3_DEFAULT_SUB_GROUP_SIZE, ZERO3_SUB_GROUP_SIZE, zero3_sub_group_size
-from common.errors import UsageError
+from common.errors import NodeStopped, UsageError, describe
 from common.peers import reporting_progress
-from common.run_dir import STATE_FILE
+from common.run_dir import STATE_FILE, write_atomically
 
 UNIVERSAL = "universal"  # a DeepSpeed checkpoint converted for another world size, inside its step_N
 SCHEDULE = "lr_schedule"  # trainer_state.json: how far the saved schedule had stepped
@@ -71,11 +73,15 @@ def _converted(target: str) -> bool:
     return os.path.isfile(os.path.join(target, STATE_FILE))
 
 
-def convert_before_start(path: str | None) -> None:
+def convert_before_start(path: str | None, wait_s: float) -> None:
     """Before the process group starts: a ZeRO checkpoint written in another layout than this launch's
     is converted by the first process while the others wait for the converted folder (on the
-    filesystem, not in a collective, so no collective timeout bounds a long conversion). Progress is
-    printed every 30 s. `for_this_world_size` then finds the conversion done."""
+    filesystem, not in a collective, so no collective timeout cuts a long conversion short). Rank 0
+    keeps a status file beside the target (`STATUS`): a beat every BEAT_S seconds while it converts,
+    its error line if it fails. A waiting rank ends with that line as soon as it reads it, and with
+    one naming the shared filesystem the nodes need when the status has not changed for `wait_s`
+    seconds (--ddp_timeout: rank 0 died or hangs, or this node does not see its files). Progress
+    is printed every 30 s. `for_this_world_size` then finds the conversion done."""
     launched = launched_layout()
     if path is None or launched is None or not _differs(_saved_layout(path), launched):
         return
@@ -85,14 +91,77 @@ def convert_before_start(path: str | None) -> None:
     if int(os.environ.get("RANK", "0")) == 0:
         what = f"converting {path} for {launched['num_processes']} processes (DeepSpeed's universal format)"
         print(f"{what} into {target}", file=sys.stderr, flush=True)
-        with reporting_progress(what):
+        with reporting_progress(what), _status_kept(target + STATUS):
             convert_to_universal(path, target)
         return
     waiting = reporting_progress(f"waiting for rank 0 to convert {path}") \
         if int(os.environ.get("LOCAL_RANK", "0")) == 0 else contextlib.nullcontext()  # one line per node
     with waiting:
-        while not _converted(target):  # rank 0 ends the launch (and this process) if it fails
-            time.sleep(1.0)
+        _wait_for_conversion(path, target, wait_s)
+
+
+STATUS = ".status"  # target + STATUS: rank 0's conversion, {"launch", "beat", "error"}, read by the other ranks
+BEAT_S = 5.0
+
+
+@contextlib.contextmanager
+def _status_kept(status_file: str):
+    """Rank 0's side: a new launch id and a beat every BEAT_S seconds while the body runs; its error
+    (the one line it ends with) if it raises."""
+    status = {"launch": uuid.uuid4().hex, "beat": 0, "error": None}
+    done = threading.Event()
+
+    def beat():
+        while True:
+            write_atomically(status_file, json.dumps(status))
+            if done.wait(BEAT_S):
+                return
+            status["beat"] += 1
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        yield
+    except BaseException as error:
+        done.set()
+        thread.join()
+        status["error"] = str(error) if isinstance(error, UsageError) else describe(error)
+        write_atomically(status_file, json.dumps(status))
+        raise
+    done.set()
+    thread.join()
+    os.remove(status_file)
+
+
+def _read_status(status_file: str) -> dict | None:
+    try:
+        with open(status_file) as handle:
+            return json.load(handle)
+    except (OSError, ValueError):
+        return None
+
+
+def _wait_for_conversion(path: str, target: str, wait_s: float) -> None:
+    """A waiting rank's side: until the target is complete, rank 0 reports an error (from a status
+    that changed since this rank began waiting: one already there may be an earlier launch's), or the
+    status stands still for `wait_s` seconds."""
+    status_file = target + STATUS
+    first = seen = _read_status(status_file)
+    changed_at = time.monotonic()
+    while not _converted(target):
+        status = _read_status(status_file)
+        if status != seen:
+            seen, changed_at = status, time.monotonic()
+        still = time.monotonic() - changed_at
+        if status and status.get("error") and (status != first or still > wait_s):
+            raise NodeStopped(f"rank 0 could not convert {path} for this number of processes: {status['error']}")
+        if still > wait_s:
+            raise NodeStopped(
+                f"waited {wait_s:.0f} s (--ddp_timeout) for rank 0 to convert {path} for this number of processes "
+                f"with no sign of it in {status_file}: rank 0 died or hangs, or this node does not see its files. "
+                "Every node must reach the checkpoint and output_dir on one shared filesystem; check rank 0's log, "
+                "then resume again (or on the number of processes that wrote it)")
+        time.sleep(1.0)
 
 
 def for_this_world_size(accelerator, path: str | None) -> str | None:

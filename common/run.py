@@ -32,7 +32,8 @@ from common.model import check_block_size, count_parameters, export_dtype, model
 from common.nonfinite import NonFiniteGuard, nonfinite_check
 from common.profiling import StepProfiler
 from common.reshard import convert_before_start, for_this_world_size
-from common.run_dir import check_output_dir, clear_earlier_run, list_checkpoints, resolve_checkpoint
+from common.run_dir import (check_output_dir, clear_earlier_run, launch_started, launch_starting, list_checkpoints,
+                            mark_launch_starting, resolve_checkpoint, set_aside_later_checkpoints)
 from common.run_info import record_run, tracker_config
 from common.speed import speed_record
 
@@ -73,6 +74,13 @@ class Run:
         state = load_checkpoint(accelerator, self.checkpoint, optimizer, scheduler)
         if self.clear_earlier and accelerator.is_main_process:
             clear_earlier_run(args.output_dir)
+        if self.checkpoint is not None and accelerator.is_main_process:
+            aside = set_aside_later_checkpoints(args.output_dir, state["step"])
+            if aside is not None:
+                print(f"resuming from step {state['step']}: the run's later checkpoints (the continuation this run "
+                      f"replaces) were moved to {aside}; delete them once they are not needed", file=sys.stderr)
+        if accelerator.is_main_process:
+            launch_started(args.output_dir)  # the folder's checkpoints are this launch's from here on
         accelerator.wait_for_everyone()
         written = record_run(accelerator, self.launch, model, optimizer, to_dict(*self.arguments), args.output_dir,
                              max_steps=max_steps, **record, **count_parameters(model),
@@ -122,8 +130,10 @@ def start_run(*arguments) -> Run:
     args = next(a for a in arguments if isinstance(a, TrainingArguments))
     resume_after_restart(args)
     check_output_dir(args.output_dir, args.resume_from_checkpoint, args.overwrite_output_dir)
+    if _is_rank0() and not int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):
+        mark_launch_starting(args.output_dir)
     checkpoint = resolve_checkpoint(args.output_dir, args.resume_from_checkpoint)
-    convert_before_start(checkpoint)  # a ZeRO checkpoint of another layout, before any collective can time out
+    convert_before_start(checkpoint, args.ddp_timeout)  # a ZeRO checkpoint of another layout, before any collective
     model_args = next((a for a in arguments if isinstance(a, ModelArguments)), None)
     sized = model_args is not None and launched_strategy() == "deepspeed"  # ZeRO-3's bounds: the config read there only
     accelerator, launch = build_accelerator(args, model_hidden_size(model_args) if sized else None)
@@ -142,7 +152,9 @@ def start_run(*arguments) -> Run:
 def resume_after_restart(args) -> None:
     """torchrun sets TORCHELASTIC_RESTART_COUNT in the workers it restarts after a failure. They
     were launched with the first attempt's arguments (--overwrite_output_dir included): once this
-    run has a complete checkpoint, continue from the latest one instead."""
+    run has a complete checkpoint, continue from the latest one instead. Where the first attempt
+    died before taking over the folder's checkpoints (`common.run_dir.launch_starting`: an earlier
+    run's, not yet cleared or set aside), its arguments stand: start afresh or from its checkpoint again."""
     max_restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if max_restarts and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
@@ -156,12 +168,14 @@ def resume_after_restart(args) -> None:
                          "a restarted worker can hang or fail to reach the dead one: launch with "
                          "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 accelerate launch --rdzv_backend c10d --max_restarts "
                          f"{max_restarts} ... (make <recipe> LAUNCH_ARGS=\"--max_restarts {max_restarts}\" does both)")
-    if restart and list_checkpoints(args.output_dir):
+    first_attempt_ended_early = launch_starting(args.output_dir)
+    if restart and list_checkpoints(args.output_dir) and not first_attempt_ended_early:
         args.resume_from_checkpoint, args.overwrite_output_dir = "latest", False
     if restart and _is_rank0():
-        print(f"restart {restart} of at most {max_restarts}: "
-              f"{'resuming from the latest checkpoint' if args.resume_from_checkpoint == 'latest' else 'no checkpoint yet, starting again'}",
-              file=sys.stderr)
+        what = ("resuming from the latest checkpoint" if args.resume_from_checkpoint == "latest" else
+                "the first attempt ended before it started training: starting as it did" if first_attempt_ended_early
+                else "no checkpoint yet, starting again")
+        print(f"restart {restart} of at most {max_restarts}: {what}", file=sys.stderr)
 
 
 def _is_rank0() -> bool:

@@ -2,9 +2,12 @@
 
     output_dir/run.json, metrics.jsonl, logs/, profile/
     output_dir/checkpoints/step_N/         complete checkpoints (tmp-step_N while being written)
-    output_dir/final/, best/, exported/    Hugging Face folders
+    output_dir/checkpoints/abandoned_after_step_N/   later checkpoints set aside by a resume from step_N
+    output_dir/final/, best/, *_merged/, exported/   Hugging Face folders
 
-Nothing of an earlier run is touched until the new run is known to start.
+Nothing of an earlier run is touched until the new run is known to start (its model prepared,
+its checkpoint loaded); until then LAUNCH_STARTING marks that the folder's checkpoints are not
+yet the launch's own, so a worker restarted before that does not resume them.
 """
 
 from __future__ import annotations
@@ -19,6 +22,13 @@ from common.errors import UsageError
 STEP_DIR = re.compile(r"^step_(\d+)$")
 STATE_FILE = "trainer_state.json"  # inside step_N: the step, the data position, the layout that wrote it
 MODEL_FILES = "model_files"  # inside step_N: config, generation config, tokenizer, adapter config
+# Everything a run writes into output_dir: what makes it hold a run, and what --overwrite_output_dir clears
+# (with a folder's leftovers of an interrupted swap, name.tmp and name.old). Other files there are the user's.
+RUN_FOLDERS = ("checkpoints", "final", "final_merged", "best", "best_merged", "exported", "logs", "profile")
+RUN_FILES = ("run.json", "metrics.jsonl")
+# Written when a launch starts where checkpoints exist, removed once it has cleared them (--overwrite_output_dir)
+# or set aside those past its resume point: till then a restarted worker must not resume 'latest'.
+LAUNCH_STARTING = ".launch_starting"
 
 
 def checkpoints_dir(output_dir: str) -> str:
@@ -34,12 +44,43 @@ def list_checkpoints(output_dir: str) -> list[str]:
     return [os.path.join(root, name) for _, name in sorted(steps)]
 
 
+def earlier_run(output_dir: str) -> list[str]:
+    """What an earlier run left in output_dir (RUN_FOLDERS, RUN_FILES and their leftovers), by name."""
+    if not os.path.isdir(output_dir):
+        return []
+    names = set(RUN_FOLDERS) | set(RUN_FILES) | {f"{name}{end}" for name in RUN_FOLDERS for end in (".tmp", ".old")}
+    return sorted(name for name in os.listdir(output_dir) if name in names)
+
+
 def check_output_dir(output_dir: str, resume_from_checkpoint: str | None, overwrite: bool) -> None:
     """Refuse to start a fresh run on top of an earlier one (nothing of the user's is lost)."""
-    if resume_from_checkpoint is None and not overwrite and (
-            list_checkpoints(output_dir) or os.path.exists(os.path.join(output_dir, "final"))):
-        raise UsageError(f"output_dir {output_dir} already holds a run; pass --resume_from_checkpoint latest "
-                         "to continue it, --overwrite_output_dir to start afresh, or another --output_dir")
+    found = earlier_run(output_dir)
+    if resume_from_checkpoint is None and not overwrite and found:
+        raise UsageError(f"output_dir {output_dir} already holds a run ({', '.join(found)}); pass "
+                         "--resume_from_checkpoint latest to continue it, --overwrite_output_dir to start afresh, "
+                         "or another --output_dir")
+
+
+def mark_launch_starting(output_dir: str) -> None:
+    """At a launch's start (not a restart's): where output_dir already holds checkpoints, mark that
+    they are not yet this launch's (LAUNCH_STARTING) until `begin` has cleared them
+    (--overwrite_output_dir) or set aside those past its resume point; a stale mark goes."""
+    marker = os.path.join(output_dir, LAUNCH_STARTING)
+    if list_checkpoints(output_dir):
+        write_atomically(marker, "a launch is starting here: until it has, these checkpoints are not its own\n")
+    elif os.path.exists(marker):
+        os.remove(marker)
+
+
+def launch_starting(output_dir: str) -> bool:
+    """Whether the launch that started last here has yet to take over the folder's checkpoints: a
+    worker restarted then keeps the first attempt's arguments rather than resume 'latest'."""
+    return os.path.exists(os.path.join(output_dir, LAUNCH_STARTING))
+
+
+def launch_started(output_dir: str) -> None:
+    if launch_starting(output_dir):
+        os.remove(os.path.join(output_dir, LAUNCH_STARTING))
 
 
 def resolve_checkpoint(output_dir: str, resume_from_checkpoint: str | None) -> str | None:
@@ -54,12 +95,31 @@ def resolve_checkpoint(output_dir: str, resume_from_checkpoint: str | None) -> s
 
 
 def clear_earlier_run(output_dir: str) -> None:
-    """--overwrite_output_dir: the earlier run's checkpoints, exports, logs and metrics go (main
-    process, once the new run is known to start)."""
-    for name in ("checkpoints", "final", "logs"):
-        shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
-    if os.path.exists(os.path.join(output_dir, "metrics.jsonl")):
-        os.remove(os.path.join(output_dir, "metrics.jsonl"))
+    """--overwrite_output_dir: everything the earlier run wrote goes (`earlier_run`: checkpoints,
+    every export, logs, profile, run.json and metrics), the user's other files stay (main process,
+    once the new run is known to start)."""
+    for name in earlier_run(output_dir):
+        path = os.path.join(output_dir, name)
+        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+
+
+def set_aside_later_checkpoints(output_dir: str, step: int) -> str | None:
+    """A run resumed from step_`step` while later checkpoints exist replaces their continuation:
+    they move to checkpoints/abandoned_after_step_<step>/ (kept, not deleted), so that neither
+    'latest' nor the pruning of --save_total_limit takes them for this run's. Returns that folder,
+    or None when there were none. Main process."""
+    later = [path for path in list_checkpoints(output_dir) if int(STEP_DIR.match(os.path.basename(path))[1]) > step]
+    if not later:
+        return None
+    aside = os.path.join(checkpoints_dir(output_dir), f"abandoned_after_step_{step}")
+    suffix = 1
+    while os.path.exists(aside if suffix == 1 else f"{aside}_{suffix}"):
+        suffix += 1
+    aside = aside if suffix == 1 else f"{aside}_{suffix}"
+    os.makedirs(aside)
+    for path in later:
+        os.replace(path, os.path.join(aside, os.path.basename(path)))
+    return aside
 
 
 def write_atomically(path: str, text: str) -> None:

@@ -1,7 +1,9 @@
 """Other libraries' internals are used in one place only, and only on the versions they were checked on."""
 
 import ast
+import importlib
 import importlib.metadata
+import re
 
 import pytest
 
@@ -50,10 +52,21 @@ def test_no_private_attribute_of_another_library_is_used_outside_common_internal
 
 
 def test_every_library_with_an_internal_use_has_a_checked_range():
+    """Each use names its library, which has a range of versions that parse and are in order, and the
+    function of common/internals.py that holds it (its `why` starts with the function's name)."""
+    from packaging.version import Version
+
     libraries = {use.library for use in internals.USES} - {"python"}
     assert libraries <= set(internals.CHECKED), libraries - set(internals.CHECKED)
+    for library, (lowest, first_unchecked) in internals.CHECKED.items():
+        assert Version(lowest) < Version(first_unchecked), library
     for use in internals.USES:
-        assert use.what and use.why, use
+        # "function: ..." for one of common/internals.py, "common/<module>.py's function" for one elsewhere
+        elsewhere = re.match(r"common/(\w+)\.py's (\w+)", use.why)
+        module = importlib.import_module(f"common.{elsewhere[1]}") if elsewhere else internals
+        holders = {elsewhere[2]} if elsewhere else set(re.findall(r"\w+", use.why.split(":")[0]))
+        assert any(callable(getattr(module, name, None)) for name in holders), \
+            f"{use}: its why names no function of {module.__name__} that holds the use"
 
 
 @pytest.mark.parametrize("library", sorted(internals.CHECKED))
@@ -69,11 +82,13 @@ def test_installed_versions_are_the_ones_the_internals_were_checked_on(library):
         f"check these uses against it, fix what broke, then widen CHECKED: {uses}")
 
 
-def test_the_range_check_reads_release_numbers():
-    assert internals._release("2.13.0+cpu") == (2, 13, 0)
-    assert internals._release("2.14.0rc1") == (2, 14, 0)
-    assert internals._release("0.19.8") < internals._release("0.19.9")
-    assert internals._release("5.23.0") < internals._release("5.24")
+@pytest.mark.parametrize("installed, inside", [
+    ("2.13.0", True), ("2.13.0+cpu", True), ("2.13", True), ("2.13.5.post1", True), ("2.13.1rc1", True),
+    ("2.13.0rc1", False), ("2.13.0.dev20260101", False), ("2.12.9", False),  # before the lowest checked
+    ("2.14", False), ("2.14.0rc1", False), ("2.14.0+cu128", False), ("3.0", False)])  # the first unchecked on
+def test_the_range_check_orders_versions_as_releases_are(installed, inside):
+    assert internals.in_checked_range(installed, "2.13.0", "2.14") is inside
+    assert internals.in_checked_range("1.15", "1.15.0", "1.16")  # a two-part version is its .0
 
 
 def test_a_version_outside_the_range_gives_one_line_naming_the_uses(monkeypatch):

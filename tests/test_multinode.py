@@ -1,9 +1,12 @@
 """Two "machines" on loopback, and the SLURM batch script with faked SLURM variables (running HSDP)."""
 
+import json
 import os
+import re
 import stat
 import subprocess
 import threading
+import time
 
 import pytest
 
@@ -104,3 +107,47 @@ def test_slurm_batch_script_runs_hsdp_on_two_fake_nodes_of_two_processes(markov_
     print(f"HSDP, 2 fake SLURM nodes x 2 processes: local parameter elements {local} of {total}, "
           f"max loss gap to one process {gap:.2e}")
     assert len(losses(out)) == 12 and gap < 1e-5
+
+
+def zero3_checkpoint_of_another_world_size(folder):
+    """A checkpoint that says 4 processes wrote it (so 2 need DeepSpeed's universal conversion), whose
+    ZeRO shards are missing: rank 0's conversion fails."""
+    (folder / "pytorch_model").mkdir(parents=True)
+    (folder / "latest").write_text("pytorch_model")
+    (folder / "trainer_state.json").write_text(json.dumps({"step": 4, "num_processes": 4,
+                                                           "zero3_sub_group_size": 10_000_000}))
+    return folder
+
+
+@pytest.mark.slow
+def test_a_failed_conversion_ends_the_other_node_with_rank_0s_line_and_an_unseen_one_within_the_timeout(
+        markov_data, tmp_path):
+    """multi_node_zero3.yaml on two loopback machines, resuming a ZeRO-3 checkpoint of 4 processes on 2:
+    rank 0 converts it before any process group exists while node 1 waits on the filesystem (with the
+    static rendezvous its agent never learns that node 0 ended). Shared checkpoint: rank 0's conversion
+    fails, and node 1 ends with rank 0's reason, at once rather than after --ddp_timeout. Each node
+    with its own copy (no shared filesystem): node 1 never sees rank 0's status and ends after
+    --ddp_timeout (10 s) with a line naming the shared filesystem. Before, node 1 waited for ever."""
+    shared = zero3_checkpoint_of_another_world_size(tmp_path / "shared/checkpoints/step_4")
+    own = zero3_checkpoint_of_another_world_size(tmp_path / "node1/checkpoints/step_4")
+    for node1_checkpoint, expected in ((shared, r"rank 0 could not convert \S+step_4 for this number of processes: "
+                                                r"checkpoint \S+ could not be converted"),
+                                       (own, r"waited 10 s \(--ddp_timeout\) for rank 0 to convert .* one shared "
+                                             r"filesystem")):
+        port, started = free_port(), time.time()
+        nodes = [subprocess.Popen(
+            launch_command("multi_node_zero3.yaml", "causal_lm.py", causal_lm_args(
+                markov_data, tmp_path / f"run{rank}", resume_from_checkpoint=checkpoint, ddp_timeout=10), [
+                "--num_machines", "2", "--num_processes", "2", "--machine_rank", str(rank),
+                "--main_process_ip", "127.0.0.1", "--main_process_port", str(port)]),
+            cwd=REPO, env={**os.environ, **OFFLINE_ENV}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for rank, checkpoint in ((0, shared), (1, node1_checkpoint))]
+        try:
+            logs = [node.communicate(timeout=240)[0] for node in nodes]
+        finally:
+            for node in nodes:
+                node.kill()
+        print(f"node 1 ended in {time.time() - started:.0f} s: {[l for l in logs[1].splitlines() if l.startswith('error:')][-1:]}")
+        assert nodes[0].returncode != 0 and nodes[1].returncode != 0
+        assert re.search(r"error: checkpoint \S+ could not be converted for another number of processes", logs[0])
+        assert re.search(r"error: " + expected, logs[1]), logs[1][-3000:]  # at once: local rank 0 of its node

@@ -45,31 +45,41 @@ def worker_pid(rank: int, marker: str) -> int | None:
 
 @pytest.mark.slow
 def test_a_killed_worker_is_restarted_and_the_run_resumes_to_the_same_weights(markov_data, reference, tmp_path):
-    """`make causal_lm LAUNCH_ARGS="--max_restarts 1"` (ddp, 2 processes, fp32): rank 1 is killed
-    (SIGKILL) once the step-2 checkpoint exists. torchrun restarts both workers; they resume from
-    the latest checkpoint by themselves (the command still says --overwrite_output_dir), and the
-    final weights equal an uninterrupted run's (the one-process reference, global batch 8)."""
+    """`make causal_lm LAUNCH_ARGS="--max_restarts 2"` (ddp, 2 processes, fp32) over an earlier run's
+    checkpoint (step_11), as the make target runs it: --overwrite_output_dir. Rank 1 is killed (SIGKILL)
+    twice: while starting up, before the earlier run is cleared, and once the new run's step-2
+    checkpoint exists. torchrun restarts both workers each time. After the first kill they must start
+    afresh as the first attempt did, not resume the earlier run's step_11 (which would not load: it
+    holds only its trainer_state.json); after the second they resume from the latest checkpoint by
+    themselves (the command still says --overwrite_output_dir). The final weights equal an
+    uninterrupted run's (the one-process reference, global batch 8)."""
     out = tmp_path / "run"
+    earlier = out / "checkpoints/step_11"
+    earlier.mkdir(parents=True)
+    (earlier / "trainer_state.json").write_text(json.dumps({"step": 11}))
     args = causal_lm_args(markov_data, out, per_device_train_batch_size=4, save_steps=2, save_total_limit=2)
     command = ["make", "causal_lm", "CONFIG=accelerate_configs/ddp.yaml",
-               f"LAUNCH_ARGS=--max_restarts 1 --mixed_precision no --main_process_port {free_port()}",
+               f"LAUNCH_ARGS=--max_restarts 2 --mixed_precision no --main_process_port {free_port()}",
                "ARGS=" + " ".join(args[2:])]  # the recipe YAML comes from the make target
     process = subprocess.Popen(command, cwd=REPO, env={**os.environ, **OFFLINE_ENV}, text=True,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    killed = None
+    killed = []
     deadline = time.time() + 300
-    while killed is None and process.poll() is None and time.time() < deadline:
-        if (out / "checkpoints/step_2").exists() and (pid := worker_pid(1, str(out))):
+    while len(killed) < 2 and process.poll() is None and time.time() < deadline:
+        starting = not killed and (out / ".launch_starting").exists() and not (out / "run.json").exists()
+        trained = killed and (out / "checkpoints/step_2").exists()
+        if (starting or trained) and (pid := worker_pid(1, str(out))) and pid not in killed:
             os.kill(pid, signal.SIGKILL)
-            killed = pid
+            killed.append(pid)
         time.sleep(0.005)
     output = process.communicate(timeout=600)[0]
-    assert killed and process.returncode == 0, output[-4000:]
-    restarted = re.search(r"restart 1 of at most 1: resuming from the latest checkpoint", output)
+    assert len(killed) == 2 and process.returncode == 0, output[-4000:]
+    assert "restart 1 of at most 2: the first attempt ended before it started training: starting as it did" in output
+    restarted = re.search(r"restart 2 of at most 2: resuming from the latest checkpoint", output)
     resumed = re.search(r"resumed from \S+/step_(\d+) at step (\d+)", output)
     assert restarted and resumed, output[-4000:]
     assert "connect to the dead ones' addresses" not in output  # make chose a fresh store per attempt
-    print(f"killed rank 1 (pid {killed}); restarted from step {resumed.group(2)}")
+    print(f"killed rank 1 (pids {killed}) at start-up and after step 2; restarted from step {resumed.group(2)}")
     assert int(resumed.group(2)) < 12
     assert [row["step"] for row in read_metrics(out)[0]] == list(range(1, 13))  # each step logged once
     gap = max_weight_difference(out / "final", reference / "final")

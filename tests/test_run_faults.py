@@ -1,0 +1,139 @@
+"""Faults around a run that cost a user the job or the right result without saying so: fp16's loss-scale
+overflows taken for non-finite steps, a lost peer guessed from the word "timeout"."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import causal_lm_args, load_script, read_metrics, read_run
+
+
+def run_in_process(recipe: str, argv: list, monkeypatch, accelerator_hook=None):
+    """A recipe's main() in this process, one rank (seconds, no launch), with `accelerator_hook`
+    applied to the Accelerator `start_run` builds; accelerate's process-wide state reset around it."""
+    from accelerate.state import AcceleratorState
+
+    import common.run
+    from common.parsing import parse_args
+
+    module = load_script(recipe)
+    build = common.run.build_accelerator
+
+    def built(*args, **kwargs):
+        accelerator, launch = build(*args, **kwargs)
+        if accelerator_hook is not None:
+            accelerator_hook(accelerator)
+        return accelerator, launch
+
+    monkeypatch.setattr(common.run, "build_accelerator", built)
+    types = [annotation for annotation in module.main.__annotations__.values() if isinstance(annotation, type)]
+    AcceleratorState._reset_state(True)
+    try:
+        return module.main(*parse_args(tuple(types), [str(a) for a in argv]))
+    finally:
+        AcceleratorState._reset_state(True)
+
+
+@pytest.mark.parametrize("optim", ["adamw_torch", "adamw_torch_fused"])
+def test_fp16_loss_scale_overflows_are_the_scalers_not_skipped_steps(optim, markov_data, tmp_path, monkeypatch):
+    """accelerate runs fp16 with a GradScaler (on a GPU only): here torch's real CPU GradScaler is
+    given to the Accelerator as accelerate gives it on a GPU, and the recipe's own loop runs. A scale
+    of 2^24 overflows fp16's backward for real: the first steps overflow, the scaler halves its scale
+    each time, then trains; growing again every 2 good steps, it overflows again later. None of that
+    may stop the run (--max_nonfinite_skips 0: one counted skip would) or break the scaler
+    (skipping optimizer.step() also skipped the scaler's update: "unscale_() has already been called
+    on this optimizer since the last update()" at the next step). adamw_torch reads the norm on the
+    host each step, the fused kernel skips on the device (common.nonfinite)."""
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
+    scalers = []
+
+    def with_grad_scaler(accelerator):
+        accelerator.native_amp = True  # what accelerate sets for fp16 on a GPU, with its scaler
+        accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 24, growth_interval=2)
+        scalers.append(accelerator.scaler)
+
+    out = tmp_path / "run"
+    run_in_process("recipes/causal_lm.py", causal_lm_args(
+        markov_data, out, max_steps=10, gradient_accumulation_steps=2, warmup_steps=0, optim=optim,
+        max_nonfinite_skips=0, save_steps=5), monkeypatch, with_grad_scaler)
+
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    overflows = [row["step"] for row in rows if row.get("event") == "loss_scale_overflow"]
+    assert not [row for row in rows if row.get("event") == "nonfinite"], rows
+    assert overflows[:3] == [1, 2, 3] and len(overflows) < 10, overflows  # the scale came down, then trained
+    train, _ = read_metrics(out)
+    # the schedule steps only with the optimizer: the learning rate of an overflowed step is the one before it
+    lrs = {0: read_run(out)["args"]["learning_rate"], **{row["step"]: row["lr"] for row in train}}
+    assert all(lrs[step] == lrs[step - 1] for step in overflows), (overflows, lrs)
+    assert lrs[overflows[-1] + 1] < lrs[overflows[-1]], lrs
+    assert train[-1]["loss"] < train[0]["loss"], train
+    assert scalers[0].get_scale() < 2.0 ** 24
+    assert (out / "checkpoints" / "step_10").is_dir() and (out / "final" / "model.safetensors").is_file()
+
+
+def test_a_lost_peer_is_read_from_the_backends_error_not_from_the_word_timeout(monkeypatch):
+    from common.peers import lost_peer_message
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    gloo = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting "
+                        "3000ms for recv operation to complete")
+    closed = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                          "[10.77.1.2]:48875. This is typically caused by a remote worker crashing.")
+    nccl = torch.distributed.DistBackendError("NCCL communicator was aborted on rank 0: operation timed out")
+    for error in (gloo, closed, nccl):
+        assert lost_peer_message(error, 60) is not None, error
+    assert "10.77.1.2" in lost_peer_message(closed, 60)
+    for error in (RuntimeError("CUDA error: the launch timed out and was terminated"),
+                  RuntimeError("tokenizing timed out after 600 s"), TimeoutError("timed out")):
+        assert lost_peer_message(error, 60) is None, error
+
+
+def test_overwrite_clears_every_export_of_the_earlier_run_and_a_resume_from_an_earlier_step_sets_the_later_ones_aside(
+        markov_data, tmp_path, monkeypatch):
+    """Three short runs in one folder, one process each:
+    A, with --overwrite_output_dir over an earlier run's exports (best/, *_merged/, exported/) and a file of
+    the user's: checkpoints at steps 2, 4, 6 and 8; the exports go (each counted by the output-dir check
+    first), the user's file stays.
+    B, resumed from step_2 clipping at another norm, saving at 3 and 6 and keeping 2: the later
+    checkpoints (A's continuation) move to checkpoints/abandoned_after_step_2/, so the pruning keeps B's
+    step_3 and step_6 (by step number it kept A's 6 and 8, deleting B's step_3 as soon as written).
+    C, resumed from 'latest' with B's arguments, must continue B: its final weights are B's (before, it
+    resumed A's step_8 and ended at once with A's weights)."""
+    from common.run_dir import check_output_dir, list_checkpoints
+    from common.errors import UsageError
+    from conftest import load_weights, max_weight_difference
+
+    out = tmp_path / "run"
+    for stale in ("best", "final_merged", "best_merged", "exported/step_4"):
+        (out / stale).mkdir(parents=True)
+        (out / stale / "model.safetensors").write_text("an earlier run's export")
+    (out / "notes.txt").write_text("the user's own file")
+    with pytest.raises(UsageError, match=r"already holds a run \(best, best_merged, exported, final_merged\)"):
+        check_output_dir(str(out), None, overwrite=False)
+
+    def recipe_args(**overrides):
+        return causal_lm_args(markov_data, out, max_steps=8, gradient_accumulation_steps=2, **overrides)
+
+    run_in_process("recipes/causal_lm.py", recipe_args(save_steps=2, save_total_limit=10, overwrite_output_dir=True),
+                   monkeypatch)
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "final", "metrics.jsonl", "notes.txt",
+                                                     "run.json"]
+    run_a = load_weights(out / "final")
+
+    changed = dict(max_grad_norm=0.05, save_steps=3, save_total_limit=2)
+    run_in_process("recipes/causal_lm.py", recipe_args(resume_from_checkpoint=out / "checkpoints/step_2", **changed),
+                   monkeypatch)
+    assert [Path(p).name for p in list_checkpoints(str(out))] == ["step_3", "step_6"]
+    aside = out / "checkpoints/abandoned_after_step_2"
+    assert sorted(p.name for p in aside.iterdir()) == ["step_4", "step_6", "step_8"]
+    run_b = load_weights(out / "final")
+    assert max_weight_difference(out / "final", out / "checkpoints/step_6") > 0  # B trained past its step 6
+    assert max(float((run_a[k] - run_b[k]).abs().max()) for k in run_a) > 1e-4  # clipped at another norm
+
+    (out / "final").rename(out / "final_b")
+    run_in_process("recipes/causal_lm.py", recipe_args(resume_from_checkpoint="latest", **changed), monkeypatch)
+    assert max_weight_difference(out / "final", out / "final_b") < 1e-6
+    assert not (out / ".launch_starting").exists()
