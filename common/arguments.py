@@ -1,20 +1,77 @@
 """The recipes' shared options (model, data, training) as dataclasses, each value checked on its own.
 
 A bad value is a `UsageError` with a one-line message, raised while parsing (`common.parsing`),
-before any process group exists. Options that are wrong only together are checked there.
+before any process group exists. Options that are wrong only together are checked there. A
+number's bounds are declared in its annotation, `seed: Annotated[int, Range(0, 2**32 - 1)]`,
+and checked (`check_ranges`) before anything else of its dataclass.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
+import math
 import os
+import typing
 from dataclasses import dataclass, field
+from typing import Annotated
 
 from common.errors import UsageError
 from common.speed import SpeedArguments
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class Range:
+    """Where a number option's value must lie: `low`/`high` inclusive, `above`/`below` exclusive; a
+    float must also be finite. `why` says what the bound is, or what to do. Declared in the
+    option's annotation, so that it sits beside the option and argparse never sees it."""
+    low: float | None = None
+    high: float | None = None
+    above: float | None = None
+    below: float | None = None
+    why: str = ""
+
+    def refusal(self, key: str, value) -> str | None:
+        """The one-line error for `value` of option `key`, or None if it lies in the range (or is unset)."""
+        if value is None or isinstance(value, bool):
+            return None
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"--{key} must be a finite number, got {value}"
+        if ((self.low is None or value >= self.low) and (self.high is None or value <= self.high)
+                and (self.above is None or value > self.above) and (self.below is None or value < self.below)):
+            return None
+        lower = f"[{self.low}" if self.low is not None else f"({self.above}" if self.above is not None else None
+        upper = f"{self.high}]" if self.high is not None else f"{self.below})" if self.below is not None else None
+        if lower and upper:
+            bound = f"in {lower}, {upper}"
+        elif lower:
+            bound = f"{'>=' if self.low is not None else '>'} {lower[1:]}"
+        else:
+            bound = f"{'<=' if self.high is not None else '<'} {upper[:-1]}"
+        return f"--{key} must be {bound}{f' ({self.why})' if self.why else ''}, got {value}"
+
+
+def check_ranges(arguments) -> None:
+    """Refuse, in one line, the first value of a dataclass of options outside its declared `Range`."""
+    for name, declared in _declared_ranges(type(arguments)).items():
+        problem = declared.refusal(name, getattr(arguments, name))
+        if problem:
+            raise UsageError(problem)
+
+
+@functools.lru_cache(maxsize=None)
+def _declared_ranges(cls) -> dict:
+    hints = typing.get_type_hints(cls, include_extras=True)  # HfArgumentParser reads them without the extras
+    names = [f.name for f in dataclasses.fields(cls)]
+    return {name: extra for name in names for extra in getattr(hints[name], "__metadata__", ())
+            if isinstance(extra, Range)}
+
+
+AT_LEAST_0, AT_LEAST_1 = Range(low=0), Range(low=1)
 
 
 @dataclass
@@ -58,12 +115,13 @@ class DataArguments:
     dataset_config_name: str | None = None
     train_file: str | None = field(default=None, metadata={"help": "json/jsonl/csv/parquet/txt"})
     validation_file: str | None = None
-    validation_split_percentage: int = field(
+    validation_split_percentage: Annotated[int, Range(above=0, below=100)] = field(
         default=5, metadata={"help": "Held-out share of train when no validation split exists."})
     text_column: str = "text"
-    block_size: int = field(default=128, metadata={"help": "Tokens per packed training block."})
-    max_eval_samples: int | None = None
-    preprocessing_num_workers: int | None = field(default=None, metadata={
+    block_size: Annotated[int, Range(low=2)] = field(default=128, metadata={
+        "help": "Tokens per packed training block."})
+    max_eval_samples: Annotated[int | None, Range(low=1, why="unset: all of them")] = None
+    preprocessing_num_workers: Annotated[int | None, AT_LEAST_0] = field(default=None, metadata={
         "help": "Processes that tokenize the data (datasets' map num_proc); default: the main process alone."})
     streaming: bool = field(default=False, metadata={
         "help": "Read the training split as it is consumed (an IterableDataset: data larger than memory or disk), "
@@ -71,36 +129,35 @@ class DataArguments:
                 "See common/streaming.py."})
 
     def __post_init__(self):
+        check_ranges(self)
         if bool(self.dataset_name) == bool(self.train_file):
             raise UsageError("give exactly one of --dataset_name or --train_file")
         for key in ("train_file", "validation_file"):
             if getattr(self, key):
                 require_path(getattr(self, key), key)
-        if self.block_size < 2:
-            raise UsageError(f"--block_size must be at least 2, got {self.block_size}")
 
 
 @dataclass
 class TrainingArguments(SpeedArguments):  # + the speed options (common.speed)
     output_dir: str = field(default="outputs/run", metadata={"help": "Where run.json, metrics, checkpoints and the final model go."})
     overwrite_output_dir: bool = field(default=False, metadata={"help": "Start afresh in an output_dir that already holds a run."})
-    seed: int = 42
+    seed: Annotated[int, Range(0, 2**32 - 1, why="numpy's seeds are 32-bit")] = 42
     max_steps: int = field(default=-1, metadata={"help": "Optimizer steps; overrides num_train_epochs when > 0."})
-    num_train_epochs: int = 1
-    per_device_train_batch_size: int = 8
-    per_device_eval_batch_size: int = 8
-    gradient_accumulation_steps: int = 1
+    num_train_epochs: Annotated[int, AT_LEAST_1] = 1
+    per_device_train_batch_size: Annotated[int, AT_LEAST_1] = 8
+    per_device_eval_batch_size: Annotated[int, AT_LEAST_1] = 8
+    gradient_accumulation_steps: Annotated[int, AT_LEAST_1] = 1
     auto_find_batch_size: bool = field(default=False, metadata={
         "help": "Before training, halve the per-device batch (to a divisor) while a training step runs out of "
                 "memory, raising gradient_accumulation_steps to keep the global batch (common/batch_size.py)."})
-    learning_rate: float = field(default=5e-5, metadata={
+    learning_rate: Annotated[float, AT_LEAST_0] = field(default=5e-5, metadata={
         "help": "AdamW's peak learning rate (Trainer's default, for fine-tuning; from scratch, raise it: the demo "
                 "YAMLs set theirs)."})
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_epsilon: float = 1e-8
-    max_grad_norm: float = field(default=1.0, metadata={
+    weight_decay: Annotated[float, AT_LEAST_0] = 0.0
+    adam_beta1: Annotated[float, Range(0, below=1)] = 0.9
+    adam_beta2: Annotated[float, Range(0, below=1)] = 0.999
+    adam_epsilon: Annotated[float, AT_LEAST_0] = 1e-8
+    max_grad_norm: Annotated[float, Range(low=0, why="0 turns clipping off")] = field(default=1.0, metadata={
         "help": "Clip the global gradient norm to this under every strategy (DeepSpeed included); 0: no clipping."})
     lr_scheduler_type: str = field(default="cosine", metadata={
         "help": "A transformers.get_scheduler name, stepped once per optimizer step (not reduce_lr_on_plateau or "
@@ -109,18 +166,21 @@ class TrainingArguments(SpeedArguments):  # + the speed options (common.speed)
         "help": "The scheduler's own arguments as a JSON object (a mapping in the recipe YAML), e.g. "
                 "'{\"min_lr_rate\": 0.1}' for cosine_with_min_lr, '{\"num_decay_steps\": 100}' for "
                 "warmup_stable_decay."})
-    warmup_steps: int = 0
-    logging_steps: int = 10
-    eval_steps: int = field(default=0, metadata={"help": "Evaluate every N steps; 0 evaluates at the end only."})
-    save_steps: int = field(default=0, metadata={"help": "Checkpoint every N steps; 0 saves no checkpoints."})
-    save_total_limit: int | None = field(default=None, metadata={"help": "Keep at most N checkpoints (oldest pruned after a save succeeds)."})
+    warmup_steps: Annotated[int, AT_LEAST_0] = 0
+    logging_steps: Annotated[int, AT_LEAST_1] = 10
+    eval_steps: Annotated[int, AT_LEAST_0] = field(default=0, metadata={
+        "help": "Evaluate every N steps; 0 evaluates at the end only."})
+    save_steps: Annotated[int, AT_LEAST_0] = field(default=0, metadata={
+        "help": "Checkpoint every N steps; 0 saves no checkpoints."})
+    save_total_limit: Annotated[int | None, Range(low=1, why="unset keeps every checkpoint")] = field(
+        default=None, metadata={"help": "Keep at most N checkpoints (oldest pruned after a save succeeds)."})
     resume_from_checkpoint: str | None = field(default=None, metadata={"help": "'latest' or a checkpoint folder."})
     report_to: str = field(default="tensorboard", metadata={"help": "tensorboard, wandb or none."})
     sync_each_micro_batch: bool | None = field(default=None, metadata={
         "help": "Reduce gradients after every micro-batch rather than once per optimizer step. Default: on under "
                 "FSDP (gradients stay sharded while accumulating: less memory, more communication), off otherwise."})
     run_name: str = "recipe"
-    ddp_timeout: int = field(default=1800, metadata={
+    ddp_timeout: Annotated[int, Range(1, 10**9, why="seconds")] = field(default=1800, metadata={
         "help": "Seconds a collective waits for the other ranks before the run ends with an error naming the "
                 "lost peer. Long enough for work one rank does alone (tokenising a corpus, an export)."})
     nonfinite: str = field(default="skip", metadata={
@@ -130,40 +190,25 @@ class TrainingArguments(SpeedArguments):  # + the speed options (common.speed)
         "help": "Trace optimizer steps FIRST-LAST (e.g. 3-5) with torch.profiler into output_dir/profile, one "
                 "file per rank (TensorBoard or Perfetto)."})
     profile_memory: bool = field(default=False, metadata={"help": "With --profile_steps: record memory too."})
-    peak_tflops: float | None = field(default=None, metadata={
+    peak_tflops: Annotated[float | None, Range(above=0)] = field(default=None, metadata={
         "help": "The device's dense peak TFLOP/s in the compute dtype, for MFU; default: a table of common GPUs "
                 "in bf16/fp16 (MFU is left empty on CPU or an unknown device)."})
-    max_nonfinite_skips: int = field(default=10, metadata={"help": "Skipped non-finite steps the run tolerates."})
+    max_nonfinite_skips: Annotated[int, AT_LEAST_0] = field(default=10, metadata={
+        "help": "Skipped non-finite steps the run tolerates."})
 
     def __post_init__(self):
+        check_ranges(self)
         super().__post_init__()
-        positive = ["per_device_train_batch_size", "per_device_eval_batch_size",
-                    "gradient_accumulation_steps", "logging_steps", "num_train_epochs"]
-        for key in positive:
-            if getattr(self, key) < 1:
-                raise UsageError(f"--{key} must be at least 1, got {getattr(self, key)}")
-        if not self.max_grad_norm >= 0:
-            raise UsageError(f"--max_grad_norm must be >= 0 (0 turns clipping off), got {self.max_grad_norm}")
-        for key in ("learning_rate", "adam_epsilon", "weight_decay", "warmup_steps", "eval_steps", "save_steps"):
-            if not getattr(self, key) >= 0:
-                raise UsageError(f"--{key} must be >= 0, got {getattr(self, key)}")
         if self.learning_rate == 0:
             raise UsageError("--learning_rate is 0, so nothing would train; pass a positive learning rate")
-        for key in ("adam_beta1", "adam_beta2"):
-            if not 0 <= getattr(self, key) < 1:
-                raise UsageError(f"--{key} must be in [0, 1), got {getattr(self, key)}")
         self._check_scheduler()
         if os.path.exists(self.output_dir) and not os.path.isdir(self.output_dir):
             raise UsageError(f"--output_dir {self.output_dir} is a file; pass a folder (it is created if missing)")
         if self.profile_steps:
             from common.profiling import parse_steps
             parse_steps(self.profile_steps)
-        if self.ddp_timeout < 1:
-            raise UsageError(f"--ddp_timeout must be at least 1 second, got {self.ddp_timeout}")
         if self.nonfinite not in ("skip", "stop"):
             raise UsageError(f"--nonfinite must be skip or stop, got {self.nonfinite!r}")
-        if self.max_nonfinite_skips < 0:
-            raise UsageError(f"--max_nonfinite_skips must be >= 0, got {self.max_nonfinite_skips}")
         if self.report_to not in ("tensorboard", "wandb", "none"):
             raise UsageError(f"--report_to must be tensorboard, wandb or none, got {self.report_to!r}")
         if self.resume_from_checkpoint not in (None, "latest"):
@@ -232,6 +277,8 @@ def _require_json_config(path: str) -> None:
 def _require_local_or_hub_name(value: str | None, key: str) -> None:
     """A local folder that exists, or something shaped like a Hub name (`org/name` or `name`).
     A path that looks local (starts with ., /, ~ or has more than one /) must exist."""
+    if value and os.path.isfile(value):
+        raise UsageError(f"--{key} {value} is a file; pass the folder that holds it")
     if not value or os.path.exists(value):
         return
     looks_local = value.startswith((".", "/", "~")) or value.count("/") > 1

@@ -19,13 +19,15 @@ Examples longer than `max_length` follow `overlong`: `drop` (counted) or `trunca
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from collections import Counter
+from itertools import groupby
 
 from datasets import DatasetDict
 
-from common.errors import UsageError
+from common.errors import UsageError, describe
 from common.peers import main_process_alone
 
 OVERLONG = ("drop", "truncate")
@@ -36,10 +38,15 @@ SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "a
 
 def read_chat_template(value: str) -> str:
     """`--chat_template`: a file holding a Jinja template (.jinja/.txt, or a tokenizer_config-style
-    .json with a `chat_template` key), or the template itself."""
+    .json with a `chat_template` key), or the template itself; compiled here, so that a template
+    that is not valid Jinja is refused before any data is read."""
     if os.path.isfile(value):
-        with open(value, encoding="utf-8") as handle:
-            text = handle.read()
+        try:
+            with open(value, encoding="utf-8") as handle:
+                text = handle.read()
+        except (OSError, UnicodeDecodeError) as error:
+            raise UsageError(f"--chat_template {value} does not read ({describe(error)}); pass a UTF-8 text file "
+                             "holding a Jinja template") from None
         if value.endswith(".json"):
             import json
             try:
@@ -47,11 +54,53 @@ def read_chat_template(value: str) -> str:
             except (ValueError, KeyError, TypeError):
                 raise UsageError(f"--chat_template {value}: a .json file must be an object with a "
                                  "\"chat_template\" string") from None
+        if not isinstance(text, str):
+            raise UsageError(f"--chat_template {value}: \"chat_template\" must be one template string; a list of "
+                             "named templates is not read here: pass the one to use")
+        check_jinja(text, f"--chat_template {value}")
         return text
     if "{{" not in value and "{%" not in value:
         raise UsageError(f"--chat_template {value!r} is neither a file nor a Jinja template; "
                          "give a path to a template file or the template text")
+    check_jinja(value, "--chat_template")
     return value
+
+
+def check_jinja(template: str, source: str) -> None:
+    """Compile `template` as transformers compiles chat templates (jinja2 with loop controls and the
+    `{% generation %}` tag; nothing is rendered): a syntax error, an unknown filter or test, is a
+    UsageError naming `source` and the line."""
+    import jinja2
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationTag(Extension):  # transformers' {% generation %}...{% endgeneration %}, parsed only
+        tags = {"generation"}
+
+        def parse(self, parser):
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+    try:
+        ImmutableSandboxedEnvironment(extensions=[GenerationTag, loopcontrols]).from_string(template)
+    except jinja2.TemplateError as error:
+        line = f" at line {error.lineno}" if getattr(error, "lineno", None) else ""
+        raise UsageError(f"{source} is not a valid Jinja template ({type(error).__name__}{line}: {error}); fix "
+                         "the template") from None
+
+
+@contextlib.contextmanager
+def template_errors(messages):
+    """Rendering `messages` with the chat template: an error the template raises (raise_exception,
+    a value it cannot handle) is a UsageError that shows the conversation."""
+    import jinja2
+
+    try:
+        yield
+    except jinja2.TemplateError as error:
+        raise UsageError(f"the chat template (--chat_template, or the tokenizer's) does not render a conversation "
+                         f"({describe(error)}): fix the template or the data; the conversation: "
+                         f"{str(messages)[:120]}") from None
 
 
 def data_format(columns: list[str], messages_column: str) -> str:
@@ -105,7 +154,8 @@ def as_messages(conversation) -> list[dict]:
 
 
 def _render(tokenizer, messages, add_generation_prompt=False) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    with template_errors(messages):
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
 def assistant_spans(tokenizer, messages: list[dict], first_labelled_turn: int = 0) -> tuple[str, list[tuple]]:
@@ -141,8 +191,9 @@ def _encode_with_markers(tokenizer, messages, first_labelled_turn):
     if first_labelled_turn:
         raise UsageError("conversational prompt-completion data needs a chat template without "
                          "{% generation %} markers (the labels come from rendering); pass --chat_template")
-    encoded = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                            return_assistant_tokens_mask=True)
+    with template_errors(messages):
+        encoded = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                                return_assistant_tokens_mask=True)
     ids = encoded["input_ids"]
     return ids, [token if mask else -100 for token, mask in zip(ids, encoded["assistant_masks"])]
 
@@ -184,6 +235,8 @@ def tokenize_sft(raw: DatasetDict, tokenizer, messages_column: str, max_length: 
     conversational = fmt == "messages" or not isinstance(raw["train"][0]["prompt"], str)
     if conversational and not tokenizer.chat_template:
         raise UsageError("the tokenizer has no chat_template; pass --chat_template (a template file or text)")
+    if conversational:
+        check_jinja(tokenizer.chat_template, "the chat template (--chat_template, or the tokenizer's)")
     if not tokenizer.is_fast:
         raise UsageError("SFT labels need a fast tokenizer (offsets); load one with tokenizers installed")
 
@@ -232,6 +285,25 @@ def generation_references(raw_split, fmt_columns: list[str], messages_column: st
         else:
             pairs.append((as_messages(row["prompt"]), as_messages(row["completion"])[-1]["content"]))
     return pairs
+
+
+def answer_token_counts(tokenizer, references: list) -> list[int]:
+    """How many tokens each of `generation_references`' answers takes when generated after its
+    prompt: the labels training gives it (content and end-of-turn token, as the template renders
+    them; a text completion's tokens and EOS), so --max_new_tokens can be sized to fit them."""
+    counts = []
+    for prompt, answer in references:
+        if isinstance(prompt, str):
+            counts.append(len(tokenizer(answer, add_special_tokens=False)["input_ids"]) + 1)  # + EOS
+            continue
+        messages = list(prompt) + [{"role": "assistant", "content": answer}]
+        if GENERATION_MARKER.search(tokenizer.chat_template):
+            _, labels = _encode_with_markers(tokenizer, messages, 0)
+        else:
+            _, labels = _encode_with_spans(tokenizer, messages, len(prompt))
+        runs = [len(list(run)) for learned, run in groupby(labels, key=lambda label: label != -100) if learned]
+        counts.append(runs[-1] if runs else 0)  # the last run of labels: the answer's turn
+    return counts
 
 
 def end_of_turn_ids(dataset, sample: int = 64) -> list[int]:

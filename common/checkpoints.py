@@ -9,17 +9,13 @@ before the run starts (`common.reshard`).
 
 from __future__ import annotations
 
-import errno
 import json
 import os
-import pickle
-import re
 import shutil
-import zipfile
 
 from common import reshard
 from common.accelerator import unwrap
-from common.errors import RunStopped, UsageError, describe
+from common.errors import RunStopped, UsageError, describe, load_fault
 from common.internals import innermost_optimizer, repair_zero3_universal_load
 from common.nonfinite import check_finite_weights
 from common.peers import lost_peer_message
@@ -82,27 +78,19 @@ def load_checkpoint(accelerator, path: str | None, optimizer, scheduler) -> dict
     return state
 
 
-# errno values that mean the host's storage failed, not the checkpoint
-HOST_IO_ERRORS = (errno.EIO, errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.ESTALE, errno.ETIMEDOUT,
-                  errno.ENOMEM, errno.EDQUOT)
-DAMAGED = re.compile(r"deserializ|header|unexpected end|truncat|corrupt|invalid load key|PytorchStreamReader|"
-                     r"zip archive|Expecting value|Unterminated|EOF", re.IGNORECASE)
-
-
 def load_failure(path: str, error: BaseException) -> Exception:
     """The one-line error for a checkpoint that does not load: a fault of this host (memory, I/O),
     a damaged file, or a checkpoint written with other model or strategy arguments."""
-    reason = describe(error)
-    if isinstance(error, MemoryError) or "out of memory" in str(error).lower():
+    reason, fault = describe(error), load_fault(error)
+    if fault == "memory":
         return RunStopped(f"checkpoint {path} could not be loaded: this host ran out of memory ({reason}); free "
                           "memory (fewer processes per node, a host with more) and resume again; the checkpoint "
                           "itself may be fine")
-    if isinstance(error, OSError) and error.errno in HOST_IO_ERRORS:
+    if fault == "io":
         return RunStopped(f"checkpoint {path} could not be read: an I/O error on this host ({reason}); check the "
                           "filesystem (space, permissions, the mount) and resume again; the checkpoint itself may "
                           "be fine")
-    if isinstance(error, (FileNotFoundError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile)) or \
-            DAMAGED.search(f"{type(error).__name__}: {error}"):
+    if fault == "damaged" or isinstance(error, FileNotFoundError):
         return UsageError(f"checkpoint {path} is damaged ({reason}): resume from an earlier one "
                           "(--resume_from_checkpoint <output_dir>/checkpoints/step_N) or start afresh with "
                           "--overwrite_output_dir")

@@ -101,19 +101,22 @@ def _files_of(args: DataArguments, split: str) -> str:
 def _load_files(builder: str, data_files: dict) -> DatasetDict:
     """load_dataset on local files; a file it cannot read is a one-line error naming it."""
     from datasets.exceptions import DatasetGenerationError
+    from pyarrow import ArrowException
 
+    # a row it cannot read; a file whose schema it cannot read before that (a parquet file cut short)
+    unreadable = (DatasetGenerationError, ArrowException)
     try:
         return load_dataset(builder, data_files=data_files)
     except StopIteration:  # what datasets raises for an empty file
         empty = [path for path in data_files.values() if os.path.getsize(path) == 0] or list(data_files.values())
         raise UsageError(f"{', '.join(empty)}: no data in the file; give a file with rows") from None
-    except DatasetGenerationError:
+    except unreadable:
         pass
     columns = {}  # read each file alone to name the one at fault
     for split, path in data_files.items():
         try:
             columns[path] = load_dataset(builder, data_files={split: path})[split].column_names
-        except DatasetGenerationError as error:
+        except unreadable as error:
             raise UsageError(f"{path}: not readable as {builder} ({describe(error.__cause__ or error)}); fix the file "
                              "(rows count from 0)") from None
     raise UsageError("the data files do not have the same columns ("

@@ -7,6 +7,7 @@ import os
 import evaluate
 import torch
 from accelerate.utils import gather_object
+from tqdm.auto import tqdm
 
 from common.accelerator import unwrap
 from common.errors import UsageError
@@ -84,19 +85,37 @@ def evaluate_classification(model, dataloader, accelerator, metrics: dict, f1_av
     return results
 
 
+def size_max_new_tokens(requested: int | None, longest_answer: int, accelerator) -> int:
+    """--max_new_tokens as given, or, unset, `longest_answer`: the longest reference answer's
+    tokens with its end of turn (`common.chat.answer_token_counts`), so no right answer is cut.
+    A given value shorter than that is kept, with a warning."""
+    if requested is None:
+        return longest_answer
+    if requested < longest_answer:
+        accelerator.print(f"warning: --max_new_tokens {requested} is shorter than the longest reference answer "
+                          f"({longest_answer} tokens with its end of turn): longer answers will be cut and scored as "
+                          f"wrong; raise it to {longest_answer} or leave it unset to size it from the references")
+    return requested
+
+
 @torch.no_grad()
 def evaluate_generation(model, tokenizer, references: list, accelerator, max_new_tokens: int,
-                        stop_ids: list[int] | None = None, batch_size: int = 16) -> dict:
+                        stop_ids: list[int] | None = None, batch_size: int = 16,
+                        longest_answer: int | None = None) -> dict:
     """Exact match of greedy answers to `references`, (prompt, answer) pairs from
     `common.chat.generation_references`: a prompt is the turns before a conversation's last
     assistant turn (rendered with the chat template) or a prompt-completion row's text.
     Pairs are split over ranks and generated `batch_size` at a time, left-padded; every rank
     runs the same number of generate calls (ZeRO-3 and FSDP need all ranks in each forward).
-    Generation stops at `stop_ids` (default: EOS)."""
+    Generation stops at `stop_ids` (default: EOS). An answer still going after `max_new_tokens`
+    is cut: never a match (it was not finished), counted in eval_truncated_generations and
+    named in a warning that, given `longest_answer` (see `size_max_new_tokens`), says whether
+    the limit or the answer was too long."""
     model.eval()
     unwrapped = unwrap(accelerator, model)
+    stop_ids = stop_ids or [token for token in [tokenizer.eos_token_id] if token is not None]
     indexed = list(enumerate(references))
-    correct = []
+    scored = []
     padding_side, tokenizer.padding_side = tokenizer.padding_side, "left"  # answers start at one column
     try:
         with accelerator.split_between_processes(indexed, apply_padding=True) as mine:
@@ -110,14 +129,30 @@ def evaluate_generation(model, tokenizer, references: list, accelerator, max_new
                                    add_special_tokens=isinstance(chunk[0][1][0], str))
                 inputs = inputs.to(accelerator.device)
                 output = unwrapped.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
-                                            eos_token_id=stop_ids or tokenizer.eos_token_id,
-                                            pad_token_id=tokenizer.pad_token_id,
+                                            eos_token_id=stop_ids or None, pad_token_id=tokenizer.pad_token_id,
                                             synced_gpus=accelerator.num_processes > 1)
-                answers = tokenizer.batch_decode(output[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
-                correct += [(index, generated.strip() == answer.strip())
-                            for (index, (_, answer)), generated in zip(chunk, answers)]
+                generated = output[:, inputs["input_ids"].shape[1]:]
+                ended = torch.isin(generated, torch.tensor(stop_ids, device=generated.device)).any(dim=1)
+                answers = tokenizer.batch_decode(generated, skip_special_tokens=True)
+                scored += [(index, (bool(done) and text.strip() == answer.strip(), not done))
+                           for (index, (_, answer)), text, done in zip(chunk, answers, ended.tolist())]
     finally:
         tokenizer.padding_side = padding_side
     model.train()
-    seen = dict(gather_object(correct))  # keyed by index: the padding's repeated pairs count once
-    return {"eval_exact_match": sum(seen.values()) / max(len(seen), 1), "eval_generated": len(seen)}
+    seen = dict(gather_object(scored))  # keyed by index: the padding's repeated pairs count once
+    cut = sum(was_cut for _, was_cut in seen.values())
+    if cut and accelerator.is_main_process:  # through tqdm: the training bar stays on its own line
+        tqdm.write(cut_answers_warning(cut, len(seen), max_new_tokens, longest_answer))
+    return {"eval_exact_match": sum(match for match, _ in seen.values()) / max(len(seen), 1),
+            "eval_generated": len(seen), "eval_truncated_generations": cut}
+
+
+def cut_answers_warning(cut: int, generated: int, max_new_tokens: int, longest_answer: int | None) -> str:
+    """The line that says how many answers the limit cut, and whether raising it would help."""
+    said = (f"{cut} of {generated} answers reached --max_new_tokens {max_new_tokens} before the end of the turn "
+            "and were scored as wrong")
+    if longest_answer is not None and max_new_tokens >= longest_answer:
+        return (f"{said}: each is longer than any reference answer ({longest_answer} tokens with its end of turn), "
+                "so none was cut short of a right answer")
+    needed = f" to {longest_answer}, the longest reference answer with its end of turn," if longest_answer else ""
+    return f"warning: {said}; raise --max_new_tokens{needed} or leave it unset to size it from the references"

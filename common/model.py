@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 import zlib
 
 import torch
@@ -13,7 +14,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from common import memory
 from common.arguments import ModelArguments
-from common.errors import UsageError, describe, downloads_off
+from common.errors import RunStopped, UsageError, describe, downloads_off, load_fault
+from common.peers import lost_peer_message
 from common.speed import prepare_model, SpeedArguments
 from common.internals import (declare_layer_classes, declared_layer_classes, full_numel, init_module_weights,
                               is_zero3_parameter, zero3_partition)
@@ -24,13 +26,46 @@ def reachable_hint(name: str) -> str:
     return "or a Hub name reachable from here" + ("" if os.path.isdir(name) else downloads_off("HF_HUB_OFFLINE"))
 
 
+@contextlib.contextmanager
+def one_line_load_errors(what: str, name: str, otherwise: str, refused=(OSError, ValueError)):
+    """Loading `what` (a model, a tokenizer, an adapter) from `name`, a folder or a Hub name: what
+    the libraries raise for it ends the run in one line. This host's fault (memory, I/O) is a
+    RunStopped; a damaged file, weights that do not fit their config, or an error of a `refused`
+    type (`otherwise` says what to pass instead) a UsageError; anything else keeps its traceback."""
+    try:
+        yield
+    except UsageError:
+        raise
+    except Exception as error:  # noqa: BLE001 (classified below; the rest is raised again)
+        if lost_peer_message(error, None) is not None:
+            raise  # a collective failed (rank 0 broadcasting the weights): the exit policy names the lost peer
+        reason, fault = describe(error), load_fault(error)
+        if fault in ("memory", "io"):
+            host = "ran out of memory" if fault == "memory" else "had an I/O error (check the filesystem: space, " \
+                                                                 "permissions, the mount)"
+            raise RunStopped(f"{what} {name} could not be loaded: this host {host} ({reason}); fix that and run "
+                             "again; the files themselves may be fine") from None
+        local = os.path.isdir(name)
+        missing = local and isinstance(error, FileNotFoundError)  # a shard its index names
+        if missing or fault == "damaged" and (local or not isinstance(error, OSError)):  # a network error is no damage
+            again = "copy or save it again" if local else "delete its copy in the Hub cache and download it again"
+            raise UsageError(f"{what} {'folder ' if local else ''}{name} is damaged ({reason}): a file in it is "
+                             f"{'missing' if missing else 'cut short or corrupt'}; {again}") from None
+        if isinstance(error, RuntimeError) and re.search(r"ignore_mismatched_sizes|size mismatch", str(error)):
+            raise UsageError(f"the weights in {name} do not fit the {what} its config describes ({reason}); pass a "
+                             "folder whose config.json matches its weights (a classifier fine-tuned for other "
+                             "labels: start from its base model)") from None
+        if isinstance(error, refused):
+            raise UsageError(f"no {what} loads from {name} ({reason}); {otherwise}") from None
+        raise
+
+
 def load_tokenizer(args: ModelArguments):
     name = args.tokenizer_name_or_path or args.model_name_or_path
-    try:
+    # tokenizers raises plain Exceptions (and KeyError, TypeError) for a tokenizer.json it cannot read
+    with one_line_load_errors("tokenizer", name, "pass --tokenizer_name_or_path with a folder holding tokenizer "
+                                                 f"files, {reachable_hint(name)}", refused=Exception):
         tokenizer = AutoTokenizer.from_pretrained(name)
-    except (OSError, ValueError) as error:
-        raise UsageError(f"no tokenizer loads from {name} ({describe(error)}); pass --tokenizer_name_or_path "
-                         f"with a folder holding tokenizer files, {reachable_hint(name)}") from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -46,19 +81,20 @@ def load_model(args: ModelArguments, tokenizer, seed: int, speed: SpeedArguments
     same seed under every strategy (`initialise_weights`)."""
     dtype = "auto" if args.torch_dtype == "auto" else getattr(torch, args.torch_dtype)
     if args.model_name_or_path:
-        try:
+        kind = f"{auto_class.__name__.replace('AutoModelFor', '')} model"
+        with one_line_load_errors(kind, args.model_name_or_path, "pass a model folder (config.json + weights) "
+                                                                 f"{reachable_hint(args.model_name_or_path)}"):
             model = auto_class.from_pretrained(args.model_name_or_path, dtype=dtype, **config_overrides)
-        except (OSError, ValueError) as error:
-            raise UsageError(f"no {auto_class.__name__.replace('AutoModelFor', '')} model loads from "
-                             f"{args.model_name_or_path} ({describe(error)}); pass a model folder (config.json + "
-                             f"weights) {reachable_hint(args.model_name_or_path)}") from None
         if getattr(model.config, "pad_token_id", None) is None:
             # Decoder checkpoints (Llama, Mistral, ...) ship without a pad token: padded batches
             # (sequence classification finds each row's last real token by it) use the tokenizer's.
             model.config.pad_token_id = tokenizer.pad_token_id
         if args.adapter_name_or_path:  # a trained PEFT adapter on top (e.g. to evaluate it)
             from peft import PeftModel
-            model = PeftModel.from_pretrained(model, args.adapter_name_or_path)
+            with one_line_load_errors("PEFT adapter", args.adapter_name_or_path, "pass --adapter_name_or_path with "
+                                      "a folder holding adapter_config.json and the adapter's weights (a --use_peft "
+                                      f"run's final/) {reachable_hint(args.adapter_name_or_path)}"):
+                model = PeftModel.from_pretrained(model, args.adapter_name_or_path)
     else:
         try:
             config = AutoConfig.from_pretrained(

@@ -16,7 +16,7 @@ import sys
 import yaml
 from transformers import HfArgumentParser
 
-from common.arguments import DataArguments, TrainingArguments
+from common.arguments import DataArguments, TrainingArguments, check_ranges
 from common.errors import UsageError, exit_with_error
 from common.internals import parser_actions
 
@@ -100,6 +100,8 @@ def _parse(dataclass_types, argv):
         keys = [token[2:].split("=")[0].replace("-", "_") for token in remaining if token.startswith("--")]
         raise UsageError(f"unknown argument(s) {' '.join(remaining)}; run with --help to list "
                          f"them{_where_instead(keys)}")
+    for arguments in parsed[:len(dataclass_types)]:  # a recipe's own dataclass too, whose __post_init__ may not
+        check_ranges(arguments)
     _check_together(parsed)
     return tuple(parsed[:len(dataclass_types)])  # parsed[-1] is the namespace holding --config
 

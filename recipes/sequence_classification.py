@@ -18,10 +18,11 @@ LoRA (peft): --use_peft trains low-rank adapters and the new classification head
 
 import math
 from dataclasses import dataclass, field
+from typing import Annotated, Literal
 
 from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding
 
-from common.arguments import DataArguments, ModelArguments, TrainingArguments
+from common.arguments import DataArguments, ModelArguments, Range, TrainingArguments
 from common.batch_size import fit_batch_size
 from common.data import load_raw_datasets, make_dataloaders, tokenize_for_classification
 from common.evaluation import BestModelTracker, evaluate_classification, load_metric
@@ -36,10 +37,11 @@ class ClassificationArguments:
     reads_data_in_memory = True  # not a field: --streaming is refused here (common.parsing)
     label_column: str = "label"
     metrics: list[str] = field(default_factory=lambda: ["accuracy", "f1"])
-    f1_average: str = field(default="macro", metadata={"help": "binary, macro, micro or weighted"})
+    f1_average: Literal["binary", "macro", "micro", "weighted"] = "macro"
     metric_for_best_model: str = "eval_accuracy"
     greater_is_better: bool = True
-    early_stopping_patience: int | None = field(default=None, metadata={"help": "Evaluations without improvement before stopping."})
+    early_stopping_patience: Annotated[int | None, Range(low=1, why="unset: never stop early")] = field(
+        default=None, metadata={"help": "Evaluations without improvement before stopping."})
 
 
 def main(model_args: ModelArguments, data_args: DataArguments, task_args: ClassificationArguments,

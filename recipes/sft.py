@@ -25,14 +25,16 @@ The demo trains a tiny Llama from scratch on generated arithmetic questions
 
 import math
 from dataclasses import dataclass, field
+from typing import Annotated
 
 from transformers import DataCollatorForSeq2Seq
 
-from common.arguments import DataArguments, ModelArguments, TrainingArguments
+from common.arguments import DataArguments, ModelArguments, Range, TrainingArguments
 from common.batch_size import fit_batch_size
-from common.chat import OVERLONG, end_of_turn_ids, generation_references, read_chat_template, tokenize_sft
+from common.chat import (OVERLONG, answer_token_counts, end_of_turn_ids, generation_references, read_chat_template,
+                         tokenize_sft)
 from common.data import load_raw_datasets, make_dataloaders
-from common.evaluation import evaluate_generation
+from common.evaluation import evaluate_generation, size_max_new_tokens
 from common.lora import apply_lora, LoraArguments
 from common.model import load_model, load_tokenizer
 from common.internals import attention_implementation
@@ -51,8 +53,12 @@ class SFTArguments:
     overlong: str = field(default="drop", metadata={
         "help": f"Examples longer than --block_size: {' or '.join(OVERLONG)} (dropped examples are counted in run.json)."})
     packing: bool = field(default=True, metadata={"help": "Flatten each batch into one row (no padding)."})
-    max_new_tokens: int = field(default=8, metadata={"help": "Greedy answer length for exact match."})
-    max_generation_samples: int | None = field(default=None, metadata={"help": "Eval conversations to generate for."})
+    max_new_tokens: Annotated[int | None, Range(low=1, why="unset: sized from the reference answers")] = field(
+        default=None, metadata={
+        "help": "Longest greedy answer for exact match, in tokens; default: the longest reference answer's, with its "
+                "end-of-turn token (an answer cut by the limit is scored as wrong and counted)."})
+    max_generation_samples: Annotated[int | None, Range(low=1, why="unset: all of them")] = field(
+        default=None, metadata={"help": "Eval conversations to generate for."})
 
 
 def main(model_args: ModelArguments, data_args: DataArguments, sft_args: SFTArguments, lora_args: LoraArguments,
@@ -75,6 +81,8 @@ def main(model_args: ModelArguments, data_args: DataArguments, sft_args: SFTArgu
     references = generation_references(raw["validation"], raw["train"].column_names, sft_args.messages_column,
                                        sft_args.max_generation_samples)
     stop_ids = end_of_turn_ids(datasets["validation"])
+    longest_answer = max(answer_token_counts(tokenizer, references), default=1)
+    max_new_tokens = size_max_new_tokens(sft_args.max_new_tokens, longest_answer, accelerator)
 
     model = apply_lora(load_model(model_args, tokenizer, args.seed, args, packed_rows=sft_args.packing), lora_args)
     layout = str(collate) if sft_args.packing else "padded"
@@ -87,14 +95,15 @@ def main(model_args: ModelArguments, data_args: DataArguments, sft_args: SFTArgu
         model, optimizer, train_loader, eval_loader, scheduler)
 
     # Resume from the checkpoint (if any), write run.json, start the metrics. {"step": 0} for a fresh run.
-    state = run.begin(model, optimizer, scheduler, tokenizer, max_steps, dropped_examples=dropped, batches=layout)
+    state = run.begin(model, optimizer, scheduler, tokenizer, max_steps, dropped_examples=dropped, batches=layout,
+                      generation={"max_new_tokens": max_new_tokens, "longest_reference_answer_tokens": longest_answer})
     step, metrics, nonfinite, profiler = state["step"], run.metrics, run.nonfinite, run.profiler
 
     def evaluate():
         return metrics.log_eval(step, {**evaluate_loss(model, eval_loader, accelerator),
                                        **evaluate_generation(model, tokenizer, references, accelerator,
-                                                             sft_args.max_new_tokens, stop_ids,
-                                                             args.per_device_eval_batch_size)})
+                                                             max_new_tokens, stop_ids,
+                                                             args.per_device_eval_batch_size, longest_answer)})
 
     before = evaluate() if step == 0 else None
 
@@ -129,8 +138,10 @@ def main(model_args: ModelArguments, data_args: DataArguments, sft_args: SFTArgu
     after = evaluate()
     final_dir = run.finish()
     start = f"{before['eval_exact_match']:.3f} untrained -> " if before else ""
-    accelerator.print(f"exact match {start}{after['eval_exact_match']:.3f} on {after['eval_generated']} questions; "
-                      f"saved to {final_dir}")
+    cut = (f" ({after['eval_truncated_generations']} cut at --max_new_tokens {max_new_tokens})"
+           if after["eval_truncated_generations"] else "")
+    accelerator.print(f"exact match {start}{after['eval_exact_match']:.3f} on {after['eval_generated']} questions"
+                      f"{cut}; saved to {final_dir}")
     return after
 
 

@@ -7,6 +7,7 @@ from common.arguments import DataArguments, ModelArguments, TrainingArguments
 from common.parsing import _parse, parse_args
 from common.errors import UsageError
 from common.lora import apply_lora, LoraArguments
+from conftest import load_script
 
 TYPES = (ModelArguments, DataArguments, TrainingArguments)
 
@@ -68,7 +69,7 @@ def test_trainer_options_set_elsewhere_say_where(recipe_yaml):
 @pytest.mark.parametrize("argv, expected", [
     (["--no_such_flag", "1"], "unknown argument"),
     (["--per_device_train_batch_size", "many"], "invalid int value"),
-    (["--per_device_train_batch_size", "0"], "must be at least 1"),
+    (["--per_device_train_batch_size", "0"], "--per_device_train_batch_size must be >= 1, got 0"),
     (["--report_to", "mlflow"], "report_to"),
     (["--train_file", "/nonexistent/x.jsonl"], "does not exist"),
     (["--learning_rat", "0.1"], "unknown argument.s. --learning_rat"),  # no prefix matching
@@ -79,10 +80,59 @@ def test_trainer_options_set_elsewhere_say_where(recipe_yaml):
     (["--max_grad_norm", "-1"], "--max_grad_norm must be >= 0"),
     (["--tokenizer_name_or_path", "./no/such/tokenizer"], "tokenizer_name_or_path ./no/such/tokenizer does not exist"),
     (["--model_config", "", "--model_name_or_path", "/no/such/model"], "model_name_or_path /no/such/model does not exist"),
+    # ranges declared beside each option (common.arguments.Range), checked before anything else
+    (["--seed", "-1"], re.escape("--seed must be in [0, 4294967295] (numpy's seeds are 32-bit), got -1")),
+    (["--seed", str(2**32)], r"--seed must be in \[0, 4294967295\]"),
+    (["--learning_rate", "inf"], "--learning_rate must be a finite number, got inf"),
+    (["--save_total_limit", "0"], re.escape("--save_total_limit must be >= 1 (unset keeps every checkpoint), got 0")),
+    (["--peak_tflops", "0"], "--peak_tflops must be > 0, got 0.0"),
+    (["--ddp_timeout", str(10**14)], re.escape("--ddp_timeout must be in [1, 1000000000] (seconds)")),
+    (["--max_eval_samples", "0"], "--max_eval_samples must be >= 1"),
+    (["--validation_split_percentage", "100"], re.escape("--validation_split_percentage must be in (0, 100)")),
+    (["--preprocessing_num_workers", "-1"], "--preprocessing_num_workers must be >= 0, got -1"),
 ])
 def test_bad_command_line(recipe_yaml, argv, expected):
     with pytest.raises(UsageError, match=expected):
         _parse(TYPES, ["--config", str(recipe_yaml)] + argv)
+
+
+def test_a_recipes_own_options_have_their_declared_ranges_checked(recipe_yaml):
+    """A recipe's own dataclass declares a bound in the annotation, as common's do; parsing checks
+    it, with no __post_init__ of its own."""
+    from typing import Annotated, Optional
+
+    from common.arguments import Range
+
+    @dataclasses.dataclass
+    class RecipeArguments:
+        max_generation_samples: Annotated[Optional[int], Range(low=1, why="unset: all of them")] = None
+
+    *_, own = _parse((*TYPES, RecipeArguments), ["--config", str(recipe_yaml), "--max_generation_samples", "3"])
+    assert own.max_generation_samples == 3
+    with pytest.raises(UsageError, match=re.escape("--max_generation_samples must be >= 1 (unset: all of "
+                                                   "them), got 0")):
+        _parse((*TYPES, RecipeArguments), ["--config", str(recipe_yaml), "--max_generation_samples", "0"])
+
+
+@pytest.mark.parametrize("recipe, option, value, said", [
+    ("sft.py", "max_generation_samples", "0", "must be >= 1 (unset: all of them), got 0"),
+    ("sequence_classification.py", "early_stopping_patience", "-1", "must be >= 1 (unset: never stop early), got -1"),
+    ("sequence_classification.py", "f1_average", "bogus", "invalid choice: 'bogus' (choose from 'binary', 'macro'")])
+def test_the_recipes_own_options_out_of_range_are_one_line(recipe, option, value, said, recipe_yaml, capsys):
+    """Before, --early_stopping_patience -1 stopped at the first evaluation, --max_generation_samples 0
+    scored no question, and --f1_average bogus was a traceback at the first evaluation."""
+    main = load_script(f"recipes/{recipe}").main
+    types = tuple(annotation for annotation in main.__annotations__.values() if isinstance(annotation, type))
+    with pytest.raises((UsageError, SystemExit)) as refused:
+        _parse(types, ["--config", str(recipe_yaml), f"--{option}", value])
+    message = str(refused.value) if refused.type is UsageError else capsys.readouterr().err  # argparse's choices
+    assert said in message and (refused.type is UsageError or refused.value.code == 2), message
+
+
+def test_a_file_for_a_model_or_tokenizer_folder(recipe_yaml):
+    with pytest.raises(UsageError, match=r"--tokenizer_name_or_path .*recipe.yaml is a file; pass the folder that "
+                                         r"holds it"):
+        _parse(TYPES, ["--config", str(recipe_yaml), "--tokenizer_name_or_path", str(recipe_yaml)])
 
 
 def test_output_dir_that_is_a_file(recipe_yaml, tmp_path):
@@ -137,7 +187,8 @@ def test_use_peft_and_the_lora_options_parse_as_trl_spells_them(recipe_yaml):
 @pytest.mark.parametrize("argv, expected", [
     (["--lora_r", "16"], "--lora_r shape(s) LoRA adapters, which train only with --use_peft; add --use_peft"),
     (["--save_merged_model", "true"], "--save_merged_model shape(s) LoRA adapters"),
-    (["--use_peft", "--lora_r", "0"], "--lora_r 0 --lora_alpha 16 --lora_dropout 0.0: the rank must be >= 1"),
+    (["--use_peft", "--lora_r", "0"], "--lora_r must be >= 1, got 0"),
+    (["--use_peft", "--lora_dropout", "1"], "--lora_dropout must be in [0, 1), got 1.0"),
 ])
 def test_lora_options_without_use_peft_or_out_of_range_are_refused(recipe_yaml, argv, expected):
     with pytest.raises(UsageError, match=re.escape(expected)):

@@ -1,7 +1,8 @@
 """Bad input found after the process group starts, launched as users launch (2 processes
 under ddp.yaml): one `error:` line that names what is wrong, a non-zero exit, no traceback
 from the recipes or `common`, and nothing of an earlier run changed. (Bad arguments, found
-before start-up, are tested in-process in test_arguments.py.)"""
+before start-up, are tested in-process in test_arguments.py; input a library refuses at
+start-up, through a recipe's run_recipe in this process, `run_in_process`.)"""
 
 import json
 import re
@@ -9,7 +10,7 @@ import shutil
 
 import pytest
 
-from conftest import REPO, causal_lm_args, flags, launch, read_run
+from conftest import REPO, causal_lm_args, flags, launch, pretrained_args, read_run
 
 GOOD = '{"text": "a b c d e f g h"}\n' * 40
 
@@ -203,3 +204,144 @@ def test_block_size_past_the_models_positions(bf16_checkpoint, markov_data, tmp_
     scratch = ModelArguments(model_config=str(REPO / "recipes/configs/tiny_llama.json"),
                              tokenizer_name_or_path=tokenizer)
     assert check_block_size(scratch, limit + 1) is None
+
+
+def run_in_process(recipe: str, argv: list, capsys) -> str:
+    """A recipe's command line run in this process as `python recipes/<recipe>` runs it (run_recipe:
+    parse, main, exit), for bad input met at start-up: its one error line (exit status 2), no traceback."""
+    import importlib.util
+
+    from accelerate.state import AcceleratorState
+
+    spec = importlib.util.spec_from_file_location(f"recipe_{recipe[:-3]}", REPO / "recipes" / recipe)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # defines main; runs nothing (__name__ is not "__main__")
+    from common.arguments import DataArguments, ModelArguments, TrainingArguments
+    from common.lora import LoraArguments
+    from common.run import run_recipe
+
+    own = [module.SFTArguments] if hasattr(module, "SFTArguments") else []  # as the recipe's last line lists them
+    types = [ModelArguments, DataArguments, *own, LoraArguments, TrainingArguments]
+    capsys.readouterr()
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            run_recipe(module.main, *types, argv=[str(a) for a in argv])
+    finally:
+        AcceleratorState._reset_state(True)
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert exit_info.value.code == 2 and len(errors) == 1 and "Traceback" not in err, err[-3000:]
+    return errors[0]
+
+
+@pytest.mark.parametrize("case", ["negative_seed", "weights_cut_short", "template_not_jinja"])
+def test_start_up_input_a_library_refuses_is_one_line(case, markov_data, bf16_checkpoint, arithmetic_data, tmp_path,
+                                                      capsys):
+    """Issue 34, item 8: a value a library range-checks (numpy's seed), a model folder whose weights
+    file is cut short, and a --chat_template that is not Jinja each end in one line before any
+    process trains, with nothing written to output_dir (they were tracebacks: from set_seed, from
+    safetensors inside from_pretrained, from jinja2 inside the tokenizing map)."""
+    out = tmp_path / "run"
+    if case == "negative_seed":
+        error = run_in_process("causal_lm.py", causal_lm_args(markov_data, out, seed=-1), capsys)
+        assert error == "error: --seed must be in [0, 4294967295] (numpy's seeds are 32-bit), got -1"
+    elif case == "weights_cut_short":
+        model = tmp_path / "model"
+        shutil.copytree(bf16_checkpoint, model)
+        weights = model / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:weights.stat().st_size // 2])  # a copy cut short
+        error = run_in_process("causal_lm.py", pretrained_args(markov_data, model, out), capsys)
+        assert error == (f"error: CausalLM model folder {model} is damaged (SafetensorError: Error while "
+                         "deserializing header: incomplete metadata, file not fully covered): a file in it is cut "
+                         "short or corrupt; copy or save it again")
+    else:
+        template = tmp_path / "template.jinja"
+        template.write_text("{% for message in messages %}\n{{ message.content }\n{% endfor %}")
+        error = run_in_process("sft.py", flags(config=REPO / "recipes/configs/sft_demo.yaml", output_dir=out,
+                                               tokenizer_name_or_path=arithmetic_data / "tokenizer",
+                                               train_file=arithmetic_data / "train.jsonl",
+                                               validation_file=arithmetic_data / "validation.jsonl",
+                                               chat_template=template), capsys)
+        assert error == (f"error: --chat_template {template} is not a valid Jinja template (TemplateSyntaxError "
+                         "at line 2: unexpected '}'); fix the template")
+    assert not out.exists()
+
+
+def test_damaged_model_tokenizer_and_adapter_folders(bf16_checkpoint, tmp_path):
+    """What the libraries raise for a damaged folder (a shard its index names missing, weights that
+    do not fit the config, a tokenizer.json cut short, an adapter's weights cut short) is one line
+    naming the folder (it was a traceback, or for the tokenizer a KeyError's)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from common.arguments import ModelArguments
+    from common.errors import UsageError
+    from common.model import load_model, load_tokenizer
+
+    tokenizer = load_tokenizer(ModelArguments(model_name_or_path=str(bf16_checkpoint)))
+    base = AutoModelForCausalLM.from_pretrained(bf16_checkpoint, dtype=torch.float32)
+    sharded = tmp_path / "sharded"
+    base.save_pretrained(sharded, max_shard_size="100KB")
+    max(sharded.glob("model-*.safetensors")).unlink()
+    with pytest.raises(UsageError, match=r"CausalLM model folder .*sharded is damaged \(FileNotFoundError: .*model-0"
+                                         r".*\): a file in it is missing; copy or save it again"):
+        load_model(ModelArguments(model_name_or_path=str(sharded)), tokenizer, seed=0)
+
+    wider = tmp_path / "wider"
+    shutil.copytree(bf16_checkpoint, wider)
+    config = json.loads((wider / "config.json").read_text())
+    (wider / "config.json").write_text(json.dumps({**config, "intermediate_size": config["intermediate_size"] * 2}))
+    with pytest.raises(UsageError, match=r"the weights in .*wider do not fit the CausalLM model its config describes"):
+        load_model(ModelArguments(model_name_or_path=str(wider)), tokenizer, seed=0)
+
+    (wider / "tokenizer.json").write_text((wider / "tokenizer.json").read_text()[:200])
+    with pytest.raises(UsageError, match=r"tokenizer folder .*wider is damaged \(JSONDecodeError: .*\): a file in it "
+                                         r"is cut short or corrupt"):
+        load_tokenizer(ModelArguments(model_name_or_path=str(wider)))
+
+    adapter = tmp_path / "adapter"
+    get_peft_model(base, LoraConfig(r=2, task_type="CAUSAL_LM")).save_pretrained(adapter)
+    weights = adapter / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:weights.stat().st_size // 2])
+    with pytest.raises(UsageError, match=r"PEFT adapter folder .*adapter is damaged \(SafetensorError: .*\): a file "
+                                         r"in it is cut short or corrupt"):
+        load_model(ModelArguments(model_name_or_path=str(bf16_checkpoint), adapter_name_or_path=str(adapter)),
+                   tokenizer, seed=0)
+
+
+def test_a_chat_template_that_raises_on_the_data_is_one_line(arithmetic_data):
+    """A valid template that refuses a conversation as it renders (Gemma's raise_exception for a
+    system turn) is one line showing the conversation, not jinja2's traceback from inside the map."""
+    from transformers import AutoTokenizer
+
+    from common.chat import assistant_spans
+    from common.errors import UsageError
+
+    tokenizer = AutoTokenizer.from_pretrained(arithmetic_data / "tokenizer")
+    tokenizer.chat_template = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not "
+                               "supported') }}{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is 1 plus 1 ?"},
+                {"role": "assistant", "content": "2"}]
+    with pytest.raises(UsageError, match=r"the chat template \(--chat_template, or the tokenizer's\) does not render a "
+                                         r"conversation \(TemplateError: System role not supported\): fix the template "
+                                         r"or the data; the conversation: \[\{'role': 'system'"):
+        assistant_spans(tokenizer, messages)
+
+
+def test_a_parquet_file_cut_short_is_one_line(tmp_path):
+    """pyarrow reads a parquet file's schema before datasets generates a row: a file cut short failed
+    there, outside the errors datasets wraps (ArrowInvalid's traceback)."""
+    from datasets import Dataset
+
+    from common.arguments import DataArguments
+    from common.data import load_raw_datasets
+    from common.errors import UsageError
+
+    Dataset.from_dict({"text": ["a b c d"] * 50}).to_parquet(tmp_path / "train.parquet")
+    Dataset.from_dict({"text": ["a b c d"] * 5}).to_parquet(tmp_path / "validation.parquet")
+    train = tmp_path / "train.parquet"
+    train.write_bytes(train.read_bytes()[:train.stat().st_size // 2])
+    args = DataArguments(train_file=str(train), validation_file=str(tmp_path / "validation.parquet"))
+    with pytest.raises(UsageError, match=r"train.parquet: not readable as parquet \(ArrowInvalid: Parquet magic bytes"):
+        load_raw_datasets(args, seed=0)

@@ -9,7 +9,8 @@ import pytest
 from datasets import Dataset, DatasetDict
 
 from common.errors import UsageError
-from common.chat import GENERATION_MARKER, assistant_spans, end_of_turn_ids, generation_references, read_chat_template, tokenize_sft
+from common.chat import (GENERATION_MARKER, answer_token_counts, assistant_spans, end_of_turn_ids, generation_references,
+                         read_chat_template, tokenize_sft)
 
 TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
 FAMILIES = ["llama3", "chatml_qwen2_5", "mistral", "gemma"]
@@ -129,6 +130,36 @@ def test_prompt_completion_learns_the_completion_only(byte_bpe):
     assert end_of_turn_ids(datasets["validation"]) == [tokenizer.convert_tokens_to_ids("<|im_end|>")]
     references = generation_references(raw["validation"], raw["train"].column_names, "messages", 1)
     assert references == [(chat[:-1], chat[-1]["content"])]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_reference_answers_are_measured_in_the_tokens_generation_takes(byte_bpe, family):
+    """--max_new_tokens is sized from these counts: each reference answer's tokens as the model
+    is taught to generate them after its prompt, end-of-turn token included (the last labelled
+    run); a text completion's tokens and EOS."""
+    tokenizer, spec = family_tokenizer(byte_bpe, family)
+    messages = conversation(system=spec["system"])
+    raw = DatasetDict(train=Dataset.from_list([{"messages": messages}]),
+                      validation=Dataset.from_list([{"messages": messages}]))
+    references = generation_references(raw["validation"], raw["train"].column_names, "messages", None)
+    labels = tokenize_sft(raw, tokenizer, "messages", 512, "drop", CPU())[0]["validation"][0]["labels"]
+    answer = labelled_runs(labels)[-1]
+    content = messages[-1]["content"].strip() if spec["trims_content"] else messages[-1]["content"]
+    assert tokenizer.decode(answer) == content + spec["end_of_turn"]
+    assert answer_token_counts(tokenizer, references) == [len(answer)]
+
+    text = [("What is the capital of France? ", "Paris.")]
+    assert answer_token_counts(tokenizer, text) == [len(tokenizer("Paris.", add_special_tokens=False)["input_ids"]) + 1]
+
+
+def test_reference_answers_are_measured_through_generation_markers(arithmetic_data):
+    """The demo's template marks answers with {% generation %}: a number and <eos>, 2 tokens."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(arithmetic_data / "tokenizer")
+    assert GENERATION_MARKER.search(tokenizer.chat_template)
+    raw = Dataset.from_json(str(arithmetic_data / "validation.jsonl"))
+    assert set(answer_token_counts(tokenizer, generation_references(raw, raw.column_names, "messages", None))) == {2}
 
 
 def test_overlong_examples_are_dropped_and_counted_or_truncated(byte_bpe):
