@@ -22,7 +22,7 @@ from common.accelerator import unwrap
 from common.checkpoints import save_config
 from common.errors import UsageError
 from common.internals import full_shape, is_zero3_parameter, saves_as_state_dict, without_zero3_init
-from common.lora import save_merged
+from common.lora import merged_model_skeleton, merged_tensors, save_merged, saved_adapter_names
 from common.memory import current_memory
 from common.peers import main_process_alone
 from common.run_dir import write_folder
@@ -37,7 +37,8 @@ def export_final(accelerator, model, tokenizer, output_dir: str, dtype, name: st
     `dtype` (common.model.export_dtype), so every strategy writes the same file. The main process
     writes each tensor as it arrives (`write_safetensors`): it never holds the whole state dict,
     only one tensor beside its training state. Every rank must call it. A peft model saves its
-    adapter only, through peft; with `merge_adapter` the merged full model also goes to
+    adapter only, through peft, and only the adapter's tensors are gathered (`exported_names`),
+    never the base model's; with `merge_adapter` the merged full model also goes to
     `<name>_merged`. `cost`, if given, gets the gather's seconds and the main process's resident
     set before and at its highest during the export."""
     target = os.path.join(output_dir, name)
@@ -56,10 +57,25 @@ def export_final(accelerator, model, tokenizer, output_dir: str, dtype, name: st
     if merge_adapter and hasattr(unwrapped, "peft_config"):
         with main_process_alone(accelerator, f"writing {target}_merged"):
             if accelerator.is_main_process:
-                with without_zero3_init():  # only this process reloads the base model
-                    write_folder(f"{target}_merged", lambda tmp: save_merged(unwrapped, target, tmp, tokenizer, dtype))
+                with without_zero3_init():  # only this process builds the merged model
+                    write_folder(f"{target}_merged", lambda tmp: write_merged(unwrapped, target, tmp, tokenizer, dtype))
     accelerator.wait_for_everyone()
     return target
+
+
+def write_merged(peft_model, adapter_dir: str, folder: str, tokenizer, dtype) -> None:
+    """The base model with the adapter saved in `adapter_dir` merged in, as a plain Hugging Face
+    folder in `dtype`, written as the model's own export is, one tensor at a time: each base tensor
+    read from the base model's files, the adapter merged into it (`merged_tensors`). Where the base
+    model cannot be read that way, it is reloaded whole (`save_merged`)."""
+    merged = merged_model_skeleton(peft_model)
+    tensors = None
+    if saves_as_state_dict(merged):
+        tensors = merged_tensors(peft_model, adapter_dir, exported_names(merged), f"{merged.base_model_prefix}.")
+    if tensors is None:
+        save_merged(peft_model, adapter_dir, folder, tokenizer, dtype)
+    else:
+        write_hf_folder(merged, tensors, tokenizer, dtype, folder)
 
 
 def _watching_memory(tensors, highest: dict):
@@ -72,9 +88,10 @@ def _watching_memory(tensors, highest: dict):
 def write_hf_folder(model, tensors, tokenizer, dtype, folder: str) -> None:
     """The model's weights from `tensors` ((name, full tensor) pairs in state-dict order, or a
     state dict) cast to `dtype`, as model.safetensors, with the config saying that dtype, the
-    generation config and the tokenizer: what `save_pretrained` writes. A model whose saving
-    transformers converts (renamed or re-fused weights, code from the Hub) and a peft model (its
-    adapter only) are written by `save_pretrained` itself, from the whole state dict."""
+    generation config and the tokenizer: what `save_pretrained` writes. A peft model's adapter is
+    written by peft's `save_pretrained` from the adapter's tensors (`tensors` needs to hold no
+    others: `exported_names`). A model whose saving transformers converts (renamed or re-fused
+    weights, code from the Hub) is written by `save_pretrained` itself, from the whole state dict."""
     items = tensors.items() if isinstance(tensors, dict) else tensors
     if hasattr(model, "peft_config") or not saves_as_state_dict(model):
         model.save_pretrained(folder, safe_serialization=True, state_dict={
@@ -95,16 +112,21 @@ def write_hf_folder(model, tensors, tokenizer, dtype, folder: str) -> None:
 def exported_names(model, state: dict | None = None) -> list[str]:
     """The state dict's names (`state`, the model's state dict if already built), a tied parameter
     (the output layer tied to the input embeddings) once, as transformers stores it and ties it
-    again at load."""
+    again at load; for a peft model only those whose tensors peft saves (the adapter)."""
     first_names = {name for name, _ in model.named_parameters()}
     every_name = {name for name, _ in model.named_parameters(remove_duplicate=False)}
-    keys = model.state_dict() if state is None else state
-    return [key for key in keys if key in first_names or key not in every_name]
+    state = model.state_dict() if state is None else state
+    names = [key for key in state if key in first_names or key not in every_name]
+    if hasattr(model, "peft_config"):
+        saved = set(saved_adapter_names(model, state))
+        names = [name for name in names if name in saved]
+    return names
 
 
 def without_tied_copies(model, state_dict: dict) -> dict:
-    """`state_dict` without tied copies (`exported_names`); a state dict gathered from shards holds
-    each of a tied parameter's names as a separate tensor, which save_pretrained would write twice."""
+    """`state_dict` with the exported names only (`exported_names`): without tied copies (a state
+    dict gathered from shards holds each of a tied parameter's names as a separate tensor, which
+    save_pretrained would write twice) and, for a peft model, without the base model."""
     names = set(exported_names(model))
     return {key: value for key, value in state_dict.items() if key in names}
 
@@ -196,11 +218,11 @@ def _read_dcp(folder: str) -> dict:
 
 
 def master_tensors(accelerator, model):
-    """(name, full tensor) for each exported name (`exported_names`), in state-dict order: the
-    tensor on the main process, None elsewhere. Collective, one gather per tensor: every rank
-    iterates it to the end. Under DeepSpeed each trainable parameter comes from the optimizer's
-    fp32 master copy (its bf16 mode trains fp32 partitions behind bf16 module weights), and a
-    frozen ZeRO-3 parameter from its partitions; no 16-bit copy of the model is gathered first, so
+    """(name, full tensor) for each exported name (`exported_names`: a peft model's adapter only),
+    in state-dict order: the tensor on the main process, None elsewhere. Collective, one gather per
+    tensor: every rank iterates it to the end. Under DeepSpeed each trainable parameter comes from
+    the optimizer's fp32 master copy (its bf16 mode trains fp32 partitions behind bf16 module
+    weights), and a frozen ZeRO-3 parameter from its partitions; no 16-bit copy of the model is gathered first, so
     ZeRO-3 needs no stage3_gather_16bit_weights_on_model_save. Under FSDP2 each shard is gathered
     (from wherever it lives: its offloaded shards go through the device)."""
     unwrapped = unwrap(accelerator, model)

@@ -41,9 +41,8 @@ USES = (
     Use("transformers", "PretrainedConfig._attn_implementation", "attention_implementation"),
     Use("transformers", "PretrainedConfig._name_or_path", "set_base_model_name"),
     Use("transformers", "PreTrainedModel._weight_conversions, _auto_class, _keys_to_ignore_on_save", "saves_as_state_dict"),
-    Use("transformers", "integrations.sdpa_attention.sdpa_attention_forward, masking_utils.sdpa_mask and "
-                        "the mask function's allow_is_causal_skip keyword",
-        "common/packing.py's sdpa_varlen_forward: the attention registered as sdpa_varlen, and its mask"),
+    Use("transformers", "integrations.sdpa_attention.sdpa_attention_forward, masking_utils.sdpa_mask, the mask "
+        "function's allow_is_causal_skip keyword", "common/packing.py's sdpa_varlen_forward: sdpa_varlen and its mask"),
     Use("torch", "_dynamo.config.recompile_limit", "allow_recompiles: the compile budget regional compile shares"),
     Use("torch", "profiler.profile.step_num / current_action", "start_profiler_at: label steps by optimizer step"),
     Use("torch", "DistributedDataParallel._get_ddp_logging_data()['bucket_sizes']",
@@ -63,16 +62,10 @@ USES = (
 
 
 def in_checked_range(installed: str, lowest: str, first_unchecked: str) -> bool:
-    """`lowest` <= `installed` < `first_unchecked` as releases are ordered: 1.15 is 1.15.0, a
-    pre-release comes before its release (2.13.0rc1 is below a lowest 2.13.0) and belongs to the
-    release it leads to (2.14.0rc1 is not below a first unchecked 2.14), a local build (+cpu) is its
-    release."""
+    """lowest <= installed < first_unchecked, releases ordered: 1.15 = 1.15.0 > 1.15.0rc1; 1.16.0rc1 >= 1.16."""
     from packaging.version import Version
 
-    def release(version: str) -> tuple:
-        numbers = Version(version).release
-        return numbers + (0,) * (4 - len(numbers))
-
+    def release(version): return Version(version).release + (0,) * (4 - len(Version(version).release))
     return Version(installed) >= Version(lowest) and release(installed) < release(first_unchecked)
 
 

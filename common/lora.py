@@ -11,10 +11,15 @@ without peft).
 
 from __future__ import annotations
 
+import copy
+import json
+import os
 from dataclasses import dataclass, field, fields
+from typing import Annotated
 
 import torch
 
+from common.ranges import Range, check_ranges
 from common.errors import UsageError
 from common.internals import is_zero3_parameter
 
@@ -22,24 +27,23 @@ from common.internals import is_zero3_parameter
 @dataclass
 class LoraArguments:
     use_peft: bool = field(default=False, metadata={"help": "Train LoRA adapters only; the base model stays frozen."})
-    lora_r: int = field(default=8, metadata={"help": "The adapters' rank."})
-    lora_alpha: int = field(default=16, metadata={"help": "The adapters' scale is lora_alpha / lora_r."})
-    lora_dropout: float = 0.0
+    lora_r: Annotated[int, Range(low=1)] = field(default=8, metadata={"help": "The adapters' rank."})
+    lora_alpha: Annotated[int, Range(above=0)] = field(default=16, metadata={
+        "help": "The adapters' scale is lora_alpha / lora_r."})
+    lora_dropout: Annotated[float, Range(0, below=1)] = 0.0
     lora_target_modules: list[str] | None = field(default=None, metadata={
         "help": "Layer names to adapt (q_proj v_proj ...), or all-linear; default: peft's choice for the architecture."})
     save_merged_model: bool = field(default=False, metadata={
         "help": "Also export the base model with the adapter merged in, to <output_dir>/final_merged."})
 
     def __post_init__(self):
+        check_ranges(self)
         if not self.use_peft:
             changed = [f"--{f.name}" for f in fields(self) if f.name != "use_peft"
                        and getattr(self, f.name) != (f.default_factory() if callable(f.default_factory) else f.default)]
             if changed:
                 raise UsageError(f"{', '.join(changed)} shape(s) LoRA adapters, which train only with --use_peft; "
                                  "add --use_peft (or use_peft: true in the recipe YAML), or drop them")
-        if self.lora_r < 1 or self.lora_alpha <= 0 or not 0 <= self.lora_dropout < 1:
-            raise UsageError(f"--lora_r {self.lora_r} --lora_alpha {self.lora_alpha} --lora_dropout "
-                             f"{self.lora_dropout}: the rank must be >= 1, alpha > 0 and dropout in [0, 1)")
 
 
 def apply_lora(model, args: LoraArguments):
@@ -81,9 +85,130 @@ def _match_zero3_dtype(model) -> None:
                 parameter.data = parameter.data.to(dtype)
 
 
+def saved_adapter_names(model, state: dict) -> list[str]:
+    """The names in `state` (the peft model's state dict; unmaterialised tensors will do: ZeRO-3's
+    placeholders, FSDP2's shards) whose tensors peft's save_pretrained writes, chosen by peft itself
+    (get_peft_model_state_dict, save_embedding_layers="auto" as save_pretrained has it): the adapters,
+    the modules to save (a classifier's head) and the embeddings where peft saves them. The export
+    gathers these only, not the base model."""
+    import warnings
+
+    from peft.utils import get_peft_model_state_dict
+
+    kept = set()
+    with warnings.catch_warnings():  # "Setting save_embedding_layers to True ...": save_pretrained says it again
+        warnings.simplefilter("ignore")
+        for adapter in model.peft_config:
+            # peft renames the keys (no adapter name) but passes the state's tensors through: known by identity
+            saved = get_peft_model_state_dict(model, state_dict=state, adapter_name=adapter)
+            kept.update(id(value) for value in saved.values())
+    return [key for key, value in state.items() if id(value) in kept]
+
+
+def merged_model_skeleton(peft_model):
+    """The merged model without weights (on the meta device): the base model's class with the trained
+    model's config (labels, pad token) and generation config."""
+    base = peft_model.get_base_model()
+    with torch.device("meta"):
+        merged = type(base)(base.config)
+    if base.can_generate() and base.generation_config is not None:
+        merged.generation_config = copy.deepcopy(base.generation_config)
+    return merged
+
+
+def merged_tensors(peft_model, adapter_dir: str, names: list[str], prefix: str):
+    """(name, float32 tensor) for each of `names` (the merged model's, `merged_model_skeleton`), one
+    at a time: the base model's tensor read from its safetensors files (a key there may lack the
+    model's `prefix`, as from_pretrained allows) plus the saved adapter's delta where LoRA adapts it
+    (peft's get_delta_weight, which merge_and_unload adds), or the adapter's own copy (a module to
+    save). None where that cannot be done tensor by tensor (the base not a local safetensors
+    folder, a tensor not found there under its name, a LoRA variant such as DoRA): `save_merged`."""
+    from peft import PeftModel
+    from peft.tuners.lora import LoraLayer
+    from peft.utils import ModulesToSaveWrapper
+
+    files = _safetensors_files(peft_model.peft_config["default"].base_model_name_or_path)
+    if files is None:
+        return None
+    base = peft_model.get_base_model()
+    with torch.device("meta"):
+        skeleton = type(base)(base.config)
+    # Each base tensor a placeholder (one element, expanded to its shape: no memory), which peft
+    # loads the adapter beside (its tensors, in the export dtype, to float32 as in a float32 model).
+    placeholders = {}
+    for module in skeleton.modules():
+        for name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            held = torch.zeros((), dtype=tensor.dtype).expand(tensor.shape)
+            placeholders[id(held)] = held
+            if isinstance(tensor, torch.nn.Parameter):
+                held = torch.nn.Parameter(held, requires_grad=False)
+                placeholders[id(held)] = held
+            setattr(module, name, held)
+    adapted = PeftModel.from_pretrained(skeleton, adapter_dir, low_cpu_mem_usage=True).get_base_model()
+    for parameter in adapted.parameters():
+        if id(parameter) not in placeholders and parameter.is_floating_point():
+            parameter.data = parameter.data.float()
+    plan = []
+    for name in names:
+        *path, attribute = name.split(".")
+        owner, layer = adapted, None
+        for part in path:
+            owner = getattr(owner, part)
+            if isinstance(owner, ModulesToSaveWrapper):
+                owner = owner.modules_to_save["default"]
+            layer = owner if isinstance(owner, LoraLayer) else None
+            if layer is not None:
+                if layer.lora_variant or any(layer.lora_bias.values()):
+                    return None
+                owner = layer.get_base_layer()
+        source = getattr(owner, attribute)
+        key = next((key for key in (name, name.removeprefix(prefix), prefix + name) if key in files), None)
+        from_file = id(source) in placeholders
+        if from_file and key is None:
+            return None
+        delta = layer if attribute == "weight" else None
+        plan.append((name, None if from_file else source, files.get(key), key, delta))
+    merged = {id(entry[-1]) for entry in plan}
+    if any(isinstance(module, LoraLayer) and id(module) not in merged for module in adapted.modules()):
+        return None  # an adapted tied copy (the output layer tied to the embeddings): peft merges into both
+    return _merged(plan)
+
+
+def _merged(plan):
+    from safetensors import safe_open
+
+    for name, source, path, key, layer in plan:
+        if source is not None:
+            tensor = source.detach()
+        else:
+            # opened for each tensor: the file's mapping, whose pages read so far count in the
+            # resident set while it is open, goes with the tensor
+            with safe_open(path, framework="pt") as handle:
+                tensor = handle.get_tensor(key)
+            tensor = tensor.float() if tensor.is_floating_point() else tensor
+        if layer is not None:
+            tensor = tensor + layer.get_delta_weight("default")
+        yield name, tensor
+
+
+def _safetensors_files(path: str) -> dict | None:
+    """{tensor name: file} of a local folder's model.safetensors (or its shards), else None."""
+    from safetensors import safe_open
+
+    index, single = os.path.join(path, "model.safetensors.index.json"), os.path.join(path, "model.safetensors")
+    if os.path.isfile(index):
+        with open(index) as handle:
+            return {key: os.path.join(path, file) for key, file in json.load(handle)["weight_map"].items()}
+    if os.path.isfile(single):
+        with safe_open(single, framework="pt") as handle:
+            return dict.fromkeys(handle.keys(), single)
+    return None
+
+
 def save_merged(peft_model, adapter_dir: str, out: str, tokenizer, dtype) -> None:
-    """The base model reloaded (with the trained model's config: labels, pad token), the saved
-    adapter merged into its weights, written as a plain Hugging Face folder in `dtype`."""
+    """The base model reloaded whole (with the trained model's config: labels, pad token), the saved
+    adapter merged into its weights, written as a plain Hugging Face folder in `dtype`: the way
+    where `merged_tensors` cannot read the base model one tensor at a time."""
     from peft import PeftModel
 
     base = peft_model.get_base_model()

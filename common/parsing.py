@@ -16,7 +16,8 @@ import sys
 import yaml
 from transformers import HfArgumentParser
 
-from common.arguments import DataArguments, TrainingArguments, check_ranges
+from common.arguments import DataArguments, TrainingArguments
+from common.ranges import check_ranges
 from common.errors import UsageError, exit_with_error
 from common.internals import parser_actions
 

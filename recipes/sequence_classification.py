@@ -22,7 +22,8 @@ from typing import Annotated, Literal
 
 from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding
 
-from common.arguments import DataArguments, ModelArguments, Range, TrainingArguments
+from common.arguments import DataArguments, ModelArguments, TrainingArguments
+from common.ranges import Range
 from common.batch_size import fit_batch_size
 from common.data import load_raw_datasets, make_dataloaders, tokenize_for_classification
 from common.evaluation import BestModelTracker, evaluate_classification, load_metric

@@ -29,10 +29,11 @@ from typing import Annotated
 
 from transformers import DataCollatorForSeq2Seq
 
-from common.arguments import DataArguments, ModelArguments, Range, TrainingArguments
+from common.arguments import DataArguments, ModelArguments, TrainingArguments
+from common.ranges import Range
 from common.batch_size import fit_batch_size
-from common.chat import (OVERLONG, answer_token_counts, end_of_turn_ids, generation_references, read_chat_template,
-                         tokenize_sft)
+from common.chat import OVERLONG, answer_token_counts, end_of_turn_ids, generation_references, tokenize_sft
+from common.chat_template import read_chat_template
 from common.data import load_raw_datasets, make_dataloaders
 from common.evaluation import evaluate_generation, size_max_new_tokens
 from common.lora import apply_lora, LoraArguments

@@ -101,7 +101,7 @@ def test_a_recipes_own_options_have_their_declared_ranges_checked(recipe_yaml):
     it, with no __post_init__ of its own."""
     from typing import Annotated, Optional
 
-    from common.arguments import Range
+    from common.ranges import Range
 
     @dataclasses.dataclass
     class RecipeArguments:

@@ -10,7 +10,8 @@ from datasets import Dataset, DatasetDict
 
 from common.errors import UsageError
 from common.chat import (GENERATION_MARKER, answer_token_counts, assistant_spans, end_of_turn_ids, generation_references,
-                         read_chat_template, tokenize_sft)
+                         tokenize_sft)
+from common.chat_template import read_chat_template
 
 TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
 FAMILIES = ["llama3", "chatml_qwen2_5", "mistral", "gemma"]

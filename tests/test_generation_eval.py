@@ -70,7 +70,7 @@ def test_answers_cut_by_max_new_tokens_are_counted_and_named_and_the_default_fit
 def test_max_new_tokens_defaults_to_sized_from_the_references():
     SFTArguments = load_script("recipes/sft.py").SFTArguments
 
-    from common.arguments import check_ranges
+    from common.ranges import check_ranges
 
     assert SFTArguments().max_new_tokens is None
     assert SFTArguments(max_new_tokens=5).max_new_tokens == 5
