@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 from transformers import default_data_collator
 
 from common.arguments import DataArguments
-from common.errors import UsageError, describe, downloads_off
+from common.errors import UsageError, describe, downloads_off, load_fault
 from common.peers import main_process_alone
 from common.streaming import StreamLoader, load_train_stream, tokenize_and_pack_stream
 
@@ -110,13 +110,16 @@ def _load_files(builder: str, data_files: dict) -> DatasetDict:
     except StopIteration:  # what datasets raises for an empty file
         empty = [path for path in data_files.values() if os.path.getsize(path) == 0] or list(data_files.values())
         raise UsageError(f"{', '.join(empty)}: no data in the file; give a file with rows") from None
-    except unreadable:
-        pass
+    except unreadable as error:
+        if load_fault(error) in ("memory", "io"):  # this host's fault, not the file's: as it is
+            raise
     columns = {}  # read each file alone to name the one at fault
     for split, path in data_files.items():
         try:
             columns[path] = load_dataset(builder, data_files={split: path})[split].column_names
         except unreadable as error:
+            if load_fault(error) in ("memory", "io"):
+                raise
             raise UsageError(f"{path}: not readable as {builder} ({describe(error.__cause__ or error)}); fix the file "
                              "(rows count from 0)") from None
     raise UsageError("the data files do not have the same columns ("

@@ -85,12 +85,15 @@ def evaluate_classification(model, dataloader, accelerator, metrics: dict, f1_av
     return results
 
 
+AUTO_MAX_NEW_TOKENS = 512  # the default --max_new_tokens at most; a longer reference answer's cut is counted
+
+
 def size_max_new_tokens(requested: int | None, longest_answer: int, accelerator) -> int:
-    """--max_new_tokens as given, or, unset, `longest_answer`: the longest reference answer's
-    tokens with its end of turn (`common.chat.answer_token_counts`), so no right answer is cut.
+    """--max_new_tokens as given, or, unset, `longest_answer` (at most AUTO_MAX_NEW_TOKENS): the longest
+    reference answer's tokens with its end of turn (`common.chat.answer_token_counts`), so no right answer is cut.
     A given value shorter than that is kept, with a warning."""
-    if requested is None:
-        return longest_answer
+    if requested is None:  # capped: answers of thousands of tokens would make each evaluation a long generation
+        return min(longest_answer, AUTO_MAX_NEW_TOKENS)
     if requested < longest_answer:
         accelerator.print(f"warning: --max_new_tokens {requested} is shorter than the longest reference answer "
                           f"({longest_answer} tokens with its end of turn): longer answers will be cut and scored as "

@@ -32,6 +32,7 @@ scale too high for a step's gradients overflows them: their norm is not finite w
 was. That is the scaler's routine, not a fault: the step is skipped, the scaler lowers its scale
 (`GradScaler.update`, which its own step would have run) and the run goes on; the overflow is
 logged in metrics.jsonl ("loss_scale_overflow") and counts towards no --max_nonfinite_skips.
+More than MAX_OVERFLOWS_IN_A_ROW in a row (the scale halved each time) stops the run.
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ import torch
 from common.errors import RunStopped
 from common.internals import innermost_optimizer, skip_step_on_device
 from common.model import local_parameter_shards
+
+# fp16: overflows in a row before the run stops (the scaler halves its scale at each: 2^16 falls below 2^-14)
+MAX_OVERFLOWS_IN_A_ROW = 30
 
 
 def skips_on_device(accelerator, inner, schedule) -> bool:
@@ -76,7 +80,7 @@ class NonFiniteGuard:
         self.policy, self.max_skips = policy, max_skips
         self.scaler = accelerator.scaler  # fp16 under accelerate: its GradScaler
         self.scales_loss = self.scaler is not None or bool(getattr(model, "fp16_enabled", lambda: False)())
-        self.overflows = 0
+        self.overflows = self.overflows_in_a_row = 0
         self.bad_losses = torch.zeros(1, device=accelerator.device)
         self.skipped = 0
         self.inner, self.schedule = torch_optimizer_and_schedule(optimizer, scheduler)  # found once
@@ -101,6 +105,7 @@ class NonFiniteGuard:
         norm = None if grad_norm is None else float(grad_norm)
         if norm is not None and math.isfinite(norm):  # every rank read the same norm: none gathers
             self.bad_losses.zero_()
+            self.overflows_in_a_row = 0
             return False
         ranks = self.accelerator.gather(self.bad_losses.clone()).tolist()
         self.bad_losses.zero_()
@@ -118,20 +123,32 @@ class NonFiniteGuard:
         norms = torch.stack([norm for _, norm, _ in pending]).tolist()
         bad = [i for i, norm in enumerate(norms) if not math.isfinite(norm)]
         if not bad:
+            self.overflows_in_a_row = 0
             return
         table = self.accelerator.gather(torch.cat([pending[i][2] for i in bad]).reshape(1, -1)).tolist()
         for column, i in enumerate(bad):
+            if i > (bad[column - 1] + 1 if column else 0):  # a good step came before this one
+                self.overflows_in_a_row = 0
             self._decide(pending[i][0], norms[i], [rank for rank, row in enumerate(table) if row[column]])
             self.schedule.last_epoch -= 2  # one step back: LambdaLR's rate is a function of its step count
             self.schedule.step()
+        if bad[-1] < len(norms) - 1:  # good steps after the last one skipped
+            self.overflows_in_a_row = 0
 
     def _decide(self, step: int, norm, loss_ranks: list) -> bool:
         if not loss_ranks and norm is None:
             return False
         if self.scales_loss and not loss_ranks:  # fp16: the loss scale overflowed the gradients
             self.overflows += 1
+            self.overflows_in_a_row += 1
+            stop = self.overflows_in_a_row > MAX_OVERFLOWS_IN_A_ROW
             self.metrics.log_event({"step": step, "event": "loss_scale_overflow", "grad_norm": str(norm),
-                                    "action": "skipped", "overflows": self.overflows})
+                                    "action": "stopped" if stop else "skipped", "overflows": self.overflows})
+            if stop:  # each overflow halved the scale: the gradients are not finite at any scale
+                raise RunStopped(f"step {step}: the gradients overflowed {self.overflows_in_a_row} steps in a row "
+                                 "while every loss was finite, each time at half the loss scale before: they are "
+                                 "not finite at any scale; lower the learning rate, use bf16, or check the model "
+                                 "and data, then resume from the last checkpoint")
             return True
         what = (f"non-finite loss on rank {', '.join(map(str, loss_ranks))}" if loss_ranks
                 else "non-finite gradients") + f" (gradient norm {norm})"

@@ -111,9 +111,15 @@ def _status_kept(status_file: str):
     status = {"launch": uuid.uuid4().hex, "beat": 0, "error": None}
     done = threading.Event()
 
+    def write():  # best effort: a folder rank 0 cannot write fails the conversion itself, with its own error
+        try:
+            write_atomically(status_file, json.dumps(status))
+        except OSError:
+            pass
+
     def beat():
         while True:
-            write_atomically(status_file, json.dumps(status))
+            write()
             if done.wait(BEAT_S):
                 return
             status["beat"] += 1
@@ -126,11 +132,12 @@ def _status_kept(status_file: str):
         done.set()
         thread.join()
         status["error"] = str(error) if isinstance(error, UsageError) else describe(error)
-        write_atomically(status_file, json.dumps(status))
+        write()
         raise
     done.set()
     thread.join()
-    os.remove(status_file)
+    if os.path.exists(status_file):
+        os.remove(status_file)
 
 
 def _read_status(status_file: str) -> dict | None:

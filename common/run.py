@@ -171,6 +171,8 @@ def resume_after_restart(args) -> None:
     first_attempt_ended_early = launch_starting(args.output_dir)
     if restart and list_checkpoints(args.output_dir) and not first_attempt_ended_early:
         args.resume_from_checkpoint, args.overwrite_output_dir = "latest", False
+    elif restart and not first_attempt_ended_early and args.resume_from_checkpoint is None:
+        args.overwrite_output_dir = True  # what the folder holds (run.json, metrics) is this launch's own
     if restart and _is_rank0():
         what = ("resuming from the latest checkpoint" if args.resume_from_checkpoint == "latest" else
                 "the first attempt ended before it started training: starting as it did" if first_attempt_ended_early

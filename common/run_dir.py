@@ -29,6 +29,7 @@ RUN_FILES = ("run.json", "metrics.jsonl")
 # Written when a launch starts where checkpoints exist, removed once it has cleared them (--overwrite_output_dir)
 # or set aside those past its resume point: till then a restarted worker must not resume 'latest'.
 LAUNCH_STARTING = ".launch_starting"
+ABANDONED = "abandoned_after_step_"  # checkpoints/abandoned_after_step_N/: later checkpoints a resume set aside
 
 
 def checkpoints_dir(output_dir: str) -> str:
@@ -100,7 +101,12 @@ def clear_earlier_run(output_dir: str) -> None:
     once the new run is known to start)."""
     for name in earlier_run(output_dir):
         path = os.path.join(output_dir, name)
-        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+        if os.path.islink(path) and os.path.isdir(path):  # checkpoints -> /scratch/...: emptied, the link kept
+            for entry in os.listdir(path):
+                inside = os.path.join(path, entry)
+                shutil.rmtree(inside) if os.path.isdir(inside) and not os.path.islink(inside) else os.remove(inside)
+        else:
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
 
 
 def set_aside_later_checkpoints(output_dir: str, step: int) -> str | None:
@@ -111,7 +117,7 @@ def set_aside_later_checkpoints(output_dir: str, step: int) -> str | None:
     later = [path for path in list_checkpoints(output_dir) if int(STEP_DIR.match(os.path.basename(path))[1]) > step]
     if not later:
         return None
-    aside = os.path.join(checkpoints_dir(output_dir), f"abandoned_after_step_{step}")
+    aside = os.path.join(checkpoints_dir(output_dir), f"{ABANDONED}{step}")
     suffix = 1
     while os.path.exists(aside if suffix == 1 else f"{aside}_{suffix}"):
         suffix += 1

@@ -57,7 +57,7 @@ class SFTArguments:
     max_new_tokens: Annotated[int | None, Range(low=1, why="unset: sized from the reference answers")] = field(
         default=None, metadata={
         "help": "Longest greedy answer for exact match, in tokens; default: the longest reference answer's, with its "
-                "end-of-turn token (an answer cut by the limit is scored as wrong and counted)."})
+                "end-of-turn token, at most 512 (an answer cut by the limit is scored as wrong and counted)."})
     max_generation_samples: Annotated[int | None, Range(low=1, why="unset: all of them")] = field(
         default=None, metadata={"help": "Eval conversations to generate for."})
 

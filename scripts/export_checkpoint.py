@@ -26,7 +26,7 @@ import shutil
 from common.errors import UsageError, exits_on_usage_error
 from common.export import read_checkpoint_weights, write_hf_folder
 from common.internals import set_base_model_name
-from common.run_dir import MODEL_FILES, STATE_FILE, write_folder
+from common.run_dir import ABANDONED, MODEL_FILES, STATE_FILE, write_folder
 
 
 MODEL_CONFIGS = ("config.json", "generation_config.json", "adapter_config.json")
@@ -87,8 +87,11 @@ def main(argv=None) -> str:
         raise UsageError(f"--checkpoint {checkpoint} has no {MODEL_FILES}/config.json (written by this project's "
                          "save_checkpoint since export_checkpoint exists); resume the run from it with "
                          "--resume_from_checkpoint and save again, or export the run's final/ instead")
-    run_dir = os.path.dirname(os.path.dirname(checkpoint))
-    output_dir = args.output_dir or os.path.join(run_dir, "exported", os.path.basename(checkpoint))
+    parent, name = os.path.dirname(checkpoint), os.path.basename(checkpoint)
+    if os.path.basename(parent).startswith(ABANDONED):  # a continuation a resume set aside: exported/<that>/step_N
+        parent, name = os.path.dirname(parent), os.path.join(os.path.basename(parent), name)
+    run_dir = os.path.dirname(parent)
+    output_dir = args.output_dir or os.path.join(run_dir, "exported", name)
     if os.path.exists(output_dir):
         raise UsageError(f"--output_dir {output_dir} already exists; it is left as it is: remove it or pass "
                          "another --output_dir")

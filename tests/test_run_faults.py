@@ -2,6 +2,7 @@
 overflows taken for non-finite steps, a lost peer guessed from the word "timeout"."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -122,6 +123,8 @@ def test_overwrite_clears_every_export_of_the_earlier_run_and_a_resume_from_an_e
     assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "final", "metrics.jsonl", "notes.txt",
                                                      "run.json"]
     run_a = load_weights(out / "final")
+    run_a_final = tmp_path / "run_a_final"
+    shutil.copytree(out / "final", run_a_final)
 
     changed = dict(max_grad_norm=0.05, save_steps=3, save_total_limit=2)
     run_in_process("recipes/causal_lm.py", recipe_args(resume_from_checkpoint=out / "checkpoints/step_2", **changed),
@@ -129,6 +132,10 @@ def test_overwrite_clears_every_export_of_the_earlier_run_and_a_resume_from_an_e
     assert [Path(p).name for p in list_checkpoints(str(out))] == ["step_3", "step_6"]
     aside = out / "checkpoints/abandoned_after_step_2"
     assert sorted(p.name for p in aside.iterdir()) == ["step_4", "step_6", "step_8"]
+    # a set-aside checkpoint still exports, beside the run's own exports (not inside checkpoints/)
+    exported = load_script("scripts/export_checkpoint.py").main(["--checkpoint", str(aside / "step_8")])
+    assert Path(exported) == out / "exported/abandoned_after_step_2/step_8"
+    assert max_weight_difference(exported, run_a_final) < 1e-6  # A's step 8 is A's final
     run_b = load_weights(out / "final")
     assert max_weight_difference(out / "final", out / "checkpoints/step_6") > 0  # B trained past its step 6
     assert max(float((run_a[k] - run_b[k]).abs().max()) for k in run_a) > 1e-4  # clipped at another norm
@@ -137,3 +144,42 @@ def test_overwrite_clears_every_export_of_the_earlier_run_and_a_resume_from_an_e
     run_in_process("recipes/causal_lm.py", recipe_args(resume_from_checkpoint="latest", **changed), monkeypatch)
     assert max_weight_difference(out / "final", out / "final_b") < 1e-6
     assert not (out / ".launch_starting").exists()
+
+
+def test_fp16_overflowing_at_every_scale_stops_the_run_in_one_line(markov_data, tmp_path, monkeypatch):
+    """A scale of 2^126 overflows fp16's backward at every halving the scaler makes within 30 steps:
+    the gradients are not finite at any scale the run reaches, so it stops at the 31st overflow in a
+    row (before, fp16 overflows were never counted and it trained to the end, every step skipped)."""
+    from common.errors import RunStopped
+
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
+
+    def with_grad_scaler(accelerator):
+        accelerator.native_amp = True
+        accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 126)
+
+    with pytest.raises(RunStopped, match=r"step 31: the gradients overflowed 31 steps in a row while every loss was "
+                                         r"finite"):
+        run_in_process("recipes/causal_lm.py", causal_lm_args(markov_data, tmp_path / "run", max_steps=40,
+                                                              optim="adamw_torch"), monkeypatch, with_grad_scaler)
+
+
+def test_a_worker_restarted_before_any_checkpoint_starts_again_over_its_own_first_attempt(tmp_path, monkeypatch):
+    """A launch without --overwrite_output_dir into a new folder, whose first attempt wrote run.json and
+    metrics but no checkpoint yet (--save_steps 0, or a crash before the first save): the restarted
+    worker starts again over those (they are this launch's), rather than being refused as a run
+    already there."""
+    from common.arguments import TrainingArguments
+    from common.run import resume_after_restart
+    from common.run_dir import check_output_dir
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "run.json").write_text("{}")
+    (out / "metrics.jsonl").write_text("")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    args = TrainingArguments(output_dir=str(out))
+    resume_after_restart(args)
+    assert args.overwrite_output_dir and args.resume_from_checkpoint is None
+    check_output_dir(args.output_dir, args.resume_from_checkpoint, args.overwrite_output_dir)
