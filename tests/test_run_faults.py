@@ -183,3 +183,19 @@ def test_a_worker_restarted_before_any_checkpoint_starts_again_over_its_own_firs
     resume_after_restart(args)
     assert args.overwrite_output_dir and args.resume_from_checkpoint is None
     check_output_dir(args.output_dir, args.resume_from_checkpoint, args.overwrite_output_dir)
+
+
+def test_overwrite_empties_a_symlinked_run_folder_and_keeps_the_link(tmp_path):
+    """output_dir/checkpoints -> /scratch/...: the earlier run's checkpoints there go, the link (where the
+    user wants checkpoints written) stays, and nothing outside it is touched."""
+    from common.run_dir import clear_earlier_run
+
+    scratch, out = tmp_path / "scratch", tmp_path / "run"
+    (scratch / "step_2").mkdir(parents=True)
+    (scratch / "step_2" / "model.safetensors").write_text("earlier")
+    (tmp_path / "elsewhere.txt").write_text("the user's")
+    out.mkdir()
+    (out / "checkpoints").symlink_to(scratch)
+    clear_earlier_run(str(out))
+    assert (out / "checkpoints").is_symlink() and scratch.is_dir() and not list(scratch.iterdir())
+    assert (tmp_path / "elsewhere.txt").exists()
