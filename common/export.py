@@ -24,6 +24,7 @@ from common.errors import UsageError
 from common.internals import full_shape, is_zero3_parameter, saves_as_state_dict, without_zero3_init
 from common.lora import merged_model_skeleton, merged_tensors, save_merged, saved_adapter_names
 from common.memory import current_memory
+from common.model_card import write_model_card
 from common.peers import main_process_alone
 from common.run_dir import write_folder
 
@@ -47,7 +48,10 @@ def export_final(accelerator, model, tokenizer, output_dir: str, dtype, name: st
     highest = {"rss_mb": before}
     tensors = _watching_memory(master_tensors(accelerator, model), highest)
     if accelerator.is_main_process:
-        write_folder(target, lambda folder: write_hf_folder(unwrapped, tensors, tokenizer, dtype, folder))
+        def write(folder):
+            write_hf_folder(unwrapped, tensors, tokenizer, dtype, folder)
+            write_model_card(folder, output_dir, name)
+        write_folder(target, write)
     else:
         for _ in tensors:  # take part in every gather
             pass
@@ -58,7 +62,10 @@ def export_final(accelerator, model, tokenizer, output_dir: str, dtype, name: st
         with main_process_alone(accelerator, f"writing {target}_merged"):
             if accelerator.is_main_process:
                 with without_zero3_init():  # only this process builds the merged model
-                    write_folder(f"{target}_merged", lambda tmp: write_merged(unwrapped, target, tmp, tokenizer, dtype))
+                    def write_merged_with_card(tmp):
+                        write_merged(unwrapped, target, tmp, tokenizer, dtype)
+                        write_model_card(tmp, output_dir, f"{name}_merged")
+                    write_folder(f"{target}_merged", write_merged_with_card)
     accelerator.wait_for_everyone()
     return target
 

@@ -6,6 +6,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import sys
 
 import torch
 
@@ -97,6 +98,7 @@ def record_run(accelerator, launch: Launch, model, optimizer, args: dict, output
     local = torch.tensor([local_parameter_elements(model)], device=accelerator.device)
     record = {
         "args": args,
+        "command": sys.argv,  # the recipe and its arguments as this process was given them
         "world_size": world_size,
         "participating_processes": participating_processes(accelerator),
         "distributed_type": str(accelerator.distributed_type).split(".")[-1],

@@ -26,6 +26,7 @@ import shutil
 from common.errors import UsageError, exits_on_usage_error
 from common.export import read_checkpoint_weights, write_hf_folder
 from common.internals import set_base_model_name
+from common.model_card import write_model_card
 from common.run_dir import ABANDONED, MODEL_FILES, STATE_FILE, write_folder
 
 
@@ -104,6 +105,7 @@ def main(argv=None) -> str:
         write_hf_folder(model, model.state_dict(), None, dtype, folder)
         for name in sorted(set(os.listdir(model_files)) - set(MODEL_CONFIGS)):  # the run's tokenizer files
             shutil.copy2(os.path.join(model_files, name), folder)
+        write_model_card(folder, run_dir, os.path.basename(checkpoint))
 
     os.makedirs(os.path.dirname(os.path.abspath(output_dir)), exist_ok=True)
     write_folder(output_dir, write)

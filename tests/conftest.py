@@ -151,7 +151,8 @@ def max_weight_difference(a, b) -> float:
 
 def assert_same_hf_folder(exported, final) -> None:
     """Same files; safetensors with equal tensors of the same dtype; JSON files equal (peft's
-    target_modules, a set, in any order); every other file byte for byte."""
+    target_modules, a set, in any order); model cards with the same metadata; every other file byte
+    for byte."""
     import torch
     from safetensors.torch import load_file
 
@@ -170,6 +171,10 @@ def assert_same_hf_folder(exported, final) -> None:
                 if isinstance(side.get("target_modules"), list):
                     side["target_modules"] = sorted(side["target_modules"])
             assert left == right, path.name
+        elif path.name == "README.md":  # the model card: the same metadata (its text names the export)
+            from huggingface_hub import ModelCard
+
+            assert ModelCard.load(mine).data.to_dict() == ModelCard.load(path).data.to_dict()
         else:
             assert mine.read_bytes() == path.read_bytes(), path.name
 

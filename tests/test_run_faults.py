@@ -3,6 +3,7 @@ overflows taken for non-finite steps, a lost peer guessed from the word "timeout
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,7 @@ def run_in_process(recipe: str, argv: list, monkeypatch, accelerator_hook=None):
         return accelerator, launch
 
     monkeypatch.setattr(common.run, "build_accelerator", built)
+    monkeypatch.setattr(sys, "argv", [recipe, *map(str, argv)])  # as a launched worker has it (run.json's command)
     types = [annotation for annotation in module.main.__annotations__.values() if isinstance(annotation, type)]
     AcceleratorState._reset_state(True)
     try:
