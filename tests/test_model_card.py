@@ -4,7 +4,7 @@ import json
 
 from huggingface_hub import ModelCard
 
-from conftest import causal_lm_args, export_checkpoint, pretrained_args, read_metrics, read_run
+from conftest import export_checkpoint, pretrained_args, read_metrics, read_run
 from test_run_faults import run_in_process
 
 
@@ -34,7 +34,7 @@ def test_the_adapter_the_merged_model_and_a_checkpoints_export_each_carry_a_card
         assert table["learning_rate"] == str(run["args"]["learning_rate"]) and table["lora_r"] == "4"
         assert table["processes"] == str(run["participating_processes"]) and table["recipe"] == "recipes/causal_lm.py"
         assert table["gradient_accumulation_steps"] == "2" and table["train file"] == run["args"]["train_file"]
-        assert float(table[f"eval at step 4: eval_loss"]) == round(evaluations[-1]["eval_loss"], 4)
+        assert float(table["eval at step 4: eval_loss"]) == round(evaluations[-1]["eval_loss"], 4)
         assert float(table["train loss at step 4"]) == round(train[-1]["loss"], 4)
         assert "--use_peft true" in card.text and f"written by the run's `{what}` export" in card.text.lower()
         assert str(bf16_checkpoint) in card.text
