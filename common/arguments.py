@@ -114,6 +114,9 @@ class TrainingArguments(SpeedArguments):  # + the speed options (common.speed)
                 "'{\"min_lr_rate\": 0.1}' for cosine_with_min_lr, '{\"num_decay_steps\": 100}' for "
                 "warmup_stable_decay."})
     warmup_steps: Annotated[int, AT_LEAST_0] = 0
+    warmup_ratio: Annotated[float, Range(low=0, below=1)] = field(default=0.0, metadata={
+        "help": "Warm up over this fraction of the run's optimizer steps (rounded up), as Trainer's and the "
+                "alignment-handbook's warmup_ratio; or give --warmup_steps, not both."})
     logging_steps: Annotated[int, AT_LEAST_1] = 10
     eval_steps: Annotated[int, AT_LEAST_0] = field(default=0, metadata={
         "help": "Evaluate every N steps; 0 evaluates at the end only."})
@@ -160,6 +163,9 @@ class TrainingArguments(SpeedArguments):  # + the speed options (common.speed)
             raise UsageError(f"--report_to must be tensorboard, wandb or none, got {self.report_to!r}")
         if self.resume_from_checkpoint not in (None, "latest"):
             require_path(self.resume_from_checkpoint, "resume_from_checkpoint")
+        if self.warmup_steps and self.warmup_ratio:
+            raise UsageError(f"--warmup_steps {self.warmup_steps} and --warmup_ratio {self.warmup_ratio} both set the "
+                             "warm-up; give one of them")
 
 
     @property

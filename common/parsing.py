@@ -32,23 +32,45 @@ ELSEWHERE = {"bf16": _PRECISION, "fp16": _PRECISION,
              "eval_strategy": _EVALUATION, "evaluation_strategy": _EVALUATION,
              "save_strategy": "checkpoints are written every --save_steps N (0: none)",
              "logging_strategy": "metrics are logged every --logging_steps N",
-             "local_rank": "accelerate launch gives each process its rank"}
+             "local_rank": "accelerate launch gives each process its rank",
+             # the alignment-handbook's and TRL's keys, where these recipes take them otherwise
+             "do_eval": _EVALUATION,
+             "model_revision": "download that revision to a folder (hf download NAME --revision REV --local-dir DIR) "
+                               "and pass --model_name_or_path DIR",
+             "dataset_mixture": "one data source per run here: --dataset_name (with --dataset_config_name) or "
+                                "--train_file",
+             "dataset_num_proc": "--preprocessing_num_workers N", "dataset_text_field": "--text_column NAME",
+             "max_seq_length": "--block_size N (longer examples follow --overlong)",
+             "max_length": "--block_size N (longer examples follow --overlong)",
+             "gradient_checkpointing_kwargs": "--gradient_checkpointing (always non-reentrant here)",
+             "log_level": "the main process logs progress, the others errors; TRANSFORMERS_VERBOSITY and "
+                          "DATASETS_VERBOSITY set the libraries' levels",
+             "remove_unused_columns": "each recipe keeps only the columns it reads (--text_column, --messages_column, "
+                                      "--label_column)",
+             **dict.fromkeys(("push_to_hub", "hub_model_id", "hub_strategy", "hub_private_repo"),
+                             "the recipes do not upload: hf upload REPO OUTPUT_DIR/final uploads the exported "
+                             "folder (its README.md is the model card)")}
 
 
 def _where_instead(keys) -> str:
     """For unknown keys that are Trainer options: where each is set here."""
-    said = [f"--{key}: {ELSEWHERE[key]}" for key in dict.fromkeys(keys) if key in ELSEWHERE]
+    grouped = {}  # one instruction, the keys it answers
+    for key in dict.fromkeys(keys):
+        if key in ELSEWHERE:
+            grouped.setdefault(ELSEWHERE[key], []).append(f"--{key}")
+    said = [f"{', '.join(names)}: {where}" for where, names in grouped.items()]
     return f". {'; '.join(said)}" if said else ""
 
 
 def _yaml_to_argv(config: dict, parser: argparse.ArgumentParser, source: str) -> list[str]:
     """Turn recipe-YAML keys into command-line tokens, so argparse checks their types."""
     actions = parser_actions(parser)
+    unknown = [key for key in config if key not in actions or key in ("help", "config")]
+    if unknown:  # every one at once, so that a file from elsewhere is fixed in one go
+        raise UsageError(f"{source}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+                         f"run the recipe with --help to list the keys{_where_instead(unknown)}")
     argv = []
     for key, value in config.items():
-        if key not in actions or key in ("help", "config"):
-            raise UsageError(f"{source}: unknown key {key!r}; run the recipe with --help to list the "
-                             f"keys{_where_instead([key])}")
         if value is None:
             continue
         values = value if isinstance(value, list) else [value]

@@ -69,8 +69,13 @@ def total_training_steps(args: TrainingArguments, train_loader, num_processes: i
 def create_scheduler(optimizer, args: TrainingArguments, max_steps: int):
     """transformers' schedule over the run's optimizer steps: the recipes step it once per
     optimizer step (`common.accelerator` tells accelerate not to step it per process)."""
-    return get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=args.warmup_steps,
+    return get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup_steps(args, max_steps),
                          num_training_steps=max_steps, scheduler_specific_kwargs=args.scheduler_kwargs)
+
+
+def warmup_steps(args: TrainingArguments, max_steps: int) -> int:
+    """--warmup_steps, or --warmup_ratio of the run's `max_steps` optimizer steps, rounded up (as Trainer)."""
+    return args.warmup_steps or math.ceil(args.warmup_ratio * max_steps)
 
 
 @torch.no_grad()

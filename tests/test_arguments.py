@@ -1,4 +1,5 @@
 import dataclasses
+import json
 import re
 
 import pytest
@@ -7,7 +8,7 @@ from common.arguments import DataArguments, ModelArguments, TrainingArguments
 from common.parsing import _parse, parse_args
 from common.errors import UsageError
 from common.lora import apply_lora, LoraArguments
-from conftest import load_script
+from conftest import REPO, load_script
 
 TYPES = (ModelArguments, DataArguments, TrainingArguments)
 
@@ -205,3 +206,53 @@ def test_a_merged_export_needs_a_pretrained_base():
     wrapped = apply_lora(model, LoraArguments(use_peft=True, lora_target_modules=["all-linear"]))
     assert {n.split(".")[-4] for n, p in wrapped.named_parameters() if p.requires_grad} == \
         {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+
+
+HANDBOOK_SFT = REPO / "tests/data/handbook/zephyr-7b-beta-sft-config_full.yaml"
+# what the one message says to write instead of each of the handbook's keys these recipes do not take
+HANDBOOK_REPLACED = {"model_revision": None, "dataset_mixture": None, "bf16": None, "do_eval": None,
+                     "eval_strategy": None, "logging_strategy": None, "save_strategy": None,
+                     "gradient_checkpointing_kwargs": None, "hub_model_id": None, "hub_strategy": None,
+                     "push_to_hub": None, "log_level": None, "remove_unused_columns": None,
+                     "dataset_num_proc": "preprocessing_num_workers", "max_seq_length": "block_size"}
+
+
+def test_a_handbook_recipe_yaml_names_every_key_it_cannot_take_in_one_message_and_then_runs(
+        real_model, arithmetic_data, tmp_path, monkeypatch):
+    """The alignment-handbook's zephyr-7b-beta SFT config as published: one message lists all 15 keys
+    taken otherwise here, each with what to write instead (before: one key per run, 16 runs; its
+    warmup_ratio now works as Trainer's). Rewritten as the message says, with the model swapped for the
+    real small chat model, the data for local files and flash-attention (GPU only) for sdpa, it trains
+    2 steps in this process on 1 rank, warming up over ceil(0.1 x 2) = 1 step."""
+    import yaml
+
+    from test_run_faults import run_in_process
+
+    main = load_script("recipes/sft.py").main
+    types = tuple(annotation for annotation in main.__annotations__.values() if isinstance(annotation, type))
+    with pytest.raises(UsageError) as refused:
+        _parse(types, ["--config", str(HANDBOOK_SFT)])
+    message = str(refused.value)
+    named = re.search(r"unknown keys (.*?); run the recipe", message)[1]
+    assert sorted(key.strip("' ") for key in named.split(",")) == sorted(HANDBOOK_REPLACED)
+    for key, instead in HANDBOOK_REPLACED.items():
+        assert re.search(rf"--{key}\b[^;]*: ", message.split("keys. ", 1)[1]), key  # each says what to write
+    assert "--dataset_num_proc: --preprocessing_num_workers N" in message and "--max_seq_length: --block_size N" in message
+
+    config = yaml.safe_load(HANDBOOK_SFT.read_text())
+    for key, instead in HANDBOOK_REPLACED.items():
+        value = config.pop(key)
+        if instead:
+            config[instead] = value
+    config.update(model_name_or_path=str(real_model), attn_implementation="sdpa", output_dir=str(tmp_path / "run"),
+                  train_file=str(arithmetic_data / "train.jsonl"), validation_file=str(arithmetic_data / "validation.jsonl"),
+                  report_to="none")
+    rewritten = tmp_path / "config_full.yaml"
+    rewritten.write_text(yaml.safe_dump(config))
+    run_in_process("recipes/sft.py", ["--config", rewritten, "--max_steps", "2", "--per_device_train_batch_size", "2",
+                                      "--block_size", "128", "--max_eval_samples", "4", "--max_generation_samples", "2",
+                                      "--preprocessing_num_workers", "0", "--logging_steps", "1"], monkeypatch)
+    run = json.loads((tmp_path / "run/run.json").read_text())
+    assert run["args"]["warmup_ratio"] == 0.1 and run["args"]["gradient_checkpointing"] is True
+    rows = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    assert [row["lr"] for row in rows if "lr" in row] == [2e-05, 0.0]  # warmed up by step 1, cosine to 0 at 2
