@@ -18,9 +18,10 @@ import json
 import os
 import shlex
 
-HYPERPARAMETERS = ("learning_rate", "lr_scheduler_type", "warmup_steps", "weight_decay", "max_grad_norm",
-                   "num_train_epochs", "max_steps", "per_device_train_batch_size", "gradient_accumulation_steps",
-                   "block_size", "seed", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
+HYPERPARAMETERS = ("learning_rate", "lr_scheduler_type", "warmup_steps", "warmup_ratio", "weight_decay",
+                   "max_grad_norm", "num_train_epochs", "max_steps", "per_device_train_batch_size",
+                   "gradient_accumulation_steps", "block_size", "seed", "lora_r", "lora_alpha", "lora_dropout",
+                   "lora_target_modules")
 
 
 def write_model_card(folder: str, output_dir: str, what: str) -> None:
