@@ -23,7 +23,7 @@ LAUNCH_ARGS ?=
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE ?= 1
 RESTARTS = $(if $(findstring --max_restarts,$(LAUNCH_ARGS)),--rdzv_backend c10d)
 
-.PHONY: install install-test real-model demo demo-chat demo-data test test-fast test-crashes doctor causal_lm sequence_classification lora sft evaluate benchmark benchmark-peers benchmark-options benchmark-packing benchmark-reshard estimate-memory export-checkpoint check-config clean
+.PHONY: install install-test real-model demo demo-chat demo-data test test-fast test-crashes doctor causal_lm sequence_classification lora sft evaluate plot benchmark benchmark-peers benchmark-options benchmark-packing benchmark-reshard estimate-memory export-checkpoint check-config clean
 
 # torch first: the CPU wheel on hosts without an NVIDIA GPU (no CUDA download),
 # the normal CUDA build where nvidia-smi sees a GPU. Later `torch>=...` pins are then satisfied.
@@ -106,6 +106,12 @@ MODEL ?= outputs/causal_lm_demo/final
 evaluate: demo-data
 	$(PY) scripts/evaluate_model.py --model_name_or_path $(MODEL) --train_file outputs/data/markov/train.jsonl \
 		--validation_file outputs/data/markov/validation.jsonl --block_size 64 --mixed_precision bf16 $(ARGS)
+
+# A run's loss and learning-rate curves from its metrics.jsonl, as RUN/curves.png (no tracker or server):
+#   make plot RUN=outputs/sft_demo
+RUN ?= outputs/causal_lm_demo
+plot: install
+	$(PY) scripts/plot_run.py --run $(RUN) $(ARGS)
 
 # Any checkpoint (one process, DDP, FSDP2 sharded, ZeRO-1/2/3) as a Hugging Face folder, no launch:
 #   make export-checkpoint CHECKPOINT=outputs/causal_lm_demo/checkpoints/step_200 OUT=outputs/step_200

@@ -8,6 +8,7 @@ and checked (`check_ranges`) before anything else of its dataclass.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from dataclasses import dataclass, field
@@ -19,6 +20,10 @@ from common.speed import SpeedArguments
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# --report_to: accelerate's trackers, each with how to install it (trackio and mlflow are this project's extras)
+TRACKERS = {"tensorboard": "pip install tensorboard", "wandb": "pip install wandb",
+            "trackio": "pip install '.[trackio]' (trackio)", "mlflow": "pip install '.[mlflow]' (mlflow-skinny with "
+                                                                       "its SQLite store)"}
 
 
 @dataclass
@@ -125,7 +130,8 @@ class TrainingArguments(SpeedArguments):  # + the speed options (common.speed)
     save_total_limit: Annotated[int | None, Range(low=1, why="unset keeps every checkpoint")] = field(
         default=None, metadata={"help": "Keep at most N checkpoints (oldest pruned after a save succeeds)."})
     resume_from_checkpoint: str | None = field(default=None, metadata={"help": "'latest' or a checkpoint folder."})
-    report_to: str = field(default="tensorboard", metadata={"help": "tensorboard, wandb or none."})
+    report_to: str = field(default="tensorboard", metadata={
+        "help": f"{', '.join(TRACKERS)} or none (trackio and mlflow: pip install '.[trackio]' or '.[mlflow]')."})
     sync_each_micro_batch: bool | None = field(default=None, metadata={
         "help": "Reduce gradients after every micro-batch rather than once per optimizer step. Default: on under "
                 "FSDP (gradients stay sharded while accumulating: less memory, more communication), off otherwise."})
@@ -159,8 +165,11 @@ class TrainingArguments(SpeedArguments):  # + the speed options (common.speed)
             parse_steps(self.profile_steps)
         if self.nonfinite not in ("skip", "stop"):
             raise UsageError(f"--nonfinite must be skip or stop, got {self.nonfinite!r}")
-        if self.report_to not in ("tensorboard", "wandb", "none"):
-            raise UsageError(f"--report_to must be tensorboard, wandb or none, got {self.report_to!r}")
+        if self.report_to not in (*TRACKERS, "none"):
+            raise UsageError(f"--report_to must be {', '.join(TRACKERS)} or none, got {self.report_to!r}")
+        if self.report_to != "none" and importlib.util.find_spec(self.report_to) is None:
+            raise UsageError(f"--report_to {self.report_to} needs the {self.report_to} package, which is not installed "
+                             f"here: {TRACKERS[self.report_to]}, or pass another --report_to")
         if self.resume_from_checkpoint not in (None, "latest"):
             require_path(self.resume_from_checkpoint, "resume_from_checkpoint")
         if self.warmup_steps and self.warmup_ratio:

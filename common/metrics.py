@@ -163,6 +163,19 @@ class MetricsLogger:
                 handle.write(json.dumps(row) + "\n")
 
 
+def start_trackers(accelerator, args, config: dict) -> None:
+    """accelerate's tracker for --report_to, the run's scalar arguments as its configuration. MLflow
+    writes to output_dir/mlflow.db (SQLite, no server) unless MLFLOW_TRACKING_URI names a store;
+    its experiment, and trackio's project, is --run_name, and the run is named after output_dir."""
+    name = os.path.basename(os.path.abspath(args.output_dir))
+    if args.report_to == "mlflow" and accelerator.is_main_process and not os.environ.get("MLFLOW_TRACKING_URI"):
+        import mlflow
+
+        mlflow.set_tracking_uri(f"sqlite:///{os.path.abspath(os.path.join(args.output_dir, 'mlflow.db'))}")
+    accelerator.init_trackers(args.run_name, config, init_kwargs={"mlflow": {"run_name": name},
+                                                                   "trackio": {"name": name, "embed": False}})
+
+
 def memory_mb(device) -> tuple:
     """(peak allocated, allocated, reserved) by torch's allocator on a GPU; (peak resident set
     size,) of the process elsewhere."""

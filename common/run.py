@@ -27,7 +27,7 @@ from common.errors import UsageError, exit_now, one_line_errors
 from common.export import export_final
 from common.internals import outside_checked_range, share_zero3_fp32_partitions
 from common.lora import LoraArguments
-from common.metrics import MetricsLogger
+from common.metrics import MetricsLogger, start_trackers
 from common.model import check_block_size, count_parameters, export_dtype, model_hidden_size
 from common.nonfinite import NonFiniteGuard, nonfinite_check
 from common.profiling import StepProfiler
@@ -86,7 +86,7 @@ class Run:
                              max_steps=max_steps, **record, **count_parameters(model),
                              nonfinite_check=nonfinite_check(accelerator, optimizer, scheduler),
                              speed=speed_record(unwrap(accelerator, model), args))
-        accelerator.init_trackers(args.run_name, tracker_config(written["args"]))
+        start_trackers(accelerator, args, tracker_config(written["args"]))
         self.metrics = MetricsLogger(accelerator, args.output_dir, max_steps, start_step=state["step"], model=model,
                                      optimizer=optimizer, peak_tflops=args.peak_tflops)
         self.nonfinite = NonFiniteGuard(accelerator, model, args.nonfinite, args.max_nonfinite_skips, self.metrics,
