@@ -19,10 +19,12 @@ import time
 LOST_PEER = re.compile(r"timed out|timeout|connection (closed|reset|refused)|broken pipe|no route to host|"
                        r"network is unreachable|connection abort", re.IGNORECASE)
 ADDRESS = re.compile(r"\[([0-9a-fA-F:.]+)\]:(\d+)")
-# A communication backend's own error: gloo raises a plain RuntimeError carrying its source location
-# ("[.../gloo/transport/tcp/pair.cc:553] Connection closed by peer"); NCCL and the rendezvous store raise
-# torch.distributed's DistError types. Another error that mentions a timeout (a CUDA launch timeout) is not one.
-BACKEND = re.compile(r"/gloo/|ProcessGroup(Gloo|NCCL|MPI|UCC)|\bNCCL\b|\bc10d\b")
+# A communication backend's own error: gloo raises a plain RuntimeError, with its source location
+# ("[.../gloo/transport/tcp/pair.cc:553] Connection closed by peer") or without it (DDP's backward: "Application
+# timeout caused pair closure"); NCCL and the rendezvous store raise torch.distributed's DistError types.
+# Another error that mentions a timeout (a CUDA launch timeout) is not one.
+BACKEND = re.compile(r"/gloo/|ProcessGroup(Gloo|NCCL|MPI|UCC)|\bNCCL\b|\bc10d\b|timeout caused pair closure|"
+                     r"Timed out waiting \d+ms for (recv|send)|Connection (closed|reset) by peer|(Read|Write) error \[")
 
 
 def free_port() -> int:

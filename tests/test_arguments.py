@@ -218,7 +218,7 @@ HANDBOOK_REPLACED = {"model_revision": None, "dataset_mixture": None, "bf16": No
 
 
 def test_a_handbook_recipe_yaml_names_every_key_it_cannot_take_in_one_message_and_then_runs(
-        real_model, arithmetic_data, tmp_path, monkeypatch):
+        real_model, counting_data, tmp_path, monkeypatch):
     """The alignment-handbook's zephyr-7b-beta SFT config as published: one message lists all 15 keys
     taken otherwise here, each with what to write instead (before: one key per run, 16 runs; its
     warmup_ratio now works as Trainer's). Rewritten as the message says, with the model swapped for the
@@ -245,7 +245,7 @@ def test_a_handbook_recipe_yaml_names_every_key_it_cannot_take_in_one_message_an
         if instead:
             config[instead] = value
     config.update(model_name_or_path=str(real_model), attn_implementation="sdpa", output_dir=str(tmp_path / "run"),
-                  train_file=str(arithmetic_data / "train.jsonl"), validation_file=str(arithmetic_data / "validation.jsonl"),
+                  train_file=str(counting_data / "train.jsonl"), validation_file=str(counting_data / "validation.jsonl"),
                   report_to="none")
     rewritten = tmp_path / "config_full.yaml"
     rewritten.write_text(yaml.safe_dump(config))

@@ -86,7 +86,8 @@ def test_a_lost_peer_is_read_from_the_backends_error_not_from_the_word_timeout(m
     closed = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
                           "[10.77.1.2]:48875. This is typically caused by a remote worker crashing.")
     nccl = torch.distributed.DistBackendError("NCCL communicator was aborted on rank 0: operation timed out")
-    for error in (gloo, closed, nccl):
+    in_backward = RuntimeError("Application timeout caused pair closure")  # gloo's, through DDP's backward
+    for error in (gloo, closed, nccl, in_backward):
         assert lost_peer_message(error, 60) is not None, error
     assert "10.77.1.2" in lost_peer_message(closed, 60)
     for error in (RuntimeError("CUDA error: the launch timed out and was terminated"),
