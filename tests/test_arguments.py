@@ -71,7 +71,7 @@ def test_trainer_options_set_elsewhere_say_where(recipe_yaml):
     (["--no_such_flag", "1"], "unknown argument"),
     (["--per_device_train_batch_size", "many"], "invalid int value"),
     (["--per_device_train_batch_size", "0"], "--per_device_train_batch_size must be >= 1, got 0"),
-    (["--report_to", "mlflow"], "report_to"),
+    (["--report_to", "comet_ml"], "--report_to must be tensorboard, wandb, trackio, mlflow or none"),
     (["--train_file", "/nonexistent/x.jsonl"], "does not exist"),
     (["--learning_rat", "0.1"], "unknown argument.s. --learning_rat"),  # no prefix matching
     (["--learning_rate", "-0.1"], "--learning_rate must be >= 0"),

@@ -60,7 +60,7 @@ def test_a_lora_export_gathers_only_what_peft_saves_and_writes_what_peft_writes(
 
     export_final(accelerator, model, None, str(tmp_path), torch.float32)
     model.save_pretrained(tmp_path / "peft", safe_serialization=True)
-    assert_same_hf_folder(tmp_path / "final", tmp_path / "peft")
+    assert_same_hf_folder(tmp_path / "final", tmp_path / "peft", model_cards=False)  # peft's template card
 
 
 def trained_lora_model(tmp_path, minilm, classifier: bool):
@@ -100,4 +100,4 @@ def test_the_merged_export_reads_the_base_model_one_tensor_at_a_time(classifier,
         patched.setattr(base_class, "from_pretrained", classmethod(reload_whole))
         export_final(accelerator, model, None, str(tmp_path), dtype, merge_adapter=True)
     save_merged(model, str(tmp_path / "final"), str(tmp_path / "whole"), None, dtype)
-    assert_same_hf_folder(tmp_path / "final_merged", tmp_path / "whole")
+    assert_same_hf_folder(tmp_path / "final_merged", tmp_path / "whole", model_cards=False)
