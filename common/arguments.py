@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Annotated
 
 from common.errors import UsageError
+from common.mixture import parse_mixture
 from common.ranges import AT_LEAST_0, AT_LEAST_1, Range, check_ranges
 from common.speed import SpeedArguments
 
@@ -67,6 +68,9 @@ class DataArguments:
     dataset_config_name: str | None = None
     train_file: str | None = field(default=None, metadata={"help": "json/jsonl/csv/parquet/txt"})
     validation_file: str | None = None
+    dataset_mixture: str | None = field(default=None, metadata={
+        "help": "Several sources mixed into one training set, as the alignment-handbook's dataset_mixture: a mapping "
+                "in the recipe YAML, or a YAML/JSON file (or JSON) here; see common/mixture.py."})
     validation_split_percentage: Annotated[int, Range(above=0, below=100)] = field(
         default=5, metadata={"help": "Held-out share of train when no validation split exists."})
     text_column: str = "text"
@@ -82,8 +86,12 @@ class DataArguments:
 
     def __post_init__(self):
         check_ranges(self)
-        if bool(self.dataset_name) == bool(self.train_file):
-            raise UsageError("give exactly one of --dataset_name or --train_file")
+        if sum(map(bool, (self.dataset_name, self.train_file, self.dataset_mixture))) != 1:
+            raise UsageError("give exactly one of --dataset_name, --train_file or --dataset_mixture")
+        self.mixture = parse_mixture(self.dataset_mixture) if self.dataset_mixture else None  # not an option itself
+        if self.mixture and self.mixture.test_split_size and self.validation_file:
+            raise UsageError("--validation_file and the mixture's test_split_size both give the validation set; "
+                             "drop one")
         for key in ("train_file", "validation_file"):
             if getattr(self, key):
                 require_path(getattr(self, key), key)

@@ -14,11 +14,11 @@ from transformers import default_data_collator
 
 from common.arguments import DataArguments
 from common.errors import UsageError, describe, downloads_off, load_fault
+from common.mixture import FILE_BUILDERS, announce, held_out_split, load_mixture, stream_mixture
 from common.peers import main_process_alone
 from common.streaming import StreamLoader, load_train_stream, tokenize_and_pack_stream
 
 STREAM_HELD_OUT = 1000  # validation rows taken from a stream that has no validation split
-FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 
 
 def load_raw_datasets(args: DataArguments, seed: int) -> DatasetDict:
@@ -26,16 +26,18 @@ def load_raw_datasets(args: DataArguments, seed: int) -> DatasetDict:
     With --streaming, `train` is an IterableDataset read as it is consumed (common.streaming)."""
     builder = data_files = None
     if not args.dataset_name:
-        data_files = {"train": args.train_file}
+        data_files = {"train": args.train_file} if args.train_file else {}
         if args.validation_file:
             data_files["validation"] = args.validation_file
         extensions = {os.path.splitext(path)[1].lower() for path in data_files.values()}
-        if len(extensions) != 1 or not extensions <= FILE_BUILDERS.keys():
+        if len(extensions) > 1 or not extensions <= FILE_BUILDERS.keys():
             raise UsageError(f"data files must share one of {sorted(FILE_BUILDERS)}; got {sorted(extensions)}")
-        builder = FILE_BUILDERS[extensions.pop()]
+        builder = FILE_BUILDERS[extensions.pop()] if extensions else None
     if args.streaming:
-        return _load_streaming(args, builder, data_files)
-    if args.dataset_name:
+        return _load_streaming(args, builder, data_files, seed)
+    if args.mixture:
+        raw = _mixed(args, builder, seed)
+    elif args.dataset_name:
         raw = load_hub_dataset(args)
     else:
         raw = _load_files(builder, data_files)
@@ -58,21 +60,49 @@ def load_raw_datasets(args: DataArguments, seed: int) -> DatasetDict:
 def load_hub_dataset(args: DataArguments, **kwargs):
     """load_dataset(--dataset_name, --dataset_config_name, **kwargs); one that does not load (a
     mistyped or unreachable name, a missing config name) is a one-line error."""
+    config = f" --dataset_config_name {args.dataset_config_name}" if args.dataset_config_name else ""
+    return _from_hub(args.dataset_name, args.dataset_config_name, f"--dataset_name {args.dataset_name}{config}",
+                     "with --dataset_config_name where it has several) or --train_file", **kwargs)
+
+
+def _from_hub(name: str, config: str | None, what: str, instead: str, **kwargs):
     try:
-        return load_dataset(args.dataset_name, args.dataset_config_name, **kwargs)
+        return load_dataset(name, config, **kwargs)
     except (ConnectionError, FileNotFoundError, ValueError) as error:  # DatasetNotFoundError: a FileNotFoundError
-        config = f" --dataset_config_name {args.dataset_config_name}" if args.dataset_config_name else ""
-        raise UsageError(f"--dataset_name {args.dataset_name}{config} does not load ({describe(error)}); pass a Hub "
-                         "dataset reachable from here (with --dataset_config_name where it has several) or "
-                         f"--train_file{downloads_off('HF_DATASETS_OFFLINE', 'HF_HUB_OFFLINE')}") from None
+        raise UsageError(f"{what} does not load ({describe(error)}); pass a Hub dataset reachable from here ({instead}"
+                         f"{downloads_off('HF_DATASETS_OFFLINE', 'HF_HUB_OFFLINE')}") from None
 
 
-def _load_streaming(args: DataArguments, builder: str | None, data_files: dict | None) -> DatasetDict:
+def _mixture_source(source, streaming: bool):
+    """A --dataset_mixture source from the Hub (common.mixture loads local ones)."""
+    config = f" config {source.config}" if source.config else ""
+    return _from_hub(source.id, source.config, f"--dataset_mixture source {source.id}{config} split {source.split}",
+                     "with its config and split) or a local file as its id", split=source.split, streaming=streaming)
+
+
+def _mixed(args: DataArguments, builder: str | None, seed: int) -> DatasetDict:
+    """--dataset_mixture: the mixed rows; validation from --validation_file, else held out of them."""
+    mixed = load_mixture(args.mixture, seed, _mixture_source)
+    if args.validation_file:
+        raw = DatasetDict(train=mixed, validation=_load_files(builder, {"validation": args.validation_file})["validation"])
+    else:
+        size = args.mixture.test_split_size or args.validation_split_percentage / 100
+        train, validation = held_out_split(mixed, args.mixture, size, seed)
+        raw = DatasetDict(train=train, validation=validation)
+    announce(args.mixture)
+    return raw
+
+
+def _load_streaming(args: DataArguments, builder: str | None, data_files: dict | None, seed: int) -> DatasetDict:
     """--streaming: the train stream, and a validation split held in memory: the validation
     file or the Hub's validation split (its first --max_eval_samples rows, default
     STREAM_HELD_OUT), else the stream's first rows, which training then skips."""
-    train = load_hub_dataset(args, split="train", streaming=True) if args.dataset_name else \
-        load_train_stream(builder, data_files)
+    if args.mixture:
+        train = stream_mixture(args.mixture, seed, _mixture_source)
+        announce(args.mixture)
+    else:
+        train = load_hub_dataset(args, split="train", streaming=True) if args.dataset_name else \
+            load_train_stream(builder, data_files)
     held_out = args.max_eval_samples or STREAM_HELD_OUT
     if args.validation_file:
         validation = _load_files(builder, {"validation": args.validation_file})["validation"]

@@ -38,7 +38,7 @@ def write_model_card(folder: str, output_dir: str, what: str) -> None:
     strategy = run.get("launched_strategy", "?")
     tags = ["accelerate-recipes", recipe, strategy] + (["lora"] if adapter or args.get("use_peft") else [])
     data = ModelCardData(base_model=base if on_hub else None, library_name="peft" if adapter else "transformers",
-                         tags=tags, datasets=[args["dataset_name"]] if args.get("dataset_name") else None)
+                         tags=tags, datasets=_hub_datasets(args, run) or None)
     body = "\n\n".join([
         f"# {os.path.basename(os.path.normpath(output_dir))} / {what}",
         _what_it_is(adapter, base, args, what),
@@ -49,6 +49,12 @@ def write_model_card(folder: str, output_dir: str, what: str) -> None:
         "## Command\n\n" + _command(run),
     ])
     ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body}\n").save(os.path.join(folder, "README.md"))
+
+
+def _hub_datasets(args: dict, run: dict) -> list:
+    """The Hub datasets the run trained on: --dataset_name, or a mixture's sources that are not local."""
+    names = [args["dataset_name"]] if args.get("dataset_name") else []
+    return names + [source["source"] for source in run.get("data_sources", []) if not os.path.exists(source["source"])]
 
 
 def _what_it_is(adapter: bool, base, args: dict, what: str) -> str:
@@ -64,6 +70,10 @@ def _data(args: dict, run: dict) -> str:
     sources = {"dataset": args.get("dataset_name"), "train file": args.get("train_file"),
                "validation file": args.get("validation_file")}
     counts = {key: run[key] for key in ("train_blocks", "dropped_examples") if run.get(key) is not None}
+    for source in run.get("data_sources", []):  # a --dataset_mixture's sources and the rows each gave
+        taken = (f"{source['train']} training rows" if "train" in source else f"{source['rows']} rows"
+                 if "rows" in source else f"drawn with probability {source['probability']}")
+        sources[f"source {source['source']} ({source['split']})"] = taken
     return _table({**{k: v for k, v in sources.items() if v}, **counts}) or "Not recorded."
 
 

@@ -37,8 +37,6 @@ ELSEWHERE = {"bf16": _PRECISION, "fp16": _PRECISION,
              "do_eval": _EVALUATION,
              "model_revision": "download that revision to a folder (hf download NAME --revision REV --local-dir DIR) "
                                "and pass --model_name_or_path DIR",
-             "dataset_mixture": "one data source per run here: --dataset_name (with --dataset_config_name) or "
-                                "--train_file",
              "dataset_num_proc": "--preprocessing_num_workers N", "dataset_text_field": "--text_column NAME",
              "max_seq_length": "--block_size N (longer examples follow --overlong)",
              "max_length": "--block_size N (longer examples follow --overlong)",

@@ -34,7 +34,7 @@ from common.profiling import StepProfiler
 from common.reshard import convert_before_start, for_this_world_size
 from common.run_dir import (check_output_dir, clear_earlier_run, launch_started, launch_starting, list_checkpoints,
                             mark_launch_starting, resolve_checkpoint, set_aside_later_checkpoints)
-from common.run_info import record_run, tracker_config
+from common.run_info import data_sources, record_run, tracker_config
 from common.speed import speed_record
 
 
@@ -83,7 +83,7 @@ class Run:
             launch_started(args.output_dir)  # the folder's checkpoints are this launch's from here on
         accelerator.wait_for_everyone()
         written = record_run(accelerator, self.launch, model, optimizer, to_dict(*self.arguments), args.output_dir,
-                             max_steps=max_steps, **record, **count_parameters(model),
+                             max_steps=max_steps, **record, **count_parameters(model), **data_sources(self.arguments),
                              nonfinite_check=nonfinite_check(accelerator, optimizer, scheduler),
                              speed=speed_record(unwrap(accelerator, model), args))
         start_trackers(accelerator, args, tracker_config(written["args"]))

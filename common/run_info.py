@@ -123,3 +123,9 @@ def record_run(accelerator, launch: Launch, model, optimizer, args: dict, output
 def tracker_config(args: dict) -> dict:
     """The scalar arguments, which is what TensorBoard's hparams accept."""
     return {k: v for k, v in args.items() if isinstance(v, (int, float, str, bool))}
+
+
+def data_sources(arguments) -> dict:
+    """run.json's `data_sources`: the rows each --dataset_mixture source gave (common.mixture)."""
+    mixture = next((a.mixture for a in arguments if getattr(a, "mixture", None) is not None), None)
+    return {"data_sources": mixture.counts} if mixture is not None else {}

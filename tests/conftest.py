@@ -492,3 +492,30 @@ def two_hosts():
                     f"{getattr(error, 'stderr', '') or error}")
     yield hosts
     hosts.down()
+
+
+def run_in_process(recipe: str, argv: list, monkeypatch, accelerator_hook=None):
+    """A recipe's main() in this process, one rank (seconds, no launch), with `accelerator_hook`
+    applied to the Accelerator `start_run` builds; accelerate's process-wide state reset around it."""
+    from accelerate.state import AcceleratorState
+
+    import common.run
+    from common.parsing import parse_args
+
+    module = load_script(recipe)
+    build = common.run.build_accelerator
+
+    def built(*args, **kwargs):
+        accelerator, launch = build(*args, **kwargs)
+        if accelerator_hook is not None:
+            accelerator_hook(accelerator)
+        return accelerator, launch
+
+    monkeypatch.setattr(common.run, "build_accelerator", built)
+    monkeypatch.setattr(sys, "argv", [recipe, *map(str, argv)])  # as a launched worker has it (run.json's command)
+    types = [annotation for annotation in module.main.__annotations__.values() if isinstance(annotation, type)]
+    AcceleratorState._reset_state(True)
+    try:
+        return module.main(*parse_args(tuple(types), [str(a) for a in argv]))
+    finally:
+        AcceleratorState._reset_state(True)

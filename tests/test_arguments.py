@@ -210,7 +210,7 @@ def test_a_merged_export_needs_a_pretrained_base():
 
 HANDBOOK_SFT = REPO / "tests/data/handbook/zephyr-7b-beta-sft-config_full.yaml"
 # what the one message says to write instead of each of the handbook's keys these recipes do not take
-HANDBOOK_REPLACED = {"model_revision": None, "dataset_mixture": None, "bf16": None, "do_eval": None,
+HANDBOOK_REPLACED = {"model_revision": None, "bf16": None, "do_eval": None,
                      "eval_strategy": None, "logging_strategy": None, "save_strategy": None,
                      "gradient_checkpointing_kwargs": None, "hub_model_id": None, "hub_strategy": None,
                      "push_to_hub": None, "log_level": None, "remove_unused_columns": None,
@@ -219,14 +219,15 @@ HANDBOOK_REPLACED = {"model_revision": None, "dataset_mixture": None, "bf16": No
 
 def test_a_handbook_recipe_yaml_names_every_key_it_cannot_take_in_one_message_and_then_runs(
         real_model, counting_data, tmp_path, monkeypatch):
-    """The alignment-handbook's zephyr-7b-beta SFT config as published: one message lists all 15 keys
+    """The alignment-handbook's zephyr-7b-beta SFT config as published: one message lists all 14 keys
     taken otherwise here, each with what to write instead (before: one key per run, 16 runs; its
-    warmup_ratio now works as Trainer's). Rewritten as the message says, with the model swapped for the
-    real small chat model, the data for local files and flash-attention (GPU only) for sdpa, it trains
-    2 steps in this process on 1 rank, warming up over ceil(0.1 x 2) = 1 step."""
+    warmup_ratio and dataset_mixture now work as in the handbook). Rewritten as the message says, with
+    the model swapped for the real small chat model, the mixture's source for a local file (its
+    held-out 2000 rows for 40 of its 400) and flash-attention (GPU only) for sdpa, it trains 2 steps
+    in this process on 1 rank, warming up over ceil(0.1 x 2) = 1 step."""
     import yaml
 
-    from test_run_faults import run_in_process
+    from conftest import run_in_process
 
     main = load_script("recipes/sft.py").main
     types = tuple(annotation for annotation in main.__annotations__.values() if isinstance(annotation, type))
@@ -244,8 +245,9 @@ def test_a_handbook_recipe_yaml_names_every_key_it_cannot_take_in_one_message_an
         value = config.pop(key)
         if instead:
             config[instead] = value
+    config["dataset_mixture"]["datasets"][0].update(id=str(counting_data / "train.jsonl"), split="train")
+    config["dataset_mixture"]["test_split_size"] = 40
     config.update(model_name_or_path=str(real_model), attn_implementation="sdpa", output_dir=str(tmp_path / "run"),
-                  train_file=str(counting_data / "train.jsonl"), validation_file=str(counting_data / "validation.jsonl"),
                   report_to="none")
     rewritten = tmp_path / "config_full.yaml"
     rewritten.write_text(yaml.safe_dump(config))
@@ -254,5 +256,7 @@ def test_a_handbook_recipe_yaml_names_every_key_it_cannot_take_in_one_message_an
                                       "--preprocessing_num_workers", "0", "--logging_steps", "1"], monkeypatch)
     run = json.loads((tmp_path / "run/run.json").read_text())
     assert run["args"]["warmup_ratio"] == 0.1 and run["args"]["gradient_checkpointing"] is True
+    assert run["data_sources"] == [{"source": str(counting_data / "train.jsonl"), "split": "train", "available": 400,
+                                    "rows": 400, "train": 360, "validation": 40}]
     rows = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     assert [row["lr"] for row in rows if "lr" in row] == [2e-05, 0.0]  # warmed up by step 1, cosine to 0 at 2

@@ -2,7 +2,7 @@
 under ddp.yaml): one `error:` line that names what is wrong, a non-zero exit, no traceback
 from the recipes or `common`, and nothing of an earlier run changed. (Bad arguments, found
 before start-up, are tested in-process in test_arguments.py; input a library refuses at
-start-up, through a recipe's run_recipe in this process, `run_in_process`.)"""
+start-up, through a recipe's run_recipe in this process, `error_in_process`.)"""
 
 import json
 import re
@@ -206,7 +206,7 @@ def test_block_size_past_the_models_positions(bf16_checkpoint, markov_data, tmp_
     assert check_block_size(scratch, limit + 1) is None
 
 
-def run_in_process(recipe: str, argv: list, capsys) -> str:
+def error_in_process(recipe: str, argv: list, capsys) -> str:
     """A recipe's command line run in this process as `python recipes/<recipe>` runs it (run_recipe:
     parse, main, exit), for bad input met at start-up: its one error line (exit status 2), no traceback."""
     import importlib.util
@@ -243,21 +243,21 @@ def test_start_up_input_a_library_refuses_is_one_line(case, markov_data, bf16_ch
     safetensors inside from_pretrained, from jinja2 inside the tokenizing map)."""
     out = tmp_path / "run"
     if case == "negative_seed":
-        error = run_in_process("causal_lm.py", causal_lm_args(markov_data, out, seed=-1), capsys)
+        error = error_in_process("causal_lm.py", causal_lm_args(markov_data, out, seed=-1), capsys)
         assert error == "error: --seed must be in [0, 4294967295] (numpy's seeds are 32-bit), got -1"
     elif case == "weights_cut_short":
         model = tmp_path / "model"
         shutil.copytree(bf16_checkpoint, model)
         weights = model / "model.safetensors"
         weights.write_bytes(weights.read_bytes()[:weights.stat().st_size // 2])  # a copy cut short
-        error = run_in_process("causal_lm.py", pretrained_args(markov_data, model, out), capsys)
+        error = error_in_process("causal_lm.py", pretrained_args(markov_data, model, out), capsys)
         assert error == (f"error: CausalLM model folder {model} is damaged (SafetensorError: Error while "
                          "deserializing header: incomplete metadata, file not fully covered): a file in it is cut "
                          "short or corrupt; copy or save it again")
     else:
         template = tmp_path / "template.jinja"
         template.write_text("{% for message in messages %}\n{{ message.content }\n{% endfor %}")
-        error = run_in_process("sft.py", flags(config=REPO / "recipes/configs/sft_demo.yaml", output_dir=out,
+        error = error_in_process("sft.py", flags(config=REPO / "recipes/configs/sft_demo.yaml", output_dir=out,
                                                tokenizer_name_or_path=arithmetic_data / "tokenizer",
                                                train_file=arithmetic_data / "train.jsonl",
                                                validation_file=arithmetic_data / "validation.jsonl",

@@ -4,8 +4,7 @@ import json
 
 from huggingface_hub import ModelCard
 
-from conftest import export_checkpoint, pretrained_args, read_metrics, read_run
-from test_run_faults import run_in_process
+from conftest import export_checkpoint, pretrained_args, read_metrics, read_run, run_in_process
 
 
 def card_table(card: ModelCard) -> dict:

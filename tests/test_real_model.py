@@ -11,7 +11,7 @@ import pytest
 import torch
 from datasets import Dataset, DatasetDict
 
-from conftest import (CONFIGS, FP32, REPO, launch, load_weights, model_state_gaps, pretrained_args, read_run,
+from conftest import (CONFIGS, FP32, launch, load_weights, model_state_gaps, pretrained_args, read_run,
                       run)
 from test_chat import CPU, labelled_runs
 

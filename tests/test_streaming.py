@@ -70,12 +70,19 @@ def test_streaming_is_refused_where_it_cannot_work():
 
 
 @pytest.mark.slow
-def test_streaming_run_crosses_epochs_and_resumes_at_the_exact_block(small_corpus, tmp_path):
+def test_streaming_a_mixture_crosses_epochs_and_resumes_at_the_exact_block(small_corpus, tmp_path):
     """FSDP2 in bf16 (as fsdp.yaml ships), through `make causal_lm CONFIG=...` (the README's
-    command for another config), 2 processes x 2 blocks x accumulation 2: the stream runs out
-    after a few steps and every rank starts the next epoch together; a run stopped at its
-    checkpoint after the epoch boundary resumes to the same per-step losses."""
-    args = dict(train_file=small_corpus / "train.jsonl", validation_file=small_corpus / "validation.jsonl",
+    command for another config), 2 processes x 2 blocks x accumulation 2, the corpus given as a
+    --dataset_mixture of two files (the second's column named otherwise, mapped to `text`) drawn
+    3:1: the stream runs out after a few steps and every rank starts the next epoch together; a run
+    stopped at its checkpoint after the epoch boundary resumes to the same per-step losses."""
+    lines = (small_corpus / "train.jsonl").read_text().splitlines()
+    (tmp_path / "first.jsonl").write_text("\n".join(lines[:60]) + "\n")
+    (tmp_path / "second.jsonl").write_text("".join(json.dumps({"body": json.loads(line)["text"]}) + "\n"
+                                                   for line in lines[60:]))
+    mixture = {"datasets": [{"id": str(tmp_path / "first.jsonl"), "weight": 3},
+                            {"id": str(tmp_path / "second.jsonl"), "columns": {"body": "text"}}], "seed": 5}
+    args = dict(dataset_mixture=json.dumps(mixture), train_file="", validation_file=small_corpus / "validation.jsonl",
                 tokenizer_name_or_path=small_corpus / "tokenizer", per_device_train_batch_size=2,
                 gradient_accumulation_steps=2, max_steps=16, save_steps=12, streaming="true")
     out = tmp_path / "run"
@@ -87,6 +94,7 @@ def test_streaming_run_crosses_epochs_and_resumes_at_the_exact_block(small_corpu
     assert record["participating_processes"] == 2 and record["args"]["streaming"] is True
     assert record["distributed_type"] == "FSDP"
     assert record["compute_dtype"] == "bfloat16" and record["train_blocks"] is None
+    assert [source["probability"] for source in record["data_sources"]] == [0.75, 0.25]
     state = json.loads((out / "checkpoints" / "step_12" / "trainer_state.json").read_text())["data"]
     epochs = [rank["epoch"] for rank in state["ranks"]]
     print(f"streaming: ranks at epoch {epochs} at step 12; global batch {state['global_batch']}")

@@ -2,8 +2,7 @@
 
 import json
 
-from conftest import BIN, causal_lm_args, launch, read_metrics, run
-from test_run_faults import run_in_process
+from conftest import BIN, causal_lm_args, launch, read_metrics, run, run_in_process
 
 
 def test_report_to_mlflow_logs_the_runs_losses_into_output_dir(markov_data, tmp_path, monkeypatch):

@@ -1,0 +1,174 @@
+"""--dataset_mixture (common/mixture.py): several sources mixed into one training set, seeded and
+exact, in the alignment-handbook's format; sources of different conversation shapes mixed; the
+rows of each recorded in run.json and the model card; a run resumed at the same place."""
+
+import json
+import shutil
+from collections import Counter
+
+import pytest
+
+from conftest import REPO, flags, launch, losses, read_metrics, read_run
+from common.errors import UsageError
+
+
+@pytest.fixture(scope="module")
+def chat_sources(arithmetic_data, tmp_path_factory):
+    """Two sources as users have them: OpenAI-style messages (content as text parts) and ShareGPT
+    turns under `conversations`, with an extra column each."""
+    from common.synthetic import arithmetic_examples, write_jsonl
+
+    out = tmp_path_factory.mktemp("mixture")
+    openai = [{"messages": row["messages"], "row": index, "source": "a"}
+              for index, row in enumerate(arithmetic_examples(300, seed=10))]
+    for row in openai:
+        for turn in row["messages"]:
+            turn["content"] = [{"type": "text", "text": turn["content"]}]
+    write_jsonl(str(out / "openai.jsonl"), openai)
+    sharegpt = [{"conversations": [{"from": {"user": "human", "assistant": "gpt"}[turn["role"]],
+                                    "value": turn["content"]} for turn in row["messages"]], "row": 1000 + index,
+                 "id": index, "lang": "en"}
+                for index, row in enumerate(arithmetic_examples(200, seed=11))]
+    write_jsonl(str(out / "sharegpt.jsonl"), sharegpt)
+    return out
+
+
+def mixture(sources, row=True, **more) -> dict:
+    """Half the OpenAI rows and 250 of the ShareGPT ones, with the rows' ids (`row`) where asked."""
+    row = {"row": "row"} if row else {}
+    return {"datasets": [{"id": str(sources / "openai.jsonl"), "columns": {"messages": "messages", **row}, "weight": 0.5},
+                         {"id": str(sources / "sharegpt.jsonl"), "columns": {"conversations": "messages", **row},
+                          "samples": 250}], **more}
+
+
+def load(block: dict, seed: int = 42):
+    from common.arguments import DataArguments
+    from common.data import load_raw_datasets
+
+    args = DataArguments(dataset_mixture=json.dumps(block))
+    return load_raw_datasets(args, seed), args.mixture.counts
+
+
+def test_a_mixture_takes_each_sources_rows_exactly_and_seeded(chat_sources):
+    """Half of the 300 OpenAI rows (weight 0.5) and 250 rows of the 200 ShareGPT ones (every row,
+    then 50 again): 400 rows, 40 held out (test_split_size) by a seeded permutation, each source's
+    share of both counted. The ShareGPT turns and the text parts come as role/content text, so the
+    two mix; the same seed gives the same rows, another seed others."""
+    from common.chat import as_messages
+
+    raw, counts = load(mixture(chat_sources, test_split_size=40, seed=0))
+    assert (len(raw["train"]), len(raw["validation"])) == (360, 40)
+    assert [(c["available"], c["rows"]) for c in counts] == [(300, 150), (200, 250)]
+    assert all(c["train"] + c["validation"] == c["rows"] for c in counts)
+    assert sum(c["validation"] for c in counts) == 40 and raw["train"].column_names == ["messages", "row"]
+
+    rows = {json.loads(line)["row"]: as_messages(json.loads(line).get("messages") or json.loads(line)["conversations"])
+            for name in ("openai", "sharegpt") for line in (chat_sources / f"{name}.jsonl").open()}
+    for split in ("train", "validation"):  # each row as role/content text, whatever its source's shape
+        assert all(rows[row] == messages for row, messages in zip(raw[split]["row"], raw[split]["messages"]))
+    taken = Counter(list(raw["train"]["row"]) + list(raw["validation"]["row"]))
+    from_openai = {row: n for row, n in taken.items() if row < 1000}
+    from_sharegpt = {row: n for row, n in taken.items() if row >= 1000}
+    assert len(from_openai) == 150 and set(from_openai.values()) == {1}  # no row twice
+    assert len(from_sharegpt) == 200 and sorted(Counter(from_sharegpt.values()).items()) == [(1, 150), (2, 50)]
+    assert sum(row < 1000 for row in raw["validation"]["row"]) == counts[0]["validation"]
+
+    again, _ = load(mixture(chat_sources, test_split_size=40, seed=0))
+    assert again["train"]["messages"] == raw["train"]["messages"]
+    other, _ = load(mixture(chat_sources, test_split_size=40, seed=1))
+    assert other["train"]["messages"] != raw["train"]["messages"]
+    # no seed in the mixture: the run's --seed; no test_split_size: --validation_split_percentage (5%)
+    by_run_seed, _ = load(mixture(chat_sources, test_split_size=40), seed=0)
+    assert by_run_seed["train"]["messages"] == raw["train"]["messages"]
+    by_percentage, _ = load(mixture(chat_sources))
+    assert (len(by_percentage["train"]), len(by_percentage["validation"])) == (380, 20)
+
+
+@pytest.mark.parametrize("block, expected", [
+    ({"datasets": [{"id": "{openai}", "weight": 0}]}, r"source 0 \(.*openai.jsonl\): weight must be a number above 0"),
+    ({"datasets": [{"id": "{openai}", "weight": "half"}]}, "weight must be a number above 0"),
+    ({"datasets": [{"id": "{openai}", "weight": 0.5, "samples": 10}]}, "give weight .* or samples .*, not both"),
+    ({"datasets": [{"id": "{openai}", "samples": 2.5}]}, "samples must be a whole number of rows >= 1"),
+    ({"datasets": [{"id": "{openai}", "fraction": 0.5}]}, "unknown key\\(s\\) 'fraction'; the keys are id, config"),
+    ({"datasets": [{"weight": 0.5}]}, "source 0 must be a mapping with an `id`"),
+    ({"datasets": [{"id": "data/none.jsonl"}]}, "no such file or folder; check the path"),
+    ({"datasets": [{"id": "{openai}", "columns": "messages"}]}, "columns must be a list of column names or a mapping"),
+    ({"datasets": [{"id": "{openai}"}], "test_split_size": 1.5}, "test_split_size must be a number of rows"),
+    ({"datasets": [{"id": "{openai}"}], "shuffle": True}, "the mixture has unknown key\\(s\\) 'shuffle'"),
+    ({"sources": []}, "a dataset mixture is a mapping with `datasets:`"),
+])
+def test_a_bad_mixture_is_one_line_before_anything_loads(chat_sources, block, expected):
+    from common.arguments import DataArguments
+
+    text = json.dumps(block).replace("{openai}", str(chat_sources / "openai.jsonl"))
+    with pytest.raises(UsageError, match=expected) as refused:
+        DataArguments(dataset_mixture=text)
+    assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("source, expected", [
+    ({"id": "{sharegpt}", "columns": ["messages"]}, r"has no column\(s\) 'messages' \(its columns: \['conversations'"),
+    ({"id": "{sharegpt}"}, r"has columns \['conversations', 'id', 'lang', 'row'\] and .*openai.jsonl \['messages', 'row', "
+                           r"'source'\]; map them"),
+    ({"id": "{sharegpt}", "columns": {"conversations": "messages", "lang": "row"}},
+     r"column 'row' of .*sharegpt.jsonl \(Value\('string'\)\) is not of the type of .*openai.jsonl's "
+     r"\(Value\('int64'\)\) and cannot be cast"),
+])
+def test_sources_that_do_not_fit_together_are_one_line(chat_sources, source, expected):
+    block = {"datasets": [{"id": str(chat_sources / "openai.jsonl")},
+                          {key: str(chat_sources / "sharegpt.jsonl") if value == "{sharegpt}" else value
+                           for key, value in source.items()}]}
+    if "lang" in json.dumps(source):  # an int column and a string one of the same name
+        block["datasets"][0]["columns"] = ["messages", "row"]
+    with pytest.raises(UsageError, match=expected):
+        load(block)
+
+
+def test_a_mixture_with_what_it_replaces_is_refused(chat_sources):
+    from common.arguments import DataArguments
+
+    with pytest.raises(UsageError, match="give exactly one of --dataset_name, --train_file or --dataset_mixture"):
+        DataArguments(dataset_mixture=json.dumps(mixture(chat_sources)), train_file=str(chat_sources / "openai.jsonl"))
+    with pytest.raises(UsageError, match="--validation_file and the mixture's test_split_size both give"):
+        DataArguments(dataset_mixture=json.dumps(mixture(chat_sources, test_split_size=10)),
+                      validation_file=str(chat_sources / "openai.jsonl"))
+
+
+@pytest.mark.slow
+def test_sft_on_a_mixture_under_ddp_records_its_sources_and_resumes_at_the_same_place(
+        chat_sources, arithmetic_data, tmp_path):
+    """sft.py on 2 processes (ddp.yaml, bf16 as it ships, accumulation 2) with the mixture in its
+    recipe YAML, as the handbook writes it: run.json and the model card give each source's rows,
+    and a run stopped at its step-3 checkpoint resumes to the same per-step losses (the mixed set
+    and its order are the same in the second launch)."""
+    import yaml
+
+    recipe = yaml.safe_load((REPO / "recipes/configs/sft_demo.yaml").read_text())
+    recipe.pop("train_file", None), recipe.pop("validation_file", None)
+    recipe["dataset_mixture"] = mixture(chat_sources, row=False, test_split_size=40, seed=0)
+    config = tmp_path / "sft_mixture.yaml"
+    config.write_text(yaml.safe_dump(recipe))
+
+    def args(out, **more):
+        return flags(config=config, tokenizer_name_or_path=arithmetic_data / "tokenizer", output_dir=out,
+                     max_steps=6, save_steps=3, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                     logging_steps=1, eval_steps=0, max_generation_samples=4, report_to="none", **more)
+
+    out = tmp_path / "run"
+    launch("ddp.yaml", "sft.py", args(out))
+    record = read_run(out)
+    assert record["participating_processes"] == 2 and record["mixed_precision"] == "bf16"
+    assert [(s["rows"], s["train"] + s["validation"]) for s in record["data_sources"]] == [(150, 150), (250, 250)]
+    card = (out / "final" / "README.md").read_text()
+    for source in record["data_sources"]:
+        assert f"| source {source['source']} (train) | {source['train']} training rows |" in card
+
+    stopped = tmp_path / "stopped"
+    shutil.copytree(out / "checkpoints" / "step_3", stopped / "checkpoints" / "step_3")
+    launch("ddp.yaml", "sft.py", args(stopped, resume_from_checkpoint="latest"))
+    assert read_run(stopped)["data_sources"] == record["data_sources"]
+    resumed = read_metrics(stopped)[0]
+    assert [row["step"] for row in resumed] == [4, 5, 6]
+    gap = max(abs(a - row["loss"]) for a, row in zip(losses(out)[3:], resumed))
+    print(f"mixture: resumed-loss gap {gap:.2e} (bf16)")
+    assert gap < 1e-6
