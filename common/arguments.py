@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Annotated
 
 from common.errors import UsageError
-from common.mixture import parse_mixture
+from common.sources import parse_mixture
 from common.ranges import AT_LEAST_0, AT_LEAST_1, Range, check_ranges
 from common.speed import SpeedArguments
 
@@ -87,11 +87,12 @@ class DataArguments:
     def __post_init__(self):
         check_ranges(self)
         if sum(map(bool, (self.dataset_name, self.train_file, self.dataset_mixture))) != 1:
-            raise UsageError("give exactly one of --dataset_name, --train_file or --dataset_mixture")
+            raise UsageError("give exactly one of --dataset_name, --train_file or --dataset_mixture (clear one a recipe "
+                             "YAML sets with --train_file '' --validation_file '')")
         self.mixture = parse_mixture(self.dataset_mixture) if self.dataset_mixture else None  # not an option itself
         if self.mixture and self.mixture.test_split_size and self.validation_file:
             raise UsageError("--validation_file and the mixture's test_split_size both give the validation set; "
-                             "drop one")
+                             "drop one (--validation_file '' clears a recipe YAML's)")
         for key in ("train_file", "validation_file"):
             if getattr(self, key):
                 require_path(getattr(self, key), key)

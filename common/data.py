@@ -14,7 +14,8 @@ from transformers import default_data_collator
 
 from common.arguments import DataArguments
 from common.errors import UsageError, describe, downloads_off, load_fault
-from common.mixture import FILE_BUILDERS, announce, held_out_split, load_mixture, stream_mixture
+from common.mixture import announce, load_mixture, stream_mixture
+from common.sources import FILE_BUILDERS
 from common.peers import main_process_alone
 from common.streaming import StreamLoader, load_train_stream, tokenize_and_pack_stream
 
@@ -82,32 +83,30 @@ def _mixture_source(source, streaming: bool):
 
 def _mixed(args: DataArguments, builder: str | None, seed: int) -> DatasetDict:
     """--dataset_mixture: the mixed rows; validation from --validation_file, else held out of them."""
-    mixed = load_mixture(args.mixture, seed, _mixture_source)
-    if args.validation_file:
-        raw = DatasetDict(train=mixed, validation=_load_files(builder, {"validation": args.validation_file})["validation"])
-    else:
-        size = args.mixture.test_split_size or args.validation_split_percentage / 100
-        train, validation = held_out_split(mixed, args.mixture, size, seed)
-        raw = DatasetDict(train=train, validation=validation)
+    size = None if args.validation_file else args.mixture.test_split_size or args.validation_split_percentage / 100
+    train, validation = load_mixture(args.mixture, seed, _mixture_source, size)
+    if validation is None:
+        validation = _load_files(builder, {"validation": args.validation_file})["validation"]
     announce(args.mixture)
-    return raw
+    return DatasetDict(train=train, validation=validation)
 
 
 def _load_streaming(args: DataArguments, builder: str | None, data_files: dict | None, seed: int) -> DatasetDict:
     """--streaming: the train stream, and a validation split held in memory: the validation
     file or the Hub's validation split (its first --max_eval_samples rows, default
     STREAM_HELD_OUT), else the stream's first rows, which training then skips."""
-    if args.mixture:
-        train = stream_mixture(args.mixture, seed, _mixture_source)
+    held_out = args.max_eval_samples or STREAM_HELD_OUT
+    validation = None
+    if args.mixture:  # each source holds out its share of the rows (common.mixture)
+        train, rows = stream_mixture(args.mixture, seed, _mixture_source, None if args.validation_file else held_out)
+        validation = Dataset.from_list(rows) if rows else None
         announce(args.mixture)
     else:
         train = load_hub_dataset(args, split="train", streaming=True) if args.dataset_name else \
             load_train_stream(builder, data_files)
-    held_out = args.max_eval_samples or STREAM_HELD_OUT
     if args.validation_file:
         validation = _load_files(builder, {"validation": args.validation_file})["validation"]
-    else:
-        validation = None
+    elif validation is None:
         if args.dataset_name:
             try:
                 validation = load_dataset(args.dataset_name, args.dataset_config_name, split="validation", streaming=True)

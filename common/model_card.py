@@ -54,7 +54,7 @@ def write_model_card(folder: str, output_dir: str, what: str) -> None:
 def _hub_datasets(args: dict, run: dict) -> list:
     """The Hub datasets the run trained on: --dataset_name, or a mixture's sources that are not local."""
     names = [args["dataset_name"]] if args.get("dataset_name") else []
-    return names + [source["source"] for source in run.get("data_sources", []) if not os.path.exists(source["source"])]
+    return list(dict.fromkeys(names + [source["source"] for source in run.get("data_sources", []) if source.get("hub")]))
 
 
 def _what_it_is(adapter: bool, base, args: dict, what: str) -> str:

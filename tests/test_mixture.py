@@ -52,8 +52,9 @@ def load(block: dict, seed: int = 42):
 def test_a_mixture_takes_each_sources_rows_exactly_and_seeded(chat_sources):
     """Half of the 300 OpenAI rows (weight 0.5) and 250 rows of the 200 ShareGPT ones (every row,
     then 50 again): 400 rows, 40 held out (test_split_size) by a seeded permutation, each source's
-    share of both counted. The ShareGPT turns and the text parts come as role/content text, so the
-    two mix; the same seed gives the same rows, another seed others."""
+    share of both counted, and held out of its distinct rows before any is repeated, so no held-out
+    row is trained on. The ShareGPT turns and the text parts come as role/content text, so the two
+    mix; the same seed gives the same rows, another seed others."""
     from common.chat import as_messages
 
     raw, counts = load(mixture(chat_sources, test_split_size=40, seed=0))
@@ -72,6 +73,8 @@ def test_a_mixture_takes_each_sources_rows_exactly_and_seeded(chat_sources):
     assert len(from_openai) == 150 and set(from_openai.values()) == {1}  # no row twice
     assert len(from_sharegpt) == 200 and sorted(Counter(from_sharegpt.values()).items()) == [(1, 150), (2, 50)]
     assert sum(row < 1000 for row in raw["validation"]["row"]) == counts[0]["validation"]
+    assert not set(raw["validation"]["row"]) & set(raw["train"]["row"])
+    assert {row < 1000 for row in raw["validation"]["row"][:10]} == {True, False}  # the held-out rows are mixed too
 
     again, _ = load(mixture(chat_sources, test_split_size=40, seed=0))
     assert again["train"]["messages"] == raw["train"]["messages"]
@@ -95,6 +98,8 @@ def test_a_mixture_takes_each_sources_rows_exactly_and_seeded(chat_sources):
     ({"datasets": [{"id": "{openai}", "columns": "messages"}]}, "columns must be a list of column names or a mapping"),
     ({"datasets": [{"id": "{openai}"}], "test_split_size": 1.5}, "test_split_size must be a number of rows"),
     ({"datasets": [{"id": "{openai}"}], "shuffle": True}, "the mixture has unknown key\\(s\\) 'shuffle'"),
+    ({"datasets": [{"id": "{openai}", "columns": {"messages": "text", "source": "text"}}]}, "maps two columns to one"),
+    ({"datasets": [{"id": "{openai}", "weight": float("inf")}]}, "weight must be a number above 0"),
     ({"sources": []}, "a dataset mixture is a mapping with `datasets:`"),
 ])
 def test_a_bad_mixture_is_one_line_before_anything_loads(chat_sources, block, expected):
@@ -111,15 +116,24 @@ def test_a_bad_mixture_is_one_line_before_anything_loads(chat_sources, block, ex
     ({"id": "{sharegpt}"}, r"has columns \['conversations', 'id', 'lang', 'row'\] and .*openai.jsonl \['messages', 'row', "
                            r"'source'\]; map them"),
     ({"id": "{sharegpt}", "columns": {"conversations": "messages", "lang": "row"}},
-     r"column 'row' of .*sharegpt.jsonl \(Value\('string'\)\) is not of the type of .*openai.jsonl's "
-     r"\(Value\('int64'\)\) and cannot be cast"),
+     r"column 'row' of .*sharegpt.jsonl \(Value\('string'\)\) is not of the kind of .*openai.jsonl's "
+     r"\(Value\('int64'\)\); make them the same"),
+    # labels as text in one source and numbers in the other would be four classes, not two
+    ({"id": "{sharegpt}", "columns": {"conversations": "messages", "id": "source"}},
+     r"column 'source' of .*sharegpt.jsonl \(Value\('int64'\)\) is not of the kind of .*openai.jsonl's "
+     r"\(Value\('string'\)\)"),
+    ({"id": "{sharegpt}", "split": "train_sft"}, r"source .*sharegpt.jsonl split train_sft does not load \("
+                                                   r"ValueError: Unknown split"),
+    ({"id": "{empty}"}, r"source .*empty.jsonl split train does not load \(no data in it\)"),
 ])
 def test_sources_that_do_not_fit_together_are_one_line(chat_sources, source, expected):
+    (chat_sources / "empty.jsonl").write_text("")
+    files = {"{sharegpt}": str(chat_sources / "sharegpt.jsonl"), "{empty}": str(chat_sources / "empty.jsonl")}
     block = {"datasets": [{"id": str(chat_sources / "openai.jsonl")},
-                          {key: str(chat_sources / "sharegpt.jsonl") if value == "{sharegpt}" else value
+                          {key: files.get(value, value) if isinstance(value, str) else value
                            for key, value in source.items()}]}
-    if "lang" in json.dumps(source):  # an int column and a string one of the same name
-        block["datasets"][0]["columns"] = ["messages", "row"]
+    if isinstance(source.get("columns"), dict):  # the first source's columns: the same names
+        block["datasets"][0]["columns"] = ["messages", list(source["columns"].values())[1]]
     with pytest.raises(UsageError, match=expected):
         load(block)
 
@@ -172,3 +186,31 @@ def test_sft_on_a_mixture_under_ddp_records_its_sources_and_resumes_at_the_same_
     gap = max(abs(a - row["loss"]) for a, row in zip(losses(out)[3:], resumed))
     print(f"mixture: resumed-loss gap {gap:.2e} (bf16)")
     assert gap < 1e-6
+
+
+def test_a_streamed_mixture_holds_out_each_sources_share_and_never_trains_on_it(tmp_path):
+    """--streaming: 20 held-out documents taken 3:1 from the sources' first documents, each source
+    skipping its own, so that no epoch (whose draws differ: set_epoch moves the interleaving) trains
+    on one; sources whose columns differ are one line before anything streams."""
+    from common.arguments import DataArguments
+    from common.data import load_raw_datasets
+
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": f"a{i}"}) + "\n" for i in range(120)))
+    (tmp_path / "b.jsonl").write_text("".join(json.dumps({"body": f"b{i}"}) + "\n" for i in range(40)))
+    block = {"datasets": [{"id": str(tmp_path / "a.jsonl"), "weight": 3},
+                          {"id": str(tmp_path / "b.jsonl"), "columns": {"body": "text"}}], "seed": 3}
+    args = DataArguments(dataset_mixture=json.dumps(block), streaming=True, max_eval_samples=20)
+    raw = load_raw_datasets(args, seed=0)
+    held = set(raw["validation"]["text"])
+    assert len(held) == 20 and [c["validation"] for c in args.mixture.counts] == [15, 5]
+    assert held == {f"a{i}" for i in range(15)} | {f"b{i}" for i in range(5)}
+    orders = []
+    for epoch in range(3):
+        raw["train"].set_epoch(epoch)
+        orders.append([row["text"] for row in raw["train"]])
+        assert orders[-1] and not held & set(orders[-1])
+    assert orders[0] != orders[1]  # the epochs draw differently, and none reaches the held-out rows
+
+    block["datasets"][1]["columns"] = ["body"]
+    with pytest.raises(UsageError, match=r"b.jsonl has columns \['body'\] and .*a.jsonl \['text'\]; map them"):
+        load_raw_datasets(DataArguments(dataset_mixture=json.dumps(block), streaming=True), seed=0)
