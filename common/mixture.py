@@ -82,7 +82,7 @@ def load_mixture(mixture: Mixture, seed: int, load_hub, held_out: float | None):
         whole, share = divmod(count["rows"] - rows, len(rest))  # beyond its size: every row again, then a share
         train.append(concatenate_datasets([rest] * whole + [rest.select(range(share))]))
         if held_out is not None:
-            count.update(train=count["rows"] - rows, validation=rows)
+            count.update(train=count["rows"] - rows, held_out=rows)
     held_rows = concatenate_datasets(validation).shuffle(seed=seed) if held_out is not None else None
     return concatenate_datasets(train), held_rows
 
@@ -165,7 +165,7 @@ def stream_mixture(mixture: Mixture, seed: int, load_hub, held_out: int | None):
     validation = [row for stream, rows in zip(streams, held) if rows for row in stream.take(rows)]
     for source, probability, rows in zip(mixture.sources, probabilities, held):
         mixture.counts.append({"source": source.id, "split": source.split, "hub": not os.path.exists(source.id),
-                               "probability": round(probability, 6), **({"validation": rows} if held_out else {})})
+                               "probability": round(probability, 6), **({"held_out": rows} if held_out else {})})
     train = interleave_datasets([stream.skip(rows) if rows else stream for stream, rows in zip(streams, held)],
                                 probabilities=probabilities, seed=mixture.seed if mixture.seed is not None else seed,
                                 stopping_strategy="first_exhausted")
@@ -184,9 +184,9 @@ def describe_counts(mixture: Mixture) -> str:
     said = []
     for count in mixture.counts:
         if "probability" in count:  # --streaming: a weight is the chance a document comes from the source
-            held = f", {count['validation']} held out" if "validation" in count else ""
+            held = f", {count['held_out']} held out" if "held_out" in count else ""
             said.append(f"{count['source']}: drawn with probability {count['probability']:.3g}{held}")
         else:
-            split = f" (train {count['train']}, validation {count['validation']})" if "train" in count else ""
+            split = f" (train {count['train']}, held out {count['held_out']})" if "train" in count else ""
             said.append(f"{count['source']}: {count['rows']} rows of its {count['available']}{split}")
     return f"data mixture of {len(mixture.counts)} sources: {'; '.join(said)}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -26,9 +27,22 @@ OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PA
                "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
 
 
+MAKE_STATE = ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES")
+
+
+def outer_make_state() -> set[str]:
+    """What `make test ARGS=...` hands down to every process under it: its state, and the variables
+    given on its command line (ARGS among them), which make exports. A make target a test runs
+    starts without them, as a user's does."""
+    given = os.environ.get("MAKEFLAGS", "").split("-- ", 1)[1:]  # after --: NAME=value, spaces escaped
+    return set(MAKE_STATE) | set(re.findall(r"(?:^|(?<!\\) )([A-Za-z_]\w*)=", given[0] if given else ""))
+
+
 def run(command: list[str], cwd=REPO, env: dict | None = None, check=True, timeout=900):
+    outer = outer_make_state()
+    inherited = {key: value for key, value in os.environ.items() if key not in outer}
     result = subprocess.run([str(c) for c in command], cwd=cwd, capture_output=True, text=True,
-                            env={**os.environ, **OFFLINE_ENV, **(env or {})}, timeout=timeout)
+                            env={**inherited, **OFFLINE_ENV, **(env or {})}, timeout=timeout)
     if check and result.returncode != 0:
         raise AssertionError(f"exit {result.returncode}: {' '.join(map(str, command))}\n"
                              f"--- stdout ---\n{result.stdout[-4000:]}\n--- stderr ---\n{result.stderr[-8000:]}")

@@ -257,6 +257,6 @@ def test_a_handbook_recipe_yaml_names_every_key_it_cannot_take_in_one_message_an
     run = json.loads((tmp_path / "run/run.json").read_text())
     assert run["args"]["warmup_ratio"] == 0.1 and run["args"]["gradient_checkpointing"] is True
     assert run["data_sources"] == [{"source": str(counting_data / "train.jsonl"), "split": "train", "hub": False,
-                                    "available": 400, "rows": 400, "train": 360, "validation": 40}]
+                                    "available": 400, "rows": 400, "train": 360, "held_out": 40}]
     rows = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     assert [row["lr"] for row in rows if "lr" in row] == [2e-05, 0.0]  # warmed up by step 1, cosine to 0 at 2

@@ -60,8 +60,8 @@ def test_a_mixture_takes_each_sources_rows_exactly_and_seeded(chat_sources):
     raw, counts = load(mixture(chat_sources, test_split_size=40, seed=0))
     assert (len(raw["train"]), len(raw["validation"])) == (360, 40)
     assert [(c["available"], c["rows"]) for c in counts] == [(300, 150), (200, 250)]
-    assert all(c["train"] + c["validation"] == c["rows"] for c in counts)
-    assert sum(c["validation"] for c in counts) == 40 and raw["train"].column_names == ["messages", "row"]
+    assert all(c["train"] + c["held_out"] == c["rows"] for c in counts)
+    assert sum(c["held_out"] for c in counts) == 40 and raw["train"].column_names == ["messages", "row"]
 
     rows = {json.loads(line)["row"]: as_messages(json.loads(line).get("messages") or json.loads(line)["conversations"])
             for name in ("openai", "sharegpt") for line in (chat_sources / f"{name}.jsonl").open()}
@@ -72,7 +72,7 @@ def test_a_mixture_takes_each_sources_rows_exactly_and_seeded(chat_sources):
     from_sharegpt = {row: n for row, n in taken.items() if row >= 1000}
     assert len(from_openai) == 150 and set(from_openai.values()) == {1}  # no row twice
     assert len(from_sharegpt) == 200 and sorted(Counter(from_sharegpt.values()).items()) == [(1, 150), (2, 50)]
-    assert sum(row < 1000 for row in raw["validation"]["row"]) == counts[0]["validation"]
+    assert sum(row < 1000 for row in raw["validation"]["row"]) == counts[0]["held_out"]
     assert not set(raw["validation"]["row"]) & set(raw["train"]["row"])
     assert {row < 1000 for row in raw["validation"]["row"][:10]} == {True, False}  # the held-out rows are mixed too
 
@@ -172,7 +172,7 @@ def test_sft_on_a_mixture_under_ddp_records_its_sources_and_resumes_at_the_same_
     launch("ddp.yaml", "sft.py", args(out))
     record = read_run(out)
     assert record["participating_processes"] == 2 and record["mixed_precision"] == "bf16"
-    assert [(s["rows"], s["train"] + s["validation"]) for s in record["data_sources"]] == [(150, 150), (250, 250)]
+    assert [(s["rows"], s["train"] + s["held_out"]) for s in record["data_sources"]] == [(150, 150), (250, 250)]
     card = (out / "final" / "README.md").read_text()
     for source in record["data_sources"]:
         assert f"| source {source['source']} (train) | {source['train']} training rows |" in card
@@ -202,7 +202,7 @@ def test_a_streamed_mixture_holds_out_each_sources_share_and_never_trains_on_it(
     args = DataArguments(dataset_mixture=json.dumps(block), streaming=True, max_eval_samples=20)
     raw = load_raw_datasets(args, seed=0)
     held = set(raw["validation"]["text"])
-    assert len(held) == 20 and [c["validation"] for c in args.mixture.counts] == [15, 5]
+    assert len(held) == 20 and [c["held_out"] for c in args.mixture.counts] == [15, 5]
     assert held == {f"a{i}" for i in range(15)} | {f"b{i}" for i in range(5)}
     orders = []
     for epoch in range(3):
