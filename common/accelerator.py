@@ -10,8 +10,11 @@ Recipes never learn which strategy they run under.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import math
 import os
+import sys
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
@@ -83,6 +86,8 @@ def build_accelerator(args, hidden_size: int | None = None) -> tuple[Accelerator
     # DDP: each gradient is a view into its all-reduce bucket, so gradients are held once, not
     # twice, and no copy runs in and out of the buckets each step (torch's default copies).
     kwargs["kwargs_handlers"] = [process_group, DistributedDataParallelKwargs(gradient_as_bucket_view=True)]
+    if strategy == "deepspeed":
+        import_deepspeed()  # before accelerate imports it (common.internals)
     accelerator = Accelerator(**kwargs)
     if strategy == "deepspeed":
         if args.torch_compile and accelerator.state.deepspeed_plugin.zero_stage == 3:
@@ -173,8 +178,26 @@ def _quiet_deepspeed_collective_warnings() -> None:
 def unwrap(accelerator: Accelerator, model):
     """The model itself, out of its DDP/DeepSpeed wrapper and uncompiled (same parameters). With
     --torch_compile under DDP, accelerate's own unwrap (keeping the compiled regions) returns the
-    DDP wrapper of the compiled copy, which has no save_pretrained or config."""
+    DDP wrapper of the compiled copy, which has no save_pretrained or config. (accelerate imports
+    deepspeed to check for its engine, in every run: import_deepspeed first. Left out, a DDP run's
+    gloo group was once seen hanging at exit in its destructor, so deepspeed stays imported.)"""
+    import_deepspeed()
     return accelerator.unwrap_model(model, keep_torch_compile=False)
+
+
+def import_deepspeed() -> None:
+    """Import deepspeed with mlflow hidden from its autotuner (which the recipes never run): 0.8 s
+    of every process's start where mlflow is installed. mlflow stays importable (--report_to mlflow)."""
+    if "deepspeed" in sys.modules or importlib.util.find_spec("deepspeed") is None:  # imported, or not installed
+        return
+    hide = "mlflow" not in sys.modules
+    if hide:
+        sys.modules["mlflow"] = None  # `import mlflow` raises ImportError
+    try:
+        importlib.import_module("deepspeed")
+    finally:
+        if hide and sys.modules.get("mlflow", 0) is None:
+            del sys.modules["mlflow"]
 
 
 def participating_processes(accelerator: Accelerator) -> int:

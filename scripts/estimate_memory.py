@@ -183,8 +183,12 @@ def process_baseline_mb(strategy: dict) -> float:
     import accelerate  # noqa: F401
     import datasets  # noqa: F401
 
-    if strategy["strategy"] == "deepspeed":
-        import deepspeed  # noqa: F401
+    if strategy["strategy"] == "deepspeed":  # as a run imports it (without mlflow: common.accelerator)
+        if REPO not in sys.path:
+            sys.path.insert(0, REPO)
+        from common.accelerator import import_deepspeed
+
+        import_deepspeed()
     with open("/proc/self/status") as handle:
         return next(int(line.split()[1]) / 1024 for line in handle if line.startswith("VmRSS"))
 
