@@ -14,8 +14,11 @@ from common.errors import UsageError
 
 @pytest.fixture(scope="module")
 def chat_sources(arithmetic_data, tmp_path_factory):
-    """Two sources as users have them: OpenAI-style messages (content as text parts) and ShareGPT
-    turns under `conversations`, with an extra column each."""
+    """Three sources in three formats, as users have them: OpenAI-style messages with content as text
+    parts (jsonl), ShareGPT turns under `conversations` (jsonl) and role/content messages under `chat`
+    (parquet), with an extra column each; `row` numbers every row."""
+    from datasets import Dataset
+
     from common.synthetic import arithmetic_examples, write_jsonl
 
     out = tmp_path_factory.mktemp("mixture")
@@ -30,15 +33,22 @@ def chat_sources(arithmetic_data, tmp_path_factory):
                  "id": index, "lang": "en"}
                 for index, row in enumerate(arithmetic_examples(200, seed=11))]
     write_jsonl(str(out / "sharegpt.jsonl"), sharegpt)
+    plain = [{"chat": row["messages"], "row": 2000 + index, "origin": "generated"}
+             for index, row in enumerate(arithmetic_examples(200, seed=12))]
+    Dataset.from_list(plain).to_parquet(str(out / "plain.parquet"))
+    (out / "plain.json").write_text(json.dumps({row["row"]: row["chat"] for row in plain}))
     return out
 
 
 def mixture(sources, row=True, **more) -> dict:
-    """Half the OpenAI rows and 250 of the ShareGPT ones, with the rows' ids (`row`) where asked."""
+    """Half the OpenAI rows, 250 of the 200 ShareGPT ones and a quarter of the parquet ones, with the
+    rows' ids (`row`) where asked."""
     row = {"row": "row"} if row else {}
     return {"datasets": [{"id": str(sources / "openai.jsonl"), "columns": {"messages": "messages", **row}, "weight": 0.5},
                          {"id": str(sources / "sharegpt.jsonl"), "columns": {"conversations": "messages", **row},
-                          "samples": 250}], **more}
+                          "samples": 250},
+                         {"id": str(sources / "plain.parquet"), "columns": {"chat": "messages", **row},
+                          "weight": 0.25}], **more}
 
 
 def load(block: dict, seed: int = 42):
@@ -50,26 +60,29 @@ def load(block: dict, seed: int = 42):
 
 
 def test_a_mixture_takes_each_sources_rows_exactly_and_seeded(chat_sources):
-    """Half of the 300 OpenAI rows (weight 0.5) and 250 rows of the 200 ShareGPT ones (every row,
-    then 50 again): 400 rows, 40 held out (test_split_size) by a seeded permutation, each source's
-    share of both counted, and held out of its distinct rows before any is repeated, so no held-out
-    row is trained on. The ShareGPT turns and the text parts come as role/content text, so the two
-    mix; the same seed gives the same rows, another seed others."""
+    """Half of the 300 OpenAI rows (weight 0.5), 250 rows of the 200 ShareGPT ones (every row, then
+    50 again) and 50 of the 200 parquet ones (0.25): 450 rows, 40 held out (test_split_size) by a
+    seeded permutation, each source's share of both counted, and held out of its distinct rows
+    before any is repeated, so no held-out row is trained on. The ShareGPT turns and the text parts
+    come as role/content text, so the three mix; the same seed gives the same rows, another seed
+    others."""
     from common.chat import as_messages
 
     raw, counts = load(mixture(chat_sources, test_split_size=40, seed=0))
-    assert (len(raw["train"]), len(raw["validation"])) == (360, 40)
-    assert [(c["available"], c["rows"]) for c in counts] == [(300, 150), (200, 250)]
+    assert (len(raw["train"]), len(raw["validation"])) == (410, 40)
+    assert [(c["available"], c["rows"]) for c in counts] == [(300, 150), (200, 250), (200, 50)]
     assert all(c["train"] + c["held_out"] == c["rows"] for c in counts)
     assert sum(c["held_out"] for c in counts) == 40 and raw["train"].column_names == ["messages", "row"]
 
     rows = {json.loads(line)["row"]: as_messages(json.loads(line).get("messages") or json.loads(line)["conversations"])
             for name in ("openai", "sharegpt") for line in (chat_sources / f"{name}.jsonl").open()}
+    rows.update({int(row): chat for row, chat in json.loads((chat_sources / "plain.json").read_text()).items()})
     for split in ("train", "validation"):  # each row as role/content text, whatever its source's shape
         assert all(rows[row] == messages for row, messages in zip(raw[split]["row"], raw[split]["messages"]))
     taken = Counter(list(raw["train"]["row"]) + list(raw["validation"]["row"]))
     from_openai = {row: n for row, n in taken.items() if row < 1000}
-    from_sharegpt = {row: n for row, n in taken.items() if row >= 1000}
+    from_sharegpt = {row: n for row, n in taken.items() if 1000 <= row < 2000}
+    assert sum(row >= 2000 for row in taken) == 50 and all(n == 1 for row, n in taken.items() if row >= 2000)
     assert len(from_openai) == 150 and set(from_openai.values()) == {1}  # no row twice
     assert len(from_sharegpt) == 200 and sorted(Counter(from_sharegpt.values()).items()) == [(1, 150), (2, 50)]
     assert sum(row < 1000 for row in raw["validation"]["row"]) == counts[0]["held_out"]
@@ -84,12 +97,13 @@ def test_a_mixture_takes_each_sources_rows_exactly_and_seeded(chat_sources):
     by_run_seed, _ = load(mixture(chat_sources, test_split_size=40), seed=0)
     assert by_run_seed["train"]["messages"] == raw["train"]["messages"]
     by_percentage, _ = load(mixture(chat_sources))
-    assert (len(by_percentage["train"]), len(by_percentage["validation"])) == (380, 20)
+    assert (len(by_percentage["train"]), len(by_percentage["validation"])) == (428, 22)  # round(5% of 450)
 
 
 @pytest.mark.parametrize("block, expected", [
     ({"datasets": [{"id": "{openai}", "weight": 0}]}, r"source 0 \(.*openai.jsonl\): weight must be a number above 0"),
     ({"datasets": [{"id": "{openai}", "weight": "half"}]}, "weight must be a number above 0"),
+    ({"datasets": [{"id": "{openai}", "weight": -0.5}]}, "weight must be a number above 0"),
     ({"datasets": [{"id": "{openai}", "weight": 0.5, "samples": 10}]}, "give weight .* or samples .*, not both"),
     ({"datasets": [{"id": "{openai}", "samples": 2.5}]}, "samples must be a whole number of rows >= 1"),
     ({"datasets": [{"id": "{openai}", "fraction": 0.5}]}, "unknown key\\(s\\) 'fraction'; the keys are id, config"),
@@ -172,7 +186,7 @@ def test_sft_on_a_mixture_under_ddp_records_its_sources_and_resumes_at_the_same_
     launch("ddp.yaml", "sft.py", args(out))
     record = read_run(out)
     assert record["participating_processes"] == 2 and record["mixed_precision"] == "bf16"
-    assert [(s["rows"], s["train"] + s["held_out"]) for s in record["data_sources"]] == [(150, 150), (250, 250)]
+    assert [(s["rows"], s["train"] + s["held_out"]) for s in record["data_sources"]] == [(150, 150), (250, 250), (50, 50)]
     card = (out / "final" / "README.md").read_text()
     for source in record["data_sources"]:
         assert f"| source {source['source']} (train) | {source['train']} training rows |" in card
