@@ -18,26 +18,28 @@ import sys
 
 from common.errors import UsageError
 from common.sources import FILE_BUILDERS, Mixture, Source
+from common.streaming import column_names
+
 
 def _load_source(source: Source, streaming: bool, load_hub):
     from datasets import load_dataset
 
     from common.errors import describe, load_fault
 
-    if not os.path.exists(source.id):
+    if source.on_hub:
         dataset = load_hub(source, streaming)
     else:
         builder = FILE_BUILDERS.get(os.path.splitext(source.id)[1].lower()) if os.path.isfile(source.id) else None
         try:
             dataset = load_dataset(builder or source.id, source.config, split=source.split, streaming=streaming,
                                    data_files={"train": source.id} if builder else None)
-        except (StopIteration, Exception) as error:  # datasets' and pyarrow's errors for what a file holds
+        except Exception as error:  # datasets' and pyarrow's errors for what a file holds (StopIteration: empty)
             if load_fault(error) in ("memory", "io"):
                 raise
             raise UsageError(f"--dataset_mixture: source {source.id} split {source.split} does not load "
                              f"({describe(error.__cause__ or error) if str(error) else 'no data in it'}); fix the "
                              "file or its split (a local file's split is train, or a slice: train[:10%])") from None
-    columns = dataset.column_names or list(next(iter(dataset.take(1)), {}).keys())
+    columns = column_names(dataset)
     if source.columns:
         missing = [column for column in source.columns if column not in columns]
         if missing:
@@ -56,7 +58,7 @@ def load_mixture(mixture: Mixture, seed: int, load_hub, held_out: float | None):
     streaming)` loads a Hub source."""
     from datasets import concatenate_datasets
 
-    seed = mixture.seed if mixture.seed is not None else seed
+    seed = mixture.seed_or(seed)
     parts = []
     for index, source in enumerate(mixture.sources):
         dataset = _load_source(source, False, load_hub)
@@ -68,7 +70,7 @@ def load_mixture(mixture: Mixture, seed: int, load_hub, held_out: float | None):
             raise UsageError(f"--dataset_mixture: source {source.id} gives no rows at weight {source.weight} of its "
                              f"{len(dataset)}; raise its weight")
         parts.append(dataset.shuffle(seed=seed + index))
-        mixture.counts.append({"source": source.id, "split": source.split, "hub": not os.path.exists(source.id),
+        mixture.counts.append({"source": source.id, "split": source.split, "hub": source.on_hub,
                                "available": len(dataset), "rows": wanted})
     parts = _alike(parts, mixture)
     held = [0] * len(parts) if held_out is None else _held_per_source(mixture, held_out, seed)
@@ -93,11 +95,7 @@ def _alike(parts: list, mixture: Mixture) -> list:
     from common.chat import as_messages
 
     first = parts[0]
-    names = set(first.column_names)
-    for part, source in zip(parts[1:], mixture.sources[1:]):
-        if set(part.column_names) != names:
-            raise UsageError(f"--dataset_mixture: source {source.id} has columns {sorted(part.column_names)} and "
-                             f"{mixture.sources[0].id} {sorted(names)}; map them to the same names with `columns`")
+    _same_column_names([part.column_names for part in parts], mixture)
     if all(part.features == first.features for part in parts):
         return parts
     differing = [name for name in first.column_names if any(part.features[name] != first.features[name] for part in parts)]
@@ -117,6 +115,13 @@ def _alike(parts: list, mixture: Mixture) -> list:
     return [parts[0]] + [part.cast(parts[0].features) for part in parts[1:]]
 
 
+def _same_column_names(names: list[list[str]], mixture: Mixture) -> None:
+    for columns, source in zip(names[1:], mixture.sources[1:]):
+        if sorted(columns) != sorted(names[0]):
+            raise UsageError(f"--dataset_mixture: source {source.id} has columns {sorted(columns)} and "
+                             f"{mixture.sources[0].id} {sorted(names[0])}; map them to the same names with `columns`")
+
+
 def _turns(feature) -> bool:
     """A column of conversations: a list of records (turns)."""
     inner = feature[0] if isinstance(feature, list) and feature else getattr(feature, "feature", None)
@@ -132,7 +137,7 @@ def _kind(feature) -> str | None:
 
 def _held_per_source(mixture: Mixture, size: float, seed: int) -> list[int]:
     """How many of each source's rows `size` rows (or that fraction) of the mixed rows hold out:
-    the first `held` of a seeded permutation of the mixed rows, counted by source."""
+    the first `held` of a permutation of the mixed rows by `seed` (the mixture's), counted by source."""
     import numpy as np
 
     total = sum(count["rows"] for count in mixture.counts)
@@ -140,7 +145,7 @@ def _held_per_source(mixture: Mixture, size: float, seed: int) -> list[int]:
     if not 1 <= held < total:
         raise UsageError(f"cannot hold out {size} of the {total} mixed rows for validation; give test_split_size "
                          "(or --validation_split_percentage) between 1 row and all of them, or --validation_file")
-    order = np.random.default_rng(mixture.seed if mixture.seed is not None else seed).permutation(total)
+    order = np.random.default_rng(seed).permutation(total)
     ends = np.cumsum([count["rows"] for count in mixture.counts])
     return np.bincount(np.searchsorted(ends, order[:held], side="right"), minlength=len(ends)).tolist()
 
@@ -152,11 +157,7 @@ def stream_mixture(mixture: Mixture, seed: int, load_hub, held_out: int | None):
     from datasets import interleave_datasets
 
     streams = [_load_source(source, True, load_hub) for source in mixture.sources]
-    columns = [stream.column_names or list(next(iter(stream.take(1)), {}).keys()) for stream in streams]
-    for names, source in zip(columns[1:], mixture.sources[1:]):
-        if sorted(names) != sorted(columns[0]):
-            raise UsageError(f"--dataset_mixture: source {source.id} has columns {sorted(names)} and "
-                             f"{mixture.sources[0].id} {sorted(columns[0])}; map them to the same names with `columns`")
+    _same_column_names([column_names(stream) for stream in streams], mixture)
     shares = [source.samples if source.samples is not None else (source.weight or 1.0) for source in mixture.sources]
     probabilities = [share / sum(shares) for share in shares]
     held = [int((held_out or 0) * probability) for probability in probabilities]  # then the rest by largest share
@@ -164,10 +165,10 @@ def stream_mixture(mixture: Mixture, seed: int, load_hub, held_out: int | None):
         held[index] += sum(held) < (held_out or 0)
     validation = [row for stream, rows in zip(streams, held) if rows for row in stream.take(rows)]
     for source, probability, rows in zip(mixture.sources, probabilities, held):
-        mixture.counts.append({"source": source.id, "split": source.split, "hub": not os.path.exists(source.id),
+        mixture.counts.append({"source": source.id, "split": source.split, "hub": source.on_hub,
                                "probability": round(probability, 6), **({"held_out": rows} if held_out else {})})
     train = interleave_datasets([stream.skip(rows) if rows else stream for stream, rows in zip(streams, held)],
-                                probabilities=probabilities, seed=mixture.seed if mixture.seed is not None else seed,
+                                probabilities=probabilities, seed=mixture.seed_or(seed),
                                 stopping_strategy="first_exhausted")
     return train, validation if held_out else None
 

@@ -28,6 +28,10 @@ class Source:
     weight: float | None = None
     samples: int | None = None
 
+    @property
+    def on_hub(self) -> bool:  # not a local file or folder
+        return not os.path.exists(self.id)
+
     def rows_from(self, available: int) -> int:  # the rows it gives the mixture out of those it has
         return self.samples if self.samples is not None else int(available * (1.0 if self.weight is None else self.weight))
 
@@ -38,6 +42,9 @@ class Mixture:
     seed: int | None = None
     test_split_size: float | None = None
     counts: list[dict] = field(default_factory=list)  # filled as it loads: each source's rows, for run.json
+
+    def seed_or(self, seed: int) -> int:  # its own seed, else the run's
+        return self.seed if self.seed is not None else seed
 
 
 def parse_mixture(value: str) -> Mixture:

@@ -42,10 +42,15 @@ def load_train_stream(builder: str, data_files: dict) -> IterableDataset:
     return load_dataset(builder, data_files={"train": data_files["train"]}, split="train", streaming=True)
 
 
+def column_names(dataset) -> list[str]:
+    """A dataset's columns; a stream that does not know them yet reads its first row for them."""
+    return dataset.column_names or list(next(iter(dataset.take(1)), {}).keys())
+
+
 def tokenize_and_pack_stream(stream: IterableDataset, text_column: str, tokenize, pack, block_size: int,
                              eos_token_id: int, accelerator) -> IterableDataset:
     """This rank's documents, tokenized and packed as they are read."""
-    columns = stream.column_names or list(next(iter(stream.take(1)), {}).keys())
+    columns = column_names(stream)
     if text_column not in columns:
         raise UsageError(f"column {text_column!r} not in the train data (columns: {columns}); set --text_column")
     mine = split_dataset_by_node(stream, rank=accelerator.process_index, world_size=accelerator.num_processes)
