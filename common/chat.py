@@ -10,8 +10,8 @@ Labels come from the rendered text, so any chat template works, with or without
 conversation up to that turn (with the generation prompt) and through it; the
 characters between the two renderings are that turn's content and end-of-turn
 token, and the tokens over those characters are its labels. A template that marks
-assistant text with `{% generation %}` is read through its markers instead.
-System and user turns are never labels.
+assistant text with `{% generation %}` is read through its markers instead (but not for a
+prompt-completion row: its prompt's own assistant turns are no labels). System and user turns are never labels.
 
 Examples longer than `max_length` follow `overlong`: `drop` (counted) or `truncate`
 (kept if a label token is left). Examples with no label tokens are dropped and counted.
@@ -119,10 +119,7 @@ def _encode_with_spans(tokenizer, messages, first_labelled_turn):
     return ids, labels
 
 
-def _encode_with_markers(tokenizer, messages, first_labelled_turn):
-    if first_labelled_turn:
-        raise UsageError("conversational prompt-completion data needs a chat template without "
-                         "{% generation %} markers (the labels come from rendering); pass --chat_template")
+def _encode_with_markers(tokenizer, messages):
     with template_errors(messages):
         encoded = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
                                                 return_assistant_tokens_mask=True)
@@ -148,8 +145,8 @@ def encode_example(example: dict, tokenizer, fmt: str, messages_column: str):
         messages, first = prompt + as_messages(example["completion"]), len(prompt)
     else:
         messages, first = as_messages(example[messages_column]), 0
-    if GENERATION_MARKER.search(tokenizer.chat_template):
-        return _encode_with_markers(tokenizer, messages, first)
+    if GENERATION_MARKER.search(tokenizer.chat_template) and not first:  # a prompt's assistant turns are no labels:
+        return _encode_with_markers(tokenizer, messages)                  # those come from rendering (spans)
     return _encode_with_spans(tokenizer, messages, first)
 
 
@@ -230,7 +227,7 @@ def answer_token_counts(tokenizer, references: list) -> list[int]:
             continue
         messages = list(prompt) + [{"role": "assistant", "content": answer}]
         if GENERATION_MARKER.search(tokenizer.chat_template):
-            _, labels = _encode_with_markers(tokenizer, messages, 0)
+            _, labels = _encode_with_markers(tokenizer, messages)
         else:
             _, labels = _encode_with_spans(tokenizer, messages, len(prompt))
         runs = [len(list(run)) for learned, run in groupby(labels, key=lambda label: label != -100) if learned]

@@ -43,6 +43,7 @@ class MetricsLogger:
         # label tokens, samples and model FLOPs on this rank, summed over ranks in one reduce
         self.window_sums = torch.zeros(3, dtype=torch.float64, device=accelerator.device)
         self.window_loss, self.window_batches = 0.0, 0
+        self.window_values = {}  # a recipe's own per-batch figures (`record_values`)
         if accelerator.is_main_process and os.path.exists(self.path):
             self._drop_rows_after(start_step)
         self.progress = tqdm(total=total_steps, initial=start_step, desc="training",
@@ -72,6 +73,14 @@ class MetricsLogger:
         self.window_loss += loss.detach().float()
         self.window_batches += 1
 
+    def record_values(self, values: dict) -> None:
+        """A recipe's own figures for a micro-batch (DPO's rewards/*: each a tensor of per-example
+        values); the train line carries their mean over the window's examples on every rank."""
+        for name, value in values.items():
+            total = self.window_values.get(name, 0.0)
+            self.window_values[name] = total + torch.stack([value.detach().float().sum(),
+                                                            torch.tensor(float(value.numel()), device=value.device)])
+
     def add_data_wait(self, seconds: float) -> None:
         """Time the loop spent waiting for its next batches (common.training.TrainBatches)."""
         self.data_wait_s += seconds
@@ -82,6 +91,10 @@ class MetricsLogger:
         tokens, samples, flops = self.accelerator.reduce(self.window_sums.clone(), reduction="sum").tolist()
         mean_loss = self.accelerator.reduce(
             torch.as_tensor(self.window_loss / max(self.window_batches, 1), device=device), reduction="mean")
+        own = {}
+        if self.window_values:  # one reduce for all of them
+            sums = self.accelerator.reduce(torch.stack(list(self.window_values.values())), reduction="sum").tolist()
+            own = {name: total / max(count, 1) for name, (total, count) in zip(self.window_values, sums)}
         # one row per rank: [data wait, peak memory (, allocated, reserved on a GPU)]
         per_rank = self.accelerator.gather(
             torch.tensor([[self.data_wait_s, *memory_mb(device)]], dtype=torch.float64, device=device)).tolist()
@@ -89,7 +102,7 @@ class MetricsLogger:
         seconds = max(now - self.window_start, 1e-9)
         tflops = flops / seconds / self.accelerator.num_processes / 1e12 if self.flops is not None else None
         row = {"step": step, "loss": float(mean_loss), "lr": lr,
-               "grad_norm": None if grad_norm is None else float(grad_norm),
+               "grad_norm": None if grad_norm is None else float(grad_norm), **own,
                "tokens_per_s": tokens / seconds, "samples_per_s": samples / seconds,
                "tokens_per_s_per_device": tokens / seconds / self.accelerator.num_processes,
                "tflops_per_device": tflops,
@@ -101,6 +114,7 @@ class MetricsLogger:
             row["memory_allocated_mb_per_rank"] = [round(rank[2], 1) for rank in per_rank]
             row["memory_reserved_mb_per_rank"] = [round(rank[3], 1) for rank in per_rank]
         self.window_start, self.window_loss, self.window_batches = now, 0.0, 0
+        self.window_values = {}
         self.window_sums.zero_()
         self.data_wait_s = 0.0
         self._write(row)

@@ -199,3 +199,33 @@ def write_arithmetic_data(out_dir: str, train=3000, validation=101, seed=0, coun
     write_jsonl(os.path.join(out_dir, "validation.jsonl"), arithmetic_examples(validation, seed + 1, counting=counting))
     tokenizer = build_word_tokenizer(ARITHMETIC_WORDS, chat_template=CHAT_TEMPLATE, extra_special=(USER, ASSISTANT))
     tokenizer.save_pretrained(os.path.join(out_dir, "tokenizer"))
+
+
+def near_miss(answer: str, rng) -> str:
+    """A plausible wrong answer: a sum or difference off by one, or a count that skips or drops a number."""
+    numbers = answer.split()
+    if len(numbers) == 1:
+        value = int(numbers[0])
+        return str(value + 1 if value == 0 or (value < 18 and rng.random() < 0.5) else value - 1)
+    if rng.random() < 0.5:
+        return " ".join(numbers[:-1])  # stops one early
+    return " ".join(numbers[:1] + numbers[2:])  # skips the second number
+
+
+def preference_examples(count: int, seed: int) -> list[dict]:
+    """Arithmetic and counting questions (`arithmetic_examples`) as preference pairs in TRL's conversational
+    format: the right answer chosen over a near miss (`near_miss`), answers 1 to 12 tokens long."""
+    rng = np.random.default_rng(seed + 1000)
+    rows = []
+    for row in arithmetic_examples(count, seed, counting=True):
+        question, answer = row["messages"][0], row["messages"][1]["content"]
+        rows.append({"prompt": [question], "chosen": [{"role": "assistant", "content": answer}],
+                     "rejected": [{"role": "assistant", "content": near_miss(answer, rng)}]})
+    return rows
+
+
+def write_preference_data(out_dir: str, train=2000, validation=200, seed=0) -> None:
+    write_jsonl(os.path.join(out_dir, "train.jsonl"), preference_examples(train, seed))
+    write_jsonl(os.path.join(out_dir, "validation.jsonl"), preference_examples(validation, seed + 1))
+    tokenizer = build_word_tokenizer(ARITHMETIC_WORDS, chat_template=CHAT_TEMPLATE, extra_special=(USER, ASSISTANT))
+    tokenizer.save_pretrained(os.path.join(out_dir, "tokenizer"))

@@ -1,0 +1,140 @@
+"""Preference tuning with DPO (Direct Preference Optimization), the step after SFT.
+
+The data are pairs: a prompt, a chosen and a rejected answer, as text or as conversations (TRL's
+conversational format, or UltraFeedback's whole chats that share their prompt turns), rendered with
+the tokenizer's chat template or --chat_template; the log-probabilities cover the answers only.
+Each batch scores its chosen and rejected rows in one forward (common.preference).
+
+The reference model (common.reference) is, with --use_peft, the policy with its adapters off (no
+second copy); otherwise a frozen copy sharded by the same strategy (FSDP2 shards, a ZeRO-3
+partition), or with --precompute_ref_log_probs one pass over the data before training, kept in
+output_dir for a resume. The loss (common.dpo): --loss_type sigmoid (DPO, --beta,
+--label_smoothing), ipo or hinge; rewards/chosen, rewards/rejected, rewards/accuracies and
+rewards/margins are logged on train and eval lines, as TRL names them.
+
+    make dpo CONFIG=accelerate_configs/zero3.yaml
+    accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/dpo.py \
+        --config recipes/configs/dpo_demo.yaml --use_peft
+
+The demo (`make dpo`) teaches a tiny Llama, built from a config, to prefer the right sum over a
+near miss ("what is 7 plus 5 ?": "12" over "13"), and prints the held-out preference accuracy.
+"""
+
+import math
+from dataclasses import dataclass, field
+from typing import Annotated, Literal
+
+from common.arguments import DataArguments, ModelArguments, TrainingArguments
+from common.chat import OVERLONG
+from common.chat_template import read_chat_template
+from common.data import load_raw_datasets, make_dataloaders
+from common.dpo import completion_lengths, completion_log_probs, evaluate_preferences, preference_loss
+from common.lora import apply_lora, LoraArguments
+from common.model import load_model, load_tokenizer
+from common.preference import PairBatches, tokenize_pairs
+from common.ranges import Range
+from common.reference import build_reference
+from common.run import run_recipe, start_run
+from common.training import create_optimizer, create_scheduler, total_training_steps, TrainBatches
+
+
+@dataclass
+class DPOArguments:
+    reads_data_in_memory = True  # not a field: --streaming is refused here (common.parsing)
+    chat_template: str | None = field(
+        default=None, metadata={"help": "A chat template file or text; replaces the tokenizer's (and is saved with it)."})
+    beta: Annotated[float, Range(above=0)] = field(default=0.1, metadata={
+        "help": "How far the policy may move from the reference: the rewards are beta x log-ratio."})
+    loss_type: Literal["sigmoid", "ipo", "hinge"] = field(default="sigmoid", metadata={
+        "help": "sigmoid (DPO), ipo (on per-token log-probs) or hinge (SLiC)."})
+    label_smoothing: Annotated[float, Range(low=0, below=0.5)] = field(default=0.0, metadata={
+        "help": "The share of pairs assumed mislabelled (conservative DPO; sigmoid loss only)."})
+    max_prompt_length: Annotated[int | None, Range(low=1, why="unset: prompts are not cut")] = field(
+        default=None, metadata={"help": "Prompts longer than this many tokens keep their last ones (counted)."})
+    overlong: str = field(default="drop", metadata={
+        "help": f"Pairs whose longer side is over --block_size: {' or '.join(OVERLONG)} (cut at the answer's end); "
+                "counted in run.json."})
+    precompute_ref_log_probs: bool = field(default=False, metadata={
+        "help": "Score every pair with the reference once before training (no reference model in memory after)."})
+
+
+def main(model_args: ModelArguments, data_args: DataArguments, dpo_args: DPOArguments, lora_args: LoraArguments,
+         args: TrainingArguments):
+    run = start_run(model_args, data_args, dpo_args, lora_args, args)
+    accelerator = run.accelerator
+
+    # Data: pairs, completion-only labels; block_size is the longest side of a pair.
+    tokenizer = load_tokenizer(model_args)
+    if dpo_args.chat_template:
+        tokenizer.chat_template = read_chat_template(dpo_args.chat_template)
+    raw = load_raw_datasets(data_args, args.seed)
+    datasets, cut = tokenize_pairs(raw, tokenizer, data_args.block_size, dpo_args.max_prompt_length,
+                                   dpo_args.overlong, accelerator, data_args.preprocessing_num_workers)
+    collate = PairBatches(tokenizer.pad_token_id)
+    train_loader, eval_loader = make_dataloaders(datasets, args.per_device_train_batch_size,
+                                                 args.per_device_eval_batch_size, args.seed, collate_fn=collate)
+
+    model = apply_lora(load_model(model_args, tokenizer, args.seed, args), lora_args)
+    reference = build_reference(model_args, tokenizer, args, lora_args.use_peft, dpo_args.precompute_ref_log_probs)
+    optimizer = create_optimizer(model, args)
+    max_steps = total_training_steps(args, train_loader, accelerator.num_processes)
+    scheduler = create_scheduler(optimizer, args, max_steps)
+    model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
+        model, optimizer, train_loader, eval_loader, scheduler)
+    reference.prepare(accelerator, model, datasets, collate, args.per_device_eval_batch_size)
+
+    # Resume from the checkpoint (if any), write run.json, start the metrics. {"step": 0} for a fresh run.
+    state = run.begin(model, optimizer, scheduler, tokenizer, max_steps, pairs_cut_or_dropped=cut,
+                      reference_model=reference.record())
+    reference.load_or_compute(args.output_dir, state["step"])  # --precompute_ref_log_probs: once per run
+    step, metrics, nonfinite, profiler = state["step"], run.metrics, run.nonfinite, run.profiler
+    objective = dict(beta=dpo_args.beta, loss_type=dpo_args.loss_type, label_smoothing=dpo_args.label_smoothing)
+
+    def evaluate():
+        return metrics.log_eval(step, evaluate_preferences(model, reference, eval_loader, accelerator, **objective))
+
+    before = evaluate() if step == 0 else None
+
+    model.train()
+    grad_norm = None
+    batches = TrainBatches(accelerator, train_loader, args.gradient_accumulation_steps, max_steps, resume_from=state,
+                           metrics=metrics)  # ends after step max_steps
+    for batch in batches:
+        with accelerator.accumulate(model):
+            ref_log_probs = reference.log_probs(batch, "train")
+            losses, rewards = preference_loss(completion_log_probs(model, batch), ref_log_probs,
+                                              completion_lengths(batch), **objective)
+            loss = losses.mean()  # pairs per micro-batch are equal on every rank: the global batch's mean
+            metrics.record_batch(loss, batch)
+            metrics.record_values(rewards)
+            nonfinite.record(loss)
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)  # 0: off
+                if not nonfinite.skip_step(step + 1, grad_norm):  # every rank decides the same
+                    optimizer.step()
+                    scheduler.step()  # once per optimizer step
+            optimizer.zero_grad()
+        if not accelerator.sync_gradients:
+            continue
+        step += 1
+        metrics.advance()
+        profiler.step()
+        if step % args.logging_steps == 0:
+            metrics.log_train(step, scheduler.get_last_lr()[0], grad_norm)
+        if args.eval_steps and step % args.eval_steps == 0 and step < max_steps:
+            evaluate()
+        if args.save_steps and step % args.save_steps == 0:
+            run.save_checkpoint(step, {"data": batches.position})
+
+    after = evaluate()
+    final_dir = run.finish()
+    start = f"{before['eval_prefers_chosen']:.3f} before -> " if before else ""
+    accelerator.print(f"prefers the chosen answer {start}{after['eval_prefers_chosen']:.3f} of {after['eval_pairs']} "
+                      f"held-out pairs (reward accuracy {after['eval_rewards/accuracies']:.3f}, eval_loss "
+                      f"{after['eval_loss']:.4f}); saved to {final_dir}")
+    return after
+
+
+if __name__ == "__main__":
+    run_recipe(main, ModelArguments, DataArguments, DPOArguments, LoraArguments, TrainingArguments)
