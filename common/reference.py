@@ -1,5 +1,7 @@
-"""The reference model of preference tuning, held the way the policy is: its adapters switched off, a frozen copy sharded
-by the same strategy, or its log-probabilities computed once before training.
+"""The reference model of preference tuning, held the way the policy is, under every config.
+
+Its adapters switched off, a frozen copy sharded by the same strategy, or its log-probabilities
+computed once before training:
 
     reference = build_reference(model_args, tokenizer, args, use_peft, precompute)   # before prepare
     reference.prepare(accelerator, model, datasets, collate, batch_size)            # after prepare

@@ -152,9 +152,11 @@ def pretrained_args(data: Path, model: Path, output_dir: Path, **overrides) -> l
 
 
 def load_weights(folder) -> dict:
+    """A Hugging Face folder's weights: the model's, or a LoRA export's adapter."""
     from safetensors.torch import load_file
 
-    return load_file(str(Path(folder) / "model.safetensors"))
+    adapter = Path(folder) / "adapter_model.safetensors"
+    return load_file(str(adapter if adapter.exists() else Path(folder) / "model.safetensors"))
 
 
 def max_weight_difference(a, b) -> float:

@@ -217,6 +217,32 @@ HANDBOOK_REPLACED = {"model_revision": None, "bf16": None, "do_eval": None,
                      "dataset_num_proc": "preprocessing_num_workers", "max_seq_length": "block_size"}
 
 
+def handbook_message(recipe: str, config) -> tuple[str, list[str]]:
+    """The one message a recipe gives for a handbook YAML as published, and the keys it names."""
+    main = load_script(f"recipes/{recipe}").main
+    types = tuple(annotation for annotation in main.__annotations__.values() if isinstance(annotation, type))
+    with pytest.raises(UsageError) as refused:
+        _parse(types, ["--config", str(config)])
+    message = str(refused.value)
+    named = re.search(r"unknown keys (.*?); run the recipe", message)[1]
+    return message, sorted(key.strip("' ") for key in named.split(","))
+
+
+def rewritten_as_told(config, replaced: dict, tmp_path, **changes):
+    """The handbook YAML with each refused key dropped or renamed as the message says, and `changes`."""
+    import yaml
+
+    values = yaml.safe_load(config.read_text())
+    for key, instead in replaced.items():
+        value = values.pop(key)
+        if instead:
+            values[instead] = value
+    values.update(changes)
+    path = tmp_path / "config_full.yaml"
+    path.write_text(yaml.safe_dump(values))
+    return path, values
+
+
 def test_a_handbook_recipe_yaml_names_every_key_it_cannot_take_in_one_message_and_then_runs(
         real_model, counting_data, tmp_path, monkeypatch):
     """The alignment-handbook's zephyr-7b-beta SFT config as published: one message lists all 14 keys
@@ -225,32 +251,19 @@ def test_a_handbook_recipe_yaml_names_every_key_it_cannot_take_in_one_message_an
     the model swapped for the real small chat model, the mixture's source for a local file (its
     held-out 2000 rows for 40 of its 400) and flash-attention (GPU only) for sdpa, it trains 2 steps
     in this process on 1 rank, warming up over ceil(0.1 x 2) = 1 step."""
-    import yaml
-
     from conftest import run_in_process
 
-    main = load_script("recipes/sft.py").main
-    types = tuple(annotation for annotation in main.__annotations__.values() if isinstance(annotation, type))
-    with pytest.raises(UsageError) as refused:
-        _parse(types, ["--config", str(HANDBOOK_SFT)])
-    message = str(refused.value)
-    named = re.search(r"unknown keys (.*?); run the recipe", message)[1]
-    assert sorted(key.strip("' ") for key in named.split(",")) == sorted(HANDBOOK_REPLACED)
+    message, named = handbook_message("sft.py", HANDBOOK_SFT)
+    assert named == sorted(HANDBOOK_REPLACED)
     for key, instead in HANDBOOK_REPLACED.items():
         assert re.search(rf"--{key}\b[^;]*: ", message.split("keys. ", 1)[1]), key  # each says what to write
     assert "--dataset_num_proc: --preprocessing_num_workers N" in message and "--max_seq_length: --block_size N" in message
 
-    config = yaml.safe_load(HANDBOOK_SFT.read_text())
-    for key, instead in HANDBOOK_REPLACED.items():
-        value = config.pop(key)
-        if instead:
-            config[instead] = value
+    rewritten, config = rewritten_as_told(HANDBOOK_SFT, HANDBOOK_REPLACED, tmp_path, model_name_or_path=str(real_model),
+                                          attn_implementation="sdpa", output_dir=str(tmp_path / "run"), report_to="none")
     config["dataset_mixture"]["datasets"][0].update(id=str(counting_data / "train.jsonl"), split="train")
     config["dataset_mixture"]["test_split_size"] = 40
-    config.update(model_name_or_path=str(real_model), attn_implementation="sdpa", output_dir=str(tmp_path / "run"),
-                  report_to="none")
-    rewritten = tmp_path / "config_full.yaml"
-    rewritten.write_text(yaml.safe_dump(config))
+    rewritten.write_text(__import__("yaml").safe_dump(config))
     run_in_process("recipes/sft.py", ["--config", rewritten, "--max_steps", "2", "--per_device_train_batch_size", "2",
                                       "--block_size", "128", "--max_eval_samples", "4", "--max_generation_samples", "2",
                                       "--preprocessing_num_workers", "0", "--logging_steps", "1"], monkeypatch)
@@ -260,3 +273,50 @@ def test_a_handbook_recipe_yaml_names_every_key_it_cannot_take_in_one_message_an
                                     "available": 400, "rows": 400, "train": 360, "held_out": 40}]
     rows = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     assert [row["lr"] for row in rows if "lr" in row] == [2e-05, 0.0]  # warmed up by step 1, cosine to 0 at 2
+
+
+HANDBOOK_DPO = REPO / "tests/data/handbook/zephyr-7b-beta-dpo-config_full.yaml"
+HANDBOOK_DPO_REPLACED = {"bf16": None, "do_eval": None, "eval_strategy": None, "save_strategy": None,
+                         "gradient_checkpointing_kwargs": None, "hub_model_id": None, "push_to_hub": None,
+                         "log_level": None, "dataset_num_proc": "preprocessing_num_workers", "max_length": "block_size"}
+
+
+def test_the_handbook_dpo_recipe_yaml_names_its_keys_in_one_message_and_then_runs(real_model, tmp_path, monkeypatch):
+    """The alignment-handbook's zephyr-7b-beta DPO config as published: one message names the 10 keys taken
+    otherwise here (max_length: --block_size). Rewritten as it says, with the model swapped for the real
+    small chat model and its two UltraFeedback sources (whole chats sharing their prompt turns, `chosen`
+    and `rejected` kept) for two local files, it trains 2 steps in this process: beta 0.01, warmup_ratio,
+    max_prompt_length, the two sources' counts, a frozen copy of the model as the reference, log 2 at step 1."""
+    import math
+    import yaml
+
+    from common.synthetic import preference_examples
+    from conftest import run_in_process
+
+    message, named = handbook_message("dpo.py", HANDBOOK_DPO)
+    assert named == sorted(HANDBOOK_DPO_REPLACED)
+    assert "--max_length: --block_size N" in message and "--dataset_num_proc: --preprocessing_num_workers N" in message
+
+    rewritten, config = rewritten_as_told(HANDBOOK_DPO, HANDBOOK_DPO_REPLACED, tmp_path,
+                                          model_name_or_path=str(real_model), output_dir=str(tmp_path / "run"),
+                                          report_to="none")
+    for source, split, count, seed in zip(config["dataset_mixture"]["datasets"], ("train_prefs", "test_prefs"),
+                                          (60, 30), (0, 1)):
+        path = tmp_path / f"{split}.jsonl"
+        path.write_text("".join(json.dumps({"prompt": row["prompt"][0]["content"],
+                                            "chosen": row["prompt"] + row["chosen"],
+                                            "rejected": row["prompt"] + row["rejected"]}) + "\n"
+                                for row in preference_examples(count, seed)))
+        source.update(id=str(path), split="train")
+    config["dataset_mixture"]["test_split_size"] = 20
+    rewritten.write_text(yaml.safe_dump(config))
+    run_in_process("recipes/dpo.py", ["--config", rewritten, "--max_steps", "2", "--per_device_train_batch_size", "2",
+                                      "--preprocessing_num_workers", "0", "--logging_steps", "1"], monkeypatch)
+    run = json.loads((tmp_path / "run/run.json").read_text())
+    assert run["args"]["beta"] == 0.01 and run["args"]["max_prompt_length"] == 512 and run["args"]["block_size"] == 1024
+    assert run["reference_model"]["kind"] == "model" and run["args"]["gradient_checkpointing"] is True
+    assert [(s["rows"], s["train"] + s["held_out"]) for s in run["data_sources"]] == [(60, 60), (30, 30)]
+    assert sum(s["held_out"] for s in run["data_sources"]) == 20
+    rows = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    train = [row for row in rows if "lr" in row]
+    assert [row["lr"] for row in train] == [5e-07, 0.0] and abs(train[0]["loss"] - math.log(2)) < 1e-6

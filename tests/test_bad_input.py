@@ -220,7 +220,7 @@ def error_in_process(recipe: str, argv: list, capsys) -> str:
     from common.lora import LoraArguments
     from common.run import run_recipe
 
-    own = [module.SFTArguments] if hasattr(module, "SFTArguments") else []  # as the recipe's last line lists them
+    own = [getattr(module, name) for name in ("SFTArguments", "DPOArguments") if hasattr(module, name)]  # as its last line
     types = [ModelArguments, DataArguments, *own, LoraArguments, TrainingArguments]
     capsys.readouterr()
     try:

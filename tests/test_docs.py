@@ -185,6 +185,18 @@ def test_training_loops_do_not_drift(recipe):
     assert _loop(recipe) == _loop("causal_lm.py")
 
 
+def test_the_dpo_loop_is_the_same_loop_with_its_own_loss():
+    """dpo.py's step computes its loss from the pairs and the reference and records its rewards; the
+    rest of the loop (accumulation, clipping, the guard, the step, logging) is causal_lm.py's, line for line."""
+    own = {"ref_log_probs = reference.log_probs(batch, \"train\")",
+           "losses, rewards = preference_loss(completion_log_probs(model, batch), ref_log_probs,",
+           "completion_lengths(batch), **objective)", "metrics.record_values(rewards)"}
+    dpo = [line for line in _loop("dpo.py") if line not in own]
+    loss_line = dpo.index(next(line for line in dpo if line.startswith("loss = losses.mean()")))
+    base = _loop("causal_lm.py")
+    assert dpo[:loss_line] + dpo[loss_line + 1:] == [line for line in base if line != "loss = model(**batch).loss"]
+
+
 def test_readme_is_a_front_door():
     assert len(README.splitlines()) <= 250, "README.md is for users: depth and figures go to docs/"
 
