@@ -131,6 +131,10 @@ def _check_together(parsed) -> None:
     """Arguments that are fine alone but not together."""
     data = next((p for p in parsed if isinstance(p, DataArguments)), None)
     training = next((p for p in parsed if isinstance(p, TrainingArguments)), None)
+    own_batch = next((p for p in parsed if hasattr(p, "no_auto_batch_size")), None)
+    if training is not None and training.auto_find_batch_size and own_batch is not None:
+        raise UsageError(f"--auto_find_batch_size is not available here: {own_batch.no_auto_batch_size}; set "
+                         "--per_device_train_batch_size (scripts/estimate_memory.py predicts what fits)")
     if data is not None and training is not None and getattr(data, "streaming", False):
         if any(getattr(p, "reads_data_in_memory", False) for p in parsed):
             raise UsageError("--streaming is for the packed-text recipes (causal_lm.py); this recipe reads "

@@ -128,6 +128,16 @@ def tokenize_pairs(raw: DatasetDict, tokenizer, block_size: int, max_prompt_leng
     return DatasetDict(kept), counted
 
 
+def chosen_references(raw_split, count: int) -> list[tuple]:
+    """(prompt, chosen answer's text) of the first `count` pairs, for exact match of greedy answers
+    (`common.evaluation.evaluate_generation`): where the chosen answer is the right one, the task metric."""
+    references = []
+    for row in range(min(count, len(raw_split))):
+        prompt, chosen, _ = split_pair(raw_split[row], row)
+        references.append((prompt, chosen if isinstance(chosen, str) else chosen[-1]["content"]))
+    return references
+
+
 class PairBatches:
     """Collate pairs into one padded batch: input_ids, attention_mask and labels of 2 x B rows
     (the B chosen, then the B rejected), and each pair's `index`."""

@@ -4,8 +4,8 @@ Its adapters switched off, a frozen copy sharded by the same strategy, or its lo
 computed once before training:
 
     reference = build_reference(model_args, tokenizer, args, use_peft, precompute)   # before prepare
-    reference.prepare(accelerator, model, datasets, collate, batch_size)            # after prepare
-    reference.load_or_compute(output_dir, step)                                      # after run.begin
+    reference.prepare(run, model, datasets, collate, batch_size)                    # after prepare
+    reference.score_before_training()                                                # after run.begin
     chosen, rejected = reference.log_probs(batch, "train")
 
 * `adapters_off` (--use_peft): the policy itself with its LoRA adapters disabled; no second copy.
@@ -21,6 +21,7 @@ computed once before training:
 from __future__ import annotations
 
 import copy
+import hashlib
 import os
 
 import torch
@@ -37,51 +38,58 @@ from common.run_dir import REFERENCE_TABLE
 class Reference:
     def __init__(self, kind: str, model=None):
         self.kind, self.model = kind, model
-        self.accelerator = self.policy = None
-        self.loaders, self.tables = {}, {}
+        self.accelerator = self.policy = self.path = None
+        self.loaders, self.tables, self.fingerprints = {}, {}, {}
 
-    def prepare(self, accelerator, policy, datasets: dict, collate, batch_size: int) -> None:
-        """After the policy's `accelerator.prepare`: shard the copy like the policy, or make the
-        unshuffled loaders the precomputation reads (prepared here in every run alike, so that a
-        checkpoint's data-loader states line up)."""
-        self.accelerator, self.policy = accelerator, policy
+    def prepare(self, run, policy, datasets: dict, collate, batch_size: int) -> None:
+        """After the policy's `accelerator.prepare` (`run`: common.run.Run): shard the copy like the
+        policy; or make the unshuffled loaders the precomputation reads (prepared in every run alike,
+        so that a checkpoint's data-loader states line up) and, resuming, read the run's table, before
+        anything of the run is touched: one computed for other pairs is refused in one line."""
+        self.accelerator, self.policy = run.accelerator, policy
         if self.kind == "adapters_off":
-            self.peft_model = unwrap(accelerator, policy)
+            self.peft_model = unwrap(run.accelerator, policy)
         elif self.kind == "model":
-            self.model = shard_like_policy(accelerator, self.model)
+            self.model = shard_like_policy(run.accelerator, self.model)
         else:
-            self.loaders = {split: accelerator.prepare_data_loader(DataLoader(dataset, batch_size=batch_size,
-                                                                              collate_fn=collate))
+            self.loaders = {split: run.accelerator.prepare_data_loader(DataLoader(dataset, batch_size=batch_size,
+                                                                                  collate_fn=collate))
                             for split, dataset in datasets.items()}
+            self.path = os.path.join(run.args.output_dir, REFERENCE_TABLE)
+            self.fingerprints = {split: fingerprint(dataset) for split, dataset in datasets.items()}
+            if run.checkpoint is not None:
+                self.tables = self._read(run.checkpoint)
+
+    def _read(self, checkpoint: str) -> dict:
+        if not os.path.exists(self.path):
+            raise UsageError(f"the run resumes from {checkpoint} but its reference log-probs ({self.path}) are gone, "
+                             "and the model is no longer the reference; restore the file or start afresh with "
+                             "--overwrite_output_dir")
+        saved = torch.load(self.path)
+        changed = [split for split in self.fingerprints if saved.get("fingerprints", {}).get(split) !=
+                   self.fingerprints[split]]
+        if changed:
+            raise UsageError(f"{self.path} holds the reference log-probs of other {' and '.join(changed)} pairs than "
+                             "this run's (the data, tokenizer or lengths changed since they were computed); resume "
+                             "with the run's own data, or start afresh with --overwrite_output_dir")
+        return {split: saved[split] for split in self.fingerprints}
 
     def record(self) -> dict:
-        """What run.json says of it: the kind, and the memory its weights take per rank (every rank calls it)."""
-        megabytes = 0.0
+        """What run.json says of it: the kind, and the bytes its weights take on each rank (every rank calls it)."""
+        held = 0
         if self.kind == "model":
-            megabytes = sum(t.numel() * t.element_size() for t in local_parameter_shards(self.model)) / 2**20
-        return {"kind": self.kind, "parameter_mb_per_rank": [round(mb, 1) for mb in gather_object([megabytes])]}
+            held = sum(t.numel() * t.element_size() for t in local_parameter_shards(self.model))
+        return {"kind": self.kind, "parameter_bytes_per_rank": gather_object([held])}
 
-    def load_or_compute(self, output_dir: str, step: int) -> None:
-        """--precompute_ref_log_probs: read the run's table, or compute it at step 0 (every rank calls it)."""
-        if self.kind != "precomputed":
+    def score_before_training(self) -> None:
+        """--precompute_ref_log_probs in a fresh run, after run.begin: the policy scores every pair
+        once and the table is written to output_dir (every rank calls it)."""
+        if self.kind != "precomputed" or self.tables:
             return
-        path = os.path.join(output_dir, REFERENCE_TABLE)
-        if os.path.exists(path):
-            self.tables = torch.load(path)
-            for split, loader in self.loaders.items():
-                if self.tables.get(split) is None or len(self.tables[split]) <= max(loader.dataset["index"]):
-                    raise UsageError(f"{path} does not hold the reference log-probs of this run's {split} pairs (the "
-                                     "data changed since it was computed); start the run afresh with "
-                                     "--overwrite_output_dir")
-            return
-        if step > 0:
-            raise UsageError(f"the run resumed at step {step} but its reference log-probs ({path}) are gone, and the "
-                             "model is no longer the reference; restore the file or start afresh with "
-                             "--overwrite_output_dir")
         self.tables = {split: self._score(loader) for split, loader in self.loaders.items()}
         if self.accelerator.is_main_process:
-            torch.save(self.tables, path + ".tmp")
-            os.replace(path + ".tmp", path)
+            torch.save({**self.tables, "fingerprints": self.fingerprints}, self.path + ".tmp")
+            os.replace(self.path + ".tmp", self.path)
         self.accelerator.wait_for_everyone()
 
     @torch.no_grad()
@@ -111,6 +119,20 @@ class Reference:
                 return completion_log_probs(self.model, batch)
             with self.peft_model.disable_adapter():
                 return completion_log_probs(self.policy, batch)
+
+
+def fingerprint(dataset) -> str:
+    """A digest of a split's tokenized pairs (each row's index, tokens and labels), so that a table
+    computed for other pairs is never read for these."""
+    digest = hashlib.sha256()
+    for column in ("index", "chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels"):
+        data = dataset.data.column(column).combine_chunks()
+        values = data.flatten() if hasattr(data, "flatten") else data
+        digest.update(column.encode())
+        digest.update(values.to_numpy(zero_copy_only=False).tobytes())
+        if hasattr(data, "offsets"):
+            digest.update(data.offsets.to_numpy().tobytes())
+    return digest.hexdigest()
 
 
 def build_reference(model_args, tokenizer, args, use_peft: bool, precompute: bool) -> Reference:

@@ -25,13 +25,14 @@ from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
 from common.arguments import DataArguments, ModelArguments, TrainingArguments
-from common.chat import OVERLONG
+from common.chat import answer_token_counts, end_of_turn_ids, OVERLONG
 from common.chat_template import read_chat_template
 from common.data import load_raw_datasets, make_dataloaders
 from common.dpo import completion_lengths, completion_log_probs, evaluate_preferences, preference_loss
+from common.evaluation import evaluate_generation, size_max_new_tokens
 from common.lora import apply_lora, LoraArguments
 from common.model import load_model, load_tokenizer
-from common.preference import PairBatches, tokenize_pairs
+from common.preference import chosen_references, PairBatches, tokenize_pairs
 from common.ranges import Range
 from common.reference import build_reference
 from common.run import run_recipe, start_run
@@ -40,7 +41,8 @@ from common.training import create_optimizer, create_scheduler, total_training_s
 
 @dataclass
 class DPOArguments:
-    reads_data_in_memory = True  # not a field: --streaming is refused here (common.parsing)
+    reads_data_in_memory = True  # not fields: --streaming and --auto_find_batch_size are refused (common.parsing)
+    no_auto_batch_size = "its trial step would not count the reference model nor score pairs"
     chat_template: str | None = field(
         default=None, metadata={"help": "A chat template file or text; replaces the tokenizer's (and is saved with it)."})
     beta: Annotated[float, Range(above=0)] = field(default=0.1, metadata={
@@ -56,6 +58,9 @@ class DPOArguments:
                 "counted in run.json."})
     precompute_ref_log_probs: bool = field(default=False, metadata={
         "help": "Score every pair with the reference once before training (no reference model in memory after)."})
+    generation_samples: Annotated[int, Range(low=0)] = field(default=0, metadata={
+        "help": "Held-out prompts answered greedily at each evaluation, scored by exact match against the chosen "
+                "answer (where that is the right one: a task metric); 0: none."})
 
 
 def main(model_args: ModelArguments, data_args: DataArguments, dpo_args: DPOArguments, lora_args: LoraArguments,
@@ -73,6 +78,10 @@ def main(model_args: ModelArguments, data_args: DataArguments, dpo_args: DPOArgu
     collate = PairBatches(tokenizer.pad_token_id)
     train_loader, eval_loader = make_dataloaders(datasets, args.per_device_train_batch_size,
                                                  args.per_device_eval_batch_size, args.seed, collate_fn=collate)
+    references = chosen_references(raw["validation"], dpo_args.generation_samples)  # the task metric, if asked
+    stop_ids = end_of_turn_ids(datasets["validation"], column="chosen_labels")
+    longest_answer = max(answer_token_counts(tokenizer, references), default=1)
+    max_new_tokens = size_max_new_tokens(None, longest_answer, accelerator)
 
     model = apply_lora(load_model(model_args, tokenizer, args.seed, args), lora_args)
     reference = build_reference(model_args, tokenizer, args, lora_args.use_peft, dpo_args.precompute_ref_log_probs)
@@ -81,17 +90,21 @@ def main(model_args: ModelArguments, data_args: DataArguments, dpo_args: DPOArgu
     scheduler = create_scheduler(optimizer, args, max_steps)
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler)
-    reference.prepare(accelerator, model, datasets, collate, args.per_device_eval_batch_size)
+    reference.prepare(run, model, datasets, collate, args.per_device_eval_batch_size)
 
     # Resume from the checkpoint (if any), write run.json, start the metrics. {"step": 0} for a fresh run.
     state = run.begin(model, optimizer, scheduler, tokenizer, max_steps, pairs_cut_or_dropped=cut,
                       reference_model=reference.record())
-    reference.load_or_compute(args.output_dir, state["step"])  # --precompute_ref_log_probs: once per run
+    reference.score_before_training()  # --precompute_ref_log_probs: once per run (a resumed one read its table)
     step, metrics, nonfinite, profiler = state["step"], run.metrics, run.nonfinite, run.profiler
     objective = dict(beta=dpo_args.beta, loss_type=dpo_args.loss_type, label_smoothing=dpo_args.label_smoothing)
 
     def evaluate():
-        return metrics.log_eval(step, evaluate_preferences(model, reference, eval_loader, accelerator, **objective))
+        scores = evaluate_preferences(model, reference, eval_loader, accelerator, **objective)
+        if references:
+            scores.update(evaluate_generation(model, tokenizer, references, accelerator, max_new_tokens, stop_ids,
+                                              args.per_device_eval_batch_size, longest_answer))
+        return metrics.log_eval(step, scores)
 
     before = evaluate() if step == 0 else None
 
@@ -133,6 +146,10 @@ def main(model_args: ModelArguments, data_args: DataArguments, dpo_args: DPOArgu
     accelerator.print(f"prefers the chosen answer {start}{after['eval_prefers_chosen']:.3f} of {after['eval_pairs']} "
                       f"held-out pairs (reward accuracy {after['eval_rewards/accuracies']:.3f}, eval_loss "
                       f"{after['eval_loss']:.4f}); saved to {final_dir}")
+    if references:
+        start = f"{before['eval_exact_match']:.3f} before -> " if before else ""
+        accelerator.print(f"greedy answers equal to the chosen one: {start}{after['eval_exact_match']:.3f} of "
+                          f"{after['eval_generated']}")
     return after
 
 

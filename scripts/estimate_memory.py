@@ -15,6 +15,9 @@ c bytes per element in the compute dtype (2 in bf16, 4 in fp32):
    in fp32            4Ψ/N        -       4Ψ/N             8Ψ/N       4·h² (reduce)
    with offload       cΨ/N        4Ψ/N    cΨ/N + 4Ψ/N      8Ψ/N       c·h² (reduce)
 
+--dpo_reference adds recipes/dpo.py's frozen reference copy: 4Ψ on one process or DDP, 4Ψ/N under FSDP2,
+cΨ under ZeRO-1/2 and cΨ/N under ZeRO-3 (`reference_bytes`).
+
 (DeepSpeed keeps the model in the compute dtype and a separate fp32 master copy (ZeRO-3
 in fp32: none, the model's own partitions are the master weights, common.internals), and
 makes an fp32 copy of each rank's gradient partition for the step: ZeRO-1/2 keep it,
@@ -132,10 +135,21 @@ def activation_bytes(model: dict, batch_size: int, seq_len: int, compute_bytes: 
     return tokens * (layers * per_layer + logits)
 
 
+def reference_bytes(psi: int, strategy: dict, c: int) -> float:
+    """DPO's frozen reference copy on a rank (common.reference): whole in the load dtype (fp32) on a single
+    process or DDP; DeepSpeed keeps it in the compute dtype, whole under ZeRO-1/2 (stage 0: no weights are
+    sharded there) and partitioned under ZeRO-3; FSDP2 shards it in fp32, as the policy."""
+    n = strategy["num_processes"]
+    if strategy["strategy"] == "deepspeed":
+        return c * psi / n if strategy["zero_stage"] == 3 else c * psi
+    return 4 * psi / n if strategy["strategy"] == "fsdp" else 4 * psi
+
+
 def estimate(model: dict, strategy: dict, batch_size: int, seq_len: int, checkpointing: bool = False,
-             accumulation: int = 1) -> dict:
+             accumulation: int = 1, dpo_reference: bool = False) -> dict:
     """Bytes per rank by category (the memory account's), and the peak. Activation checkpointing
-    is on when asked or when the config turns it on (fsdp_activation_checkpointing)."""
+    is on when asked or when the config turns it on (fsdp_activation_checkpointing). With
+    `dpo_reference`, DPO's frozen reference copy (`reference_bytes`) joins the model state."""
     checkpointing = checkpointing or strategy.get("activation_checkpointing", False)
     psi, n = model["parameters"], strategy["num_processes"]
     c = 2 if strategy["mixed_precision"] in ("bf16", "fp16") else 4
@@ -166,12 +180,13 @@ def estimate(model: dict, strategy: dict, batch_size: int, seq_len: int, checkpo
     else:
         # DDP's gradients are views into its all-reduce buckets (common.accelerator): no second copy
         parameters, master, gradients, optimizer = 4 * psi, 0, 4 * psi, 8 * psi
+    reference = reference_bytes(psi, strategy, c) if dpo_reference else 0
     categories = {"parameters": parameters, "master_weights": master, "gradients": gradients,
-                  "optimizer_states": optimizer, "communication_buffers": buckets}
+                  "optimizer_states": optimizer, "reference_model": reference, "communication_buffers": buckets}
     activations = activation_bytes(model, batch_size, seq_len, c, checkpointing)
     if kind == "ddp" and c == 2:  # autocast's low-precision copy of each weight, saved for backward
         activations += c * psi
-    model_state = parameters + master + gradients + optimizer
+    model_state = parameters + master + gradients + optimizer + reference
     return {**{k: int(v) for k, v in categories.items()}, "model_state": int(model_state),
             "activations": int(activations), "activation_checkpointing": checkpointing,
             "step_transient": int(step_transient), "loading_peak": int(loading),
@@ -206,6 +221,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--gradient_checkpointing", action="store_true",
                         help="activation checkpointing (also on when the config's FSDP settings turn it on)")
     parser.add_argument("--vocab_size", type=int, help="override the config's (a model built for a tokenizer)")
+    parser.add_argument("--dpo_reference", action="store_true",
+                        help="add recipes/dpo.py's frozen reference copy (not with --use_peft or "
+                             "--precompute_ref_log_probs, which hold none); a DPO micro-batch of B pairs is 2B rows: "
+                             "pass --batch_size 2B")
     parser.add_argument("--json", help="also write the estimate here")
     args = parser.parse_args(argv)
     for path, what in ((args.config, "--config"),):
@@ -219,7 +238,7 @@ def main(argv=None) -> dict:
         raise SystemExit(f"error: --model {args.model} gives no model config ({str(error).splitlines()[0]}); "
                          "pass a config.json, a model folder or a Hub name reachable from here")
     result = estimate(model, strategy, args.batch_size, args.seq_len, args.gradient_checkpointing,
-                      args.gradient_accumulation_steps)
+                      args.gradient_accumulation_steps, args.dpo_reference)
     import torch
 
     baseline = 0.0 if torch.cuda.is_available() else process_baseline_mb(strategy)
@@ -229,7 +248,8 @@ def main(argv=None) -> dict:
           f"process(es), {strategy['mixed_precision']}, batch {args.batch_size} x {args.seq_len} tokens"
           f"{f', accumulation {args.gradient_accumulation_steps}' if args.gradient_accumulation_steps > 1 else ''}"
           f"{', activation checkpointing' if result['activation_checkpointing'] else ''}; MB per rank:")
-    for key in ("parameters", "master_weights", "gradients", "optimizer_states", "model_state",
+    for key in ("parameters", "master_weights", "gradients", "optimizer_states",
+                *(("reference_model",) if args.dpo_reference else ()), "model_state",
                 "communication_buffers", "activations", "step_transient", "loading_peak"):
         print(f"  {key:22} {result[key] / MB:10.1f}")
     if baseline:

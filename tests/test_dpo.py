@@ -9,7 +9,6 @@ same job on one process (batch 4 x accumulation 2)."""
 import json
 import math
 import os
-import shutil
 
 import pytest
 import torch
@@ -18,7 +17,8 @@ from datasets import Dataset, DatasetDict
 from common.dpo import preference_loss
 from common.errors import UsageError
 from common.preference import PairBatches, tokenize_pairs
-from conftest import FP32, REPO, flags, launch, load_weights, max_weight_difference, read_metrics, read_run, run
+from conftest import (FP32, REPO, flags, launch, load_script, load_weights, max_weight_difference, read_metrics,
+                      read_run, run)
 
 FP32_TOLERANCE = 1e-5
 LOG_2 = math.log(2)
@@ -163,6 +163,15 @@ BAD_PAIRS = {
 }
 
 
+def test_auto_find_batch_size_is_refused_in_one_line(tmp_path, capsys):
+    from test_bad_input import error_in_process
+
+    line = error_in_process("dpo.py", ["--config", REPO / "recipes/configs/dpo_demo.yaml", "--auto_find_batch_size",
+                                       "true", "--output_dir", tmp_path / "run"], capsys)
+    assert line.startswith("error: --auto_find_batch_size is not available here: its trial step would not count the "
+                           "reference model"), line
+
+
 @pytest.mark.parametrize("case", list(BAD_PAIRS))
 def test_bad_pairs_end_the_run_in_one_line(case, real_model, tmp_path, capsys):
     from test_bad_input import error_in_process
@@ -231,6 +240,13 @@ def test_dpo_matches_one_process_and_starts_at_log_2(config, extra, pairs, tmp_p
     assert record["effective_batch_size"] == 8 and record["max_steps"] == 24  # 2 epochs of 12 steps, 4 pairs left
     kind = "precomputed" if extra.get("precompute_ref_log_probs") else "adapters_off" if peft else "model"
     assert record["reference_model"]["kind"] == kind
+    if kind == "model":  # its weights on each rank: whole, or sharded as the policy is, as estimate-memory says
+        script = load_script("scripts/estimate_memory.py")
+        strategy = script.read_strategy(str(REPO / "accelerate_configs" / config), 2, "no")
+        expected = script.reference_bytes(script.read_model(str(out / "final"))["parameters"], strategy, 4)
+        held = record["reference_model"]["parameter_bytes_per_rank"]
+        print(f"{config}: the reference holds {held} bytes per rank, estimated {expected:.0f}")
+        assert all(abs(b - expected) <= 0.02 * expected for b in held)
     rows, one = train_rows(out), train_rows(single)
     assert abs(rows[0]["loss"] - LOG_2) < 1e-6 and rows[0]["rewards/margins"] == rows[0]["rewards/chosen"] == 0
     assert [r["step"] for r in rows] == list(range(1, 25))
@@ -315,6 +331,15 @@ def test_a_run_killed_after_a_checkpoint_resumes_bitwise_without_scoring_the_ref
     rows = train_rows(out)
     assert [r["step"] for r in rows] == list(range(1, 25))
 
+    # The table belongs to these pairs: resumed with other lengths (another tokenization), it is refused in
+    # one line before anything of the run changes.
+    before = (out / "run.json").read_text()
+    refused = launch("ddp.yaml", "dpo.py", dpo_args(pairs, out, precompute_ref_log_probs=True, block_size=20,
+                                                    resume_from_checkpoint="latest"), launcher_args=FP32, check=False)
+    assert refused.returncode != 0 and f"error: {table} holds the reference log-probs of other train and validation " \
+        "pairs than this run's" in refused.stderr
+    assert (out / "run.json").read_text() == before
+
 
 @pytest.mark.slow
 def test_make_dpo_as_it_ships_learns_to_prefer_the_right_answer(tmp_path):
@@ -336,3 +361,5 @@ def test_make_dpo_as_it_ships_learns_to_prefer_the_right_answer(tmp_path):
     assert before["step"] == 0 and after["step"] == 200 and after["eval_pairs"] == 200
     assert 0.2 < before["eval_prefers_chosen"] < 0.6 and after["eval_prefers_chosen"] >= 0.9
     assert f"prefers the chosen answer {before['eval_prefers_chosen']:.3f} before -> " in result.stdout
+    assert after["eval_generated"] == 100 and after["eval_exact_match"] > before["eval_exact_match"]  # the task metric
+    assert f"greedy answers equal to the chosen one: {before['eval_exact_match']:.3f} before -> " in result.stdout
