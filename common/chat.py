@@ -235,11 +235,11 @@ def answer_token_counts(tokenizer, references: list) -> list[int]:
     return counts
 
 
-def end_of_turn_ids(dataset, sample: int = 64, column: str = "labels") -> list[int]:
+def end_of_turn_ids(dataset, sample: int = 64) -> list[int]:
     """The tokens that end an answer (each example's last label token: EOS, <|im_end|>,
     <|eot_id|>, ...), so that generation stops where training taught it to."""
     ids = set()
-    for labels in dataset.select(range(min(sample, len(dataset))))[column]:
+    for labels in dataset.select(range(min(sample, len(dataset))))["labels"]:
         learned = [token for token in labels if token != -100]
         if learned:
             ids.add(learned[-1])

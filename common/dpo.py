@@ -23,8 +23,10 @@ def completion_log_probs(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor
     chosen and rejected halves (`common.preference.PairBatches`)."""
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     labels = batch["labels"][:, 1:]
-    per_token = -F.cross_entropy(logits[:, :-1].float().transpose(1, 2), labels, ignore_index=-100, reduction="none")
-    return per_token.sum(1).chunk(2)
+    # row by row: an fp32 copy of one row's logits at a time, not of the batch's (2B x T x vocabulary)
+    sums = [-F.cross_entropy(row[:-1].float(), row_labels, ignore_index=-100, reduction="sum")
+            for row, row_labels in zip(logits, labels)]
+    return torch.stack(sums).chunk(2)
 
 
 def completion_lengths(batch: dict) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,7 +26,7 @@ from collections import Counter
 import torch
 from datasets import DatasetDict
 
-from common.chat import as_messages, encode_example
+from common.chat import as_messages, encode_example, OVERLONG
 from common.chat_template import check_jinja
 from common.errors import UsageError
 from common.peers import main_process_alone
@@ -34,7 +34,7 @@ from common.peers import main_process_alone
 SIDES = ("chosen", "rejected")
 
 
-def pair_format(columns: list[str]) -> None:
+def check_pair_columns(columns: list[str]) -> None:
     missing = [name for name in SIDES if name not in columns]
     if missing:
         raise UsageError(f"preference data needs \"chosen\" and \"rejected\" columns (and \"prompt\" unless chosen and "
@@ -53,9 +53,18 @@ def split_pair(example: dict, row: int) -> tuple:
     if isinstance(chosen, str) or isinstance(rejected, str):
         raise UsageError(f"row {row}: one of chosen and rejected is text and the other is not; give both as text or "
                          "both as lists of messages")
-    chosen, rejected = as_messages(chosen), as_messages(rejected)
-    if "prompt" in example and isinstance(example["prompt"], list) and chosen and chosen[0]["role"] == "assistant":
-        return as_messages(example["prompt"]), chosen, rejected  # TRL's conversational format
+    try:
+        chosen, rejected = as_messages(chosen), as_messages(rejected)
+    except UsageError as error:
+        raise UsageError(f"row {row}: {error}") from None
+    if chosen and chosen[0]["role"] == "assistant":  # TRL's conversational format: the prompt's turns apart
+        if not isinstance(example.get("prompt"), list):
+            raise UsageError(f"row {row}: chosen and rejected are answers (assistant messages), so \"prompt\" must be "
+                             f"a list of messages; found {str(example.get('prompt'))[:80]!r}")
+        try:
+            return as_messages(example["prompt"]), chosen, rejected
+        except UsageError as error:
+            raise UsageError(f"row {row}: {error}") from None
     cut = max((i + 1 for i, message in enumerate(chosen) if message["role"] != "assistant"), default=0)
     if chosen[:cut] != rejected[:cut]:  # whole chats (UltraFeedback): the shared prompt turns
         raise UsageError(f"row {row}: chosen and rejected are whole conversations whose prompt turns differ (the turns "
@@ -68,17 +77,16 @@ def split_pair(example: dict, row: int) -> tuple:
 
 def encode_pair(example: dict, row: int, tokenizer, block_size: int, max_prompt_length: int | None,
                 overlong: str) -> dict:
+    """The row's two sides' input_ids and labels, its `status` (ok, too_long: dropped, or completion_cut)
+    and whether its prompt was cut (`prompt_cut`)."""
     prompt, chosen, rejected = split_pair(example, row)
-    if chosen == rejected:
-        raise UsageError(f"row {row}: chosen and rejected are the same ({str(chosen)[:60]!r}); a pair must differ: "
-                         "drop the row")
-    status, out = "ok", {}
+    status, prompt_cut, out = "ok", False, {}
     for side, completion in zip(SIDES, (chosen, rejected)):
         ids, labels = encode_example({"prompt": prompt, "completion": completion}, tokenizer, "prompt_completion", None)
         answer = next((i for i, label in enumerate(labels) if label != -100), len(labels))
         if max_prompt_length is not None and answer > max_prompt_length:
             ids, labels = ids[answer - max_prompt_length:], labels[answer - max_prompt_length:]
-            answer, status = max_prompt_length, "prompt_cut" if status == "ok" else status
+            answer, prompt_cut = max_prompt_length, True
         if answer >= block_size:
             raise UsageError(f"row {row}: the prompt is {answer} tokens, which leaves no room for the answer in "
                              f"--block_size {block_size}; raise --block_size or set --max_prompt_length (prompts are "
@@ -87,7 +95,10 @@ def encode_pair(example: dict, row: int, tokenizer, block_size: int, max_prompt_
             status = "too_long" if overlong == "drop" else "completion_cut"
             ids, labels = ids[:block_size], labels[:block_size]
         out[f"{side}_input_ids"], out[f"{side}_labels"] = ids, labels
-    return {**out, "status": status}
+    if out["chosen_input_ids"] == out["rejected_input_ids"]:
+        raise UsageError(f"row {row}: chosen and rejected are the same once tokenized ({str(chosen)[:60]!r}); a pair "
+                         "must differ: drop the row")
+    return {**out, "status": status, "prompt_cut": prompt_cut}
 
 
 def tokenize_pairs(raw: DatasetDict, tokenizer, block_size: int, max_prompt_length: int | None, overlong: str,
@@ -95,8 +106,10 @@ def tokenize_pairs(raw: DatasetDict, tokenizer, block_size: int, max_prompt_leng
     """Tokenize every split's pairs; each row keeps its index in its split (`index`, by which
     precomputed reference log-probs are found). Returns the datasets and, per split, the rows
     dropped and cut and why ({"train": {"too_long": 3, "prompt_cut": 5}})."""
+    if overlong not in OVERLONG:
+        raise UsageError(f"--overlong must be one of {', '.join(OVERLONG)}, got {overlong!r}")
     for split, dataset in raw.items():
-        pair_format(dataset.column_names)
+        check_pair_columns(dataset.column_names)
     first = raw["train"][0]
     if not (isinstance(first["chosen"], str)) and not tokenizer.chat_template:
         raise UsageError("the tokenizer has no chat_template; pass --chat_template (a template file or text)")
@@ -113,10 +126,10 @@ def tokenize_pairs(raw: DatasetDict, tokenizer, block_size: int, max_prompt_leng
                           desc="tokenizing preference pairs")
     counted, kept = {}, {}
     for split, dataset in encoded.items():
-        counts = Counter(dataset["status"])
+        counts = Counter(dataset["status"]) + Counter(prompt_cut=sum(dataset["prompt_cut"]))
         counted[split] = {reason: count for reason, count in counts.items() if reason != "ok"}
         kept[split] = dataset.filter(lambda status: status != "too_long", input_columns="status").remove_columns(
-            "status")
+            ["status", "prompt_cut"]).flatten_indices()  # kept rows only (their digest: common.reference)
         if counted[split]:
             accelerator.print(f"{split} pairs: " + ", ".join(f"{count} {reason.replace('_', ' ')}" for reason, count in
                                                               sorted(counted[split].items()))
@@ -126,6 +139,18 @@ def tokenize_pairs(raw: DatasetDict, tokenizer, block_size: int, max_prompt_leng
             raise UsageError(f"no {split} pair is left (dropped: {counted[split]}, --block_size {block_size}); raise "
                              "--block_size or pass --overlong truncate")
     return DatasetDict(kept), counted
+
+
+def answer_end_ids(tokenizer, references: list[tuple]) -> list[int]:
+    """The tokens that end the chosen answers of `references` (their last label: EOS, <|im_end|>, ...),
+    from the answers as rendered whole, so that greedy answers stop where a right one does."""
+    ends = set()
+    for prompt, answer in references:
+        completion = answer if isinstance(prompt, str) else [{"role": "assistant", "content": answer}]
+        _, labels = encode_example({"prompt": prompt, "completion": completion}, tokenizer, "prompt_completion", None)
+        learned = [label for label in labels if label != -100]
+        ends.update(learned[-1:])
+    return sorted(ends)
 
 
 def chosen_references(raw_split, count: int) -> list[tuple]:

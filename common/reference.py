@@ -23,7 +23,9 @@ from __future__ import annotations
 import copy
 import hashlib
 import os
+import time
 
+import numpy as np
 import torch
 from accelerate.utils import DistributedType, gather_object
 from torch.utils.data import DataLoader
@@ -39,7 +41,7 @@ class Reference:
     def __init__(self, kind: str, model=None):
         self.kind, self.model = kind, model
         self.accelerator = self.policy = self.path = None
-        self.loaders, self.tables, self.fingerprints = {}, {}, {}
+        self.loaders, self.tables, self.fingerprints, self.fsdp_units = {}, {}, {}, []
 
     def prepare(self, run, policy, datasets: dict, collate, batch_size: int) -> None:
         """After the policy's `accelerator.prepare` (`run`: common.run.Run): shard the copy like the
@@ -50,7 +52,10 @@ class Reference:
         if self.kind == "adapters_off":
             self.peft_model = unwrap(run.accelerator, policy)
         elif self.kind == "model":
+            from torch.distributed.fsdp import FSDPModule
+
             self.model = shard_like_policy(run.accelerator, self.model)
+            self.fsdp_units = [module for module in self.model.modules() if isinstance(module, FSDPModule)]
         else:
             self.loaders = {split: run.accelerator.prepare_data_loader(DataLoader(dataset, batch_size=batch_size,
                                                                                   collate_fn=collate))
@@ -86,7 +91,11 @@ class Reference:
         once and the table is written to output_dir (every rank calls it)."""
         if self.kind != "precomputed" or self.tables:
             return
+        started = time.perf_counter()
+        counts = " and ".join(f"{len(loader.dataset)} {split}" for split, loader in self.loaders.items())
+        self.accelerator.print(f"scoring {counts} pairs with the reference once (--precompute_ref_log_probs)")
         self.tables = {split: self._score(loader) for split, loader in self.loaders.items()}
+        self.accelerator.print(f"reference log-probs written to {self.path} in {time.perf_counter() - started:.1f} s")
         if self.accelerator.is_main_process:
             torch.save({**self.tables, "fingerprints": self.fingerprints}, self.path + ".tmp")
             os.replace(self.path + ".tmp", self.path)
@@ -112,11 +121,18 @@ class Reference:
     def log_probs(self, batch: dict, split: str) -> tuple[torch.Tensor, torch.Tensor]:
         """The reference's (chosen, rejected) summed log-probs for a batch of pairs, without gradients."""
         if self.kind == "precomputed":
-            pair = self.tables[split][batch["index"].cpu()].to(batch["input_ids"].device)
+            pair = self.tables[split][batch["index"].cpu()]
+            if torch.isnan(pair).any():  # a row the table was not computed for: never trained on with NaN
+                raise RuntimeError(f"{self.path} has no reference log-probs for {split} rows "
+                                   f"{batch['index'][torch.isnan(pair[:, 0])].tolist()}")
+            pair = pair.to(batch["input_ids"].device)
             return pair[:, 0], pair[:, 1]
         with torch.no_grad(), self.accelerator.autocast():
             if self.kind == "model":
-                return completion_log_probs(self.model, batch)
+                scores = completion_log_probs(self.model, batch)
+                for unit in self.fsdp_units:  # FSDP2 keeps its last group (norm, lm_head) gathered after a forward
+                    unit.reshard()
+                return scores
             with self.peft_model.disable_adapter():
                 return completion_log_probs(self.policy, batch)
 
@@ -124,8 +140,8 @@ class Reference:
 def fingerprint(dataset) -> str:
     """A digest of a split's tokenized pairs (each row's index, tokens and labels), so that a table
     computed for other pairs is never read for these."""
-    digest = hashlib.sha256()
-    for column in ("index", "chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels"):
+    digest = hashlib.sha256(np.asarray(dataset["index"], dtype=np.int64).tobytes())  # the rows kept, as selected
+    for column in ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels"):
         data = dataset.data.column(column).combine_chunks()
         values = data.flatten() if hasattr(data, "flatten") else data
         digest.update(column.encode())
@@ -167,5 +183,10 @@ def shard_like_policy(accelerator, model):
     if accelerator.distributed_type == DistributedType.FSDP:
         from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
-        return fsdp2_prepare_model(accelerator, model).eval()
+        plugin = accelerator.state.fsdp_plugin  # frozen: no backward would reshard what a forward gathered
+        kept, plugin.reshard_after_forward = plugin.reshard_after_forward, True
+        try:
+            return fsdp2_prepare_model(accelerator, model).eval()
+        finally:
+            plugin.reshard_after_forward = kept
     return model.to(accelerator.device)

@@ -25,14 +25,15 @@ from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
 from common.arguments import DataArguments, ModelArguments, TrainingArguments
-from common.chat import answer_token_counts, end_of_turn_ids, OVERLONG
+from common.chat import answer_token_counts
 from common.chat_template import read_chat_template
 from common.data import load_raw_datasets, make_dataloaders
 from common.dpo import completion_lengths, completion_log_probs, evaluate_preferences, preference_loss
 from common.evaluation import evaluate_generation, size_max_new_tokens
 from common.lora import apply_lora, LoraArguments
-from common.model import load_model, load_tokenizer
-from common.preference import chosen_references, PairBatches, tokenize_pairs
+from common.errors import UsageError
+from common.model import disable_dropout, load_model, load_tokenizer
+from common.preference import answer_end_ids, chosen_references, PairBatches, tokenize_pairs
 from common.ranges import Range
 from common.reference import build_reference
 from common.run import run_recipe, start_run
@@ -53,14 +54,20 @@ class DPOArguments:
         "help": "The share of pairs assumed mislabelled (conservative DPO; sigmoid loss only)."})
     max_prompt_length: Annotated[int | None, Range(low=1, why="unset: prompts are not cut")] = field(
         default=None, metadata={"help": "Prompts longer than this many tokens keep their last ones (counted)."})
-    overlong: str = field(default="drop", metadata={
-        "help": f"Pairs whose longer side is over --block_size: {' or '.join(OVERLONG)} (cut at the answer's end); "
-                "counted in run.json."})
+    overlong: Literal["drop", "truncate"] = field(default="drop", metadata={
+        "help": "Pairs whose longer side is over --block_size: drop or truncate (cut at the answer's end); counted "
+                "in run.json."})
     precompute_ref_log_probs: bool = field(default=False, metadata={
         "help": "Score every pair with the reference once before training (no reference model in memory after)."})
     generation_samples: Annotated[int, Range(low=0)] = field(default=0, metadata={
         "help": "Held-out prompts answered greedily at each evaluation, scored by exact match against the chosen "
                 "answer (where that is the right one: a task metric); 0: none."})
+    disable_dropout: bool = field(default=True, metadata={
+        "help": "Dropout off in the policy, so that it scores pairs as its reference does (TRL's default)."})
+
+    def __post_init__(self):
+        if self.label_smoothing and self.loss_type != "sigmoid":
+            raise UsageError(f"--label_smoothing is for --loss_type sigmoid; drop it for {self.loss_type}")
 
 
 def main(model_args: ModelArguments, data_args: DataArguments, dpo_args: DPOArguments, lora_args: LoraArguments,
@@ -79,11 +86,13 @@ def main(model_args: ModelArguments, data_args: DataArguments, dpo_args: DPOArgu
     train_loader, eval_loader = make_dataloaders(datasets, args.per_device_train_batch_size,
                                                  args.per_device_eval_batch_size, args.seed, collate_fn=collate)
     references = chosen_references(raw["validation"], dpo_args.generation_samples)  # the task metric, if asked
-    stop_ids = end_of_turn_ids(datasets["validation"], column="chosen_labels")
+    stop_ids = answer_end_ids(tokenizer, references)
     longest_answer = max(answer_token_counts(tokenizer, references), default=1)
     max_new_tokens = size_max_new_tokens(None, longest_answer, accelerator)
 
     model = apply_lora(load_model(model_args, tokenizer, args.seed, args), lora_args)
+    if dpo_args.disable_dropout:  # the reference scores in eval mode: dropout off in both
+        disable_dropout(model)
     reference = build_reference(model_args, tokenizer, args, lora_args.use_peft, dpo_args.precompute_ref_log_probs)
     optimizer = create_optimizer(model, args)
     max_steps = total_training_steps(args, train_loader, accelerator.num_processes)

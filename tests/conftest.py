@@ -59,6 +59,17 @@ def launch_command(config: str, recipe: str, args: list, launcher_args: list | N
                              *launcher_args, recipe_path, *args]]
 
 
+class OneProcess:  # the members of an Accelerator that the tokenizing helpers use (tokenize_sft, tokenize_pairs)
+    from contextlib import nullcontext as main_process_first
+    is_main_process = True
+
+    def __init__(self):
+        self.printed = []
+
+    def print(self, *args):
+        self.printed.append(" ".join(map(str, args)))
+
+
 # Launcher flag for the runs that check bit-level fp32 parity; the shipped configs ask for bf16.
 FP32 = ["--mixed_precision", "no"]
 

@@ -281,6 +281,7 @@ HANDBOOK_DPO_REPLACED = {"bf16": None, "do_eval": None, "eval_strategy": None, "
                          "log_level": None, "dataset_num_proc": "preprocessing_num_workers", "max_length": "block_size"}
 
 
+@pytest.mark.slow  # two 135M models (the policy and its reference) in this process: ~40 s
 def test_the_handbook_dpo_recipe_yaml_names_its_keys_in_one_message_and_then_runs(real_model, tmp_path, monkeypatch):
     """The alignment-handbook's zephyr-7b-beta DPO config as published: one message names the 10 keys taken
     otherwise here (max_length: --block_size). Rewritten as it says, with the model swapped for the real

@@ -12,20 +12,10 @@ from common.errors import UsageError
 from common.chat import (GENERATION_MARKER, answer_token_counts, assistant_spans, end_of_turn_ids, generation_references,
                          tokenize_sft)
 from common.chat_template import read_chat_template
+from conftest import OneProcess as CPU
 
 TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
 FAMILIES = ["llama3", "chatml_qwen2_5", "mistral", "gemma"]
-
-
-class CPU:  # the members of an Accelerator that tokenize_sft uses, for one process
-    from contextlib import nullcontext as main_process_first
-    is_main_process = True
-
-    def __init__(self):
-        self.printed = []
-
-    def print(self, *args):
-        self.printed.append(" ".join(map(str, args)))
 
 
 @pytest.fixture(scope="module")
