@@ -241,18 +241,6 @@ def name_layer_classes(model) -> None:
         declare_layer_classes(model, declared or sorted(repeated))
 
 
-def disable_dropout(model) -> None:
-    """Dropout off everywhere: nn.Dropout modules (LoRA's too) and the attention dropout that models
-    such as Llama keep as a probability. DPO's policy, which trains, then scores a pair as its
-    frozen reference does, so that the two start equal (TRL's disable_dropout)."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-        for name in ("attention_dropout", "dropout"):
-            if isinstance(getattr(module, name, None), float):
-                setattr(module, name, 0.0)
-
-
 def count_parameters(model) -> dict:
     total = sum(full_numel(p) for p in model.parameters())
     trainable = sum(full_numel(p) for p in model.parameters() if p.requires_grad)

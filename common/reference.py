@@ -151,6 +151,18 @@ def fingerprint(dataset) -> str:
     return digest.hexdigest()
 
 
+def disable_dropout(model) -> None:
+    """Dropout off everywhere: nn.Dropout modules (LoRA's too) and the attention dropout that models
+    such as Llama keep as a probability. DPO's policy, which trains, then scores a pair as its
+    frozen reference does, so that the two start equal (TRL's disable_dropout)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for name in ("attention_dropout", "dropout"):
+            if isinstance(getattr(module, name, None), float):
+                setattr(module, name, 0.0)
+
+
 def build_reference(model_args, tokenizer, args, use_peft: bool, precompute: bool) -> Reference:
     """Before `accelerator.prepare`: the reference for this run (`Reference`'s kinds); a copy
     is loaded now, the same way and with the same seed as the policy, so that it starts equal to it."""

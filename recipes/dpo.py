@@ -32,10 +32,10 @@ from common.dpo import completion_lengths, completion_log_probs, evaluate_prefer
 from common.evaluation import evaluate_generation, size_max_new_tokens
 from common.lora import apply_lora, LoraArguments
 from common.errors import UsageError
-from common.model import disable_dropout, load_model, load_tokenizer
+from common.model import load_model, load_tokenizer
 from common.preference import answer_end_ids, chosen_references, PairBatches, tokenize_pairs
 from common.ranges import Range
-from common.reference import build_reference
+from common.reference import build_reference, disable_dropout
 from common.run import run_recipe, start_run
 from common.training import create_optimizer, create_scheduler, total_training_steps, TrainBatches
 

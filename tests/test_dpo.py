@@ -373,7 +373,7 @@ def test_dropout_is_off_so_the_policy_scores_as_its_reference():
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from common.model import disable_dropout
+    from common.reference import disable_dropout
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
