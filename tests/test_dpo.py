@@ -160,11 +160,10 @@ BAD_PAIRS = {
 }
 
 
-def test_auto_find_batch_size_is_refused_in_one_line(tmp_path, capsys):
+def test_auto_find_batch_size_is_refused_in_one_line(pairs, tmp_path, capsys):
     from test_bad_input import error_in_process
 
-    line = error_in_process("dpo.py", ["--config", REPO / "recipes/configs/dpo_demo.yaml", "--auto_find_batch_size",
-                                       "true", "--output_dir", tmp_path / "run"], capsys)
+    line = error_in_process("dpo.py", dpo_args(pairs, tmp_path / "run", auto_find_batch_size=True), capsys)
     assert line.startswith("error: --auto_find_batch_size is not available here: its trial step would not count the "
                            "reference model"), line
 
