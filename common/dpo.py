@@ -5,6 +5,8 @@ reference's ref_c, ref_r, and z = (pi_c - ref_c) - (pi_r - ref_r):
     sigmoid  -(1 - eps) log sigmoid(beta z) - eps log sigmoid(-beta z)   (DPO; eps: --label_smoothing)
     ipo      (z - 1 / (2 beta))^2, on log-probabilities averaged over the completion's tokens (IPO, as TRL)
     hinge    max(0, 1 - beta z)                                           (SLiC)
+With --rpo_alpha a, each loss adds a (-pi_c / n_c): the chosen answer's negative log-likelihood per token
+(RPO, Pang et al. 2024; TRL's rpo_alpha), which keeps the chosen answer likely while the margin grows.
 The rewards are beta (pi - ref) per side (TRL's rewards/chosen, rewards/rejected), their difference
 rewards/margins, and rewards/accuracies the share of pairs whose chosen reward is the higher.
 """
@@ -35,9 +37,10 @@ def completion_lengths(batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def preference_loss(policy: tuple, reference: tuple, lengths: tuple, beta: float, loss_type: str,
-                    label_smoothing: float = 0.0) -> tuple[torch.Tensor, dict]:
+                    label_smoothing: float = 0.0, rpo_alpha: float = 0.0) -> tuple[torch.Tensor, dict]:
     """Per-pair losses and the reward metrics (per pair, detached) from (chosen, rejected)
     log-probabilities summed over each completion's `lengths` tokens."""
+    chosen_nll = -policy[0] / lengths[0]
     if loss_type == "ipo":  # per token
         policy = tuple(p / n for p, n in zip(policy, lengths))
         reference = tuple(r / n for r, n in zip(reference, lengths))
@@ -51,6 +54,8 @@ def preference_loss(policy: tuple, reference: tuple, lengths: tuple, beta: float
         losses = torch.relu(1 - beta * z)
     else:
         raise ValueError(f"loss_type {loss_type!r}: one of {LOSS_TYPES}")
+    if rpo_alpha:
+        losses = losses + rpo_alpha * chosen_nll
     chosen, rejected = beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
     rewards = dict(zip(REWARDS, (chosen, rejected, (chosen > rejected).float(), chosen - rejected)))
     return losses, rewards
@@ -58,7 +63,7 @@ def preference_loss(policy: tuple, reference: tuple, lengths: tuple, beta: float
 
 @torch.no_grad()
 def evaluate_preferences(model, reference, dataloader, accelerator, beta: float, loss_type: str,
-                         label_smoothing: float) -> dict:
+                         label_smoothing: float, rpo_alpha: float = 0.0) -> dict:
     """eval_loss, eval_rewards/* and eval_prefers_chosen (the share of pairs whose chosen answer the
     policy itself finds likelier: the preference accuracy that means something before training too,
     where every reward is 0) over every held-out pair, each counted once (gather_for_metrics)."""
@@ -67,7 +72,7 @@ def evaluate_preferences(model, reference, dataloader, accelerator, beta: float,
     for batch in dataloader:
         policy = completion_log_probs(model, batch)
         losses, rewards = preference_loss(policy, reference.log_probs(batch, "validation"), completion_lengths(batch),
-                                          beta, loss_type, label_smoothing)
+                                          beta, loss_type, label_smoothing, rpo_alpha)
         prefers = (policy[0] > policy[1]).float()
         values = accelerator.gather_for_metrics(torch.stack([losses.detach(), prefers, *rewards.values()], dim=1))
         sums += values.double().sum(0).cpu()

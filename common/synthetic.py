@@ -229,3 +229,30 @@ def write_preference_data(out_dir: str, train=2000, validation=200, seed=0) -> N
     write_jsonl(os.path.join(out_dir, "validation.jsonl"), preference_examples(validation, seed + 1))
     tokenizer = build_word_tokenizer(ARITHMETIC_WORDS, chat_template=CHAT_TEMPLATE, extra_special=(USER, ASSISTANT))
     tokenizer.save_pretrained(os.path.join(out_dir, "tokenizer"))
+
+
+# For a real chat model: the instruction in the system turn, the answer that follows it chosen.
+NUMBER_ONLY = "Answer with the number only."
+SENTENCES = ["The answer is {answer}.", "{a} {op} {b} is {answer}.", "{a} {op} {b} equals {answer}.",
+             "Sure! {a} {op} {b} = {answer}."]
+
+
+def format_preference_examples(count: int, seed: int) -> list[dict]:
+    """'what is a plus b ?' under a system turn asking for the number only: the right bare number chosen over
+    the right number in a sentence, which ignores the instruction."""
+    rng = np.random.default_rng(seed + 2000)
+    rows = []
+    for row in arithmetic_examples(count, seed):
+        question, answer = row["messages"][0], row["messages"][1]["content"]
+        a, op, b = question["content"].split()[2:5]
+        rejected = str(rng.choice(SENTENCES)).format(a=a, op=op, b=b, answer=answer)
+        rows.append({"prompt": [{"role": "system", "content": NUMBER_ONLY}, question],
+                     "chosen": [{"role": "assistant", "content": answer}],
+                     "rejected": [{"role": "assistant", "content": rejected}]})
+    return rows
+
+
+def write_format_preference_data(out_dir: str, train=2000, validation=200, seed=0) -> None:
+    """Pairs for a model that brings its own tokenizer and chat template (the real-model demo)."""
+    write_jsonl(os.path.join(out_dir, "train.jsonl"), format_preference_examples(train, seed))
+    write_jsonl(os.path.join(out_dir, "validation.jsonl"), format_preference_examples(validation, seed + 1))

@@ -9,7 +9,7 @@ The reference model (common.reference) is, with --use_peft, the policy with its 
 second copy); otherwise a frozen copy sharded by the same strategy (FSDP2 shards, a ZeRO-3
 partition), or with --precompute_ref_log_probs one pass over the data before training, kept in
 output_dir for a resume. The loss (common.dpo): --loss_type sigmoid (DPO, --beta,
---label_smoothing), ipo or hinge; rewards/chosen, rewards/rejected, rewards/accuracies and
+--label_smoothing), ipo or hinge, each with --rpo_alpha's NLL term if set; rewards/chosen, rewards/rejected, rewards/accuracies and
 rewards/margins are logged on train and eval lines, as TRL names them.
 
     make dpo CONFIG=accelerate_configs/zero3.yaml
@@ -52,6 +52,9 @@ class DPOArguments:
         "help": "sigmoid (DPO), ipo (on per-token log-probs) or hinge (SLiC)."})
     label_smoothing: Annotated[float, Range(low=0, below=0.5)] = field(default=0.0, metadata={
         "help": "The share of pairs assumed mislabelled (conservative DPO; sigmoid loss only)."})
+    rpo_alpha: Annotated[float, Range(low=0)] = field(default=0.0, metadata={
+        "help": "Adds this times the chosen answer's negative log-likelihood per token to each pair's loss (RPO): "
+                "keeps the chosen answer likely, where DPO alone can drift to answers neither side gave; 0: off."})
     max_prompt_length: Annotated[int | None, Range(low=1, why="unset: prompts are not cut")] = field(
         default=None, metadata={"help": "Prompts longer than this many tokens keep their last ones (counted)."})
     overlong: Literal["drop", "truncate"] = field(default="drop", metadata={
@@ -106,7 +109,8 @@ def main(model_args: ModelArguments, data_args: DataArguments, dpo_args: DPOArgu
                       reference_model=reference.record())
     reference.score_before_training()  # --precompute_ref_log_probs: once per run (a resumed one read its table)
     step, metrics, nonfinite, profiler = state["step"], run.metrics, run.nonfinite, run.profiler
-    objective = dict(beta=dpo_args.beta, loss_type=dpo_args.loss_type, label_smoothing=dpo_args.label_smoothing)
+    objective = dict(beta=dpo_args.beta, loss_type=dpo_args.loss_type, label_smoothing=dpo_args.label_smoothing,
+                     rpo_alpha=dpo_args.rpo_alpha)
 
     def evaluate():
         scores = evaluate_preferences(model, reference, eval_loader, accelerator, **objective)

@@ -17,7 +17,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
-def answer(model_path: str, question: str, max_new_tokens: int = 32, adapter: str | None = None) -> str:
+def answer(model_path: str, question: str, max_new_tokens: int = 32, adapter: str | None = None,
+           system: str | None = None) -> str:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     if os.path.isfile(os.path.join(model_path, "adapter_config.json")):  # an adapter: on the base it names
         from peft import AutoPeftModelForCausalLM
@@ -32,7 +33,8 @@ def answer(model_path: str, question: str, max_new_tokens: int = 32, adapter: st
     if not tokenizer.chat_template:
         raise SystemExit(f"error: the tokenizer in {model_path} has no chat template; ask a chat model, or train one "
                          "with recipes/sft.py --chat_template FILE")
-    inputs = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+    turns = [{"role": "system", "content": system}] if system else []
+    inputs = tokenizer.apply_chat_template(turns + [{"role": "user", "content": question}], add_generation_prompt=True,
                                            return_dict=True, return_tensors="pt")
     with torch.no_grad():
         output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
@@ -45,10 +47,12 @@ def main(argv=None):
     parser.add_argument("--model_name_or_path", required=True)
     parser.add_argument("--adapter_name_or_path", default=None)
     parser.add_argument("--question", required=True)
+    parser.add_argument("--system", default=None, help="A system turn before the question (else the template's own).")
     parser.add_argument("--max_new_tokens", type=int, default=32)
     args = parser.parse_args(argv)
     print(f"Q: {args.question}")
-    print(f"A: {answer(args.model_name_or_path, args.question, args.max_new_tokens, args.adapter_name_or_path)}")
+    reply = answer(args.model_name_or_path, args.question, args.max_new_tokens, args.adapter_name_or_path, args.system)
+    print(f"A: {reply}")
 
 
 if __name__ == "__main__":

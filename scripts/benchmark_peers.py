@@ -5,12 +5,21 @@
             clip, step, schedule; nothing else)
   trainer   scripts/peers/trainer_loop.py: transformers' Trainer, with its defaults
 
+and the DPO job, on `make dpo`'s preference pairs:
+
+  recipe    recipes/dpo.py, as users launch it (its reference model a frozen copy, as under DDP)
+  trl       scripts/peers/trl_dpo_loop.py: TRL's DPOTrainer (trl installed by `make benchmark-peers`
+            only), with its defaults for what the job leaves open
+
 Same model config (a Llama, built from a config), data (the demo's Markov corpus packed into
 blocks), per-device batch, steps, learning rate and linear schedule, gradient clipping at 1.0,
 optimizer (torch's fused AdamW, no weight decay) and precision (the accelerate config's; bf16
 in ddp.yaml). Each is launched --rounds times, the order rotated each round so that the three
 share the machine's slow and fast moments, and timed over the steps after --warmup (on rank
-0, after the launch's start-up); tokens/s is the median over the rounds.
+0, after the launch's start-up); tokens/s is the median over the rounds. The DPO job's pairs are
+counted as their tokens (prompt and answer, chosen and rejected side, unpadded): the same pairs for
+both, so the ratio is that of pairs per second; its loss at step 1, before any update, is log 2 for
+both when they compute the same objective (the recipe's from a one-step launch).
 
     make benchmark-peers                                  # ddp.yaml: 2 processes, bf16
     make benchmark-peers ARGS="--rounds 5 --steps 60"
@@ -35,6 +44,9 @@ from figures import markdown_table, write_page  # noqa: E402
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(REPO, "outputs", "data", "markov")
 CONTENDERS = ("recipe", "bare", "trainer")
+PAIRS = os.path.join(REPO, "outputs", "data", "preference")
+DPO_CONTENDERS = ("recipe", "trl")
+DPO_BLOCK, DPO_BETA = 32, 0.1  # recipes/configs/dpo_demo.yaml's; no pair of the data is longer
 
 
 def model_config(hidden: int, layers: int, folder: str) -> str:
@@ -97,6 +109,89 @@ def recipe_figures(out: str, args) -> dict:
             "allocated_mb": max(timed[-1].get("memory_allocated_mb_per_rank") or [0])}
 
 
+def launch_dpo(contender: str, args, config: str, folder: str, round_: int, steps=None) -> dict:
+    """One launch of the DPO job: seconds and pairs over the timed steps, the loss at step 1 (TRL's; the
+    recipe's when `steps` is 1, a one-step launch that logs it)."""
+    steps = steps or args.steps
+    out = os.path.join(folder, f"dpo_{contender}_{round_}_{steps}")
+    job = ["--block_size", str(DPO_BLOCK), "--learning_rate", str(args.learning_rate), "--beta", str(DPO_BETA)]
+    train = os.path.join(PAIRS, "train.jsonl")
+    if contender == "recipe":
+        script = [os.path.join(REPO, "recipes", "dpo.py"), "--model_config", config, "--tokenizer_name_or_path",
+                  os.path.join(PAIRS, "tokenizer"), "--train_file", train, "--validation_file",
+                  os.path.join(PAIRS, "validation.jsonl"), "--max_eval_samples", "16", *job, "--output_dir", out,
+                  "--per_device_train_batch_size", str(args.batch_size), "--max_steps", str(steps),
+                  "--logging_steps", str(min(args.warmup, steps)), "--eval_steps", "0", "--save_steps", "0",
+                  "--warmup_steps", "0", "--lr_scheduler_type", "linear", "--weight_decay", "0",
+                  "--max_grad_norm", "1.0", "--report_to", "none", "--seed", "0"]
+    else:
+        script = [os.path.join(REPO, "scripts", "peers", "trl_dpo_loop.py"), "--model_config", config, "--tokenizer",
+                  os.path.join(PAIRS, "tokenizer"), "--train_file", train, *job, "--batch_size", str(args.batch_size),
+                  "--steps", str(steps), "--warmup", str(args.warmup), "--out", out + ".json"]
+    command = [os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch", "--config_file",
+               os.path.join(REPO, "accelerate_configs", args.config), "--num_processes", str(args.num_processes),
+               *script]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"error: the DPO {contender} run failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
+    if contender == "trl":
+        with open(out + ".json") as handle:
+            return json.load(handle)
+    with open(os.path.join(out, "run.json")) as handle:
+        record = json.load(handle)
+    if any(record["pairs_cut_or_dropped"].values()):
+        raise SystemExit(f"error: the recipe cut or dropped pairs ({record['pairs_cut_or_dropped']}): the two would "
+                         "not train on the same pairs")
+    with open(os.path.join(out, "metrics.jsonl")) as handle:
+        rows = [json.loads(line) for line in handle if '"samples_per_s"' in line]
+    window = args.warmup * args.batch_size * 2 * args.num_processes  # rows: a chosen and a rejected per pair
+    timed = [row for row in rows if row["step"] > args.warmup]
+    return {"seconds": sum(window / row["samples_per_s"] for row in timed), "pairs": window // 2 * len(timed),
+            "first_loss": rows[0]["loss"] if rows[0]["step"] == 1 else None,
+            "processes": record["participating_processes"]}
+
+
+def tokens_per_pair() -> float:
+    """The pairs' mean tokens, both sides (prompt and answer each, unpadded), under the data's chat template."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(PAIRS, "tokenizer"))
+    with open(os.path.join(PAIRS, "train.jsonl")) as handle:
+        pairs = [json.loads(line) for line in handle]
+    return 2 * statistics.fmean(len(tokenizer.apply_chat_template(pair["prompt"] + pair[side],
+                                                                  return_dict=True)["input_ids"])
+                                for pair in pairs for side in ("chosen", "rejected"))
+
+
+def dpo_job(args, config: str, folder: str) -> tuple[str, str]:
+    """The recipe's DPO against TRL's DPOTrainer, rounds interleaved: the printed table and the page's section."""
+    speeds = {name: [] for name in DPO_CONTENDERS}
+    first = {"recipe": launch_dpo("recipe", args, config, folder, 0, steps=1)["first_loss"]}
+    per_pair = tokens_per_pair()
+    for round_ in range(args.rounds):
+        for contender in DPO_CONTENDERS[round_ % 2:] + DPO_CONTENDERS[:round_ % 2]:
+            result = launch_dpo(contender, args, config, folder, round_)
+            if result["processes"] != args.num_processes:
+                raise SystemExit(f"error: the DPO {contender} run trained on {result['processes']} process(es)")
+            first.setdefault(contender, result.get("first_loss"))
+            speeds[contender].append(result["pairs"] / result["seconds"] * per_pair)
+            print(f"round {round_ + 1}: dpo {contender:6s} {speeds[contender][-1]:10.0f} tokens/s", flush=True)
+    speed = {name: statistics.median(values) for name, values in speeds.items()}
+    header = ["DPO run", "tokens/s (median)", "pairs/s", "recipe / this", "loss at step 1", "each round's tokens/s"]
+    rows = [[name, f"{speed[name]:.0f}", f"{speed[name] / per_pair:.1f}", f"{speed['recipe'] / speed[name]:.2f}x",
+             f"{first[name]:.6f}", ", ".join(f"{v:.0f}" for v in speeds[name])] for name in DPO_CONTENDERS]
+    ratio = f"recipe / TRL DPOTrainer: {speed['recipe'] / speed['trl']:.3f}x"
+    return markdown_table(header, rows) + "\n" + ratio, "\n\n".join([
+        f"`{args.config}` on {args.num_processes} processes; the same Llama; `make dpo`'s pairs ({per_pair:.1f} tokens "
+        f"a pair, both sides), per-device batch {args.batch_size} pairs, beta {DPO_BETA}, sigmoid loss; {args.steps} "
+        f"steps, timed after step {args.warmup}; {args.rounds} rounds, interleaved.", markdown_table(header, rows),
+        f"**{ratio}** (above 1: the recipe is faster).",
+        "Both score a pair's chosen and rejected side in one forward of the policy and one of a frozen copy "
+        "(the reference), and take the same loss: log 2 at step 1, before any update. TRL's DPOTrainer also "
+        "computes, every step, the entropy, the token accuracy and the mean logits of each side for its log; the "
+        "recipe's log carries the loss, the rewards and the gradient norm."])
+
+
 def job_parser(description: str) -> argparse.ArgumentParser:
     """The job's options (config, processes, model size, batch, steps, rounds, --docs), shared with
     scripts/benchmark_options.py."""
@@ -134,6 +229,8 @@ def main(argv=None):
     args = job_parser(__doc__).parse_args(argv)
     check_job(args)
     results = {name: [] for name in CONTENDERS}
+    if not os.path.isfile(os.path.join(PAIRS, "train.jsonl")):
+        raise SystemExit(f"error: no preference pairs in {PAIRS}; run `make benchmark-peers` (it writes them)")
     with tempfile.TemporaryDirectory() as folder:
         config = model_config(args.hidden, args.layers, folder)
         for round_ in range(args.rounds):
@@ -143,6 +240,7 @@ def main(argv=None):
                 results[contender].append(result["tokens"] / result["seconds"])
                 print(f"round {round_ + 1}: {contender:8s} {results[contender][-1]:10.0f} tokens/s "
                       f"(loss {result['loss']:.3f})", flush=True)
+        dpo_table, dpo_section = dpo_job(args, config, folder)
 
     speed = {name: statistics.median(values) for name, values in results.items()}
     header = ["run", "tokens/s (median)", "recipe / this", "each round's tokens/s"]
@@ -151,8 +249,9 @@ def main(argv=None):
     print(markdown_table(header, rows))
     print(f"recipe / bare loop: {speed['recipe'] / speed['bare']:.3f}x; recipe / Trainer: "
           f"{speed['recipe'] / speed['trainer']:.3f}x")
+    print(dpo_table)
     if args.docs:
-        write_page(args.docs, "The recipe against a bare accelerate loop and Trainer", "\n\n".join([
+        write_page(args.docs, "The recipes against a bare accelerate loop, Trainer and TRL", "\n\n".join([
             job_line(args), markdown_table(header, rows),
             f"recipe / bare loop: **{speed['recipe'] / speed['bare']:.3f}x**; recipe / Trainer: "
             f"**{speed['recipe'] / speed['trainer']:.3f}x** (above 1: the recipe is faster).",
@@ -173,7 +272,7 @@ def main(argv=None):
             "take accelerate's default (False). The bare loop and Trainer keep the model's use_cache, so each "
             "training forward also fills a key/value cache nobody reads; the recipes turn it off "
             "(common.model). The rounds' spread is a few percent on a shared 2-core host: compare ratios from "
-            "one run."]))
+            "one run.", "## DPO: recipes/dpo.py against TRL's DPOTrainer", dpo_section]))
 
 
 if __name__ == "__main__":

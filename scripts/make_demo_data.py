@@ -5,22 +5,26 @@
     python scripts/make_demo_data.py --task sentiment --out outputs/data/sentiment
     python scripts/make_demo_data.py --task arithmetic --out outputs/data/arithmetic
     python scripts/make_demo_data.py --task preference --out outputs/data/preference
+    python scripts/make_demo_data.py --task format_preference --out outputs/data/format_preference
 
 markov: a word-level Markov corpus with a known entropy floor (source.json) and its
 tokenizer; another --seed gives a different chain over the same vocabulary.
 sentiment: labelled sentences for classification. arithmetic: chat-formatted
 questions with checkable answers, with a tokenizer that has a chat template. preference:
-the same questions as pairs, the right answer chosen over a near miss (for DPO).
+the same questions as pairs, the right answer chosen over a near miss (for DPO). format_preference:
+for a real chat model (no tokenizer written), a system turn asking for the number only, the bare
+right number chosen over the right number in a sentence.
 """
 
 import argparse
 import json
 import os
 
-from common.synthetic import write_arithmetic_data, write_markov_corpus, write_preference_data, write_sentiment_data
+from common.synthetic import (write_arithmetic_data, write_format_preference_data, write_markov_corpus,
+                              write_preference_data, write_sentiment_data)
 
 WRITERS = {"markov": write_markov_corpus, "sentiment": write_sentiment_data, "arithmetic": write_arithmetic_data,
-           "preference": write_preference_data}
+           "preference": write_preference_data, "format_preference": write_format_preference_data}
 
 
 def main(argv=None):

@@ -110,22 +110,24 @@ def test_a_batch_holds_the_chosen_rows_then_the_rejected_padded():
     assert batch["attention_mask"].sum(1).tolist() == [3, 2, 2, 4] and batch["index"].tolist() == [7, 2]
 
 
-@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "hinge"])
-def test_each_loss_is_its_formula(loss_type):
+@pytest.mark.parametrize("loss_type,rpo_alpha", [("sigmoid", 0.0), ("ipo", 0.0), ("hinge", 0.0), ("sigmoid", 0.5),
+                                                 ("ipo", 2.0)])
+def test_each_loss_is_its_formula(loss_type, rpo_alpha):
     generator = torch.Generator().manual_seed(0)
     policy = tuple(-torch.rand(6, generator=generator, dtype=torch.float64) * 20 for _ in range(2))
     reference = tuple(-torch.rand(6, generator=generator, dtype=torch.float64) * 20 for _ in range(2))
     lengths = (torch.tensor([1, 2, 3, 4, 5, 6]), torch.tensor([6, 5, 4, 3, 2, 1]))
     beta, smoothing = 0.2, (0.1 if loss_type == "sigmoid" else 0.0)
-    losses, rewards = preference_loss(policy, reference, lengths, beta, loss_type, smoothing)
+    losses, rewards = preference_loss(policy, reference, lengths, beta, loss_type, smoothing, rpo_alpha)
     for i in range(6):
         pc, pr, rc, rr = (float(t[i]) for t in (*policy, *reference))
+        nll = -pc / int(lengths[0][i])  # the chosen answer's, per token (RPO)
         if loss_type == "ipo":
             pc, rc, pr, rr = pc / int(lengths[0][i]), rc / int(lengths[0][i]), pr / int(lengths[1][i]), \
                 rr / int(lengths[1][i])
         z = (pc - rc) - (pr - rr)
         expected = {"sigmoid": -0.9 * math.log(1 / (1 + math.exp(-beta * z))) - 0.1 * math.log(1 / (1 + math.exp(beta * z))),
-                    "ipo": (z - 1 / (2 * beta)) ** 2, "hinge": max(0.0, 1 - beta * z)}[loss_type]
+                    "ipo": (z - 1 / (2 * beta)) ** 2, "hinge": max(0.0, 1 - beta * z)}[loss_type] + rpo_alpha * nll
         assert float(losses[i]) == pytest.approx(expected, rel=1e-12, abs=1e-12)
         assert float(rewards["rewards/chosen"][i]) == pytest.approx(beta * (pc - rc), rel=1e-12)
         assert float(rewards["rewards/margins"][i]) == pytest.approx(beta * z, rel=1e-12, abs=1e-12)
