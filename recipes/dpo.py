@@ -9,8 +9,9 @@ The reference model (common.reference) is, with --use_peft, the policy with its 
 second copy); otherwise a frozen copy sharded by the same strategy (FSDP2 shards, a ZeRO-3
 partition), or with --precompute_ref_log_probs one pass over the data before training, kept in
 output_dir for a resume. The loss (common.dpo): --loss_type sigmoid (DPO, --beta,
---label_smoothing), ipo or hinge, each with --rpo_alpha's NLL term if set; rewards/chosen, rewards/rejected, rewards/accuracies and
-rewards/margins are logged on train and eval lines, as TRL names them.
+--label_smoothing), ipo or hinge, each with --rpo_alpha's NLL term if set; rewards/chosen,
+rewards/rejected, rewards/accuracies and rewards/margins are logged on train and eval lines, as
+TRL names them.
 
     make dpo CONFIG=accelerate_configs/zero3.yaml
     accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/dpo.py \

@@ -17,9 +17,10 @@ optimizer (torch's fused AdamW, no weight decay) and precision (the accelerate c
 in ddp.yaml). Each is launched --rounds times, the order rotated each round so that the three
 share the machine's slow and fast moments, and timed over the steps after --warmup (on rank
 0, after the launch's start-up); tokens/s is the median over the rounds. The DPO job's pairs are
-counted as their tokens (prompt and answer, chosen and rejected side, unpadded): the same pairs for
-both, so the ratio is that of pairs per second; its loss at step 1, before any update, is log 2 for
-both when they compute the same objective (the recipe's from a one-step launch).
+counted as their tokens (prompt and answer, chosen and rejected side, unpadded, at the data's mean):
+the same pairs for both, so the ratio is that of pairs per second. Its loss at step 1, before any
+update, is log 2 for both (the recipe's from a one-step launch): the same loss type and no extra term,
+which is all that step can show, since the reference equals the policy there.
 
     make benchmark-peers                                  # ddp.yaml: 2 processes, bf16
     make benchmark-peers ARGS="--rounds 5 --steps 60"
@@ -30,6 +31,7 @@ With --docs the table goes to docs/benchmark-peers.md (scripts/figures.py).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -187,9 +189,13 @@ def dpo_job(args, config: str, folder: str) -> tuple[str, str]:
         f"steps, timed after step {args.warmup}; {args.rounds} rounds, interleaved.", markdown_table(header, rows),
         f"**{ratio}** (above 1: the recipe is faster).",
         "Both score a pair's chosen and rejected side in one forward of the policy and one of a frozen copy "
-        "(the reference), and take the same loss: log 2 at step 1, before any update. TRL's DPOTrainer also "
-        "computes, every step, the entropy, the token accuracy and the mean logits of each side for its log; the "
-        "recipe's log carries the loss, the rewards and the gradient norm."])
+        "(the reference), with the sigmoid loss (log 2 at step 1, where the reference equals the policy) and no "
+        "activation checkpointing (TRL's default is on; here it is turned off for both). For what the job leaves "
+        "open each keeps its defaults: TRL's DPOTrainer computes, every step, the entropy, the token accuracy and "
+        "the mean logits of each side for its log, and wraps the model in DDP with find_unused_parameters=True "
+        "(Trainer's default without checkpointing); the recipe's log carries the loss, the rewards and the "
+        "gradient norm. The two initialise the model each its own way and shuffle the pairs each its own way, "
+        "so their later losses are not comparable step by step."])
 
 
 def job_parser(description: str) -> argparse.ArgumentParser:
@@ -231,6 +237,9 @@ def main(argv=None):
     results = {name: [] for name in CONTENDERS}
     if not os.path.isfile(os.path.join(PAIRS, "train.jsonl")):
         raise SystemExit(f"error: no preference pairs in {PAIRS}; run `make benchmark-peers` (it writes them)")
+    if importlib.util.find_spec("trl") is None:
+        raise SystemExit("error: trl is not installed (the DPO job's peer); run `make benchmark-peers`, which "
+                         "installs it")
     with tempfile.TemporaryDirectory() as folder:
         config = model_config(args.hidden, args.layers, folder)
         for round_ in range(args.rounds):
@@ -272,7 +281,7 @@ def main(argv=None):
             "take accelerate's default (False). The bare loop and Trainer keep the model's use_cache, so each "
             "training forward also fills a key/value cache nobody reads; the recipes turn it off "
             "(common.model). The rounds' spread is a few percent on a shared 2-core host: compare ratios from "
-            "one run.", "## DPO: recipes/dpo.py against TRL's DPOTrainer", dpo_section]))
+            "one run.", "## DPO: recipes/dpo.py against TRL's DPOTrainer", dpo_section]), packages=("trl",))
 
 
 if __name__ == "__main__":

@@ -37,12 +37,16 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
-def write_page(path: str, title: str, body: str) -> None:
-    """`body` (markdown) under a header naming the command, date, machine and versions."""
+def write_page(path: str, title: str, body: str, packages: tuple = ()) -> None:
+    """`body` (markdown) under a header naming the command, date, machine and versions (the recipes'
+    packages, and `packages` the measurement also used)."""
+    import importlib.metadata
+
     from common.run_info import package_versions
 
     command = " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0]), *sys.argv[1:]])
-    versions = ", ".join(f"{name} {version}" for name, version in package_versions().items() if version)
+    versions = {**package_versions(), **{name: importlib.metadata.version(name) for name in packages}}
+    versions = ", ".join(f"{name} {version}" for name, version in versions.items() if version)
     header = (f"# {title}\n\n*Written by `{command}` on {datetime.date.today().isoformat()}; "
               f"{machine()}; {versions}. Do not edit by hand: run the command again.*\n\n")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

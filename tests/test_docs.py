@@ -94,11 +94,11 @@ def test_make_demo_chat_teaches_the_real_model_and_its_export_answers():
 
 @pytest.mark.slow
 def test_make_demo_dpo_teaches_the_real_model_the_asked_format_and_its_merged_export_answers():
-    """The third demo as a user runs it: SmolLM2-135M-Instruct with LoRA on 2 processes in ddp.yaml's bf16,
-    under a system turn asking for the number only. The share of held-out pairs whose bare number the model
-    itself finds likelier than the sentence rises from about chance to >= 0.9, exact match of its greedy
-    answers rises from ~0, and the merged export (bf16) answers with a bare number where the model it came
-    from wrote more."""
+    """The third demo as a user runs it: SmolLM2-135M-Instruct with LoRA on 2 processes in ddp.yaml's bf16, under a
+    system turn asking for the number only. On 50 questions it never trained on, the share of pairs whose
+    bare number the model itself finds likelier than the sentence rises from about chance to >= 0.9, exact
+    match of its greedy answers from ~0 to >= 0.5, and the merged export (bf16) answers with a bare number
+    where the model it came from wrote more."""
     result = run(["make", "demo-dpo", f"LAUNCH_ARGS=--main_process_port {free_port()}"])
     match = re.search(r"prefers the chosen answer ([\d.]+) before -> ([\d.]+) of (\d+) held-out pairs", result.stdout)
     exact = re.search(r"greedy answers equal to the chosen one: ([\d.]+) before -> ([\d.]+) of (\d+)", result.stdout)
@@ -106,13 +106,16 @@ def test_make_demo_dpo_teaches_the_real_model_the_asked_format_and_its_merged_ex
     before, after, exact_before, exact_after = (float(value) for value in (*match.group(1, 2), *exact.group(1, 2)))
     print(f"make demo-dpo: prefers the chosen answer {before:.3f} -> {after:.3f} of {match[3]} pairs; exact match "
           f"{exact_before:.3f} -> {exact_after:.3f} of {exact[3]}")
-    assert 0.3 <= before <= 0.7 and after >= 0.9 and match[3] == "100"
-    assert exact_before <= 0.05 and exact_after >= exact_before + 0.1 and exact[3] == "100"
+    assert 0.3 <= before <= 0.7 and after >= 0.9 and match[3] == "50"
+    assert exact_before <= 0.05 and exact_after >= 0.5 and exact[3] == "50"
     out = REPO / "outputs/dpo_chat_demo"
     record = read_run(out)
     assert record["participating_processes"] == 2 and record["mixed_precision"] == "bf16"
     assert record["reference_model"]["kind"] == "adapters_off"
     assert json.loads((out / "final_merged" / "config.json").read_text())["dtype"] == "bfloat16"
+    data = REPO / "outputs/data/format_preference"
+    question = re.search(r"^Q: (.*)$", result.stdout, re.MULTILINE)[1]
+    assert question in (data / "validation.jsonl").read_text() and question not in (data / "train.jsonl").read_text()
     answers = re.findall(r"^A: (.*)$", result.stdout, re.MULTILINE)  # the model it came from, then the export
     assert len(answers) == 2 and not answers[0].strip().isdigit() and answers[1].strip().isdigit(), answers
 

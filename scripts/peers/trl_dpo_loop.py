@@ -1,11 +1,12 @@
 """TRL's DPOTrainer on the DPO job scripts/benchmark_peers.py times: what recipes/dpo.py is measured against.
 
-Same model (a Llama built from a config, seed 0; its reference a frozen copy, as the recipe holds
-one under DDP), pairs (`make dpo`'s data in TRL's conversational format, rendered by the same chat
-template; TRL tokenizes them before training), per-device batch, steps, learning rate and linear
-schedule, beta, sigmoid loss, clipping at 1.0, optimizer (torch's fused AdamW, no weight decay) and
-precision (the accelerate config's: bf16=True under ddp.yaml). trl is installed by
-`make benchmark-peers` only; the recipes do not use it.
+Same model config (a Llama built from it, seeded, though not initialised as the recipe initialises it;
+its reference a frozen copy, as the recipe holds one under DDP), pairs (`make dpo`'s data in TRL's
+conversational format, rendered by the same chat template; TRL tokenizes them before training),
+per-device batch, steps, learning rate and linear schedule, beta, sigmoid loss, clipping at 1.0,
+optimizer (torch's fused AdamW, no weight decay) and precision (the accelerate config's: bf16=True under
+ddp.yaml), no activation checkpointing (TRL's configs turn it on by default; the recipe's leave it off).
+trl is installed by `make benchmark-peers` only; the recipes do not use it.
 
     accelerate launch --config_file accelerate_configs/ddp.yaml scripts/peers/trl_dpo_loop.py \
         --model_config cfg.json --tokenizer tok --train_file train.jsonl --block_size 32 \
@@ -65,7 +66,8 @@ def main():
             learning_rate=args.learning_rate, lr_scheduler_type="linear", warmup_steps=0, weight_decay=0.0,
             max_grad_norm=1.0, bf16=bf16, logging_steps=args.warmup, logging_first_step=True, save_strategy="no",
             eval_strategy="no", report_to="none", seed=0, dataloader_drop_last=True, disable_tqdm=True,
-            use_cpu=not torch.cuda.is_available(), beta=args.beta, loss_type=["sigmoid"], max_length=args.block_size)
+            use_cpu=not torch.cuda.is_available(), gradient_checkpointing=False, beta=args.beta, loss_type=["sigmoid"],
+            max_length=args.block_size)
         trainer = DPOTrainer(model=model, ref_model=reference, args=config, train_dataset=pairs,
                              processing_class=tokenizer, callbacks=[clock, first])
         trainer.train()
