@@ -61,6 +61,43 @@ def model_config(hidden: int, layers: int, folder: str) -> str:
     return path
 
 
+# The recipes' side of both jobs: nothing but training in the timed steps, and the peers' schedule and clipping.
+RECIPE_JOB = ["--eval_steps", "0", "--save_steps", "0", "--warmup_steps", "0", "--lr_scheduler_type", "linear",
+              "--weight_decay", "0", "--max_grad_norm", "1.0", "--report_to", "none", "--seed", "0"]
+
+
+def accelerate_launch(script: list, args) -> subprocess.CompletedProcess:
+    """`script` under `accelerate launch` with the job's config and number of processes."""
+    command = [os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch", "--config_file",
+               os.path.join(REPO, "accelerate_configs", args.config), "--num_processes", str(args.num_processes),
+               *script]
+    return subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+
+
+def check_ran(what: str, result: subprocess.CompletedProcess) -> None:
+    if result.returncode != 0:
+        raise SystemExit(f"error: the {what} run failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
+
+
+def check_processes(what: str, measured: dict, args) -> dict:
+    """`measured`, once it is known to come from every process (a launch can silently train each rank alone)."""
+    if measured["processes"] != args.num_processes:
+        raise SystemExit(f"error: the {what} run trained on {measured['processes']} process(es), not "
+                         f"{args.num_processes}")
+    return measured
+
+
+def recipe_windows(out: str, args, rate: str, per_window: int) -> dict:
+    """A recipe's run.json and logged windows (rows with `rate`), and the seconds of those after the warm-up
+    (every logging window is --warmup steps of `per_window` units, counted at `rate` per second)."""
+    with open(os.path.join(out, "run.json")) as handle:
+        record = json.load(handle)
+    with open(os.path.join(out, "metrics.jsonl")) as handle:
+        rows = [json.loads(line) for line in handle if f'"{rate}"' in line]
+    timed = [row for row in rows if row["step"] > args.warmup]
+    return {"run": record, "rows": rows, "timed": timed, "seconds": sum(per_window / row[rate] for row in timed)}
+
+
 def launch(contender: str, args, config: str, folder: str, round_: int, recipe_args=(), name: str | None = None) -> dict:
     """One launch of `contender` (the recipe with `recipe_args` added); returns its seconds and tokens over the
     timed steps, or {"refused": the recipe's one-line error} when the recipe refused its arguments."""
@@ -71,44 +108,30 @@ def launch(contender: str, args, config: str, folder: str, round_: int, recipe_a
         script = [os.path.join(REPO, "recipes", "causal_lm.py"), "--model_config", config, "--tokenizer_name_or_path",
                   os.path.join(DATA, "tokenizer"), *data, *job, "--output_dir", out, "--per_device_train_batch_size",
                   str(args.batch_size), "--max_steps", str(args.steps), "--logging_steps", str(args.warmup),
-                  "--eval_steps", "0", "--save_steps", "0", "--max_eval_samples", "200", "--warmup_steps", "0",
-                  "--lr_scheduler_type", "linear", "--weight_decay", "0", "--max_grad_norm", "1.0",
-                  "--report_to", "none", "--seed", "0", *recipe_args]
+                  "--max_eval_samples", "200", *RECIPE_JOB, *recipe_args]
     else:
         script = [os.path.join(REPO, "scripts", "peers", f"{contender}_loop.py"), "--model_config", config,
                   "--tokenizer", os.path.join(DATA, "tokenizer"), *data, *job, "--batch_size", str(args.batch_size),
                   "--steps", str(args.steps), "--warmup", str(args.warmup), "--out", out + ".json"]
-    command = [os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch", "--config_file",
-               os.path.join(REPO, "accelerate_configs", args.config), "--num_processes", str(args.num_processes),
-               *script]
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    result = accelerate_launch(script, args)
     refusal = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     if result.returncode != 0 and contender == "recipe" and refusal:
         return {"refused": refusal[0]}
-    if result.returncode != 0:
-        raise SystemExit(f"error: the {contender} run failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
-    if contender != "recipe":
-        with open(out + ".json") as handle:
-            measured = json.load(handle)
-    else:
-        measured = recipe_figures(out, args)
-    if measured["processes"] != args.num_processes:  # a launch can silently train each rank alone
-        raise SystemExit(f"error: the {contender} run trained on {measured['processes']} process(es), not "
-                         f"{args.num_processes}")
-    return measured
+    check_ran(contender, result)
+    if contender == "recipe":
+        return check_processes(contender, recipe_figures(out, args), args)
+    with open(out + ".json") as handle:
+        return check_processes(contender, json.load(handle), args)
 
 
 def recipe_figures(out: str, args) -> dict:
-    """The recipe's own logged windows after the warm-up (every logging window is --warmup steps)."""
-    with open(os.path.join(out, "run.json")) as handle:
-        processes = json.load(handle)["participating_processes"]
-    with open(os.path.join(out, "metrics.jsonl")) as handle:
-        rows = [json.loads(line) for line in handle if '"tokens_per_s"' in line]
+    """The recipe's own logged windows after the warm-up."""
     window = args.warmup * args.batch_size * args.block_size * args.num_processes  # every token of a block is a label
-    timed = [row for row in rows if row["step"] > args.warmup]
-    return {"seconds": sum(window / row["tokens_per_s"] for row in timed), "tokens": window * len(timed),
-            "loss": timed[-1]["loss"], "processes": processes, "peak_mb": max(timed[-1]["peak_memory_mb_per_rank"]),
-            "allocated_mb": max(timed[-1].get("memory_allocated_mb_per_rank") or [0])}
+    logged = recipe_windows(out, args, "tokens_per_s", window)
+    last = logged["timed"][-1]
+    return {"seconds": logged["seconds"], "tokens": window * len(logged["timed"]), "loss": last["loss"],
+            "processes": logged["run"]["participating_processes"], "peak_mb": max(last["peak_memory_mb_per_rank"]),
+            "allocated_mb": max(last.get("memory_allocated_mb_per_rank") or [0])}
 
 
 def launch_dpo(contender: str, args, config: str, folder: str, round_: int, steps=None) -> dict:
@@ -123,34 +146,26 @@ def launch_dpo(contender: str, args, config: str, folder: str, round_: int, step
                   os.path.join(PAIRS, "tokenizer"), "--train_file", train, "--validation_file",
                   os.path.join(PAIRS, "validation.jsonl"), "--max_eval_samples", "16", *job, "--output_dir", out,
                   "--per_device_train_batch_size", str(args.batch_size), "--max_steps", str(steps),
-                  "--logging_steps", str(min(args.warmup, steps)), "--eval_steps", "0", "--save_steps", "0",
-                  "--warmup_steps", "0", "--lr_scheduler_type", "linear", "--weight_decay", "0",
-                  "--max_grad_norm", "1.0", "--report_to", "none", "--seed", "0"]
+                  "--logging_steps", str(min(args.warmup, steps)), *RECIPE_JOB]
     else:
         script = [os.path.join(REPO, "scripts", "peers", "trl_dpo_loop.py"), "--model_config", config, "--tokenizer",
-                  os.path.join(PAIRS, "tokenizer"), "--train_file", train, *job, "--batch_size", str(args.batch_size),
+                  os.path.join(PAIRS, "tokenizer"), "--train_file", train, "--validation_file",
+                  os.path.join(PAIRS, "validation.jsonl"), *job, "--batch_size", str(args.batch_size),
                   "--steps", str(steps), "--warmup", str(args.warmup), "--out", out + ".json"]
-    command = [os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch", "--config_file",
-               os.path.join(REPO, "accelerate_configs", args.config), "--num_processes", str(args.num_processes),
-               *script]
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise SystemExit(f"error: the DPO {contender} run failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
+    check_ran(f"DPO {contender}", accelerate_launch(script, args))
     if contender == "trl":
         with open(out + ".json") as handle:
-            return json.load(handle)
-    with open(os.path.join(out, "run.json")) as handle:
-        record = json.load(handle)
-    if any(record["pairs_cut_or_dropped"].values()):
-        raise SystemExit(f"error: the recipe cut or dropped pairs ({record['pairs_cut_or_dropped']}): the two would "
-                         "not train on the same pairs")
-    with open(os.path.join(out, "metrics.jsonl")) as handle:
-        rows = [json.loads(line) for line in handle if '"samples_per_s"' in line]
+            return check_processes(f"DPO {contender}", json.load(handle), args)
     window = args.warmup * args.batch_size * 2 * args.num_processes  # rows: a chosen and a rejected per pair
-    timed = [row for row in rows if row["step"] > args.warmup]
-    return {"seconds": sum(window / row["samples_per_s"] for row in timed), "pairs": window // 2 * len(timed),
-            "first_loss": rows[0]["loss"] if rows[0]["step"] == 1 else None,
-            "processes": record["participating_processes"]}
+    logged = recipe_windows(out, args, "samples_per_s", window)
+    cut = logged["run"]["pairs_cut_or_dropped"]
+    if any(cut.values()):
+        raise SystemExit(f"error: the recipe cut or dropped pairs ({cut}): the two would not train on the same pairs")
+    rows = logged["rows"]
+    return check_processes(f"DPO {contender}", {
+        "seconds": logged["seconds"], "pairs": window // 2 * len(logged["timed"]),
+        "first_loss": rows[0]["loss"] if rows[0]["step"] == 1 else None,
+        "processes": logged["run"]["participating_processes"]}, args)
 
 
 def tokens_per_pair() -> float:
@@ -173,8 +188,6 @@ def dpo_job(args, config: str, folder: str) -> tuple[str, str]:
     for round_ in range(args.rounds):
         for contender in DPO_CONTENDERS[round_ % 2:] + DPO_CONTENDERS[:round_ % 2]:
             result = launch_dpo(contender, args, config, folder, round_)
-            if result["processes"] != args.num_processes:
-                raise SystemExit(f"error: the DPO {contender} run trained on {result['processes']} process(es)")
             first.setdefault(contender, result.get("first_loss"))
             speeds[contender].append(result["pairs"] / result["seconds"] * per_pair)
             print(f"round {round_ + 1}: dpo {contender:6s} {speeds[contender][-1]:10.0f} tokens/s", flush=True)

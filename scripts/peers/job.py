@@ -9,14 +9,19 @@ from common.arguments import DataArguments
 from common.data import load_raw_datasets, tokenize_and_pack
 
 
-def parse_job():
+def job_parser() -> argparse.ArgumentParser:
+    """The options every peer takes (scripts/benchmark_peers.py passes each)."""
     parser = argparse.ArgumentParser()
     for name in ("model_config", "tokenizer", "train_file", "validation_file", "out"):
         parser.add_argument(f"--{name}", required=True)
     for name, default in (("block_size", 128), ("batch_size", 8), ("steps", 40), ("warmup", 10)):
         parser.add_argument(f"--{name}", type=int, default=default)
     parser.add_argument("--learning_rate", type=float, default=1e-3)
-    return parser.parse_args()
+    return parser
+
+
+def parse_job():
+    return job_parser().parse_args()
 
 
 def packed_blocks_and_model(args, state):

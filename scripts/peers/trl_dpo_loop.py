@@ -9,11 +9,10 @@ ddp.yaml), no activation checkpointing (TRL's configs turn it on by default; the
 trl is installed by `make benchmark-peers` only; the recipes do not use it.
 
     accelerate launch --config_file accelerate_configs/ddp.yaml scripts/peers/trl_dpo_loop.py \
-        --model_config cfg.json --tokenizer tok --train_file train.jsonl --block_size 32 \
-        --batch_size 8 --steps 40 --warmup 10 --learning_rate 1e-3 --beta 0.1 --out result.json
+        --model_config cfg.json --tokenizer tok --train_file train.jsonl --validation_file validation.jsonl \
+        --block_size 32 --batch_size 8 --steps 40 --warmup 10 --learning_rate 1e-3 --beta 0.1 --out result.json
 """
 
-import argparse
 import copy
 import json
 import os
@@ -23,6 +22,7 @@ import torch
 from accelerate import PartialState
 from accelerate.utils import set_seed
 from datasets import load_dataset
+from job import job_parser
 from trainer_loop import StepClock
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl import DPOConfig, DPOTrainer
@@ -42,12 +42,7 @@ class FirstLoss(TrainerCallback):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    for name in ("model_config", "tokenizer", "train_file", "out"):
-        parser.add_argument(f"--{name}", required=True)
-    for name, default in (("block_size", 32), ("batch_size", 8), ("steps", 40), ("warmup", 10)):
-        parser.add_argument(f"--{name}", type=int, default=default)
-    parser.add_argument("--learning_rate", type=float, default=1e-3)
+    parser = job_parser()  # the validation file is not read: the job times training only
     parser.add_argument("--beta", type=float, default=0.1)
     args = parser.parse_args()
 
