@@ -47,7 +47,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     check_job(args)
     variants = ["defaults", *args.options]
-    speeds, peaks, refused = {name: [] for name in variants}, {}, {}
+    speeds, peaks, refused, flops = {name: [] for name in variants}, {}, {}, {}
     with tempfile.TemporaryDirectory() as folder:
         config = model_config(args.hidden, args.layers, folder)
         for round_ in range(args.rounds):
@@ -62,11 +62,18 @@ def main(argv=None):
                     continue
                 speeds[name].append(result["tokens"] / result["seconds"])
                 peaks[name] = result["allocated_mb"] or result["peak_mb"]
+                flops = flops or result  # FLOPs per token and the device's peak (MFU on a GPU): the same job for all
                 print(f"round {round_ + 1}: {name:28s} {speeds[name][-1]:10.0f} tokens/s, peak {peaks[name]:.0f} MB "
                       f"(loss {result['loss']:.3f})", flush=True)
+                if args.docs and speeds["defaults"]:  # the page so far: a run cut short keeps what it measured
+                    write_table(args, variants, speeds, peaks, refused, flops, quiet=True)
     if "defaults" in refused:
         raise SystemExit(f"error: the recipe's defaults did not run: {refused['defaults']}")
+    write_table(args, variants, speeds, peaks, refused, flops)
 
+
+def write_table(args, variants: list, speeds: dict, peaks: dict, refused: dict, flops: dict, quiet=False) -> None:
+    """The table of the variants measured so far, printed and (with --docs) written to the page."""
     base_speed, base_peak = statistics.median(speeds["defaults"]), peaks["defaults"]
     header = ["option", "flags", "tokens/s (median)", "vs defaults", "peak MB", "vs defaults", "each round's tokens/s"]
     rows = []
@@ -74,12 +81,21 @@ def main(argv=None):
         flags = " ".join(OPTIONS[name]) or "(none)"
         if name in refused:
             rows.append([name, f"`{flags}`", "refused here:", refused[name].removeprefix("error: "), "", "", ""])
-            continue
-        speed = statistics.median(speeds[name])
-        rows.append([name, f"`{flags}`", f"{speed:.0f}", f"{speed / base_speed:.2f}x", f"{peaks[name]:.0f}",
-                     f"{peaks[name] / base_peak:.2f}x", ", ".join(f"{v:.0f}" for v in speeds[name])])
+        elif speeds[name]:
+            speed = statistics.median(speeds[name])
+            rows.append([name, f"`{flags}`", f"{speed:.0f}", f"{speed / base_speed:.2f}x", f"{peaks[name]:.0f}",
+                         f"{peaks[name] / base_peak:.2f}x", ", ".join(f"{v:.0f}" for v in speeds[name])])
+    if flops.get("peak_tflops"):  # a GPU in common.flops' table
+        header.insert(4, "MFU")
+        for row in rows:
+            if row[2] != "refused here:":
+                mfu = float(row[2]) / args.num_processes * flops["flops_per_token"] / 1e12 / flops["peak_tflops"]
+                row.insert(4, f"{mfu:.1%}")
+            else:
+                row.insert(4, "")
     table = markdown_table(header, rows)
-    print(table)
+    if not quiet:
+        print(table)
     if args.docs:
         write_page(args.docs, "The speed options against the recipe's defaults", "\n\n".join([
             job_line(args), table,

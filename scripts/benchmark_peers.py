@@ -129,7 +129,11 @@ def recipe_figures(out: str, args) -> dict:
     window = args.warmup * args.batch_size * args.block_size * args.num_processes  # every token of a block is a label
     logged = recipe_windows(out, args, "tokens_per_s", window)
     last = logged["timed"][-1]
+    # the model's training FLOPs per token (common.flops), read off the recipe's log: the same for every contender
+    tflops, mfu = last.get("tflops_per_device"), last.get("mfu")
     return {"seconds": logged["seconds"], "tokens": window * len(logged["timed"]), "loss": last["loss"],
+            "flops_per_token": tflops and tflops * 1e12 / last["tokens_per_s_per_device"],
+            "peak_tflops": mfu and tflops / mfu,
             "processes": logged["run"]["participating_processes"], "peak_mb": max(last["peak_memory_mb_per_rank"]),
             "allocated_mb": max(last.get("memory_allocated_mb_per_rank") or [0])}
 
@@ -230,6 +234,12 @@ def job_parser(description: str) -> argparse.ArgumentParser:
     return parser
 
 
+def job_choices(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--jobs", nargs="+", choices=("causal", "dpo"), default=["causal", "dpo"],
+                        help="the jobs to run (the page holds the ones run)")
+    return parser
+
+
 def check_job(args) -> None:
     if args.steps <= args.warmup or (args.steps - args.warmup) % args.warmup:
         raise SystemExit(f"error: --steps {args.steps} must exceed --warmup {args.warmup} by a multiple of it "
@@ -244,57 +254,79 @@ def job_line(args) -> str:
             f"tokens; {args.steps} steps, timed after step {args.warmup}; {args.rounds} rounds, interleaved.")
 
 
+CAUSAL_NOTES = ("What each does per optimizer step besides the model's work: the recipe and Trainer average the "
+    "loss over the global batch's label tokens, which takes one all-reduce of the token count per step "
+    "(right for any data; here every block is full, so a per-rank mean would give the same loss): "
+    "Trainer's holds every rank at the start of each step, the recipe's runs a step ahead, during "
+    "the previous step's work (common.training.TrainBatches); the bare loop averages per rank. The "
+    "recipe also keeps its metrics on the device (read on logging steps only), checks losses for "
+    "non-finite values without a collective or a host read between logging steps (the clipped "
+    "gradient norm decides on the device) and updates a progress bar. Under DDP the recipe's "
+    "gradients are views into DDP's all-reduce buckets (gradient_as_bucket_view, common.accelerator); "
+    "the bare loop and Trainer keep torch's default, which copies every gradient into its bucket and "
+    "the reduced values back at each step.",
+    "What a profile of the three (py-spy, rank 0, 150 steps) shows besides: Trainer wraps the model in "
+    "DDP with find_unused_parameters=True, its default for a model without activation checkpointing, "
+    "so every forward is followed by a search of the autograd graph; the recipe and the bare loop "
+    "take accelerate's default (False). The bare loop and Trainer keep the model's use_cache, so each "
+    "training forward also fills a key/value cache nobody reads; the recipes turn it off "
+    "(common.model). The rounds' spread is a few percent on a shared 2-core host: compare ratios from "
+    "one run.")
+
+
 def main(argv=None):
-    args = job_parser(__doc__).parse_args(argv)
+    args = job_choices(job_parser(__doc__)).parse_args(argv)
     check_job(args)
-    results = {name: [] for name in CONTENDERS}
-    if not os.path.isfile(os.path.join(PAIRS, "train.jsonl")):
+    if "dpo" in args.jobs and not os.path.isfile(os.path.join(PAIRS, "train.jsonl")):
         raise SystemExit(f"error: no preference pairs in {PAIRS}; run `make benchmark-peers` (it writes them)")
-    if importlib.util.find_spec("trl") is None:
+    if "dpo" in args.jobs and importlib.util.find_spec("trl") is None:
         raise SystemExit("error: trl is not installed (the DPO job's peer); run `make benchmark-peers`, which "
                          "installs it")
+    sections = [job_line(args)]
     with tempfile.TemporaryDirectory() as folder:
         config = model_config(args.hidden, args.layers, folder)
-        for round_ in range(args.rounds):
-            order = CONTENDERS[round_ % 3:] + CONTENDERS[:round_ % 3]
-            for contender in order:
-                result = launch(contender, args, config, folder, round_)
-                results[contender].append(result["tokens"] / result["seconds"])
-                print(f"round {round_ + 1}: {contender:8s} {results[contender][-1]:10.0f} tokens/s "
-                      f"(loss {result['loss']:.3f})", flush=True)
-        dpo_table, dpo_section = dpo_job(args, config, folder)
+        if "causal" in args.jobs:
+            sections += causal_job(args, config, folder)
+        if "dpo" in args.jobs:
+            dpo_table, dpo_section = dpo_job(args, config, folder)
+            print(dpo_table)
+            sections += ["## DPO: recipes/dpo.py against TRL's DPOTrainer", dpo_section]
+    if args.docs:
+        write_page(args.docs, "The recipes against a bare accelerate loop, Trainer and TRL", "\n\n".join(sections),
+                   packages=("trl",) if "dpo" in args.jobs else ())
+
+
+def causal_job(args, config: str, folder: str) -> list[str]:
+    """The causal-LM recipe against the bare loop and Trainer, rounds interleaved: the page's paragraphs."""
+    results, figures = {name: [] for name in CONTENDERS}, {}
+    for round_ in range(args.rounds):
+        order = CONTENDERS[round_ % 3:] + CONTENDERS[:round_ % 3]
+        for contender in order:
+            result = launch(contender, args, config, folder, round_)
+            figures.setdefault(contender, result)
+            results[contender].append(result["tokens"] / result["seconds"])
+            print(f"round {round_ + 1}: {contender:8s} {results[contender][-1]:10.0f} tokens/s "
+                  f"(loss {result['loss']:.3f})", flush=True)
 
     speed = {name: statistics.median(values) for name, values in results.items()}
     header = ["run", "tokens/s (median)", "recipe / this", "each round's tokens/s"]
     rows = [[name, f"{speed[name]:.0f}", f"{speed['recipe'] / speed[name]:.2f}x",
              ", ".join(f"{v:.0f}" for v in results[name])] for name in CONTENDERS]
+    recipe = figures["recipe"]
+    mfu_line = None
+    if recipe["peak_tflops"]:  # a GPU in common.flops' table: MFU from the recipe's FLOPs per token (the same job)
+        header.insert(2, "MFU")
+        for row, name in zip(rows, CONTENDERS):
+            tflops = speed[name] / args.num_processes * recipe["flops_per_token"] / 1e12
+            row.insert(2, f"{tflops / recipe['peak_tflops']:.1%}")
+        mfu_line = (f"MFU: training FLOPs per token {recipe['flops_per_token'] / 1e9:.2f} G (common.flops: "
+                    f"6N + 12 L H Q T) x tokens/s per device / the device's dense bf16 peak, {recipe['peak_tflops']:.1f} TFLOP/s. The "
+                    f"recipe's peak memory (CUDA allocator): {recipe['peak_mb'] / 1024:.1f} GiB.")
     print(markdown_table(header, rows))
-    print(f"recipe / bare loop: {speed['recipe'] / speed['bare']:.3f}x; recipe / Trainer: "
-          f"{speed['recipe'] / speed['trainer']:.3f}x")
-    print(dpo_table)
-    if args.docs:
-        write_page(args.docs, "The recipes against a bare accelerate loop, Trainer and TRL", "\n\n".join([
-            job_line(args), markdown_table(header, rows),
-            f"recipe / bare loop: **{speed['recipe'] / speed['bare']:.3f}x**; recipe / Trainer: "
-            f"**{speed['recipe'] / speed['trainer']:.3f}x** (above 1: the recipe is faster).",
-            "What each does per optimizer step besides the model's work: the recipe and Trainer average the "
-            "loss over the global batch's label tokens, which takes one all-reduce of the token count per step "
-            "(right for any data; here every block is full, so a per-rank mean would give the same loss): "
-            "Trainer's holds every rank at the start of each step, the recipe's runs a step ahead, during "
-            "the previous step's work (common.training.TrainBatches); the bare loop averages per rank. The "
-            "recipe also keeps its metrics on the device (read on logging steps only), checks losses for "
-            "non-finite values without a collective or a host read between logging steps (the clipped "
-            "gradient norm decides on the device) and updates a progress bar. Under DDP the recipe's "
-            "gradients are views into DDP's all-reduce buckets (gradient_as_bucket_view, common.accelerator); "
-            "the bare loop and Trainer keep torch's default, which copies every gradient into its bucket and "
-            "the reduced values back at each step.",
-            "What a profile of the three (py-spy, rank 0, 150 steps) shows besides: Trainer wraps the model in "
-            "DDP with find_unused_parameters=True, its default for a model without activation checkpointing, "
-            "so every forward is followed by a search of the autograd graph; the recipe and the bare loop "
-            "take accelerate's default (False). The bare loop and Trainer keep the model's use_cache, so each "
-            "training forward also fills a key/value cache nobody reads; the recipes turn it off "
-            "(common.model). The rounds' spread is a few percent on a shared 2-core host: compare ratios from "
-            "one run.", "## DPO: recipes/dpo.py against TRL's DPOTrainer", dpo_section]), packages=("trl",))
+    ratios = (f"recipe / bare loop: **{speed['recipe'] / speed['bare']:.3f}x**; recipe / Trainer: "
+              f"**{speed['recipe'] / speed['trainer']:.3f}x** (above 1: the recipe is faster).")
+    print(ratios.replace("**", ""))
+    return [markdown_table(header, rows), ratios] + ([mfu_line] if mfu_line else []) + list(CAUSAL_NOTES)
 
 
 if __name__ == "__main__":

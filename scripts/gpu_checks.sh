@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# The GPU checks in one command, for a GPU machine lent for a short while (docs/testing.md, "On a GPU"):
+# the internals test on that machine's torch, MFU of the recipe against the bare loop and Trainer at ~1B
+# parameters, each speed option's gain on the same job, then tests/test_gpu.py whole. Each section runs under
+# its own time limit inside BUDGET seconds, so what finished comes back even when a later section does not; the
+# figures pages go to docs/gpu/ (written by the benchmark scripts) and are copied with the log to $OUT.
+#
+#   OUT=/tmp/gpu BUDGET=540 bash scripts/gpu_checks.sh
+#
+# Packages the machine lacks travel as wheels in .whl/ (installed to /tmp/site, put first on PYTHONPATH).
+set -u
+OUT=${OUT:-outputs/gpu}
+BUDGET=${BUDGET:-540}
+LOG=$OUT/log.txt
+START=$(date +%s)
+mkdir -p "$OUT" docs/gpu
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+
+section() {  # section NAME LIMIT_SECONDS COMMAND...: the command's output goes to the log
+    local name=$1 limit=$2 left began
+    shift 2
+    left=$((BUDGET - ($(date +%s) - START)))
+    [ "$left" -lt "$limit" ] && limit=$left
+    if [ "$limit" -lt 30 ]; then
+        echo "== $name: not run ($left s of the budget left)" | tee -a "$LOG"
+        return
+    fi
+    began=$(date +%s)
+    echo "== $name (limit ${limit}s, at $((began - START))s)" | tee -a "$LOG"
+    timeout -k 10 "$limit" "$@" >>"$LOG" 2>&1
+    echo "== $name: exit $? after $(($(date +%s) - began))s" | tee -a "$LOG"
+}
+
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl >>"$LOG" 2>&1 || { echo "error: the carried wheels did not install" | tee -a "$LOG"; exit 1; }
+    export PYTHONPATH=/tmp/site:$PWD
+    if ! python3 -c "import transformers, datasets, deepspeed, peft, accelerate, common.model" >>"$LOG" 2>&1; then
+        echo "the carried transformers did not import: the machine's own instead" | tee -a "$LOG"
+        rm -rf /tmp/site/transformers /tmp/site/transformers-*
+    fi
+else
+    export PYTHONPATH=$PWD
+fi
+# `make doctor` (a test runs it) with the machine's own python, its install step already done
+export VENV=${VENV:-$(dirname "$(dirname "$(command -v python3)")")}
+touch "$VENV/.installed" 2>/dev/null
+
+{
+    date -u
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+    python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn',
+torch.backends.cudnn.version(), 'nccl', torch.cuda.nccl.version() if torch.cuda.is_available() else None)"
+    python3 -c "import importlib.metadata as m
+for n in ('accelerate', 'transformers', 'datasets', 'deepspeed', 'peft', 'evaluate', 'tokenizers', 'triton',
+          'liger-kernel', 'flash-attn', 'gguf', 'trl'):
+    try:
+        print(n, m.version(n))
+    except m.PackageNotFoundError:
+        print(n, 'not installed')"
+} >"$OUT/env.txt" 2>&1
+cat "$OUT/env.txt" >>"$LOG"
+
+[ -f outputs/data/markov/train.jsonl ] || section "demo data" 60 python3 scripts/make_demo_data.py --task markov \
+    --out outputs/data/markov
+section "internals" 90 python3 -m pytest -q -p no:cacheprovider tests/test_internals.py
+# ~1B parameters (hidden 2048, 20 layers), 2048-token blocks, per-device batch 24 (estimate-memory: 95 GiB of
+# the H200's 139 at 24, 121 at 32)
+JOB=(--config single.yaml --num_processes 1 --hidden 2048 --layers 20 --block_size 2048 --batch_size "${MFU_BATCH:-24}"
+     --steps 15 --warmup 5 --rounds 1 --learning_rate 3e-4)
+section "MFU at 1B" 200 python3 scripts/benchmark_peers.py --jobs causal "${JOB[@]}" --docs docs/gpu/benchmark-peers.md
+# the options one at a time on the same job, most wanted first (the page is rewritten after each)
+section "speed options at 1B" "${OPTIONS_LIMIT:-230}" python3 scripts/benchmark_options.py "${JOB[@]}" \
+    --options compile_and_liger torch_compile liger checkpoint_every_2nd_layer adamw_torch attention_flex \
+    --docs docs/gpu/benchmark-options.md
+section "tests/test_gpu.py" 240 python3 -m pytest -q -p no:cacheprovider --timeout 150 -rA tests/test_gpu.py
+cp docs/gpu/*.md "$OUT"/ 2>/dev/null
+echo "== done at $(($(date +%s) - START))s" | tee -a "$LOG"
