@@ -61,7 +61,7 @@ def main(argv=None):
                     print(f"round {round_ + 1}: {name:28s} {result['refused']}", flush=True)
                     continue
                 speeds[name].append(result["tokens"] / result["seconds"])
-                peaks[name] = result["allocated_mb"] or result["peak_mb"]
+                peaks[name] = result["peak_mb"]  # the CUDA allocator's peak on a GPU, the resident set on a CPU host
                 flops = flops or result  # FLOPs per token and the device's peak (MFU on a GPU): the same job for all
                 print(f"round {round_ + 1}: {name:28s} {speeds[name][-1]:10.0f} tokens/s, peak {peaks[name]:.0f} MB "
                       f"(loss {result['loss']:.3f})", flush=True)

@@ -134,8 +134,7 @@ def recipe_figures(out: str, args) -> dict:
     return {"seconds": logged["seconds"], "tokens": window * len(logged["timed"]), "loss": last["loss"],
             "flops_per_token": tflops and tflops * 1e12 / last["tokens_per_s_per_device"],
             "peak_tflops": mfu and tflops / mfu,
-            "processes": logged["run"]["participating_processes"], "peak_mb": max(last["peak_memory_mb_per_rank"]),
-            "allocated_mb": max(last.get("memory_allocated_mb_per_rank") or [0])}
+            "processes": logged["run"]["participating_processes"], "peak_mb": max(last["peak_memory_mb_per_rank"])}
 
 
 def launch_dpo(contender: str, args, config: str, folder: str, round_: int, steps=None) -> dict:
