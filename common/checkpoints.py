@@ -13,12 +13,13 @@ import json
 import os
 import shutil
 
-from common import reshard
+from common import portable, reshard
 from common.accelerator import unwrap
 from common.errors import RunStopped, UsageError, describe, load_fault
 from common.internals import innermost_optimizer, repair_zero3_universal_load
 from common.nonfinite import check_finite_weights
 from common.peers import lost_peer_message
+from common.portable_load import load as load_portable
 from common.run_dir import MODEL_FILES, STATE_FILE, checkpoints_dir, list_checkpoints, swap_into_place
 
 
@@ -51,10 +52,10 @@ def save_checkpoint(accelerator, model, output_dir: str, step: int, state: dict,
     return final
 
 
-def load_checkpoint(accelerator, path: str | None, optimizer, scheduler) -> dict:
+def load_checkpoint(accelerator, path: str | None, model, optimizer, scheduler) -> dict:
     """Restore model, optimizer, scheduler and RNG state; return the saved trainer state
-    ({"step": 0} for a fresh run, when `path` is None). `optimizer` and `scheduler` are the
-    prepared ones."""
+    ({"step": 0} for a fresh run, when `path` is None). `model`, `optimizer` and `scheduler` are
+    the prepared ones. A checkpoint of another strategy comes as its portable rewrite."""
     if path is None:
         return {"step": 0}
     universal = reshard.is_universal(path)
@@ -62,7 +63,10 @@ def load_checkpoint(accelerator, path: str | None, optimizer, scheduler) -> dict
     hyperparameters = [{key: value for key, value in group.items() if key not in ("params", "lr")}
                        for group in innermost_optimizer(optimizer).param_groups] if universal else None
     try:
-        accelerator.load_state(path)
+        if portable.is_portable(path):
+            load_portable(accelerator, model, optimizer, scheduler, path)
+        else:
+            accelerator.load_state(path)
         if universal:
             repair_zero3_universal_load(optimizer, hyperparameters)
         with open(os.path.join(path, STATE_FILE)) as handle:

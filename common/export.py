@@ -14,13 +14,13 @@ import math
 import os
 import struct
 import time
-import warnings
 
 import torch
 
 from common.accelerator import unwrap
 from common.checkpoints import save_config
 from common.errors import UsageError
+from common.portable import read_dcp
 from common.internals import full_shape, is_zero3_parameter, saves_as_state_dict, without_zero3_init
 from common.lora import merged_model_skeleton, merged_tensors, save_merged, saved_adapter_names
 from common.memory import current_memory
@@ -199,7 +199,7 @@ def read_checkpoint_weights(path: str) -> dict:
             return dict(get_fp32_state_dict_from_zero_checkpoint(path, tag=tag))
     sharded = os.path.join(path, "pytorch_model_fsdp_0")
     if os.path.isdir(sharded):
-        return _read_dcp(sharded)
+        return read_dcp(sharded, "model.")
     single = os.path.join(path, "model.safetensors")
     if os.path.isfile(single):
         from safetensors.torch import load_file
@@ -207,21 +207,6 @@ def read_checkpoint_weights(path: str) -> dict:
         return load_file(single)
     raise UsageError(f"{path} holds no model weights this project writes (DeepSpeed's 'latest' tag, "
                      "pytorch_model_fsdp_0/ or model.safetensors); pass a checkpoints/step_N folder of a run")
-
-
-def _read_dcp(folder: str) -> dict:
-    """FSDP2's distributed checkpoint, read whole in one process. accelerate saves it as
-    {"model": state_dict}, so every key starts with "model."."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    metadata = dcp.FileSystemReader(folder).read_metadata()
-    state = {key: torch.empty(item.size, dtype=item.properties.dtype)
-             for key, item in metadata.state_dict_metadata.items() if isinstance(item, TensorStorageMetadata)}
-    with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": one process is the intent
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, storage_reader=dcp.FileSystemReader(folder), no_dist=True)
-    return {key.removeprefix("model."): value for key, value in state.items()}
 
 
 def master_tensors(accelerator, model):

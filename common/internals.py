@@ -49,8 +49,9 @@ USES = (
     Use("deepspeed", "the ZeRO optimizers' module path and attribute names (fp32_/fp16_partitioned_groups_flat, "
                      "offload_optimizer, single_partition_of_fp32_groups, *bucket*/ipg/grad/fp32/bit16 attributes)",
         "zero_optimizer, master_weights_dtype, zero_attribute_category: the memory account and run.json; "
-        "share_zero3_fp32_partitions"),
-    Use("deepspeed", "ZeRO-3 parameter attributes ds_tensor, ds_numel, ds_shape, ds_id", "zero3_partition, full_*"),
+        "share_zero3_fp32_partitions; common/portable.py: ZeRO-1/2's Adam state linked before the first step"),
+    Use("deepspeed", "ZeRO-3 parameter attributes ds_tensor, ds_numel, ds_shape, ds_id",
+        "zero3_partition, full_*; common/portable.py"),
     Use("deepspeed", "0.19.8's ZeRO-3 universal load (load_hp_checkpoint_state_from_checkpoint_dir_stage3)",
         "repair_zero3_universal_load: its two faults, put right after loading"),
     Use("tqdm", "tqdm._instances", "close_progress_bars: an error starts its own line"),

@@ -21,6 +21,7 @@ import threading
 import time
 import uuid
 
+from common import portable
 from common.accelerator import ZERO3_DEFAULT_SUB_GROUP_SIZE, ZERO3_SUB_GROUP_SIZE, zero3_sub_group_size
 from common.errors import NodeStopped, UsageError, describe
 from common.peers import reporting_progress
@@ -35,6 +36,7 @@ def layout(accelerator) -> dict:
     (it shapes the flat optimizer partitions as the world size does), and the schedule's unit."""
     sub_group_size = zero3_sub_group_size(accelerator.state.deepspeed_plugin)
     return {"num_processes": accelerator.num_processes, SCHEDULE: "per_optimizer_step",
+            "strategy": portable.family(accelerator),
             **({"zero3_sub_group_size": sub_group_size} if sub_group_size is not None else {})}
 
 
@@ -74,30 +76,46 @@ def _converted(target: str) -> bool:
 
 
 def convert_before_start(path: str | None, wait_s: float) -> None:
-    """Before the process group starts: a ZeRO checkpoint written in another layout than this launch's
-    is converted by the first process while the others wait for the converted folder (on the
+    """Before the process group starts: a checkpoint of another strategy family (rewritten into
+    `common.portable`'s form), or a ZeRO checkpoint written in another layout than this launch's, is
+    converted by the first process while the others wait for the converted folder (on the
     filesystem, not in a collective, so no collective timeout cuts a long conversion short). Rank 0
     keeps a status file beside the target (`STATUS`): a beat every BEAT_S seconds while it converts,
     its error line if it fails. A waiting rank ends with that line as soon as it reads it, and with
     one naming the shared filesystem the nodes need when the status has not changed for `wait_s`
     seconds (--ddp_timeout: rank 0 died or hangs, or this node does not see its files). Progress
     is printed every 30 s. `for_this_world_size` then finds the conversion done."""
-    launched = launched_layout()
-    if path is None or launched is None or not _differs(_saved_layout(path), launched):
+    conversion = _conversion_needed(path)
+    if conversion is None:
         return
-    target = os.path.join(path, UNIVERSAL)
+    target, what, convert = conversion
     if _converted(target):
         return
     if int(os.environ.get("RANK", "0")) == 0:
-        what = f"converting {path} for {launched['num_processes']} processes (DeepSpeed's universal format)"
         print(f"{what} into {target}", file=sys.stderr, flush=True)
         with reporting_progress(what), _status_kept(target + STATUS):
-            convert_to_universal(path, target)
+            convert(path, target)
         return
     waiting = reporting_progress(f"waiting for rank 0 to convert {path}") \
         if int(os.environ.get("LOCAL_RANK", "0")) == 0 else contextlib.nullcontext()  # one line per node
     with waiting:
         _wait_for_conversion(path, target, wait_s)
+
+
+def _conversion_needed(path: str | None):
+    """(target, what, convert) for a launch that cannot load `path` as it is, else None."""
+    if path is None or portable.is_portable(path):
+        return None
+    family = portable.launched_family()
+    if portable.needs_rewrite(path, family):
+        return (os.path.join(path, portable.PORTABLE), f"rewriting {path} ({portable.saved_family(path)}) to load "
+                f"under {family} (per parameter, by name: common/portable.py)",
+                lambda source, target: portable.rewrite(source, target, convert_to_universal))
+    launched = launched_layout()
+    if launched is None or not _differs(_saved_layout(path), launched):
+        return None
+    return (os.path.join(path, UNIVERSAL), f"converting {path} for {launched['num_processes']} processes "
+            "(DeepSpeed's universal format)", convert_to_universal)
 
 
 STATUS = ".status"  # target + STATUS: rank 0's conversion, {"launch", "beat", "error"}, read by the other ranks
@@ -161,10 +179,10 @@ def _wait_for_conversion(path: str, target: str, wait_s: float) -> None:
             seen, changed_at = status, time.monotonic()
         still = time.monotonic() - changed_at
         if status and status.get("error") and (status != first or still > wait_s):
-            raise NodeStopped(f"rank 0 could not convert {path} for this number of processes: {status['error']}")
+            raise NodeStopped(f"rank 0 could not convert {path} for this run: {status['error']}")
         if still > wait_s:
             raise NodeStopped(
-                f"waited {wait_s:.0f} s (--ddp_timeout) for rank 0 to convert {path} for this number of processes "
+                f"waited {wait_s:.0f} s (--ddp_timeout) for rank 0 to convert {path} for this run "
                 f"with no sign of it in {status_file}: rank 0 died or hangs, or this node does not see its files. "
                 "Every node must reach the checkpoint and output_dir on one shared filesystem; check rank 0's log, "
                 "then resume again (or on the number of processes that wrote it)")
@@ -177,7 +195,15 @@ def for_this_world_size(accelerator, path: str | None) -> str | None:
     recorded had DeepSpeed's default) its universal conversion, which `convert_before_start` has
     made (made here by the main process otherwise). Call before `accelerator.prepare` (the engine
     reads the load_universal flag when built)."""
-    if path is None or accelerator.state.deepspeed_plugin is None:
+    if path is not None and portable.needs_rewrite(path, portable.family(accelerator)):
+        target = os.path.join(path, portable.PORTABLE)
+        if accelerator.is_main_process and not _converted(target):
+            portable.rewrite(path, target, convert_to_universal)
+        accelerator.wait_for_everyone()
+        accelerator.print(f"{path} was saved under {portable.saved_family(path)}, this run is under "
+                          f"{portable.family(accelerator)}: loading its rewrite {target}")
+        return target
+    if path is None or accelerator.state.deepspeed_plugin is None or portable.is_portable(path):
         return path
     saved = _saved_layout(path)
     this_run = {"num_processes": accelerator.num_processes,
@@ -204,7 +230,7 @@ def convert_to_universal(path: str, target: str) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(path, tmp, ignore=lambda folder, names: [
         name for name in names if folder == path and (name in ("pytorch_model", "latest", UNIVERSAL)
-                                                      or name.startswith(UNIVERSAL + ".") or name.endswith(".py"))])
+                                                      or name.startswith((UNIVERSAL + ".", "portable")) or name.endswith(".py"))])
     result = subprocess.run(
         [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
          os.path.join(path, "pytorch_model"), "--output_folder", os.path.join(tmp, "pytorch_model"),

@@ -31,6 +31,7 @@ from common.metrics import MetricsLogger, start_trackers
 from common.model import check_block_size, count_parameters, export_dtype, model_hidden_size
 from common.nonfinite import NonFiniteGuard, nonfinite_check
 from common.profiling import StepProfiler
+from common.portable import optimizer_parameter_names
 from common.reshard import convert_before_start, for_this_world_size
 from common.run_dir import (check_output_dir, clear_earlier_run, launch_started, launch_starting, list_checkpoints,
                             mark_launch_starting, resolve_checkpoint, set_aside_later_checkpoints)
@@ -63,6 +64,7 @@ class Run:
         self.clear_earlier = clear_earlier
         self.export_dtype = export_dtype(model_args)  # read once (a Hub model's config is a request)
         self.model = self.tokenizer = self.metrics = self.nonfinite = self.profiler = None
+        self.optimizer_parameters = None
 
     def begin(self, model, optimizer, scheduler, tokenizer, max_steps: int, **record) -> dict:
         """After `accelerator.prepare`: load the checkpoint to resume from (if any), write run.json
@@ -71,7 +73,9 @@ class Run:
         accelerator, args = self.accelerator, self.args
         self.model, self.tokenizer = model, tokenizer
         share_zero3_fp32_partitions(optimizer)  # ZeRO-3 in fp32: no second fp32 copy (common.internals)
-        state = load_checkpoint(accelerator, self.checkpoint, optimizer, scheduler)
+        state = load_checkpoint(accelerator, self.checkpoint, model, optimizer, scheduler)
+        # a checkpoint names the optimizer's parameters, so another strategy can read it (common.portable)
+        self.optimizer_parameters = optimizer_parameter_names(unwrap(accelerator, model), optimizer)
         if self.clear_earlier and accelerator.is_main_process:
             clear_earlier_run(args.output_dir)
         if self.checkpoint is not None and accelerator.is_main_process:
@@ -99,6 +103,8 @@ class Run:
         """Every rank calls it: checkpoints/step_N with `state` (the data position, ...) beside
         accelerate's; the oldest pruned past --save_total_limit."""
         self.nonfinite.settle()  # a step skipped on the device is acted on before anything is written
+        if self.optimizer_parameters is not None:
+            state = {**state, "optimizer_parameters": self.optimizer_parameters}
         return save_checkpoint(self.accelerator, self.model, self.args.output_dir, step, state,
                                self.args.save_total_limit, self.tokenizer, self.export_dtype)
 

@@ -130,7 +130,7 @@ def test_a_failed_conversion_ends_the_other_node_with_rank_0s_line_and_an_unseen
     --ddp_timeout (10 s) with a line naming the shared filesystem. Before, node 1 waited for ever."""
     shared = zero3_checkpoint_of_another_world_size(tmp_path / "shared/checkpoints/step_4")
     own = zero3_checkpoint_of_another_world_size(tmp_path / "node1/checkpoints/step_4")
-    for node1_checkpoint, expected in ((shared, r"rank 0 could not convert \S+step_4 for this number of processes: "
+    for node1_checkpoint, expected in ((shared, r"rank 0 could not convert \S+step_4 for this run: "
                                                 r"checkpoint \S+ could not be converted"),
                                        (own, r"waited 10 s \(--ddp_timeout\) for rank 0 to convert .* one shared "
                                              r"filesystem")):

@@ -1,0 +1,190 @@
+"""Resuming under another strategy: a checkpoint rewritten per parameter by name, and loaded into any config.
+
+Each strategy saves its own layout: one process and DDP a whole `model.safetensors` and torch's
+`optimizer.bin` (its state by position), FSDP2 sharded DCP files keyed by name, DeepSpeed ZeRO
+partitions of flat groups. A checkpoint resumed under a config of another family is first
+rewritten into `step_N/portable` beside it (the original is left as it is): `model.safetensors`
+holds every parameter's fp32 master weight by name, `optimizer.safetensors` its Adam moments
+(`<name>.exp_avg`, `<name>.exp_avg_sq`) and `optimizer.json` its step count, next to the
+schedule, RNG states, data position and model files, which no strategy shapes. The rewrite
+runs once, before the process group starts (`common.reshard` runs it like a ZeRO conversion),
+into a temporary folder renamed into place when complete, so a second resume reuses it and a
+crash mid-way leaves nothing half-written. `common.portable_load` puts it into the run's own layout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+
+import torch
+
+from common.errors import UsageError
+from common.run_dir import MODEL_FILES, STATE_FILE
+
+PORTABLE = "portable"
+OPTIMIZER_STATES = ("exp_avg", "exp_avg_sq")
+
+
+def launched_family() -> str:
+    """The family of the launch's config, read from accelerate's environment before any process group."""
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        return "deepspeed"
+    return "fsdp" if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" else "torch"
+
+
+def family(accelerator) -> str:
+    from accelerate.utils import DistributedType
+
+    kind = accelerator.distributed_type
+    return "deepspeed" if kind == DistributedType.DEEPSPEED else "fsdp" if kind == DistributedType.FSDP else "torch"
+
+
+def saved_family(path: str) -> str:
+    """The family whose files a checkpoint holds (a portable folder is read by every family)."""
+    if is_portable(path):
+        return PORTABLE
+    if os.path.isdir(os.path.join(path, "pytorch_model")):
+        return "deepspeed"
+    if os.path.isdir(os.path.join(path, "pytorch_model_fsdp_0")):
+        return "fsdp"
+    return "torch"
+
+
+def is_portable(path: str) -> bool:
+    return os.path.basename(os.path.normpath(path)) == PORTABLE
+
+
+def needs_rewrite(path: str | None, this_family: str) -> bool:
+    return path is not None and saved_family(path) not in (this_family, PORTABLE)
+
+
+def optimizer_parameter_names(model, optimizer) -> list[list[str]] | None:
+    """The names of each optimizer group's parameters, in order (what one process's and DDP's
+    `optimizer.bin` keys by position); None under DeepSpeed, whose groups are flat."""
+    from common.internals import innermost_optimizer
+
+    names = {id(parameter): name for name, parameter in model.named_parameters()}
+    groups = [[names.get(id(p)) for p in group["params"]] for group in innermost_optimizer(optimizer).param_groups]
+    return None if any(None in group for group in groups) else groups
+
+
+def rewrite(path: str, target: str, to_universal) -> None:
+    """step_N (any family) -> target (portable), through target.tmp renamed into place. `to_universal(path,
+    folder)` writes a ZeRO checkpoint's per-parameter form (DeepSpeed's ds_to_universal, common.reshard)."""
+    source, tmp = saved_family(path), target + ".tmp"
+    with open(os.path.join(path, STATE_FILE)) as handle:
+        state = json.load(handle)
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        weights, moments, steps = READERS[source](path, state, tmp, to_universal)
+        from safetensors.torch import save_file
+
+        save_file({name: t.float().contiguous() for name, t in weights.items()}, os.path.join(tmp, "model.safetensors"))
+        save_file({name: t.float().contiguous() for name, t in moments.items()},
+                  os.path.join(tmp, "optimizer.safetensors"))
+        with open(os.path.join(tmp, "optimizer.json"), "w") as handle:
+            json.dump({"optimizer": "AdamW", "steps": steps}, handle)
+        for name in os.listdir(path):
+            if name == MODEL_FILES or name.startswith(("random_states_", "scheduler")):
+                copy = shutil.copytree if os.path.isdir(os.path.join(path, name)) else shutil.copy2
+                copy(os.path.join(path, name), os.path.join(tmp, name))
+        with open(os.path.join(tmp, STATE_FILE), "w") as handle:
+            json.dump({**state, "rewritten_from": source}, handle)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(target, ignore_errors=True)  # only ever an incomplete one (no state file)
+    os.replace(tmp, target)
+
+
+def _read_torch(path: str, state: dict, tmp: str, to_universal):
+    from safetensors.torch import load_file
+
+    groups = state.get("optimizer_parameters")
+    if groups is None:
+        raise UsageError(f"checkpoint {path} does not name its optimizer's parameters (written before resuming under "
+                         "another config existed); resume it under the config that wrote it")
+    saved = torch.load(os.path.join(path, "optimizer.bin"), map_location="cpu", weights_only=True)
+    names = [name for group in groups for name in group]
+    moments, steps = {}, {}
+    for index, name in enumerate(names):
+        entry = saved["state"].get(index)
+        if entry:  # a parameter with no gradient yet has no state
+            moments.update({f"{name}.{key}": entry[key] for key in OPTIMIZER_STATES})
+            steps[name] = float(entry["step"])
+    return load_file(os.path.join(path, "model.safetensors")), moments, steps
+
+
+def _read_fsdp(path: str, state: dict, tmp: str, to_universal):
+    weights = read_dcp(os.path.join(path, "pytorch_model_fsdp_0"), "model.")
+    flat = read_dcp(os.path.join(path, "optimizer_0"), "optimizer.state.")
+    moments = {key: value for key, value in flat.items() if key.rsplit(".", 1)[-1] in OPTIMIZER_STATES}
+    steps = {key.removesuffix(".step"): float(value) for key, value in flat.items() if key.endswith(".step")}
+    return weights, moments, steps
+
+
+def read_dcp(folder: str, prefix: str) -> dict:
+    """FSDP2's distributed checkpoint, read whole in one process: the tensors whose keys start with `prefix`,
+    without it (accelerate saves the model as {"model": state_dict} and the optimizer as {"optimizer": ...})."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = dcp.FileSystemReader(folder).read_metadata()
+    state = {key: torch.empty(item.size, dtype=item.properties.dtype)
+             for key, item in metadata.state_dict_metadata.items()
+             if isinstance(item, TensorStorageMetadata) and key.startswith(prefix)}
+    with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": one process is the intent
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, storage_reader=dcp.FileSystemReader(folder), no_dist=True)
+    return {key.removeprefix(prefix): value for key, value in state.items()}
+
+
+def _read_deepspeed(path: str, state: dict, tmp: str, to_universal):
+    """DeepSpeed's own per-parameter form (ds_to_universal) read back: fp32 master and moments by name;
+    the step count of its (flat) groups from the first partition's optimizer state."""
+    universal = os.path.join(path, "universal")  # common.reshard's, when a resume on another world size made it
+    made_here = not os.path.isfile(os.path.join(universal, STATE_FILE))
+    if made_here:
+        to_universal(path, universal)
+    zero = os.path.join(universal, "pytorch_model", "zero")
+    weights, moments, shapes = {}, {}, _zero_parameter_shapes(os.path.join(path, "pytorch_model"))
+    for name in sorted(os.listdir(zero)):
+        folder = os.path.join(zero, name)
+        if not os.path.isfile(os.path.join(folder, "fp32.pt")):
+            continue
+        load = lambda what: _tensor(torch.load(os.path.join(folder, f"{what}.pt"), map_location="cpu",  # noqa: E731
+                                               weights_only=False)).reshape(shapes[name])  # ZeRO-3's are flat
+        weights[name] = load("fp32")
+        moments.update({f"{name}.{key}": load(key) for key in OPTIMIZER_STATES
+                        if os.path.isfile(os.path.join(folder, f"{key}.pt"))})
+    first = next(name for name in sorted(os.listdir(os.path.join(path, "pytorch_model"))) if "optim_states" in name)
+    saved = torch.load(os.path.join(path, "pytorch_model", first), map_location="cpu", weights_only=False)
+    inner = saved["optimizer_state_dict"]
+    inner = inner.get("base_optimizer_state", inner.get("optimizer_state_dict", inner))
+    step = max(float(entry["step"]) for entry in inner["state"].values())
+    if made_here:
+        shutil.rmtree(universal)
+    return weights, moments, {name: step for name in weights}
+
+
+def _zero_parameter_shapes(folder: str) -> dict:
+    """Each parameter's shape, from the engine's model-states files (ZeRO-3's universal tensors are flat)."""
+    shapes = {}
+    for name in sorted(os.listdir(folder)):
+        if name.endswith("model_states.pt"):
+            saved = torch.load(os.path.join(folder, name), map_location="cpu", weights_only=False)
+            for group in saved["param_shapes"]:
+                shapes.update({key: tuple(shape) for key, shape in group.items()})
+            break
+    return shapes
+
+
+def _tensor(value):
+    return value["param"] if isinstance(value, dict) else value
+
+
+READERS = {"torch": _read_torch, "fsdp": _read_fsdp, "deepspeed": _read_deepspeed}
