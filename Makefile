@@ -23,7 +23,7 @@ LAUNCH_ARGS ?=
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE ?= 1
 RESTARTS = $(if $(findstring --max_restarts,$(LAUNCH_ARGS)),--rdzv_backend c10d)
 
-.PHONY: install install-test real-model demo demo-chat demo-dpo demo-data test test-fast test-crashes doctor causal_lm sequence_classification lora sft dpo evaluate plot benchmark benchmark-peers benchmark-options benchmark-packing benchmark-reshard estimate-memory export-checkpoint check-config clean
+.PHONY: install install-test real-model demo demo-chat demo-dpo demo-data test test-fast test-crashes doctor causal_lm sequence_classification lora sft dpo evaluate plot benchmark benchmark-peers benchmark-options benchmark-packing benchmark-reshard estimate-memory export-checkpoint convert-checkpoint check-config clean
 
 # torch first: the CPU wheel on hosts without an NVIDIA GPU (no CUDA download),
 # the normal CUDA build where nvidia-smi sees a GPU. Later `torch>=...` pins are then satisfied.
@@ -139,6 +139,11 @@ plot: install
 CHECKPOINT ?= outputs/causal_lm_demo/checkpoints/step_300
 export-checkpoint: install
 	$(PY) scripts/export_checkpoint.py --checkpoint $(CHECKPOINT) $(if $(OUT),--output_dir $(OUT)) $(ARGS)
+
+# A checkpoint converted ahead for the config it will resume under (another strategy or number of processes),
+# as that resume would before training: make convert-checkpoint CHECKPOINT=... CONFIG=accelerate_configs/fsdp.yaml
+convert-checkpoint: install
+	$(PY) scripts/convert_checkpoint.py --checkpoint $(CHECKPOINT) --config_file $(CONFIG) $(ARGS)
 
 # Versions, devices and each rank's environment, then every collective checked and all_reduce
 # timed (busbw), on any config and any number of nodes; one line naming the cause on failure:

@@ -85,7 +85,7 @@ def convert_before_start(path: str | None, wait_s: float) -> None:
     one naming the shared filesystem the nodes need when the status has not changed for `wait_s`
     seconds (--ddp_timeout: rank 0 died or hangs, or this node does not see its files). Progress
     is printed every 30 s. `for_this_world_size` then finds the conversion done."""
-    conversion = _conversion_needed(path)
+    conversion = conversion_needed(path)
     if conversion is None:
         return
     target, what, convert = conversion
@@ -102,7 +102,7 @@ def convert_before_start(path: str | None, wait_s: float) -> None:
         _wait_for_conversion(path, target, wait_s)
 
 
-def _conversion_needed(path: str | None):
+def conversion_needed(path: str | None):
     """(target, what, convert) for a launch that cannot load `path` as it is, else None."""
     if path is None or portable.is_portable(path):
         return None

@@ -7,8 +7,8 @@ resumes it with `--resume_from_checkpoint latest`. The resumed run must finish, 
 `final/` weights must equal the uninterrupted run's bit for bit.
 
 `make test` runs CRASH_TRIALS=3 trials (one per config: ddp, fsdp, zero3); `make test-crashes`
-runs 21 (seven per config). A last test kills a run while it converts a ZeRO-3 checkpoint for
-another world size.
+runs 21 (seven per config). Two last tests kill a run while it converts a ZeRO-3 checkpoint for
+another world size, and while it rewrites a zero2 checkpoint for another config (common/portable.py).
 """
 
 import os
@@ -163,3 +163,33 @@ def test_a_run_killed_while_converting_a_checkpoint_for_another_world_size_resum
     gap = max_weight_difference(stopped / "final", full / "final")
     print(f"zero3, killed while converting for 1 process, converted again: max weight gap to 2 processes {gap:.2e}")
     assert gap < 1e-5
+
+
+def test_a_run_killed_while_rewriting_a_checkpoint_for_another_config_resumes(markov_data, tmp_path):
+    """A zero2 checkpoint resumed under ddp.yaml: every process is killed while rank 0 rewrites it into the
+    portable form (common/portable.py, written to portable.tmp; DeepSpeed's own per-parameter conversion
+    runs inside it); the checkpoint's own files are left as they were, and the next resume rewrites it
+    again and ends where the uninterrupted zero2 run ended."""
+    full, stopped = tmp_path / "full", tmp_path / "stopped"
+    args = dict(RUN, save_steps=4)
+    launch("zero2.yaml", "causal_lm.py", causal_lm_args(markov_data, full, **args), launcher_args=FP32)
+    checkpoint = stopped / "checkpoints" / "step_4"
+    shutil.copytree(full / "checkpoints" / "step_4", checkpoint)
+    own = {path.relative_to(checkpoint): path.read_bytes() for path in checkpoint.rglob("*") if path.is_file()}
+    resume = dict(args, resume_from_checkpoint="latest")
+    command = launch_command("ddp.yaml", "causal_lm.py", causal_lm_args(markov_data, stopped, **resume), FP32)
+    process = subprocess.Popen(command, env={**os.environ, **OFFLINE_ENV}, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, start_new_session=True)
+    rewriting = checkpoint / "portable.tmp"
+    while process.poll() is None and not rewriting.exists():
+        time.sleep(0.001)
+    assert process.poll() is None, "the run ended before the rewrite started"
+    assert kill_everything(process) >= 3  # the launcher and its two ranks at least
+    assert not (checkpoint / "portable" / "trainer_state.json").exists()
+    assert {path.relative_to(checkpoint): path.read_bytes() for path in checkpoint.rglob("*") if path.is_file()
+            and not path.relative_to(checkpoint).parts[0].startswith(("portable", "universal"))} == own
+    resumed = launch("ddp.yaml", "causal_lm.py", causal_lm_args(markov_data, stopped, **resume), launcher_args=FP32)
+    assert "rewriting" in resumed.stderr and read_run(stopped)["participating_processes"] == 2
+    gap = max_weight_difference(stopped / "final", full / "final")
+    print(f"zero2 -> ddp, killed while rewriting, rewritten again: max weight gap to the zero2 run {gap:.2e}")
+    assert gap < 1e-6

@@ -1,0 +1,72 @@
+"""A checkpoint converted ahead of time for the accelerate config it will resume under, without launching.
+
+What a resume under that config does before training, done here in one CPU process: a checkpoint
+of another strategy family (DDP or one process, FSDP2, DeepSpeed ZeRO) is rewritten into
+`step_N/portable`, every parameter's fp32 master weight and Adam moments by name
+(common/portable.py); a ZeRO checkpoint for another number of processes becomes DeepSpeed's
+universal form in `step_N/universal` (common/reshard.py). The checkpoint's own files are left as
+they are, and the resume finds the conversion done.
+
+    python scripts/convert_checkpoint.py --checkpoint outputs/run/checkpoints/step_200 \
+        --config_file accelerate_configs/zero3_offload.yaml --num_processes 4
+    make convert-checkpoint CHECKPOINT=outputs/run/checkpoints/step_200 CONFIG=accelerate_configs/fsdp.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import yaml
+
+from common.errors import UsageError, exits_on_usage_error
+from common.reshard import conversion_needed, convert_before_start
+from common.run_dir import STATE_FILE
+
+
+def launch_environment(config_file: str, num_processes: int | None) -> dict:
+    """The variables `accelerate launch` would set from the config that the conversion reads."""
+    if not os.path.isfile(config_file):
+        raise UsageError(f"--config_file {config_file} does not exist; pass one of accelerate_configs/*.yaml")
+    with open(config_file) as handle:
+        config = yaml.safe_load(handle) or {}
+    kind = str(config.get("distributed_type", "NO")).upper()
+    deepspeed = config.get("deepspeed_config") or {}
+    environment = {"ACCELERATE_USE_DEEPSPEED": str(kind == "DEEPSPEED").lower(),
+                   "ACCELERATE_USE_FSDP": str(kind == "FSDP").lower(), "RANK": "0", "LOCAL_RANK": "0",
+                   "WORLD_SIZE": str(num_processes or config.get("num_processes") or 1)}
+    if deepspeed.get("deepspeed_config_file"):
+        path = deepspeed["deepspeed_config_file"]
+        environment["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = path if os.path.isabs(path) else \
+            os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(config_file))), path)
+    elif "zero_stage" in deepspeed:
+        environment["ACCELERATE_DEEPSPEED_ZERO_STAGE"] = str(deepspeed["zero_stage"])
+    return environment
+
+
+@exits_on_usage_error
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", required=True, help="a run's checkpoints/step_N folder")
+    parser.add_argument("--config_file", required=True, help="the accelerate config the run will resume under")
+    parser.add_argument("--num_processes", type=int, default=None,
+                        help="the processes it will resume on (default: the config's num_processes)")
+    args = parser.parse_args(argv)
+    checkpoint = os.path.normpath(args.checkpoint)
+    if not os.path.isfile(os.path.join(checkpoint, STATE_FILE)):
+        raise UsageError(f"--checkpoint {checkpoint} is not a complete checkpoint (no {STATE_FILE}); pass a "
+                         "checkpoints/step_N folder of a run")
+    os.environ.update(launch_environment(args.config_file, args.num_processes))
+    conversion = conversion_needed(checkpoint)
+    if conversion is None:
+        print(f"{checkpoint}: nothing to convert; it loads under {args.config_file} as it is")
+        return
+    target = conversion[0]
+    if os.path.isfile(os.path.join(target, STATE_FILE)):
+        print(f"{checkpoint}: already converted into {target}; a resume under {args.config_file} loads it")
+        return
+    convert_before_start(checkpoint, wait_s=0.0)
+    print(f"{checkpoint}: converted into {target}; a resume under {args.config_file} loads it")
+
+if __name__ == "__main__":
+    main()
