@@ -75,6 +75,9 @@ def rewrite(path: str, target: str, to_universal) -> None:
     """step_N (any family) -> target (portable), through target.tmp renamed into place. `to_universal(path,
     folder)` writes a ZeRO checkpoint's per-parameter form (DeepSpeed's ds_to_universal, common.reshard)."""
     source, tmp = saved_family(path), target + ".tmp"
+    if os.path.isfile(os.path.join(path, "scaler.pt")) or _deepspeed_fp16(path):
+        raise UsageError(f"checkpoint {path} is an fp16 run's, whose loss scale does not carry over to another "
+                         "strategy; resume it under the config that wrote it (or continue in bf16 from its export)")
     with open(os.path.join(path, STATE_FILE)) as handle:
         state = json.load(handle)
     shutil.rmtree(tmp, ignore_errors=True)
@@ -149,7 +152,11 @@ def _read_deepspeed(path: str, state: dict, tmp: str, to_universal):
     universal = os.path.join(path, "universal")  # common.reshard's, when a resume on another world size made it
     made_here = not os.path.isfile(os.path.join(universal, STATE_FILE))
     if made_here:
-        to_universal(path, universal)
+        try:
+            to_universal(path, universal)
+        except UsageError as error:
+            raise UsageError(f"checkpoint {path} could not be rewritten for another strategy ({error}); resume it "
+                             "under the config that wrote it") from None
     zero = os.path.join(universal, "pytorch_model", "zero")
     weights, moments, shapes = {}, {}, _zero_parameter_shapes(os.path.join(path, "pytorch_model"))
     for name in sorted(os.listdir(zero)):
@@ -166,9 +173,22 @@ def _read_deepspeed(path: str, state: dict, tmp: str, to_universal):
     inner = saved["optimizer_state_dict"]
     inner = inner.get("base_optimizer_state", inner.get("optimizer_state_dict", inner))
     step = max(float(entry["step"]) for entry in inner["state"].values())
-    if made_here:
+    if made_here:  # its state file first: a crash mid-way leaves a conversion that is redone, not a damaged one
+        os.remove(os.path.join(universal, STATE_FILE))
         shutil.rmtree(universal)
     return weights, moments, {name: step for name in weights}
+
+
+def _deepspeed_fp16(path: str) -> bool:
+    """A DeepSpeed checkpoint written with fp16's dynamic loss scale (its config, saved in the model states)."""
+    folder = os.path.join(path, "pytorch_model")
+    if not os.path.isdir(folder):
+        return False
+    for name in sorted(os.listdir(folder)):
+        if name.endswith("model_states.pt"):
+            saved = torch.load(os.path.join(folder, name), map_location="cpu", weights_only=False)
+            return bool((saved.get("ds_config") or {}).get("fp16", {}).get("enabled"))
+    return False
 
 
 def _zero_parameter_shapes(folder: str) -> dict:

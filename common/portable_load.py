@@ -28,12 +28,13 @@ def load(accelerator, model, optimizer, scheduler, path: str) -> None:
         steps = json.load(handle)["steps"]
     with safe_open(os.path.join(path, "model.safetensors"), "pt") as weights, \
             safe_open(os.path.join(path, "optimizer.safetensors"), "pt") as moments:
-        names = [name for name, _ in _named_parameters(accelerator, model)]
-        missing = sorted(set(names) - set(weights.keys()))
+        # frozen parameters (LoRA's base model) come from the base model; DeepSpeed's checkpoints leave them out
+        trainable = [name for name, parameter in _named_parameters(accelerator, model) if parameter.requires_grad]
+        missing = sorted(set(trainable) - set(weights.keys()))
         if missing:
-            raise UsageError(f"checkpoint {path} holds no weight for {len(missing)} of this model's parameters "
-                             f"(first: {missing[0]}): it was written for another model; resume with that run's "
-                             "model arguments")
+            raise UsageError(f"checkpoint {path} holds no weight for {len(missing)} of this model's trained "
+                             f"parameters (first: {missing[0]}): it was written for another model; resume with "
+                             "that run's model arguments")
         if family(accelerator) == "deepspeed":
             _load_deepspeed(accelerator, model, optimizer, weights, moments, steps)
         else:
@@ -44,9 +45,15 @@ def load(accelerator, model, optimizer, scheduler, path: str) -> None:
 
 
 def _named_parameters(accelerator, model):
+    return _module(accelerator, model).named_parameters()
+
+
+def _module(accelerator, model):
+    """The model out of DDP's wrapper and uncompiled (regional compile's copy has other parameter names): the
+    same parameters, under the names the checkpoint holds. Under FSDP2, the sharded model itself."""
     from common.accelerator import unwrap
 
-    return unwrap(accelerator, model).named_parameters()
+    return unwrap(accelerator, model)
 
 
 def _inner(optimizer):
@@ -56,26 +63,24 @@ def _inner(optimizer):
 
 
 def _load_torch(accelerator, model, optimizer, weights, moments, steps) -> None:
+    """One process, DDP, FSDP2: the full state read on the first process only and sent to the others (torch's
+    broadcast_from_rank0; FSDP2 keeps each rank's shard of it)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
-    module = _unwrapped_for_state_dict(accelerator, model)
-    options = StateDictOptions(full_state_dict=True, strict=False)
-    wanted = module.state_dict().keys()
-    set_model_state_dict(module, {name: weights.get_tensor(name) for name in weights.keys() if name in wanted},
+    module, inner = _module(accelerator, model), _inner(optimizer)
+    several = accelerator.num_processes > 1
+    first = accelerator.process_index == 0
+    options = StateDictOptions(full_state_dict=True, strict=False, broadcast_from_rank0=several)
+    wanted = set(module.state_dict().keys()) & set(weights.keys())  # every trained parameter: `load` checked
+    set_model_state_dict(module, {name: weights.get_tensor(name) for name in sorted(wanted)} if first else {},
                          options=options)
-    inner = _inner(optimizer)
     names = {id(parameter): name for name, parameter in module.named_parameters()}
     groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": [names[id(p)] for p in group["params"]]}
               for group in inner.param_groups]
     state = {name: {"step": torch.tensor(steps[name], dtype=torch.float32),
                     **{key: moments.get_tensor(f"{name}.{key}") for key in OPTIMIZER_STATES}}
-             for group in groups for name in group["params"] if name in steps}
-    set_optimizer_state_dict(module, inner, {"state": state, "param_groups": groups}, options=options)
-
-
-def _unwrapped_for_state_dict(accelerator, model):
-    """The module whose parameter names are the checkpoint's: DDP's inner module (FSDP2 shards in place)."""
-    return getattr(model, "module", model) if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+             for group in groups for name in group["params"] if name in steps} if first else {}
+    set_optimizer_state_dict(module, inner, {"state": state, "param_groups": groups} if first else {}, options=options)
 
 
 def _load_deepspeed(accelerator, model, optimizer, weights, moments, steps) -> None:
@@ -103,10 +108,13 @@ def _load_deepspeed(accelerator, model, optimizer, weights, moments, steps) -> N
             lazy_init_hp_params_optimizer_state(zero.bit16_groups[index], zero.single_partition_of_fp32_groups[index],
                                                 inner.state)
     for name, parameter in _named_parameters(accelerator, model):
+        if name not in weights.keys():
+            continue  # frozen and left out (LoRA's base model, from the base model already)
         full = weights.get_tensor(name)
         zero3 = hasattr(parameter, "ds_id")
+        # the compute copy: every rank's under ZeRO-1/2; under ZeRO-3 rank 0's, then partitioned again
         gathered = deepspeed.zero.GatheredParameters([parameter], modifier_rank=0) if zero3 else contextlib.nullcontext()
-        with gathered, torch.no_grad():  # the compute copy (every rank under ZeRO-1/2, rank 0 then scattered under ZeRO-3)
+        with gathered, torch.no_grad():
             if not zero3 or accelerator.process_index == 0:
                 parameter.data.copy_(full.to(parameter.device, parameter.dtype))
         if not parameter.requires_grad:

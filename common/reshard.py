@@ -185,7 +185,7 @@ def _wait_for_conversion(path: str, target: str, wait_s: float) -> None:
                 f"waited {wait_s:.0f} s (--ddp_timeout) for rank 0 to convert {path} for this run "
                 f"with no sign of it in {status_file}: rank 0 died or hangs, or this node does not see its files. "
                 "Every node must reach the checkpoint and output_dir on one shared filesystem; check rank 0's log, "
-                "then resume again (or on the number of processes that wrote it)")
+                "then resume again (or as the checkpoint was written: its config and number of processes)")
         time.sleep(1.0)
 
 
@@ -229,8 +229,9 @@ def convert_to_universal(path: str, target: str) -> None:
     tmp = target + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(path, tmp, ignore=lambda folder, names: [
-        name for name in names if folder == path and (name in ("pytorch_model", "latest", UNIVERSAL)
-                                                      or name.startswith((UNIVERSAL + ".", "portable")) or name.endswith(".py"))])
+        name for name in names if folder == path and (
+            name in ("pytorch_model", "latest", UNIVERSAL) or name.startswith((UNIVERSAL + ".", "portable"))
+            or name.endswith(".py"))])
     result = subprocess.run(
         [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
          os.path.join(path, "pytorch_model"), "--output_folder", os.path.join(tmp, "pytorch_model"),
