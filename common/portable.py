@@ -28,11 +28,9 @@ PORTABLE = "portable"
 OPTIMIZER_STATES = ("exp_avg", "exp_avg_sq")
 
 
-def launched_family() -> str:
-    """The family of the launch's config, read from accelerate's environment before any process group."""
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
-        return "deepspeed"
-    return "fsdp" if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" else "torch"
+# a strategy (common.accelerator.launched_strategy, estimate_memory's read_strategy) -> the family whose files
+# it writes: one process and DDP write the same ones
+FAMILY = {"single": "torch", "ddp": "torch", "fsdp": "fsdp", "deepspeed": "deepspeed"}
 
 
 def family(accelerator) -> str:

@@ -22,7 +22,8 @@ import time
 import uuid
 
 from common import portable
-from common.accelerator import ZERO3_DEFAULT_SUB_GROUP_SIZE, ZERO3_SUB_GROUP_SIZE, zero3_sub_group_size
+from common.accelerator import (ZERO3_DEFAULT_SUB_GROUP_SIZE, ZERO3_SUB_GROUP_SIZE, launched_strategy,
+                                zero3_sub_group_size)
 from common.errors import NodeStopped, UsageError, describe
 from common.peers import reporting_progress
 from common.run_dir import STATE_FILE, write_atomically
@@ -36,7 +37,6 @@ def layout(accelerator) -> dict:
     (it shapes the flat optimizer partitions as the world size does), and the schedule's unit."""
     sub_group_size = zero3_sub_group_size(accelerator.state.deepspeed_plugin)
     return {"num_processes": accelerator.num_processes, SCHEDULE: "per_optimizer_step",
-            "strategy": portable.family(accelerator),
             **({"zero3_sub_group_size": sub_group_size} if sub_group_size is not None else {})}
 
 
@@ -85,37 +85,41 @@ def convert_before_start(path: str | None, wait_s: float) -> None:
     one naming the shared filesystem the nodes need when the status has not changed for `wait_s`
     seconds (--ddp_timeout: rank 0 died or hangs, or this node does not see its files). Progress
     is printed every 30 s. `for_this_world_size` then finds the conversion done."""
-    conversion = conversion_needed(path)
-    if conversion is None:
-        return
-    target, what, convert = conversion
-    if _converted(target):
+    conversion = conversion_needed(path, portable.FAMILY[launched_strategy()], launched_layout())
+    if conversion is None or _converted(conversion[0]):
         return
     if int(os.environ.get("RANK", "0")) == 0:
-        print(f"{what} into {target}", file=sys.stderr, flush=True)
-        with reporting_progress(what), _status_kept(target + STATUS):
-            convert(path, target)
+        convert(path, conversion)
         return
     waiting = reporting_progress(f"waiting for rank 0 to convert {path}") \
         if int(os.environ.get("LOCAL_RANK", "0")) == 0 else contextlib.nullcontext()  # one line per node
     with waiting:
-        _wait_for_conversion(path, target, wait_s)
+        _wait_for_conversion(path, conversion[0], wait_s)
 
 
-def conversion_needed(path: str | None):
-    """(target, what, convert) for a launch that cannot load `path` as it is, else None."""
+def conversion_needed(path: str | None, family: str, zero_layout: dict | None):
+    """(target, what, convert) for a run of strategy `family` (common.portable.FAMILY) and, under
+    DeepSpeed, `zero_layout` ({num_processes, zero3_sub_group_size}), which cannot load `path` as it
+    is; else None."""
     if path is None or portable.is_portable(path):
         return None
-    family = portable.launched_family()
     if portable.needs_rewrite(path, family):
         return (os.path.join(path, portable.PORTABLE), f"rewriting {path} ({portable.saved_family(path)}) to load "
                 f"under {family} (per parameter, by name: common/portable.py)",
                 lambda source, target: portable.rewrite(source, target, convert_to_universal))
-    launched = launched_layout()
-    if launched is None or not _differs(_saved_layout(path), launched):
+    if zero_layout is None or not _differs(_saved_layout(path), zero_layout):
         return None
-    return (os.path.join(path, UNIVERSAL), f"converting {path} for {launched['num_processes']} processes "
+    return (os.path.join(path, UNIVERSAL), f"converting {path} for {zero_layout['num_processes']} processes "
             "(DeepSpeed's universal format)", convert_to_universal)
+
+
+def convert(path: str, conversion: tuple) -> None:
+    """Rank 0's side (and scripts/convert_checkpoint.py's): the conversion made, its status file kept
+    beside the target and its progress printed."""
+    target, what, converter = conversion
+    print(f"{what} into {target}", file=sys.stderr, flush=True)
+    with reporting_progress(what), _status_kept(target + STATUS):
+        converter(path, target)
 
 
 STATUS = ".status"  # target + STATUS: rank 0's conversion, {"launch", "beat", "error"}, read by the other ranks
@@ -190,31 +194,27 @@ def _wait_for_conversion(path: str, target: str, wait_s: float) -> None:
 
 
 def for_this_world_size(accelerator, path: str | None) -> str | None:
-    """The checkpoint to load on this run's layout: `path` itself, or for a ZeRO checkpoint of
-    another world size or sub-group size (checkpoints written before the sub-group size was
+    """The checkpoint to load on this run's layout: `path` itself, its portable rewrite for a run under
+    another strategy family (common.portable), or for a ZeRO checkpoint of another world size or sub-group size (checkpoints written before the sub-group size was
     recorded had DeepSpeed's default) its universal conversion, which `convert_before_start` has
     made (made here by the main process otherwise). Call before `accelerator.prepare` (the engine
     reads the load_universal flag when built)."""
-    if path is not None and portable.needs_rewrite(path, portable.family(accelerator)):
-        target = os.path.join(path, portable.PORTABLE)
-        if accelerator.is_main_process and not _converted(target):
-            portable.rewrite(path, target, convert_to_universal)
-        accelerator.wait_for_everyone()
+    plugin = accelerator.state.deepspeed_plugin
+    this_run = None if plugin is None else {"num_processes": accelerator.num_processes,
+                                            "zero3_sub_group_size": zero3_sub_group_size(plugin)}
+    conversion = conversion_needed(path, portable.family(accelerator), this_run)
+    if conversion is None:
+        return path
+    target, _, converter = conversion
+    if accelerator.is_main_process and not _converted(target):
+        converter(path, target)
+    accelerator.wait_for_everyone()
+    if not is_universal(target):
         accelerator.print(f"{path} was saved under {portable.saved_family(path)}, this run is under "
                           f"{portable.family(accelerator)}: loading its rewrite {target}")
         return target
-    if path is None or accelerator.state.deepspeed_plugin is None or portable.is_portable(path):
-        return path
     saved = _saved_layout(path)
-    this_run = {"num_processes": accelerator.num_processes,
-                "zero3_sub_group_size": zero3_sub_group_size(accelerator.state.deepspeed_plugin)}
-    if not _differs(saved, this_run):
-        return path
-    target = os.path.join(path, UNIVERSAL)
-    if accelerator.is_main_process and not _converted(target):
-        convert_to_universal(path, target)
-    accelerator.wait_for_everyone()
-    accelerator.state.deepspeed_plugin.deepspeed_config.setdefault("checkpoint", {})["load_universal"] = True
+    plugin.deepspeed_config.setdefault("checkpoint", {})["load_universal"] = True
     same_sub_groups = this_run["zero3_sub_group_size"] in (None, saved["zero3_sub_group_size"])
     accelerator.print(f"{path} was saved by {saved['num_processes']} processes"
                       + ("" if same_sub_groups else f" with ZeRO-3 sub_group_size {saved['zero3_sub_group_size']} "

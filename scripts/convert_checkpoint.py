@@ -17,31 +17,12 @@ from __future__ import annotations
 import argparse
 import os
 
-import yaml
+from estimate_memory import read_strategy
 
 from common.errors import UsageError, exits_on_usage_error
-from common.reshard import conversion_needed, convert_before_start
+from common.portable import FAMILY
+from common.reshard import conversion_needed, convert
 from common.run_dir import STATE_FILE
-
-
-def launch_environment(config_file: str, num_processes: int | None) -> dict:
-    """The variables `accelerate launch` would set from the config that the conversion reads."""
-    if not os.path.isfile(config_file):
-        raise UsageError(f"--config_file {config_file} does not exist; pass one of accelerate_configs/*.yaml")
-    with open(config_file) as handle:
-        config = yaml.safe_load(handle) or {}
-    kind = str(config.get("distributed_type", "NO")).upper()
-    deepspeed = config.get("deepspeed_config") or {}
-    environment = {"ACCELERATE_USE_DEEPSPEED": str(kind == "DEEPSPEED").lower(),
-                   "ACCELERATE_USE_FSDP": str(kind == "FSDP").lower(), "RANK": "0", "LOCAL_RANK": "0",
-                   "WORLD_SIZE": str(num_processes or config.get("num_processes") or 1)}
-    if deepspeed.get("deepspeed_config_file"):
-        path = deepspeed["deepspeed_config_file"]
-        environment["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = path if os.path.isabs(path) else \
-            os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(config_file))), path)
-    elif "zero_stage" in deepspeed:
-        environment["ACCELERATE_DEEPSPEED_ZERO_STAGE"] = str(deepspeed["zero_stage"])
-    return environment
 
 
 @exits_on_usage_error
@@ -56,8 +37,12 @@ def main(argv=None) -> None:
     if not os.path.isfile(os.path.join(checkpoint, STATE_FILE)):
         raise UsageError(f"--checkpoint {checkpoint} is not a complete checkpoint (no {STATE_FILE}); pass a "
                          "checkpoints/step_N folder of a run")
-    os.environ.update(launch_environment(args.config_file, args.num_processes))
-    conversion = conversion_needed(checkpoint)
+    if not os.path.isfile(args.config_file):
+        raise UsageError(f"--config_file {args.config_file} does not exist; pass one of accelerate_configs/*.yaml")
+    strategy = read_strategy(args.config_file, args.num_processes, None)
+    zero_layout = {key: strategy[key] for key in ("num_processes", "zero3_sub_group_size")} \
+        if strategy["strategy"] == "deepspeed" else None
+    conversion = conversion_needed(checkpoint, FAMILY[strategy["strategy"]], zero_layout)
     if conversion is None:
         print(f"{checkpoint}: nothing to convert; it loads under {args.config_file} as it is")
         return
@@ -65,8 +50,9 @@ def main(argv=None) -> None:
     if os.path.isfile(os.path.join(target, STATE_FILE)):
         print(f"{checkpoint}: already converted into {target}; a resume under {args.config_file} loads it")
         return
-    convert_before_start(checkpoint, wait_s=0.0)
+    convert(checkpoint, conversion)
     print(f"{checkpoint}: converted into {target}; a resume under {args.config_file} loads it")
+
 
 if __name__ == "__main__":
     main()
