@@ -73,9 +73,8 @@ def rewrite(path: str, target: str, to_universal) -> None:
     """step_N (any family) -> target (portable), through target.tmp renamed into place. `to_universal(path,
     folder)` writes a ZeRO checkpoint's per-parameter form (DeepSpeed's ds_to_universal, common.reshard)."""
     source, tmp = saved_family(path), target + ".tmp"
-    if os.path.isfile(os.path.join(path, "scaler.pt")) or _deepspeed_fp16(path):
-        raise UsageError(f"checkpoint {path} is an fp16 run's, whose loss scale does not carry over to another "
-                         "strategy; resume it under the config that wrote it (or continue in bf16 from its export)")
+    if os.path.isfile(os.path.join(path, "scaler.pt")):  # torch's GradScaler (DeepSpeed's: _read_deepspeed)
+        raise _fp16_refusal(path)
     with open(os.path.join(path, STATE_FILE)) as handle:
         state = json.load(handle)
     shutil.rmtree(tmp, ignore_errors=True)
@@ -146,7 +145,13 @@ def read_dcp(folder: str, prefix: str) -> dict:
 
 def _read_deepspeed(path: str, state: dict, tmp: str, to_universal):
     """DeepSpeed's own per-parameter form (ds_to_universal) read back: fp32 master and moments by name;
-    the step count of its (flat) groups from the first partition's optimizer state."""
+    the step count of its (flat) groups from the first partition's optimizer state. The engine's files are
+    memory-mapped: only the config, the shapes and the step counts are read from them."""
+    engine = os.path.join(path, "pytorch_model")
+    model_states = _first_file(engine, "model_states.pt")
+    if (model_states.get("ds_config") or {}).get("fp16", {}).get("enabled"):
+        raise _fp16_refusal(path)
+    shapes = {key: tuple(shape) for group in model_states["param_shapes"] for key, shape in group.items()}
     universal = os.path.join(path, "universal")  # common.reshard's, when a resume on another world size made it
     made_here = not os.path.isfile(os.path.join(universal, STATE_FILE))
     if made_here:
@@ -156,7 +161,7 @@ def _read_deepspeed(path: str, state: dict, tmp: str, to_universal):
             raise UsageError(f"checkpoint {path} could not be rewritten for another strategy ({error}); resume it "
                              "under the config that wrote it") from None
     zero = os.path.join(universal, "pytorch_model", "zero")
-    weights, moments, shapes = {}, {}, _zero_parameter_shapes(os.path.join(path, "pytorch_model"))
+    weights, moments = {}, {}
     for name in sorted(os.listdir(zero)):
         folder = os.path.join(zero, name)
         if not os.path.isfile(os.path.join(folder, "fp32.pt")):
@@ -166,9 +171,7 @@ def _read_deepspeed(path: str, state: dict, tmp: str, to_universal):
         weights[name] = load("fp32")
         moments.update({f"{name}.{key}": load(key) for key in OPTIMIZER_STATES
                         if os.path.isfile(os.path.join(folder, f"{key}.pt"))})
-    first = next(name for name in sorted(os.listdir(os.path.join(path, "pytorch_model"))) if "optim_states" in name)
-    saved = torch.load(os.path.join(path, "pytorch_model", first), map_location="cpu", weights_only=False)
-    inner = saved["optimizer_state_dict"]
+    inner = _first_file(engine, "optim_states.pt")["optimizer_state_dict"]
     inner = inner.get("base_optimizer_state", inner.get("optimizer_state_dict", inner))
     step = max(float(entry["step"]) for entry in inner["state"].values())
     if made_here:  # its state file first: a crash mid-way leaves a conversion that is redone, not a damaged one
@@ -177,28 +180,15 @@ def _read_deepspeed(path: str, state: dict, tmp: str, to_universal):
     return weights, moments, {name: step for name in weights}
 
 
-def _deepspeed_fp16(path: str) -> bool:
-    """A DeepSpeed checkpoint written with fp16's dynamic loss scale (its config, saved in the model states)."""
-    folder = os.path.join(path, "pytorch_model")
-    if not os.path.isdir(folder):
-        return False
-    for name in sorted(os.listdir(folder)):
-        if name.endswith("model_states.pt"):
-            saved = torch.load(os.path.join(folder, name), map_location="cpu", weights_only=False)
-            return bool((saved.get("ds_config") or {}).get("fp16", {}).get("enabled"))
-    return False
+def _first_file(folder: str, suffix: str) -> dict:
+    """The first of a DeepSpeed checkpoint's per-rank files ending in `suffix`, memory-mapped."""
+    name = next(name for name in sorted(os.listdir(folder)) if name.endswith(suffix))
+    return torch.load(os.path.join(folder, name), map_location="cpu", weights_only=False, mmap=True)
 
 
-def _zero_parameter_shapes(folder: str) -> dict:
-    """Each parameter's shape, from the engine's model-states files (ZeRO-3's universal tensors are flat)."""
-    shapes = {}
-    for name in sorted(os.listdir(folder)):
-        if name.endswith("model_states.pt"):
-            saved = torch.load(os.path.join(folder, name), map_location="cpu", weights_only=False)
-            for group in saved["param_shapes"]:
-                shapes.update({key: tuple(shape) for key, shape in group.items()})
-            break
-    return shapes
+def _fp16_refusal(path: str) -> UsageError:
+    return UsageError(f"checkpoint {path} is an fp16 run's, whose loss scale does not carry over to another "
+                      "strategy; resume it under the config that wrote it (or continue in bf16 from its export)")
 
 
 def _tensor(value):
