@@ -23,7 +23,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from benchmark_peers import check_job, job_line, job_parser, launch, model_config  # noqa: E402
+from benchmark_peers import check_job, job_line, job_parser, launch, mfu, model_config  # noqa: E402
 from figures import markdown_table, write_page  # noqa: E402
 
 OPTIONS = {
@@ -88,11 +88,7 @@ def write_table(args, variants: list, speeds: dict, peaks: dict, refused: dict, 
     if flops.get("peak_tflops"):  # a GPU in common.flops' table
         header.insert(4, "MFU")
         for row in rows:
-            if row[2] != "refused here:":
-                mfu = float(row[2]) / args.num_processes * flops["flops_per_token"] / 1e12 / flops["peak_tflops"]
-                row.insert(4, f"{mfu:.1%}")
-            else:
-                row.insert(4, "")
+            row.insert(4, "" if row[2] == "refused here:" else f"{mfu(float(row[2]), args, flops):.1%}")
     table = markdown_table(header, rows)
     if not quiet:
         print(table)

@@ -137,6 +137,11 @@ def recipe_figures(out: str, args) -> dict:
             "processes": logged["run"]["participating_processes"], "peak_mb": max(last["peak_memory_mb_per_rank"])}
 
 
+def mfu(tokens_per_s: float, args, figures: dict) -> float:
+    """MFU at `tokens_per_s` on the job: `figures` (recipe_figures') FLOPs per token over the device's peak."""
+    return tokens_per_s / args.num_processes * figures["flops_per_token"] / 1e12 / figures["peak_tflops"]
+
+
 def launch_dpo(contender: str, args, config: str, folder: str, round_: int, steps=None) -> dict:
     """One launch of the DPO job: seconds and pairs over the timed steps, the loss at step 1 (TRL's; the
     recipe's when `steps` is 1, a one-step launch that logs it)."""
@@ -316,11 +321,11 @@ def causal_job(args, config: str, folder: str) -> list[str]:
     if recipe["peak_tflops"]:  # a GPU in common.flops' table: MFU from the recipe's FLOPs per token (the same job)
         header.insert(2, "MFU")
         for row, name in zip(rows, CONTENDERS):
-            tflops = speed[name] / args.num_processes * recipe["flops_per_token"] / 1e12
-            row.insert(2, f"{tflops / recipe['peak_tflops']:.1%}")
+            row.insert(2, f"{mfu(speed[name], args, recipe):.1%}")
         mfu_line = (f"MFU: training FLOPs per token {recipe['flops_per_token'] / 1e9:.2f} G (common.flops: "
-                    f"6N + 12 L H Q T) x tokens/s per device / the device's dense bf16 peak, {recipe['peak_tflops']:.1f} TFLOP/s. The "
-                    f"recipe's peak memory (CUDA allocator): {recipe['peak_mb'] / 1024:.1f} GiB.")
+                    f"6N + 12 L H Q T) x tokens/s per device / the device's dense bf16 peak, "
+                    f"{recipe['peak_tflops']:.1f} TFLOP/s. The recipe's peak memory (CUDA allocator): "
+                    f"{recipe['peak_mb'] / 1024:.1f} GiB.")
     print(markdown_table(header, rows))
     ratios = (f"recipe / bare loop: **{speed['recipe'] / speed['bare']:.3f}x**; recipe / Trainer: "
               f"**{speed['recipe'] / speed['trainer']:.3f}x** (above 1: the recipe is faster).")
