@@ -23,7 +23,7 @@ LAUNCH_ARGS ?=
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE ?= 1
 RESTARTS = $(if $(findstring --max_restarts,$(LAUNCH_ARGS)),--rdzv_backend c10d)
 
-.PHONY: install install-test real-model demo demo-chat demo-dpo demo-data test test-fast test-crashes doctor causal_lm sequence_classification lora sft dpo evaluate plot benchmark benchmark-peers benchmark-options benchmark-packing benchmark-reshard estimate-memory export-checkpoint convert-checkpoint check-config clean
+.PHONY: install install-test real-model demo demo-chat demo-dpo demo-data test test-fast test-crashes doctor causal_lm sequence_classification lora sft dpo evaluate plot benchmark benchmark-peers benchmark-options benchmark-packing benchmark-reshard estimate-memory choose-config benchmark-choice export-checkpoint convert-checkpoint check-config clean
 
 # torch first: the CPU wheel on hosts without an NVIDIA GPU (no CUDA download),
 # the normal CUDA build where nvidia-smi sees a GPU. Later `torch>=...` pins are then satisfied.
@@ -161,6 +161,17 @@ benchmark: install
 ESTIMATE_MODEL = $(if $(filter command line environment,$(origin MODEL)),$(MODEL),recipes/configs/llama_100m.json)
 estimate-memory: install
 	$(PY) scripts/estimate_memory.py --model $(ESTIMATE_MODEL) --config $(CONFIG) $(ARGS)
+
+# Every config ranked for a model on your devices (estimated memory per device and step time), the fastest
+# that fits written as a ready accelerate YAML (default outputs/chosen_config.yaml):
+#   make choose-config MODEL=recipes/configs/llama3_8b.json ARGS="--num_devices 8 --device h100 --seq_len 4096 --global_batch 64"
+choose-config: install
+	$(PY) scripts/choose_config.py --model $(ESTIMATE_MODEL) $(ARGS)
+
+# choose-config against measurement on this host (make doctor, make benchmark's runs at 101M under memory caps),
+# and its advice for published setups: written to docs/choose-config.md.
+benchmark-choice: install
+	$(PY) scripts/benchmark_choice.py --docs docs/choose-config.md $(ARGS)
 
 # A ZeRO-3 checkpoint's conversion for another world size and the final export's gather, at 101M:
 # time and host memory, written to docs/benchmark-reshard.md.

@@ -69,7 +69,7 @@ def run_config(config: str, steps: int, data: str, out: str, precision: str, acc
     # on when asked, or when the config's FSDP settings turn it on (fsdp_offload.yaml)
     run["activation_checkpointing"] = bool(run["args"].get("gradient_checkpointing")
                                            or run.get("fsdp_activation_checkpointing"))
-    return {"config": config, "precision": run["compute_dtype"], "accumulation": accumulation,
+    return {"config": config, "precision": run["compute_dtype"], "accumulation": accumulation, "vocab_size": run["vocab_size"],
             "activation_checkpointing": run["activation_checkpointing"],
             "parameters": run["total_parameters"],
             "processes": run["participating_processes"], "type": run["distributed_type"],

@@ -10,7 +10,7 @@ same config. Launched that way (or by hand, like a recipe), every rank reports i
 device and distributed environment, and then all ranks test the collectives together:
 all_reduce, all_gather, reduce_scatter and broadcast give the right answers, and all_reduce
 is timed over a range of sizes (algbw and busbw as nccl-tests report them: busbw =
-algbw * 2(n-1)/n). A failure ends in one line that names the likely cause (the main node
+algbw * 2(n-1)/n), all_gather and reduce_scatter at the two largest (busbw = algbw * (n-1)/n). A failure ends in one line that names the likely cause (the main node
 unreachable, a wrong network interface, versions that differ between nodes) and exit 1.
 """
 
@@ -155,30 +155,38 @@ def check_collectives(dist, device, world: int, rank: int) -> dict:
     return {name: bool(ok) for name, ok in zip(results, agreed.tolist())}
 
 
-def time_all_reduce(dist, device, world: int, sizes: list[int], iterations: int) -> list[dict]:
-    """nccl-tests' all_reduce_perf figures: the slowest rank's time per call, algbw and busbw."""
+def time_collective(dist, device, world: int, sizes: list[int], iterations: int, op: str = "all_reduce") -> list[dict]:
+    """nccl-tests' *_perf figures for one collective: the slowest rank's time per call, algbw (bytes: the
+    whole buffer, an all_gather's output or a reduce_scatter's input) and busbw (algbw * 2(n-1)/n for
+    all_reduce, * (n-1)/n for all_gather and reduce_scatter)."""
     import torch
 
     rows = []
     for size in sizes:
-        tensor = torch.ones(max(1, size // 4), device=device)
+        numel = max(1, size // 4) if op == "all_reduce" else max(world, size // 4 // world * world)
+        whole = torch.ones(numel, device=device)
+        part = torch.empty(whole.numel() // world, device=device)
+        call = {"all_reduce": lambda: dist.all_reduce(whole),
+                "all_gather": lambda: dist.all_gather_into_tensor(whole, part),
+                "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, whole)}[op]
         repeats = max(2, min(iterations, int(iterations * 2**20 / max(size, 2**20))))
         for _ in range(2):
-            dist.all_reduce(tensor)
+            call()
         dist.barrier()
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
         for _ in range(repeats):
-            dist.all_reduce(tensor)
+            call()
         if device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = torch.tensor([(time.perf_counter() - start) / repeats], device=device, dtype=torch.float64)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         seconds = elapsed.item()
-        algbw = tensor.numel() * 4 / seconds / 1e9
-        rows.append({"bytes": tensor.numel() * 4, "time_us": seconds * 1e6, "algbw_gbps": algbw,
-                     "busbw_gbps": algbw * 2 * (world - 1) / world})
+        algbw = whole.numel() * 4 / seconds / 1e9
+        factor = 2 * (world - 1) / world if op == "all_reduce" else (world - 1) / world
+        rows.append({"bytes": whole.numel() * 4, "time_us": seconds * 1e6, "algbw_gbps": algbw,
+                     "busbw_gbps": algbw * factor})
     return rows
 
 
@@ -238,7 +246,10 @@ def worker(args) -> None:
         dist.all_gather_object(reports, report)
         checks = check_collectives(dist, device, world, rank)
         sizes = [s for s in (2**k for k in range(2, 40, 2)) if s <= args.max_size] if world > 1 else []
-        bandwidth = time_all_reduce(dist, device, world, sizes, args.iterations)
+        bandwidth = time_collective(dist, device, world, sizes, args.iterations)
+        # the sharded strategies' collectives, at the largest sizes (make choose-config reads them)
+        gathers = {op: time_collective(dist, device, world, sizes[-2:], args.iterations, op)
+                   for op in ("all_gather", "reduce_scatter")}
     except Exception as error:  # every failure inside the process group gets its cause named
         from common.peers import lost_peer_message
 
@@ -247,7 +258,7 @@ def worker(args) -> None:
     if rank == 0:
         mismatches = version_mismatches(reports)
         summary = {"world_size": world, "hosts": sorted({r["host"] + "@" + str(r["address"]) for r in reports}),
-                   "backend": backend, "ranks": reports, "collectives": checks, "all_reduce": bandwidth,
+                   "backend": backend, "ranks": reports, "collectives": checks, "all_reduce": bandwidth, **gathers,
                    "version_mismatches": mismatches}
         print_summary(summary)
         if args.report:
@@ -280,6 +291,9 @@ def print_summary(summary: dict) -> None:
           f"{'busbw_GB/s':>11}")
     for row in summary["all_reduce"]:
         print(f"{row['bytes']:>12} {row['time_us']:>10.1f} {row['algbw_gbps']:>11.3g} {row['busbw_gbps']:>11.3g}")
+    for op in ("all_gather", "reduce_scatter"):
+        if summary.get(op):
+            print(f"{op}: " + ", ".join(f"busbw {row['busbw_gbps']:.3g} GB/s at {row['bytes']} bytes" for row in summary[op]))
     if summary["version_mismatches"]:
         print("versions differ: " + "; ".join(summary["version_mismatches"]))
 

@@ -31,14 +31,17 @@ the master copy and the optimizer to the CPU: on a GPU that leaves device memory
 CPU-only host it changes nothing. Under DDP with bf16, autocast's bf16 copy of every
 weight, saved for backward, counts with the activations.) The peak adds one micro-batch's activations, the largest
 transient (under FSDP2 with resharding, a layer gathered whole in the compute dtype and
-the next one prefetched; without resharding, the whole unsharded model; the optimizer
+the next one prefetched, and the root unit, embeddings and head, which FSDP2 keeps gathered
+from forward to backward; without resharding, the whole unsharded model; the optimizer
 step adds none, since the recipes' AdamW is torch's fused kernel, which updates in
 place), and on a CPU host this
 process's own size after the same imports (the run's start-up). FSDP2 with
 fsdp_cpu_ram_efficient_loading (the shipped FSDP configs) builds the whole fp32 model on
 rank 0 alone and broadcasts it into the shards at prepare, so rank 0 also peaks at 4Ψ +
 4Ψ/N + one fp32 layer in flight: `peak` is the larger of the two (on 4 processes at 101M
-this loading is rank 0's peak; on 2 the step is).
+this loading is rank 0's peak; on 2 the step is). DDP with accumulation peaks higher from the second step
+on: the no_sync micro-batches' gradients are autograd's own tensors beside DDP's buckets until the
+synchronising backward (+4Ψ, `run_peak_mb`; make choose-config counts it).
 
     python scripts/estimate_memory.py --model recipes/configs/llama_100m.json \\
         --config accelerate_configs/zero3.yaml --num_processes 2 --batch_size 1 --seq_len 64
@@ -110,9 +113,12 @@ def read_model(model: str, vocab_size: int | None = None) -> dict:
     parameters = list(built.parameters())
     layers = next((m for m in built.modules() if isinstance(m, torch.nn.ModuleList)
                    and len(m) == config.num_hidden_layers), [])
+    in_layers = sum(p.numel() for layer in layers for p in layer.parameters())
     return {"parameters": sum(p.numel() for p in parameters), "largest_tensor": max(p.numel() for p in parameters),
             "largest_layer": max((sum(p.numel() for p in layer.parameters()) for layer in layers),
                                  default=max(p.numel() for p in parameters)),
+            "root_parameters": sum(p.numel() for p in parameters) - in_layers,
+            "matmul_parameters": sum(m.weight.numel() for m in built.modules() if isinstance(m, torch.nn.Linear)),
             "hidden_size": config.hidden_size, "intermediate_size": getattr(config, "intermediate_size",
                                                                              4 * config.hidden_size),
             "layers": config.num_hidden_layers, "vocab_size": config.vocab_size}
@@ -172,9 +178,10 @@ def estimate(model: dict, strategy: dict, batch_size: int, seq_len: int, checkpo
             buckets = c * psi / n
     elif kind == "fsdp":
         parameters, master, gradients, optimizer = 4 * psi / n, 0, 4 * psi / n, 8 * psi / n
-        # a layer gathered whole and the next prefetched; without resharding, the whole unsharded
-        # model, held from forward to backward
-        step_transient = 2 * c * model["largest_layer"] if strategy["fsdp_reshard_after_forward"] else c * psi
+        # a layer gathered whole and the next prefetched, and the root unit (embeddings, final norm, head:
+        # FSDP2 keeps the root gathered from forward to backward); without resharding, the whole model
+        step_transient = (2 * c * model["largest_layer"] + c * model.get("root_parameters", 0)
+                          if strategy["fsdp_reshard_after_forward"] else c * psi)
         if strategy.get("fsdp_cpu_ram_efficient_loading"):  # rank 0: the whole model, its shard, a layer
             loading = 4 * psi + 4 * psi / n + 4 * model["largest_layer"]
     else:
@@ -187,10 +194,15 @@ def estimate(model: dict, strategy: dict, batch_size: int, seq_len: int, checkpo
     if kind == "ddp" and c == 2:  # autocast's low-precision copy of each weight, saved for backward
         activations += c * psi
     model_state = parameters + master + gradients + optimizer + reference
+    # DDP under accumulation, from the second step on: the no_sync micro-batches' gradients are autograd's own
+    # tensors beside DDP's buckets until the synchronising backward copies them in (measured: +4Ψ)
+    later = 4 * psi if kind == "ddp" and accumulation > 1 and n > 1 else 0
     return {**{k: int(v) for k, v in categories.items()}, "model_state": int(model_state),
             "activations": int(activations), "activation_checkpointing": checkpointing,
             "step_transient": int(step_transient), "loading_peak": int(loading),
-            "tensors_peak": int(max(model_state + buckets + activations + step_transient, loading))}
+            "tensors_peak": int(max(model_state + buckets + activations + step_transient, loading)),
+            "later_steps_transient": int(later),
+            "run_tensors_peak": int(max(model_state + buckets + activations + step_transient + later, loading))}
 
 
 def process_baseline_mb(strategy: dict) -> float:
@@ -244,6 +256,7 @@ def main(argv=None) -> dict:
     baseline = 0.0 if torch.cuda.is_available() else process_baseline_mb(strategy)
     result["process_baseline_mb"] = round(baseline, 1)
     result["peak_mb"] = round(result["tensors_peak"] / MB + baseline, 1)
+    result["run_peak_mb"] = round(result["run_tensors_peak"] / MB + baseline, 1)
     print(f"{model['parameters']:,} parameters; {os.path.basename(args.config)} on {strategy['num_processes']} "
           f"process(es), {strategy['mixed_precision']}, batch {args.batch_size} x {args.seq_len} tokens"
           f"{f', accumulation {args.gradient_accumulation_steps}' if args.gradient_accumulation_steps > 1 else ''}"
@@ -255,6 +268,8 @@ def main(argv=None) -> dict:
     if baseline:
         print(f"  {'process (start-up)':22} {baseline:10.1f}")
     print(f"  {'peak':22} {result['peak_mb']:10.1f}")
+    if result["later_steps_transient"]:
+        print(f"  {'peak from step 2':22} {result['run_peak_mb']:10.1f}  (DDP's no_sync gradients beside its buckets)")
     result.update(strategy=strategy, model=model)
     if args.json:
         with open(args.json, "w") as handle:

@@ -25,6 +25,10 @@ def check_report(report: dict, world: int, addresses: set) -> None:
     assert sizes[0] == 4 and sizes[-1] == 2**20 and sizes == sorted(sizes)
     for row in report["all_reduce"]:  # nccl-tests' definition: busbw = algbw * 2(n-1)/n
         assert row["time_us"] > 0 and row["busbw_gbps"] == pytest.approx(row["algbw_gbps"] * 2 * (world - 1) / world)
+    for op in ("all_gather", "reduce_scatter"):  # at the two largest sizes, busbw = algbw * (n-1)/n
+        assert [row["bytes"] for row in report[op]] == sizes[-2:]
+        for row in report[op]:
+            assert row["time_us"] > 0 and row["busbw_gbps"] == pytest.approx(row["algbw_gbps"] * (world - 1) / world)
     biggest = report["all_reduce"][-1]
     print(f"{world} ranks over {sorted(addresses)}: latency (4 B) {report['all_reduce'][0]['time_us']:.0f} us, "
           f"busbw at 1 MB {biggest['busbw_gbps']:.3f} GB/s")
@@ -35,7 +39,7 @@ def test_make_doctor_checks_two_processes(tmp_path):
     result = run(["make", "doctor", f"LAUNCH_ARGS=--main_process_port {free_port()}",
                   "ARGS=" + " ".join([*QUICK, "--report", str(report)])])
     assert "collectives: all_reduce ok, all_gather ok, reduce_scatter ok, broadcast ok" in result.stdout
-    assert "busbw_GB/s" in result.stdout
+    assert "busbw_GB/s" in result.stdout and "reduce_scatter: busbw" in result.stdout
     check_report(json.loads(report.read_text()), 2, {"127.0.0.1"})
 
 

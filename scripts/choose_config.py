@@ -1,0 +1,399 @@
+"""Choose the accelerate config for a job: every shipped config ranked by estimated memory and step time.
+
+For a model (a config.json, a model folder or a Hub name; read on the meta device), the devices
+(how many, on how many nodes, their memory) and the job (sequence length, global batch in
+sequences per optimizer step), each config is tried at every micro-batch that divides the
+per-device batch, with activation checkpointing off and on:
+
+* memory per device: `make estimate-memory`'s peak from the second step on (checked against measured
+  memory for every config in docs/benchmark.md), within --headroom of the device's memory; with
+  offload on a GPU, what lives in CPU RAM counts against the node's RAM (--host_memory_gb), as does
+  FSDP's loading of the whole model on rank 0;
+* step time: compute (the model's training FLOPs, 6 per matmul weight per token plus attention's,
+  4/3 of that with activation checkpointing, at --mfu of the device's peak) + communication (the
+  bytes each config's all_reduce, all_gather and reduce_scatter move per step, ring algorithms,
+  each at its bus bandwidth: what `make doctor` reports as busbw, read from its --report with
+  --doctor_report) + the optimizer step and autocast's weight casts (bytes through device memory)
+  + offload traffic (the host link) and the CPU optimizer step (host memory). On a GPU
+  communication overlaps compute (NCCL runs on its own streams): the step is the larger of the two;
+  on a CPU host they share the cores: the sum. Ties (a compute-bound step) go to less traffic.
+
+The fastest config that fits is written as a ready accelerate YAML (num_processes, num_machines,
+FSDP's activation checkpointing set; the recipe arguments it assumes in its header), and the
+command to launch it is printed; an existing file is kept unless --overwrite. A device preset's
+figures are data-sheet peaks and typical links: pass your own (--peak_tflops, --link_gbps, ...) or
+`make doctor`'s measurement. With --device cpu (the default without a GPU) this host's matmul
+rate and memory bandwidth are measured, and the link is make doctor's report. The estimates are
+checked against measured runs by make benchmark-choice (docs/choose-config.md).
+
+    make choose-config MODEL=recipes/configs/llama3_8b.json ARGS="--num_devices 8 --device h100 --seq_len 4096 --global_batch 64"
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import re
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from estimate_memory import REPO, estimate, process_baseline_mb, read_model, read_strategy  # noqa: E402
+
+GB = 1e9
+# Dense bf16 peak (data sheets), memory, HBM bandwidth, intra-node all_reduce busbw (nccl-tests on
+# 8 GPUs over NVLink, typical), host link (PCIe, one direction), CPU RAM per node (DGX systems'),
+# all in GB or GB/s.
+DEVICES = {
+    "h100": {"tflops": 989.4, "memory_gb": 80, "memory_gbps": 3350, "link_gbps": 360, "host_link_gbps": 50,
+             "host_memory_gb": 2048},
+    "h200": {"tflops": 989.4, "memory_gb": 141, "memory_gbps": 4800, "link_gbps": 360, "host_link_gbps": 50,
+             "host_memory_gb": 2048},
+    "a100": {"tflops": 312.0, "memory_gb": 80, "memory_gbps": 2039, "link_gbps": 230, "host_link_gbps": 25,
+             "host_memory_gb": 1024},
+}
+SINGLE_NODE = ["ddp.yaml", "fsdp.yaml", "fsdp_shard_grad_op.yaml", "fsdp_offload.yaml", "zero1.yaml", "zero2.yaml",
+               "zero2_offload.yaml", "zero3.yaml", "zero3_offload.yaml"]
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
+ONE_DEVICE = ["single.yaml", "fsdp_offload.yaml", "zero2_offload.yaml", "zero3_offload.yaml"]
+MULTI_NODE = ["multi_node_ddp.yaml", "multi_node_fsdp.yaml", "multi_node_hsdp.yaml", "multi_node_zero3.yaml"]
+
+
+def read_config(name: str, num_processes: int, precision: str) -> dict:
+    """read_strategy's view of a shipped config, plus what it leaves out: parameter offload and HSDP."""
+    import yaml
+
+    path = os.path.join(REPO, "accelerate_configs", name)
+    strategy = read_strategy(path, num_processes, precision)
+    with open(path) as handle:
+        raw = yaml.safe_load(handle)
+    strategy["offload_params"] = (str(raw.get("fsdp_config", {}).get("fsdp_offload_params", False)).lower() == "true"
+                                  or raw.get("deepspeed_config", {}).get("offload_param_device", "none") != "none")
+    strategy["replicas"] = int((raw.get("parallelism_config") or {}).get("parallelism_config_dp_replicate_size", 1))
+    strategy["name"] = name
+    return strategy
+
+
+def measure_host(compute_dtype, threads: int, model: dict, rows: int) -> dict:
+    """This host as one process of the job sees it: the matmul rate of the model's MLP on `rows` tokens
+    in the compute dtype, and memory bandwidth (a large tensor add), on `threads` threads."""
+    import torch
+
+    torch.set_num_threads(threads)
+    h, i = model["hidden_size"], model["intermediate_size"]
+    a, b = torch.randn(rows, h, dtype=compute_dtype), torch.randn(h, i, dtype=compute_dtype)
+    rates, bandwidths = [], []
+    x, y = torch.ones(2**25), torch.ones(2**25)  # 128 MB each
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(4):
+            a @ b
+        rates.append(4 * 2 * rows * h * i / (time.perf_counter() - start) / 1e12)
+        start = time.perf_counter()
+        torch.add(x, y, out=x)
+        bandwidths.append(3 * x.numel() * 4 / (time.perf_counter() - start) / GB)
+    return {"tflops": max(rates), "memory_gbps": max(bandwidths)}
+
+
+def comm_and_memory_traffic(s: dict, model: dict, c: int, k: int, n_node: int, nodes: int) -> dict:
+    """Bytes per device per optimizer step: over the links by collective (bus bytes, as busbw counts them:
+    2(N-1)/N x size for an all_reduce, (N-1)/N x size for an all_gather or reduce_scatter), through
+    device memory (optimizer step, autocast's casts) and over the host link (offload); and the CPU
+    optimizer's parameters. k micro-batches per step."""
+    psi, n = model["parameters"], s["num_processes"]
+    f = (n - 1) / n
+    kind, stage = s["strategy"], s["zero_stage"]
+    where = "inter" if nodes > 1 else "intra"
+    link = {}
+    memory, host, cpu_optimizer = 0.0, 0.0, 0.0
+    if kind == "ddp":
+        link[where, "all_reduce"] = 2 * f * 4 * psi  # fp32 gradients, once per step (no_sync in accumulation)
+        memory = 28 * psi + (k * (4 + c) * psi if c < 4 else 0)  # AdamW over all; autocast's weight casts
+    elif kind == "fsdp":
+        gathers = 2 if s["fsdp_reshard_after_forward"] else 1
+        if s["replicas"] > 1:  # HSDP: shard within a node, all-reduce the shards across nodes
+            link["intra", "all_gather"] = k * gathers * c * psi * (n_node - 1) / n_node
+            link["intra", "reduce_scatter"] = k * c * psi * (n_node - 1) / n_node
+            link["inter", "all_reduce"] = k * 2 * (nodes - 1) / nodes * c * psi / n_node
+        else:  # all-gathers, and a reduce-scatter per micro-batch (common.accelerator)
+            link[where, "all_gather"] = k * gathers * c * psi * f
+            link[where, "reduce_scatter"] = k * c * psi * f
+        memory = k * gathers * (4 + c) * psi / n  # each gather casts the fp32 shard
+        if s["offload_params"]:
+            host = k * (gathers * 4 + c) * psi / n  # shards to the device per gather, gradients back
+            cpu_optimizer = psi / n
+        else:
+            memory += 28 * psi / n
+    else:
+        # ZeRO-3 gathers per micro-batch, ZeRO-1/2 the updated weights once; ZeRO-1 reduces at the boundary only
+        link[where, "all_gather"] = (2 * k if stage == 3 else 1) * c * psi * f
+        link[where, "reduce_scatter"] = (1 if stage == 1 else k) * c * psi * f
+        if s["offload"]:
+            host = (k + 1) * c * psi / n + (2 * k * c * psi / n if s["offload_params"] else 0)
+            cpu_optimizer = psi / n
+        else:
+            memory = (28 + 8 + 2 * c) * psi / n  # AdamW, and the copies between fp32 and compute dtype
+    return {"link": link, "memory": memory, "host": host, "cpu_optimizer": cpu_optimizer}
+
+
+def device_and_host_bytes(est: dict, s: dict, on_gpu: bool) -> tuple[float, float]:
+    """Bytes per device, and per process in CPU RAM. On a CPU host it is all one memory (the estimate's
+    peak, FSDP's whole-model loading included). On a GPU, offload moves the master copy and the
+    optimizer (under parameter offload, the parameters and gradients; under ZeRO-1/2 offload, the fp32
+    gradient partition) to CPU RAM."""
+    if not on_gpu:
+        return est["run_tensors_peak"], 0.0
+    live = (est["model_state"] + est["communication_buffers"] + est["activations"] + est["step_transient"]
+            + est["later_steps_transient"])
+    moved = 0.0
+    if s["offload"] or s["offload_params"]:
+        moved = est["master_weights"] + est["optimizer_states"]
+        if s["strategy"] == "fsdp" or s["offload_params"]:
+            moved += est["parameters"] + est["gradients"]
+        else:
+            moved += est["optimizer_states"] / 2  # the fp32 gradient partition: one Adam moment's size
+    return live - moved, moved
+
+
+@functools.lru_cache
+def process_baseline_bytes(deepspeed: bool) -> float:
+    """A run's process after its imports (its start-up on a CPU host), as make estimate-memory measures it:
+    this process, which has built the model on the meta device (asked without DeepSpeed first)."""
+    return process_baseline_mb({"strategy": "deepspeed" if deepspeed else "ddp"}) * 2**20
+
+
+def candidates(args) -> list[str]:
+    """The shipped configs for this many devices and nodes (--configs: only those of them)."""
+    shipped = MULTI_NODE if args.num_nodes > 1 else ONE_DEVICE if args.num_devices == 1 else SINGLE_NODE
+    unknown = [name for name in args.configs or [] if name not in shipped]
+    if unknown:
+        raise SystemExit(f"error: --configs {' '.join(unknown)}: not among the configs for {args.num_devices} "
+                         f"device(s) on {args.num_nodes} node(s); choose from {' '.join(shipped)}")
+    return [name for name in shipped if name in (args.configs or shipped)]
+
+
+def rank(args, model: dict, device: dict) -> list[dict]:
+    """Every (config, micro-batch, checkpointing) that fits, the fastest per config, and those that do not."""
+    n, nodes = args.num_devices, args.num_nodes
+    n_node = n // nodes
+    on_gpu = args.device != "cpu"
+    c = 2 if args.mixed_precision in ("bf16", "fp16") else 4
+    per_device = args.global_batch // n
+    flops_per_token = 6 * model["matmul_parameters"] + 12 * model["layers"] * model["hidden_size"] * args.seq_len
+    rows = []
+    for name in candidates(args):
+        s = read_config(name, n, args.mixed_precision)
+        if not on_gpu:
+            process_baseline_bytes(False)  # before DeepSpeed's import, which the DeepSpeed configs' figure adds
+        if s["replicas"] > 1:
+            s["replicas"] = nodes
+        baseline = 0.0 if on_gpu else process_baseline_bytes(s["strategy"] == "deepspeed")
+        options = []
+        for micro in [m for m in range(per_device, 0, -1) if per_device % m == 0 and args.micro_batch in (None, m)]:
+            for checkpointing in {"auto": (False, True), "off": (False,), "on": (True,)}[args.activation_checkpointing]:
+                k = per_device // micro
+                sharding = dict(s, num_processes=n_node) if s["replicas"] > 1 else s
+                est = estimate(model, sharding, micro, args.seq_len, checkpointing, k)
+                device_bytes, host_bytes = device_and_host_bytes(est, sharding, on_gpu)
+                device_bytes += baseline
+                traffic = comm_and_memory_traffic(s, model, c, k, n_node, nodes)
+                recompute = 4 / 3 if est["activation_checkpointing"] else 1.0
+                compute = per_device * args.seq_len * flops_per_token * recompute / (device["tflops"] * 1e12 * args.mfu)
+                comm = sum(size / ((device["link_gbps"][op] if where == "intra" else args.inter_node_gbps) * GB)
+                           for (where, op), size in traffic["link"].items())
+                other = (traffic["memory"] / (device["memory_gbps"] * GB) + traffic["host"] / (
+                    device["host_link_gbps"] * GB) + 28 * traffic["cpu_optimizer"] * n_node / (
+                    args.host_memory_gbps * GB))
+                step = (max(compute, comm) if on_gpu else compute + comm) + other
+                host_bytes = host_bytes * n_node + (est["loading_peak"] if on_gpu else 0)  # FSDP loads on rank 0
+                fits = (device_bytes <= device["memory_gb"] * GB * (1 - args.headroom)
+                        and host_bytes <= args.host_memory_gb * GB)
+                options.append({"config": name, "micro_batch": micro, "accumulation": k,
+                                "activation_checkpointing": est["activation_checkpointing"], "fits": fits,
+                                "device_gb": device_bytes / GB, "host_gb_per_node": host_bytes / GB,
+                                "compute_s": compute, "comm_s": comm, "other_s": other, "step_s": step,
+                                "strategy": s})
+        fitting = [o for o in options if o["fits"]]
+        rows.append(min(fitting, key=lambda o: o["step_s"]) if fitting
+                    else min(options, key=lambda o: o["device_gb"]))
+    rows.sort(key=lambda r: (not r["fits"], (r["step_s"], r["comm_s"], r["device_gb"]) if r["fits"] else r["device_gb"]))
+    chosen = rows[0] if rows[0]["fits"] else None
+    for r in rows:
+        if not r["fits"]:
+            over_host = r["host_gb_per_node"] > args.host_memory_gb
+            r["verdict"] = (f"does not fit: needs {r['host_gb_per_node']:.0f} GB of CPU RAM per node" if over_host else
+                            f"does not fit: needs {r['device_gb']:.1f} GB per device at micro-batch {r['micro_batch']}"
+                            + (" with activation checkpointing" if r["activation_checkpointing"] else ""))
+        elif r is chosen:
+            r["verdict"] = "chosen"
+        elif r["step_s"] / chosen["step_s"] < 1.005:  # compute-bound: the same step, more traffic or memory
+            r["verdict"] = "as fast, more communication" if r["comm_s"] > chosen["comm_s"] else "as fast, more memory"
+        else:
+            r["verdict"] = f"slower: {r['step_s'] / chosen['step_s']:.2f}x the chosen"
+    return rows
+
+
+def write_yaml(choice: dict, args, path: str) -> None:
+    """The chosen config's YAML with num_processes, num_machines and FSDP's activation checkpointing set,
+    and the recipe arguments the choice assumes in its header."""
+    with open(os.path.join(REPO, "accelerate_configs", choice["config"])) as handle:
+        text = handle.read()
+    text = re.sub(r"(?m)^num_processes: .*$", f"num_processes: {args.num_devices}", text)
+    text = re.sub(r"(?m)^num_machines: .*$", f"num_machines: {args.num_nodes}", text)
+    if args.num_nodes > 1:
+        text = re.sub(r"(?m)^  parallelism_config_dp_replicate_size: .*$",
+                      f"  parallelism_config_dp_replicate_size: {args.num_nodes}", text)
+        text = re.sub(r"(?m)^  parallelism_config_dp_shard_size: .*$",
+                      f"  parallelism_config_dp_shard_size: {args.num_devices // args.num_nodes}", text)
+    if choice["strategy"]["strategy"] == "fsdp":
+        text = re.sub(r"(?m)^  fsdp_activation_checkpointing: .*$",
+                      f"  fsdp_activation_checkpointing: {str(choice['activation_checkpointing']).lower()}", text)
+    header = (f"# Chosen by make choose-config from {os.path.basename(choice['config'])} for {args.model} on "
+              f"{args.num_devices} device(s) ({args.device}), {args.seq_len}-token sequences, global batch "
+              f"{args.global_batch}.\n# Launch with: {launch_line(choice, args, path)}\n")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as handle:
+        handle.write(header + text)
+
+
+def launch_line(choice: dict, args, path: str) -> str:
+    checkpointing = (" --gradient_checkpointing true" if choice["activation_checkpointing"]
+                     and choice["strategy"]["strategy"] != "fsdp" else "")
+    return (f"accelerate launch --config_file {path} recipes/causal_lm.py --per_device_train_batch_size "
+            f"{choice['micro_batch']} --gradient_accumulation_steps {choice['accumulation']} --block_size "
+            f"{args.seq_len}{checkpointing} ...")
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="a config.json, a model folder, or a Hub name")
+    parser.add_argument("--num_devices", type=int, required=True, help="devices (processes) over all nodes")
+    parser.add_argument("--num_nodes", type=int, default=1)
+    parser.add_argument("--device", choices=[*DEVICES, "cpu"], help="default: the GPU here, else cpu (measured)")
+    parser.add_argument("--device_memory_gb", type=float, help="memory per device (default: the preset's; on cpu "
+                                                                "this host's available memory / devices)")
+    parser.add_argument("--peak_tflops", type=float, help="the device's dense peak in the compute dtype")
+    parser.add_argument("--mfu", type=float, help="achieved fraction of the peak (default 0.37: the recipe's "
+                                                  "measured MFU at 1B on an H200, docs/gpu; on cpu 1.0 of the "
+                                                  "measured matmul rate)")
+    parser.add_argument("--link_gbps", type=float, help="intra-node busbw of every collective, GB/s")
+    parser.add_argument("--memory_gbps", type=float, help="the device's memory bandwidth, GB/s (on cpu: measured)")
+    parser.add_argument("--vocab_size", type=int, help="override the config's (a model built for a tokenizer)")
+    parser.add_argument("--doctor_report", help="make doctor's --report JSON: each collective's busbw at its "
+                                                 "largest size")
+    parser.add_argument("--inter_node_gbps", type=float, default=50.0,
+                        help="busbw between nodes, GB/s (default: a 400 Gb/s NIC per device)")
+    parser.add_argument("--host_memory_gb", type=float, help="CPU RAM per node (default: the preset's, on cpu "
+                                                              "this host's available memory)")
+    parser.add_argument("--host_memory_gbps", type=float, help="CPU memory bandwidth per node, GB/s, for the CPU "
+                                                                "optimizer (default 100; on cpu: measured)")
+    parser.add_argument("--seq_len", type=int, default=2048)
+    parser.add_argument("--global_batch", type=int, required=True, help="sequences per optimizer step, all devices")
+    parser.add_argument("--micro_batch", type=int, help="sequences per device per forward (default: the fastest "
+                                                        "that fits, among the divisors of the per-device batch)")
+    parser.add_argument("--activation_checkpointing", choices=["auto", "off", "on"], default="auto",
+                        help="auto: on only where that fits and off does not (a config may turn it on itself)")
+    parser.add_argument("--mixed_precision", choices=["bf16", "fp16", "no"], default="bf16")
+    parser.add_argument("--headroom", type=float, help="fraction of device memory kept free (default 0.1: the "
+                                                       "estimate's gap to a run's measured peak, up to 14%% below "
+                                                       "it on a CPU host, docs/choose-config.md; on a GPU the CUDA "
+                                                       "context and fragmentation too)")
+    parser.add_argument("--configs", nargs="+", help="rank only these shipped configs (names in accelerate_configs/)")
+    parser.add_argument("--output", default=os.path.join("outputs", "chosen_config.yaml"))
+    parser.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
+    parser.add_argument("--json", help="also write the table here")
+    return parser.parse_args(argv)
+
+
+def resolve_device(args, model: dict) -> dict:
+    """The device figures: a preset or this host measured (cpu), then the user's overrides."""
+    import torch
+
+    if args.device is None:
+        name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        args.device = next((key for key in DEVICES if key in name.lower()), "cpu")
+        if args.device == "cpu" and name != "cpu":
+            raise SystemExit(f"error: no preset for {name}; pass --device and --peak_tflops, --device_memory_gb, "
+                             "--link_gbps")
+    overrides = {"tflops": args.peak_tflops, "memory_gb": args.device_memory_gb, "memory_gbps": args.memory_gbps}
+    if args.link_gbps:
+        overrides["link_gbps"] = dict.fromkeys(COLLECTIVES, args.link_gbps)
+    elif args.doctor_report:  # each collective's busbw at its largest size (an older report: all_reduce's)
+        with open(args.doctor_report) as handle:
+            report = json.load(handle)
+        overrides["link_gbps"] = {op: (report.get(op) or report["all_reduce"])[-1]["busbw_gbps"] for op in COLLECTIVES}
+    elif args.device == "cpu" and args.num_devices > 1:
+        raise SystemExit("error: on cpu the link between processes is measured, not assumed: run make doctor "
+                         "ARGS='--max_size 256M --report doctor.json' and pass --doctor_report doctor.json")
+    if args.device == "cpu":  # one process of the job on its share of the cores
+        device = {"memory_gb": available_memory_gb() / args.num_devices}
+        if args.peak_tflops is None or args.memory_gbps is None:
+            threads = max(1, (os.cpu_count() or 1) // (args.num_devices // args.num_nodes))
+            device.update(measure_host(torch.bfloat16 if args.mixed_precision == "bf16" else torch.float32,
+                                       threads, model, min(args.seq_len, 2048)))
+    else:
+        device = dict(DEVICES[args.device])
+        device["link_gbps"] = dict.fromkeys(COLLECTIVES, device["link_gbps"])
+    device.update({key: value for key, value in overrides.items() if value is not None})
+    if args.device == "cpu":  # offload, collectives and the CPU optimizer all go through this memory
+        device.setdefault("link_gbps", dict.fromkeys(COLLECTIVES, 0.0))  # one process: nothing crosses a link
+        device["host_link_gbps"] = device["memory_gbps"]
+        args.host_memory_gbps = args.host_memory_gbps or device["memory_gbps"]
+    args.host_memory_gbps = args.host_memory_gbps or 100.0
+    args.mfu = args.mfu or (1.0 if args.device == "cpu" else 0.37)
+    args.headroom = 0.1 if args.headroom is None else args.headroom
+    args.host_memory_gb = args.host_memory_gb or device.get("host_memory_gb") or available_memory_gb()
+    return device
+
+
+def available_memory_gb() -> float:
+    with open("/proc/meminfo") as handle:
+        return next(int(line.split()[1]) * 1024 for line in handle if line.startswith("MemAvailable")) / GB
+
+
+def main(argv=None) -> dict:
+    args = parse(argv)
+    if args.num_devices < 1 or args.num_nodes < 1 or args.num_devices % args.num_nodes:
+        raise SystemExit(f"error: --num_devices {args.num_devices} is not a multiple of --num_nodes {args.num_nodes}; "
+                         "pass the total device count over all nodes")
+    if args.global_batch % args.num_devices:
+        raise SystemExit(f"error: --global_batch {args.global_batch} does not divide over {args.num_devices} devices; "
+                         "pass a multiple of --num_devices")
+    if os.path.exists(args.output) and not args.overwrite:
+        raise SystemExit(f"error: {args.output} exists; pass another --output or --overwrite to replace it")
+    try:
+        model = read_model(args.model, args.vocab_size)
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"error: --model {args.model} gives no model config ({str(error).splitlines()[0]}); "
+                         "pass a config.json, a model folder or a Hub name reachable from here")
+    device = resolve_device(args, model)
+    rows = rank(args, model, device)
+    print(f"{model['parameters']:,} parameters on {args.num_devices} x {args.device} ({device['memory_gb']:.1f} GB, "
+          f"{device['tflops']:.3g} TFLOP/s peak at {args.mfu:.2f}, link busbw GB/s: "
+          + ", ".join(f"{op} {bw:.3g}" for op, bw in device["link_gbps"].items()) + "), "
+          f"{args.seq_len}-token sequences, global batch {args.global_batch}, {args.mixed_precision}")
+    print(f"{'config':24} {'micro x acc':>11} {'AC':>3} {'GB/device':>9} {'CPU GB/node':>11} {'compute s':>9} "
+          f"{'comm s':>7} {'other s':>7} {'step s':>7}  verdict")
+    for r in rows:
+        print(f"{r['config']:24} {r['micro_batch']:>6} x {r['accumulation']:<3} {'on' if r['activation_checkpointing'] else 'off':>3} "
+              f"{r['device_gb']:9.2f} {r['host_gb_per_node']:11.1f} {r['compute_s']:9.3g} {r['comm_s']:7.3g} "
+              f"{r['other_s']:7.3g} {r['step_s']:7.3g}  {r['verdict']}")
+    result = {"device": device, "model": model, "rows": [{k: v for k, v in r.items() if k != "strategy"} for r in rows]}
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as handle:
+            json.dump(result, handle, indent=2)
+    choice = next((r for r in rows if r["verdict"] == "chosen"), None)
+    if choice is None:
+        raise SystemExit(f"error: no config fits {device['memory_gb']:.1f} GB per device (the smallest needs "
+                         f"{rows[0]['device_gb']:.1f} GB, {rows[0]['config']}); use more devices, a shorter "
+                         "--seq_len, or LoRA (--use_peft)")
+    write_yaml(choice, args, args.output)
+    print(f"wrote {args.output}\n{launch_line(choice, args, args.output)}")
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main() and 0)

@@ -1,0 +1,132 @@
+"""make choose-config: every config ranked by estimated memory and step time, the fastest that fits
+written as an accelerate YAML that launches as it is; bad input refused in one line. (Its check
+against measured runs on this host is make benchmark-choice, docs/choose-config.md.)"""
+
+import json
+
+import pytest
+import yaml
+
+from conftest import REPO, causal_lm_args, launch, load_script, read_run, run
+
+choose_config = load_script("scripts/choose_config.py")
+LLAMA3_8B = str(REPO / "recipes/configs/llama3_8b.json")
+LLAMA3_70B = str(REPO / "recipes/configs/llama3_70b.json")
+
+
+def choose(tmp_path, *argv) -> dict:
+    return choose_config.main([*map(str, argv), "--output", str(tmp_path / "chosen.yaml"),
+                               "--json", str(tmp_path / "table.json")])
+
+
+def test_llama3_8b_on_8_h100_gets_a_config_that_fits_and_its_yaml(tmp_path):
+    result = choose(tmp_path, "--model", LLAMA3_8B, "--device", "h100", "--num_devices", 8, "--seq_len", 4096,
+                    "--global_batch", 64)
+    assert result["model"]["parameters"] == 8_030_261_248  # Meta's published Llama-3-8B
+    # the embeddings and the head sit outside the decoder layers: FSDP2's root unit
+    assert result["model"]["root_parameters"] == 2 * 128256 * 4096 + 4096
+    rows = {r["config"]: r for r in result["rows"]}
+    chosen = [r for r in result["rows"] if r["verdict"] == "chosen"]
+    assert len(chosen) == 1 and chosen[0] is result["rows"][0]
+    limit = 80 * 0.9  # the preset's memory less the default headroom
+    for row in result["rows"]:
+        assert row["fits"] == (row["device_gb"] <= limit and row["host_gb_per_node"] <= 2048), row
+        assert row["step_s"] >= chosen[0]["step_s"] or not row["fits"]
+        assert row["micro_batch"] * row["accumulation"] == 64 // 8
+    assert not rows["ddp.yaml"]["fits"]  # 16 bytes per parameter: 128 GB of model state per device
+    assert rows["ddp.yaml"]["verdict"].startswith("does not fit: needs")
+    written = (tmp_path / "chosen.yaml").read_text()
+    config = yaml.safe_load(written)
+    assert config["num_processes"] == 8 and config["num_machines"] == 1
+    shipped = yaml.safe_load((REPO / "accelerate_configs" / chosen[0]["config"]).read_text())
+    assert {k: v for k, v in config.items() if k not in ("num_processes", "fsdp_config")} == {
+        k: v for k, v in shipped.items() if k not in ("num_processes", "fsdp_config")}
+    assert f"--per_device_train_batch_size {chosen[0]['micro_batch']} --gradient_accumulation_steps " \
+           f"{chosen[0]['accumulation']} --block_size 4096" in written.splitlines()[1]
+
+
+def test_llama3_70b_on_one_node_needs_offload_and_the_cpu_ram_for_it(tmp_path):
+    result = choose(tmp_path, "--model", LLAMA3_70B, "--device", "h100", "--num_devices", 8, "--seq_len", 4096,
+                    "--global_batch", 64)
+    fitting = {r["config"] for r in result["rows"] if r["fits"]}
+    assert fitting and fitting <= {"zero3_offload.yaml", "fsdp_offload.yaml", "zero2_offload.yaml"}
+    chosen = result["rows"][0]
+    assert chosen["host_gb_per_node"] > 1000  # 70B's fp32 master copy and Adam moments: over 840 GB of CPU RAM
+    with pytest.raises(SystemExit) as refused:  # the same on nodes with 512 GB of RAM: nothing fits
+        choose(tmp_path / "small", "--model", LLAMA3_70B, "--device", "h100", "--num_devices", 8, "--seq_len", 4096,
+               "--global_batch", 64, "--host_memory_gb", 512)
+    message = str(refused.value)
+    assert message.startswith("error: no config fits") and "\n" not in message
+    assert not (tmp_path / "small" / "chosen.yaml").exists()
+    table = json.loads((tmp_path / "small" / "table.json").read_text())
+    assert all("does not fit" in r["verdict"] for r in table["rows"])
+    assert any("CPU RAM per node" in r["verdict"] for r in table["rows"])
+
+
+def test_multi_node_choice_is_a_filled_multi_node_template(tmp_path):
+    result = choose(tmp_path, "--model", LLAMA3_70B, "--device", "a100", "--num_devices", 64, "--num_nodes", 8,
+                    "--seq_len", 2048, "--global_batch", 64)
+    assert {r["config"] for r in result["rows"]} == set(choose_config.MULTI_NODE)
+    config = yaml.safe_load((tmp_path / "chosen.yaml").read_text())
+    assert config["num_processes"] == 64 and config["num_machines"] == 8
+    assert config["main_process_ip"].startswith("FILL")  # the template's field for the user's cluster
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--num_devices", 6, "--num_nodes", 4], "is not a multiple of --num_nodes"),
+    (["--num_devices", 8, "--global_batch", 12], "does not divide over 8 devices"),
+    (["--num_devices", 2, "--device", "cpu"], "pass --doctor_report"),
+    (["--num_devices", 8, "--configs", "multi_node_ddp.yaml"], "not among the configs for 8 device(s)"),
+    (["--num_devices", 8, "--model", "no/such/model"], "gives no model config"),
+])
+def test_bad_input_is_refused_in_one_line(tmp_path, argv, says):
+    values = {"--model": LLAMA3_8B, "--device": "h100", "--global_batch": 64}
+    given = dict(zip(argv[::2], argv[1::2]))
+    with pytest.raises(SystemExit) as refused:
+        choose(tmp_path, *[str(x) for pair in {**values, **given}.items() for x in pair])
+    assert says in str(refused.value) and "\n" not in str(refused.value)
+    assert not (tmp_path / "chosen.yaml").exists()
+
+
+def test_an_existing_output_is_kept(tmp_path):
+    mine = tmp_path / "chosen.yaml"
+    mine.write_text("my own config\n")
+    with pytest.raises(SystemExit) as refused:
+        choose(tmp_path, "--model", LLAMA3_8B, "--device", "h100", "--num_devices", 8, "--global_batch", 64)
+    assert "exists; pass another --output or --overwrite" in str(refused.value)
+    assert mine.read_text() == "my own config\n"
+
+
+@pytest.mark.slow
+def test_the_chosen_yaml_launches_as_written_on_this_host(markov_data, tmp_path):
+    """make choose-config on this host (its compute and memory measured), then the YAML it wrote launched
+    with the arguments it printed: the run takes part on every process it was chosen for."""
+    chosen = tmp_path / "chosen.yaml"
+    result = run(["make", "-s", "choose-config", "MODEL=recipes/configs/tiny_llama.json",
+                  f"ARGS=--num_devices 2 --global_batch 8 --seq_len 32 --link_gbps 1 --output {chosen} "
+                  f"--json {tmp_path / 'table.json'}"])
+    table = json.loads((tmp_path / "table.json").read_text())
+    row = table["rows"][0]
+    assert row["verdict"] == "chosen" and f"wrote {chosen}" in result.stdout
+    assert f"--per_device_train_batch_size {row['micro_batch']}" in result.stdout.splitlines()[-1]
+    out = tmp_path / "run"
+    launch(str(chosen), "causal_lm.py", causal_lm_args(
+        markov_data, out, block_size=32, max_steps=2, per_device_train_batch_size=row["micro_batch"],
+        gradient_accumulation_steps=row["accumulation"]))
+    record = read_run(out)
+    assert record["participating_processes"] == 2
+    kind = yaml.safe_load((REPO / "accelerate_configs" / row["config"]).read_text())["distributed_type"]
+    assert record["distributed_type"] == {"NO": "MULTI_CPU", "MULTI_GPU": "MULTI_CPU"}.get(kind, kind)
+
+
+@pytest.mark.slow
+def test_make_benchmark_choice_writes_the_comparison(tmp_path):
+    page = tmp_path / "choice.md"
+    result = run(["make", "-s", "benchmark-choice", f"ARGS=--model_config recipes/configs/tiny_llama.json --steps 3 "
+                                                    f"--configs ddp.yaml zero3.yaml --docs {page}"])
+    caps = [line for line in result.stdout.splitlines() if line.startswith("cap ")]
+    assert len(caps) == 2  # a cap just above each measured peak
+    written = page.read_text()
+    for heading in ("| config | measured s/step | estimated s/step |", "## Published setups", "Llama-3-70B",
+                    "What its authors used"):
+        assert heading in written
