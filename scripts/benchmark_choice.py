@@ -155,6 +155,17 @@ def write_docs(args, rows: list, measured: dict, host: dict, report: str, advice
          if r["chosen"] else [f"{r['cap_mb']:.0f}", len(r["fits"]), f"`{r['fastest']}`", "none: every estimate "
                               "is above the cap", "", "", ""] for r in rows])
     hits = sum(r["chosen"] == r["fastest"] for r in rows)
+    chosen = [r for r in rows if r["chosen"]]
+    gaps = [r["estimate_mb"] / r["measured_mb"] - 1 for r in chosen]
+    misses = [r for r in chosen if r["chosen"] != r["fastest"]]
+    summary = (f"The chosen config measured to fit its cap in {sum(r['fits_measured'] for r in chosen)} of "
+               f"{len(rows)} caps; its estimated peak was {min(gaps) * 100:+.0f}% to {max(gaps) * 100:+.0f}% off the "
+               "measured one (estimates run below a CPU run's peak: the process's own memory beyond its imports, "
+               "kernel caches, threads and the data, which the default --headroom of 10% absorbs)." + (
+                   " Where the choice was not the fastest measured config, that one's estimate plus the headroom "
+                   "was over the cap, and the next-fastest was chosen: " + "; ".join(
+                       f"at {r['cap_mb']:.0f} MB `{r['chosen']}` at {r['chosen_vs_fastest']:.2f}x "
+                       f"`{r['fastest']}`'s speed" for r in misses) + "." if misses else ""))
     sections = []
     for title, table, used in advice:
         sections.append(f"### {title}\n\n" + markdown_table(
@@ -173,6 +184,7 @@ def write_docs(args, rows: list, measured: dict, host: dict, report: str, advice
         "process.\n\nEach config, measured and as choose-config estimates it:\n\n" + per_config +
         "\n\nAt a memory cap per process just above each measured peak (2%), choose-config's choice beside the "
         f"fastest config measured to fit under that cap ({hits} of {len(rows)} the same):\n\n" + caps +
+        "\n\n" + summary +
         "\n\n## Published setups\n\nchoose-config's advice from its device presets (data-sheet peaks, "
         "typical links; nothing measured there), beside what the setups' authors used.\n\n" + "\n\n".join(sections)))
 
