@@ -1,8 +1,8 @@
 """make choose-config against measurement on this host: at each memory cap per process, its choice
 beside the fastest config measured to fit.
 
-One invocation: `make doctor`'s all_reduce bus bandwidth on 2 processes (the link choose-config is
-told about, --doctor_report), `make benchmark`'s runs of every config choose-config ranks for 2
+One invocation: `make doctor`'s bus bandwidths on 2 processes (all_reduce, all_gather, reduce_scatter:
+the link choose-config is told about, --doctor_report), `make benchmark`'s runs of every config choose-config ranks for 2
 devices (101M parameters, bf16, batch 1 x 64 tokens, accumulation 2; or their --json from an earlier
 run with --benchmark_json), this host's compute and memory bandwidth measured once, then
 choose-config for the same job at a cap just above each measured peak. Written to --docs.
@@ -110,7 +110,8 @@ def main(argv=None) -> None:
             fits = [c for c, m in measured.items() if m["peak_mb"] <= cap]
             fastest = min(fits, key=lambda c: measured[c]["step_s"])
             chosen = next((c for c, r in table.items() if r["verdict"] == "chosen"), None)
-            rows.append({"cap_mb": cap, "fits": fits, "fastest": fastest, "chosen": chosen, "table": table})
+            rows.append({"cap_mb": cap, "fits": fits, "fastest": fastest, "chosen": chosen, "table": table,
+                         "parameters": results[0]["parameters"]})
             if chosen:
                 rows[-1].update(estimate_mb=table[chosen]["device_gb"] * 1e9 / 2**20, fits_measured=chosen in fits,
                                 measured_mb=measured[chosen]["peak_mb"],
@@ -140,7 +141,8 @@ def write_docs(args, rows: list, measured: dict, host: dict, report: str, advice
     from figures import markdown_table, write_page
 
     with open(report) as handle:
-        busbw = json.load(handle)["all_reduce"][-1]
+        measured_links = json.load(handle)
+    links = ", ".join(f"{op} {measured_links[op][-1]['busbw_gbps']:.2f} GB/s" for op in choose_config.COLLECTIVES)
     last = rows[-1]["table"]
     per_config = markdown_table(
         ["config", "measured s/step", "estimated s/step", "measured peak MB", "estimated peak MB"],
@@ -162,10 +164,11 @@ def write_docs(args, rows: list, measured: dict, host: dict, report: str, advice
                f"{len(rows)} caps; its estimated peak was {min(gaps) * 100:+.0f}% to {max(gaps) * 100:+.0f}% off the "
                "measured one (estimates run below a CPU run's peak: the process's own memory beyond its imports, "
                "kernel caches, threads and the data, which the default --headroom of 10% absorbs)." + (
-                   " Where the choice was not the fastest measured config, that one's estimate plus the headroom "
-                   "was over the cap, and the next-fastest was chosen: " + "; ".join(
-                       f"at {r['cap_mb']:.0f} MB `{r['chosen']}` at {r['chosen_vs_fastest']:.2f}x "
-                       f"`{r['fastest']}`'s speed" for r in misses) + "." if misses else ""))
+                   " Where the choice was not the fastest measured config: " + "; ".join(
+                       f"at {r['cap_mb']:.0f} MB `{r['chosen']}`, at {r['chosen_vs_fastest']:.2f}x `{r['fastest']}`'s "
+                       "speed, " + ("because that one's estimate plus the headroom was over the cap"
+                                    if not r["table"][r["fastest"]]["fits"] else "estimated the faster")
+                       for r in misses) + "." if misses else ""))
     sections = []
     for title, table, used in advice:
         sections.append(f"### {title}\n\n" + markdown_table(
@@ -175,11 +178,11 @@ def write_docs(args, rows: list, measured: dict, host: dict, report: str, advice
               else "off", f"{r['device_gb']:.1f}", f"{r['host_gb_per_node']:.0f}", f"{r['step_s']:.2f}", r["verdict"]]
              for r in table]) + f"\n\nWhat its authors used: {used}")
     write_page(args.docs, "Choosing a config: make choose-config against measurement", (
-        f"The job: {os.path.basename(args.model_config)} (101M parameters), bf16, 2 processes, batch "
+        f"The job: {os.path.basename(args.model_config)} ({rows[0]['parameters']:,} parameters), bf16, 2 processes, batch "
         f"{JOB['micro_batch']} x {JOB['seq_len']} tokens, accumulation {JOB['accumulation']}. Measured by "
         f"`make benchmark`'s runs ({args.steps} steps each, all in this invocation; peak = the highest rank's "
-        "peak resident set over the run), and by `make doctor` (all_reduce busbw "
-        f"{busbw['busbw_gbps']:.2f} GB/s at {busbw['bytes'] / 2**20:.0f} MB). This host measured by choose-config: "
+        "peak resident set over the run), and by `make doctor` (busbw at 256 MB: "
+        f"{links}). This host measured by choose-config: "
         f"{host['tflops'] * 1e3:.0f} GFLOP/s bf16 matmul and {host['memory_gbps']:.1f} GB/s memory bandwidth per "
         "process.\n\nEach config, measured and as choose-config estimates it:\n\n" + per_config +
         "\n\nAt a memory cap per process just above each measured peak (2%), choose-config's choice beside the "

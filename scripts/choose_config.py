@@ -43,15 +43,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from estimate_memory import REPO, estimate, process_baseline_mb, read_model, read_strategy  # noqa: E402
 
 GB = 1e9
-# Dense bf16 peak (data sheets), memory, HBM bandwidth, intra-node all_reduce busbw (nccl-tests on
+# Dense bf16 peak and fp32 peak without TF32, which the recipes leave off (data sheets), memory, HBM bandwidth, intra-node all_reduce busbw (nccl-tests on
 # 8 GPUs over NVLink, typical), host link (PCIe, one direction), CPU RAM per node (DGX systems'),
 # all in GB or GB/s.
 DEVICES = {
-    "h100": {"tflops": 989.4, "memory_gb": 80, "memory_gbps": 3350, "link_gbps": 360, "host_link_gbps": 50,
+    "h100": {"tflops": 989.4, "tflops_fp32": 66.9, "memory_gb": 80, "memory_gbps": 3350, "link_gbps": 360, "host_link_gbps": 50,
              "host_memory_gb": 2048},
-    "h200": {"tflops": 989.4, "memory_gb": 141, "memory_gbps": 4800, "link_gbps": 360, "host_link_gbps": 50,
+    "h200": {"tflops": 989.4, "tflops_fp32": 66.9, "memory_gb": 141, "memory_gbps": 4800, "link_gbps": 360, "host_link_gbps": 50,
              "host_memory_gb": 2048},
-    "a100": {"tflops": 312.0, "memory_gb": 80, "memory_gbps": 2039, "link_gbps": 230, "host_link_gbps": 25,
+    "a100": {"tflops": 312.0, "tflops_fp32": 19.5, "memory_gb": 80, "memory_gbps": 2039, "link_gbps": 230, "host_link_gbps": 25,
              "host_memory_gb": 1024},
 }
 SINGLE_NODE = ["ddp.yaml", "fsdp.yaml", "fsdp_shard_grad_op.yaml", "fsdp_offload.yaml", "zero1.yaml", "zero2.yaml",
@@ -120,12 +120,13 @@ def comm_and_memory_traffic(s: dict, model: dict, c: int, k: int, n_node: int, n
         else:  # all-gathers, and a reduce-scatter per micro-batch (common.accelerator)
             link[where, "all_gather"] = k * gathers * c * psi * f
             link[where, "reduce_scatter"] = k * c * psi * f
-        memory = k * gathers * (4 + c) * psi / n  # each gather casts the fp32 shard
+        shard = psi / (n_node if s["replicas"] > 1 else n)
+        memory = k * gathers * (4 + c) * shard  # each gather casts the fp32 shard
         if s["offload_params"]:
-            host = k * (gathers * 4 + c) * psi / n  # shards to the device per gather, gradients back
-            cpu_optimizer = psi / n
+            host = k * (gathers * 4 + c) * shard  # shards to the device per gather, gradients back
+            cpu_optimizer = shard
         else:
-            memory += 28 * psi / n
+            memory += 28 * shard
     else:
         # ZeRO-3 gathers per micro-batch, ZeRO-1/2 the updated weights once; ZeRO-1 reduces at the boundary only
         link[where, "all_gather"] = (2 * k if stage == 3 else 1) * c * psi * f
@@ -146,7 +147,7 @@ def device_and_host_bytes(est: dict, s: dict, on_gpu: bool) -> tuple[float, floa
     if not on_gpu:
         return est["run_tensors_peak"], 0.0
     live = (est["model_state"] + est["communication_buffers"] + est["activations"] + est["step_transient"]
-            + est["later_steps_transient"])
+            + est["accumulation_transient"])
     moved = 0.0
     if s["offload"] or s["offload_params"]:
         moved = est["master_weights"] + est["optimizer_states"]
@@ -175,13 +176,15 @@ def candidates(args) -> list[str]:
 
 
 def rank(args, model: dict, device: dict) -> list[dict]:
-    """Every (config, micro-batch, checkpointing) that fits, the fastest per config, and those that do not."""
+    """Each config at its fastest (micro-batch, checkpointing) that fits, or its smallest if none does; sorted
+    fastest first, steps within 0.5% of each other counted as ties that go to less traffic, then less memory."""
     n, nodes = args.num_devices, args.num_nodes
     n_node = n // nodes
     on_gpu = args.device != "cpu"
     c = 2 if args.mixed_precision in ("bf16", "fp16") else 4
     per_device = args.global_batch // n
     flops_per_token = 6 * model["matmul_parameters"] + 12 * model["layers"] * model["hidden_size"] * args.seq_len
+    device_limit, host_limit = device["memory_gb"] * GB * (1 - args.headroom), args.host_memory_gb * GB
     rows = []
     for name in candidates(args):
         s = read_config(name, n, args.mixed_precision)
@@ -201,38 +204,54 @@ def rank(args, model: dict, device: dict) -> list[dict]:
                 traffic = comm_and_memory_traffic(s, model, c, k, n_node, nodes)
                 recompute = 4 / 3 if est["activation_checkpointing"] else 1.0
                 compute = per_device * args.seq_len * flops_per_token * recompute / (device["tflops"] * 1e12 * args.mfu)
-                comm = sum(size / ((device["link_gbps"][op] if where == "intra" else args.inter_node_gbps) * GB)
-                           for (where, op), size in traffic["link"].items())
+                comm = sum(size / (device["link_gbps" if where == "intra" else "inter_node_gbps"][op] * GB)
+                           for (where, op), size in traffic["link"].items() if size)
                 other = (traffic["memory"] / (device["memory_gbps"] * GB) + traffic["host"] / (
                     device["host_link_gbps"] * GB) + 28 * traffic["cpu_optimizer"] * n_node / (
                     args.host_memory_gbps * GB))
                 step = (max(compute, comm) if on_gpu else compute + comm) + other
-                host_bytes = host_bytes * n_node + (est["loading_peak"] if on_gpu else 0)  # FSDP loads on rank 0
-                fits = (device_bytes <= device["memory_gb"] * GB * (1 - args.headroom)
-                        and host_bytes <= args.host_memory_gb * GB)
+                host_bytes *= n_node
+                if on_gpu:  # the build comes before training's offloaded state, except FSDP2's rank 0 sharding it
+                    load = loading_bytes(est, s, model, n_node)
+                    host_bytes = host_bytes + load if s["strategy"] == "fsdp" else max(host_bytes, load)
                 options.append({"config": name, "micro_batch": micro, "accumulation": k,
-                                "activation_checkpointing": est["activation_checkpointing"], "fits": fits,
+                                "activation_checkpointing": est["activation_checkpointing"],
+                                "fits": device_bytes <= device_limit and host_bytes <= host_limit,
                                 "device_gb": device_bytes / GB, "host_gb_per_node": host_bytes / GB,
                                 "compute_s": compute, "comm_s": comm, "other_s": other, "step_s": step,
                                 "strategy": s})
         fitting = [o for o in options if o["fits"]]
         rows.append(min(fitting, key=lambda o: o["step_s"]) if fitting
-                    else min(options, key=lambda o: o["device_gb"]))
-    rows.sort(key=lambda r: (not r["fits"], (r["step_s"], r["comm_s"], r["device_gb"]) if r["fits"] else r["device_gb"]))
+                    else min(options, key=lambda o: (o["device_gb"] > device_limit / GB) + (
+                        o["host_gb_per_node"] > host_limit / GB) + o["device_gb"] / 1e6))
+    fastest = min((r["step_s"] for r in rows if r["fits"]), default=None)
+    rows.sort(key=lambda r: (not r["fits"], ((1, r["step_s"], 0) if r["step_s"] > fastest * 1.005 else
+                                             (0, r["comm_s"], r["device_gb"])) if r["fits"] else (r["device_gb"],)))
     chosen = rows[0] if rows[0]["fits"] else None
     for r in rows:
         if not r["fits"]:
-            over_host = r["host_gb_per_node"] > args.host_memory_gb
-            r["verdict"] = (f"does not fit: needs {r['host_gb_per_node']:.0f} GB of CPU RAM per node" if over_host else
-                            f"does not fit: needs {r['device_gb']:.1f} GB per device at micro-batch {r['micro_batch']}"
+            needs = [f"{r['device_gb']:.1f} GB per device (of {device_limit / GB:.1f})"] * (r["device_gb"] > device_limit / GB)
+            needs += [f"{r['host_gb_per_node']:.0f} GB of CPU RAM per node (of {args.host_memory_gb:.0f})"] * (
+                r["host_gb_per_node"] > host_limit / GB)
+            r["verdict"] = (f"does not fit: needs {' and '.join(needs)} at micro-batch {r['micro_batch']}"
                             + (" with activation checkpointing" if r["activation_checkpointing"] else ""))
         elif r is chosen:
             r["verdict"] = "chosen"
-        elif r["step_s"] / chosen["step_s"] < 1.005:  # compute-bound: the same step, more traffic or memory
-            r["verdict"] = "as fast, more communication" if r["comm_s"] > chosen["comm_s"] else "as fast, more memory"
+        elif r["step_s"] <= fastest * 1.005:  # a tie: the same step, more traffic or memory
+            r["verdict"] = ("as fast, more communication" if r["comm_s"] > chosen["comm_s"] else
+                            "as fast, more memory" if r["device_gb"] > chosen["device_gb"] else "as fast")
         else:
             r["verdict"] = f"slower: {r['step_s'] / chosen['step_s']:.2f}x the chosen"
     return rows
+
+
+def loading_bytes(est: dict, s: dict, model: dict, n_node: int) -> float:
+    """CPU RAM per node while the model is built, on a GPU host: FSDP2's whole model on rank 0 (the estimate's
+    loading peak); under DDP and ZeRO-1/2 every rank builds it whole in fp32 before moving it to its device
+    (common.model); ZeRO-3 builds it partitioned (zero.Init)."""
+    if s["strategy"] == "fsdp":
+        return est["loading_peak"]
+    return 0.0 if s["strategy"] == "deepspeed" and s["zero_stage"] == 3 else n_node * 4.0 * model["parameters"]
 
 
 def write_yaml(choice: dict, args, path: str) -> None:
@@ -247,12 +266,15 @@ def write_yaml(choice: dict, args, path: str) -> None:
                       f"  parallelism_config_dp_replicate_size: {args.num_nodes}", text)
         text = re.sub(r"(?m)^  parallelism_config_dp_shard_size: .*$",
                       f"  parallelism_config_dp_shard_size: {args.num_devices // args.num_nodes}", text)
+    text = re.sub(r"(?m)^mixed_precision: .*$", f"mixed_precision: '{args.mixed_precision}'", text)
     if choice["strategy"]["strategy"] == "fsdp":
         text = re.sub(r"(?m)^  fsdp_activation_checkpointing: .*$",
                       f"  fsdp_activation_checkpointing: {str(choice['activation_checkpointing']).lower()}", text)
     header = (f"# Chosen by make choose-config from {os.path.basename(choice['config'])} for {args.model} on "
               f"{args.num_devices} device(s) ({args.device}), {args.seq_len}-token sequences, global batch "
-              f"{args.global_batch}.\n# Launch with: {launch_line(choice, args, path)}\n")
+              f"{args.global_batch}, {args.mixed_precision}.\n# Launch with: {launch_line(choice, args, path)}\n")
+    if args.num_nodes > 1:
+        header += "# On each node: fill main_process_ip below (node 0's address) and pass --machine_rank 0..N-1.\n"
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as handle:
         handle.write(header + text)
@@ -261,7 +283,8 @@ def write_yaml(choice: dict, args, path: str) -> None:
 def launch_line(choice: dict, args, path: str) -> str:
     checkpointing = (" --gradient_checkpointing true" if choice["activation_checkpointing"]
                      and choice["strategy"]["strategy"] != "fsdp" else "")
-    return (f"accelerate launch --config_file {path} recipes/causal_lm.py --per_device_train_batch_size "
+    node = " --machine_rank NODE_RANK --main_process_ip NODE0_ADDRESS" if args.num_nodes > 1 else ""
+    return (f"accelerate launch --config_file {path}{node} recipes/causal_lm.py --per_device_train_batch_size "
             f"{choice['micro_batch']} --gradient_accumulation_steps {choice['accumulation']} --block_size "
             f"{args.seq_len}{checkpointing} ...")
 
@@ -284,7 +307,9 @@ def parse(argv):
     parser.add_argument("--doctor_report", help="make doctor's --report JSON: each collective's busbw at its "
                                                  "largest size")
     parser.add_argument("--inter_node_gbps", type=float, default=50.0,
-                        help="busbw between nodes, GB/s (default: a 400 Gb/s NIC per device)")
+                        help="busbw between nodes, GB/s (default: a 400 Gb/s NIC per device; a --doctor_report "
+                             "run over several nodes replaces it)")
+    parser.add_argument("--host_link_gbps", type=float, help="device to CPU RAM, GB/s (offload)")
     parser.add_argument("--host_memory_gb", type=float, help="CPU RAM per node (default: the preset's, on cpu "
                                                               "this host's available memory)")
     parser.add_argument("--host_memory_gbps", type=float, help="CPU memory bandwidth per node, GB/s, for the CPU "
@@ -294,7 +319,7 @@ def parse(argv):
     parser.add_argument("--micro_batch", type=int, help="sequences per device per forward (default: the fastest "
                                                         "that fits, among the divisors of the per-device batch)")
     parser.add_argument("--activation_checkpointing", choices=["auto", "off", "on"], default="auto",
-                        help="auto: on only where that fits and off does not (a config may turn it on itself)")
+                        help="auto: whichever is faster among what fits (a config may turn it on itself)")
     parser.add_argument("--mixed_precision", choices=["bf16", "fp16", "no"], default="bf16")
     parser.add_argument("--headroom", type=float, help="fraction of device memory kept free (default 0.1: the "
                                                        "estimate's gap to a run's measured peak, up to 14%% below "
@@ -307,24 +332,38 @@ def parse(argv):
     return parser.parse_args(argv)
 
 
+def read_doctor_report(path: str) -> dict:
+    """Each collective's busbw at its largest size from make doctor's --report (an older one: all_reduce's)."""
+    try:
+        with open(path) as handle:
+            report = json.load(handle)
+        return {op: (report.get(op) or report["all_reduce"])[-1]["busbw_gbps"] for op in COLLECTIVES}
+    except (OSError, ValueError, KeyError, IndexError, TypeError) as error:
+        raise SystemExit(f"error: --doctor_report {path} is not make doctor's report over 2 or more processes "
+                         f"({type(error).__name__}: {error}); run make doctor ARGS='--max_size 256M --report "
+                         f"{path}'") from None
+
+
 def resolve_device(args, model: dict) -> dict:
     """The device figures: a preset or this host measured (cpu), then the user's overrides."""
     import torch
 
     if args.device is None:
         name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-        args.device = next((key for key in DEVICES if key in name.lower()), "cpu")
+        args.device = next((key for key in DEVICES if re.search(rf"\b{key}\b", name.lower())), "cpu")
         if args.device == "cpu" and name != "cpu":
             raise SystemExit(f"error: no preset for {name}; pass --device and --peak_tflops, --device_memory_gb, "
                              "--link_gbps")
-    overrides = {"tflops": args.peak_tflops, "memory_gb": args.device_memory_gb, "memory_gbps": args.memory_gbps}
+    overrides = {"tflops": args.peak_tflops, "memory_gb": args.device_memory_gb, "memory_gbps": args.memory_gbps,
+                 "host_link_gbps": args.host_link_gbps,
+                 "inter_node_gbps": dict.fromkeys(COLLECTIVES, args.inter_node_gbps)}
+    # a report's ring spans the nodes it ran on: on several nodes it measures the link between them
+    measured = "inter_node_gbps" if args.num_nodes > 1 else "link_gbps"
     if args.link_gbps:
         overrides["link_gbps"] = dict.fromkeys(COLLECTIVES, args.link_gbps)
-    elif args.doctor_report:  # each collective's busbw at its largest size (an older report: all_reduce's)
-        with open(args.doctor_report) as handle:
-            report = json.load(handle)
-        overrides["link_gbps"] = {op: (report.get(op) or report["all_reduce"])[-1]["busbw_gbps"] for op in COLLECTIVES}
-    elif args.device == "cpu" and args.num_devices > 1:
+    if args.doctor_report:
+        overrides[measured] = read_doctor_report(args.doctor_report)
+    elif args.device == "cpu" and args.num_devices > 1 and not args.link_gbps:
         raise SystemExit("error: on cpu the link between processes is measured, not assumed: run make doctor "
                          "ARGS='--max_size 256M --report doctor.json' and pass --doctor_report doctor.json")
     if args.device == "cpu":  # one process of the job on its share of the cores
@@ -336,6 +375,8 @@ def resolve_device(args, model: dict) -> dict:
     else:
         device = dict(DEVICES[args.device])
         device["link_gbps"] = dict.fromkeys(COLLECTIVES, device["link_gbps"])
+        if args.mixed_precision == "no":
+            device["tflops"] = device["tflops_fp32"]
     device.update({key: value for key, value in overrides.items() if value is not None})
     if args.device == "cpu":  # offload, collectives and the CPU optimizer all go through this memory
         device.setdefault("link_gbps", dict.fromkeys(COLLECTIVES, 0.0))  # one process: nothing crosses a link
@@ -358,11 +399,19 @@ def main(argv=None) -> dict:
     if args.num_devices < 1 or args.num_nodes < 1 or args.num_devices % args.num_nodes:
         raise SystemExit(f"error: --num_devices {args.num_devices} is not a multiple of --num_nodes {args.num_nodes}; "
                          "pass the total device count over all nodes")
+    if args.global_batch < 1 or args.seq_len < 2:
+        raise SystemExit(f"error: --global_batch {args.global_batch} and --seq_len {args.seq_len}: pass at least 1 "
+                         "sequence and 2 tokens")
     if args.global_batch % args.num_devices:
         raise SystemExit(f"error: --global_batch {args.global_batch} does not divide over {args.num_devices} devices; "
                          "pass a multiple of --num_devices")
-    if os.path.exists(args.output) and not args.overwrite:
-        raise SystemExit(f"error: {args.output} exists; pass another --output or --overwrite to replace it")
+    per_device = args.global_batch // args.num_devices
+    if args.micro_batch is not None and (args.micro_batch < 1 or per_device % args.micro_batch):
+        raise SystemExit(f"error: --micro_batch {args.micro_batch} does not divide the per-device batch {per_device} "
+                         f"(--global_batch {args.global_batch} over {args.num_devices} devices); pass a divisor of it")
+    for path, flag in ((args.output, "--output"), (args.json, "--json")):
+        if path and os.path.exists(path) and not args.overwrite:
+            raise SystemExit(f"error: {path} exists; pass another {flag} or --overwrite to replace it")
     try:
         model = read_model(args.model, args.vocab_size)
     except (OSError, ValueError) as error:
@@ -370,9 +419,11 @@ def main(argv=None) -> dict:
                          "pass a config.json, a model folder or a Hub name reachable from here")
     device = resolve_device(args, model)
     rows = rank(args, model, device)
-    print(f"{model['parameters']:,} parameters on {args.num_devices} x {args.device} ({device['memory_gb']:.1f} GB, "
-          f"{device['tflops']:.3g} TFLOP/s peak at {args.mfu:.2f}, link busbw GB/s: "
-          + ", ".join(f"{op} {bw:.3g}" for op, bw in device["link_gbps"].items()) + "), "
+    links = "; ".join(f"{where} " + ", ".join(f"{op} {bw:.3g}" for op, bw in device[key].items())
+                      for where, key in (("link busbw GB/s:", "link_gbps"), ("between nodes:", "inter_node_gbps"))
+                      if key == "link_gbps" or args.num_nodes > 1)
+    print(f"{model['parameters']:,} parameters on {args.num_devices} x {args.device} in {args.num_nodes} node(s) "
+          f"({device['memory_gb']:.1f} GB, {device['tflops']:.3g} TFLOP/s peak at {args.mfu:.2f}, {links}), "
           f"{args.seq_len}-token sequences, global batch {args.global_batch}, {args.mixed_precision}")
     print(f"{'config':24} {'micro x acc':>11} {'AC':>3} {'GB/device':>9} {'CPU GB/node':>11} {'compute s':>9} "
           f"{'comm s':>7} {'other s':>7} {'step s':>7}  verdict")
@@ -387,9 +438,8 @@ def main(argv=None) -> dict:
             json.dump(result, handle, indent=2)
     choice = next((r for r in rows if r["verdict"] == "chosen"), None)
     if choice is None:
-        raise SystemExit(f"error: no config fits {device['memory_gb']:.1f} GB per device (the smallest needs "
-                         f"{rows[0]['device_gb']:.1f} GB, {rows[0]['config']}); use more devices, a shorter "
-                         "--seq_len, or LoRA (--use_peft)")
+        raise SystemExit(f"error: no config fits: {rows[0]['config']} {rows[0]['verdict']}; use more devices or "
+                         "nodes, more CPU RAM for offload, a shorter --seq_len, or LoRA (--use_peft)")
     write_yaml(choice, args, args.output)
     print(f"wrote {args.output}\n{launch_line(choice, args, args.output)}")
     return result

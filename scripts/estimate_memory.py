@@ -41,7 +41,8 @@ rank 0 alone and broadcasts it into the shards at prepare, so rank 0 also peaks 
 4Ψ/N + one fp32 layer in flight: `peak` is the larger of the two (on 4 processes at 101M
 this loading is rank 0's peak; on 2 the step is). DDP with accumulation peaks higher from the second step
 on: the no_sync micro-batches' gradients are autograd's own tensors beside DDP's buckets until the
-synchronising backward (+4Ψ, `run_peak_mb`; make choose-config counts it).
+synchronising backward (+4Ψ); ZeRO-1 keeps each gradient whole until the boundary (+cΨ(N-1)/N):
+`run_peak_mb`, which make choose-config counts.
 
     python scripts/estimate_memory.py --model recipes/configs/llama_100m.json \\
         --config accelerate_configs/zero3.yaml --num_processes 2 --batch_size 1 --seq_len 64
@@ -105,6 +106,7 @@ def read_model(model: str, vocab_size: int | None = None) -> dict:
     """Sizes from a model built on the meta device: no weights are read or allocated."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.pytorch_utils import Conv1D
 
     overrides = {"vocab_size": vocab_size} if vocab_size else {}
     config = AutoConfig.from_pretrained(model, **overrides)
@@ -118,7 +120,8 @@ def read_model(model: str, vocab_size: int | None = None) -> dict:
             "largest_layer": max((sum(p.numel() for p in layer.parameters()) for layer in layers),
                                  default=max(p.numel() for p in parameters)),
             "root_parameters": sum(p.numel() for p in parameters) - in_layers,
-            "matmul_parameters": sum(m.weight.numel() for m in built.modules() if isinstance(m, torch.nn.Linear)),
+            # the weights a token multiplies (GPT-2's Conv1D too; experts stored as fused tensors are not counted)
+            "matmul_parameters": sum(m.weight.numel() for m in built.modules() if isinstance(m, (torch.nn.Linear, Conv1D))),
             "hidden_size": config.hidden_size, "intermediate_size": getattr(config, "intermediate_size",
                                                                              4 * config.hidden_size),
             "layers": config.num_hidden_layers, "vocab_size": config.vocab_size}
@@ -194,14 +197,17 @@ def estimate(model: dict, strategy: dict, batch_size: int, seq_len: int, checkpo
     if kind == "ddp" and c == 2:  # autocast's low-precision copy of each weight, saved for backward
         activations += c * psi
     model_state = parameters + master + gradients + optimizer + reference
-    # DDP under accumulation, from the second step on: the no_sync micro-batches' gradients are autograd's own
-    # tensors beside DDP's buckets until the synchronising backward copies them in (measured: +4Ψ)
-    later = 4 * psi if kind == "ddp" and accumulation > 1 and n > 1 else 0
+    # Under accumulation: DDP's no_sync micro-batches' gradients are autograd's own tensors beside its buckets
+    # until the synchronising backward copies them in (from the second step on, measured: +4Ψ); ZeRO-1 (without
+    # overlap_comm) keeps every gradient whole until the boundary's reduction (cΨ, not cΨ/N)
+    later = 0
+    if accumulation > 1 and n > 1:
+        later = 4 * psi if kind == "ddp" else c * psi * (n - 1) / n if kind == "deepspeed" and stage == 1 else 0
     return {**{k: int(v) for k, v in categories.items()}, "model_state": int(model_state),
             "activations": int(activations), "activation_checkpointing": checkpointing,
             "step_transient": int(step_transient), "loading_peak": int(loading),
             "tensors_peak": int(max(model_state + buckets + activations + step_transient, loading)),
-            "later_steps_transient": int(later),
+            "accumulation_transient": int(later),
             "run_tensors_peak": int(max(model_state + buckets + activations + step_transient + later, loading))}
 
 
@@ -268,8 +274,8 @@ def main(argv=None) -> dict:
     if baseline:
         print(f"  {'process (start-up)':22} {baseline:10.1f}")
     print(f"  {'peak':22} {result['peak_mb']:10.1f}")
-    if result["later_steps_transient"]:
-        print(f"  {'peak from step 2':22} {result['run_peak_mb']:10.1f}  (DDP's no_sync gradients beside its buckets)")
+    if result["accumulation_transient"]:
+        print(f"  {'peak from step 2':22} {result['run_peak_mb']:10.1f}  (gradients held whole between micro-batches)")
     result.update(strategy=strategy, model=model)
     if args.json:
         with open(args.json, "w") as handle:

@@ -72,9 +72,58 @@ def test_multi_node_choice_is_a_filled_multi_node_template(tmp_path):
     assert config["main_process_ip"].startswith("FILL")  # the template's field for the user's cluster
 
 
+@pytest.mark.parametrize("config, bus_bytes_per_psi", [  # k = 4 micro-batches, c = 2 (bf16)
+    ("ddp.yaml", 2 * 4),  # fp32 gradients all-reduced once a step
+    ("zero1.yaml", 2 + 2),  # a reduce-scatter at the boundary, the updated weights all-gathered
+    ("zero2.yaml", 4 * 2 + 2),  # a reduce-scatter per micro-batch
+    ("zero3.yaml", 4 * 3 * 2),  # forward and backward all-gathers and a reduce-scatter per micro-batch
+    ("fsdp.yaml", 4 * 3 * 2),
+    ("fsdp_shard_grad_op.yaml", 4 * 2 * 2),  # no re-gather for backward
+])
+def test_each_configs_traffic_is_its_collectives_bytes_at_the_link(tmp_path, config, bus_bytes_per_psi):
+    result = choose(tmp_path, "--model", LLAMA3_8B, "--device", "h100", "--num_devices", 8, "--seq_len", 1024,
+                    "--global_batch", 32, "--micro_batch", 1, "--configs", config, "--link_gbps", 100,
+                    "--device_memory_gb", 1000)
+    row = result["rows"][0]
+    ring = 7 / 8 * result["model"]["parameters"]
+    assert row["comm_s"] == pytest.approx(bus_bytes_per_psi * ring / 100e9, rel=1e-9)
+    assert row["step_s"] == pytest.approx(max(row["compute_s"], row["comm_s"]) + row["other_s"])
+
+
+def test_checkpointing_precision_and_hsdp_sizes_reach_the_yaml_and_the_command(tmp_path):
+    fsdp = choose(tmp_path / "fsdp", "--model", LLAMA3_8B, "--device", "h100", "--num_devices", 8, "--global_batch",
+                  64, "--configs", "fsdp.yaml", "--activation_checkpointing", "on", "--mixed_precision", "no")
+    written = (tmp_path / "fsdp" / "chosen.yaml").read_text()
+    config = yaml.safe_load(written)
+    assert config["fsdp_config"]["fsdp_activation_checkpointing"] is True and config["mixed_precision"] == "no"
+    assert "--gradient_checkpointing" not in written.splitlines()[1]  # FSDP's own checkpointing, from the YAML
+    bf16 = choose(tmp_path / "bf16", "--model", LLAMA3_8B, "--device", "h100", "--num_devices", 8, "--global_batch",
+                  64, "--configs", "fsdp.yaml", "--activation_checkpointing", "on")
+    assert fsdp["rows"][0]["compute_s"] == pytest.approx(bf16["rows"][0]["compute_s"] * 989.4 / 66.9)  # fp32 peak
+    choose(tmp_path / "zero3", "--model", LLAMA3_8B, "--device", "h100", "--num_devices", 8, "--global_batch", 64,
+           "--configs", "zero3.yaml", "--activation_checkpointing", "on")
+    assert "--gradient_checkpointing true" in (tmp_path / "zero3" / "chosen.yaml").read_text().splitlines()[1]
+    choose(tmp_path / "hsdp", "--model", LLAMA3_8B, "--device", "h100", "--num_devices", 32, "--num_nodes", 4,
+           "--global_batch", 64, "--configs", "multi_node_hsdp.yaml")
+    written = (tmp_path / "hsdp" / "chosen.yaml").read_text()
+    assert yaml.safe_load(written)["parallelism_config"] == {"parallelism_config_dp_replicate_size": 4,
+                                                             "parallelism_config_dp_shard_size": 8}
+    assert "--machine_rank NODE_RANK --main_process_ip NODE0_ADDRESS" in written.splitlines()[1]
+
+
+def test_one_cpu_device_is_ranked_without_a_link(tmp_path):
+    result = choose(tmp_path, "--model", str(REPO / "recipes/configs/tiny_llama.json"), "--device", "cpu",
+                    "--num_devices", 1, "--seq_len", 32, "--global_batch", 4)
+    assert {r["config"] for r in result["rows"]} == set(choose_config.ONE_DEVICE)
+    assert result["rows"][0]["verdict"] == "chosen" and all(r["comm_s"] == 0 for r in result["rows"])
+
+
 @pytest.mark.parametrize("argv, says", [
     (["--num_devices", 6, "--num_nodes", 4], "is not a multiple of --num_nodes"),
     (["--num_devices", 8, "--global_batch", 12], "does not divide over 8 devices"),
+    (["--num_devices", 8, "--global_batch", 0], "pass at least 1 sequence"),
+    (["--num_devices", 8, "--micro_batch", 3], "does not divide the per-device batch 8"),
+    (["--num_devices", 8, "--doctor_report", "no_such_report.json"], "is not make doctor's report"),
     (["--num_devices", 2, "--device", "cpu"], "pass --doctor_report"),
     (["--num_devices", 8, "--configs", "multi_node_ddp.yaml"], "not among the configs for 8 device(s)"),
     (["--num_devices", 8, "--model", "no/such/model"], "gives no model config"),
