@@ -37,16 +37,17 @@ SETUPS = [
     ("Llama-3-70B, 8 x H100 80 GB in one node (2 TB of CPU RAM), 4096-token sequences, global batch 64",
      ["--model", "recipes/configs/llama3_70b.json", "--device", "h100", "--num_devices", "8", "--seq_len", "4096",
       "--global_batch", "64"],
-     "Full fine-tuning of a 70B model in one node of 80 GB GPUs needs its 16 bytes per parameter (1.1 TB) "
-     "outside the GPUs: the published one-node recipes for 70B are LoRA/QLoRA instead (Answer.AI's FSDP + QLoRA "
-     "on 2 x 24 GB)."),
+     "no full fine-tuning of 70B in one node that we found: its 16 bytes per parameter (1.1 TB) have to live "
+     "outside the GPUs, as above. The one-node 70B recipe we found is QLoRA instead (The Kaitchup's \"Multi-GPU "
+     "Fine-tuning for Llama 3.1 70B with FSDP and QLoRA\", on 2 x 24 GB GPUs and a lot of CPU RAM)."),
     ("Llama-2-70B as Hugging Face's blog \"Fine-tuning Llama 2 70B using PyTorch FSDP\" ran it: 8 nodes x 8 A100 "
      "80 GB, 1 TB of CPU RAM per node, 2048-token sequences, global batch 64",
      ["--model", "recipes/configs/llama3_70b.json", "--vocab_size", "32000", "--device", "a100", "--num_devices", "64",
       "--num_nodes", "8", "--host_memory_gb", "1000", "--seq_len", "2048", "--global_batch", "64"],
      "FSDP full shard (`FULL_SHARD`, `SHARDED_STATE_DICT`, CPU-RAM-efficient loading), bf16, packed 2048-token "
      "sequences, micro-batch 1, accumulation 1, gradient checkpointing, flash attention 2 (the model: "
-     "llama3_70b.json with Llama 2's 32000-token vocabulary, otherwise the same shape)."),
+     "llama3_70b.json with Llama 2's 32000-token vocabulary, otherwise the same shape). The blog gives one node "
+     "as the minimum; by these estimates one node of 8 x 80 GB fits 70B only with offload (the setup above)."),
 ]
 
 
