@@ -43,37 +43,22 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from estimate_memory import REPO, estimate, process_baseline_mb, read_model, read_strategy  # noqa: E402
 
 GB = 1e9
-# Dense bf16 peak and fp32 peak without TF32, which the recipes leave off (data sheets), memory, HBM bandwidth, intra-node all_reduce busbw (nccl-tests on
-# 8 GPUs over NVLink, typical), host link (PCIe, one direction), CPU RAM per node (DGX systems'),
-# all in GB or GB/s.
+# Dense bf16 peak and fp32 peak without TF32, which the recipes leave off (data sheets), memory, HBM
+# bandwidth, intra-node all_reduce busbw (nccl-tests on 8 GPUs over NVLink, typical), host link (PCIe,
+# one direction), CPU RAM per node (DGX systems'), all in GB or GB/s.
 DEVICES = {
-    "h100": {"tflops": 989.4, "tflops_fp32": 66.9, "memory_gb": 80, "memory_gbps": 3350, "link_gbps": 360, "host_link_gbps": 50,
-             "host_memory_gb": 2048},
-    "h200": {"tflops": 989.4, "tflops_fp32": 66.9, "memory_gb": 141, "memory_gbps": 4800, "link_gbps": 360, "host_link_gbps": 50,
-             "host_memory_gb": 2048},
-    "a100": {"tflops": 312.0, "tflops_fp32": 19.5, "memory_gb": 80, "memory_gbps": 2039, "link_gbps": 230, "host_link_gbps": 25,
-             "host_memory_gb": 1024},
+    "h100": {"tflops": 989.4, "tflops_fp32": 66.9, "memory_gb": 80, "memory_gbps": 3350, "link_gbps": 360,
+             "host_link_gbps": 50, "host_memory_gb": 2048},
+    "h200": {"tflops": 989.4, "tflops_fp32": 66.9, "memory_gb": 141, "memory_gbps": 4800, "link_gbps": 360,
+             "host_link_gbps": 50, "host_memory_gb": 2048},
+    "a100": {"tflops": 312.0, "tflops_fp32": 19.5, "memory_gb": 80, "memory_gbps": 2039, "link_gbps": 230,
+             "host_link_gbps": 25, "host_memory_gb": 1024},
 }
 SINGLE_NODE = ["ddp.yaml", "fsdp.yaml", "fsdp_shard_grad_op.yaml", "fsdp_offload.yaml", "zero1.yaml", "zero2.yaml",
                "zero2_offload.yaml", "zero3.yaml", "zero3_offload.yaml"]
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 ONE_DEVICE = ["single.yaml", "fsdp_offload.yaml", "zero2_offload.yaml", "zero3_offload.yaml"]
 MULTI_NODE = ["multi_node_ddp.yaml", "multi_node_fsdp.yaml", "multi_node_hsdp.yaml", "multi_node_zero3.yaml"]
-
-
-def read_config(name: str, num_processes: int, precision: str) -> dict:
-    """read_strategy's view of a shipped config, plus what it leaves out: parameter offload and HSDP."""
-    import yaml
-
-    path = os.path.join(REPO, "accelerate_configs", name)
-    strategy = read_strategy(path, num_processes, precision)
-    with open(path) as handle:
-        raw = yaml.safe_load(handle)
-    strategy["offload_params"] = (str(raw.get("fsdp_config", {}).get("fsdp_offload_params", False)).lower() == "true"
-                                  or raw.get("deepspeed_config", {}).get("offload_param_device", "none") != "none")
-    strategy["replicas"] = int((raw.get("parallelism_config") or {}).get("parallelism_config_dp_replicate_size", 1))
-    strategy["name"] = name
-    return strategy
 
 
 def measure_host(compute_dtype, threads: int, model: dict, rows: int) -> dict:
@@ -185,11 +170,11 @@ def rank(args, model: dict, device: dict) -> list[dict]:
     per_device = args.global_batch // n
     flops_per_token = 6 * model["matmul_parameters"] + 12 * model["layers"] * model["hidden_size"] * args.seq_len
     device_limit, host_limit = device["memory_gb"] * GB * (1 - args.headroom), args.host_memory_gb * GB
+    if not on_gpu:
+        process_baseline_bytes(False)  # before DeepSpeed's import, which the DeepSpeed configs' figure adds
     rows = []
     for name in candidates(args):
-        s = read_config(name, n, args.mixed_precision)
-        if not on_gpu:
-            process_baseline_bytes(False)  # before DeepSpeed's import, which the DeepSpeed configs' figure adds
+        s = read_strategy(os.path.join(REPO, "accelerate_configs", name), n, args.mixed_precision)
         if s["replicas"] > 1:
             s["replicas"] = nodes
         baseline = 0.0 if on_gpu else process_baseline_bytes(s["strategy"] == "deepspeed")

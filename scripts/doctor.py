@@ -10,8 +10,9 @@ same config. Launched that way (or by hand, like a recipe), every rank reports i
 device and distributed environment, and then all ranks test the collectives together:
 all_reduce, all_gather, reduce_scatter and broadcast give the right answers, and all_reduce
 is timed over a range of sizes (algbw and busbw as nccl-tests report them: busbw =
-algbw * 2(n-1)/n), all_gather and reduce_scatter at the two largest (busbw = algbw * (n-1)/n). A failure ends in one line that names the likely cause (the main node
-unreachable, a wrong network interface, versions that differ between nodes) and exit 1.
+algbw * 2(n-1)/n), all_gather and reduce_scatter at the two largest (busbw = algbw * (n-1)/n).
+A failure ends in one line that names the likely cause (the main node unreachable, a wrong
+network interface, versions that differ between nodes) and exit 1.
 """
 
 from __future__ import annotations

@@ -69,7 +69,7 @@ def read_strategy(config_file: str, num_processes: int | None, mixed_precision: 
     kind = config.get("distributed_type", "NO")
     strategy = {"DEEPSPEED": "deepspeed", "FSDP": "fsdp"}.get(kind, "ddp")
     precision = mixed_precision or config.get("mixed_precision", "no")
-    stage, offload, sub_group_size = None, False, None
+    stage, offload, offload_params, sub_group_size = None, False, False, None
     if strategy == "deepspeed":
         deepspeed = config.get("deepspeed_config", {})
         if deepspeed.get("deepspeed_config_file"):
@@ -79,6 +79,7 @@ def read_strategy(config_file: str, num_processes: int | None, mixed_precision: 
             zero = ds.get("zero_optimization", {})
             stage = zero.get("stage", 0)
             offload = zero.get("offload_optimizer", {}).get("device", "none") != "none"
+            offload_params = zero.get("offload_param", {}).get("device", "none") != "none"
             sub_group_size = zero.get("sub_group_size")
             if mixed_precision is None:
                 precision = "bf16" if ds.get("bf16", {}).get("enabled") else "fp16" if ds.get("fp16", {}).get(
@@ -86,6 +87,7 @@ def read_strategy(config_file: str, num_processes: int | None, mixed_precision: 
         else:
             stage = deepspeed.get("zero_stage", 0)
             offload = deepspeed.get("offload_optimizer_device", "none") != "none"
+            offload_params = deepspeed.get("offload_param_device", "none") != "none"
     if stage == 3 and sub_group_size is None:  # what common.accelerator sets
         if REPO not in sys.path:
             sys.path.insert(0, REPO)
@@ -94,7 +96,10 @@ def read_strategy(config_file: str, num_processes: int | None, mixed_precision: 
         sub_group_size = ZERO3_SUB_GROUP_SIZE
     processes = num_processes or (1 if kind == "NO" else config.get("num_processes", 1))
     fsdp = config.get("fsdp_config", {})
-    return {"strategy": strategy, "zero_stage": stage, "offload": offload, "num_processes": processes,
+    offload_params = offload_params or str(fsdp.get("fsdp_offload_params", False)).lower() == "true"
+    replicas = int((config.get("parallelism_config") or {}).get("parallelism_config_dp_replicate_size", 1))
+    return {"strategy": strategy, "zero_stage": stage, "offload": offload, "offload_params": offload_params,
+            "replicas": replicas, "num_processes": processes,
             "zero3_sub_group_size": None if sub_group_size is None else int(float(sub_group_size)),
             "mixed_precision": precision,
             "fsdp_reshard_after_forward": str(fsdp.get("fsdp_reshard_after_forward", True)).lower() == "true",
@@ -115,11 +120,11 @@ def read_model(model: str, vocab_size: int | None = None) -> dict:
     parameters = list(built.parameters())
     layers = next((m for m in built.modules() if isinstance(m, torch.nn.ModuleList)
                    and len(m) == config.num_hidden_layers), [])
-    in_layers = sum(p.numel() for layer in layers for p in layer.parameters())
-    return {"parameters": sum(p.numel() for p in parameters), "largest_tensor": max(p.numel() for p in parameters),
-            "largest_layer": max((sum(p.numel() for p in layer.parameters()) for layer in layers),
-                                 default=max(p.numel() for p in parameters)),
-            "root_parameters": sum(p.numel() for p in parameters) - in_layers,
+    total, largest_tensor = sum(p.numel() for p in parameters), max(p.numel() for p in parameters)
+    layer_sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    return {"parameters": total, "largest_tensor": largest_tensor,
+            "largest_layer": max(layer_sizes, default=largest_tensor),
+            "root_parameters": total - sum(layer_sizes),  # outside the decoder layers: FSDP2's root unit
             # the weights a token multiplies (GPT-2's Conv1D too; experts stored as fused tensors are not counted)
             "matmul_parameters": sum(m.weight.numel() for m in built.modules() if isinstance(m, (torch.nn.Linear, Conv1D))),
             "hidden_size": config.hidden_size, "intermediate_size": getattr(config, "intermediate_size",
