@@ -205,10 +205,10 @@ check-config: install
 test: install-test
 	$(PY) -m pytest tests $(ARGS)
 
-# Runs killed (SIGKILL, every process) at 21 moments across ddp, fsdp and zero3, inside saves and
-# exports too, each resumed to the uninterrupted run's weights (make test runs 3 of them).
+# Runs killed (SIGKILL, every process) at 28 moments across ddp, fsdp, zero3 and tp, inside saves and
+# exports too, each resumed to the uninterrupted run's weights (make test runs 4 of them).
 test-crashes: install-test
-	CRASH_TRIALS=21 $(PY) -m pytest tests/test_crashes.py $(ARGS)
+	CRASH_TRIALS=28 $(PY) -m pytest tests/test_crashes.py $(ARGS)
 
 # The quick loop while developing: everything not marked slow.
 test-fast: install-test

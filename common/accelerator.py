@@ -43,13 +43,15 @@ def launched_strategy() -> str:
         return "deepspeed"
     if _env_flag("ACCELERATE_USE_FSDP"):
         return "fsdp"
+    if _env_flag("ACCELERATE_USE_PARALLELISM_CONFIG") and int(os.environ.get("PARALLELISM_CONFIG_TP_SIZE", "1")) > 1:
+        return "tp"
     return "ddp" if launched_world_size() > 1 else "single"
 
 
 @dataclass(frozen=True)
 class Launch:
     """What was launched, beside what the Accelerator resolved it to (both go to run.json)."""
-    strategy: str  # single, ddp, fsdp or deepspeed, as the accelerate config asked
+    strategy: str  # single, ddp, tp, fsdp or deepspeed, as the accelerate config asked
     requested_mixed_precision: str
     sync_each_micro_batch: bool
 

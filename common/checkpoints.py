@@ -13,7 +13,7 @@ import json
 import os
 import shutil
 
-from common import portable, reshard
+from common import portable, reshard, tensor_parallel
 from common.accelerator import unwrap
 from common.errors import RunStopped, UsageError, describe, load_fault
 from common.internals import innermost_optimizer, repair_zero3_universal_load
@@ -23,13 +23,14 @@ from common.portable_load import load as load_portable
 from common.run_dir import MODEL_FILES, STATE_FILE, checkpoints_dir, list_checkpoints, swap_into_place
 
 
-def save_checkpoint(accelerator, model, output_dir: str, step: int, state: dict, total_limit: int | None,
-                    tokenizer=None, dtype=None) -> str:
+def save_checkpoint(accelerator, model, optimizer, scheduler, output_dir: str, step: int, state: dict,
+                    total_limit: int | None, tokenizer=None, dtype=None) -> str:
     """accelerate `save_state` into tmp, then an atomic rename to step_N, then prune.
     Weights that are not finite stop the run instead (nothing is written). Beside the state,
     MODEL_FILES holds what a Hugging Face folder needs besides the weights (config in the
     export `dtype`, tokenizer, adapter config), so scripts/export_checkpoint.py can turn any
-    checkpoint into one without launching. `model` is the prepared model."""
+    checkpoint into one without launching. `model`, `optimizer` and `scheduler` are the prepared ones
+    (under tensor parallelism they are saved by `common.tensor_parallel`, which accelerate cannot)."""
     check_finite_weights(accelerator, model, step)
     root = checkpoints_dir(output_dir)
     final = os.path.join(root, f"step_{step}")
@@ -38,7 +39,10 @@ def save_checkpoint(accelerator, model, output_dir: str, step: int, state: dict,
         shutil.rmtree(tmp, ignore_errors=True)  # leftover of a save that crashed
         os.makedirs(tmp, exist_ok=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(tmp)
+    if tensor_parallel.enabled(accelerator.state):
+        tensor_parallel.save_state(accelerator, model, optimizer, scheduler, tmp)
+    else:
+        accelerator.save_state(tmp)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         write_model_files(unwrap(accelerator, model), tokenizer, dtype, os.path.join(tmp, MODEL_FILES))
@@ -65,6 +69,8 @@ def load_checkpoint(accelerator, path: str | None, model, optimizer, scheduler) 
     try:
         if portable.is_portable(path):
             load_portable(accelerator, model, optimizer, scheduler, path)
+        elif tensor_parallel.enabled(accelerator.state):
+            tensor_parallel.load_state(accelerator, model, optimizer, scheduler, path)
         else:
             accelerator.load_state(path)
         if universal:

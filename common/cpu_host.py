@@ -5,6 +5,7 @@ single-process run. So each YAML is mapped to its CPU equivalent:
 
   MULTI_GPU  -> MULTI_CPU over gloo
   FSDP       -> FSDP2 (`fully_shard`) over gloo
+  tensor parallel (parallelism_config_tp_size) -> its device mesh over gloo
   DeepSpeed  -> DeepSpeed's CPU accelerator over gloo
 
 Precision is honoured: bf16 runs under CPU autocast (FSDP2's and DeepSpeed's own
@@ -48,9 +49,9 @@ def accelerator_kwargs(strategy: str, process_group: InitProcessGroupKwargs) -> 
         # DeepSpeed's branch needs cpu=False; without gloo accelerate counts one process.
         process_group.backend = "gloo"
         return {}
-    if strategy == "fsdp":
-        # accelerate only enables FSDP from a MULTI_GPU state: start the CPU process
-        # group ourselves, then present it as MULTI_GPU so the FSDP plugin is applied.
+    if strategy in ("fsdp", "tp"):
+        # accelerate only enables FSDP, and a parallelism_config's mesh, from a MULTI_GPU state: start
+        # the CPU process group ourselves, then present it as MULTI_GPU so the plugin (mesh) is applied.
         PartialState(cpu=True, timeout=process_group.timeout)
         present_cpu_group_as_multi_gpu(DistributedType.MULTI_GPU)
         return {}

@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from common import mesh
+
 LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
 
@@ -75,7 +77,7 @@ def evaluate_preferences(model, reference, dataloader, accelerator, beta: float,
         losses, rewards = preference_loss(policy, reference.log_probs(batch, "validation"), completion_lengths(batch),
                                           beta, loss_type, label_smoothing, rpo_alpha)
         prefers = (policy[0] > policy[1]).float()
-        values = accelerator.gather_for_metrics(torch.stack([losses.detach(), prefers, *rewards.values()], dim=1))
+        values = mesh.gather_for_metrics(accelerator, torch.stack([losses.detach(), prefers, *rewards.values()], dim=1))
         sums += values.double().sum(0).cpu()
         count += values.shape[0]
     model.train()

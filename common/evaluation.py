@@ -9,6 +9,7 @@ import torch
 from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
+from common import mesh
 from common.accelerator import unwrap
 from common.errors import UsageError
 
@@ -71,8 +72,8 @@ def evaluate_classification(model, dataloader, accelerator, metrics: dict, f1_av
     for batch in dataloader:
         logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
         losses = torch.nn.functional.cross_entropy(logits.float(), batch["labels"], reduction="none")
-        predictions, references, losses = accelerator.gather_for_metrics(
-            (logits.argmax(-1), batch["labels"], losses))
+        predictions, references, losses = mesh.gather_for_metrics(
+            accelerator, (logits.argmax(-1), batch["labels"], losses))
         loss_sum += losses.double().sum().item()
         count += len(references)
         for metric in metrics.values():

@@ -36,6 +36,7 @@ USES = (
     Use("transformers", "PreTrainedModel._no_split_modules",
         "declared_layer_classes / declare_layer_classes: the layer classes FSDP wraps"),
     Use("transformers", "PretrainedConfig._attn_implementation", "attention_implementation"),
+    Use("transformers", "PreTrainedModel._resolve_parallel_plans", "resolved_tp_plan: a model built here, split by TP"),
     Use("transformers", "PretrainedConfig._name_or_path", "set_base_model_name"),
     Use("transformers", "PreTrainedModel._weight_conversions, _auto_class, _keys_to_ignore_on_save", "saves_as_state_dict"),
     Use("transformers", "integrations.sdpa_attention.sdpa_attention_forward, masking_utils.sdpa_mask, the mask "
@@ -85,7 +86,6 @@ def outside_checked_range() -> list[str]:
 
 
 # ---- accelerate ------------------------------------------------------------------------------
-
 def start_accumulation_window(accelerator) -> None:
     """accelerate syncs at a multiple of the accumulation steps: zeroed at a window's start, its last batch syncs."""
     accelerator.step = 0
@@ -99,7 +99,6 @@ def present_cpu_group_as_multi_gpu(distributed_type) -> None:
 
 
 # ---- transformers ----------------------------------------------------------------------------
-
 @contextlib.contextmanager
 def without_zero3_init():
     """Under a registered ZeRO-3 config transformers builds every model in deepspeed.zero.Init, whose broadcasts
@@ -116,6 +115,11 @@ def without_zero3_init():
 
 def init_module_weights(model, module) -> None:
     model._init_weights(module)
+
+
+def resolved_tp_plan(model, distributed_config) -> dict:
+    """The model's tensor-parallel plan, one rule per module (what from_pretrained(tp_plan=...) applies)."""
+    return model._resolve_parallel_plans(distributed_config)[0]
 
 
 def declared_layer_classes(model) -> list[str]:
@@ -146,7 +150,6 @@ def set_base_model_name(model, name: str) -> None:
 
 
 # ---- torch -----------------------------------------------------------------------------------
-
 def allow_recompiles(count: int) -> None:
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, count)
 
@@ -174,7 +177,6 @@ def skip_step_on_device(optimizer, found_inf: torch.Tensor) -> None:  # the next
 
 
 # ---- deepspeed -------------------------------------------------------------------------------
-
 def innermost_optimizer(optimizer):
     """The torch optimizer updating the weights, under accelerate's and DeepSpeed's `.optimizer` wrappers."""
     while hasattr(optimizer, "optimizer"):
@@ -191,8 +193,7 @@ def zero_optimizer(optimizer):
     return None
 
 
-def zero3_flat_master_groups(optimizer) -> list:
-    """ZeRO-3's flat fp32 partitions, stepped one sub-group at a time ([] elsewhere)."""
+def zero3_flat_master_groups(optimizer) -> list:  # ZeRO-3's flat fp32 partitions, one per sub-group ([] elsewhere)
     return list(getattr(zero_optimizer(optimizer), "fp32_partitioned_groups_flat", None) or [])
 
 
@@ -257,7 +258,6 @@ def repair_zero3_universal_load(optimizer, hyperparameters: list) -> None:
 
 
 # ---- tqdm, argparse --------------------------------------------------------------------------
-
 def close_progress_bars() -> None:
     from tqdm import tqdm
 

@@ -40,7 +40,7 @@ MB = 2**20
 
 
 def _local(tensor):
-    """An FSDP2 DTensor's shard on this rank; any other tensor itself."""
+    """A DTensor's (FSDP2, tensor parallel) part on this rank; any other tensor itself."""
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
@@ -138,7 +138,7 @@ class MemoryAccount:
         weights = {_local(p).untyped_storage().data_ptr() for p in self.model.parameters()}
         counted, total = set(), 0
         for tensor in self._saved:
-            storage = tensor.untyped_storage()  # FSDP2 frees unsharded weights after forward: nbytes 0
+            storage = _local(tensor).untyped_storage()  # FSDP2 frees unsharded weights after forward: nbytes 0
             if storage.data_ptr() not in weights and storage.data_ptr() not in counted:
                 counted.add(storage.data_ptr())
                 total += storage.nbytes()

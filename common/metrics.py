@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 
 from accelerate.utils import gather_object
 
+from common import mesh
 from common.accelerator import unwrap
 from common.flops import ModelFlops, device_peak_tflops
 from common.memory import MemoryAccount, current_memory
@@ -88,7 +89,7 @@ class MetricsLogger:
     def log_train(self, step: int, lr: float, grad_norm) -> dict:
         """Average the window over micro-batches and ranks; call on every rank."""
         device = self.accelerator.device
-        tokens, samples, flops = self.accelerator.reduce(self.window_sums.clone(), reduction="sum").tolist()
+        tokens, samples, flops = mesh.reduce_sum(self.accelerator, self.window_sums.clone()).tolist()
         mean_loss = self.accelerator.reduce(
             torch.as_tensor(self.window_loss / max(self.window_batches, 1), device=device), reduction="mean")
         own = {}

@@ -12,7 +12,7 @@ import torch
 from huggingface_hub.errors import StrictDataclassError  # transformers' config validation
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from common import memory
+from common import memory, tensor_parallel
 from common.arguments import ModelArguments
 from common.errors import RunStopped, UsageError, describe, downloads_off, load_fault
 from common.peers import lost_peer_message
@@ -121,6 +121,8 @@ def load_model(args: ModelArguments, tokenizer, seed: int, speed: SpeedArguments
         model.config.use_cache = False
     if speed is not None:  # attention kernel (for `packed_rows` if the batches are packed), checkpointing, Liger
         prepare_model(model, speed, packed_rows)
+    if tensor_parallel.enabled():  # each rank keeps its slices of the layers (tp.yaml, fsdp_tp.yaml)
+        tensor_parallel.shard(model)
     memory.mark("model_built")
     return model
 

@@ -30,14 +30,18 @@ OPTIMIZER_STATES = ("exp_avg", "exp_avg_sq")
 
 # a strategy (common.accelerator.launched_strategy, estimate_memory's read_strategy) -> the family whose files
 # it writes: one process and DDP write the same ones
-FAMILY = {"single": "torch", "ddp": "torch", "fsdp": "fsdp", "deepspeed": "deepspeed"}
+FAMILY = {"single": "torch", "ddp": "torch", "fsdp": "fsdp", "tp": "fsdp", "deepspeed": "deepspeed"}
 
 
 def family(accelerator) -> str:
     from accelerate.utils import DistributedType
 
+    from common import tensor_parallel
+
     kind = accelerator.distributed_type
-    return "deepspeed" if kind == DistributedType.DEEPSPEED else "fsdp" if kind == DistributedType.FSDP else "torch"
+    if kind == DistributedType.FSDP or tensor_parallel.enabled(accelerator.state):  # both write DCP (tensor_parallel)
+        return "fsdp"
+    return "deepspeed" if kind == DistributedType.DEEPSPEED else "torch"
 
 
 def saved_family(path: str) -> str:

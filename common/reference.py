@@ -30,6 +30,7 @@ import torch
 from accelerate.utils import DistributedType, gather_object
 from torch.utils.data import DataLoader
 
+from common import mesh
 from common.accelerator import unwrap
 from common.dpo import completion_log_probs
 from common.errors import UsageError
@@ -109,7 +110,7 @@ class Reference:
         for batch in loader:
             with self.accelerator.autocast():
                 chosen, rejected = completion_log_probs(self.policy, batch)
-            index, pair = self.accelerator.gather_for_metrics((batch["index"], torch.stack([chosen, rejected], 1)))
+            index, pair = mesh.gather_for_metrics(self.accelerator, (batch["index"], torch.stack([chosen, rejected], 1)))
             indices.append(index.cpu())
             scores.append(pair.float().cpu())
         self.policy.train()

@@ -18,7 +18,7 @@ import sys
 
 from accelerate.utils import set_seed
 
-from common import memory
+from common import memory, tensor_parallel
 from common.accelerator import build_accelerator, launched_strategy, unwrap
 from common.arguments import DataArguments, ModelArguments, TrainingArguments
 from common.parsing import parse_args, to_dict
@@ -63,7 +63,8 @@ class Run:
         self.accelerator, self.launch, self.checkpoint = accelerator, launch, checkpoint
         self.clear_earlier = clear_earlier
         self.export_dtype = export_dtype(model_args)  # read once (a Hub model's config is a request)
-        self.model = self.tokenizer = self.metrics = self.nonfinite = self.profiler = None
+        self.model = self.optimizer = self.scheduler = self.tokenizer = None
+        self.metrics = self.nonfinite = self.profiler = None
         self.optimizer_parameters = None
 
     def begin(self, model, optimizer, scheduler, tokenizer, max_steps: int, **record) -> dict:
@@ -71,7 +72,7 @@ class Run:
         (with `record`'s extra fields), start the trackers, metrics, non-finite guard and profiler.
         Returns the saved trainer state ({"step": 0} for a fresh run)."""
         accelerator, args = self.accelerator, self.args
-        self.model, self.tokenizer = model, tokenizer
+        self.model, self.optimizer, self.scheduler, self.tokenizer = model, optimizer, scheduler, tokenizer
         share_zero3_fp32_partitions(optimizer)  # ZeRO-3 in fp32: no second fp32 copy (common.internals)
         state = load_checkpoint(accelerator, self.checkpoint, model, optimizer, scheduler)
         # a checkpoint names the optimizer's parameters, so another strategy can read it (common.portable)
@@ -105,8 +106,8 @@ class Run:
         self.nonfinite.settle()  # a step skipped on the device is acted on before anything is written
         if self.optimizer_parameters is not None:
             state = {**state, "optimizer_parameters": self.optimizer_parameters}
-        return save_checkpoint(self.accelerator, self.model, self.args.output_dir, step, state,
-                               self.args.save_total_limit, self.tokenizer, self.export_dtype)
+        return save_checkpoint(self.accelerator, self.model, self.optimizer, self.scheduler, self.args.output_dir,
+                               step, state, self.args.save_total_limit, self.tokenizer, self.export_dtype)
 
     def export(self, name: str = "final", cost: dict | None = None) -> str:
         """Every rank calls it: output_dir/<name> as a Hugging Face folder in the export dtype (with
@@ -136,6 +137,8 @@ def start_run(*arguments) -> Run:
     args = next(a for a in arguments if isinstance(a, TrainingArguments))
     resume_after_restart(args)
     check_output_dir(args.output_dir, args.resume_from_checkpoint, args.overwrite_output_dir)
+    if launched_strategy() == "tp":
+        tensor_parallel.check_arguments(arguments)
     if _is_rank0() and not int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):
         mark_launch_starting(args.output_dir)
     checkpoint = resolve_checkpoint(args.output_dir, args.resume_from_checkpoint)

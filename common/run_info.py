@@ -11,6 +11,7 @@ import sys
 import torch
 
 from common import memory
+from common.mesh import data_parallel_size
 from common.accelerator import Launch, participating_processes
 from common.internals import master_weights_dtype
 from common.model import local_parameter_shards
@@ -108,7 +109,9 @@ def record_run(accelerator, launch: Launch, model, optimizer, args: dict, output
         "sync_each_micro_batch": launch.sync_each_micro_batch,
         "device": str(accelerator.device),
         "local_parameter_elements": [int(n) for n in accelerator.gather(local).tolist()],
-        "effective_batch_size": args["per_device_train_batch_size"] * args["gradient_accumulation_steps"] * world_size,
+        # a tensor-parallel group trains on one batch: counted once (common.mesh)
+        "effective_batch_size": args["per_device_train_batch_size"] * args["gradient_accumulation_steps"]
+        * data_parallel_size(accelerator),
         **strategy_details(accelerator, launch),
         **extra,
         "versions": package_versions(),

@@ -10,6 +10,7 @@ from transformers import get_scheduler
 
 from accelerate.utils import gather_object
 
+from common import mesh
 from common.arguments import TrainingArguments
 from common.errors import UsageError
 from common.internals import start_accumulation_window
@@ -58,12 +59,14 @@ def steps_per_epoch(batches_per_epoch: int, gradient_accumulation_steps: int) ->
     return steps
 
 
-def total_training_steps(args: TrainingArguments, train_loader, num_processes: int) -> int:
+def total_training_steps(args: TrainingArguments, train_loader, accelerator) -> int:
     """Optimizer steps in the run: max_steps if set (a --streaming loader has no length), else
-    epochs x steps per epoch of the (unprepared) train loader's batches split over the processes."""
+    epochs x steps per epoch of the (unprepared) train loader's batches split over the
+    data-parallel ranks (a tensor-parallel group shares its batches: `common.mesh`)."""
     if args.max_steps > 0:
         return args.max_steps
-    return args.num_train_epochs * steps_per_epoch(len(train_loader) // num_processes, args.gradient_accumulation_steps)
+    batches = len(train_loader) // mesh.data_parallel_size(accelerator)
+    return args.num_train_epochs * steps_per_epoch(batches, args.gradient_accumulation_steps)
 
 
 def create_scheduler(optimizer, args: TrainingArguments, max_steps: int):
@@ -92,7 +95,7 @@ def evaluate_loss(model, dataloader, accelerator) -> dict:
         per_token = torch.nn.functional.cross_entropy(
             logits[:, :-1].float().transpose(1, 2), labels, ignore_index=-100, reduction="none")
         mask = labels != -100
-        sums, counts = accelerator.gather_for_metrics(((per_token * mask).sum(1), mask.sum(1)))
+        sums, counts = mesh.gather_for_metrics(accelerator, ((per_token * mask).sum(1), mask.sum(1)))
         loss_sum += sums.double().sum().item()
         token_count += int(counts.sum().item())
     model.train()
@@ -190,6 +193,9 @@ class TrainBatches:
             if position is not None:
                 self._position = position
             tokens = _settled(pending)
+            groups = mesh.check_shared_batch(self.accelerator, window[0]) if step == 0 else 0
+            if groups and self.metrics is not None:  # each tensor-parallel group's ranks hold the same batch
+                self.metrics.record_in_run_json("tensor_parallel_groups_checked", groups)
             start_accumulation_window(self.accelerator)  # the window's last batch syncs
             for batch in window:
                 if tokens is not None:

@@ -53,7 +53,7 @@ def main(model_args: ModelArguments, data_args: DataArguments, lora_args: LoraAr
     model = apply_lora(load_model(model_args, tokenizer, args.seed, args), lora_args)
     optimizer = create_optimizer(model, args)
     train_loader = fit_batch_size(accelerator, model, train_loader, args)  # --auto_find_batch_size
-    max_steps = total_training_steps(args, train_loader, accelerator.num_processes)
+    max_steps = total_training_steps(args, train_loader, accelerator)
     scheduler = create_scheduler(optimizer, args, max_steps)
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler)

@@ -99,7 +99,7 @@ def main(model_args: ModelArguments, data_args: DataArguments, dpo_args: DPOArgu
         disable_dropout(model)
     reference = build_reference(model_args, tokenizer, args, lora_args.use_peft, dpo_args.precompute_ref_log_probs)
     optimizer = create_optimizer(model, args)
-    max_steps = total_training_steps(args, train_loader, accelerator.num_processes)
+    max_steps = total_training_steps(args, train_loader, accelerator)
     scheduler = create_scheduler(optimizer, args, max_steps)
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler)

@@ -68,7 +68,7 @@ def main(model_args: ModelArguments, data_args: DataArguments, task_args: Classi
     model = apply_lora(model, lora_args)  # --use_peft: LoRA adapters and the new head train, the rest is frozen
     optimizer = create_optimizer(model, args)
     train_loader = fit_batch_size(accelerator, model, train_loader, args)  # --auto_find_batch_size
-    max_steps = total_training_steps(args, train_loader, accelerator.num_processes)
+    max_steps = total_training_steps(args, train_loader, accelerator)
     scheduler = create_scheduler(optimizer, args, max_steps)
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler)

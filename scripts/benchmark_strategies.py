@@ -28,7 +28,7 @@ import tempfile
 from common.peers import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CPU_CONFIGS = ["single.yaml", "ddp.yaml", "fsdp.yaml", "fsdp_shard_grad_op.yaml", "fsdp_offload.yaml",
+CPU_CONFIGS = ["single.yaml", "ddp.yaml", "tp.yaml", "fsdp.yaml", "fsdp_shard_grad_op.yaml", "fsdp_offload.yaml",
                "zero1.yaml", "zero2.yaml", "zero2_offload.yaml", "zero2_json.yaml", "zero3.yaml", "zero3_offload.yaml"]
 
 

@@ -9,13 +9,16 @@ c bytes per element in the compute dtype (2 in bf16, 4 in fp32):
   config              parameters  master  gradients        optimizer  buckets
   single / DDP        4Ψ          -       4Ψ               8Ψ         - (DDP's: the gradients)
   FSDP2 (all three)   4Ψ/N        -       4Ψ/N             8Ψ/N       -
+  tensor parallel     4Ψt         -       4Ψt              8Ψt        -   Ψt = Ψ split by the plan / T, + the rest
   ZeRO-1 / ZeRO-2     cΨ          4Ψ/N    cΨ/N + 4Ψ/N      8Ψ/N       -
    with offload       cΨ          4Ψ/N    4Ψ/N (+ cΨ/N)    8Ψ/N       cΨ/N
   ZeRO-3              cΨ/N        4Ψ/N    cΨ/N             8Ψ/N       c·h² (reduce)
    in fp32            4Ψ/N        -       4Ψ/N             8Ψ/N       4·h² (reduce)
    with offload       cΨ/N        4Ψ/N    cΨ/N + 4Ψ/N      8Ψ/N       c·h² (reduce)
 
---dpo_reference adds recipes/dpo.py's frozen reference copy: 4Ψ on one process or DDP, 4Ψ/N under FSDP2,
+(tp.yaml: T = tp_size ranks; a rank's activations inside attention and the MLP are split too.)
+
+--dpo_reference adds recipes/dpo.py's frozen reference copy: 4Ψ on one process or DDP, 4Ψt under TP, 4Ψ/N under FSDP2,
 cΨ under ZeRO-1/2 and cΨ/N under ZeRO-3 (`reference_bytes`).
 
 (DeepSpeed keeps the model in the compute dtype and a separate fp32 master copy (ZeRO-3
@@ -54,6 +57,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -68,6 +72,10 @@ def read_strategy(config_file: str, num_processes: int | None, mixed_precision: 
         config = yaml.safe_load(handle)
     kind = config.get("distributed_type", "NO")
     strategy = {"DEEPSPEED": "deepspeed", "FSDP": "fsdp"}.get(kind, "ddp")
+    parallelism = config.get("parallelism_config") or {}
+    tp_size = int(parallelism.get("parallelism_config_tp_size", 1))
+    if tp_size > 1 and strategy == "ddp":  # tp.yaml: tensor parallel over every process (common.tensor_parallel)
+        strategy = "tp"
     precision = mixed_precision or config.get("mixed_precision", "no")
     stage, offload, offload_params, sub_group_size = None, False, False, None
     if strategy == "deepspeed":
@@ -97,9 +105,9 @@ def read_strategy(config_file: str, num_processes: int | None, mixed_precision: 
     processes = num_processes or (1 if kind == "NO" else config.get("num_processes", 1))
     fsdp = config.get("fsdp_config", {})
     offload_params = offload_params or str(fsdp.get("fsdp_offload_params", False)).lower() == "true"
-    replicas = int((config.get("parallelism_config") or {}).get("parallelism_config_dp_replicate_size", 1))
+    replicas = int(parallelism.get("parallelism_config_dp_replicate_size", 1))
     return {"strategy": strategy, "zero_stage": stage, "offload": offload, "offload_params": offload_params,
-            "replicas": replicas, "num_processes": processes,
+            "replicas": replicas, "tp_size": tp_size, "num_processes": processes,
             "zero3_sub_group_size": None if sub_group_size is None else int(float(sub_group_size)),
             "mixed_precision": precision,
             "fsdp_reshard_after_forward": str(fsdp.get("fsdp_reshard_after_forward", True)).lower() == "true",
@@ -118,6 +126,9 @@ def read_model(model: str, vocab_size: int | None = None) -> dict:
     with torch.device("meta"):
         built = AutoModelForCausalLM.from_config(config)
     parameters = list(built.parameters())
+    # split by tensor parallelism: every parameter of a module (or the parameter) its TP plan names
+    planned = re.compile("|".join(re.escape(name).replace(r"\*", r"\d+") + r"(\..+)?" for name in built.tp_plan))
+    tp_split = sum(p.numel() for name, p in built.named_parameters() if built.tp_plan and planned.fullmatch(name))
     layers = next((m for m in built.modules() if isinstance(m, torch.nn.ModuleList)
                    and len(m) == config.num_hidden_layers), [])
     total, largest_tensor = sum(p.numel() for p in parameters), max(p.numel() for p in parameters)
@@ -125,6 +136,7 @@ def read_model(model: str, vocab_size: int | None = None) -> dict:
     return {"parameters": total, "largest_tensor": largest_tensor,
             "largest_layer": max(layer_sizes, default=largest_tensor),
             "root_parameters": total - sum(layer_sizes),  # outside the decoder layers: FSDP2's root unit
+            "tp_split_parameters": tp_split,
             # the weights a token multiplies (GPT-2's Conv1D too; experts stored as fused tensors are not counted)
             "matmul_parameters": sum(m.weight.numel() for m in built.modules() if isinstance(m, (torch.nn.Linear, Conv1D))),
             "hidden_size": config.hidden_size, "intermediate_size": getattr(config, "intermediate_size",
@@ -132,17 +144,20 @@ def read_model(model: str, vocab_size: int | None = None) -> dict:
             "layers": config.num_hidden_layers, "vocab_size": config.vocab_size}
 
 
-def activation_bytes(model: dict, batch_size: int, seq_len: int, compute_bytes: int, checkpointing: bool) -> int:
+def activation_bytes(model: dict, batch_size: int, seq_len: int, compute_bytes: int, checkpointing: bool,
+                     tp: int = 1) -> int:
     """Tensors one micro-batch's forward saves for backward, for a Llama-style decoder.
 
     Per layer and token: the two RMSNorm inputs in fp32 (8h), the inputs of the q/k/v, o, gate/up
     and down projections in the compute dtype (c(2h + i)), attention's q, k, v and output (4ch)
     and the MLP's gate, up and activation (3ci); then the logits and their log-softmax in fp32
     (8V). With activation checkpointing a layer keeps only its input, and one layer's
-    worth is rebuilt during backward."""
+    worth is rebuilt during backward. Under tensor parallelism (`tp` ranks) the tensors inside attention and
+    the MLP are split by heads and columns (the o and down projections' inputs, q, k, v, the attention
+    output, gate, up and activation), while the normed inputs and the gathered logits stay whole."""
     h, i, vocab, layers = model["hidden_size"], model["intermediate_size"], model["vocab_size"], model["layers"]
     tokens = batch_size * seq_len
-    per_layer = 8 * h + compute_bytes * (2 * h + i) + 4 * compute_bytes * h + 3 * compute_bytes * i
+    per_layer = 8 * h + compute_bytes * h + compute_bytes * (h + i + 4 * h + 3 * i) / tp
     logits = 8 * vocab + compute_bytes * h
     if checkpointing:
         return tokens * (layers * 4 * h + per_layer + logits)
@@ -165,7 +180,7 @@ def estimate(model: dict, strategy: dict, batch_size: int, seq_len: int, checkpo
     is on when asked or when the config turns it on (fsdp_activation_checkpointing). With
     `dpo_reference`, DPO's frozen reference copy (`reference_bytes`) joins the model state."""
     checkpointing = checkpointing or strategy.get("activation_checkpointing", False)
-    psi, n = model["parameters"], strategy["num_processes"]
+    psi, n, tp = model["parameters"], strategy["num_processes"], strategy.get("tp_size", 1)
     c = 2 if strategy["mixed_precision"] in ("bf16", "fp16") else 4
     kind, stage = strategy["strategy"], strategy["zero_stage"]
     buckets, loading, step_transient = 0, 0, 0  # fused AdamW: no temporaries in the step
@@ -193,14 +208,16 @@ def estimate(model: dict, strategy: dict, batch_size: int, seq_len: int, checkpo
         if strategy.get("fsdp_cpu_ram_efficient_loading"):  # rank 0: the whole model, its shard, a layer
             loading = 4 * psi + 4 * psi / n + 4 * model["largest_layer"]
     else:
-        # DDP's gradients are views into its all-reduce buckets (common.accelerator): no second copy
-        parameters, master, gradients, optimizer = 4 * psi, 0, 4 * psi, 8 * psi
-    reference = reference_bytes(psi, strategy, c) if dpo_reference else 0
+        # DDP's gradients are views into its all-reduce buckets (common.accelerator): no second copy. Tensor
+        # parallelism: each rank holds 1/tp of the parameters its plan splits, and the rest (norms) whole
+        local = psi - model.get("tp_split_parameters", 0) * (tp - 1) / tp if kind == "tp" else psi
+        parameters, master, gradients, optimizer = 4 * local, 0, 4 * local, 8 * local
+    reference = (parameters if kind == "tp" else reference_bytes(psi, strategy, c)) if dpo_reference else 0
     categories = {"parameters": parameters, "master_weights": master, "gradients": gradients,
                   "optimizer_states": optimizer, "reference_model": reference, "communication_buffers": buckets}
-    activations = activation_bytes(model, batch_size, seq_len, c, checkpointing)
-    if kind == "ddp" and c == 2:  # autocast's low-precision copy of each weight, saved for backward
-        activations += c * psi
+    activations = activation_bytes(model, batch_size, seq_len, c, checkpointing, tp if kind == "tp" else 1)
+    if kind in ("ddp", "tp") and c == 2:  # autocast's low-precision copy of each weight, saved for backward
+        activations += c * parameters / 4
     model_state = parameters + master + gradients + optimizer + reference
     # Under accumulation: DDP's no_sync micro-batches' gradients are autograd's own tensors beside its buckets
     # until the synchronising backward copies them in (from the second step on, measured: +4Ψ); ZeRO-1 (without

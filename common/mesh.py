@@ -1,0 +1,71 @@
+"""The data-parallel view of a run's ranks: a batch shared by a tensor-parallel group is counted once.
+
+Under tensor parallelism (tp.yaml, fsdp_tp.yaml) the tp_size ranks of a group train on the same
+batch (accelerate hands it to each of them), so a sum over every rank counts each example tp_size
+times and a gather returns it tp_size times. The recipes' counts, metrics and evaluations go through
+these instead: over the data-parallel ranks only, whatever the mesh (the same as accelerate's own
+calls where there is no tensor parallelism)."""
+
+from __future__ import annotations
+
+import torch
+from accelerate.utils import recursively_apply
+
+
+def replicas(accelerator) -> int:
+    """How many ranks train on each batch: tp_size under tensor parallelism, 1 otherwise."""
+    config = accelerator.parallelism_config
+    return config.tp_size if config is not None and config.tp_enabled else 1
+
+
+def data_parallel_size(accelerator) -> int:
+    """The number of different batches each micro-step trains on (processes / replicas)."""
+    return accelerator.num_processes // replicas(accelerator)
+
+
+def reduce_sum(accelerator, tensor: torch.Tensor) -> torch.Tensor:
+    """The sum over the data-parallel ranks of a value each rank of a group holds alike (tokens, samples)."""
+    total = accelerator.reduce(tensor, reduction="sum")
+    group = replicas(accelerator)
+    return total if group == 1 else total / group
+
+
+def gather_for_metrics(accelerator, data):
+    """`accelerator.gather_for_metrics` over the data-parallel ranks: every evaluation example once.
+    With tensor parallelism the rows of each group's first rank are kept (ranks are numbered with the
+    tp dimension innermost), then the samples that evened out the last batch are dropped."""
+    group = replicas(accelerator)
+    if group == 1:
+        return accelerator.gather_for_metrics(data)
+    gathered = accelerator.gather(data)
+    state = accelerator.gradient_state
+    keep = state.remainder if state.end_of_dataloader and state.remainder > 0 else None
+
+    def first_of_each_group(tensor):
+        rows = tensor.reshape(accelerator.num_processes, -1, *tensor.shape[1:])[::group].flatten(0, 1)
+        return rows if keep is None else rows[:keep]
+
+    return recursively_apply(first_of_each_group, gathered)
+
+
+def check_shared_batch(accelerator, batch: dict) -> int:
+    """Every rank of each tensor-parallel group holds the same batch (a fingerprint of each of its tensors
+    compared over the group), or a RuntimeError: the slices of one layer trained on different data
+    would add up to no model at all. Returns the number of groups checked (0 without tensor parallelism)."""
+    group = replicas(accelerator)
+    if group == 1:
+        return 0
+    mine = torch.stack([_fingerprint(batch[key]) for key in sorted(batch) if torch.is_tensor(batch[key])])
+    prints = accelerator.gather(mine[None].to(accelerator.device)).reshape(-1, group, mine.numel())
+    differing = [index for index, members in enumerate(prints) if not (members == members[0]).all()]
+    if differing:
+        raise RuntimeError(f"the ranks of tensor-parallel group {differing[0]} were handed different batches; "
+                           "they must train on the same one (a data loader not prepared by accelerate?)")
+    return prints.shape[0]
+
+
+def _fingerprint(tensor: torch.Tensor) -> torch.Tensor:
+    """A number that differs for different values or shapes (position-weighted sum, in float64)."""
+    values = tensor.detach().double().flatten()
+    return (values * torch.arange(1, values.numel() + 1, dtype=torch.float64, device=values.device)).sum() \
+        + values.numel()

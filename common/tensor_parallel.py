@@ -1,0 +1,109 @@
+"""Tensor parallelism from the config (tp.yaml, fsdp_tp.yaml): the model split by its plan, and its checkpoints.
+
+The model is built as under any strategy (the same seeded initialisation, or the pretrained
+weights), then each rank keeps its slice of every layer's weights by transformers' own
+tensor-parallel plan for the model (`base_model_tp_plan`: attention heads and MLP columns split,
+the outputs all-reduced), over the tp dimension of accelerate's device mesh. accelerate's
+`save_state` cannot save such a model (its safetensors writer refuses DTensors; its pickle keeps
+rank 0's slices only), so a checkpoint is torch's distributed checkpoint, in the folders and keys
+accelerate's FSDP2 writes (`pytorch_model_fsdp_0/`, `optimizer_0/`): FSDP2 and tensor-parallel runs
+resume each other's checkpoints (DCP re-slices on load), and `common.portable` reads them for the rest.
+"""
+
+from __future__ import annotations
+
+import os
+
+from common.errors import UsageError
+
+
+def enabled(state=None) -> bool:
+    """The run's Accelerator (its `state`, or the one built in this process) has tensor parallelism (tp_size > 1)."""
+    if state is None:
+        from accelerate.state import AcceleratorState, is_initialized
+
+        if not is_initialized():  # a model built outside a run (a script, a test)
+            return False
+        state = AcceleratorState()
+    config = state.parallelism_config
+    return config is not None and config.tp_enabled
+
+
+def check_arguments(arguments: tuple) -> None:
+    """What a tensor-parallel run cannot do, refused before anything is built."""
+    for args in arguments:
+        if getattr(args, "use_peft", False):
+            raise UsageError("--use_peft under tensor parallelism: LoRA's adapters would wrap projections the "
+                             "plan splits across ranks, which these recipes do not support; use a data-parallel "
+                             "config (ddp.yaml, fsdp.yaml, zero3.yaml) for LoRA")
+        if getattr(args, "streaming", False):
+            raise UsageError("--streaming under tensor parallelism: a stream deals its documents to every rank, "
+                             "while a tensor-parallel group must see the same batch; leave out --streaming (the "
+                             "data is then indexed and shared by the group) or use a data-parallel config")
+
+
+def shard(model, state=None):
+    """Split `model` (whole on each rank, on its device) by its tensor-parallel plan over the tp mesh."""
+    from accelerate.state import AcceleratorState
+    from transformers.distributed import DistributedConfig
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+    from common.internals import resolved_tp_plan
+
+    state = state or AcceleratorState()
+    size = state.parallelism_config.tp_size
+    config = model.config.get_text_config()
+    for key in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(config, key, None)
+        if isinstance(heads, int) and heads % size:
+            raise UsageError(f"the model has {heads} {key.replace('num_', '').replace('_', ' ')}, which do not "
+                             f"divide by tp_size {size}: pick a tp_size that divides them (parallelism_config_tp_size "
+                             "in the accelerate config)")
+    distributed = DistributedConfig(tp_size=size)
+    try:
+        plan = resolved_tp_plan(model, distributed)
+    except ValueError:
+        raise UsageError(f"{type(model).__name__} cannot be split for tensor parallelism: transformers has no "
+                         "tensor-parallel plan for it; use a model whose class has one (Llama, Mistral, Qwen, "
+                         "Gemma, ...) or a data-parallel config") from None
+    apply_tensor_parallelism(model, state.device_mesh["tp"], plan)
+    model.config.distributed_config = distributed  # what accelerate reads the model's tp size from
+    return model
+
+
+def save_state(accelerator, model, optimizer, scheduler, folder: str) -> None:
+    """Every rank: its slices of the weights and Adam states (DCP), the schedule, and its RNG state."""
+    import torch.distributed.checkpoint as dcp
+    from accelerate.checkpointing import save_accelerator_state
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    weights, moments = get_state_dict(_module(accelerator, model), _inner(optimizer))
+    dcp.save({"model": weights}, checkpoint_id=os.path.join(folder, "pytorch_model_fsdp_0"))
+    dcp.save({"optimizer": moments}, checkpoint_id=os.path.join(folder, "optimizer_0"))
+    save_accelerator_state(folder, [], [], [scheduler], [], accelerator.process_index, accelerator.step)
+
+
+def load_state(accelerator, model, optimizer, scheduler, folder: str) -> None:
+    """What `save_state` wrote, into this run's slices (DCP re-slices a checkpoint of another layout)."""
+    import torch.distributed.checkpoint as dcp
+    from accelerate.checkpointing import load_accelerator_state
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    module, inner = _module(accelerator, model), _inner(optimizer)
+    weights, moments = get_state_dict(module, inner)
+    dcp.load({"model": weights}, checkpoint_id=os.path.join(folder, "pytorch_model_fsdp_0"))
+    dcp.load({"optimizer": moments}, checkpoint_id=os.path.join(folder, "optimizer_0"))
+    set_state_dict(module, inner, model_state_dict=weights, optim_state_dict=moments)
+    load_accelerator_state(folder, [], [], [scheduler], [], accelerator.process_index)
+
+
+def _module(accelerator, model):
+    from common.accelerator import unwrap
+
+    return unwrap(accelerator, model)
+
+
+def _inner(optimizer):
+    from common.internals import innermost_optimizer
+
+    return innermost_optimizer(optimizer)

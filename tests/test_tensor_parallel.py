@@ -1,0 +1,161 @@
+"""Tensor parallelism from the config (tp.yaml): launched for real on 2 processes over gloo.
+
+fp32 parity: the pair shares 4 x accumulation 2 per step (global batch 8, as the single-process
+reference's 1 x 8), from the same seeded model, and must reproduce the reference's per-step
+losses, evaluation and final weights within FP32_TOLERANCE, each rank holding about half of the
+parameters, every rank of the group handed the same batch (checked in the run), and the memory
+account's model state as scripts/estimate_memory.py predicts it. Its checkpoint exports without
+launching to the same folder as its final/, which from_pretrained loads and which gives the
+reference's logits. Resumed from its step-6 checkpoint it continues exactly under tp.yaml, and
+under fsdp.yaml (the same DCP files, re-sliced) and one process (the portable rewrite) within
+FP32_TOLERANCE. bf16: fine-tuning a checkpoint saved in bf16 stays within the bf16 tolerance of
+the single-process bf16 run and exports bf16. SFT under tp.yaml: tests/test_numerics.py; a kill -9
+at a checkpoint save: tests/test_crashes.py.
+"""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from conftest import (CONFIGS, FP32, STEPS, SAVE_AT, assert_same_hf_folder, causal_lm_args, export_checkpoint, flags,
+                      launch, load_weights, losses, max_weight_difference, model_state_gaps, optimizer_state_dtypes,
+                      pretrained_args, read_metrics, read_run, REPO)
+from test_strategies import BF16_LOSS_TOLERANCE, FP32_TOLERANCE, MODEL_STATE_TOLERANCE
+
+RUN = dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=STEPS, save_steps=SAVE_AT)
+
+
+def assert_tensor_parallel_pair(record):
+    assert record["world_size"] == 2 and record["participating_processes"] == 2
+    assert record["launched_strategy"] == "tp" and record["device_mesh"] == {"tp": 2}
+    assert record["tensor_parallel_groups_checked"] == 1  # one group, both ranks with the same batch
+    assert record["effective_batch_size"] == 8  # the group's one batch of 4 x accumulation 2, counted once
+
+
+@pytest.fixture(scope="module")
+def tp_run(markov_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tp") / "run"
+    launch("tp.yaml", "causal_lm.py", causal_lm_args(markov_data, out, **RUN), launcher_args=FP32)
+    return out
+
+
+@pytest.mark.slow
+def test_tensor_parallel_matches_single_process(tp_run, reference):
+    record = read_run(tp_run)
+    assert_tensor_parallel_pair(record)
+    assert record["compute_dtype"] == "float32"
+    total, local = record["total_parameters"], record["local_parameter_elements"]
+    print(f"tp.yaml: local parameter elements per rank {local} of {total}")
+    assert all(0.45 * total <= n <= 0.55 * total for n in local) and sum(local) >= total
+    gaps = model_state_gaps(tp_run, CONFIGS / "tp.yaml")
+    print("tp.yaml: model state vs estimate, largest gap per category " + ", ".join(f"{k} {v:.4f}" for k, v in gaps.items()))
+    assert max(gaps.values()) < MODEL_STATE_TOLERANCE, gaps
+
+    mine, ref = losses(tp_run), losses(reference)
+    loss_gap = max(abs(a - b) / b for a, b in zip(mine, ref))
+    weight_gap = max_weight_difference(tp_run / "final", reference / "final")
+    evaluation, ref_evaluation = read_metrics(tp_run)[1][-1], read_metrics(reference)[1][-1]
+    print(f"tp.yaml: max relative loss gap {loss_gap:.2e}, max final-weight gap {weight_gap:.2e}, eval loss "
+          f"{evaluation['eval_loss']:.6f} vs {ref_evaluation['eval_loss']:.6f} (fp32, accumulation 2)")
+    assert len(mine) == STEPS and loss_gap < FP32_TOLERANCE and weight_gap < FP32_TOLERANCE
+    assert evaluation["eval_tokens"] == ref_evaluation["eval_tokens"]  # every evaluation example once
+    assert abs(evaluation["eval_loss"] - ref_evaluation["eval_loss"]) < FP32_TOLERANCE
+
+
+@pytest.mark.slow
+def test_tensor_parallel_exports_the_single_process_model(tp_run, reference, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    exported = export_checkpoint(tp_run / "checkpoints" / f"step_{STEPS}", tmp_path / "exported")
+    assert_same_hf_folder(exported, tp_run / "final")
+    vocab = json.loads((reference / "final" / "config.json").read_text())["vocab_size"]
+    ids = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(0))
+    logits = [AutoModelForCausalLM.from_pretrained(folder).eval()(ids).logits for folder in
+              (tp_run / "final", reference / "final")]
+    gap = (logits[0] - logits[1]).abs().max().item()
+    print(f"tp.yaml: final/ loaded with from_pretrained, logits gap to the single-process model {gap:.2e}")
+    assert gap < 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config, processes, batch", [("tp.yaml", 2, 4), ("fsdp.yaml", 2, 2), ("single.yaml", 1, 4)])
+def test_tensor_parallel_checkpoint_resumes(config, processes, batch, tp_run, markov_data, tmp_path):
+    """From step 6: exactly under tp.yaml; re-sliced by DCP under FSDP2; rewritten (common.portable) for one process."""
+    out = tmp_path / "run"
+    shutil.copytree(tp_run / "checkpoints" / f"step_{SAVE_AT}", tmp_path / "step")
+    args = causal_lm_args(markov_data, out, **{**RUN, "per_device_train_batch_size": batch, "save_steps": 0,
+                                                "resume_from_checkpoint": tmp_path / "step"})
+    launch(config, "causal_lm.py", args, launcher_args=FP32)
+    assert read_run(out)["participating_processes"] == processes
+    resumed, uninterrupted = losses(out), losses(tp_run)[SAVE_AT:]
+    gap = max(abs(a - b) for a, b in zip(resumed, uninterrupted))
+    weight_gap = max_weight_difference(out / "final", tp_run / "final")
+    print(f"tp.yaml step {SAVE_AT} resumed under {config} on {processes}: loss gap {gap:.2e}, weight gap {weight_gap:.2e}")
+    assert len(resumed) == STEPS - SAVE_AT
+    if config == "tp.yaml":  # the same layout: bit for bit
+        assert resumed == uninterrupted and weight_gap == 0.0
+    assert gap < FP32_TOLERANCE and weight_gap < FP32_TOLERANCE
+
+
+@pytest.mark.slow
+def test_tensor_parallel_bf16_fine_tuning(markov_data, bf16_checkpoint, bf16_reference, tmp_path):
+    out = tmp_path / "run"
+    launch("tp.yaml", "causal_lm.py", pretrained_args(markov_data, bf16_checkpoint, out, **{**RUN, "save_steps": STEPS}))
+    record = read_run(out)
+    assert_tensor_parallel_pair(record)
+    assert record["compute_dtype"] == "bfloat16" and record["master_weights_dtype"] == "float32"
+    gap = max(abs(a - b) for a, b in zip(losses(out), losses(bf16_reference)))
+    print(f"tp.yaml bf16: max loss gap to one process in bf16 {gap:.2e}")
+    assert len(losses(out)) == STEPS and gap < BF16_LOSS_TOLERANCE
+    assert optimizer_state_dtypes(out / "checkpoints" / f"step_{STEPS}") == {torch.float32}
+    assert {t.dtype for t in load_weights(out / "final").values()} == {torch.bfloat16}
+    assert json.loads((out / "final" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def launch_refused(config, args, recipe="causal_lm.py") -> str:
+    result = launch(config, recipe, args, check=False)
+    output = result.stdout + result.stderr
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert result.returncode != 0 and len(errors) == 1, output[-4000:]
+    print(errors[0])
+    return errors[0]
+
+
+def test_what_tensor_parallelism_cannot_run_is_one_line(markov_data, tmp_path):
+    base = causal_lm_args(markov_data, tmp_path / "run", max_steps=1)
+    assert "--use_peft under tensor parallelism" in launch_refused("tp.yaml", base + ["--use_peft", "true"])
+    three_heads = json.loads((REPO / "recipes/configs/tiny_llama.json").read_text())
+    three_heads.update(hidden_size=48, num_attention_heads=3, num_key_value_heads=3)
+    (tmp_path / "three_heads.json").write_text(json.dumps(three_heads))
+    line = launch_refused("tp.yaml", base + flags(model_config=tmp_path / "three_heads.json"))
+    assert "3 attention heads, which do not divide by tp_size 2" in line
+    gpt2 = {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 64}
+    (tmp_path / "gpt2.json").write_text(json.dumps(gpt2))
+    line = launch_refused("tp.yaml", base + flags(model_config=tmp_path / "gpt2.json"))
+    assert "GPT2LMHeadModel cannot be split for tensor parallelism" in line
+    assert not (tmp_path / "run").exists() or not list((tmp_path / "run").glob("final"))
+
+
+def test_a_group_handed_different_batches_is_stopped():
+    """The run's own check (common.mesh.check_shared_batch) on what a gather over a group of two returns:
+    the other rank's fingerprints equal to this rank's, or not."""
+    from accelerate.utils import ParallelismConfig
+
+    from common.mesh import check_shared_batch
+
+    class TwoRanks:  # the accelerator's members the check reads
+        num_processes, device = 2, torch.device("cpu")
+        parallelism_config = ParallelismConfig(tp_size=2)
+
+        def __init__(self, same: bool):
+            self.same = same
+
+        def gather(self, mine):
+            return torch.cat([mine, mine if self.same else mine + 1])
+
+    batch = {"input_ids": torch.tensor([[1, 2, 3]]), "labels": torch.tensor([[1, 2, 3]])}
+    assert check_shared_batch(TwoRanks(same=True), batch) == 1
+    with pytest.raises(RuntimeError, match="tensor-parallel group 0 were handed different batches"):
+        check_shared_batch(TwoRanks(same=False), batch)
