@@ -48,6 +48,22 @@ def launched_strategy() -> str:
     return "ddp" if launched_world_size() > 1 else "single"
 
 
+def refuse_unsupported_mesh() -> None:
+    """The parallelism_config dimensions these recipes do not run yet, refused in one line before anything starts."""
+    sizes = {name: int(os.environ.get(f"PARALLELISM_CONFIG_{name.upper()}_SIZE", "1")) for name in ("tp", "cp", "sp")}
+    if not _env_flag("ACCELERATE_USE_PARALLELISM_CONFIG"):
+        return
+    for name, what in (("cp", "context"), ("sp", "sequence")):
+        if sizes[name] > 1:
+            raise UsageError(f"parallelism_config_{name}_size {sizes[name]}: {what} parallelism is not supported by "
+                             "these recipes yet (docs/strategies.md says what it takes); use tp.yaml, fsdp.yaml or "
+                             "activation checkpointing (--gradient_checkpointing) for long sequences")
+    if sizes["tp"] > 1 and (_env_flag("ACCELERATE_USE_FSDP") or _env_flag("ACCELERATE_USE_DEEPSPEED")):
+        raise UsageError(f"parallelism_config_tp_size {sizes['tp']} beside FSDP or DeepSpeed: combining tensor "
+                         "parallelism with sharded data parallelism is not supported by these recipes yet "
+                         "(docs/strategies.md); use tp.yaml, or fsdp.yaml / zero3.yaml alone")
+
+
 @dataclass(frozen=True)
 class Launch:
     """What was launched, beside what the Accelerator resolved it to (both go to run.json)."""

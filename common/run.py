@@ -19,7 +19,7 @@ import sys
 from accelerate.utils import set_seed
 
 from common import memory, tensor_parallel
-from common.accelerator import build_accelerator, launched_strategy, unwrap
+from common.accelerator import build_accelerator, launched_strategy, refuse_unsupported_mesh, unwrap
 from common.arguments import DataArguments, ModelArguments, TrainingArguments
 from common.parsing import parse_args, to_dict
 from common.checkpoints import load_checkpoint, save_checkpoint
@@ -137,6 +137,7 @@ def start_run(*arguments) -> Run:
     args = next(a for a in arguments if isinstance(a, TrainingArguments))
     resume_after_restart(args)
     check_output_dir(args.output_dir, args.resume_from_checkpoint, args.overwrite_output_dir)
+    refuse_unsupported_mesh()
     if launched_strategy() == "tp":
         tensor_parallel.check_arguments(arguments)
     if _is_rank0() and not int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):

@@ -94,14 +94,7 @@ def check(config_path: str, recipe_config: str | None = None, num_processes: int
 
     mesh = raw.get("parallelism_config") or {}
     if mesh:
-        replicate = mesh.get("parallelism_config_dp_replicate_size", 1)
-        shard = mesh.get("parallelism_config_dp_shard_size", 1)
-        if raw.get("distributed_type") != "FSDP" or str(fsdp.get("fsdp_version")) != "2":
-            problems.append("parallelism_config: needs distributed_type FSDP with fsdp_version 2")
-        if replicate * shard != world:
-            problems.append(f"parallelism_config: dp_replicate_size {replicate} x dp_shard_size {shard} = "
-                            f"{replicate * shard} processes but num_processes is {world}; set dp_replicate_size to "
-                            "the number of nodes and dp_shard_size to the processes (GPUs) per node")
+        problems += check_mesh(mesh, raw, fsdp, recipe, world)
 
     deepspeed = raw.get("deepspeed_config") or {}
     for key in deepspeed:
@@ -110,6 +103,65 @@ def check(config_path: str, recipe_config: str | None = None, num_processes: int
     if raw.get("distributed_type") == "DEEPSPEED":
         problems += check_deepspeed(deepspeed, raw, recipe, world, config_path)
     return problems
+
+
+MESH_DIMENSIONS = ("dp_replicate", "dp_shard", "tp", "cp", "sp")
+
+
+def check_mesh(mesh: dict, raw: dict, fsdp: dict, recipe: dict, world: int) -> list[str]:
+    """parallelism_config: its sizes against the world size, and what each dimension needs."""
+    problems = []
+    sizes = {name: int(mesh.get(f"parallelism_config_{name}_size", 1)) for name in MESH_DIMENSIONS}
+    product = 1
+    for size in sizes.values():
+        product *= size
+    if product != world:
+        named = " x ".join(f"{name}_size {size}" for name, size in sizes.items() if size > 1 or name == "dp_shard")
+        problems.append(f"parallelism_config: {named} = {product} processes but num_processes is {world}; make "
+                        "the sizes multiply to the world size (HSDP: dp_replicate_size = nodes, dp_shard_size = GPUs "
+                        "per node; tp.yaml: tp_size = num_processes)")
+    fsdp2 = raw.get("distributed_type") == "FSDP" and str(fsdp.get("fsdp_version")) == "2"
+    if (sizes["dp_replicate"] > 1 or sizes["dp_shard"] > 1) and not fsdp2:
+        problems.append("parallelism_config: dp_replicate_size and dp_shard_size need distributed_type FSDP with "
+                        "fsdp_version 2")
+    for name, what in (("cp", "context"), ("sp", "sequence")):
+        if sizes[name] > 1:
+            problems.append(f"parallelism_config_{name}_size {sizes[name]}: {what} parallelism is not supported by "
+                            "these recipes yet (see docs/strategies.md); use tp.yaml, fsdp.yaml or activation "
+                            "checkpointing for long sequences")
+    if sizes["tp"] > 1:
+        if raw.get("distributed_type") not in ("MULTI_GPU",) and not fsdp2:
+            problems.append(f"parallelism_config_tp_size {sizes['tp']}: tensor parallelism runs under distributed_type "
+                            f"MULTI_GPU (tp.yaml), not {raw.get('distributed_type')}")
+        elif fsdp2:
+            problems.append(f"parallelism_config_tp_size {sizes['tp']} under FSDP: FSDP x TP is not supported by these "
+                            "recipes yet (see docs/strategies.md); use tp.yaml or fsdp.yaml")
+        problems += tensor_parallel_model_problems(recipe, sizes["tp"])
+    return problems
+
+
+def tensor_parallel_model_problems(recipe: dict, tp: int) -> list[str]:
+    """The recipe's model (built on the meta device) has a tensor-parallel plan and heads that divide by tp."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    source = recipe.get("model_config") or recipe.get("model_name_or_path")
+    try:
+        config = AutoConfig.from_pretrained(source) if source else None
+    except (OSError, ValueError):
+        config = None  # not reachable from here (e.g. a Hub name offline): skip the check
+    if config is None:
+        return []
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    if not model.tp_plan:
+        return [f"parallelism_config_tp_size {tp}: the recipe's model ({type(model).__name__}) has no tensor-parallel "
+                "plan in transformers; use a model whose class has one (Llama, Mistral, Qwen, Gemma, ...)"]
+    text = config.get_text_config()
+    return [f"parallelism_config_tp_size {tp}: the model has {heads} {key.removeprefix('num_').replace('_', ' ')}, "
+            "which do not divide by it; pick a tp_size that divides them"
+            for key in ("num_attention_heads", "num_key_value_heads")
+            if isinstance(heads := getattr(text, key, None), int) and heads % tp]
 
 
 def check_deepspeed(deepspeed: dict, raw: dict, recipe: dict, world: int, config_path: str) -> list[str]:

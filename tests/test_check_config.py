@@ -111,3 +111,35 @@ def test_deepspeed_json_batch_sizes_must_agree(tmp_path):
     (tmp_path / "ds.json").write_text(json.dumps(ds))
     assert check(path).returncode == 0
     assert "= 32" in check(path, "--num_processes", "4").stdout  # a bigger world changes the expected size
+
+
+@pytest.mark.parametrize("edit, extra, expected", [
+    (None, ["--num_processes", 4], r"dp_shard_size 1 x tp_size 2 = 2 processes but num_processes is 4"),
+    (_set("parallelism_config.parallelism_config_cp_size", 2), [], r"parallelism_config_cp_size 2: context parallelism "
+                                                                  "is not supported by these recipes yet"),
+    (_set("distributed_type", "DEEPSPEED"), [], r"tensor parallelism runs under distributed_type MULTI_GPU \(tp.yaml\), "
+                                                "not DEEPSPEED"),
+])
+def test_tensor_parallel_mesh_problems_are_named(tmp_path, edit, extra, expected):
+    path = broken_copy(tmp_path, "tp.yaml", edit) if edit else CONFIGS / "tp.yaml"
+    result = check(path, *extra)
+    assert result.returncode == 1 and re.search(expected, result.stdout), result.stdout + result.stderr
+
+
+def test_a_model_tensor_parallelism_cannot_split_is_named(tmp_path):
+    """Three heads do not divide by tp_size 2; GPT-2 has no plan in transformers."""
+    llama = json.loads((REPO / "recipes/configs/tiny_llama.json").read_text())
+    llama.update(hidden_size=48, num_attention_heads=3, num_key_value_heads=3)
+    gpt2 = {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4}
+    for name, model, expected in (("three_heads", llama, "the model has 3 attention heads, which do not divide by it"),
+                                  ("gpt2", gpt2, "the recipe's model (GPT2LMHeadModel) has no tensor-parallel plan")):
+        (tmp_path / f"{name}.json").write_text(json.dumps(model))
+        recipe = tmp_path / f"{name}.yaml"
+        recipe.write_text(yaml.safe_dump({"model_config": str(tmp_path / f"{name}.json")}))
+        import contextlib
+        import io
+
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            code = load_script("scripts/check_config.py").main([str(CONFIGS / "tp.yaml"), "--recipe_config", str(recipe)])
+        assert code == 1 and expected in out.getvalue(), out.getvalue()

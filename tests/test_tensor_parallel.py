@@ -18,6 +18,7 @@ import shutil
 
 import pytest
 import torch
+import yaml
 
 from conftest import (CONFIGS, FP32, STEPS, SAVE_AT, assert_same_hf_folder, causal_lm_args, export_checkpoint, flags,
                       launch, load_weights, losses, max_weight_difference, model_state_gaps, optimizer_state_dtypes,
@@ -114,8 +115,8 @@ def test_tensor_parallel_bf16_fine_tuning(markov_data, bf16_checkpoint, bf16_ref
     assert json.loads((out / "final" / "config.json").read_text())["dtype"] == "bfloat16"
 
 
-def launch_refused(config, args, recipe="causal_lm.py") -> str:
-    result = launch(config, recipe, args, check=False)
+def launch_refused(config, args, recipe="causal_lm.py", launcher_args=None) -> str:
+    result = launch(config, recipe, args, check=False, launcher_args=launcher_args)
     output = result.stdout + result.stderr
     errors = [line for line in output.splitlines() if line.startswith("error:")]
     assert result.returncode != 0 and len(errors) == 1, output[-4000:]
@@ -135,6 +136,13 @@ def test_what_tensor_parallelism_cannot_run_is_one_line(markov_data, tmp_path):
     (tmp_path / "gpt2.json").write_text(json.dumps(gpt2))
     line = launch_refused("tp.yaml", base + flags(model_config=tmp_path / "gpt2.json"))
     assert "GPT2LMHeadModel cannot be split for tensor parallelism" in line
+    line = launch_refused("tp.yaml", base, launcher_args=["--parallelism_config_cp_size", "2"])
+    assert "parallelism_config_cp_size 2: context parallelism is not supported by these recipes yet" in line
+    fsdp_tp = yaml.safe_load((CONFIGS / "fsdp.yaml").read_text())
+    fsdp_tp["parallelism_config"] = {"parallelism_config_dp_shard_size": 1, "parallelism_config_tp_size": 2}
+    (tmp_path / "fsdp_tp.yaml").write_text(yaml.safe_dump(fsdp_tp))
+    line = launch_refused(tmp_path / "fsdp_tp.yaml", base)
+    assert "combining tensor parallelism with sharded data parallelism is not supported" in line
     assert not (tmp_path / "run").exists() or not list((tmp_path / "run").glob("final"))
 
 
