@@ -37,31 +37,40 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def launched_mesh_size(dimension: str) -> int:
+    """A parallelism_config dimension's size (tp, cp, sp, dp_shard, dp_replicate) as the launcher exported it."""
+    if not _env_flag("ACCELERATE_USE_PARALLELISM_CONFIG"):
+        return 1
+    return int(os.environ.get(f"PARALLELISM_CONFIG_{dimension.upper()}_SIZE", "1"))
+
+
 def launched_strategy() -> str:
-    """The strategy the accelerate config asked for, as the launcher exported it."""
+    """The strategy the accelerate config asked for, as the launcher exported it (FSDP x TP is fsdp: its files)."""
     if _env_flag("ACCELERATE_USE_DEEPSPEED"):
         return "deepspeed"
     if _env_flag("ACCELERATE_USE_FSDP"):
         return "fsdp"
-    if _env_flag("ACCELERATE_USE_PARALLELISM_CONFIG") and int(os.environ.get("PARALLELISM_CONFIG_TP_SIZE", "1")) > 1:
+    if launched_mesh_size("tp") > 1:
         return "tp"
     return "ddp" if launched_world_size() > 1 else "single"
 
 
 def refuse_unsupported_mesh() -> None:
     """The parallelism_config dimensions these recipes do not run yet, refused in one line before anything starts."""
-    sizes = {name: int(os.environ.get(f"PARALLELISM_CONFIG_{name.upper()}_SIZE", "1")) for name in ("tp", "cp", "sp")}
-    if not _env_flag("ACCELERATE_USE_PARALLELISM_CONFIG"):
-        return
+    sizes = {name: launched_mesh_size(name) for name in ("tp", "cp", "sp")}
     for name, what in (("cp", "context"), ("sp", "sequence")):
         if sizes[name] > 1:
             raise UsageError(f"parallelism_config_{name}_size {sizes[name]}: {what} parallelism is not supported by "
                              "these recipes yet (docs/strategies.md says what it takes); use tp.yaml, fsdp.yaml or "
                              "activation checkpointing (--gradient_checkpointing) for long sequences")
-    if sizes["tp"] > 1 and (_env_flag("ACCELERATE_USE_FSDP") or _env_flag("ACCELERATE_USE_DEEPSPEED")):
-        raise UsageError(f"parallelism_config_tp_size {sizes['tp']} beside FSDP or DeepSpeed: combining tensor "
-                         "parallelism with sharded data parallelism is not supported by these recipes yet "
-                         "(docs/strategies.md); use tp.yaml, or fsdp.yaml / zero3.yaml alone")
+    if sizes["tp"] > 1 and _env_flag("ACCELERATE_USE_DEEPSPEED"):
+        raise UsageError(f"parallelism_config_tp_size {sizes['tp']} beside DeepSpeed: accelerate's mesh does not "
+                         "reach DeepSpeed (its own AutoTP is configured in the DeepSpeed JSON, not supported by these "
+                         "recipes); use fsdp_tp.yaml for sharded data parallelism with tensor parallelism")
+    if sizes["tp"] > 1 and _env_flag("ACCELERATE_USE_FSDP") and _env_flag("FSDP_CPU_RAM_EFFICIENT_LOADING"):
+        raise UsageError("fsdp_cpu_ram_efficient_loading: true beside parallelism_config_tp_size: broadcasting rank "
+                         "0's weights into 2-D (dp_shard x tp) shards fails in accelerate 1.15; set it to false, as "
+                         "fsdp_tp.yaml does (every rank then builds the model, then keeps its shards)")
 
 
 @dataclass(frozen=True)

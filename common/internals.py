@@ -122,6 +122,25 @@ def resolved_tp_plan(model, distributed_config) -> dict:
     return model._resolve_parallel_plans(distributed_config)[0]
 
 
+def provide_replicate_parallel() -> None:
+    """accelerate 1.15 makes FSDP x TP's unsplit parameters (norms) Replicate DTensors with transformers' former
+    ReplicateParallel, gone from 5.23: the same, as 5.23's styles do it (forward on the local tensors)."""
+    from transformers.distributed import tensor_parallel
+    from transformers.integrations import tensor_parallel as old_home
+
+    class ReplicateParallel(tensor_parallel.TensorParallelLayer):
+        def should_use_local_tensors(self, module):
+            return True
+
+        def prepare_module_tp(self, module, mesh):
+            if not getattr(module, "replicated_forward", False):
+                self.install_forward(module, mesh)
+                module.replicated_forward = True
+
+    if not hasattr(old_home, "ReplicateParallel"):
+        old_home.ReplicateParallel = ReplicateParallel
+
+
 def declared_layer_classes(model) -> list[str]:
     return list(getattr(model, "_no_split_modules", None) or [])
 

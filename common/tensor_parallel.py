@@ -48,7 +48,7 @@ def shard(model, state=None):
     from transformers.distributed import DistributedConfig
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
-    from common.internals import resolved_tp_plan
+    from common.internals import provide_replicate_parallel, resolved_tp_plan
 
     state = state or AcceleratorState()
     size = state.parallelism_config.tp_size
@@ -67,6 +67,8 @@ def shard(model, state=None):
                          "tensor-parallel plan for it; use a model whose class has one (Llama, Mistral, Qwen, "
                          "Gemma, ...) or a data-parallel config") from None
     apply_tensor_parallelism(model, state.device_mesh["tp"], plan)
+    if getattr(state, "fsdp_plugin", None) is not None:  # FSDP x TP: accelerate makes the unsplit parameters DTensors too
+        provide_replicate_parallel()
     model.config.distributed_config = distributed  # what accelerate reads the model's tp size from
     return model
 

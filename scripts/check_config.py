@@ -132,10 +132,10 @@ def check_mesh(mesh: dict, raw: dict, fsdp: dict, recipe: dict, world: int) -> l
     if sizes["tp"] > 1:
         if raw.get("distributed_type") not in ("MULTI_GPU",) and not fsdp2:
             problems.append(f"parallelism_config_tp_size {sizes['tp']}: tensor parallelism runs under distributed_type "
-                            f"MULTI_GPU (tp.yaml), not {raw.get('distributed_type')}")
-        elif fsdp2:
-            problems.append(f"parallelism_config_tp_size {sizes['tp']} under FSDP: FSDP x TP is not supported by these "
-                            "recipes yet (see docs/strategies.md); use tp.yaml or fsdp.yaml")
+                            f"MULTI_GPU (tp.yaml) or FSDP2 (fsdp_tp.yaml), not {raw.get('distributed_type')}")
+        elif fsdp2 and str(fsdp.get("fsdp_cpu_ram_efficient_loading", False)).lower() == "true":
+            problems.append("fsdp_cpu_ram_efficient_loading: true beside parallelism_config_tp_size: rank 0's "
+                            "broadcast into 2-D shards fails (accelerate 1.15); set it to false, as fsdp_tp.yaml does")
         problems += tensor_parallel_model_problems(recipe, sizes["tp"])
     return problems
 

@@ -10,13 +10,14 @@ c bytes per element in the compute dtype (2 in bf16, 4 in fp32):
   single / DDP        4Ψ          -       4Ψ               8Ψ         - (DDP's: the gradients)
   FSDP2 (all three)   4Ψ/N        -       4Ψ/N             8Ψ/N       -
   tensor parallel     4Ψt         -       4Ψt              8Ψt        -   Ψt = Ψ split by the plan / T, + the rest
+  FSDP2 x TP          4ΨtT/N      -       4ΨtT/N           8ΨtT/N     -
   ZeRO-1 / ZeRO-2     cΨ          4Ψ/N    cΨ/N + 4Ψ/N      8Ψ/N       -
    with offload       cΨ          4Ψ/N    4Ψ/N (+ cΨ/N)    8Ψ/N       cΨ/N
   ZeRO-3              cΨ/N        4Ψ/N    cΨ/N             8Ψ/N       c·h² (reduce)
    in fp32            4Ψ/N        -       4Ψ/N             8Ψ/N       4·h² (reduce)
    with offload       cΨ/N        4Ψ/N    cΨ/N + 4Ψ/N      8Ψ/N       c·h² (reduce)
 
-(tp.yaml: T = tp_size ranks; a rank's activations inside attention and the MLP are split too.)
+(tp.yaml, fsdp_tp.yaml: T = tp_size ranks; a rank's activations inside attention and the MLP are split too.)
 
 --dpo_reference adds recipes/dpo.py's frozen reference copy: 4Ψ on one process or DDP, 4Ψt under TP, 4Ψ/N under FSDP2,
 cΨ under ZeRO-1/2 and cΨ/N under ZeRO-3 (`reference_bytes`).
@@ -75,7 +76,7 @@ def read_strategy(config_file: str, num_processes: int | None, mixed_precision: 
     parallelism = config.get("parallelism_config") or {}
     tp_size = int(parallelism.get("parallelism_config_tp_size", 1))
     if tp_size > 1 and strategy == "ddp":  # tp.yaml: tensor parallel over every process (common.tensor_parallel)
-        strategy = "tp"
+        strategy = "tp"  # (fsdp_tp.yaml stays fsdp, with its tp_size)
     precision = mixed_precision or config.get("mixed_precision", "no")
     stage, offload, offload_params, sub_group_size = None, False, False, None
     if strategy == "deepspeed":
@@ -199,12 +200,13 @@ def estimate(model: dict, strategy: dict, batch_size: int, seq_len: int, checkpo
         if stage in (1, 2) and strategy["offload"]:  # DeepSpeed's CPU-offload buffers (see the docstring)
             gradients = 4 * psi / n + 2 * c * model["largest_tensor"] + (c * psi / n if accumulation > 1 else 0)
             buckets = c * psi / n
-    elif kind == "fsdp":
-        parameters, master, gradients, optimizer = 4 * psi / n, 0, 4 * psi / n, 8 * psi / n
+    elif kind == "fsdp":  # with tp_size > 1 (fsdp_tp.yaml): a TP rank's part, sharded over the n / tp FSDP ranks
+        local = (psi - model.get("tp_split_parameters", 0) * (tp - 1) / tp) * tp if tp > 1 else psi
+        parameters, master, gradients, optimizer = 4 * local / n, 0, 4 * local / n, 8 * local / n
         # a layer gathered whole and the next prefetched, and the root unit (embeddings, final norm, head:
         # FSDP2 keeps the root gathered from forward to backward); without resharding, the whole model
         step_transient = (2 * c * model["largest_layer"] + c * model.get("root_parameters", 0)
-                          if strategy["fsdp_reshard_after_forward"] else c * psi)
+                          if strategy["fsdp_reshard_after_forward"] else c * psi) / tp  # gathered: a TP rank's part
         if strategy.get("fsdp_cpu_ram_efficient_loading"):  # rank 0: the whole model, its shard, a layer
             loading = 4 * psi + 4 * psi / n + 4 * model["largest_layer"]
     else:
@@ -215,7 +217,7 @@ def estimate(model: dict, strategy: dict, batch_size: int, seq_len: int, checkpo
     reference = (parameters if kind == "tp" else reference_bytes(psi, strategy, c)) if dpo_reference else 0
     categories = {"parameters": parameters, "master_weights": master, "gradients": gradients,
                   "optimizer_states": optimizer, "reference_model": reference, "communication_buffers": buckets}
-    activations = activation_bytes(model, batch_size, seq_len, c, checkpointing, tp if kind == "tp" else 1)
+    activations = activation_bytes(model, batch_size, seq_len, c, checkpointing, tp)
     if kind in ("ddp", "tp") and c == 2:  # autocast's low-precision copy of each weight, saved for backward
         activations += c * parameters / 4
     model_state = parameters + master + gradients + optimizer + reference

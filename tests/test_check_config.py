@@ -113,15 +113,18 @@ def test_deepspeed_json_batch_sizes_must_agree(tmp_path):
     assert "= 32" in check(path, "--num_processes", "4").stdout  # a bigger world changes the expected size
 
 
-@pytest.mark.parametrize("edit, extra, expected", [
-    (None, ["--num_processes", 4], r"dp_shard_size 1 x tp_size 2 = 2 processes but num_processes is 4"),
-    (_set("parallelism_config.parallelism_config_cp_size", 2), [], r"parallelism_config_cp_size 2: context parallelism "
-                                                                  "is not supported by these recipes yet"),
-    (_set("distributed_type", "DEEPSPEED"), [], r"tensor parallelism runs under distributed_type MULTI_GPU \(tp.yaml\), "
-                                                "not DEEPSPEED"),
+@pytest.mark.parametrize("name, edit, extra, expected", [
+    ("tp.yaml", None, ["--num_processes", 4], r"dp_shard_size 1 x tp_size 2 = 2 processes but num_processes is 4"),
+    ("fsdp_tp.yaml", None, ["--num_processes", 8], r"dp_shard_size 2 x tp_size 2 = 4 processes but num_processes is 8"),
+    ("tp.yaml", _set("parallelism_config.parallelism_config_cp_size", 2), [],
+     r"parallelism_config_cp_size 2: context parallelism is not supported by these recipes yet"),
+    ("tp.yaml", _set("distributed_type", "DEEPSPEED"), [],
+     r"tensor parallelism runs under distributed_type MULTI_GPU \(tp.yaml\) or FSDP2 \(fsdp_tp.yaml\), not DEEPSPEED"),
+    ("fsdp_tp.yaml", _set("fsdp_config.fsdp_cpu_ram_efficient_loading", True), [],
+     r"fsdp_cpu_ram_efficient_loading: true beside parallelism_config_tp_size"),
 ])
-def test_tensor_parallel_mesh_problems_are_named(tmp_path, edit, extra, expected):
-    path = broken_copy(tmp_path, "tp.yaml", edit) if edit else CONFIGS / "tp.yaml"
+def test_tensor_parallel_mesh_problems_are_named(tmp_path, name, edit, extra, expected):
+    path = broken_copy(tmp_path, name, edit) if edit else CONFIGS / name
     result = check(path, *extra)
     assert result.returncode == 1 and re.search(expected, result.stdout), result.stdout + result.stderr
 

@@ -1,14 +1,16 @@
-"""Tensor parallelism from the config (tp.yaml): launched for real on 2 processes over gloo.
+"""Tensor parallelism from the config, launched for real over gloo: tp.yaml (2 processes, one TP
+pair) and fsdp_tp.yaml (4 processes: 2 FSDP shards x 2 TP).
 
-fp32 parity: the pair shares 4 x accumulation 2 per step (global batch 8, as the single-process
-reference's 1 x 8), from the same seeded model, and must reproduce the reference's per-step
-losses, evaluation and final weights within FP32_TOLERANCE, each rank holding about half of the
-parameters, every rank of the group handed the same batch (checked in the run), and the memory
-account's model state as scripts/estimate_memory.py predicts it. Its checkpoint exports without
-launching to the same folder as its final/, which from_pretrained loads and which gives the
-reference's logits. Resumed from its step-6 checkpoint it continues exactly under tp.yaml, and
-under fsdp.yaml (the same DCP files, re-sliced) and one process (the portable rewrite) within
-FP32_TOLERANCE. bf16: fine-tuning a checkpoint saved in bf16 stays within the bf16 tolerance of
+fp32 parity: tp.yaml's pair shares 4 x accumulation 2 per step, fsdp_tp.yaml's two pairs 2 x
+accumulation 2 each (global batch 8, as the single-process reference's 1 x 8), from the same
+seeded model; each must reproduce the reference's per-step losses, evaluation and final weights
+within FP32_TOLERANCE, each rank holding its share of the parameters (1/2, 1/4), every rank of a
+TP group handed the same batch (checked in the run), and the memory account's model state as
+scripts/estimate_memory.py predicts it. A checkpoint exports without launching to the same folder
+as final/, which from_pretrained loads and which gives the reference's logits. Resumed from step
+6 each continues exactly under its own config; tp.yaml's also under fsdp.yaml (the same DCP
+files, re-sliced) and on one process (the portable rewrite), fsdp_tp.yaml's under tp.yaml (another
+mesh shape), within FP32_TOLERANCE. bf16: fine-tuning a checkpoint saved in bf16 stays within the bf16 tolerance of
 the single-process bf16 run and exports bf16. SFT under tp.yaml: tests/test_numerics.py; a kill -9
 at a checkpoint save: tests/test_crashes.py.
 """
@@ -26,39 +28,47 @@ from conftest import (CONFIGS, FP32, STEPS, SAVE_AT, assert_same_hf_folder, caus
 from test_strategies import BF16_LOSS_TOLERANCE, FP32_TOLERANCE, MODEL_STATE_TOLERANCE
 
 RUN = dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=STEPS, save_steps=SAVE_AT)
+# config -> (processes, per-device batch, mesh, TP groups)
+LAYOUTS = {"tp.yaml": (2, 4, {"tp": 2}, 1), "fsdp_tp.yaml": (4, 2, {"dp_shard": 2, "tp": 2}, 2)}
 
 
-def assert_tensor_parallel_pair(record):
-    assert record["world_size"] == 2 and record["participating_processes"] == 2
-    assert record["launched_strategy"] == "tp" and record["device_mesh"] == {"tp": 2}
-    assert record["tensor_parallel_groups_checked"] == 1  # one group, both ranks with the same batch
-    assert record["effective_batch_size"] == 8  # the group's one batch of 4 x accumulation 2, counted once
+def assert_tensor_parallel_layout(record, config):
+    processes, _, mesh, groups = LAYOUTS[config]
+    assert record["world_size"] == processes and record["participating_processes"] == processes
+    assert record["launched_strategy"] == ("tp" if config == "tp.yaml" else "fsdp") and record["device_mesh"] == mesh
+    assert record["tensor_parallel_groups_checked"] == groups  # each group's ranks with the same batch
+    assert record["effective_batch_size"] == 8  # each group's batch counted once
 
 
-@pytest.fixture(scope="module")
-def tp_run(markov_data, tmp_path_factory):
-    out = tmp_path_factory.mktemp("tp") / "run"
-    launch("tp.yaml", "causal_lm.py", causal_lm_args(markov_data, out, **RUN), launcher_args=FP32)
-    return out
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def trained(request, markov_data, tmp_path_factory):
+    """(config, its fp32 run: global batch 8, accumulation 2, checkpoints at steps 6 and 12)."""
+    config = request.param
+    out = tmp_path_factory.mktemp(config.removesuffix(".yaml")) / "run"
+    args = causal_lm_args(markov_data, out, **{**RUN, "per_device_train_batch_size": LAYOUTS[config][1]})
+    launch(config, "causal_lm.py", args, launcher_args=FP32)
+    return config, out
 
 
 @pytest.mark.slow
-def test_tensor_parallel_matches_single_process(tp_run, reference):
+def test_tensor_parallel_matches_single_process(trained, reference):
+    config, tp_run = trained
     record = read_run(tp_run)
-    assert_tensor_parallel_pair(record)
+    assert_tensor_parallel_layout(record, config)
     assert record["compute_dtype"] == "float32"
     total, local = record["total_parameters"], record["local_parameter_elements"]
-    print(f"tp.yaml: local parameter elements per rank {local} of {total}")
-    assert all(0.45 * total <= n <= 0.55 * total for n in local) and sum(local) >= total
-    gaps = model_state_gaps(tp_run, CONFIGS / "tp.yaml")
-    print("tp.yaml: model state vs estimate, largest gap per category " + ", ".join(f"{k} {v:.4f}" for k, v in gaps.items()))
+    share = 1 / len(local)
+    print(f"{config}: local parameter elements per rank {local} of {total}")
+    assert all(0.9 * share * total <= n <= 1.1 * share * total for n in local) and sum(local) >= total
+    gaps = model_state_gaps(tp_run, CONFIGS / config)
+    print(f"{config}: model state vs estimate, largest gap per category " + ", ".join(f"{k} {v:.4f}" for k, v in gaps.items()))
     assert max(gaps.values()) < MODEL_STATE_TOLERANCE, gaps
 
     mine, ref = losses(tp_run), losses(reference)
     loss_gap = max(abs(a - b) / b for a, b in zip(mine, ref))
     weight_gap = max_weight_difference(tp_run / "final", reference / "final")
     evaluation, ref_evaluation = read_metrics(tp_run)[1][-1], read_metrics(reference)[1][-1]
-    print(f"tp.yaml: max relative loss gap {loss_gap:.2e}, max final-weight gap {weight_gap:.2e}, eval loss "
+    print(f"{config}: max relative loss gap {loss_gap:.2e}, max final-weight gap {weight_gap:.2e}, eval loss "
           f"{evaluation['eval_loss']:.6f} vs {ref_evaluation['eval_loss']:.6f} (fp32, accumulation 2)")
     assert len(mine) == STEPS and loss_gap < FP32_TOLERANCE and weight_gap < FP32_TOLERANCE
     assert evaluation["eval_tokens"] == ref_evaluation["eval_tokens"]  # every evaluation example once
@@ -66,9 +76,10 @@ def test_tensor_parallel_matches_single_process(tp_run, reference):
 
 
 @pytest.mark.slow
-def test_tensor_parallel_exports_the_single_process_model(tp_run, reference, tmp_path):
+def test_tensor_parallel_exports_the_single_process_model(trained, reference, tmp_path):
     from transformers import AutoModelForCausalLM
 
+    config, tp_run = trained
     exported = export_checkpoint(tp_run / "checkpoints" / f"step_{STEPS}", tmp_path / "exported")
     assert_same_hf_folder(exported, tp_run / "final")
     vocab = json.loads((reference / "final" / "config.json").read_text())["vocab_size"]
@@ -76,14 +87,24 @@ def test_tensor_parallel_exports_the_single_process_model(tp_run, reference, tmp
     logits = [AutoModelForCausalLM.from_pretrained(folder).eval()(ids).logits for folder in
               (tp_run / "final", reference / "final")]
     gap = (logits[0] - logits[1]).abs().max().item()
-    print(f"tp.yaml: final/ loaded with from_pretrained, logits gap to the single-process model {gap:.2e}")
+    print(f"{config}: final/ loaded with from_pretrained, logits gap to the single-process model {gap:.2e}")
     assert gap < 1e-4
 
 
+RESUMES = {"tp.yaml": [("tp.yaml", 2, 4), ("fsdp.yaml", 2, 2), ("single.yaml", 1, 4)],
+           "fsdp_tp.yaml": [("fsdp_tp.yaml", 4, 2), ("tp.yaml", 2, 4)]}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("config, processes, batch", [("tp.yaml", 2, 4), ("fsdp.yaml", 2, 2), ("single.yaml", 1, 4)])
-def test_tensor_parallel_checkpoint_resumes(config, processes, batch, tp_run, markov_data, tmp_path):
-    """From step 6: exactly under tp.yaml; re-sliced by DCP under FSDP2; rewritten (common.portable) for one process."""
+def test_tensor_parallel_checkpoint_resumes(trained, markov_data, tmp_path):
+    """From step 6: exactly under its own config; re-sliced by DCP under another mesh or FSDP2; rewritten
+    (common.portable) for one process."""
+    written_by, tp_run = trained
+    for config, processes, batch in RESUMES[written_by]:
+        resume(written_by, tp_run, config, processes, batch, markov_data, tmp_path / config.removesuffix(".yaml"))
+
+
+def resume(written_by, tp_run, config, processes, batch, markov_data, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(tp_run / "checkpoints" / f"step_{SAVE_AT}", tmp_path / "step")
     args = causal_lm_args(markov_data, out, **{**RUN, "per_device_train_batch_size": batch, "save_steps": 0,
@@ -93,9 +114,10 @@ def test_tensor_parallel_checkpoint_resumes(config, processes, batch, tp_run, ma
     resumed, uninterrupted = losses(out), losses(tp_run)[SAVE_AT:]
     gap = max(abs(a - b) for a, b in zip(resumed, uninterrupted))
     weight_gap = max_weight_difference(out / "final", tp_run / "final")
-    print(f"tp.yaml step {SAVE_AT} resumed under {config} on {processes}: loss gap {gap:.2e}, weight gap {weight_gap:.2e}")
+    print(f"{written_by} step {SAVE_AT} resumed under {config} on {processes}: loss gap {gap:.2e}, "
+          f"weight gap {weight_gap:.2e}")
     assert len(resumed) == STEPS - SAVE_AT
-    if config == "tp.yaml":  # the same layout: bit for bit
+    if config == written_by:  # the same layout: bit for bit
         assert resumed == uninterrupted and weight_gap == 0.0
     assert gap < FP32_TOLERANCE and weight_gap < FP32_TOLERANCE
 
@@ -105,7 +127,7 @@ def test_tensor_parallel_bf16_fine_tuning(markov_data, bf16_checkpoint, bf16_ref
     out = tmp_path / "run"
     launch("tp.yaml", "causal_lm.py", pretrained_args(markov_data, bf16_checkpoint, out, **{**RUN, "save_steps": STEPS}))
     record = read_run(out)
-    assert_tensor_parallel_pair(record)
+    assert_tensor_parallel_layout(record, "tp.yaml")
     assert record["compute_dtype"] == "bfloat16" and record["master_weights_dtype"] == "float32"
     gap = max(abs(a - b) for a, b in zip(losses(out), losses(bf16_reference)))
     print(f"tp.yaml bf16: max loss gap to one process in bf16 {gap:.2e}")
@@ -142,7 +164,7 @@ def test_what_tensor_parallelism_cannot_run_is_one_line(markov_data, tmp_path):
     fsdp_tp["parallelism_config"] = {"parallelism_config_dp_shard_size": 1, "parallelism_config_tp_size": 2}
     (tmp_path / "fsdp_tp.yaml").write_text(yaml.safe_dump(fsdp_tp))
     line = launch_refused(tmp_path / "fsdp_tp.yaml", base)
-    assert "combining tensor parallelism with sharded data parallelism is not supported" in line
+    assert "fsdp_cpu_ram_efficient_loading: true beside parallelism_config_tp_size" in line
     assert not (tmp_path / "run").exists() or not list((tmp_path / "run").glob("final"))
 
 
