@@ -37,6 +37,7 @@ USES = (
         "declared_layer_classes / declare_layer_classes: the layer classes FSDP wraps"),
     Use("transformers", "PretrainedConfig._attn_implementation", "attention_implementation"),
     Use("transformers", "PreTrainedModel._resolve_parallel_plans", "resolved_tp_plan: a model built here, split by TP"),
+    Use("transformers", "ReplicateParallel (gone in 5.23)", "common/tensor_parallel.py's provide_replicate_parallel"),
     Use("transformers", "PretrainedConfig._name_or_path", "set_base_model_name"),
     Use("transformers", "PreTrainedModel._weight_conversions, _auto_class, _keys_to_ignore_on_save", "saves_as_state_dict"),
     Use("transformers", "integrations.sdpa_attention.sdpa_attention_forward, masking_utils.sdpa_mask, the mask "
@@ -117,28 +118,8 @@ def init_module_weights(model, module) -> None:
     model._init_weights(module)
 
 
-def resolved_tp_plan(model, distributed_config) -> dict:
-    """The model's tensor-parallel plan, one rule per module (what from_pretrained(tp_plan=...) applies)."""
+def resolved_tp_plan(model, distributed_config) -> dict:  # one rule per module, as from_pretrained(tp_plan=) applies
     return model._resolve_parallel_plans(distributed_config)[0]
-
-
-def provide_replicate_parallel() -> None:
-    """accelerate 1.15 makes FSDP x TP's unsplit parameters (norms) Replicate DTensors with transformers' former
-    ReplicateParallel, gone from 5.23: the same, as 5.23's styles do it (forward on the local tensors)."""
-    from transformers.distributed import tensor_parallel
-    from transformers.integrations import tensor_parallel as old_home
-
-    class ReplicateParallel(tensor_parallel.TensorParallelLayer):
-        def should_use_local_tensors(self, module):
-            return True
-
-        def prepare_module_tp(self, module, mesh):
-            if not getattr(module, "replicated_forward", False):
-                self.install_forward(module, mesh)
-                module.replicated_forward = True
-
-    if not hasattr(old_home, "ReplicateParallel"):
-        old_home.ReplicateParallel = ReplicateParallel
 
 
 def declared_layer_classes(model) -> list[str]:
@@ -279,7 +260,6 @@ def repair_zero3_universal_load(optimizer, hyperparameters: list) -> None:
 # ---- tqdm, argparse --------------------------------------------------------------------------
 def close_progress_bars() -> None:
     from tqdm import tqdm
-
     for bar in list(getattr(tqdm, "_instances", ())):
         bar.close()
 

@@ -102,7 +102,9 @@ def record_run(accelerator, launch: Launch, model, optimizer, args: dict, output
         "command": sys.argv,  # the recipe and its arguments as this process was given them
         "world_size": world_size,
         "participating_processes": participating_processes(accelerator),
-        "distributed_type": str(accelerator.distributed_type).split(".")[-1],
+        # a CPU host's tensor-parallel mesh is presented to accelerate as MULTI_GPU (common.cpu_host): say what runs
+        "distributed_type": str(accelerator.distributed_type).split(".")[-1].replace(
+            "MULTI_GPU", "MULTI_GPU" if accelerator.device.type == "cuda" else "MULTI_CPU"),
         "mixed_precision": accelerator.mixed_precision,
         "mixed_precision_requested": launch.requested_mixed_precision,
         **precision_details(accelerator, model, optimizer),

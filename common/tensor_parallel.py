@@ -48,7 +48,7 @@ def shard(model, state=None):
     from transformers.distributed import DistributedConfig
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
-    from common.internals import provide_replicate_parallel, resolved_tp_plan
+    from common.internals import resolved_tp_plan
 
     state = state or AcceleratorState()
     size = state.parallelism_config.tp_size
@@ -67,10 +67,29 @@ def shard(model, state=None):
                          "tensor-parallel plan for it; use a model whose class has one (Llama, Mistral, Qwen, "
                          "Gemma, ...) or a data-parallel config") from None
     apply_tensor_parallelism(model, state.device_mesh["tp"], plan)
-    if getattr(state, "fsdp_plugin", None) is not None:  # FSDP x TP: accelerate makes the unsplit parameters DTensors too
+    if getattr(state, "fsdp_plugin", None) is not None:  # FSDP x TP: accelerate makes the unsplit parameters DTensors
         provide_replicate_parallel()
     model.config.distributed_config = distributed  # what accelerate reads the model's tp size from
     return model
+
+
+def provide_replicate_parallel() -> None:
+    """accelerate 1.15 makes FSDP x TP's unsplit parameters (norms) Replicate DTensors with transformers' former
+    ReplicateParallel, gone from 5.23: the same, as 5.23's styles do it (forward on the local tensors)."""
+    from transformers.distributed import tensor_parallel
+    from transformers.integrations import tensor_parallel as old_home
+
+    class ReplicateParallel(tensor_parallel.TensorParallelLayer):
+        def should_use_local_tensors(self, module):
+            return True
+
+        def prepare_module_tp(self, module, mesh):
+            if not getattr(module, "replicated_forward", False):
+                self.install_forward(module, mesh)
+                module.replicated_forward = True
+
+    if not hasattr(old_home, "ReplicateParallel"):
+        old_home.ReplicateParallel = ReplicateParallel
 
 
 def save_state(accelerator, model, optimizer, scheduler, folder: str) -> None:
