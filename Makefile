@@ -11,7 +11,7 @@ TORCH_RANGE := torch>=2.13.0,<2.14
 # The demos, benchmarks and tests read nothing from a hub (their models and data are made here or ship in a
 # package), so they run with downloads off; the recipe targets load your Hub models as the libraries do.
 OFFLINE_TARGETS := demo demo-data demo-chat demo-dpo real-model benchmark benchmark-peers benchmark-options \
-                   benchmark-packing benchmark-reshard test test-fast test-crashes
+                   benchmark-packing benchmark-reshard benchmark-pipeline test test-fast test-crashes
 $(OFFLINE_TARGETS): export HF_HUB_OFFLINE ?= 1
 $(OFFLINE_TARGETS): export HF_DATASETS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
@@ -23,7 +23,7 @@ LAUNCH_ARGS ?=
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE ?= 1
 RESTARTS = $(if $(findstring --max_restarts,$(LAUNCH_ARGS)),--rdzv_backend c10d)
 
-.PHONY: install install-test real-model demo demo-chat demo-dpo demo-data test test-fast test-crashes doctor causal_lm sequence_classification lora sft dpo evaluate plot benchmark benchmark-peers benchmark-options benchmark-packing benchmark-reshard estimate-memory choose-config benchmark-choice export-checkpoint convert-checkpoint check-config clean
+.PHONY: install install-test real-model demo demo-chat demo-dpo demo-data test test-fast test-crashes doctor causal_lm sequence_classification lora sft dpo evaluate plot benchmark benchmark-peers benchmark-options benchmark-packing benchmark-reshard benchmark-pipeline estimate-memory choose-config benchmark-choice export-checkpoint convert-checkpoint check-config clean
 
 # torch first: the CPU wheel on hosts without an NVIDIA GPU (no CUDA download),
 # the normal CUDA build where nvidia-smi sees a GPU. Later `torch>=...` pins are then satisfied.
@@ -177,6 +177,11 @@ benchmark-choice: install
 # time and host memory, written to docs/benchmark-reshard.md.
 benchmark-reshard: install
 	$(PY) scripts/benchmark_reshard.py --docs docs/benchmark-reshard.md $(ARGS)
+
+# Pipeline parallelism, a measured prototype (torch.distributed.pipelining, 2 stages over gloo; not a config):
+# parity with one process and each stage's time and memory, written to docs/benchmark-pipeline.md.
+benchmark-pipeline: install
+	$(PY) scripts/benchmark_pipeline.py --docs docs/benchmark-pipeline.md $(ARGS)
 
 # The causal-LM recipe against the plainest accelerate loop and transformers' Trainer on one job, and the DPO
 # recipe against TRL's DPOTrainer (installed here for this benchmark only) on another (ddp.yaml, 2 processes,

@@ -10,9 +10,11 @@ The same model, data, init and clipping also train in one plain process; the scr
 norms and final weights (tiny_llama.json and llama_100m.json), and step time and peak resident memory (VmHWM)
 at the 101M size. Every run starts its own processes (torch.multiprocessing spawn, gloo on a free port).
 
-    python scripts/benchmark_pipeline.py          # writes docs/benchmark-pipeline.md (about 2 to 4 minutes)
+    python scripts/benchmark_pipeline.py          # writes docs/benchmark-pipeline.md (1.5 to 2.5 minutes here)
+    make benchmark-pipeline ARGS="--models tiny_llama --docs /tmp/pipeline.md"   # parity only, the tiny model
 """
 
+import argparse
 import datetime
 import os
 import platform
@@ -180,11 +182,11 @@ def median_time(result: dict) -> float:
     return statistics.median(result["times"][1:])
 
 
-def write_page(parity: dict, cost: dict, seconds: float, loads: list):
+def write_page(parity: dict, cost: dict, cost_model: str, seconds: float, loads: list, doc: str):
     """Write docs/benchmark-pipeline.md from the measured figures."""
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                platform.processor())
-    head = (f"*Written by `scripts/benchmark_pipeline.py` (command: `python scripts/benchmark_pipeline.py`) on "
+    head = (f"*Written by `scripts/benchmark_pipeline.py` (`make benchmark-pipeline`) on "
             f"{datetime.date.today()}; {cpu}, {os.cpu_count()} cores, no GPU; python {platform.python_version()}, "
             f"torch {torch.__version__}, transformers {transformers.__version__}. "
             "Do not edit by hand: run the command again.*")
@@ -200,7 +202,7 @@ def write_page(parity: dict, cost: dict, seconds: float, loads: list):
     for (config, name), g in parity.items():
         lines.append(f"| {config} | {name} | {g['first']:.4f} -> {g['last']:.4f} | {g['loss']:.2e} | "
                      f"{g['norm']:.2e} | {g['weight']:.2e} (`{g['where']}`) | {'yes' if g['clip'] else 'no'} |")
-    lines += ["", f"## Cost at llama_100m ({cost['single'][0]['params']:,} parameters)", "",
+    lines += ["", f"## Cost at {cost_model} ({cost['single'][0]['params']:,} parameters)", "",
               f"Step time is the median of steps 2 to {STEPS} of each process (forward, backward, clipping, AdamW); "
               f"the single process uses {os.cpu_count()} threads, each pipeline stage {os.cpu_count() // 2}. "
               "Peak resident set is VmHWM from /proc/self/status at the end of the run (it includes the "
@@ -220,31 +222,36 @@ def write_page(parity: dict, cost: dict, seconds: float, loads: list):
               "clipping across stages (each stage's squared gradient norm, all_reduce, one clipping factor applied on "
               "both). The gaps above are what these runs measured, nothing more: no other model, sequence length, "
               "number of stages or hardware was tried.", ""]
-    with open(DOC, "w") as page:
+    with open(doc, "w") as page:
         page.write("\n".join(lines))
 
 
-def main():
-    """Run the single-process and pipeline trainings for both configs; write the page."""
+def main(argv=None):
+    """Run the single-process and pipeline trainings for each model config; write the page (the cost at the last)."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    parser.add_argument("--docs", default=DOC, help="the page to write")
+    args = parser.parse_args(argv)
     began, load = time.perf_counter(), os.getloadavg()[0]
-    parity, cost = {}, {}
-    for config, path in CONFIGS.items():
+    parity, cost, cost_model = {}, {}, args.models[-1]
+    for config in args.models:
+        path = CONFIGS[config]
         with tempfile.TemporaryDirectory() as tmp:
             single = launch("single", path, tmp)
-            if config == "llama_100m":
+            if config == cost_model:
                 cost["single"] = single
             for name in SCHEDULES:
                 ranks = launch(name, path, tmp)
                 parity[(config, name)] = compare(single[0], ranks)
                 ranks[0].pop("state"), ranks[1].pop("state")
-                if config == "llama_100m":
+                if config == cost_model:
                     cost[name] = ranks
                 print(config, name, parity[(config, name)], flush=True)
             single[0].pop("state")
     for name, results in cost.items():
         print(name, [(round(median_time(r), 3), round(r["hwm_mb"])) for r in results], flush=True)
-    write_page(parity, cost, time.perf_counter() - began, [load, os.getloadavg()[0]])
-    print("wrote", DOC)
+    write_page(parity, cost, cost_model, time.perf_counter() - began, [load, os.getloadavg()[0]], args.docs)
+    print("figures:", args.docs)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ import yaml
 
 from conftest import CONFIGS, REPO, load_script, run
 
-TEMPLATES = {"multi_node_ddp.yaml", "multi_node_fsdp.yaml", "multi_node_hsdp.yaml", "multi_node_zero3.yaml"}
+TEMPLATES = {"multi_node_ddp.yaml", "multi_node_fsdp.yaml", "multi_node_hsdp.yaml", "multi_node_hsdp_tp.yaml",
+             "multi_node_zero3.yaml"}
 SHIPPED = sorted(p.name for p in CONFIGS.glob("*.yaml"))
 
 

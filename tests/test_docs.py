@@ -271,3 +271,16 @@ def test_make_benchmark_reshard_measures_the_conversion_and_the_export(tmp_path)
     assert float(figures["conversion for 1 process: wall time, s"]) > 0
     assert float(figures["conversion: peak resident set (its process and DeepSpeed's, the larger), MB"]) > 50
     assert "| conversion for 1 process: wall time, s |" in page.read_text()
+
+
+def test_make_benchmark_pipeline_trains_two_stages_as_one_process(tmp_path):
+    """The pipeline prototype on the tiny model: GPipe and 1F1B over 2 processes against one process, fp32."""
+    page = tmp_path / "pipeline.md"
+    run(["make", "-s", "benchmark-pipeline", f"ARGS=--models tiny_llama --docs {page}"])
+    rows = [line.split("|")[1:-1] for line in page.read_text().splitlines() if line.startswith("| tiny_llama |")]
+    assert [row[1].strip() for row in rows] == ["GPipe", "1F1B"]
+    for row in rows:
+        loss_gap, weight_gap = float(row[3]), float(row[5].split()[0])
+        assert loss_gap < 1e-5 and weight_gap < 1e-5, row
+    stages = [line for line in page.read_text().splitlines() if "| stage " in line]
+    assert len(stages) == 4  # both schedules' two stages, timed and measured

@@ -189,3 +189,23 @@ def test_a_group_handed_different_batches_is_stopped():
     assert check_shared_batch(TwoRanks(same=True), batch) == 1
     with pytest.raises(RuntimeError, match="tensor-parallel group 0 were handed different batches"):
         check_shared_batch(TwoRanks(same=False), batch)
+
+
+@pytest.mark.slow
+def test_the_multi_node_3d_template_matches_single_process(markov_data, reference, tmp_path):
+    """multi_node_hsdp_tp.yaml filled for one machine of 8 processes: 2 replicas x 2 FSDP shards x 2 TP."""
+    config = yaml.safe_load((CONFIGS / "multi_node_hsdp_tp.yaml").read_text())
+    config.update(main_process_ip="127.0.0.1", num_machines=1, num_processes=8)
+    config["parallelism_config"]["parallelism_config_dp_shard_size"] = 2
+    (tmp_path / "hsdp_tp.yaml").write_text(yaml.safe_dump(config))
+    out = tmp_path / "run"
+    launch(tmp_path / "hsdp_tp.yaml", "causal_lm.py", causal_lm_args(markov_data, out, **{
+        **RUN, "per_device_train_batch_size": 1, "save_steps": 0}), launcher_args=FP32)
+    record = read_run(out)
+    assert record["participating_processes"] == 8 and record["effective_batch_size"] == 8
+    assert record["device_mesh"] == {"dp_replicate": 2, "dp_shard": 2, "tp": 2}
+    assert record["tensor_parallel_groups_checked"] == 4
+    loss_gap = max(abs(a - b) / b for a, b in zip(losses(out), losses(reference)))
+    weight_gap = max_weight_difference(out / "final", reference / "final")
+    print(f"multi_node_hsdp_tp.yaml on 8 processes: max relative loss gap {loss_gap:.2e}, weight gap {weight_gap:.2e}")
+    assert len(losses(out)) == STEPS and loss_gap < FP32_TOLERANCE and weight_gap < FP32_TOLERANCE
