@@ -190,7 +190,7 @@ def test_estimate_memory_prints_each_category(capsys):
         assert key in printed
     psi = result["model"]["parameters"]
     assert result["strategy"] == {"strategy": "deepspeed", "zero_stage": 3, "offload": False, "offload_params": False,
-                                  "replicas": 1, "num_processes": 2,
+                                  "replicas": 1, "tp_size": 1, "num_processes": 2,
                                   "mixed_precision": "bf16", "fsdp_reshard_after_forward": True,
                                   "activation_checkpointing": False, "fsdp_cpu_ram_efficient_loading": False,
                                   "zero3_sub_group_size": 10_000_000}  # common.accelerator's, the YAML naming none

@@ -40,11 +40,25 @@ def test_schedule_horizon_is_the_runs_optimizer_steps():
         scheduler.step()
         lrs.append(scheduler.get_last_lr()[0])
     assert lrs[:2] == pytest.approx([0.5, 1.0]) and lrs[-1] == pytest.approx(0.0)  # warmup is 2 optimizer steps
-    assert total_training_steps(TrainingArguments(num_train_epochs=3, gradient_accumulation_steps=2), range(20), 2) == 15
-    assert total_training_steps(TrainingArguments(num_train_epochs=3, gradient_accumulation_steps=3), range(20), 2) == 9
+    two = Processes(2)
+    assert total_training_steps(TrainingArguments(num_train_epochs=3, gradient_accumulation_steps=2), range(20), two) == 15
+    assert total_training_steps(TrainingArguments(num_train_epochs=3, gradient_accumulation_steps=3), range(20), two) == 9
     with pytest.raises(UsageError, match="fewer than gradient_accumulation_steps=4"):
-        total_training_steps(TrainingArguments(gradient_accumulation_steps=4), range(6), 2)
-    assert total_training_steps(TrainingArguments(max_steps=7), None, 2) == 7
+        total_training_steps(TrainingArguments(gradient_accumulation_steps=4), range(6), two)
+    assert total_training_steps(TrainingArguments(max_steps=7), None, two) == 7
+    # a tensor-parallel pair trains on one batch at a time: the epoch's 20 batches are all its own
+    pair = Processes(2, tp_size=2)
+    assert total_training_steps(TrainingArguments(num_train_epochs=3, gradient_accumulation_steps=2), range(20), pair) == 30
+
+
+class Processes:
+    """What total_training_steps reads of an Accelerator: the processes, and the mesh (common.mesh)."""
+
+    def __init__(self, count: int, tp_size: int = 1):
+        from accelerate.utils import ParallelismConfig
+
+        self.num_processes = count
+        self.parallelism_config = ParallelismConfig(tp_size=tp_size) if tp_size > 1 else None
 
 
 def test_latest_checkpoint_ignores_unfinished_saves(tmp_path):
