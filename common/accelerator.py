@@ -56,8 +56,8 @@ def launched_strategy() -> str:
 
 
 def refuse_unsupported_mesh() -> None:
-    """The parallelism_config dimensions these recipes do not run yet, refused in one line before anything starts."""
-    sizes = {name: launched_mesh_size(name) for name in ("tp", "cp", "sp")}
+    """What a parallelism_config asks that cannot run here (or at all), refused in one line before anything starts."""
+    sizes = {name: launched_mesh_size(name) for name in ("dp_replicate", "dp_shard", "tp", "cp", "sp")}
     for name, what in (("cp", "context"), ("sp", "sequence")):
         if sizes[name] > 1:
             raise UsageError(f"parallelism_config_{name}_size {sizes[name]}: {what} parallelism is not supported by "
@@ -71,6 +71,15 @@ def refuse_unsupported_mesh() -> None:
         raise UsageError("fsdp_cpu_ram_efficient_loading: true beside parallelism_config_tp_size: broadcasting rank "
                          "0's weights into 2-D (dp_shard x tp) shards fails in accelerate 1.15; set it to false, as "
                          "fsdp_tp.yaml does (every rank then builds the model, then keeps its shards)")
+    product = math.prod(sizes.values())
+    if _env_flag("ACCELERATE_USE_PARALLELISM_CONFIG") and product != launched_world_size():
+        named = " x ".join(f"{name}_size {size}" for name, size in sizes.items() if size > 1) or "1"
+        raise UsageError(f"the config's parallelism_config asks for {named} = {product} processes but "
+                         f"{launched_world_size()} were launched; make the sizes multiply to num_processes (or launch "
+                         f"with --num_processes {product})")
+    if (sizes["dp_replicate"] > 1 or sizes["dp_shard"] > 1) and not _env_flag("ACCELERATE_USE_FSDP"):
+        raise UsageError("parallelism_config's dp_replicate_size and dp_shard_size need distributed_type FSDP "
+                         "(fsdp_version 2): use multi_node_hsdp.yaml or fsdp_tp.yaml as the template")
 
 
 @dataclass(frozen=True)

@@ -109,8 +109,9 @@ def evaluate_generation(model, tokenizer, references: list, accelerator, max_new
     """Exact match of greedy answers to `references`, (prompt, answer) pairs from
     `common.chat.generation_references`: a prompt is the turns before a conversation's last
     assistant turn (rendered with the chat template) or a prompt-completion row's text.
-    Pairs are split over ranks and generated `batch_size` at a time, left-padded; every rank
-    runs the same number of generate calls (ZeRO-3 and FSDP need all ranks in each forward).
+    Pairs are split over the data-parallel ranks (`common.mesh`) and generated `batch_size` at a time,
+    left-padded; every rank runs the same number of generate calls (ZeRO-3 and FSDP need all ranks in
+    each forward; a tensor-parallel group's ranks generate the same pairs).
     Generation stops at `stop_ids` (default: EOS). An answer still going after `max_new_tokens`
     is cut: never a match (it was not finished), counted in eval_truncated_generations and
     named in a warning that, given `longest_answer` (see `size_max_new_tokens`), says whether
@@ -122,24 +123,24 @@ def evaluate_generation(model, tokenizer, references: list, accelerator, max_new
     scored = []
     padding_side, tokenizer.padding_side = tokenizer.padding_side, "left"  # answers start at one column
     try:
-        with accelerator.split_between_processes(indexed, apply_padding=True) as mine:
-            for start in range(0, len(mine), batch_size):
-                chunk = mine[start:start + batch_size]
-                prompts = [prompt if isinstance(prompt, str) else
-                           tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
-                           for _, (prompt, _) in chunk]
-                # Text prompts tokenize as plain text does (BOS and all); a rendered template has its own.
-                inputs = tokenizer(prompts, padding=True, return_tensors="pt",
-                                   add_special_tokens=isinstance(chunk[0][1][0], str))
-                inputs = inputs.to(accelerator.device)
-                output = unwrapped.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
-                                            eos_token_id=stop_ids or None, pad_token_id=tokenizer.pad_token_id,
-                                            synced_gpus=accelerator.num_processes > 1)
-                generated = output[:, inputs["input_ids"].shape[1]:]
-                ended = torch.isin(generated, torch.tensor(stop_ids, device=generated.device)).any(dim=1)
-                answers = tokenizer.batch_decode(generated, skip_special_tokens=True)
-                scored += [(index, (bool(done) and text.strip() == answer.strip(), not done))
-                           for (index, (_, answer)), text, done in zip(chunk, answers, ended.tolist())]
+        mine = mesh.data_parallel_share(accelerator, indexed)  # a tensor-parallel group generates the same
+        for start in range(0, len(mine), batch_size):
+            chunk = mine[start:start + batch_size]
+            prompts = [prompt if isinstance(prompt, str) else
+                       tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+                       for _, (prompt, _) in chunk]
+            # Text prompts tokenize as plain text does (BOS and all); a rendered template has its own.
+            inputs = tokenizer(prompts, padding=True, return_tensors="pt",
+                               add_special_tokens=isinstance(chunk[0][1][0], str))
+            inputs = inputs.to(accelerator.device)
+            output = unwrapped.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
+                                        eos_token_id=stop_ids or None, pad_token_id=tokenizer.pad_token_id,
+                                        synced_gpus=accelerator.num_processes > 1)
+            generated = output[:, inputs["input_ids"].shape[1]:]
+            ended = torch.isin(generated, torch.tensor(stop_ids, device=generated.device)).any(dim=1)
+            answers = tokenizer.batch_decode(generated, skip_special_tokens=True)
+            scored += [(index, (bool(done) and text.strip() == answer.strip(), not done))
+                       for (index, (_, answer)), text, done in zip(chunk, answers, ended.tolist())]
     finally:
         tokenizer.padding_side = padding_side
     model.train()

@@ -8,19 +8,32 @@ calls where there is no tensor parallelism)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 from accelerate.utils import recursively_apply
 
 
 def replicas(accelerator) -> int:
     """How many ranks train on each batch: tp_size under tensor parallelism, 1 otherwise."""
-    config = accelerator.parallelism_config
+    config = getattr(accelerator, "parallelism_config", None)  # (a stand-in for one process may have none)
     return config.tp_size if config is not None and config.tp_enabled else 1
 
 
 def data_parallel_size(accelerator) -> int:
     """The number of different batches each micro-step trains on (processes / replicas)."""
     return accelerator.num_processes // replicas(accelerator)
+
+
+def data_parallel_share(accelerator, items: list) -> list:
+    """This rank's share of `items`, split over the data-parallel ranks in contiguous parts of equal length (the
+    last padded with the last item, as accelerate's split_between_processes(apply_padding=True) pads), so every
+    rank makes as many calls; the ranks of a tensor-parallel group get the same share."""
+    group = replicas(accelerator)
+    ranks, rank = accelerator.num_processes // group, accelerator.process_index // group
+    length = math.ceil(len(items) / ranks) if items else 0
+    share = items[rank * length:(rank + 1) * length]
+    return share + [items[-1]] * (length - len(share)) if items else share
 
 
 def reduce_sum(accelerator, tensor: torch.Tensor) -> torch.Tensor:

@@ -36,6 +36,10 @@ def check_arguments(arguments: tuple) -> None:
             raise UsageError("--use_peft under tensor parallelism: LoRA's adapters would wrap projections the "
                              "plan splits across ranks, which these recipes do not support; use a data-parallel "
                              "config (ddp.yaml, fsdp.yaml, zero3.yaml) for LoRA")
+        if getattr(args, "adapter_name_or_path", None):
+            raise UsageError("--adapter_name_or_path under tensor parallelism: the plan splits the base model's "
+                             "layers, not a peft wrapper's; merge the adapter first (a --save_merged_model run's "
+                             "final_merged/) and pass that folder as --model_name_or_path")
         if getattr(args, "streaming", False):
             raise UsageError("--streaming under tensor parallelism: a stream deals its documents to every rank, "
                              "while a tensor-parallel group must see the same batch; leave out --streaming (the "
@@ -66,18 +70,48 @@ def shard(model, state=None):
         raise UsageError(f"{type(model).__name__} cannot be split for tensor parallelism: transformers has no "
                          "tensor-parallel plan for it; use a model whose class has one (Llama, Mistral, Qwen, "
                          "Gemma, ...) or a data-parallel config") from None
+    if getattr(config, "tie_word_embeddings", False) and model.get_output_embeddings() is not None:
+        raise UsageError(f"{type(model).__name__} ties its input embeddings to its output head "
+                         "(tie_word_embeddings), which these recipes cannot split for tensor parallelism yet; use "
+                         "fsdp.yaml or zero3.yaml for this model")
     apply_tensor_parallelism(model, state.device_mesh["tp"], plan)
     if getattr(state, "fsdp_plugin", None) is not None:  # FSDP x TP: accelerate makes the unsplit parameters DTensors
         provide_replicate_parallel()
+    else:  # as accelerate does under FSDP x TP: one optimizer group (fused AdamW, clipping) may not mix the kinds
+        replicate_unsplit_parameters(model, state.device_mesh["tp"])
     model.config.distributed_config = distributed  # what accelerate reads the model's tp size from
     return model
+
+
+def replicate_unsplit_parameters(model, mesh) -> None:
+    """The parameters the plan leaves whole (norms, biases of row-split layers, a classifier's head) become
+    Replicate DTensors over the tp mesh, their modules running on the local tensors as the plan's own do."""
+    import torch
+    from torch.distributed.tensor import DTensor, Replicate
+
+    style = _replicate_parallel()()
+    for name, parameter in list(model.named_parameters()):
+        if isinstance(parameter, DTensor):
+            continue
+        module_name, _, attribute = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        style.prepare_module_tp(module, mesh)
+        replicated = DTensor.from_local(parameter.data, mesh, [Replicate()], run_check=False)
+        setattr(module, attribute, torch.nn.Parameter(replicated, requires_grad=parameter.requires_grad))
 
 
 def provide_replicate_parallel() -> None:
     """accelerate 1.15 makes FSDP x TP's unsplit parameters (norms) Replicate DTensors with transformers' former
     ReplicateParallel, gone from 5.23: the same, as 5.23's styles do it (forward on the local tensors)."""
-    from transformers.distributed import tensor_parallel
     from transformers.integrations import tensor_parallel as old_home
+
+    if not hasattr(old_home, "ReplicateParallel"):
+        old_home.ReplicateParallel = _replicate_parallel()
+
+
+def _replicate_parallel():
+    """A transformers TP style for a module whose parameters are Replicate DTensors: forward on their local tensors."""
+    from transformers.distributed import tensor_parallel
 
     class ReplicateParallel(tensor_parallel.TensorParallelLayer):
         def should_use_local_tensors(self, module):
@@ -88,8 +122,7 @@ def provide_replicate_parallel() -> None:
                 self.install_forward(module, mesh)
                 module.replicated_forward = True
 
-    if not hasattr(old_home, "ReplicateParallel"):
-        old_home.ReplicateParallel = ReplicateParallel
+    return ReplicateParallel
 
 
 def save_state(accelerator, model, optimizer, scheduler, folder: str) -> None:
@@ -101,7 +134,8 @@ def save_state(accelerator, model, optimizer, scheduler, folder: str) -> None:
     weights, moments = get_state_dict(_module(accelerator, model), _inner(optimizer))
     dcp.save({"model": weights}, checkpoint_id=os.path.join(folder, "pytorch_model_fsdp_0"))
     dcp.save({"optimizer": moments}, checkpoint_id=os.path.join(folder, "optimizer_0"))
-    save_accelerator_state(folder, [], [], [scheduler], [], accelerator.process_index, accelerator.step)
+    save_accelerator_state(folder, [], [], [scheduler], [], accelerator.process_index, accelerator.step,
+                           scaler=accelerator.scaler)  # fp16's loss scale, as accelerate's save_state keeps it
 
 
 def load_state(accelerator, model, optimizer, scheduler, folder: str) -> None:
@@ -115,7 +149,7 @@ def load_state(accelerator, model, optimizer, scheduler, folder: str) -> None:
     dcp.load({"model": weights}, checkpoint_id=os.path.join(folder, "pytorch_model_fsdp_0"))
     dcp.load({"optimizer": moments}, checkpoint_id=os.path.join(folder, "optimizer_0"))
     set_state_dict(module, inner, model_state_dict=weights, optim_state_dict=moments)
-    load_accelerator_state(folder, [], [], [scheduler], [], accelerator.process_index)
+    load_accelerator_state(folder, [], [], [scheduler], [], accelerator.process_index, scaler=accelerator.scaler)
 
 
 def _module(accelerator, model):

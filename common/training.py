@@ -165,12 +165,13 @@ class TrainBatches:
 
     def _check_global_batch(self, saved: int) -> None:
         if saved != self.global_batch:
-            processes = self.accelerator.num_processes
+            processes = mesh.data_parallel_size(self.accelerator)  # a tensor-parallel group shares one batch
+            kind = "processes" if processes == self.accelerator.num_processes else "data-parallel ranks"
             raise UsageError(
                 f"the checkpoint was trained with a global batch of {saved} samples per step and this run's is "
-                f"{self.global_batch} ({processes} processes x {self.batch // processes} per device x "
+                f"{self.global_batch} ({processes} {kind} x {self.batch // processes} per device x "
                 f"{self.accumulation} accumulation): set --per_device_train_batch_size and "
-                f"--gradient_accumulation_steps so that processes x batch x accumulation = {saved}")
+                f"--gradient_accumulation_steps so that {kind} x batch x accumulation = {saved}")
 
     @property
     def position(self) -> dict:

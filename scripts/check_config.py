@@ -158,6 +158,9 @@ def tensor_parallel_model_problems(recipe: dict, tp: int) -> list[str]:
         return [f"parallelism_config_tp_size {tp}: the recipe's model ({type(model).__name__}) has no tensor-parallel "
                 "plan in transformers; use a model whose class has one (Llama, Mistral, Qwen, Gemma, ...)"]
     text = config.get_text_config()
+    if getattr(text, "tie_word_embeddings", False) and model.get_output_embeddings() is not None:
+        return [f"parallelism_config_tp_size {tp}: the recipe's model ties its embeddings to its head "
+                "(tie_word_embeddings), which these recipes do not split for tensor parallelism yet"]
     return [f"parallelism_config_tp_size {tp}: the model has {heads} {key.removeprefix('num_').replace('_', ' ')}, "
             "which do not divide by it; pick a tp_size that divides them"
             for key in ("num_attention_heads", "num_key_value_heads")
