@@ -195,7 +195,7 @@ def write_page(parity: dict, cost: dict, cost_model: str, seconds: float, loads:
              f"{ADAMW['weight_decay']}), global batch {BATCH} x {SEQ} random tokens (seeded) in {MICRO} micro-batches "
              f"for the pipeline and in one forward for the single process, clipping to global norm {CLIP}, fp32. "
              f"The whole script took {seconds:.0f} s; the host's 1-minute load average was "
-             f"{loads[0]:.1f} at its start and {loads[1]:.1f} at its end (other work shared the cores).", "",
+             f"{loads[0]:.1f} at its start and {loads[1]:.1f} at its end (its own 2 processes make about 2).", "",
              "## Parity with one process", "",
              "| model | schedule | loss, step 1 -> last | max relative loss gap | max relative grad-norm gap "
              "| max abs final weight gap (in) | clipping active every step |", "|---|---|---|---|---|---|---|"]

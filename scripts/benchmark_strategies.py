@@ -232,7 +232,10 @@ def write_docs(args, results: list, baseline: float, summary: str) -> None:
         chart = f"\n\n![memory by category and steps/s]({os.path.relpath(args.chart, os.path.dirname(os.path.abspath(args.docs)))})"
     write_page(args.docs, "Strategies: speed and memory per rank", (
         f"{summary}; {args.steps} optimizer steps per run, all runs in one invocation (compare rows, not "
-        "machines). Steps/s leaves out the first logging window (warm-up).\n\n" + speed +
+        "machines). Steps/s leaves out the first logging window (warm-up)."
+        + (" A tensor-parallel group trains on one batch, so at the same per-device batch its step holds fewer "
+           "tokens than a data-parallel one's: compare tokens/s per process there."
+           if any("tp" in r["config"] for r in results) else "") + "\n\n" + speed +
         "\n\nMemory per rank in MB, measured at the first optimizer step (run.json's `memory_per_rank`, the rank "
         "with the highest peak) / estimated before launch by `make estimate-memory`; peak is the process's peak "
         f"resident set by the first step. {allocator_note()}\n\n" + memory + chart))
