@@ -96,15 +96,16 @@ def record_run(accelerator, launch: Launch, model, optimizer, args: dict, output
     the parameters and the precision the run trains in."""
     memory.mark("prepared")
     world_size = accelerator.num_processes
+    kind = str(accelerator.distributed_type).split(".")[-1]
+    if kind == "MULTI_GPU" and accelerator.device.type != "cuda":  # a CPU host's TP mesh, presented (common.cpu_host)
+        kind = "MULTI_CPU"
     local = torch.tensor([local_parameter_elements(model)], device=accelerator.device)
     record = {
         "args": args,
         "command": sys.argv,  # the recipe and its arguments as this process was given them
         "world_size": world_size,
         "participating_processes": participating_processes(accelerator),
-        # a CPU host's tensor-parallel mesh is presented to accelerate as MULTI_GPU (common.cpu_host): say what runs
-        "distributed_type": str(accelerator.distributed_type).split(".")[-1].replace(
-            "MULTI_GPU", "MULTI_GPU" if accelerator.device.type == "cuda" else "MULTI_CPU"),
+        "distributed_type": kind,
         "mixed_precision": accelerator.mixed_precision,
         "mixed_precision_requested": launch.requested_mixed_precision,
         **precision_details(accelerator, model, optimizer),

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import os
 
+from common.accelerator import unwrap
 from common.errors import UsageError
+from common.internals import innermost_optimizer
 
 
 def enabled(state=None) -> bool:
@@ -131,7 +133,7 @@ def save_state(accelerator, model, optimizer, scheduler, folder: str) -> None:
     from accelerate.checkpointing import save_accelerator_state
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    weights, moments = get_state_dict(_module(accelerator, model), _inner(optimizer))
+    weights, moments = get_state_dict(unwrap(accelerator, model), innermost_optimizer(optimizer))
     dcp.save({"model": weights}, checkpoint_id=os.path.join(folder, "pytorch_model_fsdp_0"))
     dcp.save({"optimizer": moments}, checkpoint_id=os.path.join(folder, "optimizer_0"))
     save_accelerator_state(folder, [], [], [scheduler], [], accelerator.process_index, accelerator.step,
@@ -144,21 +146,9 @@ def load_state(accelerator, model, optimizer, scheduler, folder: str) -> None:
     from accelerate.checkpointing import load_accelerator_state
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    module, inner = _module(accelerator, model), _inner(optimizer)
+    module, inner = unwrap(accelerator, model), innermost_optimizer(optimizer)
     weights, moments = get_state_dict(module, inner)
     dcp.load({"model": weights}, checkpoint_id=os.path.join(folder, "pytorch_model_fsdp_0"))
     dcp.load({"optimizer": moments}, checkpoint_id=os.path.join(folder, "optimizer_0"))
     set_state_dict(module, inner, model_state_dict=weights, optim_state_dict=moments)
     load_accelerator_state(folder, [], [], [scheduler], [], accelerator.process_index, scaler=accelerator.scaler)
-
-
-def _module(accelerator, model):
-    from common.accelerator import unwrap
-
-    return unwrap(accelerator, model)
-
-
-def _inner(optimizer):
-    from common.internals import innermost_optimizer
-
-    return innermost_optimizer(optimizer)
