@@ -82,6 +82,23 @@ def refuse_unsupported_mesh() -> None:
                          "(fsdp_version 2): use multi_node_hsdp.yaml or fsdp_tp.yaml as the template")
 
 
+def more_processes_than_gpus(local_world: int, gpus: int) -> str | None:
+    """The one line for a node launched with more processes than it has GPUs (NCCL runs one per GPU), else None."""
+    if local_world <= gpus:
+        return None
+    return (f"{local_world} processes on this node but {gpus} GPU(s) visible (NCCL needs one GPU per process): "
+            f"launch with --num_processes {gpus} per node, or check CUDA_VISIBLE_DEVICES")
+
+
+def refuse_more_processes_than_gpus() -> None:
+    """Before any rank picks its GPU: a config asking more processes than the node has GPUs, in one line."""
+    if torch.cuda.is_available() and not _env_flag("ACCELERATE_USE_CPU"):
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+        problem = more_processes_than_gpus(local_world, torch.cuda.device_count())
+        if problem:
+            raise UsageError(problem)
+
+
 @dataclass(frozen=True)
 class Launch:
     """What was launched, beside what the Accelerator resolved it to (both go to run.json)."""

@@ -19,7 +19,8 @@ import sys
 from accelerate.utils import set_seed
 
 from common import memory, tensor_parallel
-from common.accelerator import build_accelerator, launched_mesh_size, launched_strategy, refuse_unsupported_mesh, unwrap
+from common.accelerator import (build_accelerator, launched_mesh_size, launched_strategy,
+                                refuse_more_processes_than_gpus, refuse_unsupported_mesh, unwrap)
 from common.arguments import DataArguments, ModelArguments, TrainingArguments
 from common.parsing import parse_args, to_dict
 from common.checkpoints import load_checkpoint, save_checkpoint
@@ -138,6 +139,7 @@ def start_run(*arguments) -> Run:
     resume_after_restart(args)
     check_output_dir(args.output_dir, args.resume_from_checkpoint, args.overwrite_output_dir)
     refuse_unsupported_mesh()
+    refuse_more_processes_than_gpus()
     if launched_mesh_size("tp") > 1:  # tp.yaml, fsdp_tp.yaml
         tensor_parallel.check_arguments(arguments)
     if _is_rank0() and not int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):

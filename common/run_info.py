@@ -13,7 +13,7 @@ import torch
 from common import memory
 from common.mesh import data_parallel_size
 from common.accelerator import Launch, participating_processes
-from common.internals import master_weights_dtype
+from common.internals import innermost_optimizer, master_weights_dtype
 from common.model import local_parameter_shards
 from common.run_dir import write_atomically
 
@@ -85,7 +85,8 @@ def precision_details(accelerator, model, optimizer) -> dict:
     elif accelerator.num_processes > 1:
         reduce = master  # DDP reduces gradients in the parameters' dtype; autocast does not change it
     return {"compute_dtype": compute or _dtype_name(master), "master_weights_dtype": _dtype_name(master),
-            "optimizer_states_dtype": _dtype_name(master), "gradient_reduce_dtype": _dtype_name(reduce)}
+            "optimizer_states_dtype": _dtype_name(master), "gradient_reduce_dtype": _dtype_name(reduce),
+            "optimizer": type(innermost_optimizer(optimizer)).__name__}  # the one updating the weights
 
 
 def record_run(accelerator, launch: Launch, model, optimizer, args: dict, output_dir: str, **extra) -> dict:

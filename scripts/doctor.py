@@ -217,6 +217,7 @@ def worker(args) -> None:
     import torch
     import torch.distributed as dist
 
+    from common.accelerator import more_processes_than_gpus
     from common.peers import free_port
     from common.run_info import package_versions
 
@@ -228,10 +229,9 @@ def worker(args) -> None:
     main = os.environ.get("MASTER_ADDR", "127.0.0.1")
     use_gpu = torch.cuda.is_available() and os.environ.get("ACCELERATE_USE_CPU", "false").lower() != "true"
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_gpu else torch.device("cpu")
-    if use_gpu and local_world > torch.cuda.device_count():
-        fail(f"rank {rank}: {local_world} processes on this node but {torch.cuda.device_count()} GPU(s) visible "
-             f"(NCCL needs one GPU per process): launch with --num_processes {torch.cuda.device_count()} per node, "
-             "or check CUDA_VISIBLE_DEVICES")
+    too_many = more_processes_than_gpus(local_world, torch.cuda.device_count()) if use_gpu else None
+    if too_many:
+        fail(f"rank {rank}: {too_many}")
     if use_gpu:
         torch.cuda.set_device(device)
     net = network(main)

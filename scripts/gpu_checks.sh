@@ -1,19 +1,27 @@
 #!/usr/bin/env bash
 # The GPU checks in one command, for a GPU machine lent for a short while (docs/testing.md, "On a GPU"):
-# the internals test on that machine's torch, MFU of the recipe against the bare loop and Trainer at ~1B
-# parameters, each speed option's gain on the same job, then tests/test_gpu.py whole. Each section runs under
-# its own time limit inside BUDGET seconds, so what finished comes back even when a later section does not; the
-# figures pages go to docs/gpu/ (written by the benchmark scripts) and are copied with the log to $OUT.
+# the internals test on that machine's torch and tests/test_gpu.py (in parallel: one GPU holds them all), MFU of
+# the recipe against the bare loop and Trainer at ~1B parameters, then each speed option's gain on the same job.
+# Each section runs under its own time limit inside BUDGET seconds, so what finished comes back even when a later
+# section does not; the figures pages go to $GPU_DOCS (written by the benchmark scripts) and are copied with the
+# log to $OUT.
 #
 #   OUT=/tmp/gpu BUDGET=540 bash scripts/gpu_checks.sh
 #
-# Packages the machine lacks travel as wheels in .whl/ (installed to /tmp/site, put first on PYTHONPATH).
+# Knobs: SECTIONS (any of "tests mfu options", in that order), TESTS_K (a pytest -k expression for test_gpu.py),
+# OPTIONS (benchmark_options.py's --options), MFU_BATCH (per-device batch at 1B: 24 fits an H200's 139 GiB,
+# 8 an H100's 80), GPU_DOCS (where the pages go: docs/gpu, or a folder per GPU model).
+# Packages the machine lacks travel as wheels in .whl/ (installed to /tmp/site, put first on PYTHONPATH). The
+# chat model's config, tokenizer and template travel in .gpu_model/ (its weights, 260 MB, cannot): a model of that
+# architecture is built from them, seeded, in bf16, for the tests that fine-tune it (GPU_CHAT_MODEL).
 set -u
 OUT=${OUT:-outputs/gpu}
 BUDGET=${BUDGET:-540}
+SECTIONS=${SECTIONS:-tests mfu options}
+GPU_DOCS=${GPU_DOCS:-docs/gpu}
 LOG=$OUT/log.txt
 START=$(date +%s)
-mkdir -p "$OUT" docs/gpu
+mkdir -p "$OUT" "$GPU_DOCS"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 section() {  # section NAME LIMIT_SECONDS COMMAND...: the command's output goes to the log
@@ -63,16 +71,33 @@ cat "$OUT/env.txt" >>"$LOG"
 
 [ -f outputs/data/markov/train.jsonl ] || section "demo data" 60 python3 scripts/make_demo_data.py --task markov \
     --out outputs/data/markov
-section "internals" 90 python3 -m pytest -q -p no:cacheprovider tests/test_internals.py
+if [ ! -f outputs/models/SmolLM2-135M-Instruct/model.safetensors ] && [ -d .gpu_model ]; then
+    export GPU_CHAT_MODEL=/tmp/chat_model
+    section "chat model from its config" 60 python3 -c "
+import sys, torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+source, folder = sys.argv[1:]
+torch.manual_seed(0)
+AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source), dtype=torch.bfloat16).save_pretrained(folder)
+AutoTokenizer.from_pretrained(source).save_pretrained(folder)" .gpu_model "$GPU_CHAT_MODEL"
+fi
+case " $SECTIONS " in *" tests "*)
+    section "tests: internals and test_gpu.py" "${TESTS_LIMIT:-300}" python3 -m pytest -q -p no:cacheprovider \
+        --timeout 280 -rA -n "${TESTS_WORKERS:-4}" tests/test_internals.py tests/test_gpu.py ${TESTS_K:+-k "$TESTS_K"};;
+esac
 # ~1B parameters (hidden 2048, 20 layers), 2048-token blocks, per-device batch 24 (estimate-memory: 95 GiB of
 # the H200's 139 at 24, 121 at 32)
 JOB=(--config single.yaml --num_processes 1 --hidden 2048 --layers 20 --block_size 2048 --batch_size "${MFU_BATCH:-24}"
      --steps 15 --warmup 5 --rounds 1 --learning_rate 3e-4)
-section "MFU at 1B" 200 python3 scripts/benchmark_peers.py --jobs causal "${JOB[@]}" --docs docs/gpu/benchmark-peers.md
+case " $SECTIONS " in *" mfu "*)
+    section "MFU at 1B" 200 python3 scripts/benchmark_peers.py --jobs causal "${JOB[@]}" \
+        --docs "$GPU_DOCS/benchmark-peers.md";;
+esac
 # the options one at a time on the same job, most wanted first (the page is rewritten after each)
-section "speed options at 1B" "${OPTIONS_LIMIT:-230}" python3 scripts/benchmark_options.py "${JOB[@]}" \
-    --options compile_and_liger torch_compile liger checkpoint_every_2nd_layer adamw_torch attention_flex \
-    --docs docs/gpu/benchmark-options.md
-section "tests/test_gpu.py" 240 python3 -m pytest -q -p no:cacheprovider --timeout 150 -rA tests/test_gpu.py
-cp docs/gpu/*.md "$OUT"/ 2>/dev/null
+case " $SECTIONS " in *" options "*)
+    section "speed options at 1B" "${OPTIONS_LIMIT:-230}" python3 scripts/benchmark_options.py "${JOB[@]}" \
+        --options ${OPTIONS:-compile_and_liger torch_compile liger checkpoint_every_2nd_layer adamw_torch attention_flex} \
+        --docs "$GPU_DOCS/benchmark-options.md";;
+esac
+cp "$GPU_DOCS"/*.md "$OUT"/ 2>/dev/null
 echo "== done at $(($(date +%s) - START))s" | tee -a "$LOG"

