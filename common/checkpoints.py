@@ -82,10 +82,21 @@ def load_checkpoint(accelerator, path: str | None, model, optimizer, scheduler) 
             raise  # a collective failed: the exit policy names the lost peer
         raise load_failure(path, error) from None
     reshard.schedule_from_before_per_step(scheduler, state)
+    schedule_the_loaded_optimizer(optimizer, scheduler)
     saved_processes = state.get("num_processes", accelerator.num_processes)
     accelerator.print(f"resumed from {path} at step {state['step']}"
                       + (f" (saved by {saved_processes} processes)" if saved_processes != accelerator.num_processes else ""))
     return state
+
+
+def schedule_the_loaded_optimizer(optimizer, scheduler) -> None:
+    """Under optimizer offload (GPU hosts), accelerate swaps the recipe's AdamW for a DeepSpeedCPUAdam built on the
+    same param-group dicts, and the schedule keeps the AdamW. Loading a checkpoint gives the CPUAdam new groups, so
+    the schedule then set a learning rate nobody read: every step after a resume ran at the checkpoint's rate (seen
+    on an H100: loss gap 0.11 two steps after the resume). The schedule steps the optimizer that updates the weights."""
+    schedule, updating = getattr(scheduler, "scheduler", scheduler), innermost_optimizer(optimizer)
+    if getattr(schedule, "optimizer", updating) is not updating:
+        schedule.optimizer = updating
 
 
 def load_failure(path: str, error: BaseException) -> Exception:

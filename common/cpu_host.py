@@ -92,12 +92,11 @@ def _unpin_fsdp_offload(plugin) -> None:
 
 
 def _keep_torch_optimizer_on_offload(plugin) -> None:
-    """With offload_optimizer, accelerate swaps the recipe's AdamW for DeepSpeedCPUAdam.
-    Seen on this CPU host (deepspeed 0.19.8): after resuming from a checkpoint,
-    DeepSpeedCPUAdam's second update differs from an uninterrupted run's (loss gap 0.14
-    by step 12), while torch's AdamW on the offloaded fp32 shards resumes exactly. On a
-    CPU host keep the recipe's optimizer unless the DeepSpeed JSON sets
-    zero_force_ds_cpu_optimizer; GPU hosts get DeepSpeedCPUAdam as DeepSpeed intends."""
+    """With offload_optimizer, accelerate swaps the recipe's AdamW for DeepSpeedCPUAdam, whose C++ op is
+    compiled at its first use (a compiler and a minute or two). On a CPU host keep the recipe's optimizer unless
+    the DeepSpeed JSON sets zero_force_ds_cpu_optimizer; GPU hosts get DeepSpeedCPUAdam as DeepSpeed intends.
+    (Its resume once differed from an uninterrupted run's, here and on an H100: the schedule had lost it,
+    common.checkpoints.schedule_the_loaded_optimizer. Forced here, it now resumes bit for bit.)"""
     config = plugin.deepspeed_config
     offload = config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
     if offload not in (None, "none") and "zero_force_ds_cpu_optimizer" not in config:

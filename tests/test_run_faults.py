@@ -174,3 +174,34 @@ def test_overwrite_empties_a_symlinked_run_folder_and_keeps_the_link(tmp_path):
     clear_earlier_run(str(out))
     assert (out / "checkpoints").is_symlink() and scratch.is_dir() and not list(scratch.iterdir())
     assert (tmp_path / "elsewhere.txt").exists()
+
+
+def test_after_a_resume_the_schedule_sets_the_rate_of_the_optimizer_accelerate_swapped_in():
+    """Under optimizer offload on a GPU, accelerate replaces the recipe's AdamW by a DeepSpeedCPUAdam built on the
+    same param-group dicts (map_pytorch_optim_to_deepspeed) and the schedule keeps the AdamW. Loading a checkpoint
+    gives the new optimizer new groups: the schedule then moved a rate nobody read (on an H100 every step after a
+    resume ran at the checkpoint's rate). Here the swap is made the same way with torch's Adam (DeepSpeedCPUAdam
+    needs its C++ op built), under accelerate's own wrappers; after the load the schedule reaches it again."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    from common.checkpoints import schedule_the_loaded_optimizer
+
+    model = torch.nn.Linear(4, 4)
+    recipes = torch.optim.AdamW(model.parameters(), lr=1.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(recipes, lambda step: 0.5 ** step)
+    swapped = torch.optim.Adam(recipes.param_groups)  # the same dicts, as accelerate builds DeepSpeedCPUAdam
+    AcceleratorState._reset_state(True)
+    try:
+        optimizer, scheduler = Accelerator(cpu=True, device_placement=False, step_scheduler_with_optimizer=False).prepare(
+            swapped, schedule)
+        scheduler.step()
+        assert swapped.param_groups[0]["lr"] == 0.5  # before a load the dicts are shared: the schedule reaches it
+        swapped.load_state_dict(swapped.state_dict())  # what a checkpoint load does: new group dicts
+        scheduler.step()
+        assert swapped.param_groups[0]["lr"] == 0.5  # the rate nobody updates any more
+        schedule_the_loaded_optimizer(optimizer, scheduler)
+        scheduler.step()
+        assert swapped.param_groups[0]["lr"] == 0.125 and schedule.get_last_lr() == [0.125]
+    finally:
+        AcceleratorState._reset_state(True)
