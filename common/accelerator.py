@@ -26,6 +26,7 @@ from accelerate.utils import (DistributedDataParallelKwargs, GradientAccumulatio
 
 from common import cpu_host
 from common.errors import UsageError
+from common.mesh import DIMENSIONS, mesh_problems
 from common.speed import dynamo_plugin
 
 
@@ -56,30 +57,17 @@ def launched_strategy() -> str:
 
 
 def refuse_unsupported_mesh() -> None:
-    """What a parallelism_config asks that cannot run here (or at all), refused in one line before anything starts."""
-    sizes = {name: launched_mesh_size(name) for name in ("dp_replicate", "dp_shard", "tp", "cp", "sp")}
-    for name, what in (("cp", "context"), ("sp", "sequence")):
-        if sizes[name] > 1:
-            raise UsageError(f"parallelism_config_{name}_size {sizes[name]}: {what} parallelism is not supported by "
-                             "these recipes yet (docs/strategies.md says what it takes); use tp.yaml, fsdp.yaml or "
-                             "activation checkpointing (--gradient_checkpointing) for long sequences")
-    if sizes["tp"] > 1 and _env_flag("ACCELERATE_USE_DEEPSPEED"):
-        raise UsageError(f"parallelism_config_tp_size {sizes['tp']} beside DeepSpeed: accelerate's mesh does not "
-                         "reach DeepSpeed (its own AutoTP is configured in the DeepSpeed JSON, not supported by these "
-                         "recipes); use fsdp_tp.yaml for sharded data parallelism with tensor parallelism")
-    if sizes["tp"] > 1 and _env_flag("ACCELERATE_USE_FSDP") and _env_flag("FSDP_CPU_RAM_EFFICIENT_LOADING"):
-        raise UsageError("fsdp_cpu_ram_efficient_loading: true beside parallelism_config_tp_size: broadcasting rank "
-                         "0's weights into 2-D (dp_shard x tp) shards fails in accelerate 1.15; set it to false, as "
-                         "fsdp_tp.yaml does (every rank then builds the model, then keeps its shards)")
-    product = math.prod(sizes.values())
-    if _env_flag("ACCELERATE_USE_PARALLELISM_CONFIG") and product != launched_world_size():
-        named = " x ".join(f"{name}_size {size}" for name, size in sizes.items() if size > 1) or "1"
-        raise UsageError(f"the config's parallelism_config asks for {named} = {product} processes but "
-                         f"{launched_world_size()} were launched; make the sizes multiply to num_processes (or launch "
-                         f"with --num_processes {product})")
-    if (sizes["dp_replicate"] > 1 or sizes["dp_shard"] > 1) and not _env_flag("ACCELERATE_USE_FSDP"):
-        raise UsageError("parallelism_config's dp_replicate_size and dp_shard_size need distributed_type FSDP "
-                         "(fsdp_version 2): use multi_node_hsdp.yaml or fsdp_tp.yaml as the template")
+    """What a parallelism_config asks that cannot run here (or at all), refused in one line before anything starts
+    (the rules: common.mesh.mesh_problems, which `make check-config` applies to the YAML)."""
+    if not _env_flag("ACCELERATE_USE_PARALLELISM_CONFIG"):
+        return
+    sizes = {name: launched_mesh_size(name) for name in DIMENSIONS}
+    fsdp = _env_flag("ACCELERATE_USE_FSDP")
+    kind = "DEEPSPEED" if _env_flag("ACCELERATE_USE_DEEPSPEED") else "FSDP" if fsdp else "MULTI_GPU"
+    problems = mesh_problems(sizes, launched_world_size(), kind, fsdp and os.environ.get("FSDP_VERSION", "1") == "2",
+                             _env_flag("FSDP_CPU_RAM_EFFICIENT_LOADING"))
+    if problems:
+        raise UsageError(problems[0])
 
 
 def more_processes_than_gpus(local_world: int, gpus: int) -> str | None:

@@ -1,4 +1,7 @@
-"""The data-parallel view of a run's ranks: a batch shared by a tensor-parallel group is counted once.
+"""A parallelism_config's mesh: what its sizes may ask, and the data-parallel view of a run's ranks.
+
+`mesh_problems` holds the rules once, for `make check-config` (reading the YAML) and for a launched run
+(reading what the launcher exported, common.accelerator).
 
 Under tensor parallelism (tp.yaml, fsdp_tp.yaml) the tp_size ranks of a group train on the same
 batch (accelerate hands it to each of them), so a sum over every rank counts each example tp_size
@@ -14,8 +17,44 @@ import torch
 from accelerate.utils import recursively_apply
 
 
+DIMENSIONS = ("dp_replicate", "dp_shard", "tp", "cp", "sp")
+
+
+def mesh_problems(sizes: dict, world: int, distributed_type: str, fsdp2: bool, efficient_loading: bool) -> list[str]:
+    """`sizes`: each dimension's size (DIMENSIONS); `world`: the processes launched (num_processes);
+    `distributed_type`: the config's (MULTI_GPU, FSDP, DEEPSPEED, ...); `fsdp2`: FSDP with fsdp_version 2;
+    `efficient_loading`: fsdp_cpu_ram_efficient_loading. Each problem is one line that says what to do."""
+    problems = []
+    for name, what in (("cp", "context"), ("sp", "sequence")):
+        if sizes.get(name, 1) > 1:
+            problems.append(f"parallelism_config_{name}_size {sizes[name]}: {what} parallelism is not supported by "
+                            "these recipes yet (docs/strategies.md says what it takes); use tp.yaml, fsdp.yaml or "
+                            "activation checkpointing (--gradient_checkpointing) for long sequences")
+    product = math.prod(sizes.get(name, 1) for name in DIMENSIONS)
+    if product != world:
+        named = " x ".join(f"{name}_size {sizes[name]}" for name in DIMENSIONS if sizes.get(name, 1) > 1) or "1"
+        problems.append(f"parallelism_config: {named} = {product} processes but num_processes is {world}; make the "
+                        "sizes multiply to num_processes (HSDP: dp_replicate_size = nodes, dp_shard_size = GPUs per "
+                        "node; tp.yaml: tp_size = num_processes)")
+    if (sizes.get("dp_replicate", 1) > 1 or sizes.get("dp_shard", 1) > 1) and not fsdp2:
+        problems.append("parallelism_config's dp_replicate_size and dp_shard_size need distributed_type FSDP "
+                        "(fsdp_version 2): use multi_node_hsdp.yaml or fsdp_tp.yaml as the template")
+    tp = sizes.get("tp", 1)
+    if tp > 1 and distributed_type != "MULTI_GPU" and not fsdp2:
+        aside = (" (DeepSpeed's own AutoTP is configured in its JSON, not supported by these recipes)"
+                 if distributed_type == "DEEPSPEED" else "")
+        problems.append(f"parallelism_config_tp_size {tp}: tensor parallelism runs under distributed_type MULTI_GPU "
+                        f"(tp.yaml) or FSDP2 (fsdp_tp.yaml), not {distributed_type}{aside}")
+    elif tp > 1 and fsdp2 and efficient_loading:
+        problems.append("fsdp_cpu_ram_efficient_loading: true beside parallelism_config_tp_size: broadcasting rank "
+                        "0's weights into 2-D (dp_shard x tp) shards fails in accelerate 1.15; set it to false, as "
+                        "fsdp_tp.yaml does (every rank then builds the model, then keeps its shards)")
+    return problems
+
+
 def replicas(accelerator) -> int:
-    """How many ranks train on each batch: tp_size under tensor parallelism, 1 otherwise."""
+    """How many ranks train on each batch: tp_size under tensor parallelism, 1 otherwise (`accelerator`: an
+    Accelerator or its AcceleratorState)."""
     config = getattr(accelerator, "parallelism_config", None)  # (a stand-in for one process may have none)
     return config.tp_size if config is not None and config.tp_enabled else 1
 

@@ -17,6 +17,7 @@ import os
 from common.accelerator import unwrap
 from common.errors import UsageError
 from common.internals import innermost_optimizer
+from common.mesh import replicas
 
 
 def enabled(state=None) -> bool:
@@ -27,8 +28,7 @@ def enabled(state=None) -> bool:
         if not is_initialized():  # a model built outside a run (a script, a test)
             return False
         state = AcceleratorState()
-    config = state.parallelism_config
-    return config is not None and config.tp_enabled
+    return replicas(state) > 1
 
 
 def check_arguments(arguments: tuple) -> None:
@@ -48,6 +48,23 @@ def check_arguments(arguments: tuple) -> None:
                              "data is then indexed and shared by the group) or use a data-parallel config")
 
 
+def model_problems(model, size: int) -> list[str]:
+    """Why `model` (real or on the meta device) cannot be split over tp_size `size`, one line each: no plan in
+    transformers, tied embeddings, heads that do not divide. `make check-config` asks it before a launch."""
+    config, name = model.config.get_text_config(), type(model).__name__
+    if not model.tp_plan:
+        return [f"tp_size {size}: {name} cannot be split for tensor parallelism: transformers has no tensor-parallel "
+                "plan for it; use a model whose class has one (Llama, Mistral, Qwen, Gemma, ...) or a data-parallel "
+                "config"]
+    if getattr(config, "tie_word_embeddings", False) and model.get_output_embeddings() is not None:
+        return [f"tp_size {size}: {name} ties its input embeddings to its output head (tie_word_embeddings), which "
+                "these recipes cannot split for tensor parallelism yet; use fsdp.yaml or zero3.yaml for this model"]
+    return [f"tp_size {size}: the model has {heads} {key.removeprefix('num_').replace('_', ' ')}, which do not divide "
+            "by it; pick a tp_size that divides them (parallelism_config_tp_size in the accelerate config)"
+            for key in ("num_attention_heads", "num_key_value_heads")
+            if isinstance(heads := getattr(config, key, None), int) and heads % size]
+
+
 def shard(model, state=None):
     """Split `model` (whole on each rank, on its device) by its tensor-parallel plan over the tp mesh."""
     from accelerate.state import AcceleratorState
@@ -58,24 +75,11 @@ def shard(model, state=None):
 
     state = state or AcceleratorState()
     size = state.parallelism_config.tp_size
-    config = model.config.get_text_config()
-    for key in ("num_attention_heads", "num_key_value_heads"):
-        heads = getattr(config, key, None)
-        if isinstance(heads, int) and heads % size:
-            raise UsageError(f"the model has {heads} {key.replace('num_', '').replace('_', ' ')}, which do not "
-                             f"divide by tp_size {size}: pick a tp_size that divides them (parallelism_config_tp_size "
-                             "in the accelerate config)")
+    problems = model_problems(model, size)
+    if problems:
+        raise UsageError(problems[0])
     distributed = DistributedConfig(tp_size=size)
-    try:
-        plan = resolved_tp_plan(model, distributed)
-    except ValueError:
-        raise UsageError(f"{type(model).__name__} cannot be split for tensor parallelism: transformers has no "
-                         "tensor-parallel plan for it; use a model whose class has one (Llama, Mistral, Qwen, "
-                         "Gemma, ...) or a data-parallel config") from None
-    if getattr(config, "tie_word_embeddings", False) and model.get_output_embeddings() is not None:
-        raise UsageError(f"{type(model).__name__} ties its input embeddings to its output head "
-                         "(tie_word_embeddings), which these recipes cannot split for tensor parallelism yet; use "
-                         "fsdp.yaml or zero3.yaml for this model")
+    plan = resolved_tp_plan(model, distributed)
     apply_tensor_parallelism(model, state.device_mesh["tp"], plan)
     if getattr(state, "fsdp_plugin", None) is not None:  # FSDP x TP: accelerate makes the unsplit parameters DTensors
         provide_replicate_parallel()

@@ -105,37 +105,16 @@ def check(config_path: str, recipe_config: str | None = None, num_processes: int
     return problems
 
 
-MESH_DIMENSIONS = ("dp_replicate", "dp_shard", "tp", "cp", "sp")
-
-
 def check_mesh(mesh: dict, raw: dict, fsdp: dict, recipe: dict, world: int) -> list[str]:
-    """parallelism_config: its sizes against the world size, and what each dimension needs."""
-    problems = []
-    sizes = {name: int(mesh.get(f"parallelism_config_{name}_size", 1)) for name in MESH_DIMENSIONS}
-    product = 1
-    for size in sizes.values():
-        product *= size
-    if product != world:
-        named = " x ".join(f"{name}_size {size}" for name, size in sizes.items() if size > 1 or name == "dp_shard")
-        problems.append(f"parallelism_config: {named} = {product} processes but num_processes is {world}; make "
-                        "the sizes multiply to the world size (HSDP: dp_replicate_size = nodes, dp_shard_size = GPUs "
-                        "per node; tp.yaml: tp_size = num_processes)")
+    """parallelism_config: its sizes against the world size and what each dimension needs (common.mesh's rules,
+    which a launched run applies too), and whether the recipe's model can be split by tensor parallelism."""
+    from common.mesh import DIMENSIONS, mesh_problems
+
+    sizes = {name: int(mesh.get(f"parallelism_config_{name}_size", 1)) for name in DIMENSIONS}
     fsdp2 = raw.get("distributed_type") == "FSDP" and str(fsdp.get("fsdp_version")) == "2"
-    if (sizes["dp_replicate"] > 1 or sizes["dp_shard"] > 1) and not fsdp2:
-        problems.append("parallelism_config: dp_replicate_size and dp_shard_size need distributed_type FSDP with "
-                        "fsdp_version 2")
-    for name, what in (("cp", "context"), ("sp", "sequence")):
-        if sizes[name] > 1:
-            problems.append(f"parallelism_config_{name}_size {sizes[name]}: {what} parallelism is not supported by "
-                            "these recipes yet (see docs/strategies.md); use tp.yaml, fsdp.yaml or activation "
-                            "checkpointing for long sequences")
+    efficient = str(fsdp.get("fsdp_cpu_ram_efficient_loading", False)).lower() == "true"
+    problems = mesh_problems(sizes, world, str(raw.get("distributed_type")), fsdp2, efficient)
     if sizes["tp"] > 1:
-        if raw.get("distributed_type") not in ("MULTI_GPU",) and not fsdp2:
-            problems.append(f"parallelism_config_tp_size {sizes['tp']}: tensor parallelism runs under distributed_type "
-                            f"MULTI_GPU (tp.yaml) or FSDP2 (fsdp_tp.yaml), not {raw.get('distributed_type')}")
-        elif fsdp2 and str(fsdp.get("fsdp_cpu_ram_efficient_loading", False)).lower() == "true":
-            problems.append("fsdp_cpu_ram_efficient_loading: true beside parallelism_config_tp_size: rank 0's "
-                            "broadcast into 2-D shards fails (accelerate 1.15); set it to false, as fsdp_tp.yaml does")
         problems += tensor_parallel_model_problems(recipe, sizes["tp"])
     return problems
 
@@ -144,6 +123,8 @@ def tensor_parallel_model_problems(recipe: dict, tp: int) -> list[str]:
     """The recipe's model (built on the meta device) has a tensor-parallel plan and heads that divide by tp."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from common.tensor_parallel import model_problems
 
     source = recipe.get("model_config") or recipe.get("model_name_or_path")
     try:
@@ -154,17 +135,7 @@ def tensor_parallel_model_problems(recipe: dict, tp: int) -> list[str]:
         return []
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    if not model.tp_plan:
-        return [f"parallelism_config_tp_size {tp}: the recipe's model ({type(model).__name__}) has no tensor-parallel "
-                "plan in transformers; use a model whose class has one (Llama, Mistral, Qwen, Gemma, ...)"]
-    text = config.get_text_config()
-    if getattr(text, "tie_word_embeddings", False) and model.get_output_embeddings() is not None:
-        return [f"parallelism_config_tp_size {tp}: the recipe's model ties its embeddings to its head "
-                "(tie_word_embeddings), which these recipes do not split for tensor parallelism yet"]
-    return [f"parallelism_config_tp_size {tp}: the model has {heads} {key.removeprefix('num_').replace('_', ' ')}, "
-            "which do not divide by it; pick a tp_size that divides them"
-            for key in ("num_attention_heads", "num_key_value_heads")
-            if isinstance(heads := getattr(text, key, None), int) and heads % tp]
+    return [f"parallelism_config_{problem}" for problem in model_problems(model, tp)]
 
 
 def check_deepspeed(deepspeed: dict, raw: dict, recipe: dict, world: int, config_path: str) -> list[str]:

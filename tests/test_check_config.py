@@ -115,8 +115,9 @@ def test_deepspeed_json_batch_sizes_must_agree(tmp_path):
 
 
 @pytest.mark.parametrize("name, edit, extra, expected", [
-    ("tp.yaml", None, ["--num_processes", 4], r"dp_shard_size 1 x tp_size 2 = 2 processes but num_processes is 4"),
-    ("fsdp_tp.yaml", None, ["--num_processes", 8], r"dp_shard_size 2 x tp_size 2 = 4 processes but num_processes is 8"),
+    ("tp.yaml", None, ["--num_processes", 4], r"parallelism_config: tp_size 2 = 2 processes but num_processes is 4"),
+    ("fsdp_tp.yaml", None, ["--num_processes", 8],
+     r"parallelism_config: dp_shard_size 2 x tp_size 2 = 4 processes but num_processes is 8"),
     ("tp.yaml", _set("parallelism_config.parallelism_config_cp_size", 2), [],
      r"parallelism_config_cp_size 2: context parallelism is not supported by these recipes yet"),
     ("tp.yaml", _set("distributed_type", "DEEPSPEED"), [],
@@ -136,7 +137,7 @@ def test_a_model_tensor_parallelism_cannot_split_is_named(tmp_path):
     llama.update(hidden_size=48, num_attention_heads=3, num_key_value_heads=3)
     gpt2 = {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4}
     for name, model, expected in (("three_heads", llama, "the model has 3 attention heads, which do not divide by it"),
-                                  ("gpt2", gpt2, "the recipe's model (GPT2LMHeadModel) has no tensor-parallel plan")):
+                                  ("gpt2", gpt2, "GPT2LMHeadModel cannot be split for tensor parallelism")):
         (tmp_path / f"{name}.json").write_text(json.dumps(model))
         recipe = tmp_path / f"{name}.yaml"
         recipe.write_text(yaml.safe_dump({"model_config": str(tmp_path / f"{name}.json")}))

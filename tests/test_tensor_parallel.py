@@ -153,7 +153,7 @@ def test_what_tensor_parallelism_cannot_run_is_one_line(markov_data, tmp_path):
     three_heads.update(hidden_size=48, num_attention_heads=3, num_key_value_heads=3)
     (tmp_path / "three_heads.json").write_text(json.dumps(three_heads))
     line = launch_refused("tp.yaml", base + flags(model_config=tmp_path / "three_heads.json"))
-    assert "3 attention heads, which do not divide by tp_size 2" in line
+    assert "tp_size 2: the model has 3 attention heads, which do not divide by it" in line
     gpt2 = {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 64}
     (tmp_path / "gpt2.json").write_text(json.dumps(gpt2))
     line = launch_refused("tp.yaml", base + flags(model_config=tmp_path / "gpt2.json"))
@@ -164,7 +164,7 @@ def test_what_tensor_parallelism_cannot_run_is_one_line(markov_data, tmp_path):
     line = launch_refused("tp.yaml", base + flags(model_config=tmp_path / "tied.json"))
     assert "ties its input embeddings to its output head" in line
     line = launch_refused("tp.yaml", base, launcher_args=["--num_processes", "4"])
-    assert "parallelism_config asks for tp_size 2 = 2 processes but 4 were launched" in line
+    assert "parallelism_config: tp_size 2 = 2 processes but num_processes is 4" in line
     line = launch_refused("tp.yaml", base, launcher_args=["--parallelism_config_cp_size", "2"])
     assert "parallelism_config_cp_size 2: context parallelism is not supported by these recipes yet" in line
     fsdp_tp = yaml.safe_load((CONFIGS / "fsdp.yaml").read_text())
