@@ -31,6 +31,9 @@ OPTIMIZER_STATES = ("exp_avg", "exp_avg_sq")
 # a strategy (common.accelerator.launched_strategy, estimate_memory's read_strategy) -> the family whose files
 # it writes: one process and DDP write the same ones
 FAMILY = {"single": "torch", "ddp": "torch", "fsdp": "fsdp", "tp": "fsdp", "deepspeed": "deepspeed"}
+# what each family's checkpoint files are, in a resume's message (a tp.yaml run writes FSDP2's DCP folders)
+FILES = {"torch": "whole-model files (single.yaml, ddp.yaml)", "fsdp": "DCP shards (fsdp, tp configs)",
+         "deepspeed": "DeepSpeed ZeRO files", "portable": "a portable rewrite"}
 
 
 def family(accelerator) -> str:
