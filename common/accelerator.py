@@ -75,16 +75,22 @@ def more_processes_than_gpus(local_world: int, gpus: int) -> str | None:
     if local_world <= gpus:
         return None
     return (f"{local_world} processes on this node but {gpus} GPU(s) visible (NCCL needs one GPU per process): "
-            f"launch with --num_processes {gpus} per node, or check CUDA_VISIBLE_DEVICES")
+            f"launch at most {gpus} per node (--num_processes counts them all: nodes x {gpus}), or check "
+            "CUDA_VISIBLE_DEVICES")
 
 
 def refuse_more_processes_than_gpus() -> None:
-    """Before any rank picks its GPU: a config asking more processes than the node has GPUs, in one line."""
-    if torch.cuda.is_available() and not _env_flag("ACCELERATE_USE_CPU"):
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
-        problem = more_processes_than_gpus(local_world, torch.cuda.device_count())
-        if problem:
-            raise UsageError(problem)
+    """Before any rank picks its GPU: a config asking more processes than the node has GPUs, in one line. The
+    processes on this node as torchrun (LOCAL_WORLD_SIZE) or DeepSpeed's launcher (LOCAL_SIZE) tells them; a
+    launch that tells neither is one process, or is not checked."""
+    if not torch.cuda.is_available() or _env_flag("ACCELERATE_USE_CPU"):
+        return
+    local_world = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE")
+    if local_world is None and launched_world_size() > 1:
+        return
+    problem = more_processes_than_gpus(int(local_world or 1), torch.cuda.device_count())
+    if problem:
+        raise UsageError(problem)
 
 
 @dataclass(frozen=True)

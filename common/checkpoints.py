@@ -81,8 +81,8 @@ def load_checkpoint(accelerator, path: str | None, model, optimizer, scheduler) 
         if lost_peer_message(error, None) is not None:
             raise  # a collective failed: the exit policy names the lost peer
         raise load_failure(path, error) from None
+    schedule_the_loaded_optimizer(optimizer, scheduler)  # before the schedule sets a rate
     reshard.schedule_from_before_per_step(scheduler, state)
-    schedule_the_loaded_optimizer(optimizer, scheduler)
     saved_processes = state.get("num_processes", accelerator.num_processes)
     accelerator.print(f"resumed from {path} at step {state['step']}"
                       + (f" (saved by {saved_processes} processes)" if saved_processes != accelerator.num_processes else ""))

@@ -96,7 +96,8 @@ def _keep_torch_optimizer_on_offload(plugin) -> None:
     compiled at its first use (a compiler and a minute or two). On a CPU host keep the recipe's optimizer unless
     the DeepSpeed JSON sets zero_force_ds_cpu_optimizer; GPU hosts get DeepSpeedCPUAdam as DeepSpeed intends.
     (Its resume once differed from an uninterrupted run's, here and on an H100: the schedule had lost it,
-    common.checkpoints.schedule_the_loaded_optimizer. Forced here, it now resumes bit for bit.)"""
+    common.checkpoints.schedule_the_loaded_optimizer; forced here by hand, on 1 and 2 processes, it then
+    resumed bit for bit.)"""
     config = plugin.deepspeed_config
     offload = config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
     if offload not in (None, "none") and "zero_force_ds_cpu_optimizer" not in config:

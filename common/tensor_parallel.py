@@ -79,7 +79,11 @@ def shard(model, state=None):
     if problems:
         raise UsageError(problems[0])
     distributed = DistributedConfig(tp_size=size)
-    plan = resolved_tp_plan(model, distributed)
+    try:
+        plan = resolved_tp_plan(model, distributed)
+    except ValueError as error:  # a plan transformers cannot apply to this model
+        raise UsageError(f"{type(model).__name__} cannot be split for tensor parallelism ({error}); use a "
+                         "data-parallel config (fsdp.yaml, zero3.yaml)") from None
     apply_tensor_parallelism(model, state.device_mesh["tp"], plan)
     if getattr(state, "fsdp_plugin", None) is not None:  # FSDP x TP: accelerate makes the unsplit parameters DTensors
         provide_replicate_parallel()

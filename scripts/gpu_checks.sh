@@ -8,9 +8,10 @@
 #
 #   OUT=/tmp/gpu BUDGET=540 bash scripts/gpu_checks.sh
 #
-# Knobs: SECTIONS (any of "tests mfu options", in that order), TESTS_K (a pytest -k expression for test_gpu.py),
+# Knobs: SECTIONS (any of "tests mfu options", space-separated), TESTS_K (a pytest -k expression over the tests),
 # OPTIONS (benchmark_options.py's --options), MFU_BATCH (per-device batch at 1B: 24 fits an H200's 139 GiB,
 # 8 an H100's 80), GPU_DOCS (where the pages go: docs/gpu, or a folder per GPU model).
+# The tests section needs pytest-xdist and pytest-timeout (the GPU image has both).
 # Packages the machine lacks travel as wheels in .whl/ (installed to /tmp/site, put first on PYTHONPATH). The
 # chat model's config, tokenizer and template travel in .gpu_model/ (its weights, 260 MB, cannot): a model of that
 # architecture is built from them, seeded, in bf16, for the tests that fine-tune it (GPU_CHAT_MODEL).
@@ -72,14 +73,14 @@ cat "$OUT/env.txt" >>"$LOG"
 [ -f outputs/data/markov/train.jsonl ] || section "demo data" 60 python3 scripts/make_demo_data.py --task markov \
     --out outputs/data/markov
 if [ ! -f outputs/models/SmolLM2-135M-Instruct/model.safetensors ] && [ -d .gpu_model ]; then
-    export GPU_CHAT_MODEL=/tmp/chat_model
     section "chat model from its config" 60 python3 -c "
 import sys, torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 source, folder = sys.argv[1:]
 torch.manual_seed(0)
 AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source), dtype=torch.bfloat16).save_pretrained(folder)
-AutoTokenizer.from_pretrained(source).save_pretrained(folder)" .gpu_model "$GPU_CHAT_MODEL"
+AutoTokenizer.from_pretrained(source).save_pretrained(folder)" .gpu_model /tmp/chat_model
+    [ -f /tmp/chat_model/model.safetensors ] && export GPU_CHAT_MODEL=/tmp/chat_model
 fi
 case " $SECTIONS " in *" tests "*)
     section "tests: internals and test_gpu.py" "${TESTS_LIMIT:-300}" python3 -m pytest -q -p no:cacheprovider \
