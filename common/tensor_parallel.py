@@ -56,13 +56,23 @@ def model_problems(model, size: int) -> list[str]:
         return [f"tp_size {size}: {name} cannot be split for tensor parallelism: transformers has no tensor-parallel "
                 "plan for it; use a model whose class has one (Llama, Mistral, Qwen, Gemma, ...) or a data-parallel "
                 "config"]
-    if getattr(config, "tie_word_embeddings", False) and model.get_output_embeddings() is not None:
-        return [f"tp_size {size}: {name} ties its input embeddings to its output head (tie_word_embeddings), which "
-                "these recipes cannot split for tensor parallelism yet; use fsdp.yaml or zero3.yaml for this model"]
+    tied = tied_head(model)
+    if tied and (model.tp_plan.get(tied[0]), (model.tp_plan.get(tied[1]) or "")[:7]) != ("embedding_rowwise", "colwise"):
+        return [f"tp_size {size}: {name} ties its input embeddings to its output head (tie_word_embeddings) under a "
+                "plan that splits them differently, which these recipes cannot split once; use fsdp.yaml or zero3.yaml"]
     return [f"tp_size {size}: the model has {heads} {key.removeprefix('num_').replace('_', ' ')}, which do not divide "
             "by it; pick a tp_size that divides them (parallelism_config_tp_size in the accelerate config)"
             for key in ("num_attention_heads", "num_key_value_heads")
             if isinstance(heads := getattr(config, key, None), int) and heads % size]
+
+
+def tied_head(model) -> tuple[str, str] | None:
+    """(the input embeddings' module name, the output head's) when the head's weight is the embeddings' (tied)."""
+    head, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is None or embeddings is None or getattr(head, "weight", None) is not embeddings.weight:
+        return None
+    names = {module: name for name, module in model.named_modules(remove_duplicate=False)}
+    return names[embeddings], names[head]
 
 
 def shard(model, state=None):
@@ -84,7 +94,12 @@ def shard(model, state=None):
     except ValueError as error:  # a plan transformers cannot apply to this model
         raise UsageError(f"{type(model).__name__} cannot be split for tensor parallelism ({error}); use a "
                          "data-parallel config (fsdp.yaml, zero3.yaml)") from None
+    tied = tied_head(model)
+    if tied:  # one weight, listed once among the parameters: split once (vocabulary rows, as both rules split it)
+        plan = {rule: style for rule, style in plan.items() if rule != f"{tied[1]}.weight"}
     apply_tensor_parallelism(model, state.device_mesh["tp"], plan)
+    if tied:  # the head reads the split weight again: one parameter, its gradient summed from both uses
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
     if getattr(state, "fsdp_plugin", None) is not None:  # FSDP x TP: accelerate makes the unsplit parameters DTensors
         provide_replicate_parallel()
     else:  # as accelerate does under FSDP x TP: one optimizer group (fused AdamW, clipping) may not mix the kinds

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from datasets import Dataset, DatasetDict
 
 from conftest import (CONFIGS, FP32, launch, load_weights, model_state_gaps, pretrained_args, read_run,
@@ -132,32 +133,41 @@ def real_model_args(model: Path, data: Path, out: Path, **overrides) -> list[str
 
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", list(PRECISIONS))
-@pytest.mark.parametrize("config", ["fsdp.yaml", "zero3.yaml"])
+@pytest.mark.parametrize("config", ["fsdp.yaml", "zero3.yaml", "tp.yaml"])
 def test_one_step_of_the_real_model_sharded_equals_one_process(config, precision, real_model, markov_data,
                                                                  one_step_on_one_process, tmp_path):
     """Tied embeddings and grouped query attention under FSDP2 and ZeRO-3 on 2 processes (the same
-    global batch of 2), in fp32 and in the configs' bf16: in fp32 the step equals the single
+    global batch of 2), and split by tensor parallelism over 3 (its 9 heads and 3 KV heads do not divide by
+    2; the tied weight split once, by vocabulary rows, for both its uses; the group trains on one batch of 2),
+    in fp32 and in the configs' bf16: in fp32 the step equals the single
     process's to 1e-4 of its size; in bf16, where each computes in its own way (autocast on one
     process, bf16 weights under FSDP2's policy and ZeRO-3), the step is as close to the fp32 step
     as one process's bf16 step is, within 2x. The export keeps the tie (one stored tensor for the
     embedding and the output layer), and the run's memory account agrees with the estimate."""
     out = tmp_path / "run"
-    launch(config, "causal_lm.py", real_model_args(real_model, markov_data, out, per_device_train_batch_size=1),
+    processes, batch = (3, 2) if config == "tp.yaml" else (2, 1)
+    if config == "tp.yaml":  # tp.yaml with tp_size 3 on 3 processes
+        tp3 = yaml.safe_load((CONFIGS / config).read_text())
+        tp3.update(num_processes=3, parallelism_config={**tp3["parallelism_config"], "parallelism_config_tp_size": 3})
+        config = tmp_path / "tp3.yaml"
+        config.write_text(yaml.safe_dump(tp3))
+    launch(config, "causal_lm.py", real_model_args(real_model, markov_data, out, per_device_train_batch_size=batch),
            launcher_args=PRECISIONS[precision])
     record = read_run(out)
-    assert record["participating_processes"] == 2 and record["total_parameters"] == 134_515_008
+    assert record["participating_processes"] == processes and record["total_parameters"] == 134_515_008
     assert record["mixed_precision"] == ("no" if precision == "fp32" else "bf16")
     start = {key: value.float() for key, value in load_weights(real_model).items()}
     mine = load_weights(out / "final")
     single = {p: load_weights(run / "final") for p, run in one_step_on_one_process.items()}
     assert mine.keys() == single["fp32"].keys() == start.keys()
     gap = step_difference(mine, single[precision], start)
-    print(f"{config}, {precision}: one step of SmolLM2-135M on 2 processes vs 1: difference / step {gap:.2e}")
+    print(f"{Path(config).name}, {precision}: one step of SmolLM2-135M on {processes} processes vs 1: difference / "
+          f"step {gap:.2e}")
     if precision == "fp32":
         assert gap < 1e-4
     else:
         sharded, alone = step_difference(mine, single["fp32"], start), step_difference(single["bf16"], single["fp32"], start)
-        print(f"  distance from the fp32 step: 2 processes {sharded:.2e}, 1 process {alone:.2e}")
+        print(f"  distance from the fp32 step: {processes} processes {sharded:.2e}, 1 process {alone:.2e}")
         assert sharded < 2 * alone
     assert "lm_head.weight" not in mine
     assert json.loads((out / "final" / "config.json").read_text())["tie_word_embeddings"] is True

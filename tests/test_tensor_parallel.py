@@ -123,6 +123,44 @@ def resume(written_by, tp_run, config, processes, batch, markov_data, tmp_path):
 
 
 @pytest.mark.slow
+def test_tied_embeddings_are_split_once_and_stay_tied(markov_data, tmp_path):
+    """A model whose head is its input embeddings (tie_word_embeddings, as SmolLM2 and Llama 3.2 1B) under
+    tp.yaml: the one weight is split once, by vocabulary rows (both rules split it so), and both uses read it, so
+    its gradient sums both. fp32 against one process per step and in the final weights; the export keeps the tie;
+    resumed from step 6 bit for bit under tp.yaml, and on one process through the portable rewrite.
+    (tests/test_real_model.py runs SmolLM2-135M itself under tensor parallelism over 3.)"""
+    tied = json.loads((REPO / "recipes/configs/tiny_llama.json").read_text())
+    tied["tie_word_embeddings"] = True
+    (tmp_path / "tied.json").write_text(json.dumps(tied))
+
+    def train(config, out, batch, accumulation, **extra):
+        launch(config, "causal_lm.py", causal_lm_args(
+            markov_data, out, model_config=tmp_path / "tied.json", per_device_train_batch_size=batch,
+            gradient_accumulation_steps=accumulation, max_steps=STEPS, save_steps=SAVE_AT, **extra), launcher_args=FP32)
+        return losses(out)
+
+    alone, split = tmp_path / "alone", tmp_path / "split"
+    reference, mine = train("single.yaml", alone, 8, 1), train("tp.yaml", split, 4, 2)
+    record = read_run(split)
+    assert record["participating_processes"] == 2 and record["total_parameters"] == read_run(alone)["total_parameters"]
+    loss_gap = max(abs(a - b) / b for a, b in zip(mine, reference))
+    weight_gap = max_weight_difference(split / "final", alone / "final")
+    print(f"tied embeddings under tp.yaml: loss gap {loss_gap:.2e}, weight gap {weight_gap:.2e}, parameters per rank "
+          f"{record['local_parameter_elements']} of {record['total_parameters']}")
+    assert loss_gap < FP32_TOLERANCE and weight_gap < FP32_TOLERANCE
+    assert json.loads((split / "final" / "config.json").read_text())["tie_word_embeddings"] is True
+    for config, batch, accumulation in (("tp.yaml", 4, 2), ("single.yaml", 8, 1)):
+        out = tmp_path / f"resumed_{config}"
+        shutil.copytree(split / "checkpoints" / f"step_{SAVE_AT}", out / "checkpoints" / f"step_{SAVE_AT}")
+        resumed = train(config, out, batch, accumulation, resume_from_checkpoint="latest")
+        gap = max(abs(a - b) for a, b in zip(resumed, mine[SAVE_AT:]))
+        print(f"  resumed at step {SAVE_AT} under {config}: loss gap {gap:.2e}")
+        assert len(resumed) == STEPS - SAVE_AT and gap < FP32_TOLERANCE
+        if config == "tp.yaml":
+            assert resumed == mine[SAVE_AT:] and max_weight_difference(out / "final", split / "final") == 0.0
+
+
+@pytest.mark.slow
 def test_tensor_parallel_bf16_fine_tuning(markov_data, bf16_checkpoint, bf16_reference, tmp_path):
     out = tmp_path / "run"
     launch("tp.yaml", "causal_lm.py", pretrained_args(markov_data, bf16_checkpoint, out, **{**RUN, "save_steps": STEPS}))
@@ -158,11 +196,6 @@ def test_what_tensor_parallelism_cannot_run_is_one_line(markov_data, tmp_path):
     (tmp_path / "gpt2.json").write_text(json.dumps(gpt2))
     line = launch_refused("tp.yaml", base + flags(model_config=tmp_path / "gpt2.json"))
     assert "GPT2LMHeadModel cannot be split for tensor parallelism" in line
-    tied = {**three_heads, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4,
-            "tie_word_embeddings": True}
-    (tmp_path / "tied.json").write_text(json.dumps(tied))
-    line = launch_refused("tp.yaml", base + flags(model_config=tmp_path / "tied.json"))
-    assert "ties its input embeddings to its output head" in line
     line = launch_refused("tp.yaml", base, launcher_args=["--num_processes", "4"])
     assert "parallelism_config: tp_size 2 = 2 processes but num_processes is 4" in line
     line = launch_refused("tp.yaml", base, launcher_args=["--parallelism_config_cp_size", "2"])
