@@ -58,8 +58,9 @@ def model_problems(model, size: int) -> list[str]:
                 "config"]
     tied = tied_head(model)
     if tied and (model.tp_plan.get(tied[0]), (model.tp_plan.get(tied[1]) or "")[:7]) != ("embedding_rowwise", "colwise"):
-        return [f"tp_size {size}: {name} ties its input embeddings to its output head (tie_word_embeddings) under a "
-                "plan that splits them differently, which these recipes cannot split once; use fsdp.yaml or zero3.yaml"]
+        return [f"tp_size {size}: {name} ties its input embeddings to its output head (tie_word_embeddings), and its "
+                "tensor-parallel plan does not split both by vocabulary rows, as splitting the one weight once needs; "
+                "use fsdp.yaml or zero3.yaml"]
     return [f"tp_size {size}: the model has {heads} {key.removeprefix('num_').replace('_', ' ')}, which do not divide "
             "by it; pick a tp_size that divides them (parallelism_config_tp_size in the accelerate config)"
             for key in ("num_attention_heads", "num_key_value_heads")

@@ -127,7 +127,8 @@ def test_tied_embeddings_are_split_once_and_stay_tied(markov_data, tmp_path):
     """A model whose head is its input embeddings (tie_word_embeddings, as SmolLM2 and Llama 3.2 1B) under
     tp.yaml: the one weight is split once, by vocabulary rows (both rules split it so), and both uses read it, so
     its gradient sums both. fp32 against one process per step and in the final weights; the export keeps the tie;
-    resumed from step 6 bit for bit under tp.yaml, and on one process through the portable rewrite.
+    resumed from step 6 bit for bit under tp.yaml, and on one process through the portable rewrite. (The
+    tokenizer's 51 words split unevenly: 26 and 25 rows.)
     (tests/test_real_model.py runs SmolLM2-135M itself under tensor parallelism over 3.)"""
     tied = json.loads((REPO / "recipes/configs/tiny_llama.json").read_text())
     tied["tie_word_embeddings"] = True
