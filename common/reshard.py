@@ -210,9 +210,8 @@ def for_this_world_size(accelerator, path: str | None) -> str | None:
         converter(path, target)
     accelerator.wait_for_everyone()
     if not is_universal(target):
-        files = portable.FILES
-        accelerator.print(f"{path} holds {files.get(portable.saved_family(path), 'other files')}, this run reads "
-                          f"{files[portable.family(accelerator)]}: loading its rewrite {target}")
+        accelerator.print(f"{path} holds {portable.FILES.get(portable.saved_family(path), 'other files')}, this run "
+                          f"reads {portable.FILES[portable.family(accelerator)]}: loading its rewrite {target}")
         return target
     saved = _saved_layout(path)
     plugin.deepspeed_config.setdefault("checkpoint", {})["load_universal"] = True

@@ -57,7 +57,8 @@ def model_problems(model, size: int) -> list[str]:
                 "plan for it; use a model whose class has one (Llama, Mistral, Qwen, Gemma, ...) or a data-parallel "
                 "config"]
     tied = tied_head(model)
-    if tied and (model.tp_plan.get(tied[0]), (model.tp_plan.get(tied[1]) or "")[:7]) != ("embedding_rowwise", "colwise"):
+    rules = [model.tp_plan.get(module) or "" for module in tied or ()]
+    if tied and not (rules[0] == "embedding_rowwise" and rules[1].startswith("colwise")):
         return [f"tp_size {size}: {name} ties its input embeddings to its output head (tie_word_embeddings), and its "
                 "tensor-parallel plan does not split both by vocabulary rows, as splitting the one weight once needs; "
                 "use fsdp.yaml or zero3.yaml"]
