@@ -101,6 +101,12 @@ class Launch:
     sync_each_micro_batch: bool
 
 
+def autocast_dtype(mixed_precision: str) -> str | None:
+    """The dtype autocast computes in under accelerate's `mixed_precision`. fp8 (torchao) runs its float8
+    matmuls inside bf16 autocast: its MFU is measured against the bf16 peak, as torchtitan reports it."""
+    return {"bf16": "bfloat16", "fp16": "float16", "fp8": "bfloat16"}.get(mixed_precision)
+
+
 def build_accelerator(args, hidden_size: int | None = None) -> tuple[Accelerator, Launch]:
     """`args`: the recipe's TrainingArguments (accumulation, clipping, trackers, output_dir);
     `hidden_size`: the model's, when its config tells (sizes ZeRO-3's live parameters).

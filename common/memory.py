@@ -40,8 +40,15 @@ MB = 2**20
 
 
 def _local(tensor):
-    """A DTensor's (FSDP2, tensor parallel) part on this rank; any other tensor itself."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    """The plain tensor that holds a tensor's memory on this rank: a DTensor's (FSDP2, tensor parallel) part, the
+    weight inside a wrapper subclass (torchao's float8 training weights under mixed_precision fp8, found through
+    torch's __tensor_flatten__ protocol), any other tensor itself."""
+    if hasattr(tensor, "to_local"):
+        tensor = tensor.to_local()
+    if hasattr(tensor, "__tensor_flatten__"):
+        inner, _ = tensor.__tensor_flatten__()  # the attribute names of the tensors it wraps, data first
+        return _local(getattr(tensor, inner[0]))
+    return tensor
 
 
 class _Tally:

@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from accelerate.utils import gather_object
 
 from common import mesh
-from common.accelerator import unwrap
+from common.accelerator import autocast_dtype, unwrap
 from common.flops import ModelFlops, device_peak_tflops
 from common.memory import MemoryAccount, current_memory
 from common.run_dir import write_atomically
@@ -35,7 +35,7 @@ class MetricsLogger:
         self.output_dir = output_dir
         self.memory = MemoryAccount(model, optimizer, accelerator.device) if optimizer is not None else None
         self.flops = ModelFlops(unwrap(accelerator, model)) if model is not None else None
-        compute = {"bf16": "bfloat16", "fp16": "float16"}.get(accelerator.mixed_precision)
+        compute = autocast_dtype(accelerator.mixed_precision)
         self.peak_tflops = device_peak_tflops(accelerator.device, compute, peak_tflops)
         self.data_wait_s = 0.0
         self.path = os.path.join(output_dir, "metrics.jsonl")

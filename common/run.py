@@ -37,7 +37,7 @@ from common.reshard import convert_before_start, for_this_world_size
 from common.run_dir import (check_output_dir, clear_earlier_run, launch_started, launch_starting, list_checkpoints,
                             mark_launch_starting, resolve_checkpoint, set_aside_later_checkpoints)
 from common.run_info import data_sources, record_run, tracker_config
-from common.speed import speed_record
+from common.speed import refuse_fp8_where_it_cannot_run, speed_record
 
 
 def run_recipe(main, *argument_types, argv: list[str] | None = None):
@@ -140,6 +140,7 @@ def start_run(*arguments) -> Run:
     check_output_dir(args.output_dir, args.resume_from_checkpoint, args.overwrite_output_dir)
     refuse_unsupported_mesh()
     refuse_more_processes_than_gpus()
+    refuse_fp8_where_it_cannot_run(launched_strategy())
     if launched_mesh_size("tp") > 1:  # tp.yaml, fsdp_tp.yaml
         tensor_parallel.check_arguments(arguments)
     if _is_rank0() and not int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):

@@ -12,7 +12,7 @@ import torch
 
 from common import memory
 from common.mesh import data_parallel_size
-from common.accelerator import Launch, participating_processes
+from common.accelerator import Launch, autocast_dtype, participating_processes
 from common.internals import innermost_optimizer, master_weights_dtype
 from common.model import local_parameter_shards
 from common.run_dir import write_atomically
@@ -73,7 +73,7 @@ def precision_details(accelerator, model, optimizer) -> dict:
     weights the optimizer updates (its states are created like them), and the dtype
     gradients are reduced in across ranks."""
     master = master_weights_dtype(optimizer)
-    compute = {"bf16": "bfloat16", "fp16": "float16"}.get(accelerator.mixed_precision)
+    compute = autocast_dtype(accelerator.mixed_precision)
     reduce = None
     if getattr(accelerator.state, "deepspeed_plugin", None) is not None:
         engine = model

@@ -1,4 +1,4 @@
-"""The speed options: attention kernel, regional compile, AdamW kernel, activation checkpointing, Liger kernels.
+"""The speed options: attention kernel, regional compile, AdamW kernel, activation checkpointing, Liger, FP8.
 
 Each is a flag (or a recipe-YAML key) with the HF Trainer's / TRL's name. One the host cannot run
 is refused with one line before anything starts (Liger and flex_attention's backward need a GPU;
@@ -11,11 +11,13 @@ place, `dynamo_plugin` and `adamw_kernel` the others, and `speed_record` says in
     --optim adamw_torch          # torch's foreach AdamW instead of the fused kernel (the default)
     --gradient_checkpointing true --gradient_checkpointing_every_n_layers 2   # every other layer
     --use_liger_kernel true      # Liger's Triton kernels (RMSNorm, RoPE, SwiGLU, fused linear + loss)
+    accelerate launch --mixed_precision fp8 --fp8_backend ao ...   # torchao's float8 matmuls (Hopper, Ada)
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +27,7 @@ from common.internals import allow_recompiles, attention_implementation
 
 ATTENTION = ("auto", "sdpa", "eager", "flash_attention_2", "flex_attention", "sdpa_varlen")
 OPTIMIZERS = {"adamw_torch_fused": {"fused": True}, "adamw_torch": {"foreach": True}}
+FP8_CAPABILITY = (8, 9)  # float8 matmuls: Ada Lovelace and Hopper on
 
 
 def _installed(package: str) -> bool:
@@ -142,6 +145,48 @@ def checkpointed_layers(model) -> list[bool]:
     return [bool(m.gradient_checkpointing) for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
+def fp8_problem(capability: tuple | None, torchao: bool, backend: str, strategy: str,
+                fsdp_ram_efficient_loading: bool) -> str | None:
+    """Why `mixed_precision: fp8` cannot run here, in one line, else None. `capability`: the CUDA GPU's compute
+    capability (None: no GPU; a CPU runs the float8 matmuls too, to check a run, never faster); `backend`:
+    ACCELERATE_FP8_BACKEND as the launcher set it ("" when not given)."""
+    if capability is not None and tuple(capability) < FP8_CAPABILITY:  # a CPU runs torchao's float8 matmuls
+        return (f"mixed_precision fp8 needs an NVIDIA GPU of compute capability 8.9 or later (Ada, Hopper: L4, "
+                f"H100, H200) and this GPU's is {capability[0]}.{capability[1]} (accelerate would quietly train "
+                "in fp16 instead): use bf16")
+    if backend.upper() not in ("", "NO", "AO"):
+        return (f"fp8_backend {backend.lower()}: these recipes train fp8 through torchao, the backend checked here; "
+                "launch with --fp8_backend ao (or fp8_config: {backend: AO} in the config)")
+    if not torchao:
+        return "mixed_precision fp8 trains through torchao, which is not installed: pip install torchao, or use bf16"
+    if strategy == "deepspeed":
+        return ("mixed_precision fp8 under DeepSpeed is not checked with torchao here: use single.yaml, ddp.yaml "
+                "or fsdp.yaml, or bf16")
+    if strategy == "fsdp" and fsdp_ram_efficient_loading:
+        return ("mixed_precision fp8 (torchao) under FSDP2 cannot load with fsdp_cpu_ram_efficient_loading: true "
+                "(accelerate refuses the pair): set it to false in the config, or launch with "
+                "--fsdp_cpu_ram_efficient_loading false")
+    return None
+
+
+def refuse_fp8_where_it_cannot_run(strategy: str) -> None:
+    """`accelerate launch --mixed_precision fp8` (or the config's) refused in one line before anything starts
+    where it cannot run (`fp8_problem`)."""
+    if os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower() != "fp8":
+        return
+    on_gpu = torch.cuda.is_available() and os.environ.get("ACCELERATE_USE_CPU", "false").lower() != "true"
+    problem = fp8_problem(torch.cuda.get_device_capability() if on_gpu else None, _installed("torchao"),
+                          os.environ.get("ACCELERATE_FP8_BACKEND", ""), strategy,
+                          os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "false").lower() == "true")
+    if problem:
+        raise UsageError(problem)
+    # accelerate's launcher exports --fp8_backend as given (ao), which its own FP8BackendType (AO) then refuses
+    os.environ["ACCELERATE_FP8_BACKEND"] = os.environ.get("ACCELERATE_FP8_BACKEND", "NO").upper()
+    if strategy != "fsdp":  # accelerate wraps every float8 weight for FSDP2's float8 all-gather even without
+        # FSDP2, and its own safetensors checkpoint cannot read a wrapped weight's storage: plain weights
+        os.environ["ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER"] = "false"
+
+
 def speed_record(model, speed: SpeedArguments) -> dict:
     """What ran, for run.json: the attention kernel read back from the model, and the other options."""
     layers = checkpointed_layers(model)
@@ -149,4 +194,6 @@ def speed_record(model, speed: SpeedArguments) -> dict:
             "torch_compile": "regional (inductor)" if speed.torch_compile else "off",
             "optim": speed.optim,
             "checkpointed_layers": f"{sum(layers)} of {len(layers)}",
-            "liger_kernel": speed.use_liger_kernel}
+            "liger_kernel": speed.use_liger_kernel,
+            # accelerate swaps these in at prepare under mixed_precision fp8 (torchao; first and last kept in bf16)
+            "float8_linear_layers": sum(type(m).__name__ == "Float8Linear" for m in model.modules())}

@@ -6,7 +6,8 @@ the defaults plus that option's flags; every variant runs --rounds times, the or
 each round, timed after --warmup steps. The table gives tokens/s (median) and the peak memory of
 the last logged window (the rank with the highest; resident set on a CPU host, the CUDA
 allocator's peak on a GPU), each as a ratio to the defaults. An option the host cannot run is
-listed with the recipe's own one-line refusal (Liger and flex_attention need a GPU).
+listed with the recipe's own one-line refusal (Liger and flex_attention need a GPU; FP8, accelerate's
+`--mixed_precision fp8 --fp8_backend ao` launcher flags, needs torchao, and is faster only on an Ada or Hopper GPU).
 
     make benchmark-options                                # ddp.yaml: 2 processes, bf16
     make benchmark-options ARGS="--options torch_compile adamw_torch --rounds 3"
@@ -16,15 +17,21 @@ With --docs the table goes to docs/benchmark-options.md (scripts/figures.py).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import statistics
 import sys
 import tempfile
 
+import torch
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmark_peers import check_job, job_line, job_parser, launch, mfu, model_config  # noqa: E402
 from figures import markdown_table, write_page  # noqa: E402
+
+from common.speed import fp8_problem  # noqa: E402
 
 OPTIONS = {
     "defaults": [],
@@ -37,7 +44,13 @@ OPTIONS = {
     "attention_flex": ["--attn_implementation", "flex_attention"],
     "liger": ["--use_liger_kernel", "true"],
     "compile_and_liger": ["--torch_compile", "true", "--use_liger_kernel", "true"],
+    "fp8": [],
+    "compile_and_fp8": ["--torch_compile", "true"],
 }
+# Options that are the launcher's, not the recipe's: accelerate's FP8 (torchao's float8 matmuls in the linear
+# layers but the first and last; MFU against the bf16 peak)
+FP8 = ["--mixed_precision", "fp8", "--fp8_backend", "ao"]
+LAUNCHER = {"fp8": FP8, "compile_and_fp8": FP8}
 
 
 def main(argv=None):
@@ -48,6 +61,7 @@ def main(argv=None):
     check_job(args)
     variants = ["defaults", *args.options]
     speeds, peaks, refused, flops = {name: [] for name in variants}, {}, {}, {}
+    launcher_refusal = {name: fp8_refusal() for name in variants if LAUNCHER.get(name) == FP8 and fp8_refusal()}
     with tempfile.TemporaryDirectory() as folder:
         config = model_config(args.hidden, args.layers, folder)
         for round_ in range(args.rounds):
@@ -55,7 +69,9 @@ def main(argv=None):
             for name in variants[shift:] + variants[:shift]:
                 if name in refused:
                     continue
-                result = launch("recipe", args, config, folder, round_, recipe_args=OPTIONS[name], name=name)
+                result = launch("recipe", args, config, folder, round_, recipe_args=OPTIONS[name], name=name,
+                                launcher_args=LAUNCHER.get(name, ())) if name not in launcher_refusal else \
+                    {"refused": launcher_refusal[name]}
                 if "refused" in result:
                     refused[name] = result["refused"]
                     print(f"round {round_ + 1}: {name:28s} {result['refused']}", flush=True)
@@ -72,6 +88,15 @@ def main(argv=None):
     write_table(args, variants, speeds, peaks, refused, flops)
 
 
+def fp8_refusal() -> str | None:
+    """The recipe's own line for FP8 where accelerate's launcher fails before the recipe can say it (no torchao:
+    the launcher raises), else None (the recipe refuses what else this host lacks)."""
+    if importlib.util.find_spec("torchao") is not None:
+        return None
+    capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+    return "error: " + fp8_problem(capability, False, "ao", "ddp", False)
+
+
 def write_table(args, variants: list, speeds: dict, peaks: dict, refused: dict, flops: dict, quiet=False) -> None:
     """The table of the variants measured so far, printed and (with --docs) written to the page."""
     base_speed, base_peak = statistics.median(speeds["defaults"]), peaks["defaults"]
@@ -79,6 +104,8 @@ def write_table(args, variants: list, speeds: dict, peaks: dict, refused: dict, 
     rows = []
     for name in variants:
         flags = " ".join(OPTIONS[name]) or "(none)"
+        if name in LAUNCHER:
+            flags = f"launch {' '.join(LAUNCHER[name])}" + (f"` `{flags}" if OPTIONS[name] else "")
         if name in refused:
             rows.append([name, f"`{flags}`", "refused here:", refused[name].removeprefix("error: "), "", "", ""])
         elif speeds[name]:

@@ -66,11 +66,11 @@ RECIPE_JOB = ["--eval_steps", "0", "--save_steps", "0", "--warmup_steps", "0", "
               "--weight_decay", "0", "--max_grad_norm", "1.0", "--report_to", "none", "--seed", "0"]
 
 
-def accelerate_launch(script: list, args) -> subprocess.CompletedProcess:
-    """`script` under `accelerate launch` with the job's config and number of processes."""
+def accelerate_launch(script: list, args, launcher_args=()) -> subprocess.CompletedProcess:
+    """`script` under `accelerate launch` with the job's config and number of processes (and `launcher_args`)."""
     command = [os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch", "--config_file",
                os.path.join(REPO, "accelerate_configs", args.config), "--num_processes", str(args.num_processes),
-               *script]
+               *launcher_args, *script]
     return subprocess.run(command, cwd=REPO, capture_output=True, text=True)
 
 
@@ -98,9 +98,11 @@ def recipe_windows(out: str, args, rate: str, per_window: int) -> dict:
     return {"run": record, "rows": rows, "timed": timed, "seconds": sum(per_window / row[rate] for row in timed)}
 
 
-def launch(contender: str, args, config: str, folder: str, round_: int, recipe_args=(), name: str | None = None) -> dict:
-    """One launch of `contender` (the recipe with `recipe_args` added); returns its seconds and tokens over the
-    timed steps, or {"refused": the recipe's one-line error} when the recipe refused its arguments."""
+def launch(contender: str, args, config: str, folder: str, round_: int, recipe_args=(), name: str | None = None,
+           launcher_args=()) -> dict:
+    """One launch of `contender` (the recipe with `recipe_args` added, under `accelerate launch` with
+    `launcher_args`); returns its seconds and tokens over the timed steps, or {"refused": the recipe's one-line
+    error} when the recipe refused its arguments."""
     out = os.path.join(folder, f"{name or contender}_{round_}")
     job = ["--block_size", str(args.block_size), "--learning_rate", str(args.learning_rate)]
     data = ["--train_file", os.path.join(DATA, "train.jsonl"), "--validation_file", os.path.join(DATA, "validation.jsonl")]
@@ -113,7 +115,7 @@ def launch(contender: str, args, config: str, folder: str, round_: int, recipe_a
         script = [os.path.join(REPO, "scripts", "peers", f"{contender}_loop.py"), "--model_config", config,
                   "--tokenizer", os.path.join(DATA, "tokenizer"), *data, *job, "--batch_size", str(args.batch_size),
                   "--steps", str(args.steps), "--warmup", str(args.warmup), "--out", out + ".json"]
-    result = accelerate_launch(script, args)
+    result = accelerate_launch(script, args, launcher_args)
     refusal = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     if result.returncode != 0 and contender == "recipe" and refusal:
         return {"refused": refusal[0]}

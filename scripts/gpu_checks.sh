@@ -97,7 +97,7 @@ esac
 # the options one at a time on the same job, most wanted first (the page is rewritten after each)
 case " $SECTIONS " in *" options "*)
     section "speed options at 1B" "${OPTIONS_LIMIT:-230}" python3 scripts/benchmark_options.py "${JOB[@]}" \
-        --options ${OPTIONS:-compile_and_liger torch_compile liger checkpoint_every_2nd_layer adamw_torch attention_flex} \
+        --options ${OPTIONS:-fp8 compile_and_fp8 compile_and_liger torch_compile liger checkpoint_every_2nd_layer adamw_torch attention_flex} \
         --docs "$GPU_DOCS/benchmark-options.md";;
 esac
 cp "$GPU_DOCS"/*.md "$OUT"/ 2>/dev/null

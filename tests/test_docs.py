@@ -145,21 +145,22 @@ def test_make_benchmark_peers_times_the_recipe_the_bare_loop_trainer_and_dpo_aga
 
 @pytest.mark.slow
 def test_make_benchmark_options_times_each_option_against_the_defaults_and_lists_refusals(tmp_path):
-    """One short round on 2 processes: the defaults at 1.00x, foreach AdamW timed, and Liger listed with the
-    recipe's one-line refusal on a host without a GPU (timed on a GPU)."""
+    """One short round on 2 processes: the defaults at 1.00x, foreach AdamW and FP8 (the launcher's flags) timed,
+    and Liger listed with the recipe's one-line refusal on a host without a GPU (timed on a GPU)."""
     import torch
 
     page = tmp_path / "options.md"
     result = run(["make", "-s", "benchmark-options", f"ARGS=--rounds 1 --steps 4 --warmup 2 --hidden 64 --layers 2 "
-                                                     f"--block_size 32 --options adamw_torch liger --docs {page}"])
+                                                     f"--block_size 32 --options adamw_torch fp8 liger --docs {page}"])
     rows = {line.split("|")[1].strip(): [cell.strip() for cell in line.split("|")[2:-1]]
             for line in result.stdout.splitlines() if line.startswith("| ") and not line.startswith("| option")}
-    assert list(rows) == ["defaults", "adamw_torch", "liger"], result.stdout
+    assert list(rows) == ["defaults", "adamw_torch", "fp8", "liger"], result.stdout
     assert rows["defaults"][2] == "1.00x" and float(rows["adamw_torch"][1]) > 0
     assert re.fullmatch(r"[\d.]+x", rows["adamw_torch"][2]) and float(rows["adamw_torch"][3]) > 0
     if not torch.cuda.is_available():
         assert rows["liger"][1] == "refused here:" and "Triton GPU kernels" in rows["liger"][2]
     assert "| adamw_torch | `--optim adamw_torch` |" in page.read_text()
+    assert rows["fp8"][0] == "`launch --mixed_precision fp8 --fp8_backend ao`" and float(rows["fp8"][3]) > 0
 
 
 @pytest.mark.slow

@@ -389,3 +389,61 @@ def test_fp16_on_the_gpu_skips_the_scalers_overflows_and_trains(markov_data, tmp
     assert overflows[:1] == [1] and len(overflows) < 12, overflows
     assert train[-1]["loss"] < train[0]["loss"]
     assert (out / "checkpoints" / "step_12").is_dir() and (out / "final" / "model.safetensors").is_file()
+
+
+needs_fp8 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                               reason="needs an NVIDIA GPU of compute capability 8.9 or later (Ada, Hopper)")
+
+
+@needs_fp8
+@pytest.mark.parametrize("config", ["single.yaml", "fsdp.yaml"])
+def test_fp8_through_torchao_trains_resumes_and_exports(config, chat_model, arithmetic_data, tmp_path):
+    """sft.py on the chat model under accelerate's `--mixed_precision fp8 --fp8_backend ao`, one rank, accumulation
+    2: accelerate swapped torchao's Float8Linear into every linear layer but the first and last (run.json says
+    how many: 7 per layer of the 30), the losses fall like bf16's, the export is a plain bf16 checkpoint that
+    from_pretrained loads (no float8 left in it), and the step-3 checkpoint resumes to the same losses (torchao's
+    dynamic scales hold no state)."""
+    import json
+
+    from conftest import read_metrics, resume_elsewhere
+    from transformers import AutoModelForCausalLM
+
+    if not importlib_util_find("torchao"):
+        pytest.skip("needs torchao (pip install torchao), the FP8 backend the recipes use")
+    fp8 = ["--mixed_precision", "fp8", "--fp8_backend", "ao"]
+    if config == "fsdp.yaml":
+        fp8 += ["--fsdp_cpu_ram_efficient_loading", "false"]  # accelerate refuses torchao with it (common.speed)
+    runs = {}
+    for name, launcher_args in (("bf16", []), ("fp8", fp8)):
+        out = tmp_path / name
+        launch(config, "sft.py", _chat_sft_args(chat_model, arithmetic_data, out, False), num_processes=1,
+               launcher_args=launcher_args)
+        runs[name] = [row["loss"] for row in read_metrics(out)[0]]
+    record = read_run(tmp_path / "fp8")
+    layers = json.loads((chat_model / "config.json").read_text())["num_hidden_layers"]
+    print(f"fp8 ({config}): float8 layers {record['speed']['float8_linear_layers']}; losses "
+          f"{[round(x, 3) for x in runs['fp8']]}; bf16 {[round(x, 3) for x in runs['bf16']]}")
+    assert record["mixed_precision"] == "fp8" and record["compute_dtype"] == "bfloat16"
+    assert record["speed"]["float8_linear_layers"] == 7 * layers - 1  # q, k, v, o, gate, up, down; not lm_head
+    assert len(runs["fp8"]) == 6 and sum(runs["fp8"][-2:]) < sum(runs["fp8"][:2]), runs
+    # float8 matmuls (e4m3, 3 mantissa bits) against bf16's: the same curve within a tenth of the loss
+    assert max(abs(a - b) / b for a, b in zip(runs["fp8"], runs["bf16"])) < 0.1, runs
+    final = tmp_path / "fp8" / "final"
+    assert json.loads((final / "config.json").read_text())["dtype"] == "bfloat16"
+    model, info = AutoModelForCausalLM.from_pretrained(final, output_loading_info=True)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    if config == "single.yaml":
+        stopped = tmp_path / "stopped"
+        resume_elsewhere(tmp_path / "fp8", stopped, 3, 1, config, "sft.py",
+                         lambda **resume: _chat_sft_args(chat_model, arithmetic_data, stopped, False, **resume),
+                         accumulation=2, launcher_args=fp8)
+        resumed = [row["loss"] for row in read_metrics(stopped)[0]]
+        print(f"fp8: resumed at step 3: {resumed} against {runs['fp8'][3:]}")
+        assert len(resumed) == 3 and max(abs(a - b) for a, b in zip(runs["fp8"][3:], resumed)) < 1e-3
+
+
+def importlib_util_find(package: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(package) is not None

@@ -208,3 +208,34 @@ def test_make_estimate_memory():
                   "CONFIG=accelerate_configs/fsdp.yaml", "ARGS=--seq_len 32 --vocab_size 100"])
     assert "fsdp.yaml on 2 process(es), bf16, batch 1 x 32 tokens" in result.stdout
     assert "optimizer_states" in result.stdout and "peak" in result.stdout
+
+
+def test_the_account_counts_torchao_float8_weights_by_the_tensor_they_wrap():
+    """Under mixed_precision fp8 with FSDP2 accelerate swaps in torchao's Float8Linear with weights wrapped for
+    the float8 all-gather, a subclass with no storage of its own (reading it raised on an H100 at the first
+    forward): the account counts the weight it wraps, once, as parameters, and its gradient and Adam's moments. torchao's float8 matmuls run
+    on this CPU under bf16 autocast, so this is the real forward, backward and step."""
+    float8 = pytest.importorskip("torchao.float8", reason="torchao is in the test extras: make install-test")
+    import torch
+
+    from common.memory import MemoryAccount
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(128, 128, bias=False) for _ in range(3)])
+    float8.convert_to_float8_training(model, config=float8.Float8LinearConfig(enable_fsdp_float8_all_gather=True))
+    assert all(type(p).__name__ == "WeightWithDynamicFloat8CastTensor" for p in model.parameters())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    account = MemoryAccount(model, optimizer, torch.device("cpu"))
+    inputs = torch.randn(32, 128)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(inputs).float().pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    report = account.report
+    weights = 3 * 128 * 128 * 4  # fp32 weights under bf16 autocast, as accelerate keeps them
+    assert report["bytes_by_category"]["parameters"] == {"float32": weights}
+    assert report["bytes_by_category"]["gradients"] == {"float32": weights}
+    # Adam's two moments, and its fp32 step counter per weight
+    assert report["bytes_by_category"]["optimizer_states"] == {"float32": 2 * weights + 3 * 4}
+    # saved for backward: each layer's input cast to float8 (1 byte an element) and scales, at least
+    assert account.activation_bytes >= 3 * 32 * 128

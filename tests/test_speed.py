@@ -93,10 +93,86 @@ def test_regional_compile_foreach_adamw_and_partial_checkpointing_train_as_the_d
     for out in (plain, fast):
         assert read_run(out)["participating_processes"] == 2 and read_run(out)["mixed_precision"] == "bf16"
     assert read_run(plain)["speed"] == {"attention": "sdpa", "torch_compile": "off", "optim": "adamw_torch_fused",
-                                        "checkpointed_layers": "0 of 2", "liger_kernel": False}
+                                        "checkpointed_layers": "0 of 2", "liger_kernel": False,
+                                        "float8_linear_layers": 0}
     assert read_run(fast)["speed"] == {"attention": "sdpa", "torch_compile": "regional (inductor)",
-                                       "optim": "adamw_torch", "checkpointed_layers": "1 of 2", "liger_kernel": False}
+                                       "optim": "adamw_torch", "checkpointed_layers": "1 of 2", "liger_kernel": False,
+                                       "float8_linear_layers": 0}
     gaps = [abs(a - b) for a, b in zip(losses(plain), losses(fast))]
     print(f"losses {losses(plain)} vs {losses(fast)}: largest gap {max(gaps):.2e}")
     assert len(gaps) == 8 and max(gaps) < 2e-3
     assert losses(fast)[-1] < losses(fast)[0]
+
+
+@pytest.mark.parametrize("capability, torchao, backend, strategy, ram_efficient, message", [
+    ((8, 0), True, "ao", "", False, "this GPU's is 8.0 (accelerate would quietly train in fp16 instead)"),
+    ((9, 0), True, "te", "", False, "fp8_backend te: these recipes train fp8 through torchao"),
+    ((9, 0), False, "ao", "", False, "torchao, which is not installed: pip install torchao"),
+    ((9, 0), True, "ao", "deepspeed", False, "under DeepSpeed is not checked"),
+    ((9, 0), True, "ao", "fsdp", True, "launch with --fsdp_cpu_ram_efficient_loading false"),
+    ((9, 0), True, "", "fsdp", False, None),  # an H100; no --fp8_backend: accelerate picks torchao
+    (None, True, "AO", "", False, None),  # a CPU runs torchao's float8 matmuls too (the test below)
+])
+def test_fp8_where_it_cannot_run_is_one_line(capability, torchao, backend, strategy, ram_efficient, message):
+    from common.speed import fp8_problem
+
+    problem = fp8_problem(capability, torchao, backend, strategy, ram_efficient)
+    assert problem == message if message is None else (message in problem and "\n" not in problem)
+
+
+def test_the_recipe_refuses_fp8_it_cannot_run_before_anything_starts(markov_data, tmp_path):
+    """A plain `python recipe.py` reads accelerate's launch settings from the environment, as a launched one does."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "ACCELERATE_MIXED_PRECISION": "fp8", "ACCELERATE_FP8_BACKEND": "te"}
+    result = subprocess.run([sys.executable, "recipes/causal_lm.py", *causal_lm_args(markov_data, tmp_path / "run")],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode != 0 and lines[-1].startswith("error: fp8_backend te: "), result.stderr[-2000:]
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_fp8_through_torchao_trains_resumes_and_exports_on_two_processes(markov_data, bf16_checkpoint, tmp_path):
+    """`accelerate launch --mixed_precision fp8 --fp8_backend ao` on 2 processes under ddp.yaml and fsdp.yaml
+    (FSDP2's float8 all-gather), continuing a bf16 checkpoint with accumulation 2: accelerate swapped torchao's
+    Float8Linear into each linear layer but the first and last (run.json counts them), the losses differ from
+    bf16's (the float8 matmuls ran; this CPU runs them too) but follow them, the step-3 checkpoint resumes to the
+    same losses (torchao's dynamic scales hold no state) and the export is a plain bf16 checkpoint. The GPU's
+    run is in tests/test_gpu.py."""
+    import json
+
+    from conftest import pretrained_args, resume_elsewhere
+    from transformers import AutoModelForCausalLM
+
+    pytest.importorskip("torchao", reason="torchao is in the test extras: make install-test")
+    fp8 = ["--mixed_precision", "fp8", "--fp8_backend", "ao"]
+
+    def args(out, **overrides):
+        return pretrained_args(markov_data, bf16_checkpoint, out, **{
+            "max_steps": 6, "save_steps": 3, "gradient_accumulation_steps": 2, "per_device_train_batch_size": 2,
+            **overrides})
+
+    bf16 = tmp_path / "bf16"
+    launch("ddp.yaml", "causal_lm.py", args(bf16), num_processes=2)
+    for config, launcher_args in (("ddp.yaml", fp8), ("fsdp.yaml", fp8 + ["--fsdp_cpu_ram_efficient_loading", "false"])):
+        out, stopped = tmp_path / config / "run", tmp_path / config / "stopped"
+        launch(config, "causal_lm.py", args(out), num_processes=2, launcher_args=launcher_args)
+        record = read_run(out)
+        assert record["participating_processes"] == 2 and record["mixed_precision"] == "fp8"
+        assert record["speed"]["float8_linear_layers"] == 7 * 2 - 1  # q, k, v, o, gate, up, down; not lm_head
+        gaps = [abs(a - b) / b for a, b in zip(losses(out), losses(bf16))]
+        resume_elsewhere(out, stopped, 3, 2, config, "causal_lm.py", lambda **resume: args(stopped, **resume),
+                         accumulation=2, launcher_args=launcher_args)
+        resumed = [abs(a - b) for a, b in zip(losses(out)[3:], losses(stopped))]
+        print(f"fp8 {config}: losses {losses(out)}, bf16 {losses(bf16)}; relative gaps {max(gaps):.2e} (largest), "
+              f"resumed at step 3: largest gap {max(resumed):.2e}")
+        assert len(gaps) == 6 and 0 < max(gaps) < 0.05, (losses(out), losses(bf16))
+        assert len(resumed) == 3 and max(resumed) < 1e-6
+        final = out / "final"
+        assert json.loads((final / "config.json").read_text())["dtype"] == "bfloat16"
+        model, info = AutoModelForCausalLM.from_pretrained(final, output_loading_info=True)
+        assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+        assert not info["missing_keys"] and not info["unexpected_keys"], info
