@@ -165,6 +165,7 @@ def test_a_run_killed_while_converting_a_checkpoint_for_another_world_size_resum
     assert gap < 1e-5
 
 
+@pytest.mark.slow
 def test_a_run_killed_while_rewriting_a_checkpoint_for_another_config_resumes(markov_data, tmp_path):
     """A zero2 checkpoint resumed under ddp.yaml: every process is killed while rank 0 rewrites it into the
     portable form (common/portable.py, written to portable.tmp; DeepSpeed's own per-parameter conversion

@@ -187,6 +187,7 @@ def test_make_benchmark_prints_ratios_and_draws_the_chart(tmp_path):
     assert "![memory by category and steps/s](benchmark.png)" in written
 
 
+@pytest.mark.slow
 def test_make_benchmark_packing_compares_the_layouts(tmp_path):
     page = tmp_path / "packing.md"
     result = run(["make", "-s", "benchmark-packing", f"ARGS=--steps 3 --warmup 1 --batch_size 16 --docs {page}"])
@@ -274,6 +275,7 @@ def test_make_benchmark_reshard_measures_the_conversion_and_the_export(tmp_path)
     assert "| conversion for 1 process: wall time, s |" in page.read_text()
 
 
+@pytest.mark.slow
 def test_make_benchmark_pipeline_trains_two_stages_as_one_process(tmp_path):
     """The pipeline prototype on the tiny model: GPipe and 1F1B over 2 processes against one process, fp32."""
     page = tmp_path / "pipeline.md"

@@ -218,6 +218,7 @@ def launch_refused(config, args, recipe="causal_lm.py", launcher_args=None) -> s
     return errors[0]
 
 
+@pytest.mark.slow
 def test_what_tensor_parallelism_cannot_run_is_one_line(markov_data, tmp_path):
     base = causal_lm_args(markov_data, tmp_path / "run", max_steps=1)
     assert "--use_peft under tensor parallelism" in launch_refused("tp.yaml", base + ["--use_peft", "true"])
