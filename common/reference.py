@@ -179,7 +179,14 @@ def build_reference(model_args, tokenizer, args, use_peft: bool, precompute: boo
 def shard_like_policy(accelerator, model):
     """A frozen model placed as the policy is: FSDP2's shards, a ZeRO-3 partition (DeepSpeed
     without an optimizer, the stage-3 settings and parameter offload of the run's config; ZeRO-1/2
-    shard only optimizer state and gradients, so their reference is whole: stage 0), or the device."""
+    shard only optimizer state and gradients, so their reference is whole: stage 0), or the device. Under
+    mixed_precision fp8 its linear layers become float8 first, as accelerate's prepare made the policy's: the
+    reference then scores as the policy computes (equal to it before the first step)."""
+    handler = accelerator.ao_recipe_handler if accelerator.fp8_enabled else None
+    if handler is not None:
+        from accelerate.utils.ao import convert_model_to_fp8_ao
+
+        convert_model_to_fp8_ao(model, config=handler.config, module_filter_func=handler.module_filter_func)
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         import deepspeed
 

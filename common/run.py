@@ -140,7 +140,7 @@ def start_run(*arguments) -> Run:
     check_output_dir(args.output_dir, args.resume_from_checkpoint, args.overwrite_output_dir)
     refuse_unsupported_mesh()
     refuse_more_processes_than_gpus()
-    refuse_fp8_where_it_cannot_run(launched_strategy())
+    refuse_fp8_where_it_cannot_run(launched_strategy(), launched_mesh_size("tp"))
     if launched_mesh_size("tp") > 1:  # tp.yaml, fsdp_tp.yaml
         tensor_parallel.check_arguments(arguments)
     if _is_rank0() and not int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):

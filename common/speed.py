@@ -146,10 +146,10 @@ def checkpointed_layers(model) -> list[bool]:
 
 
 def fp8_problem(capability: tuple | None, torchao: bool, backend: str, strategy: str,
-                fsdp_ram_efficient_loading: bool) -> str | None:
+                fsdp_ram_efficient_loading: bool, tp_size: int = 1) -> str | None:
     """Why `mixed_precision: fp8` cannot run here, in one line, else None. `capability`: the CUDA GPU's compute
     capability (None: no GPU; a CPU runs the float8 matmuls too, to check a run, never faster); `backend`:
-    ACCELERATE_FP8_BACKEND as the launcher set it ("" when not given)."""
+    ACCELERATE_FP8_BACKEND as the launcher set it ("" when not given); `tp_size`: the mesh's tensor-parallel size."""
     if capability is not None and tuple(capability) < FP8_CAPABILITY:  # a CPU runs torchao's float8 matmuls
         return (f"mixed_precision fp8 needs an NVIDIA GPU of compute capability 8.9 or later (Ada, Hopper: L4, "
                 f"H100, H200) and this GPU's is {capability[0]}.{capability[1]} (accelerate would quietly train "
@@ -159,9 +159,11 @@ def fp8_problem(capability: tuple | None, torchao: bool, backend: str, strategy:
                 "launch with --fp8_backend ao (or fp8_config: {backend: AO} in the config)")
     if not torchao:
         return "mixed_precision fp8 trains through torchao, which is not installed: pip install torchao, or use bf16"
+    instead = "use single.yaml, ddp.yaml, or fsdp.yaml with --fsdp_cpu_ram_efficient_loading false, or bf16"
+    if tp_size > 1:  # seen on a CPU: torchao's float8 matmul refuses DTensor weights; FSDP x TP fails in prepare
+        return f"mixed_precision fp8 under tensor parallelism (tp_size {tp_size}) does not run with torchao: {instead}"
     if strategy == "deepspeed":
-        return ("mixed_precision fp8 under DeepSpeed is not checked with torchao here: use single.yaml, ddp.yaml "
-                "or fsdp.yaml, or bf16")
+        return f"mixed_precision fp8 under DeepSpeed is not checked with torchao here: {instead}"
     if strategy == "fsdp" and fsdp_ram_efficient_loading:
         return ("mixed_precision fp8 (torchao) under FSDP2 cannot load with fsdp_cpu_ram_efficient_loading: true "
                 "(accelerate refuses the pair): set it to false in the config, or launch with "
@@ -169,7 +171,7 @@ def fp8_problem(capability: tuple | None, torchao: bool, backend: str, strategy:
     return None
 
 
-def refuse_fp8_where_it_cannot_run(strategy: str) -> None:
+def refuse_fp8_where_it_cannot_run(strategy: str, tp_size: int) -> None:
     """`accelerate launch --mixed_precision fp8` (or the config's) refused in one line before anything starts
     where it cannot run (`fp8_problem`)."""
     if os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower() != "fp8":
@@ -177,7 +179,7 @@ def refuse_fp8_where_it_cannot_run(strategy: str) -> None:
     on_gpu = torch.cuda.is_available() and os.environ.get("ACCELERATE_USE_CPU", "false").lower() != "true"
     problem = fp8_problem(torch.cuda.get_device_capability() if on_gpu else None, _installed("torchao"),
                           os.environ.get("ACCELERATE_FP8_BACKEND", ""), strategy,
-                          os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "false").lower() == "true")
+                          os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "false").lower() == "true", tp_size)
     if problem:
         raise UsageError(problem)
     # accelerate's launcher exports --fp8_backend as given (ao), which its own FP8BackendType (AO) then refuses
@@ -195,5 +197,6 @@ def speed_record(model, speed: SpeedArguments) -> dict:
             "optim": speed.optim,
             "checkpointed_layers": f"{sum(layers)} of {len(layers)}",
             "liger_kernel": speed.use_liger_kernel,
-            # accelerate swaps these in at prepare under mixed_precision fp8 (torchao; first and last kept in bf16)
+            # accelerate swaps these in at prepare under mixed_precision fp8 (torchao): every linear layer whose sizes
+            # divide by 16 but the model's first and last (LoRA's adapters too, where their rank divides by 16)
             "float8_linear_layers": sum(type(m).__name__ == "Float8Linear" for m in model.modules())}

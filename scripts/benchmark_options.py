@@ -24,6 +24,7 @@ import sys
 import tempfile
 
 import torch
+import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -70,8 +71,8 @@ def main(argv=None):
                 if name in refused:
                     continue
                 result = launch("recipe", args, config, folder, round_, recipe_args=OPTIONS[name], name=name,
-                                launcher_args=LAUNCHER.get(name, ())) if name not in launcher_refusal else \
-                    {"refused": launcher_refusal[name]}
+                                launcher_args=launcher_args(name, args.config)) if name not in launcher_refusal \
+                    else {"refused": launcher_refusal[name]}
                 if "refused" in result:
                     refused[name] = result["refused"]
                     print(f"round {round_ + 1}: {name:28s} {result['refused']}", flush=True)
@@ -86,6 +87,18 @@ def main(argv=None):
     if "defaults" in refused:
         raise SystemExit(f"error: the recipe's defaults did not run: {refused['defaults']}")
     write_table(args, variants, speeds, peaks, refused, flops)
+
+
+def launcher_args(name: str, config: str) -> list[str]:
+    """The option's launcher flags; FP8 under an FSDP config also loads without cpu_ram_efficient_loading, which
+    accelerate refuses beside torchao (the shipped FSDP configs turn it on)."""
+    flags = list(LAUNCHER.get(name, ()))
+    if flags == FP8:
+        with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "accelerate_configs",
+                               config)) as handle:
+            if yaml.safe_load(handle).get("distributed_type") == "FSDP":
+                flags += ["--fsdp_cpu_ram_efficient_loading", "false"]
+    return flags
 
 
 def fp8_refusal() -> str | None:
@@ -105,7 +118,7 @@ def write_table(args, variants: list, speeds: dict, peaks: dict, refused: dict, 
     for name in variants:
         flags = " ".join(OPTIONS[name]) or "(none)"
         if name in LAUNCHER:
-            flags = f"launch {' '.join(LAUNCHER[name])}" + (f"` `{flags}" if OPTIONS[name] else "")
+            flags = f"launch {' '.join(launcher_args(name, args.config))}" + (f"` `{flags}" if OPTIONS[name] else "")
         if name in refused:
             rows.append([name, f"`{flags}`", "refused here:", refused[name].removeprefix("error: "), "", "", ""])
         elif speeds[name]:

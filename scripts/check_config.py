@@ -96,6 +96,9 @@ def check(config_path: str, recipe_config: str | None = None, num_processes: int
     if mesh:
         problems += check_mesh(mesh, raw, fsdp, recipe, world)
 
+    if str(raw.get("mixed_precision")).lower() == "fp8":
+        problems += check_fp8(raw, fsdp, mesh)
+
     deepspeed = raw.get("deepspeed_config") or {}
     for key in deepspeed:
         if key not in known:
@@ -117,6 +120,24 @@ def check_mesh(mesh: dict, raw: dict, fsdp: dict, recipe: dict, world: int) -> l
     if sizes["tp"] > 1:
         problems += tensor_parallel_model_problems(recipe, sizes["tp"])
     return problems
+
+
+def check_fp8(raw: dict, fsdp: dict, mesh: dict) -> list[str]:
+    """mixed_precision: fp8 against what a launched run refuses (common.speed.fp8_problem: the backend, torchao
+    on this host, DeepSpeed, tensor parallelism, FSDP2's efficient loading; the GPU where this host has one)."""
+    import importlib.util
+
+    import torch
+
+    from common.speed import fp8_problem
+
+    strategy = {"DEEPSPEED": "deepspeed", "FSDP": "fsdp"}.get(str(raw.get("distributed_type")), "ddp")
+    problem = fp8_problem(torch.cuda.get_device_capability() if torch.cuda.is_available() else None,
+                          importlib.util.find_spec("torchao") is not None,
+                          str((raw.get("fp8_config") or {}).get("backend", "")), strategy,
+                          str(fsdp.get("fsdp_cpu_ram_efficient_loading", False)).lower() == "true",
+                          int(mesh.get("parallelism_config_tp_size", 1)))
+    return [problem] if problem else []
 
 
 def tensor_parallel_model_problems(recipe: dict, tp: int) -> list[str]:

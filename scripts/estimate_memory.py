@@ -182,7 +182,8 @@ def estimate(model: dict, strategy: dict, batch_size: int, seq_len: int, checkpo
     `dpo_reference`, DPO's frozen reference copy (`reference_bytes`) joins the model state."""
     checkpointing = checkpointing or strategy.get("activation_checkpointing", False)
     psi, n, tp = model["parameters"], strategy["num_processes"], strategy.get("tp_size", 1)
-    c = 2 if strategy["mixed_precision"] in ("bf16", "fp16") else 4
+    # fp8 (torchao) computes in bf16 autocast: costed as bf16, an upper bound (its float8 casts take 1 byte)
+    c = 2 if strategy["mixed_precision"] in ("bf16", "fp16", "fp8") else 4
     kind, stage = strategy["strategy"], strategy["zero_stage"]
     buckets, loading, step_transient = 0, 0, 0  # fused AdamW: no temporaries in the step
     if kind == "deepspeed":
@@ -258,7 +259,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--num_processes", type=int, help="world size (default: the config's)")
     parser.add_argument("--batch_size", type=int, default=1, help="per-device micro-batch")
     parser.add_argument("--seq_len", type=int, default=1024)
-    parser.add_argument("--mixed_precision", choices=["no", "bf16", "fp16"], help="default: the config's")
+    parser.add_argument("--mixed_precision", choices=["no", "bf16", "fp16", "fp8"], help="default: the config's")
     parser.add_argument("--gradient_accumulation_steps", type=int, default=1)
     parser.add_argument("--gradient_checkpointing", action="store_true",
                         help="activation checkpointing (also on when the config's FSDP settings turn it on)")

@@ -105,18 +105,21 @@ def test_regional_compile_foreach_adamw_and_partial_checkpointing_train_as_the_d
 
 
 @pytest.mark.parametrize("capability, torchao, backend, strategy, ram_efficient, message", [
-    ((8, 0), True, "ao", "", False, "this GPU's is 8.0 (accelerate would quietly train in fp16 instead)"),
-    ((9, 0), True, "te", "", False, "fp8_backend te: these recipes train fp8 through torchao"),
-    ((9, 0), False, "ao", "", False, "torchao, which is not installed: pip install torchao"),
+    ((8, 0), True, "ao", "ddp", False, "this GPU's is 8.0 (accelerate would quietly train in fp16 instead)"),
+    ((9, 0), True, "te", "ddp", False, "fp8_backend te: these recipes train fp8 through torchao"),
+    ((9, 0), False, "ao", "ddp", False, "torchao, which is not installed: pip install torchao"),
     ((9, 0), True, "ao", "deepspeed", False, "under DeepSpeed is not checked"),
     ((9, 0), True, "ao", "fsdp", True, "launch with --fsdp_cpu_ram_efficient_loading false"),
+    ((9, 0), True, "ao", "tp", False, "under tensor parallelism (tp_size 2) does not run with torchao"),
+    ((9, 0), True, "ao", "fsdp x tp", False, "under tensor parallelism (tp_size 2) does not run with torchao"),
     ((9, 0), True, "", "fsdp", False, None),  # an H100; no --fp8_backend: accelerate picks torchao
-    (None, True, "AO", "", False, None),  # a CPU runs torchao's float8 matmuls too (the test below)
+    (None, True, "AO", "ddp", False, None),  # a CPU runs torchao's float8 matmuls too (the test below)
 ])
 def test_fp8_where_it_cannot_run_is_one_line(capability, torchao, backend, strategy, ram_efficient, message):
     from common.speed import fp8_problem
 
-    problem = fp8_problem(capability, torchao, backend, strategy, ram_efficient)
+    tp_size = 2 if strategy.endswith("tp") else 1  # tp.yaml, fsdp_tp.yaml
+    problem = fp8_problem(capability, torchao, backend, strategy.split()[0], ram_efficient, tp_size)
     assert problem == message if message is None else (message in problem and "\n" not in problem)
 
 
