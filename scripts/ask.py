@@ -16,6 +16,8 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import common  # noqa: F401  (keeps torchao's import-time noise off the answer's output)
+
 
 def answer(model_path: str, question: str, max_new_tokens: int = 32, adapter: str | None = None,
            system: str | None = None) -> str:
