@@ -171,13 +171,19 @@ def fp8_problem(capability: tuple | None, torchao: bool, backend: str, strategy:
     return None
 
 
+def fp8_host(use_cpu: bool = False) -> tuple[tuple | None, bool]:
+    """What `fp8_problem` asks of this host: the CUDA GPU's compute capability (None: none, or `use_cpu`), and
+    whether torchao is installed."""
+    on_gpu = torch.cuda.is_available() and not use_cpu
+    return (torch.cuda.get_device_capability() if on_gpu else None), _installed("torchao")
+
+
 def refuse_fp8_where_it_cannot_run(strategy: str, tp_size: int) -> None:
     """`accelerate launch --mixed_precision fp8` (or the config's) refused in one line before anything starts
-    where it cannot run (`fp8_problem`)."""
+    where it cannot run (`fp8_problem`); where it can, the launcher's environment set as accelerate reads it."""
     if os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower() != "fp8":
         return
-    on_gpu = torch.cuda.is_available() and os.environ.get("ACCELERATE_USE_CPU", "false").lower() != "true"
-    problem = fp8_problem(torch.cuda.get_device_capability() if on_gpu else None, _installed("torchao"),
+    problem = fp8_problem(*fp8_host(os.environ.get("ACCELERATE_USE_CPU", "false").lower() == "true"),
                           os.environ.get("ACCELERATE_FP8_BACKEND", ""), strategy,
                           os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "false").lower() == "true", tp_size)
     if problem:

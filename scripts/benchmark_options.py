@@ -17,22 +17,19 @@ With --docs the table goes to docs/benchmark-options.md (scripts/figures.py).
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import statistics
 import sys
 import tempfile
 
-import torch
 import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmark_peers import check_job, job_line, job_parser, launch, mfu, model_config  # noqa: E402
+from benchmark_peers import REPO, check_job, job_line, job_parser, launch, mfu, model_config  # noqa: E402
 from figures import markdown_table, write_page  # noqa: E402
 
-from common.speed import fp8_problem  # noqa: E402
+from common.speed import fp8_host, fp8_problem  # noqa: E402  (benchmark_peers puts the repository on the path)
 
 OPTIONS = {
     "defaults": [],
@@ -62,7 +59,8 @@ def main(argv=None):
     check_job(args)
     variants = ["defaults", *args.options]
     speeds, peaks, refused, flops = {name: [] for name in variants}, {}, {}, {}
-    launcher_refusal = {name: fp8_refusal() for name in variants if LAUNCHER.get(name) == FP8 and fp8_refusal()}
+    refusal = fp8_refusal()
+    launcher_refusal = {name: refusal for name in variants if refusal and LAUNCHER.get(name) == FP8}
     with tempfile.TemporaryDirectory() as folder:
         config = model_config(args.hidden, args.layers, folder)
         for round_ in range(args.rounds):
@@ -70,9 +68,11 @@ def main(argv=None):
             for name in variants[shift:] + variants[:shift]:
                 if name in refused:
                     continue
-                result = launch("recipe", args, config, folder, round_, recipe_args=OPTIONS[name], name=name,
-                                launcher_args=launcher_args(name, args.config)) if name not in launcher_refusal \
-                    else {"refused": launcher_refusal[name]}
+                if name in launcher_refusal:
+                    result = {"refused": launcher_refusal[name]}
+                else:
+                    result = launch("recipe", args, config, folder, round_, recipe_args=OPTIONS[name], name=name,
+                                    launcher_args=launcher_args(name, args.config))
                 if "refused" in result:
                     refused[name] = result["refused"]
                     print(f"round {round_ + 1}: {name:28s} {result['refused']}", flush=True)
@@ -94,8 +94,7 @@ def launcher_args(name: str, config: str) -> list[str]:
     accelerate refuses beside torchao (the shipped FSDP configs turn it on)."""
     flags = list(LAUNCHER.get(name, ()))
     if flags == FP8:
-        with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "accelerate_configs",
-                               config)) as handle:
+        with open(os.path.join(REPO, "accelerate_configs", config)) as handle:
             if yaml.safe_load(handle).get("distributed_type") == "FSDP":
                 flags += ["--fsdp_cpu_ram_efficient_loading", "false"]
     return flags
@@ -104,10 +103,8 @@ def launcher_args(name: str, config: str) -> list[str]:
 def fp8_refusal() -> str | None:
     """The recipe's own line for FP8 where accelerate's launcher fails before the recipe can say it (no torchao:
     the launcher raises), else None (the recipe refuses what else this host lacks)."""
-    if importlib.util.find_spec("torchao") is not None:
-        return None
-    capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
-    return "error: " + fp8_problem(capability, False, "ao", "ddp", False)
+    capability, torchao = fp8_host()
+    return None if torchao else "error: " + fp8_problem(capability, torchao, "ao", "ddp", False)
 
 
 def write_table(args, variants: list, speeds: dict, peaks: dict, refused: dict, flops: dict, quiet=False) -> None:

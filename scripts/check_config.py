@@ -125,16 +125,10 @@ def check_mesh(mesh: dict, raw: dict, fsdp: dict, recipe: dict, world: int) -> l
 def check_fp8(raw: dict, fsdp: dict, mesh: dict) -> list[str]:
     """mixed_precision: fp8 against what a launched run refuses (common.speed.fp8_problem: the backend, torchao
     on this host, DeepSpeed, tensor parallelism, FSDP2's efficient loading; the GPU where this host has one)."""
-    import importlib.util
-
-    import torch
-
-    from common.speed import fp8_problem
+    from common.speed import fp8_host, fp8_problem
 
     strategy = {"DEEPSPEED": "deepspeed", "FSDP": "fsdp"}.get(str(raw.get("distributed_type")), "ddp")
-    problem = fp8_problem(torch.cuda.get_device_capability() if torch.cuda.is_available() else None,
-                          importlib.util.find_spec("torchao") is not None,
-                          str((raw.get("fp8_config") or {}).get("backend", "")), strategy,
+    problem = fp8_problem(*fp8_host(), str((raw.get("fp8_config") or {}).get("backend", "")), strategy,
                           str(fsdp.get("fsdp_cpu_ram_efficient_loading", False)).lower() == "true",
                           int(mesh.get("parallelism_config_tp_size", 1)))
     return [problem] if problem else []

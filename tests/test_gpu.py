@@ -6,6 +6,7 @@ import os
 import pytest
 import torch
 
+from common.speed import FP8_CAPABILITY
 from conftest import causal_lm_args, launch, losses, read_run
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA not available)")
@@ -391,7 +392,7 @@ def test_fp16_on_the_gpu_skips_the_scalers_overflows_and_trains(markov_data, tmp
     assert (out / "checkpoints" / "step_12").is_dir() and (out / "final" / "model.safetensors").is_file()
 
 
-needs_fp8 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+needs_fp8 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < FP8_CAPABILITY,
                                reason="needs an NVIDIA GPU of compute capability 8.9 or later (Ada, Hopper)")
 
 
@@ -408,8 +409,7 @@ def test_fp8_through_torchao_trains_resumes_and_exports(config, chat_model, arit
     from conftest import read_metrics, resume_elsewhere
     from transformers import AutoModelForCausalLM
 
-    if not importlib_util_find("torchao"):
-        pytest.skip("needs torchao (pip install torchao), the FP8 backend the recipes use")
+    pytest.importorskip("torchao", reason="needs torchao (pip install torchao), the FP8 backend the recipes use")
     fp8 = ["--mixed_precision", "fp8", "--fp8_backend", "ao"]
     if config == "fsdp.yaml":
         fp8 += ["--fsdp_cpu_ram_efficient_loading", "false"]  # accelerate refuses torchao with it (common.speed)
@@ -441,9 +441,3 @@ def test_fp8_through_torchao_trains_resumes_and_exports(config, chat_model, arit
         resumed = [row["loss"] for row in read_metrics(stopped)[0]]
         print(f"fp8: resumed at step 3: {resumed} against {runs['fp8'][3:]}")
         assert len(resumed) == 3 and max(abs(a - b) for a, b in zip(runs["fp8"][3:], resumed)) < 1e-3
-
-
-def importlib_util_find(package: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(package) is not None
