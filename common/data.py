@@ -12,6 +12,7 @@ from datasets import Dataset, DatasetDict, IterableDataset, load_dataset
 from torch.utils.data import DataLoader
 from transformers import default_data_collator
 
+from common import sequence_parallel
 from common.arguments import DataArguments
 from common.errors import UsageError, describe, downloads_off, load_fault
 from common.mixture import announce, load_mixture, stream_mixture
@@ -221,8 +222,8 @@ def tokenize_and_pack(raw: DatasetDict, tokenizer, text_column: str, block_size:
 
 def make_dataloaders(datasets: DatasetDict, train_batch_size: int, eval_batch_size: int,
                      seed: int, collate_fn=default_data_collator, eval_collate_fn=None):
-    """Shuffled train loader (the order is a function of seed and epoch, so it resumes) and an
-    eval loader (with `eval_collate_fn` if given, else `collate_fn`)."""
+    """Shuffled train loader (the order is a function of seed and epoch, so it resumes; its rows splittable under
+    sequence parallelism) and an eval loader (with `eval_collate_fn` if given, else `collate_fn`)."""
     import torch
 
     generator = torch.Generator().manual_seed(seed)
@@ -230,7 +231,8 @@ def make_dataloaders(datasets: DatasetDict, train_batch_size: int, eval_batch_si
         train = StreamLoader(datasets["train"], train_batch_size)
     else:
         train = DataLoader(datasets["train"], shuffle=True, batch_size=train_batch_size,
-                       collate_fn=collate_fn, generator=generator, drop_last=True)
+                           collate_fn=sequence_parallel.splittable(collate_fn, sequence_parallel.launched_size()),
+                           generator=generator, drop_last=True)
     evaluation = DataLoader(datasets["validation"], batch_size=eval_batch_size, collate_fn=eval_collate_fn or collate_fn)
     return train, evaluation
 

@@ -25,18 +25,24 @@ def mesh_problems(sizes: dict, world: int, distributed_type: str, fsdp2: bool, e
     `distributed_type`: the config's (MULTI_GPU, FSDP, DEEPSPEED, ...); `fsdp2`: FSDP with fsdp_version 2;
     `efficient_loading`: fsdp_cpu_ram_efficient_loading. Each problem is one line that says what to do."""
     problems = []
-    for name, what in (("cp", "context"), ("sp", "sequence")):
-        if sizes.get(name, 1) > 1:
-            problems.append(f"parallelism_config_{name}_size {sizes[name]}: {what} parallelism is not supported by "
-                            "these recipes yet (docs/strategies.md says what it takes); use tp.yaml, fsdp.yaml or "
-                            "activation checkpointing (--gradient_checkpointing) for long sequences")
+    if sizes.get("cp", 1) > 1:
+        problems.append(f"parallelism_config_cp_size {sizes['cp']}: context parallelism is not supported by these "
+                        "recipes yet (docs/strategies.md says what it takes); use zero3_ulysses.yaml (sequence "
+                        "parallelism) or activation checkpointing (--gradient_checkpointing) for long sequences")
+    if sizes.get("sp", 1) > 1 and distributed_type != "DEEPSPEED":
+        problems.append(f"parallelism_config_sp_size {sizes['sp']}: sequence parallelism (Ulysses) runs under "
+                        f"DeepSpeed, not {distributed_type}: use zero3_ulysses.yaml as the template")
+    elif sizes.get("sp", 1) > 1 and sizes.get("tp", 1) > 1:
+        problems.append("parallelism_config_sp_size beside parallelism_config_tp_size: these recipes run sequence "
+                        "parallelism over data-parallel ranks only; set tp_size 1 (zero3_ulysses.yaml)")
     product = math.prod(sizes.get(name, 1) for name in DIMENSIONS)
     if product != world:
         named = " x ".join(f"{name}_size {sizes[name]}" for name in DIMENSIONS if sizes.get(name, 1) > 1) or "1"
         problems.append(f"parallelism_config: {named} = {product} processes but num_processes is {world}; make the "
                         "sizes multiply to num_processes (HSDP: dp_replicate_size = nodes, dp_shard_size = GPUs per "
                         "node; tp.yaml: tp_size = num_processes)")
-    if (sizes.get("dp_replicate", 1) > 1 or sizes.get("dp_shard", 1) > 1) and not fsdp2:
+    ulysses = distributed_type == "DEEPSPEED" and sizes.get("sp", 1) > 1  # its dp_shard: the other ranks' ZeRO
+    if (sizes.get("dp_replicate", 1) > 1 or sizes.get("dp_shard", 1) > 1 and not ulysses) and not fsdp2:
         problems.append("parallelism_config's dp_replicate_size and dp_shard_size need distributed_type FSDP "
                         "(fsdp_version 2): use multi_node_hsdp.yaml or fsdp_tp.yaml as the template")
     tp = sizes.get("tp", 1)
@@ -60,8 +66,11 @@ def replicas(accelerator) -> int:
 
 
 def data_parallel_size(accelerator) -> int:
-    """The number of different batches each micro-step trains on (processes / replicas)."""
-    return accelerator.num_processes // replicas(accelerator)
+    """The number of different batches each micro-step trains on: processes / replicas, and / sp_size under
+    sequence parallelism, where a group's ranks each train on a slice of one batch (common.sequence_parallel)."""
+    config = getattr(accelerator, "parallelism_config", None)
+    shards = config.sp_size if config is not None and config.sp_enabled else 1
+    return accelerator.num_processes // replicas(accelerator) // shards
 
 
 def data_parallel_share(accelerator, items: list) -> list:

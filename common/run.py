@@ -18,7 +18,7 @@ import sys
 
 from accelerate.utils import set_seed
 
-from common import memory, tensor_parallel
+from common import memory, sequence_parallel, tensor_parallel
 from common.accelerator import (build_accelerator, launched_mesh_size, launched_strategy,
                                 refuse_more_processes_than_gpus, refuse_unsupported_mesh, unwrap)
 from common.arguments import DataArguments, ModelArguments, TrainingArguments
@@ -143,6 +143,8 @@ def start_run(*arguments) -> Run:
     refuse_fp8_where_it_cannot_run(launched_strategy(), launched_mesh_size("tp"))
     if launched_mesh_size("tp") > 1:  # tp.yaml, fsdp_tp.yaml
         tensor_parallel.check_arguments(arguments)
+    if sequence_parallel.launched_size() > 1:  # zero3_ulysses.yaml
+        sequence_parallel.check_arguments(arguments)
     if _is_rank0() and not int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):
         mark_launch_starting(args.output_dir)
     checkpoint = resolve_checkpoint(args.output_dir, args.resume_from_checkpoint)

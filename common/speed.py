@@ -24,6 +24,7 @@ import torch
 
 from common.errors import UsageError
 from common.internals import allow_recompiles, attention_implementation
+from common.sequence_parallel import launched_attention
 
 ATTENTION = ("auto", "sdpa", "eager", "flash_attention_2", "flex_attention", "sdpa_varlen")
 OPTIMIZERS = {"adamw_torch_fused": {"fused": True}, "adamw_torch": {"foreach": True}}
@@ -98,6 +99,13 @@ def prepare_model(model, speed: SpeedArguments, packed_rows: bool = False):
     from common.packing import NAME, use_per_example_attention  # registers sdpa_varlen
 
     candidates = attention_candidates(speed.attn_implementation, model, packed_rows)
+    sequence_parallel_attention = launched_attention()  # zero3_ulysses.yaml: DeepSpeed wraps this one
+    if sequence_parallel_attention is not None:
+        if speed.attn_implementation not in ("auto", sequence_parallel_attention):
+            raise UsageError(f"--attn_implementation {speed.attn_implementation} under sequence parallelism, whose "
+                             f"config names {sequence_parallel_attention} (parallelism_config_sp_attn_implementation): "
+                             "leave out --attn_implementation or change the config's")
+        candidates = [sequence_parallel_attention]
     for attention in candidates:
         try:
             if attention == NAME:

@@ -10,7 +10,7 @@ from transformers import get_scheduler
 
 from accelerate.utils import gather_object
 
-from common import mesh
+from common import mesh, sequence_parallel
 from common.arguments import TrainingArguments
 from common.errors import UsageError
 from common.internals import start_accumulation_window
@@ -87,9 +87,9 @@ def evaluate_loss(model, dataloader, accelerator) -> dict:
 
     Per-example loss sums and token counts are gathered with `gather_for_metrics`,
     which drops the samples duplicated to even out the last batch across ranks."""
-    model.eval()
+    model.eval()  # (sequence parallelism: DeepSpeed's exchange is off, each rank reads whole rows)
     loss_sum, token_count = 0.0, 0
-    for batch in dataloader:
+    for batch in sequence_parallel.whole_rows(dataloader):
         logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
         labels = batch["labels"][:, 1:]
         per_token = torch.nn.functional.cross_entropy(
@@ -142,9 +142,12 @@ class TrainBatches:
                  metrics=None):
         """`metrics` (a MetricsLogger) is told how long each window waited for its batches.
         `dataloader` is a prepared DataLoader, or a common.streaming.StreamLoader (--streaming)."""
+        self.split = dataloader if sequence_parallel.is_split(dataloader) else None  # zero3_ulysses.yaml's adapter
+        dataloader = sequence_parallel.whole_rows(dataloader)
         self.accelerator, self.dataloader, self.metrics = accelerator, dataloader, metrics
         self.accumulation, self.max_steps, self.start_step = gradient_accumulation_steps, max_steps, resume_from["step"]
-        self.batch = dataloader.total_batch_size  # samples per micro-batch over all ranks
+        shards = self.split.sp_world_size if self.split is not None else 1  # the ranks that split each row
+        self.batch = dataloader.total_batch_size // shards  # samples per micro-batch over all ranks
         self.global_batch = self.batch * gradient_accumulation_steps
         self.stream = dataloader if isinstance(dataloader, StreamLoader) else None
         position = resume_from.get("data")
@@ -154,7 +157,7 @@ class TrainBatches:
                 check_resumable(position, accelerator)
                 self.stream.restore(position["ranks"][accelerator.process_index])
             return
-        self.per_epoch = steps_per_epoch(len(dataloader), gradient_accumulation_steps)
+        self.per_epoch = steps_per_epoch(len(dataloader) * shards, gradient_accumulation_steps)
         if position is None:  # a fresh run, or a checkpoint that stored only its step
             epoch, steps_in = divmod(resume_from["step"], self.per_epoch)
             position = {"epoch": epoch, "samples": steps_in * self.global_batch}
@@ -197,11 +200,14 @@ class TrainBatches:
             groups = mesh.check_shared_batch(self.accelerator, window[0]) if step == 0 else 0
             if groups and self.metrics is not None:  # each tensor-parallel group's ranks hold the same batch
                 self.metrics.record_in_run_json("tensor_parallel_groups_checked", groups)
+            if step == 0 and self.split is not None and self.metrics is not None:  # what each rank's slice held
+                self.metrics.record_in_run_json("sequence_parallel", {
+                    "sp_size": self.split.sp_world_size, "slice_tokens": int(window[0]["input_ids"].shape[1])})
             start_accumulation_window(self.accelerator)  # the window's last batch syncs
             for batch in window:
                 if tokens is not None:
                     batch = {**batch, "num_items_in_batch": tokens / (self.accelerator.num_processes * self.accumulation)}
-                yield batch
+                yield sequence_parallel.as_model_input(batch)
             if self.stream is not None and step + 1 < steps:
                 upcoming = self._fetch(windows)
 
@@ -221,7 +227,10 @@ class TrainBatches:
         used = self.per_epoch * self.accumulation
         while True:
             self.dataloader.set_epoch(epoch)
-            batches = iter(self.accelerator.skip_first_batches(self.dataloader, skip) if skip else self.dataloader)
+            if self.split is not None:  # each rank's batch is trained on by the group, one slice per rank
+                batches = sequence_parallel.batches(self.accelerator, self.split, skip)
+            else:
+                batches = iter(self.accelerator.skip_first_batches(self.dataloader, skip) if skip else self.dataloader)
             for start in range(skip, used, self.accumulation):
                 window = [next(batches) for _ in range(self.accumulation)]
                 end = start + self.accumulation
@@ -252,9 +261,9 @@ class TrainBatches:
         """Next-token targets (labels after the shift, not -100) in the window, over all ranks, as
         (count, its all-reduce in flight or None), read by `_settled`; None for sequence-level
         labels (one per example), whose loss is already a mean."""
-        if any("labels" not in b or b["labels"].dim() < 2 for b in window):
+        if any("shift_labels" not in b and ("labels" not in b or b["labels"].dim() < 2) for b in window):
             return None
-        count = sum((b["labels"][:, 1:] != -100).sum() for b in window).to(self.accelerator.device)
+        count = sum((sequence_parallel.targets(b) != -100).sum() for b in window).to(self.accelerator.device)
         if self.accelerator.num_processes > 1:
             return count, torch.distributed.all_reduce(count, async_op=True)
         return count, None

@@ -45,6 +45,7 @@ from common.training import create_optimizer, create_scheduler, total_training_s
 class DPOArguments:
     reads_data_in_memory = True  # not fields: --streaming and --auto_find_batch_size are refused (common.parsing)
     no_auto_batch_size = "its trial step would not count the reference model nor score pairs"
+    scores_whole_rows = "each answer's log-probability"  # sequence parallelism refused (common.sequence_parallel)
     chat_template: str | None = field(
         default=None, metadata={"help": "A chat template file or text; replaces the tokenizer's (and is saved with it)."})
     beta: Annotated[float, Range(above=0)] = field(default=0.1, metadata={

@@ -36,6 +36,7 @@ from common.training import create_optimizer, create_scheduler, total_training_s
 @dataclass
 class ClassificationArguments:
     reads_data_in_memory = True  # not a field: --streaming is refused here (common.parsing)
+    scores_whole_rows = "one class per example"  # sequence parallelism refused (common.sequence_parallel)
     label_column: str = "label"
     metrics: list[str] = field(default_factory=lambda: ["accuracy", "f1"])
     f1_average: Literal["binary", "macro", "micro", "weighted"] = "macro"

@@ -1,0 +1,147 @@
+"""DeepSpeed's Ulysses sequence parallelism (zero3_ulysses.yaml): the rows it can split and the loop's view of them.
+
+Under `parallelism_config_sp_size` N, accelerate hands the train loader to DeepSpeed's
+UlyssesSPDataLoaderAdapter: the N ranks of a group take one rank's batch at a time, each the
+N-th of every row's tokens (with `shift_labels`, the next-token targets of its slice, in place
+of `labels`), and the attention layers exchange heads for sequence so every token still
+attends to all the tokens before it. One optimizer step of N ranks therefore trains on what
+one process trains with the same batch and accumulation: the data-parallel size is
+processes / N (`common.mesh.data_parallel_size`). What the recipes add here:
+
+* rows the adapter can split (`SplittableRows`, the train collator's wrapper): lengths padded
+  to a multiple of N, `position_ids`, padding only at the end (the attention is causal, so a
+  real token never sees the padding after it) and no attention_mask (the adapter would cut
+  it into slices the attention does not read);
+* the loss's targets (`targets`): a slice's `shift_labels`, handed to the model as `labels`
+  too, so `model(**batch).loss` is its summed token loss over `num_items_in_batch`;
+* the loader's position (`batches`): a resumed run skips whole batches of the wrapped loader
+  and then the adapter's slices of the one it stopped in;
+* evaluation on whole rows (`whole_rows`): DeepSpeed turns the exchange off in eval mode, so
+  the held-out loader is read without the adapter, one row per rank as under ZeRO-3.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from common.errors import UsageError
+
+ADAPTER = "UlyssesSPDataLoaderAdapter"
+
+
+def launched_size() -> int:
+    """parallelism_config_sp_size as the launcher exported it (1 without one)."""
+    if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true":
+        return 1
+    return int(os.environ.get("PARALLELISM_CONFIG_SP_SIZE", "1"))
+
+
+def launched_attention() -> str | None:
+    """parallelism_config_sp_attn_implementation as exported (the model's attention must be the same)."""
+    return os.environ.get("PARALLELISM_CONFIG_SP_ATTN_IMPLEMENTATION") if launched_size() > 1 else None
+
+
+def shards(accelerator) -> int:
+    """How many ranks split each row: sp_size under sequence parallelism, else 1 (an Accelerator or its state)."""
+    config = getattr(accelerator, "parallelism_config", None)
+    return config.sp_size if config is not None and config.sp_enabled else 1
+
+
+def check_arguments(arguments: tuple) -> None:
+    """What a sequence-parallel run cannot do, refused before anything is built. A recipe whose arguments say
+    `scores_whole_rows` (what it scores) is refused: its loss is not a sum over next-token targets."""
+    for args in arguments:
+        if getattr(args, "scores_whole_rows", None):
+            raise UsageError(f"sequence parallelism (parallelism_config_sp_size) splits each row's next-token targets "
+                             f"across ranks, while this recipe scores {args.scores_whole_rows}: use zero3.yaml; "
+                             "causal_lm.py and sft.py run under it")
+        for flag, why in (("packing", "packed rows need attention kept within each example, which the exchange "
+                                      "does not keep; leave out --packing"),
+                          ("streaming", "a stream is not a loader accelerate can hand to the adapter; leave out "
+                                        "--streaming"),
+                          ("auto_find_batch_size", "its trial steps run before the adapter splits the rows; set "
+                                                   "--per_device_train_batch_size")):
+            if getattr(args, flag, False):
+                raise UsageError(f"--{flag} under sequence parallelism: {why}")
+
+
+class SplittableRows:
+    """The train collator under sp_size `size`: its batch with rows padded at the end to a multiple of `size`
+    (labels -100), position_ids 0..length-1 per row, and the attention_mask checked to pad only at the end,
+    then dropped. Left padding is refused in one line."""
+
+    def __init__(self, collate, size: int):
+        self.collate, self.size = collate, size
+
+    def __call__(self, examples):
+        batch = dict(self.collate(examples))
+        mask = batch.pop("attention_mask", None)
+        if mask is not None and (mask[:, 1:] > mask[:, :-1]).any():
+            raise UsageError("sequence parallelism needs padding at the end of each row (the tokenizer pads on the "
+                             "left): set tokenizer.padding_side = 'right' for training")
+        batch.pop("position_ids", None)
+        return padded(batch, batch["input_ids"].shape[1] + -batch["input_ids"].shape[1] % self.size)
+
+
+def padded(batch: dict, length: int) -> dict:
+    """`batch` (input_ids, labels) padded at the end to `length` tokens (labels -100), with position_ids 0..length-1."""
+    extra = length - batch["input_ids"].shape[1]
+    if extra:
+        batch["input_ids"] = torch.nn.functional.pad(batch["input_ids"], (0, extra), value=0)
+        batch["labels"] = torch.nn.functional.pad(batch["labels"], (0, extra), value=-100)
+    batch["position_ids"] = torch.arange(length).expand(batch["input_ids"].shape[0], -1).clone()
+    return batch
+
+
+def _as_long_as_the_group(loader, group):
+    """`loader`'s batches padded to the longest of the group's current ones: gloo's all_gather, which the adapter
+    gathers the group's batches with, takes equal shapes only (NCCL's takes unequal ones)."""
+    for batch in loader:
+        length = torch.tensor([batch["input_ids"].shape[1]])
+        torch.distributed.all_reduce(length, op=torch.distributed.ReduceOp.MAX, group=group)
+        yield padded(dict(batch), int(length))
+
+
+def splittable(collate, size: int):
+    """`collate` wrapped for sp_size `size` (unchanged for 1)."""
+    return SplittableRows(collate, size) if size > 1 else collate
+
+
+def is_split(loader) -> bool:
+    return type(loader).__name__ == ADAPTER
+
+
+def whole_rows(loader):
+    """The prepared loader under the adapter (the loader itself when there is none)."""
+    return loader.dl if is_split(loader) else loader
+
+
+def batches(accelerator, adapter, skip: int):
+    """A fresh adapter over the loader `adapter` wraps (the one accelerate's prepare made), after its first `skip`
+    micro-batches (each a slice of one rank's batch): whole batches skipped in the wrapped loader, then the
+    slices of the one the run stopped in read and passed over, on every rank of the group alike."""
+    whole, part = divmod(skip, adapter.sp_world_size)
+    source = accelerator.skip_first_batches(adapter.dl, whole) if whole else adapter.dl
+    if torch.distributed.get_backend(adapter.sp_group) == "gloo":
+        source = _as_long_as_the_group(source, adapter.sp_group)
+    fresh = type(adapter)(source, sp_rank=adapter.sp_rank, sp_group=adapter.sp_group,
+                          sp_world_size=adapter.sp_world_size, device=adapter.device)
+    for _ in range(part):
+        next(fresh)
+    return fresh
+
+
+def targets(batch: dict) -> torch.Tensor:
+    """The next-token targets a batch trains on: a slice's shift_labels, else labels after the shift."""
+    return batch["shift_labels"] if "shift_labels" in batch else batch["labels"][:, 1:]
+
+
+def as_model_input(batch: dict) -> dict:
+    """A slice's batch for `model(**batch).loss`: transformers computes a loss only when given labels, and takes
+    shift_labels as the targets without shifting them again."""
+    if "shift_labels" not in batch:
+        return batch
+    targets = batch["shift_labels"].contiguous()  # (the adapter's slice is a view transformers cannot .view)
+    return {**batch, "labels": targets, "shift_labels": targets}
