@@ -64,8 +64,9 @@ def refuse_unsupported_mesh() -> None:
     sizes = {name: launched_mesh_size(name) for name in DIMENSIONS}
     fsdp = _env_flag("ACCELERATE_USE_FSDP")
     kind = "DEEPSPEED" if _env_flag("ACCELERATE_USE_DEEPSPEED") else "FSDP" if fsdp else "MULTI_GPU"
+    stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")  # (not exported beside a DeepSpeed JSON)
     problems = mesh_problems(sizes, launched_world_size(), kind, fsdp and os.environ.get("FSDP_VERSION", "1") == "2",
-                             _env_flag("FSDP_CPU_RAM_EFFICIENT_LOADING"))
+                             _env_flag("FSDP_CPU_RAM_EFFICIENT_LOADING"), int(stage) if stage else None)
     if problems:
         raise UsageError(problems[0])
 

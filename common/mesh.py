@@ -20,10 +20,12 @@ from accelerate.utils import recursively_apply
 DIMENSIONS = ("dp_replicate", "dp_shard", "tp", "cp", "sp")
 
 
-def mesh_problems(sizes: dict, world: int, distributed_type: str, fsdp2: bool, efficient_loading: bool) -> list[str]:
+def mesh_problems(sizes: dict, world: int, distributed_type: str, fsdp2: bool, efficient_loading: bool,
+                  zero_stage: int | None = None) -> list[str]:
     """`sizes`: each dimension's size (DIMENSIONS); `world`: the processes launched (num_processes);
     `distributed_type`: the config's (MULTI_GPU, FSDP, DEEPSPEED, ...); `fsdp2`: FSDP with fsdp_version 2;
-    `efficient_loading`: fsdp_cpu_ram_efficient_loading. Each problem is one line that says what to do."""
+    `efficient_loading`: fsdp_cpu_ram_efficient_loading; `zero_stage`: DeepSpeed's, where known. Each problem
+    is one line that says what to do."""
     problems = []
     if sizes.get("cp", 1) > 1:
         problems.append(f"parallelism_config_cp_size {sizes['cp']}: context parallelism is not supported by these "
@@ -32,6 +34,11 @@ def mesh_problems(sizes: dict, world: int, distributed_type: str, fsdp2: bool, e
     if sizes.get("sp", 1) > 1 and distributed_type != "DEEPSPEED":
         problems.append(f"parallelism_config_sp_size {sizes['sp']}: sequence parallelism (Ulysses) runs under "
                         f"DeepSpeed, not {distributed_type}: use zero3_ulysses.yaml as the template")
+    elif sizes.get("sp", 1) > 1 and zero_stage not in (None, 3):
+        # seen in a probe: under ZeRO-1/2 DeepSpeed averages gradients over dp / sp_size ranks, not over all of them
+        problems.append(f"parallelism_config_sp_size {sizes['sp']} with ZeRO stage {zero_stage}: the recipes' "
+                        "sequence parallelism is proven under ZeRO-3 only (under ZeRO-1/2 DeepSpeed scales the "
+                        "gradients otherwise); set zero_stage: 3, as zero3_ulysses.yaml does")
     elif sizes.get("sp", 1) > 1 and sizes.get("tp", 1) > 1:
         problems.append("parallelism_config_sp_size beside parallelism_config_tp_size: these recipes run sequence "
                         "parallelism over data-parallel ranks only; set tp_size 1 (zero3_ulysses.yaml)")

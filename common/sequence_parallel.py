@@ -67,6 +67,16 @@ def check_arguments(arguments: tuple) -> None:
                 raise UsageError(f"--{flag} under sequence parallelism: {why}")
 
 
+def check_heads(model) -> None:
+    """The attention heads (query and key/value) must divide by sp_size: each rank of a group takes its share of them."""
+    size, config = launched_size(), model.config.get_text_config()
+    heads = getattr(config, "num_attention_heads", None)
+    if heads is not None and heads % size:
+        raise UsageError(f"parallelism_config_sp_size {size}: the model has {heads} attention heads, which do not "
+                         f"divide by it (each rank of a group attends with its share of the heads); use an sp_size "
+                         f"that divides {heads}")
+
+
 class SplittableRows:
     """The train collator under sp_size `size`: its batch with rows padded at the end to a multiple of `size`
     (labels -100), position_ids 0..length-1 per row, and the attention_mask checked to pad only at the end,

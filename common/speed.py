@@ -24,7 +24,7 @@ import torch
 
 from common.errors import UsageError
 from common.internals import allow_recompiles, attention_implementation
-from common.sequence_parallel import launched_attention
+from common.sequence_parallel import check_heads, launched_attention
 
 ATTENTION = ("auto", "sdpa", "eager", "flash_attention_2", "flex_attention", "sdpa_varlen")
 OPTIMIZERS = {"adamw_torch_fused": {"fused": True}, "adamw_torch": {"foreach": True}}
@@ -106,6 +106,7 @@ def prepare_model(model, speed: SpeedArguments, packed_rows: bool = False):
                              f"config names {sequence_parallel_attention} (parallelism_config_sp_attn_implementation): "
                              "leave out --attn_implementation or change the config's")
         candidates = [sequence_parallel_attention]
+        check_heads(model)
     for attention in candidates:
         try:
             if attention == NAME:

@@ -116,7 +116,9 @@ def check_mesh(mesh: dict, raw: dict, fsdp: dict, recipe: dict, world: int) -> l
     sizes = {name: int(mesh.get(f"parallelism_config_{name}_size", 1)) for name in DIMENSIONS}
     fsdp2 = raw.get("distributed_type") == "FSDP" and str(fsdp.get("fsdp_version")) == "2"
     efficient = str(fsdp.get("fsdp_cpu_ram_efficient_loading", False)).lower() == "true"
-    problems = mesh_problems(sizes, world, str(raw.get("distributed_type")), fsdp2, efficient)
+    stage = (raw.get("deepspeed_config") or {}).get("zero_stage")
+    problems = mesh_problems(sizes, world, str(raw.get("distributed_type")), fsdp2, efficient,
+                             int(stage) if stage is not None else None)
     if sizes["tp"] > 1:
         problems += tensor_parallel_model_problems(recipe, sizes["tp"])
     return problems

@@ -1,0 +1,170 @@
+"""Sequence parallelism from the config, launched for real over gloo: zero3_ulysses.yaml (2 processes, one
+Ulysses group under ZeRO-3: each rank trains on half of every row's tokens).
+
+fp32 parity: the pair shares 4 x accumulation 2 per step (global batch 8, as the single-process reference's
+1 x 8), from the same seeded model; it must reproduce the reference's per-step losses, evaluation and final
+weights within FP32_TOLERANCE, each rank holding slices of 16 of the 32 tokens (recorded by the run), and the
+memory account's model state as scripts/estimate_memory.py predicts it. final/ loads with from_pretrained and
+gives the reference's logits. Resumed from its checkpoints it continues bit for bit under its own config, at
+another split of the same global batch (8 x accumulation 1: the resume stops inside one rank's batch), and
+under zero3.yaml (the same ZeRO-3 files, no split). bf16: fine-tuning a checkpoint saved in bf16 stays within
+the bf16 tolerance of the single-process bf16 run and exports bf16. SFT on variable-length chats:
+tests/test_numerics.py. What it cannot run is refused in one line.
+"""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from conftest import (CONFIGS, FP32, STEPS, causal_lm_args, flags, launch, load_weights, losses,
+                      max_weight_difference, model_state_gaps, pretrained_args, read_metrics, read_run, REPO)
+from test_strategies import BF16_LOSS_TOLERANCE, FP32_TOLERANCE, MODEL_STATE_TOLERANCE
+from test_tensor_parallel import launch_refused
+
+from common.errors import UsageError
+from common.mesh import mesh_problems
+from common.sequence_parallel import SplittableRows
+
+CONFIG = "zero3_ulysses.yaml"
+RUN = dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=STEPS, save_steps=3, save_total_limit=4)
+
+
+def assert_split(record):
+    assert record["world_size"] == 2 and record["participating_processes"] == 2
+    assert record["launched_strategy"] == "deepspeed" and record["zero_stage"] == 3
+    assert record["device_mesh"] == {"sp": 2, "dp": 1}
+    assert record["sequence_parallel"] == {"sp_size": 2, "slice_tokens": 16}  # each rank half of a 32-token row
+    assert record["effective_batch_size"] == 8  # the group's batch counted once
+
+
+@pytest.fixture(scope="module")
+def trained(markov_data, tmp_path_factory):
+    """The fp32 run: global batch 8 as 4 x accumulation 2, checkpoints every 3 steps."""
+    out = tmp_path_factory.mktemp("ulysses") / "run"
+    launch(CONFIG, "causal_lm.py", causal_lm_args(markov_data, out, **RUN), launcher_args=FP32)
+    return out
+
+
+@pytest.mark.slow
+def test_sequence_parallel_matches_single_process(trained, reference):
+    record = read_run(trained)
+    assert_split(record)
+    assert record["compute_dtype"] == "float32"
+    gaps = model_state_gaps(trained, CONFIGS / CONFIG)
+    print(f"{CONFIG}: model state vs estimate, largest gap per category " + ", ".join(f"{k} {v:.4f}" for k, v in gaps.items()))
+    assert max(gaps.values()) < MODEL_STATE_TOLERANCE, gaps
+
+    mine, ref = losses(trained), losses(reference)
+    loss_gap = max(abs(a - b) / b for a, b in zip(mine, ref))
+    weight_gap = max_weight_difference(trained / "final", reference / "final")
+    evaluation, ref_evaluation = read_metrics(trained)[1][-1], read_metrics(reference)[1][-1]
+    print(f"{CONFIG}: max relative loss gap {loss_gap:.2e}, max final-weight gap {weight_gap:.2e}, eval loss "
+          f"{evaluation['eval_loss']:.6f} vs {ref_evaluation['eval_loss']:.6f} (fp32, accumulation 2)")
+    assert len(mine) == STEPS and loss_gap < FP32_TOLERANCE and weight_gap < FP32_TOLERANCE
+    assert mine != ref  # two processes, not a copy of the reference
+    assert evaluation["eval_tokens"] == ref_evaluation["eval_tokens"]  # every evaluation example once, whole
+    assert abs(evaluation["eval_loss"] - ref_evaluation["eval_loss"]) < FP32_TOLERANCE
+
+
+@pytest.mark.slow
+def test_sequence_parallel_exports_the_single_process_model(trained, reference):
+    from transformers import AutoModelForCausalLM
+
+    config = json.loads((trained / "final" / "config.json").read_text())
+    assert "ulysses" not in json.dumps(config).lower()  # DeepSpeed's attention wrapper stays out of the export
+    vocab = config["vocab_size"]
+    ids = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(0))
+    logits = [AutoModelForCausalLM.from_pretrained(folder).eval()(ids).logits for folder in
+              (trained / "final", reference / "final")]
+    gap = (logits[0] - logits[1]).abs().max().item()
+    print(f"{CONFIG}: final/ loaded with from_pretrained, logits gap to the single-process model {gap:.2e}")
+    assert gap < 1e-4
+
+
+# (config, processes, per-device batch, accumulation, step resumed from)
+RESUMES = [(CONFIG, 2, 4, 2, 6), (CONFIG, 2, 8, 1, 3), ("zero3.yaml", 2, 2, 2, 6)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config, processes, batch, accumulation, step", RESUMES,
+                         ids=["same layout", "8x1 inside a batch", "zero3.yaml"])
+def test_sequence_parallel_checkpoint_resumes(trained, markov_data, tmp_path, config, processes, batch, accumulation,
+                                              step):
+    """From step 6 under its own layout: bit for bit. From step 3 at 8 x accumulation 1: the adapter's first
+    micro-batch after the resume is the second slice pair of a rank's batch (3 of them done: one whole batch
+    skipped, then one slice pair read and passed over). Under zero3.yaml: the same ZeRO-3 partitions, rows whole."""
+    out = tmp_path / "run"
+    shutil.copytree(trained / "checkpoints" / f"step_{step}", tmp_path / "step")
+    args = causal_lm_args(markov_data, out, **{**RUN, "per_device_train_batch_size": batch, "save_steps": 0,
+                                                "gradient_accumulation_steps": accumulation,
+                                                "resume_from_checkpoint": tmp_path / "step"})
+    launch(config, "causal_lm.py", args, launcher_args=FP32)
+    assert read_run(out)["participating_processes"] == processes
+    resumed, uninterrupted = losses(out), losses(trained)[step:]
+    gap = max(abs(a - b) / b for a, b in zip(resumed, uninterrupted))
+    weight_gap = max_weight_difference(out / "final", trained / "final")
+    print(f"{CONFIG} step {step} resumed under {config} {batch}x{accumulation}: relative loss gap {gap:.2e}, "
+          f"weight gap {weight_gap:.2e}")
+    assert len(resumed) == STEPS - step
+    if (config, batch) == (CONFIG, RUN["per_device_train_batch_size"]):
+        assert resumed == uninterrupted and weight_gap == 0.0
+    assert gap < FP32_TOLERANCE and weight_gap < FP32_TOLERANCE
+
+
+@pytest.mark.slow
+def test_sequence_parallel_bf16_fine_tuning(markov_data, bf16_checkpoint, bf16_reference, tmp_path):
+    out = tmp_path / "run"
+    launch(CONFIG, "causal_lm.py", pretrained_args(markov_data, bf16_checkpoint, out, **{**RUN, "save_steps": STEPS}))
+    record = read_run(out)
+    assert_split(record)
+    assert record["compute_dtype"] == "bfloat16" and record["master_weights_dtype"] == "float32"
+    gap = max(abs(a - b) for a, b in zip(losses(out), losses(bf16_reference)))
+    print(f"{CONFIG} bf16: max loss gap to one process in bf16 {gap:.2e}")
+    assert len(losses(out)) == STEPS and gap < BF16_LOSS_TOLERANCE
+    assert {t.dtype for t in load_weights(out / "final").values()} == {torch.bfloat16}
+
+
+@pytest.mark.slow
+def test_what_sequence_parallelism_cannot_run_is_one_line(markov_data, arithmetic_data, tmp_path):
+    base = causal_lm_args(markov_data, tmp_path / "run", max_steps=1)
+    three_heads = json.loads((REPO / "recipes/configs/tiny_llama.json").read_text())
+    three_heads.update(hidden_size=48, num_attention_heads=3, num_key_value_heads=3)
+    (tmp_path / "three_heads.json").write_text(json.dumps(three_heads))
+    line = launch_refused(CONFIG, base + flags(model_config=tmp_path / "three_heads.json"))
+    assert "sp_size 2: the model has 3 attention heads, which do not divide by it" in line
+    line = launch_refused(CONFIG, base + flags(attn_implementation="eager"))
+    assert "--attn_implementation eager under sequence parallelism" in line
+    sft = flags(config=REPO / "recipes/configs/sft_demo.yaml", tokenizer_name_or_path=arithmetic_data / "tokenizer",
+                train_file=arithmetic_data / "train.jsonl", validation_file=arithmetic_data / "validation.jsonl",
+                output_dir=tmp_path / "sft", max_steps=1, packing="true")
+    assert "--packing under sequence parallelism" in launch_refused(CONFIG, sft, recipe="sft.py")
+    dpo = flags(config=REPO / "recipes/configs/dpo_demo.yaml", output_dir=tmp_path / "dpo", max_steps=1,
+                tokenizer_name_or_path=markov_data / "tokenizer", train_file=markov_data / "train.jsonl",
+                validation_file=markov_data / "validation.jsonl")  # refused before the data is read
+    assert "while this recipe scores each answer's log-probability" in launch_refused(CONFIG, dpo, recipe="dpo.py")
+    assert not list(tmp_path.glob("*/final"))
+
+
+def test_sequence_parallelism_runs_under_deepspeed_only():
+    problems = mesh_problems({"sp": 2}, 2, "FSDP", True, False)
+    assert problems and "sequence parallelism (Ulysses) runs under DeepSpeed, not FSDP" in problems[0]
+    assert mesh_problems({"sp": 2}, 2, "DEEPSPEED", False, False) == []
+    assert mesh_problems({"sp": 2, "dp_shard": 2}, 4, "DEEPSPEED", False, False) == []  # 2 groups of 2
+    assert "= 2 processes but num_processes is 4" in mesh_problems({"sp": 2}, 4, "DEEPSPEED", False, False)[0]
+    assert "with ZeRO stage 2: the recipes' sequence parallelism is proven under ZeRO-3 only" in \
+        mesh_problems({"sp": 2}, 2, "DEEPSPEED", False, False, zero_stage=2)[0]
+
+
+def test_rows_are_padded_at_the_end_to_a_multiple_of_the_split():
+    rows = {"input_ids": torch.tensor([[5, 6, 7, 8, 9], [5, 6, 7, 0, 0]]),
+            "labels": torch.tensor([[-100, 6, 7, 8, 9], [-100, 6, 7, -100, -100]]),
+            "attention_mask": torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])}
+    batch = SplittableRows(lambda examples: dict(rows), 4)(None)
+    assert "attention_mask" not in batch and batch["input_ids"].shape == (2, 8)
+    assert batch["labels"][:, 5:].eq(-100).all() and batch["labels"][:, :5].equal(rows["labels"])
+    assert batch["position_ids"].tolist() == [list(range(8))] * 2
+    left = {**rows, "attention_mask": torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])}
+    with pytest.raises(UsageError, match="padding at the end of each row"):
+        SplittableRows(lambda examples: dict(left), 2)(None)
