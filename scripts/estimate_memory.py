@@ -17,7 +17,9 @@ c bytes per element in the compute dtype (2 in bf16, 4 in fp32):
    in fp32            4Ψ/N        -       4Ψ/N             8Ψ/N       4·h² (reduce)
    with offload       cΨ/N        4Ψ/N    cΨ/N + 4Ψ/N      8Ψ/N       c·h² (reduce)
 
-(tp.yaml, fsdp_tp.yaml: T = tp_size ranks; a rank's activations inside attention and the MLP are split too.)
+(tp.yaml, fsdp_tp.yaml: T = tp_size ranks; a rank's activations inside attention and the MLP are split too.
+zero3_ulysses.yaml: ZeRO-3's model state over all N ranks; each rank's activations are those of its
+seq_len / sp_size tokens: after the exchange a rank attends for the whole row with 1/sp_size of the heads.)
 
 --dpo_reference adds recipes/dpo.py's frozen reference copy: 4Ψ on one process or DDP, 4Ψt under TP, 4Ψ/N under FSDP2,
 cΨ under ZeRO-1/2 and cΨ/N under ZeRO-3 (`reference_bytes`).
@@ -109,6 +111,7 @@ def read_strategy(config_file: str, num_processes: int | None, mixed_precision: 
     replicas = int(parallelism.get("parallelism_config_dp_replicate_size", 1))
     return {"strategy": strategy, "zero_stage": stage, "offload": offload, "offload_params": offload_params,
             "replicas": replicas, "tp_size": tp_size, "num_processes": processes,
+            "sp_size": int(parallelism.get("parallelism_config_sp_size", 1)),
             "zero3_sub_group_size": None if sub_group_size is None else int(float(sub_group_size)),
             "mixed_precision": precision,
             "fsdp_reshard_after_forward": str(fsdp.get("fsdp_reshard_after_forward", True)).lower() == "true",
@@ -146,7 +149,7 @@ def read_model(model: str, vocab_size: int | None = None) -> dict:
 
 
 def activation_bytes(model: dict, batch_size: int, seq_len: int, compute_bytes: int, checkpointing: bool,
-                     tp: int = 1) -> int:
+                     tp: int = 1, sp: int = 1) -> int:
     """Tensors one micro-batch's forward saves for backward, for a Llama-style decoder.
 
     Per layer and token: the two RMSNorm inputs in fp32 (8h), the inputs of the q/k/v, o, gate/up
@@ -155,10 +158,14 @@ def activation_bytes(model: dict, batch_size: int, seq_len: int, compute_bytes: 
     (8V). With activation checkpointing a layer keeps only its input, and one layer's
     worth is rebuilt during backward. Under tensor parallelism (`tp` ranks) the tensors inside attention and
     the MLP are split by heads and columns (the o and down projections' inputs, q, k, v, the attention
-    output, gate, up and activation), while the normed inputs and the gathered logits stay whole."""
+    output, gate, up and activation), while the normed inputs and the gathered logits stay whole. Under
+    sequence parallelism (`sp` ranks, `seq_len` the rank's slice) the attention output is kept twice: for the
+    whole row with the rank's heads (attention's own) and, exchanged back, for the slice with every head
+    (the o projection's input), one c·h more per token and layer (measured at 101M: 4 MB of 97)."""
     h, i, vocab, layers = model["hidden_size"], model["intermediate_size"], model["vocab_size"], model["layers"]
     tokens = batch_size * seq_len
-    per_layer = 8 * h + compute_bytes * h + compute_bytes * (h + i + 4 * h + 3 * i) / tp
+    per_layer = 8 * h + compute_bytes * h + compute_bytes * (h + i + 4 * h + 3 * i) / tp + (compute_bytes * h if sp > 1
+                                                                                             else 0)
     logits = 8 * vocab + compute_bytes * h
     if checkpointing:
         return tokens * (layers * 4 * h + per_layer + logits)
@@ -218,7 +225,9 @@ def estimate(model: dict, strategy: dict, batch_size: int, seq_len: int, checkpo
     reference = (parameters if kind == "tp" else reference_bytes(psi, strategy, c)) if dpo_reference else 0
     categories = {"parameters": parameters, "master_weights": master, "gradients": gradients,
                   "optimizer_states": optimizer, "reference_model": reference, "communication_buffers": buckets}
-    activations = activation_bytes(model, batch_size, seq_len, c, checkpointing, tp)
+    # sequence parallelism: a rank holds its slice of each row, -(-L // sp) tokens once padded to a multiple of sp
+    sp = strategy.get("sp_size", 1)
+    activations = activation_bytes(model, batch_size, -(-seq_len // sp), c, checkpointing, tp, sp)
     if kind in ("ddp", "tp") and c == 2:  # autocast's low-precision copy of each weight, saved for backward
         activations += c * parameters / 4
     model_state = parameters + master + gradients + optimizer + reference
