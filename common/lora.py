@@ -51,7 +51,8 @@ def apply_lora(model, args: LoraArguments):
     classifier's new head trains too (peft's SEQ_CLS task keeps it as a module to save)."""
     if not args.use_peft:
         return model
-    if args.save_merged_model and not model.config.name_or_path:
+    base = model.config.name_or_path  # a folder or Hub name; built from --model_config: "" or the config file
+    if args.save_merged_model and (not base or os.path.isfile(base)):
         raise UsageError("--save_merged_model reloads the base model from --model_name_or_path, and a model built "
                          "from --model_config has none: drop --save_merged_model")
     from peft import LoraConfig, get_peft_model

@@ -203,6 +203,13 @@ def test_a_merged_export_needs_a_pretrained_base():
                                          num_attention_heads=2, num_key_value_heads=2))
     with pytest.raises(UsageError, match="--save_merged_model reloads the base model from --model_name_or_path"):
         apply_lora(model, LoraArguments(use_peft=True, save_merged_model=True))
+    from transformers import AutoConfig
+
+    # as common.model.load_model builds from --model_config: transformers names the config file in name_or_path
+    built = LlamaForCausalLM(AutoConfig.from_pretrained(REPO / "recipes/configs/tiny_llama.json", vocab_size=32))
+    assert built.config.name_or_path.endswith("tiny_llama.json")
+    with pytest.raises(UsageError, match="--save_merged_model reloads the base model from --model_name_or_path"):
+        apply_lora(built, LoraArguments(use_peft=True, save_merged_model=True))
     wrapped = apply_lora(model, LoraArguments(use_peft=True, lora_target_modules=["all-linear"]))
     assert {n.split(".")[-4] for n, p in wrapped.named_parameters() if p.requires_grad} == \
         {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
