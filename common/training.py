@@ -61,11 +61,13 @@ def steps_per_epoch(batches_per_epoch: int, gradient_accumulation_steps: int) ->
 
 def total_training_steps(args: TrainingArguments, train_loader, accelerator) -> int:
     """Optimizer steps in the run: max_steps if set (a --streaming loader has no length), else
-    epochs x steps per epoch of the (unprepared) train loader's batches split over the
-    data-parallel ranks (a tensor-parallel group shares its batches: `common.mesh`)."""
+    epochs x steps per epoch of the (unprepared) train loader's batches as the loop reads them: split
+    over the ranks that read different ones (a tensor-parallel group shares its batches: `common.mesh`),
+    each read sp_size times under sequence parallelism (once per slice: `common.sequence_parallel`)."""
     if args.max_steps > 0:
         return args.max_steps
-    batches = len(train_loader) // mesh.data_parallel_size(accelerator)
+    shards = sequence_parallel.shards(accelerator)
+    batches = len(train_loader) // (mesh.data_parallel_size(accelerator) * shards) * shards
     return args.num_train_epochs * steps_per_epoch(batches, args.gradient_accumulation_steps)
 
 

@@ -29,7 +29,8 @@ from common.peers import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU_CONFIGS = ["single.yaml", "ddp.yaml", "tp.yaml", "fsdp.yaml", "fsdp_shard_grad_op.yaml", "fsdp_offload.yaml",
-               "zero1.yaml", "zero2.yaml", "zero2_offload.yaml", "zero2_json.yaml", "zero3.yaml", "zero3_offload.yaml"]
+               "zero1.yaml", "zero2.yaml", "zero2_offload.yaml", "zero2_json.yaml", "zero3.yaml", "zero3_offload.yaml",
+               "zero3_ulysses.yaml"]
 
 
 def checkpoints_in_yaml(config: str) -> bool:
@@ -184,10 +185,11 @@ def main(argv=None):
                    # a config that turns it on itself runs once ("off" is then that same run)
                    and not (checkpointing == "on" and "off" in args.activation_checkpointing
                             and checkpoints_in_yaml(c))]
-    baseline = next((r["steps_per_s"] for r in results if r["config"] == "ddp.yaml"), results[0]["steps_per_s"])
+    reference = next((r for r in results if r["config"] == "ddp.yaml"), results[0])  # the "vs" column's
+    baseline, versus = reference["steps_per_s"], f"vs {reference['config'].removesuffix('.yaml')}"
     summary = f"{results[0]['parameters']:,} parameters; batch {args.batch_size} x {args.block_size} tokens per process"
     print(summary)
-    print(f"{'config':26} {'procs':>5} {'type':10} {'dtype':9} {'accum':>5} {'AC':>3} {'steps/s':>8} {'vs ddp':>7} "
+    print(f"{'config':26} {'procs':>5} {'type':10} {'dtype':9} {'accum':>5} {'AC':>3} {'steps/s':>8} {versus:>7} "
           f"{'tok/s/proc':>10} peak MB per rank")
     for r in results:
         print(f"{r['config']:26} {r['processes']:>5} {r['type']:10} {r['precision']:9} {r['accumulation']:>5} "
@@ -207,17 +209,17 @@ def main(argv=None):
                                   f"{args.block_size} tokens per process, {args.steps} steps")
         print(f"chart: {args.chart}")
     if args.docs:
-        write_docs(args, results, baseline, summary)
+        write_docs(args, results, baseline, versus, summary)
     return results
 
 
-def write_docs(args, results: list, baseline: float, summary: str) -> None:
+def write_docs(args, results: list, baseline: float, versus: str, summary: str) -> None:
     """The two tables as markdown, with the chart beside the page when it was drawn."""
     from figures import markdown_table, write_page
 
     speed = markdown_table(
         ["config", "processes", "distributed type", "compute dtype", "accumulation", "activation checkpointing",
-         "steps/s", "vs ddp", "tokens/s per process", "peak MB per rank"],
+         "steps/s", versus, "tokens/s per process", "peak MB per rank"],
         [[f"`{r['config']}`", r["processes"], r["type"], r["precision"], r["accumulation"],
           "on" if r["activation_checkpointing"] else "off", f"{r['steps_per_s']:.2f}",
           f"{r['steps_per_s'] / baseline:.2f}", f"{r['tokens_per_s_per_process']:.0f}",
@@ -233,9 +235,9 @@ def write_docs(args, results: list, baseline: float, summary: str) -> None:
     write_page(args.docs, "Strategies: speed and memory per rank", (
         f"{summary}; {args.steps} optimizer steps per run, all runs in one invocation (compare rows, not "
         "machines). Steps/s leaves out the first logging window (warm-up)."
-        + (" A tensor-parallel group trains on one batch, so at the same per-device batch its step holds fewer "
-           "tokens than a data-parallel one's: compare tokens/s per process there."
-           if any("tp" in r["config"] for r in results) else "") + "\n\n" + speed +
+        + (" A tensor- or sequence-parallel group trains on one batch, so at the same per-device batch its step "
+           "holds fewer tokens than a data-parallel one's: compare tokens/s per process there."
+           if any("tp" in r["config"] or "ulysses" in r["config"] for r in results) else "") + "\n\n" + speed +
         "\n\nMemory per rank in MB, measured at the first optimizer step (run.json's `memory_per_rank`, the rank "
         "with the highest peak) / estimated before launch by `make estimate-memory`; peak is the process's peak "
         f"resident set by the first step. {allocator_note()}\n\n" + memory + chart))
