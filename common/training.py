@@ -229,10 +229,8 @@ class TrainBatches:
         used = self.per_epoch * self.accumulation
         while True:
             self.dataloader.set_epoch(epoch)
-            if self.split is not None:  # each rank's batch is trained on by the group, one slice per rank
-                batches = sequence_parallel.batches(self.accelerator, self.split, skip)
-            else:
-                batches = iter(self.accelerator.skip_first_batches(self.dataloader, skip) if skip else self.dataloader)
+            batches = (sequence_parallel.batches(self.accelerator, self.split, skip) if self.split is not None  # slices
+                       else iter(self.accelerator.skip_first_batches(self.dataloader, skip) if skip else self.dataloader))
             for start in range(skip, used, self.accumulation):
                 window = [next(batches) for _ in range(self.accumulation)]
                 end = start + self.accumulation

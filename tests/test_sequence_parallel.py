@@ -4,7 +4,8 @@ Ulysses group under ZeRO-3: each rank trains on half of every row's tokens).
 fp32 parity: the pair shares 4 x accumulation 2 per step (global batch 8, as the single-process reference's
 1 x 8), from the same seeded model; it must reproduce the reference's per-step losses, evaluation and final
 weights within FP32_TOLERANCE, each rank holding slices of 16 of the 32 tokens (recorded by the run), and the
-memory account's model state as scripts/estimate_memory.py predicts it. final/ loads with from_pretrained and
+memory account's model state as scripts/estimate_memory.py predicts it; on 4 processes, two such pairs
+(dp_shard_size 2) as well. final/ loads with from_pretrained and
 gives the reference's logits. Resumed from its checkpoints it continues bit for bit under its own config, at
 another split of the same global batch (8 x accumulation 1: the resume stops inside one rank's batch), and
 under zero3.yaml (the same ZeRO-3 files, no split). bf16: fine-tuning a checkpoint saved in bf16 stays within
@@ -219,3 +220,22 @@ def test_epochs_with_a_remainder_under_sequence_parallelism_step_as_one_process(
            launcher_args=FP32)
     assert losses(stopped) == [r["loss"] for r in mine[after_boundary:]]
     assert max_weight_difference(stopped / "final", split / "final") == 0.0
+
+
+@pytest.mark.slow
+def test_two_sequence_parallel_groups_on_four_processes_match_single_process(markov_data, reference, tmp_path):
+    """--num_processes 4 with parallelism_config_dp_shard_size 2: two Ulysses pairs, each splitting its rows of
+    2 x accumulation 2 (global batch 8 again), ZeRO-3 over all four ranks."""
+    out = tmp_path / "run"
+    launch(CONFIG, "causal_lm.py", causal_lm_args(markov_data, out, per_device_train_batch_size=2,
+                                                  gradient_accumulation_steps=2, max_steps=STEPS),
+           launcher_args=FP32 + ["--num_processes", "4", "--parallelism_config_dp_shard_size", "2"])
+    record = read_run(out)
+    assert record["participating_processes"] == 4 and record["device_mesh"] == {"sp": 2, "dp": 2}
+    assert record["sequence_parallel"]["slice_tokens"] == 16 and record["effective_batch_size"] == 8
+    mine, ref = losses(out), losses(reference)
+    loss_gap = max(abs(a - b) / b for a, b in zip(mine, ref))
+    weight_gap = max_weight_difference(out / "final", reference / "final")
+    print(f"{CONFIG} on 4 (2 groups of 2): relative loss gap {loss_gap:.2e}, final-weight gap {weight_gap:.2e}")
+    assert len(mine) == STEPS and loss_gap < FP32_TOLERANCE and weight_gap < FP32_TOLERANCE
+    assert read_metrics(out)[1][-1]["eval_tokens"] == read_metrics(reference)[1][-1]["eval_tokens"]
