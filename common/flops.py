@@ -45,7 +45,10 @@ class ModelFlops:
     """`per_batch(batch)`: training FLOPs of one micro-batch, as a tensor on the batch's device or
     a number (no synchronisation)."""
 
-    def __init__(self, model):
+    def __init__(self, model, shards: int = 1):
+        """`shards`: sp_size under sequence parallelism, where a batch holds each row's slice of 1/shards of
+        its tokens, which attend to the whole row."""
+        self.shards = shards
         weights = {id(w): w for w in _matmul_weights(model)}.values()  # tied weights count once
         total = sum(full_numel(w) for w in weights)
         trainable = sum(full_numel(w) for w in weights if w.requires_grad)
@@ -63,7 +66,7 @@ class ModelFlops:
         input_ids = batch["input_ids"]
         mask = batch.get("attention_mask")
         if mask is None:  # a number, not a new device tensor: copying one to a GPU waits for its stream
-            return float(input_ids.numel() * self.per_token(input_ids.shape[-1]))
+            return float(input_ids.numel() * self.per_token(input_ids.shape[-1] * self.shards))
         return mask.sum().double() * self.per_token(input_ids.shape[-1])
 
 

@@ -47,7 +47,8 @@ def mesh_problems(sizes: dict, world: int, distributed_type: str, fsdp2: bool, e
         named = " x ".join(f"{name}_size {sizes[name]}" for name in DIMENSIONS if sizes.get(name, 1) > 1) or "1"
         problems.append(f"parallelism_config: {named} = {product} processes but num_processes is {world}; make the "
                         "sizes multiply to num_processes (HSDP: dp_replicate_size = nodes, dp_shard_size = GPUs per "
-                        "node; tp.yaml: tp_size = num_processes)")
+                        "node; tp.yaml: tp_size = num_processes; zero3_ulysses.yaml: dp_shard_size = num_processes / "
+                        "sp_size)")
     ulysses = distributed_type == "DEEPSPEED" and sizes.get("sp", 1) > 1  # its dp_shard: the other ranks' ZeRO
     if (sizes.get("dp_replicate", 1) > 1 or sizes.get("dp_shard", 1) > 1 and not ulysses) and not fsdp2:
         problems.append("parallelism_config's dp_replicate_size and dp_shard_size need distributed_type FSDP "

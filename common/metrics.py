@@ -34,7 +34,8 @@ class MetricsLogger:
         self.accelerator = accelerator
         self.output_dir = output_dir
         self.memory = MemoryAccount(model, optimizer, accelerator.device) if optimizer is not None else None
-        self.flops = ModelFlops(unwrap(accelerator, model)) if model is not None else None
+        self.flops = (ModelFlops(unwrap(accelerator, model), sequence_parallel.shards(accelerator))
+                      if model is not None else None)
         compute = autocast_dtype(accelerator.mixed_precision)
         self.peak_tflops = device_peak_tflops(accelerator.device, compute, peak_tflops)
         self.data_wait_s = 0.0

@@ -57,14 +57,18 @@ def check_arguments(arguments: tuple) -> None:
             raise UsageError(f"sequence parallelism (parallelism_config_sp_size) splits each row's next-token targets "
                              f"across ranks, while this recipe scores {args.scores_whole_rows}: use zero3.yaml; "
                              "causal_lm.py and sft.py run under it")
-        for flag, why in (("packing", "packed rows need attention kept within each example, which the exchange "
-                                      "does not keep; leave out --packing"),
-                          ("streaming", "a stream is not a loader accelerate can hand to the adapter; leave out "
-                                        "--streaming"),
-                          ("auto_find_batch_size", "its trial steps run before the adapter splits the rows; set "
-                                                   "--per_device_train_batch_size")):
-            if getattr(args, flag, False):
-                raise UsageError(f"--{flag} under sequence parallelism: {why}")
+        for problem in recipe_problems(vars(args)):
+            raise UsageError(problem)
+
+
+def recipe_problems(values: dict) -> list[str]:
+    """What a recipe's arguments (or its YAML, for `make check-config`) ask that sequence parallelism cannot run."""
+    whys = {"packing": "packed rows need attention kept within each example, which the exchange does not keep",
+            "streaming": "a stream is not a loader accelerate can hand to the adapter",
+            "auto_find_batch_size": "its trial steps run before the adapter splits the rows; set "
+                                    "--per_device_train_batch_size instead"}
+    return [f"--{flag} under sequence parallelism: {why}; pass --{flag} false" for flag, why in whys.items()
+            if str(values.get(flag, False)).lower() == "true"]
 
 
 def check_heads(model) -> None:

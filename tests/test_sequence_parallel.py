@@ -19,7 +19,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import (CONFIGS, FP32, STEPS, causal_lm_args, flags, launch, load_weights, losses,
+from conftest import (CONFIGS, FP32, STEPS, causal_lm_args, flags, launch, load_script, load_weights, losses,
                       max_weight_difference, model_state_gaps, pretrained_args, read_metrics, read_run, REPO)
 from test_strategies import BF16_LOSS_TOLERANCE, FP32_TOLERANCE, MODEL_STATE_TOLERANCE
 from test_tensor_parallel import launch_refused
@@ -156,6 +156,31 @@ def test_sequence_parallelism_runs_under_deepspeed_only():
     assert "= 2 processes but num_processes is 4" in mesh_problems({"sp": 2}, 4, "DEEPSPEED", False, False)[0]
     assert "with ZeRO stage 2: the recipes' sequence parallelism is proven under ZeRO-3 only" in \
         mesh_problems({"sp": 2}, 2, "DEEPSPEED", False, False, zero_stage=2)[0]
+
+
+def test_check_config_names_what_the_recipe_yaml_asks_that_sequence_parallelism_cannot_run():
+    check_config = load_script("scripts/check_config.py")
+    problems = check_config.check_mesh({"parallelism_config_sp_size": 2}, {"distributed_type": "DEEPSPEED",
+                                       "deepspeed_config": {"zero_stage": 3}}, {}, {"packing": True}, 2)
+    assert problems == ["--packing under sequence parallelism: packed rows need attention kept within each example, "
+                        "which the exchange does not keep; pass --packing false"]
+    assert check_config.check_mesh({"parallelism_config_sp_size": 2}, {"distributed_type": "DEEPSPEED"}, {},
+                                   {"packing": False}, 2) == []
+    assert "zero3_ulysses.yaml: dp_shard_size = num_processes / sp_size" in \
+        mesh_problems({"sp": 2}, 4, "DEEPSPEED", False, False, zero_stage=3)[0]
+
+
+def test_a_slice_is_counted_with_the_flops_of_attending_to_the_whole_row():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from common.flops import ModelFlops
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=2))
+    whole, sliced = ModelFlops(model), ModelFlops(model, shards=2)
+    half_row = {"input_ids": torch.zeros(3, 16, dtype=torch.long)}
+    assert sliced.per_batch(half_row) == 3 * 16 * whole.per_token(32) > whole.per_batch(half_row)
+    assert 2 * sliced.per_batch(half_row) == whole.per_batch({"input_ids": torch.zeros(3, 32, dtype=torch.long)})
 
 
 def test_rows_are_padded_at_the_end_to_a_multiple_of_the_split():
