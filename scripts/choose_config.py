@@ -3,7 +3,9 @@
 For a model (a config.json, a model folder or a Hub name; read on the meta device), the devices
 (how many, on how many nodes, their memory) and the job (sequence length, global batch in
 sequences per optimizer step), each config is tried at every micro-batch that divides the
-per-device batch, with activation checkpointing off and on:
+per-device batch, with activation checkpointing off and on (zero3_ulysses.yaml also at every sp_size that
+divides the devices and the attention heads: rows split over sp_size devices, for sequences whose
+activations fit no device whole):
 
 * memory per device: `make estimate-memory`'s peak from the second step on (checked against measured
   memory for every config in docs/benchmark.md), within --headroom of the device's memory; with
@@ -14,7 +16,8 @@ per-device batch, with activation checkpointing off and on:
   bytes each config's all_reduce, all_gather and reduce_scatter move per step, ring algorithms,
   each at its bus bandwidth: what `make doctor` reports as busbw, read from its --report with
   --doctor_report) + the optimizer step and autocast's weight casts (bytes through device memory)
-  + offload traffic (the host link) and the CPU optimizer step (host memory). On a GPU
+  + offload traffic (the host link) and the CPU optimizer step (host memory); under sequence parallelism
+  ZeRO-3's traffic for sp_size x the micro-steps and Ulysses' all-to-alls, at all_gather's busbw. On a GPU
   communication overlaps compute (NCCL runs on its own streams): the step is the larger of the two;
   on a CPU host they share the cores: the sum. Ties (a compute-bound step) go to less traffic.
 
@@ -58,6 +61,8 @@ SINGLE_NODE = ["ddp.yaml", "fsdp.yaml", "fsdp_shard_grad_op.yaml", "fsdp_offload
                "zero2_offload.yaml", "zero3.yaml", "zero3_offload.yaml"]
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 ONE_DEVICE = ["single.yaml", "fsdp_offload.yaml", "zero2_offload.yaml", "zero3_offload.yaml"]
+# rows split over sp_size devices: tried at every sp_size that divides the devices and the attention heads
+SEQUENCE_PARALLEL = ["zero3_ulysses.yaml"]
 MULTI_NODE = ["multi_node_ddp.yaml", "multi_node_fsdp.yaml", "multi_node_hsdp.yaml", "multi_node_zero3.yaml"]
 
 
@@ -124,6 +129,15 @@ def comm_and_memory_traffic(s: dict, model: dict, c: int, k: int, n_node: int, n
     return {"link": link, "memory": memory, "host": host, "cpu_optimizer": cpu_optimizer}
 
 
+def sequence_exchange_bytes(model: dict, tokens: int, sp: int, c: int, micro_steps: int, checkpointing: bool) -> float:
+    """Bus bytes per device per optimizer step of Ulysses' all-to-alls: per layer and micro-step the slice's
+    queries, keys and values go out and the attention output comes back (forward; the same again backward,
+    and the forward once more with activation checkpointing), each (sp-1)/sp of `tokens` x its width."""
+    width = 2 * model["hidden_size"] + 2 * model["kv_hidden_size"]
+    passes = 3 if checkpointing else 2
+    return micro_steps * passes * model["layers"] * tokens * width * c * (sp - 1) / sp
+
+
 def device_and_host_bytes(est: dict, s: dict, on_gpu: bool) -> tuple[float, float]:
     """Bytes per device, and per process in CPU RAM. On a CPU host it is all one memory (the estimate's
     peak, FSDP's whole-model loading included). On a GPU, offload moves the master copy and the
@@ -152,7 +166,8 @@ def process_baseline_bytes(deepspeed: bool) -> float:
 
 def candidates(args) -> list[str]:
     """The shipped configs for this many devices and nodes (--configs: only those of them)."""
-    shipped = MULTI_NODE if args.num_nodes > 1 else ONE_DEVICE if args.num_devices == 1 else SINGLE_NODE
+    shipped = (MULTI_NODE if args.num_nodes > 1 else ONE_DEVICE if args.num_devices == 1
+               else SINGLE_NODE + SEQUENCE_PARALLEL)
     unknown = [name for name in args.configs or [] if name not in shipped]
     if unknown:
         raise SystemExit(f"error: --configs {' '.join(unknown)}: not among the configs for {args.num_devices} "
@@ -179,18 +194,27 @@ def rank(args, model: dict, device: dict) -> list[dict]:
             s["replicas"] = nodes
         baseline = 0.0 if on_gpu else process_baseline_bytes(s["strategy"] == "deepspeed")
         options = []
-        for micro in [m for m in range(per_device, 0, -1) if per_device % m == 0 and args.micro_batch in (None, m)]:
+        splits = ([sp for sp in range(2, n + 1) if n % sp == 0 and model["attention_heads"] % sp == 0]
+                  if s.get("sp_size", 1) > 1 else [1])
+        for sp, micro in [(sp, m) for sp in splits for m in range(per_device, 0, -1)
+                          if per_device % m == 0 and args.micro_batch in (None, m)]:
             for checkpointing in {"auto": (False, True), "off": (False,), "on": (True,)}[args.activation_checkpointing]:
                 k = per_device // micro
+                s = dict(s, sp_size=sp)
                 sharding = dict(s, num_processes=n_node) if s["replicas"] > 1 else s
                 est = estimate(model, sharding, micro, args.seq_len, checkpointing, k)
                 device_bytes, host_bytes = device_and_host_bytes(est, sharding, on_gpu)
                 device_bytes += baseline
-                traffic = comm_and_memory_traffic(s, model, c, k, n_node, nodes)
+                # under sequence parallelism a group reads its sp ranks' batches in turn: sp x k micro-steps
+                traffic = comm_and_memory_traffic(s, model, c, k * sp, n_node, nodes)
+                if sp > 1:  # at all_gather's busbw
+                    traffic["link"][where_of(nodes), "all_to_all"] = sequence_exchange_bytes(
+                        model, micro * -(-args.seq_len // sp), sp, c, k * sp, est["activation_checkpointing"])
                 recompute = 4 / 3 if est["activation_checkpointing"] else 1.0
                 compute = per_device * args.seq_len * flops_per_token * recompute / (device["tflops"] * 1e12 * args.mfu)
-                comm = sum(size / (device["link_gbps" if where == "intra" else "inter_node_gbps"][op] * GB)
-                           for (where, op), size in traffic["link"].items() if size)
+                comm = sum(size / (device["link_gbps" if where == "intra" else "inter_node_gbps"][
+                    "all_gather" if op == "all_to_all" else op] * GB) for (where, op), size in traffic["link"].items()
+                    if size)
                 other = (traffic["memory"] / (device["memory_gbps"] * GB) + traffic["host"] / (
                     device["host_link_gbps"] * GB) + 28 * traffic["cpu_optimizer"] * n_node / (
                     args.host_memory_gbps * GB))
@@ -199,7 +223,7 @@ def rank(args, model: dict, device: dict) -> list[dict]:
                 if on_gpu:  # the build comes before training's offloaded state, except FSDP2's rank 0 sharding it
                     load = loading_bytes(est, s, model, n_node)
                     host_bytes = host_bytes + load if s["strategy"] == "fsdp" else max(host_bytes, load)
-                options.append({"config": name, "micro_batch": micro, "accumulation": k,
+                options.append({"config": name, "micro_batch": micro, "accumulation": k, "sp_size": sp,
                                 "activation_checkpointing": est["activation_checkpointing"],
                                 "fits": device_bytes <= device_limit and host_bytes <= host_limit,
                                 "device_gb": device_bytes / GB, "host_gb_per_node": host_bytes / GB,
@@ -230,6 +254,10 @@ def rank(args, model: dict, device: dict) -> list[dict]:
     return rows
 
 
+def where_of(nodes: int) -> str:
+    return "inter" if nodes > 1 else "intra"
+
+
 def loading_bytes(est: dict, s: dict, model: dict, n_node: int) -> float:
     """CPU RAM per node while the model is built, on a GPU host: FSDP2's whole model on rank 0 (the estimate's
     loading peak); under DDP and ZeRO-1/2 every rank builds it whole in fp32 before moving it to its device
@@ -252,6 +280,10 @@ def write_yaml(choice: dict, args, path: str) -> None:
         text = re.sub(r"(?m)^  parallelism_config_dp_shard_size: .*$",
                       f"  parallelism_config_dp_shard_size: {args.num_devices // args.num_nodes}", text)
     text = re.sub(r"(?m)^mixed_precision: .*$", f"mixed_precision: '{args.mixed_precision}'", text)
+    if choice["sp_size"] > 1:  # the chosen split, and the groups beside each other
+        shard = args.num_devices // choice["sp_size"]
+        text = re.sub(r"(?m)^  parallelism_config_sp_size: .*$", f"  parallelism_config_sp_size: {choice['sp_size']}"
+                      + (f"\n  parallelism_config_dp_shard_size: {shard}" if shard > 1 else ""), text)
     if choice["strategy"]["strategy"] == "fsdp":
         text = re.sub(r"(?m)^  fsdp_activation_checkpointing: .*$",
                       f"  fsdp_activation_checkpointing: {str(choice['activation_checkpointing']).lower()}", text)
@@ -413,7 +445,8 @@ def main(argv=None) -> dict:
     print(f"{'config':24} {'micro x acc':>11} {'AC':>3} {'GB/device':>9} {'CPU GB/node':>11} {'compute s':>9} "
           f"{'comm s':>7} {'other s':>7} {'step s':>7}  verdict")
     for r in rows:
-        print(f"{r['config']:24} {r['micro_batch']:>6} x {r['accumulation']:<3} {'on' if r['activation_checkpointing'] else 'off':>3} "
+        name = r["config"] + (f" sp {r['sp_size']}" if r["sp_size"] > 1 else "")
+        print(f"{name:24} {r['micro_batch']:>6} x {r['accumulation']:<3} {'on' if r['activation_checkpointing'] else 'off':>3} "
               f"{r['device_gb']:9.2f} {r['host_gb_per_node']:11.1f} {r['compute_s']:9.3g} {r['comm_s']:7.3g} "
               f"{r['other_s']:7.3g} {r['step_s']:7.3g}  {r['verdict']}")
     result = {"device": device, "model": model, "rows": [{k: v for k, v in r.items() if k != "strategy"} for r in rows]}

@@ -65,6 +65,9 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MB = 2**20
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+import common  # noqa: E402,F401  (quiets torchao's import lines on a CPU build of torch, as in a run)
 
 
 def read_strategy(config_file: str, num_processes: int | None, mixed_precision: str | None) -> dict:
@@ -145,7 +148,11 @@ def read_model(model: str, vocab_size: int | None = None) -> dict:
             "matmul_parameters": sum(m.weight.numel() for m in built.modules() if isinstance(m, (torch.nn.Linear, Conv1D))),
             "hidden_size": config.hidden_size, "intermediate_size": getattr(config, "intermediate_size",
                                                                              4 * config.hidden_size),
-            "layers": config.num_hidden_layers, "vocab_size": config.vocab_size}
+            "layers": config.num_hidden_layers, "vocab_size": config.vocab_size,
+            "attention_heads": getattr(config, "num_attention_heads", 1),
+            # the key and value projections' width (grouped-query attention: fewer heads than the queries)
+            "kv_hidden_size": (getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", 1))
+            * (getattr(config, "head_dim", None) or config.hidden_size // getattr(config, "num_attention_heads", 1))}
 
 
 def activation_bytes(model: dict, batch_size: int, seq_len: int, compute_bytes: int, checkpointing: bool,

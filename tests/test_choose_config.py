@@ -90,6 +90,34 @@ def test_each_configs_traffic_is_its_collectives_bytes_at_the_link(tmp_path, con
     assert row["step_s"] == pytest.approx(max(row["compute_s"], row["comm_s"]) + row["other_s"])
 
 
+def test_long_sequences_choose_sequence_parallelism_and_its_split_reaches_the_yaml(tmp_path):
+    """Llama-3-8B at 128k tokens on 8 H100s: whole rows' activations fit no device even checkpointed; rows split
+    over sp_size devices (zero3_ulysses.yaml) do, and the YAML carries the split and the groups beside it."""
+    result = choose(tmp_path, "--model", LLAMA3_8B, "--device", "h100", "--num_devices", 8, "--seq_len", 131072,
+                    "--global_batch", 8)
+    chosen = result["rows"][0]
+    assert chosen["config"] == "zero3_ulysses.yaml" and chosen["verdict"] == "chosen" and chosen["sp_size"] > 1
+    assert not any(r["fits"] for r in result["rows"][1:])
+    config = yaml.safe_load((tmp_path / "chosen.yaml").read_text())["parallelism_config"]
+    assert config["parallelism_config_sp_size"] == chosen["sp_size"]
+    assert config.get("parallelism_config_dp_shard_size", 1) * chosen["sp_size"] == 8
+
+
+def test_sequence_parallel_traffic_is_zero3s_per_micro_step_and_the_all_to_alls(tmp_path):
+    """A group reads its sp ranks' batches in turn (sp x accumulation micro-steps, each gathering ZeRO-3's
+    weights twice and reducing once), and each layer exchanges its slice's q, k, v and output forward and
+    backward, each (sp - 1) / sp of it."""
+    result = choose(tmp_path, "--model", LLAMA3_8B, "--device", "h100", "--num_devices", 8, "--seq_len", 1024,
+                    "--global_batch", 32, "--micro_batch", 1, "--configs", "zero3_ulysses.yaml", "--link_gbps", 100,
+                    "--device_memory_gb", 1000, "--activation_checkpointing", "off")
+    row, model = result["rows"][0], result["model"]
+    sp, micro_steps = row["sp_size"], 4 * row["sp_size"]
+    zero3 = micro_steps * 3 * 2 * 7 / 8 * model["parameters"]
+    width = 2 * 4096 + 2 * 1024  # Llama-3-8B: 32 query heads, 8 key/value heads of 128
+    exchange = micro_steps * 2 * 32 * (1024 // sp) * width * 2 * (sp - 1) / sp
+    assert sp > 1 and row["comm_s"] == pytest.approx((zero3 + exchange) / 100e9, rel=1e-9)
+
+
 def test_checkpointing_precision_and_hsdp_sizes_reach_the_yaml_and_the_command(tmp_path):
     fsdp = choose(tmp_path / "fsdp", "--model", LLAMA3_8B, "--device", "h100", "--num_devices", 8, "--global_batch",
                   64, "--configs", "fsdp.yaml", "--activation_checkpointing", "on", "--mixed_precision", "no")
