@@ -22,7 +22,7 @@ import torch
 from conftest import (CONFIGS, FP32, STEPS, causal_lm_args, flags, launch, load_script, load_weights, losses,
                       max_weight_difference, model_state_gaps, pretrained_args, read_metrics, read_run, REPO)
 from test_strategies import BF16_LOSS_TOLERANCE, FP32_TOLERANCE, MODEL_STATE_TOLERANCE
-from test_tensor_parallel import launch_refused
+from test_tensor_parallel import epochs_with_a_remainder_step_as_one_process, launch_refused
 
 from common.errors import UsageError
 from common.mesh import mesh_problems
@@ -219,32 +219,7 @@ def test_epochs_with_a_remainder_under_sequence_parallelism_step_as_one_process(
     batches twice (one slice each time), so an epoch holds the single process's steps; losses and schedule
     (to 0 on the last step) are one process's, and resumed one step past the first epoch boundary it
     continues bit for bit."""
-    from common.synthetic import write_markov_corpus
-
-    data = tmp_path / "data"
-    write_markov_corpus(str(data), train_docs=120, validation_docs=20, seed=0)
-    args = dict(per_device_train_batch_size=2, gradient_accumulation_steps=5, max_steps=-1, num_train_epochs=3,
-                save_steps=1, save_total_limit=100, warmup_steps=0, lr_scheduler_type="linear", eval_steps=0)
-    alone, split = tmp_path / "alone", tmp_path / "split"
-    launch("single.yaml", "causal_lm.py", causal_lm_args(data, alone, **args), launcher_args=FP32)
-    launch(CONFIG, "causal_lm.py", causal_lm_args(data, split, **args), launcher_args=FP32)
-    record = read_run(split)
-    batches = record["train_blocks"] // 2
-    per_epoch = batches // 5
-    print(f"{record['train_blocks']} blocks: {batches} batches per epoch, {per_epoch} steps, remainder {batches % 5}")
-    assert batches % 5 != 0 and record["max_steps"] == read_run(alone)["max_steps"] == 3 * per_epoch
-    mine, reference = read_metrics(split)[0], read_metrics(alone)[0]
-    assert [r["step"] for r in mine] == [r["step"] for r in reference] == list(range(1, 3 * per_epoch + 1))
-    gap = max(abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(mine, reference))
-    print(f"{CONFIG} over 3 epochs with a remainder: loss gap {gap:.2e} to one process")
-    assert gap < FP32_TOLERANCE and mine[-1]["lr"] == pytest.approx(0.0, abs=1e-12)
-    after_boundary = per_epoch + 1
-    stopped = tmp_path / "stopped"
-    shutil.copytree(split / "checkpoints" / f"step_{after_boundary}", stopped / "checkpoints" / f"step_{after_boundary}")
-    launch(CONFIG, "causal_lm.py", causal_lm_args(data, stopped, resume_from_checkpoint="latest", **args),
-           launcher_args=FP32)
-    assert losses(stopped) == [r["loss"] for r in mine[after_boundary:]]
-    assert max_weight_difference(stopped / "final", split / "final") == 0.0
+    epochs_with_a_remainder_step_as_one_process(CONFIG, tmp_path)
 
 
 @pytest.mark.slow

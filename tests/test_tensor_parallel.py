@@ -166,6 +166,12 @@ def test_epochs_with_a_remainder_under_tensor_parallelism_step_as_one_process(tm
     """3 epochs whose batches leave a remainder of the accumulation window: a tp.yaml pair trains on one batch
     stream (its data-parallel size is 1), so it takes the single process's steps, losses and schedule (to 0 on
     the last step), and resumed one step past the first epoch boundary it continues bit for bit."""
+    epochs_with_a_remainder_step_as_one_process("tp.yaml", tmp_path)
+
+
+def epochs_with_a_remainder_step_as_one_process(config, tmp_path):
+    """`config`'s pair (data-parallel size 1) over 3 epochs of 23 batches at accumulation 5, against one process,
+    then resumed one step past the first epoch boundary."""
     from common.synthetic import write_markov_corpus
 
     data = tmp_path / "data"
@@ -174,7 +180,7 @@ def test_epochs_with_a_remainder_under_tensor_parallelism_step_as_one_process(tm
                 save_steps=1, save_total_limit=100, warmup_steps=0, lr_scheduler_type="linear", eval_steps=0)
     alone, split = tmp_path / "alone", tmp_path / "split"
     launch("single.yaml", "causal_lm.py", causal_lm_args(data, alone, **args), launcher_args=FP32)
-    launch("tp.yaml", "causal_lm.py", causal_lm_args(data, split, **args), launcher_args=FP32)
+    launch(config, "causal_lm.py", causal_lm_args(data, split, **args), launcher_args=FP32)
     record = read_run(split)
     batches = record["train_blocks"] // 2
     per_epoch = batches // 5
@@ -183,12 +189,12 @@ def test_epochs_with_a_remainder_under_tensor_parallelism_step_as_one_process(tm
     mine, reference = read_metrics(split)[0], read_metrics(alone)[0]
     assert [r["step"] for r in mine] == [r["step"] for r in reference] == list(range(1, 3 * per_epoch + 1))
     gap = max(abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(mine, reference))
-    print(f"tp.yaml over 3 epochs with a remainder: loss gap {gap:.2e} to one process")
+    print(f"{config} over 3 epochs with a remainder: loss gap {gap:.2e} to one process")
     assert gap < FP32_TOLERANCE and mine[-1]["lr"] == pytest.approx(0.0, abs=1e-12)
     after_boundary = per_epoch + 1
     stopped = tmp_path / "stopped"
     shutil.copytree(split / "checkpoints" / f"step_{after_boundary}", stopped / "checkpoints" / f"step_{after_boundary}")
-    launch("tp.yaml", "causal_lm.py", causal_lm_args(data, stopped, resume_from_checkpoint="latest", **args),
+    launch(config, "causal_lm.py", causal_lm_args(data, stopped, resume_from_checkpoint="latest", **args),
            launcher_args=FP32)
     assert losses(stopped) == [r["loss"] for r in mine[after_boundary:]]
     assert max_weight_difference(stopped / "final", split / "final") == 0.0
