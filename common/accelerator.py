@@ -26,7 +26,7 @@ from accelerate.utils import (DistributedDataParallelKwargs, GradientAccumulatio
 
 from common import cpu_host
 from common.errors import UsageError
-from common.mesh import DIMENSIONS, mesh_problems
+from common.mesh import DIMENSIONS, launched_mesh_size, mesh_problems
 from common.speed import dynamo_plugin
 
 
@@ -36,13 +36,6 @@ def _env_flag(name: str) -> bool:
 
 def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def launched_mesh_size(dimension: str) -> int:
-    """A parallelism_config dimension's size (tp, cp, sp, dp_shard, dp_replicate) as the launcher exported it."""
-    if not _env_flag("ACCELERATE_USE_PARALLELISM_CONFIG"):
-        return 1
-    return int(os.environ.get(f"PARALLELISM_CONFIG_{dimension.upper()}_SIZE", "1"))
 
 
 def launched_strategy() -> str:

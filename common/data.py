@@ -231,7 +231,7 @@ def make_dataloaders(datasets: DatasetDict, train_batch_size: int, eval_batch_si
         train = StreamLoader(datasets["train"], train_batch_size)
     else:
         train = DataLoader(datasets["train"], shuffle=True, batch_size=train_batch_size,
-                           collate_fn=sequence_parallel.splittable(collate_fn, sequence_parallel.launched_size()),
+                           collate_fn=sequence_parallel.splittable(collate_fn),
                            generator=generator, drop_last=True)
     evaluation = DataLoader(datasets["validation"], batch_size=eval_batch_size, collate_fn=eval_collate_fn or collate_fn)
     return train, evaluation

@@ -12,6 +12,7 @@ calls where there is no tensor parallelism)."""
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 from accelerate.utils import recursively_apply
@@ -66,6 +67,19 @@ def mesh_problems(sizes: dict, world: int, distributed_type: str, fsdp2: bool, e
     return problems
 
 
+def launched_mesh_size(dimension: str) -> int:
+    """A parallelism_config dimension's size (tp, cp, sp, dp_shard, dp_replicate) as the launcher exported it."""
+    if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true":
+        return 1
+    return int(os.environ.get(f"PARALLELISM_CONFIG_{dimension.upper()}_SIZE", "1"))
+
+
+def sequence_shards(accelerator) -> int:
+    """How many ranks split each row: sp_size under sequence parallelism, else 1 (an Accelerator or its state)."""
+    config = getattr(accelerator, "parallelism_config", None)
+    return config.sp_size if config is not None and config.sp_enabled else 1
+
+
 def replicas(accelerator) -> int:
     """How many ranks train on each batch: tp_size under tensor parallelism, 1 otherwise (`accelerator`: an
     Accelerator or its AcceleratorState)."""
@@ -76,9 +90,7 @@ def replicas(accelerator) -> int:
 def data_parallel_size(accelerator) -> int:
     """The number of different batches each micro-step trains on: processes / replicas, and / sp_size under
     sequence parallelism, where a group's ranks each train on a slice of one batch (common.sequence_parallel)."""
-    config = getattr(accelerator, "parallelism_config", None)
-    shards = config.sp_size if config is not None and config.sp_enabled else 1
-    return accelerator.num_processes // replicas(accelerator) // shards
+    return accelerator.num_processes // replicas(accelerator) // sequence_shards(accelerator)
 
 
 def data_parallel_share(accelerator, items: list) -> list:

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from accelerate.utils import gather_object
 
-from common import mesh, sequence_parallel
+from common import mesh
 from common.accelerator import autocast_dtype, unwrap
 from common.flops import ModelFlops, device_peak_tflops
 from common.memory import MemoryAccount, current_memory
@@ -34,7 +34,7 @@ class MetricsLogger:
         self.accelerator = accelerator
         self.output_dir = output_dir
         self.memory = MemoryAccount(model, optimizer, accelerator.device) if optimizer is not None else None
-        self.flops = (ModelFlops(unwrap(accelerator, model), sequence_parallel.shards(accelerator))
+        self.flops = (ModelFlops(unwrap(accelerator, model), mesh.sequence_shards(accelerator))
                       if model is not None else None)
         compute = autocast_dtype(accelerator.mixed_precision)
         self.peak_tflops = device_peak_tflops(accelerator.device, compute, peak_tflops)
@@ -91,7 +91,7 @@ class MetricsLogger:
         """Average the window over micro-batches and ranks; call on every rank."""
         device = self.accelerator.device
         tokens, samples, flops = mesh.reduce_sum(self.accelerator, self.window_sums.clone()).tolist()
-        samples /= sequence_parallel.shards(self.accelerator)  # a sequence-parallel group's ranks each hold a slice
+        samples /= mesh.sequence_shards(self.accelerator)  # a sequence-parallel group's ranks each hold a slice
         mean_loss = self.accelerator.reduce(
             torch.as_tensor(self.window_loss / max(self.window_batches, 1), device=device), reduction="mean")
         own = {}

@@ -27,26 +27,14 @@ import os
 import torch
 
 from common.errors import UsageError
+from common.mesh import launched_mesh_size
 
 ADAPTER = "UlyssesSPDataLoaderAdapter"
 
 
-def launched_size() -> int:
-    """parallelism_config_sp_size as the launcher exported it (1 without one)."""
-    if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true":
-        return 1
-    return int(os.environ.get("PARALLELISM_CONFIG_SP_SIZE", "1"))
-
-
 def launched_attention() -> str | None:
     """parallelism_config_sp_attn_implementation as exported (the model's attention must be the same)."""
-    return os.environ.get("PARALLELISM_CONFIG_SP_ATTN_IMPLEMENTATION") if launched_size() > 1 else None
-
-
-def shards(accelerator) -> int:
-    """How many ranks split each row: sp_size under sequence parallelism, else 1 (an Accelerator or its state)."""
-    config = getattr(accelerator, "parallelism_config", None)
-    return config.sp_size if config is not None and config.sp_enabled else 1
+    return os.environ.get("PARALLELISM_CONFIG_SP_ATTN_IMPLEMENTATION") if launched_mesh_size("sp") > 1 else None
 
 
 def check_arguments(arguments: tuple) -> None:
@@ -73,7 +61,7 @@ def recipe_problems(values: dict) -> list[str]:
 
 def check_heads(model) -> None:
     """The attention heads (query and key/value) must divide by sp_size: each rank of a group takes its share of them."""
-    size, config = launched_size(), model.config.get_text_config()
+    size, config = launched_mesh_size("sp"), model.config.get_text_config()
     heads = getattr(config, "num_attention_heads", None)
     if heads is not None and heads % size:
         raise UsageError(f"parallelism_config_sp_size {size}: the model has {heads} attention heads, which do not "
@@ -118,8 +106,9 @@ def _as_long_as_the_group(loader, group):
         yield padded(dict(batch), int(length))
 
 
-def splittable(collate, size: int):
-    """`collate` wrapped for sp_size `size` (unchanged for 1)."""
+def splittable(collate):
+    """`collate` wrapped for the launched sp_size (unchanged without sequence parallelism)."""
+    size = launched_mesh_size("sp")
     return SplittableRows(collate, size) if size > 1 else collate
 
 
@@ -157,5 +146,5 @@ def as_model_input(batch: dict) -> dict:
     shift_labels as the targets without shifting them again."""
     if "shift_labels" not in batch:
         return batch
-    targets = batch["shift_labels"].contiguous()  # (the adapter's slice is a view transformers cannot .view)
-    return {**batch, "labels": targets, "shift_labels": targets}
+    shifted = batch["shift_labels"].contiguous()  # (the adapter's slice is a view transformers cannot .view)
+    return {**batch, "labels": shifted, "shift_labels": shifted}
