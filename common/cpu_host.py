@@ -6,6 +6,8 @@ single-process run. So each YAML is mapped to its CPU equivalent:
   MULTI_GPU  -> MULTI_CPU over gloo
   FSDP       -> FSDP2 (`fully_shard`) over gloo
   tensor parallel (parallelism_config_tp_size) -> its device mesh over gloo
+  context parallel (parallelism_config_cp_size) -> torch's ring attention over gloo, on the CPU's
+                                                   flash kernel (torch gives it CUDA's only)
   DeepSpeed  -> DeepSpeed's CPU accelerator over gloo
 
 Precision is honoured: bf16 runs under CPU autocast (FSDP2's and DeepSpeed's own
@@ -23,7 +25,7 @@ import sys
 from accelerate import PartialState
 from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
-from common.internals import cpu_has_bf16_instructions, present_cpu_group_as_multi_gpu
+from common.internals import cpu_has_bf16_instructions, present_cpu_group_as_multi_gpu, ring_attention_on_cpu
 
 
 def cpu_runs_bf16() -> bool:
@@ -62,6 +64,9 @@ def adapt(accelerator, strategy: str) -> None:
     """After the Accelerator exists: the plugin settings a CPU host cannot honour as written."""
     if strategy == "fsdp":
         _unpin_fsdp_offload(accelerator.state.fsdp_plugin)
+    config = accelerator.parallelism_config
+    if config is not None and config.cp_enabled:
+        ring_attention_on_cpu()
     if strategy == "deepspeed":
         _deepspeed_json_precision(accelerator.state.deepspeed_plugin)
         _keep_torch_optimizer_on_offload(accelerator.state.deepspeed_plugin)

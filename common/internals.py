@@ -48,6 +48,8 @@ USES = (
         "ddp_bucket_bytes: DDP's gradient buckets, held by C++ only"),
     Use("torch", "torch.ops.mkldnn._is_mkldnn_bf16_supported", "cpu_has_bf16_instructions"),
     Use("torch", "fused Adam(W)'s found_inf (GradScaler's protocol)", "skip_step_on_device"),
+    Use("torch", "distributed.tensor.experimental._context_parallel (its ring attention, the DTensor op handlers and "
+        "sharding rules it registers)", "ring_attention_on_cpu: torch's context parallelism with the CPU kernel"),
     Use("deepspeed", "the ZeRO optimizers' module path and attribute names (fp32_/fp16_partitioned_groups_flat, "
                      "offload_optimizer, single_partition_of_fp32_groups, *bucket*/ipg/grad/fp32/bit16 attributes)",
         "zero_optimizer, master_weights_dtype, zero_attribute_category: the memory account and run.json; "
@@ -174,6 +176,40 @@ def cpu_has_bf16_instructions() -> bool:
 
 def skip_step_on_device(optimizer, found_inf: torch.Tensor) -> None:  # the next fused Adam(W) step is a no-op if 1
     innermost_optimizer(optimizer).found_inf = found_inf
+
+
+def ring_attention_on_cpu() -> None:
+    """Torch's context parallelism hands its ring attention the CUDA kernels only (flash, efficient, cuDNN): give it
+    the CPU's flash kernel too, with the same Shard(seq) rules, so fsdp_cp.yaml runs over gloo (idempotent)."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy, register_op_strategy
+    from torch.distributed.tensor.experimental._context_parallel import _attention as ring
+
+    forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    if forward in ring.custom_ops:
+        return
+
+    def on_ring(mesh, query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+        return ring._templated_ring_attention(mesh.get_group(), 2, forward, query=query, key=key, value=value,
+                                              is_causal=is_causal, dropout_p=dropout_p, scale=scale)
+
+    def on_ring_backward(mesh, grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *, attn_mask=None,
+                         scale=None):
+        return ring._templated_ring_attention_backward(
+            mesh.get_group(), 2, backward, grad_out=grad_out, grad_out_name="grad_out", query=query, key=key,
+            value=value, out=out, logsumexp=logsumexp, is_causal=is_causal, dropout_p=dropout_p, scale=scale)
+
+    def handler(op, args, kwargs):  # as torch's _sdpa_handler: local tensors in, DTensors out
+        info = DTensor._op_dispatcher.unwrap_to_op_info(op, args, kwargs)
+        DTensor._op_dispatcher.sharding_propagator.propagate(info)
+        local = (on_ring if op is forward else on_ring_backward)(info.compute_mesh, *info.local_args, **info.local_kwargs)
+        return DTensor._op_dispatcher.wrap(local, info.output_sharding.output_spec)
+
+    for op, inputs, outputs in ((forward, 3, 2), (backward, 6, 3)):  # every tensor split along the sequence (dim 2)
+        register_op_strategy(op)(lambda schema, n=inputs + outputs, first=outputs: expand_to_full_mesh_op_strategy(
+            schema.get_mesh_from_args(validate=False), schema, [[Shard(2)] * n], input_index=first))
+        ring.custom_ops[op] = handler
 
 
 # ---- deepspeed -------------------------------------------------------------------------------

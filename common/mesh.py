@@ -3,9 +3,9 @@
 `mesh_problems` holds the rules once, for `make check-config` (reading the YAML) and for a launched run
 (reading what the launcher exported, common.accelerator).
 
-Under tensor parallelism (tp.yaml, fsdp_tp.yaml) the tp_size ranks of a group train on the same
-batch (accelerate hands it to each of them), so a sum over every rank counts each example tp_size
-times and a gather returns it tp_size times. The recipes' counts, metrics and evaluations go through
+Under tensor parallelism (tp.yaml, fsdp_tp.yaml) and context parallelism (fsdp_cp.yaml) the ranks
+of a group are handed the same batch (accelerate hands it to each of them), so a sum over every
+rank counts each example as often and a gather returns it as often. The recipes' counts, metrics and evaluations go through
 these instead: over the data-parallel ranks only, whatever the mesh (the same as accelerate's own
 calls where there is no tensor parallelism)."""
 
@@ -28,10 +28,12 @@ def mesh_problems(sizes: dict, world: int, distributed_type: str, fsdp2: bool, e
     `efficient_loading`: fsdp_cpu_ram_efficient_loading; `zero_stage`: DeepSpeed's, where known. Each problem
     is one line that says what to do."""
     problems = []
-    if sizes.get("cp", 1) > 1:
-        problems.append(f"parallelism_config_cp_size {sizes['cp']}: context parallelism is not supported by these "
-                        "recipes yet (docs/strategies.md says what it takes); use zero3_ulysses.yaml (sequence "
-                        "parallelism) or activation checkpointing (--gradient_checkpointing) for long sequences")
+    if sizes.get("cp", 1) > 1 and not fsdp2:
+        problems.append(f"parallelism_config_cp_size {sizes['cp']}: context parallelism (torch's ring attention) runs "
+                        f"under FSDP2, not {distributed_type}: use fsdp_cp.yaml as the template")
+    elif sizes.get("cp", 1) > 1 and sizes.get("tp", 1) > 1:
+        problems.append("parallelism_config_cp_size beside parallelism_config_tp_size: these recipes run context "
+                        "parallelism over data-parallel ranks only; set tp_size 1 (fsdp_cp.yaml)")
     if sizes.get("sp", 1) > 1 and distributed_type != "DEEPSPEED":
         problems.append(f"parallelism_config_sp_size {sizes['sp']}: sequence parallelism (Ulysses) runs under "
                         f"DeepSpeed, not {distributed_type}: use zero3_ulysses.yaml as the template")
@@ -49,7 +51,7 @@ def mesh_problems(sizes: dict, world: int, distributed_type: str, fsdp2: bool, e
         problems.append(f"parallelism_config: {named} = {product} processes but num_processes is {world}; make the "
                         "sizes multiply to num_processes (HSDP: dp_replicate_size = nodes, dp_shard_size = GPUs per "
                         "node; tp.yaml: tp_size = num_processes; zero3_ulysses.yaml: dp_shard_size = num_processes / "
-                        "sp_size)")
+                        "sp_size; fsdp_cp.yaml: dp_shard_size = num_processes / cp_size)")
     ulysses = distributed_type == "DEEPSPEED" and sizes.get("sp", 1) > 1  # its dp_shard: the other ranks' ZeRO
     if (sizes.get("dp_replicate", 1) > 1 or sizes.get("dp_shard", 1) > 1 and not ulysses) and not fsdp2:
         problems.append("parallelism_config's dp_replicate_size and dp_shard_size need distributed_type FSDP "
@@ -74,23 +76,31 @@ def launched_mesh_size(dimension: str) -> int:
     return int(os.environ.get(f"PARALLELISM_CONFIG_{dimension.upper()}_SIZE", "1"))
 
 
+def _size(accelerator, dimension: str) -> int:
+    config = getattr(accelerator, "parallelism_config", None)  # (a stand-in for one process may have none)
+    return getattr(config, f"{dimension}_size", None) or 1 if config is not None else 1
+
+
 def sequence_shards(accelerator) -> int:
-    """How many ranks split each row: sp_size under sequence parallelism, else 1 (an Accelerator or its state)."""
-    config = getattr(accelerator, "parallelism_config", None)
-    return config.sp_size if config is not None and config.sp_enabled else 1
+    """How many ranks each train on a share of every row's tokens: sp_size (Ulysses) or cp_size (ring attention),
+    else 1 (`accelerator`: an Accelerator or its AcceleratorState)."""
+    return _size(accelerator, "sp") * _size(accelerator, "cp")
+
+
+def context_shards(accelerator) -> int:
+    """cp_size: the ranks of a context-parallel group, handed the same batch, each train on its share of the rows."""
+    return _size(accelerator, "cp")
 
 
 def replicas(accelerator) -> int:
-    """How many ranks train on each batch: tp_size under tensor parallelism, 1 otherwise (`accelerator`: an
-    Accelerator or its AcceleratorState)."""
-    config = getattr(accelerator, "parallelism_config", None)  # (a stand-in for one process may have none)
-    return config.tp_size if config is not None and config.tp_enabled else 1
+    """How many ranks are handed each batch: tp_size x cp_size (a tensor- or context-parallel group), else 1."""
+    return _size(accelerator, "tp") * context_shards(accelerator)
 
 
 def data_parallel_size(accelerator) -> int:
     """The number of different batches each micro-step trains on: processes / replicas, and / sp_size under
     sequence parallelism, where a group's ranks each train on a slice of one batch (common.sequence_parallel)."""
-    return accelerator.num_processes // replicas(accelerator) // sequence_shards(accelerator)
+    return accelerator.num_processes // replicas(accelerator) // _size(accelerator, "sp")
 
 
 def data_parallel_share(accelerator, items: list) -> list:
@@ -105,16 +115,17 @@ def data_parallel_share(accelerator, items: list) -> list:
 
 
 def reduce_sum(accelerator, tensor: torch.Tensor) -> torch.Tensor:
-    """The sum over the data-parallel ranks of a value each rank of a group holds alike (tokens, samples)."""
+    """The sum over the ranks of what each trained on (tokens, samples, FLOPs), a tensor-parallel group's counted once
+    (a context-parallel group's ranks each hold their share of the tokens: common.metrics divides the samples)."""
     total = accelerator.reduce(tensor, reduction="sum")
-    group = replicas(accelerator)
+    group = _size(accelerator, "tp")
     return total if group == 1 else total / group
 
 
 def gather_for_metrics(accelerator, data):
     """`accelerator.gather_for_metrics` over the data-parallel ranks: every evaluation example once.
-    With tensor parallelism the rows of each group's first rank are kept (ranks are numbered with the
-    tp dimension innermost), then the samples that evened out the last batch are dropped."""
+    With tensor or context parallelism the rows of each group's first rank are kept (ranks are numbered
+    with the tp and cp dimensions innermost), then the samples that evened out the last batch are dropped."""
     group = replicas(accelerator)
     if group == 1:
         return accelerator.gather_for_metrics(data)
@@ -130,7 +141,7 @@ def gather_for_metrics(accelerator, data):
 
 
 def check_shared_batch(accelerator, batch: dict) -> int:
-    """Every rank of each tensor-parallel group holds the same batch (a fingerprint of each of its tensors
+    """Every rank of each tensor- or context-parallel group holds the same batch (a fingerprint of each of its tensors
     compared over the group), or a RuntimeError: the slices of one layer trained on different data
     would add up to no model at all. Returns the number of groups checked (0 without tensor parallelism)."""
     group = replicas(accelerator)
@@ -140,7 +151,7 @@ def check_shared_batch(accelerator, batch: dict) -> int:
     prints = accelerator.gather(mine[None].to(accelerator.device)).reshape(-1, group, mine.numel())
     differing = [index for index, members in enumerate(prints) if not (members == members[0]).all()]
     if differing:
-        raise RuntimeError(f"the ranks of tensor-parallel group {differing[0]} were handed different batches; "
+        raise RuntimeError(f"the ranks of tensor/context-parallel group {differing[0]} were handed different batches; "
                            "they must train on the same one (a data loader not prepared by accelerate?)")
     return prints.shape[0]
 

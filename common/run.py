@@ -143,7 +143,7 @@ def start_run(*arguments) -> Run:
     refuse_fp8_where_it_cannot_run(launched_strategy(), launched_mesh_size("tp"))
     if launched_mesh_size("tp") > 1:  # tp.yaml, fsdp_tp.yaml
         tensor_parallel.check_arguments(arguments)
-    if launched_mesh_size("sp") > 1:  # zero3_ulysses.yaml
+    if launched_mesh_size("sp") > 1 or launched_mesh_size("cp") > 1:  # zero3_ulysses.yaml, fsdp_cp.yaml
         sequence_parallel.check_arguments(arguments)
     if _is_rank0() and not int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):
         mark_launch_starting(args.output_dir)

@@ -1,4 +1,4 @@
-"""DeepSpeed's Ulysses sequence parallelism (zero3_ulysses.yaml): the rows it can split and the loop's view of them.
+"""Rows split across ranks: DeepSpeed's Ulysses (zero3_ulysses.yaml) and torch's ring attention (fsdp_cp.yaml).
 
 Under `parallelism_config_sp_size` N, accelerate hands the train loader to DeepSpeed's
 UlyssesSPDataLoaderAdapter: the N ranks of a group take one rank's batch at a time, each the
@@ -18,44 +18,58 @@ processes / N (`common.mesh.data_parallel_size`). What the recipes add here:
   and then the adapter's slices of the one it stopped in;
 * evaluation on whole rows (`whole_rows`): DeepSpeed turns the exchange off in eval mode, so
   the held-out loader is read without the adapter, one row per rank as under ZeRO-3.
+
+Under `parallelism_config_cp_size` N (context parallelism, over FSDP2) the N ranks of a group are
+handed the same batch; inside `context_parallel`, which a recipe's loop opens around each
+micro-batch's forward and backward, torch splits every row into 2N chunks (rank r keeps chunks r
+and 2N-1-r, so causal attention's work is even) and the attention passes keys and values round
+the ring. The rows are prepared as for Ulysses (lengths a multiple of 2N, position_ids, padding at
+the end, no attention_mask), with the next-token targets shifted on the whole row beforehand
+(`shift_labels`): each rank's loss is the sum over its chunks' targets.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
 
 from common.errors import UsageError
-from common.mesh import launched_mesh_size
+from common.mesh import context_shards, launched_mesh_size
 
 ADAPTER = "UlyssesSPDataLoaderAdapter"
 
 
 def launched_attention() -> str | None:
-    """parallelism_config_sp_attn_implementation as exported (the model's attention must be the same)."""
+    """The attention a split run's model must use: parallelism_config_sp_attn_implementation as exported, or sdpa
+    under context parallelism (torch's ring attention replaces scaled_dot_product_attention)."""
+    if launched_mesh_size("cp") > 1:
+        return "sdpa"
     return os.environ.get("PARALLELISM_CONFIG_SP_ATTN_IMPLEMENTATION") if launched_mesh_size("sp") > 1 else None
 
 
 def check_arguments(arguments: tuple) -> None:
-    """What a sequence-parallel run cannot do, refused before anything is built. A recipe whose arguments say
-    `scores_whole_rows` (what it scores) is refused: its loss is not a sum over next-token targets."""
+    """What a sequence- or context-parallel run cannot do, refused before anything is built. A recipe whose arguments
+    say `scores_whole_rows` (what it scores) is refused: its loss is not a sum over next-token targets."""
     for args in arguments:
         if getattr(args, "scores_whole_rows", None):
-            raise UsageError(f"sequence parallelism (parallelism_config_sp_size) splits each row's next-token targets "
-                             f"across ranks, while this recipe scores {args.scores_whole_rows}: use zero3.yaml; "
-                             "causal_lm.py and sft.py run under it")
+            raise UsageError(f"sequence and context parallelism (parallelism_config_sp_size, _cp_size) split each "
+                             f"row's next-token targets across ranks, while this recipe scores "
+                             f"{args.scores_whole_rows}: use zero3.yaml or fsdp.yaml; causal_lm.py and sft.py run "
+                             "under them")
         for problem in recipe_problems(vars(args)):
             raise UsageError(problem)
 
 
 def recipe_problems(values: dict) -> list[str]:
-    """What a recipe's arguments (or its YAML, for `make check-config`) ask that sequence parallelism cannot run."""
+    """What a recipe's arguments (or its YAML, for `make check-config`) ask that sequence or context parallelism
+    cannot run."""
     whys = {"packing": "packed rows need attention kept within each example, which the exchange does not keep",
-            "streaming": "a stream is not a loader accelerate can hand to the adapter",
-            "auto_find_batch_size": "its trial steps run before the adapter splits the rows; set "
+            "streaming": "a stream is not a loader accelerate can split the rows of",
+            "auto_find_batch_size": "its trial steps run on whole rows, before they are split; set "
                                     "--per_device_train_batch_size instead"}
-    return [f"--{flag} under sequence parallelism: {why}; pass --{flag} false" for flag, why in whys.items()
+    return [f"--{flag} under sequence/context parallelism: {why}; pass --{flag} false" for flag, why in whys.items()
             if str(values.get(flag, False)).lower() == "true"]
 
 
@@ -70,12 +84,12 @@ def check_heads(model) -> None:
 
 
 class SplittableRows:
-    """The train collator under sp_size `size`: its batch with rows padded at the end to a multiple of `size`
-    (labels -100), position_ids 0..length-1 per row, and the attention_mask checked to pad only at the end,
-    then dropped. Left padding is refused in one line."""
+    """The train collator under sp_size `size` (or 2 x cp_size): its batch with rows padded at the end to a multiple
+    of `size` (labels -100), position_ids 0..length-1 per row, and the attention_mask checked to pad only at the end,
+    then dropped. Left padding is refused in one line. `shifted`: shift_labels added, the targets of the whole rows."""
 
-    def __init__(self, collate, size: int):
-        self.collate, self.size = collate, size
+    def __init__(self, collate, size: int, shifted: bool = False):
+        self.collate, self.size, self.shifted = collate, size, shifted
 
     def __call__(self, examples):
         batch = dict(self.collate(examples))
@@ -84,7 +98,10 @@ class SplittableRows:
             raise UsageError("sequence parallelism needs padding at the end of each row (the tokenizer pads on the "
                              "left): set tokenizer.padding_side = 'right' for training")
         batch.pop("position_ids", None)
-        return padded(batch, batch["input_ids"].shape[1] + -batch["input_ids"].shape[1] % self.size)
+        batch = padded(batch, batch["input_ids"].shape[1] + -batch["input_ids"].shape[1] % self.size)
+        if self.shifted:
+            batch["shift_labels"] = torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1), value=-100)
+        return batch
 
 
 def padded(batch: dict, length: int) -> dict:
@@ -107,9 +124,22 @@ def _as_long_as_the_group(loader, group):
 
 
 def splittable(collate):
-    """`collate` wrapped for the launched sp_size (unchanged without sequence parallelism)."""
+    """`collate` wrapped for the launched sp_size or cp_size (unchanged without either)."""
+    if launched_mesh_size("cp") > 1:
+        return SplittableRows(collate, 2 * launched_mesh_size("cp"), shifted=True)
     size = launched_mesh_size("sp")
     return SplittableRows(collate, size) if size > 1 else collate
+
+
+def context_parallel(accelerator, batch: dict):
+    """The context a recipe's loop runs each micro-batch's forward and backward in: under context parallelism,
+    accelerate's, which splits the batch's rows in place (input_ids, position_ids, the shifted targets) and turns
+    the attention into ring attention; a context that does nothing otherwise."""
+    if context_shards(accelerator) == 1:
+        return contextlib.nullcontext()
+    rows = [batch[key] for key in ("input_ids", "position_ids", "shift_labels")]
+    return accelerator.maybe_context_parallel(buffers=rows, buffer_seq_dims=[1] * len(rows),
+                                              no_restore_buffers=set(rows))
 
 
 def is_split(loader) -> bool:

@@ -99,12 +99,12 @@ def prepare_model(model, speed: SpeedArguments, packed_rows: bool = False):
     from common.packing import NAME, use_per_example_attention  # registers sdpa_varlen
 
     candidates = attention_candidates(speed.attn_implementation, model, packed_rows)
-    sequence_parallel_attention = launched_attention()  # zero3_ulysses.yaml: DeepSpeed wraps this one
+    sequence_parallel_attention = launched_attention()  # zero3_ulysses.yaml: DeepSpeed wraps it; fsdp_cp.yaml: sdpa
     if sequence_parallel_attention is not None:
         if speed.attn_implementation not in ("auto", sequence_parallel_attention):
-            raise UsageError(f"--attn_implementation {speed.attn_implementation} under sequence parallelism, whose "
-                             f"config names {sequence_parallel_attention} (parallelism_config_sp_attn_implementation): "
-                             "leave out --attn_implementation or change the config's")
+            raise UsageError(f"--attn_implementation {speed.attn_implementation} under sequence/context parallelism, "
+                             f"which runs {sequence_parallel_attention} (parallelism_config_sp_attn_implementation; "
+                             "context parallelism's ring attention is sdpa's): leave out --attn_implementation")
         candidates = [sequence_parallel_attention]
         check_heads(model)
     for attention in candidates:

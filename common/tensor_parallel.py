@@ -17,7 +17,6 @@ import os
 from common.accelerator import unwrap
 from common.errors import UsageError
 from common.internals import innermost_optimizer
-from common.mesh import replicas
 
 
 def enabled(state=None) -> bool:
@@ -28,7 +27,8 @@ def enabled(state=None) -> bool:
         if not is_initialized():  # a model built outside a run (a script, a test)
             return False
         state = AcceleratorState()
-    return replicas(state) > 1
+    config = getattr(state, "parallelism_config", None)
+    return config is not None and config.tp_enabled
 
 
 def check_arguments(arguments: tuple) -> None:

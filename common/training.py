@@ -62,11 +62,11 @@ def steps_per_epoch(batches_per_epoch: int, gradient_accumulation_steps: int) ->
 def total_training_steps(args: TrainingArguments, train_loader, accelerator) -> int:
     """Optimizer steps in the run: max_steps if set (a --streaming loader has no length), else
     epochs x steps per epoch of the (unprepared) train loader's batches as the loop reads them: split
-    over the ranks that read different ones (a tensor-parallel group shares its batches: `common.mesh`),
+    over the ranks that read different ones (a tensor/context-parallel group shares its batches: `common.mesh`),
     each read sp_size times under sequence parallelism (once per slice: `common.sequence_parallel`)."""
     if args.max_steps > 0:
         return args.max_steps
-    shards = mesh.sequence_shards(accelerator)
+    shards = mesh.sequence_shards(accelerator) // mesh.context_shards(accelerator)
     batches = len(train_loader) // (mesh.data_parallel_size(accelerator) * shards) * shards
     return args.num_train_epochs * steps_per_epoch(batches, args.gradient_accumulation_steps)
 
@@ -200,15 +200,16 @@ class TrainBatches:
                 self._position = position
             tokens = _settled(pending)
             groups = mesh.check_shared_batch(self.accelerator, window[0]) if step == 0 else 0
-            if groups and self.metrics is not None:  # each tensor-parallel group's ranks hold the same batch
-                self.metrics.record_in_run_json("tensor_parallel_groups_checked", groups)
+            if groups and self.metrics is not None:  # each tensor/context-parallel group's ranks hold one batch
+                self.metrics.record_in_run_json("shared_batch_groups_checked", groups)
             if step == 0 and self.split is not None and self.metrics is not None:  # what each rank's slice held
                 self.metrics.record_in_run_json("sequence_parallel", {
                     "sp_size": self.split.sp_world_size, "slice_tokens": int(window[0]["input_ids"].shape[1])})
             start_accumulation_window(self.accelerator)  # the window's last batch syncs
             for batch in window:
                 if tokens is not None:
-                    batch = {**batch, "num_items_in_batch": tokens / (self.accelerator.num_processes * self.accumulation)}
+                    batch = {**batch, "num_items_in_batch": tokens / (self.accelerator.num_processes * self.accumulation
+                                                                      * mesh.context_shards(self.accelerator))}
                 yield sequence_parallel.as_model_input(batch)
             if self.stream is not None and step + 1 < steps:
                 upcoming = self._fetch(windows)

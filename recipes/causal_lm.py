@@ -34,6 +34,7 @@ from common.data import load_raw_datasets, make_dataloaders, tokenize_and_pack
 from common.lora import apply_lora, LoraArguments
 from common.model import load_model, load_tokenizer
 from common.run import run_recipe, start_run
+from common.sequence_parallel import context_parallel
 from common.training import create_optimizer, create_scheduler, evaluate_loss, total_training_steps, TrainBatches
 
 
@@ -72,7 +73,7 @@ def main(model_args: ModelArguments, data_args: DataArguments, lora_args: LoraAr
     batches = TrainBatches(accelerator, train_loader, args.gradient_accumulation_steps, max_steps, resume_from=state,
                            metrics=metrics)  # ends after step max_steps
     for batch in batches:
-        with accelerator.accumulate(model):
+        with accelerator.accumulate(model), context_parallel(accelerator, batch):  # fsdp_cp.yaml splits the rows
             loss = model(**batch).loss
             metrics.record_batch(loss, batch)
             nonfinite.record(loss)

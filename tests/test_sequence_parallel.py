@@ -1,5 +1,6 @@
-"""Sequence parallelism from the config, launched for real over gloo: zero3_ulysses.yaml (2 processes, one
-Ulysses group under ZeRO-3: each rank trains on half of every row's tokens).
+"""Rows split across ranks from the config, launched for real over gloo: zero3_ulysses.yaml (2 processes, one
+Ulysses group under ZeRO-3) and fsdp_cp.yaml (2 processes, one ring-attention group under FSDP2): each rank
+trains on half of every row's tokens. Each test below runs under both unless it names one.
 
 fp32 parity: the pair shares 4 x accumulation 2 per step (global batch 8, as the single-process reference's
 1 x 8), from the same seeded model; it must reproduce the reference's per-step losses, evaluation and final
@@ -7,8 +8,8 @@ weights within FP32_TOLERANCE, each rank holding slices of 16 of the 32 tokens (
 memory account's model state as scripts/estimate_memory.py predicts it; on 4 processes, two such pairs
 (dp_shard_size 2) as well. final/ loads with from_pretrained and
 gives the reference's logits. Resumed from its checkpoints it continues bit for bit under its own config, at
-another split of the same global batch (8 x accumulation 1: the resume stops inside one rank's batch), and
-under zero3.yaml (the same ZeRO-3 files, no split). bf16: fine-tuning a checkpoint saved in bf16 stays within
+another split of the same global batch (8 x accumulation 1: under Ulysses the resume stops inside one rank's
+batch), and under zero3.yaml / fsdp.yaml (the same checkpoint files, no split). bf16: fine-tuning a checkpoint saved in bf16 stays within
 the bf16 tolerance of the single-process bf16 run and exports bf16. SFT on variable-length chats:
 tests/test_numerics.py. What it cannot run is refused in one line.
 """
@@ -28,30 +29,38 @@ from common.errors import UsageError
 from common.mesh import mesh_problems
 from common.sequence_parallel import SplittableRows
 
-CONFIG = "zero3_ulysses.yaml"
+CONFIG, RING = "zero3_ulysses.yaml", "fsdp_cp.yaml"
+SPLITS = (CONFIG, RING)
+UNSPLIT = {CONFIG: "zero3.yaml", RING: "fsdp.yaml"}  # the same checkpoint files, rows whole
 RUN = dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=STEPS, save_steps=3, save_total_limit=4)
 
 
-def assert_split(record):
-    assert record["world_size"] == 2 and record["participating_processes"] == 2
-    assert record["launched_strategy"] == "deepspeed" and record["zero_stage"] == 3
-    assert record["device_mesh"] == {"sp": 2, "dp": 1}
-    assert record["sequence_parallel"] == {"sp_size": 2, "slice_tokens": 16}  # each rank half of a 32-token row
+def assert_split(record, config, groups=1):
+    assert record["world_size"] == record["participating_processes"] == 2 * groups
+    if config == CONFIG:
+        assert record["launched_strategy"] == "deepspeed" and record["zero_stage"] == 3
+        assert record["device_mesh"] == {"sp": 2, "dp": groups}
+        assert record["sequence_parallel"] == {"sp_size": 2, "slice_tokens": 16}  # each rank half of a 32-token row
+    else:
+        assert record["launched_strategy"] == "fsdp" and record["fsdp_version"] == 2
+        assert record["device_mesh"] == ({"cp": 2} if groups == 1 else {"dp_shard": groups, "cp": 2})
+        assert record["shared_batch_groups_checked"] == groups  # each ring's ranks were handed the same batch
     assert record["effective_batch_size"] == 8  # the group's batch counted once
 
 
-@pytest.fixture(scope="module")
-def trained(markov_data, tmp_path_factory):
+@pytest.fixture(scope="module", params=SPLITS)
+def trained(request, markov_data, tmp_path_factory):
     """The fp32 run: global batch 8 as 4 x accumulation 2, checkpoints every 3 steps."""
-    out = tmp_path_factory.mktemp("ulysses") / "run"
-    launch(CONFIG, "causal_lm.py", causal_lm_args(markov_data, out, **RUN), launcher_args=FP32)
-    return out
+    out = tmp_path_factory.mktemp(request.param.split(".")[0]) / "run"
+    launch(request.param, "causal_lm.py", causal_lm_args(markov_data, out, **RUN), launcher_args=FP32)
+    return request.param, out
 
 
 @pytest.mark.slow
 def test_sequence_parallel_matches_single_process(trained, reference):
+    CONFIG, trained = trained
     record = read_run(trained)
-    assert_split(record)
+    assert_split(record, CONFIG)
     assert record["compute_dtype"] == "float32"
     gaps = model_state_gaps(trained, CONFIGS / CONFIG)
     print(f"{CONFIG}: model state vs estimate, largest gap per category " + ", ".join(f"{k} {v:.4f}" for k, v in gaps.items()))
@@ -73,6 +82,7 @@ def test_sequence_parallel_matches_single_process(trained, reference):
 def test_sequence_parallel_exports_the_single_process_model(trained, reference):
     from transformers import AutoModelForCausalLM
 
+    CONFIG, trained = trained
     config = json.loads((trained / "final" / "config.json").read_text())
     assert "ulysses" not in json.dumps(config).lower()  # DeepSpeed's attention wrapper stays out of the export
     vocab = config["vocab_size"]
@@ -84,25 +94,27 @@ def test_sequence_parallel_exports_the_single_process_model(trained, reference):
     assert gap < 1e-4
 
 
-# (config, processes, per-device batch, accumulation, step resumed from)
-RESUMES = [(CONFIG, 2, 4, 2, 6), (CONFIG, 2, 8, 1, 3), ("zero3.yaml", 2, 2, 2, 6)]
+# (config or None for the run's own, per-device batch, accumulation, step resumed from)
+RESUMES = [(None, 4, 2, 6), (None, 8, 1, 3), ("unsplit", 2, 2, 6)]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config, processes, batch, accumulation, step", RESUMES,
-                         ids=["same layout", "8x1 inside a batch", "zero3.yaml"])
-def test_sequence_parallel_checkpoint_resumes(trained, markov_data, tmp_path, config, processes, batch, accumulation,
-                                              step):
-    """From step 6 under its own layout: bit for bit. From step 3 at 8 x accumulation 1: the adapter's first
-    micro-batch after the resume is the second slice pair of a rank's batch (3 of them done: one whole batch
-    skipped, then one slice pair read and passed over). Under zero3.yaml: the same ZeRO-3 partitions, rows whole."""
+@pytest.mark.parametrize("config, batch, accumulation, step", RESUMES,
+                         ids=["same layout", "8x1 inside a batch", "zero3.yaml or fsdp.yaml"])
+def test_sequence_parallel_checkpoint_resumes(trained, markov_data, tmp_path, config, batch, accumulation, step):
+    """From step 6 under its own layout: bit for bit. From step 3 at 8 x accumulation 1: under Ulysses the
+    adapter's first micro-batch after the resume is the second slice pair of a rank's batch (3 of them done: one
+    whole batch skipped, then one slice pair read and passed over). Under zero3.yaml / fsdp.yaml: the same
+    partitions, rows whole."""
+    CONFIG, trained = trained
+    config = UNSPLIT[CONFIG] if config == "unsplit" else config or CONFIG
     out = tmp_path / "run"
     shutil.copytree(trained / "checkpoints" / f"step_{step}", tmp_path / "step")
     args = causal_lm_args(markov_data, out, **{**RUN, "per_device_train_batch_size": batch, "save_steps": 0,
                                                 "gradient_accumulation_steps": accumulation,
                                                 "resume_from_checkpoint": tmp_path / "step"})
     launch(config, "causal_lm.py", args, launcher_args=FP32)
-    assert read_run(out)["participating_processes"] == processes
+    assert read_run(out)["participating_processes"] == 2
     resumed, uninterrupted = losses(out), losses(trained)[step:]
     gap = max(abs(a - b) / b for a, b in zip(resumed, uninterrupted))
     weight_gap = max_weight_difference(out / "final", trained / "final")
@@ -115,11 +127,12 @@ def test_sequence_parallel_checkpoint_resumes(trained, markov_data, tmp_path, co
 
 
 @pytest.mark.slow
-def test_sequence_parallel_bf16_fine_tuning(markov_data, bf16_checkpoint, bf16_reference, tmp_path):
-    out = tmp_path / "run"
+@pytest.mark.parametrize("config", SPLITS)
+def test_sequence_parallel_bf16_fine_tuning(markov_data, bf16_checkpoint, bf16_reference, tmp_path, config):
+    CONFIG, out = config, tmp_path / "run"
     launch(CONFIG, "causal_lm.py", pretrained_args(markov_data, bf16_checkpoint, out, **{**RUN, "save_steps": STEPS}))
     record = read_run(out)
-    assert_split(record)
+    assert_split(record, CONFIG)
     assert record["compute_dtype"] == "bfloat16" and record["master_weights_dtype"] == "float32"
     gap = max(abs(a - b) for a, b in zip(losses(out), losses(bf16_reference)))
     print(f"{CONFIG} bf16: max loss gap to one process in bf16 {gap:.2e}")
@@ -128,19 +141,21 @@ def test_sequence_parallel_bf16_fine_tuning(markov_data, bf16_checkpoint, bf16_r
 
 
 @pytest.mark.slow
-def test_what_sequence_parallelism_cannot_run_is_one_line(markov_data, arithmetic_data, tmp_path):
-    base = causal_lm_args(markov_data, tmp_path / "run", max_steps=1)
-    three_heads = json.loads((REPO / "recipes/configs/tiny_llama.json").read_text())
-    three_heads.update(hidden_size=48, num_attention_heads=3, num_key_value_heads=3)
-    (tmp_path / "three_heads.json").write_text(json.dumps(three_heads))
-    line = launch_refused(CONFIG, base + flags(model_config=tmp_path / "three_heads.json"))
-    assert "sp_size 2: the model has 3 attention heads, which do not divide by it" in line
+@pytest.mark.parametrize("config", SPLITS)
+def test_what_sequence_parallelism_cannot_run_is_one_line(markov_data, arithmetic_data, tmp_path, config):
+    CONFIG, base = config, causal_lm_args(markov_data, tmp_path / "run", max_steps=1)
+    if CONFIG == "zero3_ulysses.yaml":  # ring attention splits the sequence, not the heads
+        three_heads = json.loads((REPO / "recipes/configs/tiny_llama.json").read_text())
+        three_heads.update(hidden_size=48, num_attention_heads=3, num_key_value_heads=3)
+        (tmp_path / "three_heads.json").write_text(json.dumps(three_heads))
+        line = launch_refused(CONFIG, base + flags(model_config=tmp_path / "three_heads.json"))
+        assert "sp_size 2: the model has 3 attention heads, which do not divide by it" in line
     line = launch_refused(CONFIG, base + flags(attn_implementation="eager"))
-    assert "--attn_implementation eager under sequence parallelism" in line
+    assert "--attn_implementation eager under sequence/context parallelism, which runs sdpa" in line
     sft = flags(config=REPO / "recipes/configs/sft_demo.yaml", tokenizer_name_or_path=arithmetic_data / "tokenizer",
                 train_file=arithmetic_data / "train.jsonl", validation_file=arithmetic_data / "validation.jsonl",
                 output_dir=tmp_path / "sft", max_steps=1, packing="true")
-    assert "--packing under sequence parallelism" in launch_refused(CONFIG, sft, recipe="sft.py")
+    assert "--packing under sequence/context parallelism" in launch_refused(CONFIG, sft, recipe="sft.py")
     dpo = flags(config=REPO / "recipes/configs/dpo_demo.yaml", output_dir=tmp_path / "dpo", max_steps=1,
                 tokenizer_name_or_path=markov_data / "tokenizer", train_file=markov_data / "train.jsonl",
                 validation_file=markov_data / "validation.jsonl")  # refused before the data is read
@@ -158,11 +173,22 @@ def test_sequence_parallelism_runs_under_deepspeed_only():
         mesh_problems({"sp": 2}, 2, "DEEPSPEED", False, False, zero_stage=2)[0]
 
 
+def test_context_parallelism_runs_under_fsdp2_only():
+    assert mesh_problems({"cp": 2}, 2, "FSDP", True, True) == []
+    assert mesh_problems({"cp": 2, "dp_shard": 2}, 4, "FSDP", True, True) == []  # 2 rings of 2
+    for kind, fsdp2 in (("DEEPSPEED", False), ("MULTI_GPU", False), ("FSDP", False)):
+        problems = mesh_problems({"cp": 2}, 2, kind, fsdp2, False)
+        assert problems and f"context parallelism (torch's ring attention) runs under FSDP2, not {kind}" in problems[0]
+    assert "beside parallelism_config_tp_size" in mesh_problems({"cp": 2, "tp": 2}, 4, "FSDP", True, False)[0]
+    assert "fsdp_cp.yaml: dp_shard_size = num_processes / cp_size" in \
+        mesh_problems({"cp": 2}, 4, "FSDP", True, False)[0]
+
+
 def test_check_config_names_what_the_recipe_yaml_asks_that_sequence_parallelism_cannot_run():
     check_config = load_script("scripts/check_config.py")
     problems = check_config.check_mesh({"parallelism_config_sp_size": 2}, {"distributed_type": "DEEPSPEED",
                                        "deepspeed_config": {"zero_stage": 3}}, {}, {"packing": True}, 2)
-    assert problems == ["--packing under sequence parallelism: packed rows need attention kept within each example, "
+    assert problems == ["--packing under sequence/context parallelism: packed rows need attention kept within each example, "
                         "which the exchange does not keep; pass --packing false"]
     assert check_config.check_mesh({"parallelism_config_sp_size": 2}, {"distributed_type": "DEEPSPEED"}, {},
                                    {"packing": False}, 2) == []
@@ -194,17 +220,21 @@ def test_rows_are_padded_at_the_end_to_a_multiple_of_the_split():
     left = {**rows, "attention_mask": torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])}
     with pytest.raises(UsageError, match="padding at the end of each row"):
         SplittableRows(lambda examples: dict(left), 2)(None)
+    ring = SplittableRows(lambda examples: dict(rows), 4, shifted=True)(None)  # fsdp_cp.yaml: 2 x cp_size
+    assert "shift_labels" not in batch and ring["shift_labels"].tolist() == [  # targets shifted on the whole row
+        [6, 7, 8, 9, -100, -100, -100, -100], [6, 7, -100, -100, -100, -100, -100, -100]]
 
 
 @pytest.mark.slow
-def test_lora_under_sequence_parallelism_trains_the_single_process_adapter(markov_data, tmp_path):
+@pytest.mark.parametrize("config", SPLITS)
+def test_lora_under_sequence_parallelism_trains_the_single_process_adapter(markov_data, tmp_path, config):
     """--use_peft: the frozen base's slices and the adapters' gradients reduced as the full model's are."""
-    runs = {"single.yaml": (8, 1), CONFIG: (4, 2)}
+    CONFIG, runs = config, {"single.yaml": (8, 1), config: (4, 2)}
     for config, (batch, accumulation) in runs.items():
         launch(config, "causal_lm.py", causal_lm_args(
             markov_data, tmp_path / config, per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation,
             max_steps=8, use_peft="true", learning_rate=1e-2), launcher_args=FP32)
-    assert read_run(tmp_path / CONFIG)["sequence_parallel"]["slice_tokens"] == 16
+    assert read_run(tmp_path / CONFIG).get("sequence_parallel", {"slice_tokens": 16})["slice_tokens"] == 16
     mine, ref = losses(tmp_path / CONFIG), losses(tmp_path / "single.yaml")
     loss_gap = max(abs(a - b) / b for a, b in zip(mine, ref))
     adapter_gap = max_weight_difference(tmp_path / CONFIG / "final", tmp_path / "single.yaml" / "final")
@@ -214,25 +244,25 @@ def test_lora_under_sequence_parallelism_trains_the_single_process_adapter(marko
 
 
 @pytest.mark.slow
-def test_epochs_with_a_remainder_under_sequence_parallelism_step_as_one_process(tmp_path):
+@pytest.mark.parametrize("config", SPLITS)
+def test_epochs_with_a_remainder_under_sequence_parallelism_step_as_one_process(tmp_path, config):
     """3 epochs whose batches leave a remainder of the accumulation window: the pair reads each of its
     batches twice (one slice each time), so an epoch holds the single process's steps; losses and schedule
     (to 0 on the last step) are one process's, and resumed one step past the first epoch boundary it
     continues bit for bit."""
-    epochs_with_a_remainder_step_as_one_process(CONFIG, tmp_path)
+    epochs_with_a_remainder_step_as_one_process(config, tmp_path)
 
 
 @pytest.mark.slow
-def test_two_sequence_parallel_groups_on_four_processes_match_single_process(markov_data, reference, tmp_path):
-    """--num_processes 4 with parallelism_config_dp_shard_size 2: two Ulysses pairs, each splitting its rows of
-    2 x accumulation 2 (global batch 8 again), ZeRO-3 over all four ranks."""
-    out = tmp_path / "run"
+@pytest.mark.parametrize("config", SPLITS)
+def test_two_sequence_parallel_groups_on_four_processes_match_single_process(markov_data, reference, tmp_path, config):
+    """--num_processes 4 with parallelism_config_dp_shard_size 2: two Ulysses pairs (or rings), each splitting its
+    rows of 2 x accumulation 2 (global batch 8 again), ZeRO-3 (FSDP2) over all four ranks."""
+    CONFIG, out = config, tmp_path / "run"
     launch(CONFIG, "causal_lm.py", causal_lm_args(markov_data, out, per_device_train_batch_size=2,
                                                   gradient_accumulation_steps=2, max_steps=STEPS),
            launcher_args=FP32 + ["--num_processes", "4", "--parallelism_config_dp_shard_size", "2"])
-    record = read_run(out)
-    assert record["participating_processes"] == 4 and record["device_mesh"] == {"sp": 2, "dp": 2}
-    assert record["sequence_parallel"]["slice_tokens"] == 16 and record["effective_batch_size"] == 8
+    assert_split(read_run(out), CONFIG, groups=2)
     mine, ref = losses(out), losses(reference)
     loss_gap = max(abs(a - b) / b for a, b in zip(mine, ref))
     weight_gap = max_weight_difference(out / "final", reference / "final")

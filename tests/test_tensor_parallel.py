@@ -36,7 +36,7 @@ def assert_tensor_parallel_layout(record, config):
     processes, _, mesh, groups = LAYOUTS[config]
     assert record["world_size"] == processes and record["participating_processes"] == processes
     assert record["launched_strategy"] == ("tp" if config == "tp.yaml" else "fsdp") and record["device_mesh"] == mesh
-    assert record["tensor_parallel_groups_checked"] == groups  # each group's ranks with the same batch
+    assert record["shared_batch_groups_checked"] == groups  # each group's ranks with the same batch
     assert record["effective_batch_size"] == 8  # each group's batch counted once
 
 
@@ -285,7 +285,7 @@ def test_the_multi_node_3d_template_matches_single_process(markov_data, referenc
     record = read_run(out)
     assert record["participating_processes"] == 8 and record["effective_batch_size"] == 8
     assert record["device_mesh"] == {"dp_replicate": 2, "dp_shard": 2, "tp": 2}
-    assert record["tensor_parallel_groups_checked"] == 4
+    assert record["shared_batch_groups_checked"] == 4
     loss_gap = max(abs(a - b) / b for a, b in zip(losses(out), losses(reference)))
     weight_gap = max_weight_difference(out / "final", reference / "final")
     print(f"multi_node_hsdp_tp.yaml on 8 processes: max relative loss gap {loss_gap:.2e}, weight gap {weight_gap:.2e}")
