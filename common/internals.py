@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import importlib.metadata
+import functools
 
 import torch
+from accelerate import PartialState
+from tqdm import tqdm
 
 # library -> (lowest checked, first version not checked)
 CHECKED = {
@@ -48,8 +50,7 @@ USES = (
         "ddp_bucket_bytes: DDP's gradient buckets, held by C++ only"),
     Use("torch", "torch.ops.mkldnn._is_mkldnn_bf16_supported", "cpu_has_bf16_instructions"),
     Use("torch", "fused Adam(W)'s found_inf (GradScaler's protocol)", "skip_step_on_device"),
-    Use("torch", "distributed.tensor.experimental._context_parallel (its ring attention, the DTensor op handlers and "
-        "sharding rules it registers)", "ring_attention_on_cpu: torch's context parallelism with the CPU kernel"),
+    Use("torch", "_context_parallel's ring attention, DTensor op handlers, sharding rules", "ring_attention_on_cpu"),
     Use("deepspeed", "the ZeRO optimizers' module path and attribute names (fp32_/fp16_partitioned_groups_flat, "
                      "offload_optimizer, single_partition_of_fp32_groups, *bucket*/ipg/grad/fp32/bit16 attributes)",
         "zero_optimizer, master_weights_dtype, zero_attribute_category: the memory account and run.json; "
@@ -65,29 +66,6 @@ USES = (
 )
 
 
-def in_checked_range(installed: str, lowest: str, first_unchecked: str) -> bool:
-    """lowest <= installed < first_unchecked, releases ordered: 1.15 = 1.15.0 > 1.15.0rc1; 1.16.0rc1 >= 1.16."""
-    from packaging.version import Version
-
-    def release(version): return Version(version).release + (0,) * (4 - len(Version(version).release))
-    return Version(installed) >= Version(lowest) and release(installed) < release(first_unchecked)
-
-
-def outside_checked_range() -> list[str]:
-    """One line for each installed library whose version leaves the range its uses were checked on."""
-    lines = []
-    for library, (lowest, first_unchecked) in CHECKED.items():
-        try:
-            installed = importlib.metadata.version(library)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-        if not in_checked_range(installed, lowest, first_unchecked):
-            uses = "; ".join(use.what for use in USES if use.library == library)
-            lines.append(f"{library} {installed} is outside the range common/internals.py was checked on "
-                         f"(>={lowest},<{first_unchecked}); its uses of {library}'s internals may break: {uses}")
-    return lines
-
-
 # ---- accelerate ------------------------------------------------------------------------------
 def start_accumulation_window(accelerator) -> None:
     """accelerate syncs at a multiple of the accumulation steps: zeroed at a window's start, its last batch syncs."""
@@ -96,8 +74,6 @@ def start_accumulation_window(accelerator) -> None:
 
 def present_cpu_group_as_multi_gpu(distributed_type) -> None:
     """PartialState is shared by every AcceleratorState: set the type in its shared dict."""
-    from accelerate import PartialState
-
     PartialState._shared_state["distributed_type"] = distributed_type
 
 
@@ -179,35 +155,25 @@ def skip_step_on_device(optimizer, found_inf: torch.Tensor) -> None:  # the next
 
 
 def ring_attention_on_cpu() -> None:
-    """Torch's context parallelism hands its ring attention the CUDA kernels only (flash, efficient, cuDNN): give it
-    the CPU's flash kernel too, with the same Shard(seq) rules, so fsdp_cp.yaml runs over gloo (idempotent)."""
+    """Torch's ring attention (context parallelism) has CUDA's kernels only: the CPU's too, for fsdp_cp.yaml on gloo."""
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy, register_op_strategy
     from torch.distributed.tensor.experimental._context_parallel import _attention as ring
-
-    forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    dispatch, forward = DTensor._op_dispatcher, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
     backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
-    if forward in ring.custom_ops:
-        return
 
-    def on_ring(mesh, query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
-        return ring._templated_ring_attention(mesh.get_group(), 2, forward, query=query, key=key, value=value,
-                                              is_causal=is_causal, dropout_p=dropout_p, scale=scale)
+    def handler(op, args, kwargs):  # as torch's _sdpa_handler: the ring over the local tensors, DTensors out
+        info = dispatch.unwrap_to_op_info(op, args, kwargs)
+        dispatch.sharding_propagator.propagate(info)
+        named = {**dict(zip((a.name for a in op._schema.arguments), info.local_args)), **info.local_kwargs}
+        if named.pop("attn_mask", None) is not None:  # (accelerate's hooks drop the model's: the ring's is causal)
+            raise ValueError("context parallelism's ring attention takes no attention mask")
+        on_ring = ring._templated_ring_attention if op is forward else functools.partial(
+            ring._templated_ring_attention_backward, grad_out_name="grad_out")
+        return dispatch.wrap(on_ring(info.compute_mesh.get_group(), 2, op, **named), info.output_sharding.output_spec)
 
-    def on_ring_backward(mesh, grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *, attn_mask=None,
-                         scale=None):
-        return ring._templated_ring_attention_backward(
-            mesh.get_group(), 2, backward, grad_out=grad_out, grad_out_name="grad_out", query=query, key=key,
-            value=value, out=out, logsumexp=logsumexp, is_causal=is_causal, dropout_p=dropout_p, scale=scale)
-
-    def handler(op, args, kwargs):  # as torch's _sdpa_handler: local tensors in, DTensors out
-        info = DTensor._op_dispatcher.unwrap_to_op_info(op, args, kwargs)
-        DTensor._op_dispatcher.sharding_propagator.propagate(info)
-        local = (on_ring if op is forward else on_ring_backward)(info.compute_mesh, *info.local_args, **info.local_kwargs)
-        return DTensor._op_dispatcher.wrap(local, info.output_sharding.output_spec)
-
-    for op, inputs, outputs in ((forward, 3, 2), (backward, 6, 3)):  # every tensor split along the sequence (dim 2)
-        register_op_strategy(op)(lambda schema, n=inputs + outputs, first=outputs: expand_to_full_mesh_op_strategy(
+    for op, outputs, inputs in ((forward, 2, 3), (backward, 3, 6)):  # out, logsumexp | q, k, v; grads | 6 inputs
+        register_op_strategy(op)(lambda schema, n=outputs + inputs, first=outputs: expand_to_full_mesh_op_strategy(
             schema.get_mesh_from_args(validate=False), schema, [[Shard(2)] * n], input_index=first))
         ring.custom_ops[op] = handler
 
@@ -295,7 +261,6 @@ def repair_zero3_universal_load(optimizer, hyperparameters: list) -> None:
 
 # ---- tqdm, argparse --------------------------------------------------------------------------
 def close_progress_bars() -> None:
-    from tqdm import tqdm
     for bar in list(getattr(tqdm, "_instances", ())):
         bar.close()
 

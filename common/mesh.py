@@ -5,8 +5,8 @@
 
 Under tensor parallelism (tp.yaml, fsdp_tp.yaml) and context parallelism (fsdp_cp.yaml) the ranks
 of a group are handed the same batch (accelerate hands it to each of them), so a sum over every
-rank counts each example as often and a gather returns it as often. The recipes' counts, metrics and evaluations go through
-these instead: over the data-parallel ranks only, whatever the mesh (the same as accelerate's own
+rank counts each example as often and a gather returns it as often. The recipes' counts, metrics
+and evaluations go through these instead: over the data-parallel ranks only, whatever the mesh (the same as accelerate's own
 calls where there is no tensor parallelism)."""
 
 from __future__ import annotations

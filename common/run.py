@@ -26,7 +26,8 @@ from common.parsing import parse_args, to_dict
 from common.checkpoints import load_checkpoint, save_checkpoint
 from common.errors import UsageError, exit_now, one_line_errors
 from common.export import export_final
-from common.internals import outside_checked_range, share_zero3_fp32_partitions
+from common.internals import share_zero3_fp32_partitions
+from common.versions import outside_checked_range
 from common.lora import LoraArguments
 from common.metrics import MetricsLogger, start_trackers
 from common.model import check_block_size, count_parameters, export_dtype, model_hidden_size

@@ -38,6 +38,7 @@ from common.preference import answer_end_ids, chosen_references, PairBatches, to
 from common.ranges import Range
 from common.reference import build_reference, disable_dropout
 from common.run import run_recipe, start_run
+from common.sequence_parallel import context_parallel
 from common.training import create_optimizer, create_scheduler, total_training_steps, TrainBatches
 
 
@@ -128,7 +129,7 @@ def main(model_args: ModelArguments, data_args: DataArguments, dpo_args: DPOArgu
     batches = TrainBatches(accelerator, train_loader, args.gradient_accumulation_steps, max_steps, resume_from=state,
                            metrics=metrics)  # ends after step max_steps
     for batch in batches:
-        with accelerator.accumulate(model):
+        with accelerator.accumulate(model), context_parallel(accelerator, batch):  # fsdp_cp.yaml splits the rows
             ref_log_probs = reference.log_probs(batch, "train")
             losses, rewards = preference_loss(completion_log_probs(model, batch), ref_log_probs,
                                               completion_lengths(batch), **objective)

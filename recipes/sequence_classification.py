@@ -30,6 +30,7 @@ from common.evaluation import BestModelTracker, evaluate_classification, load_me
 from common.lora import apply_lora, LoraArguments
 from common.model import load_model, load_tokenizer
 from common.run import run_recipe, start_run
+from common.sequence_parallel import context_parallel
 from common.training import create_optimizer, create_scheduler, total_training_steps, TrainBatches
 
 
@@ -95,7 +96,7 @@ def main(model_args: ModelArguments, data_args: DataArguments, task_args: Classi
     batches = TrainBatches(accelerator, train_loader, args.gradient_accumulation_steps, max_steps, resume_from=state,
                            metrics=metrics)  # ends after step max_steps
     for batch in batches:
-        with accelerator.accumulate(model):
+        with accelerator.accumulate(model), context_parallel(accelerator, batch):  # fsdp_cp.yaml splits the rows
             loss = model(**batch).loss
             metrics.record_batch(loss, batch)
             nonfinite.record(loss)

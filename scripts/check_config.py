@@ -121,7 +121,7 @@ def check_mesh(mesh: dict, raw: dict, fsdp: dict, recipe: dict, world: int) -> l
                              int(stage) if stage is not None else None)
     if sizes["tp"] > 1:
         problems += tensor_parallel_model_problems(recipe, sizes["tp"])
-    if sizes["sp"] > 1:
+    if sizes["sp"] > 1 or sizes["cp"] > 1:
         from common.sequence_parallel import recipe_problems
 
         problems += recipe_problems(recipe)

@@ -19,7 +19,9 @@ c bytes per element in the compute dtype (2 in bf16, 4 in fp32):
 
 (tp.yaml, fsdp_tp.yaml: T = tp_size ranks; a rank's activations inside attention and the MLP are split too.
 zero3_ulysses.yaml: ZeRO-3's model state over all N ranks; each rank's activations are those of its
-seq_len / sp_size tokens: after the exchange a rank attends for the whole row with 1/sp_size of the heads.)
+seq_len / sp_size tokens: after the exchange a rank attends for the whole row with 1/sp_size of the heads.
+fsdp_cp.yaml: FSDP2's model state over all N ranks; each rank's activations those of its seq_len / cp_size
+tokens, counted as Ulysses' are.)
 
 --dpo_reference adds recipes/dpo.py's frozen reference copy: 4Ψ on one process or DDP, 4Ψt under TP, 4Ψ/N under FSDP2,
 cΨ under ZeRO-1/2 and cΨ/N under ZeRO-3 (`reference_bytes`).
@@ -115,6 +117,7 @@ def read_strategy(config_file: str, num_processes: int | None, mixed_precision: 
     return {"strategy": strategy, "zero_stage": stage, "offload": offload, "offload_params": offload_params,
             "replicas": replicas, "tp_size": tp_size, "num_processes": processes,
             "sp_size": int(parallelism.get("parallelism_config_sp_size", 1)),
+            "cp_size": int(parallelism.get("parallelism_config_cp_size", 1)),
             "zero3_sub_group_size": None if sub_group_size is None else int(float(sub_group_size)),
             "mixed_precision": precision,
             "fsdp_reshard_after_forward": str(fsdp.get("fsdp_reshard_after_forward", True)).lower() == "true",
@@ -232,8 +235,8 @@ def estimate(model: dict, strategy: dict, batch_size: int, seq_len: int, checkpo
     reference = (parameters if kind == "tp" else reference_bytes(psi, strategy, c)) if dpo_reference else 0
     categories = {"parameters": parameters, "master_weights": master, "gradients": gradients,
                   "optimizer_states": optimizer, "reference_model": reference, "communication_buffers": buckets}
-    # sequence parallelism: a rank holds its slice of each row, -(-L // sp) tokens once padded to a multiple of sp
-    sp = strategy.get("sp_size", 1)
+    # sequence (context) parallelism: a rank holds its share of each row, -(-L // sp) tokens once padded
+    sp = strategy.get("sp_size", 1) * strategy.get("cp_size", 1)
     activations = activation_bytes(model, batch_size, -(-seq_len // sp), c, checkpointing, tp, sp)
     if kind in ("ddp", "tp") and c == 2:  # autocast's low-precision copy of each weight, saved for backward
         activations += c * parameters / 4

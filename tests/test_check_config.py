@@ -119,7 +119,7 @@ def test_deepspeed_json_batch_sizes_must_agree(tmp_path):
     ("fsdp_tp.yaml", None, ["--num_processes", 8],
      r"parallelism_config: dp_shard_size 2 x tp_size 2 = 4 processes but num_processes is 8"),
     ("tp.yaml", _set("parallelism_config.parallelism_config_cp_size", 2), [],
-     r"parallelism_config_cp_size 2: context parallelism is not supported by these recipes yet"),
+     r"parallelism_config_cp_size 2: context parallelism \(torch.s ring attention\) runs under FSDP2, not MULTI_GPU"),
     ("tp.yaml", _set("distributed_type", "DEEPSPEED"), [],
      r"tensor parallelism runs under distributed_type MULTI_GPU \(tp.yaml\) or FSDP2 \(fsdp_tp.yaml\), not DEEPSPEED"),
     ("fsdp_tp.yaml", _set("fsdp_config.fsdp_cpu_ram_efficient_loading", True), [],

@@ -347,12 +347,13 @@ def test_the_chat_model_fine_tunes_on_one_gpu_under_each_config(config, lora, ch
 
 @needs_gpu
 def test_more_processes_than_gpus_is_refused_in_one_line(markov_data, tmp_path):
-    """A config asking more processes on a node than it has GPUs (tp.yaml's or zero3_ulysses.yaml's 2 on a one-GPU
+    """A config asking more processes on a node than it has GPUs (tp.yaml's, zero3_ulysses.yaml's or fsdp_cp.yaml's 2 on a one-GPU
     machine, or ddp.yaml with one more than the GPUs): one line naming the count, before any rank picks a GPU."""
     from test_tensor_parallel import launch_refused
 
     gpus = torch.cuda.device_count()
-    cases = [("ddp.yaml", gpus + 1)] + ([("tp.yaml", None), ("zero3_ulysses.yaml", None)] if gpus < 2 else [])
+    cases = [("ddp.yaml", gpus + 1)] + ([(name, None) for name in ("tp.yaml", "zero3_ulysses.yaml", "fsdp_cp.yaml")]
+                                        if gpus < 2 else [])
     for config, processes in cases:
         line = launch_refused(config, causal_lm_args(markov_data, tmp_path / config, max_steps=2),
                               launcher_args=["--num_processes", str(processes)] if processes else None)

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from common import internals
+from common import internals, versions
 from conftest import REPO
 
 PUBLIC = {"os._exit"}  # documented public API, named with an underscore
@@ -77,7 +77,7 @@ def test_installed_versions_are_the_ones_the_internals_were_checked_on(library):
         pytest.skip(f"{library} is not installed here")
     lowest, first_unchecked = internals.CHECKED[library]
     uses = "; ".join(use.what for use in internals.USES if use.library == library)
-    assert not [line for line in internals.outside_checked_range() if line.startswith(f"{library} ")], (
+    assert not [line for line in versions.outside_checked_range() if line.startswith(f"{library} ")], (
         f"{library} {installed} leaves the range common/internals.py was checked on (>={lowest},<{first_unchecked}): "
         f"check these uses against it, fix what broke, then widen CHECKED: {uses}")
 
@@ -87,13 +87,13 @@ def test_installed_versions_are_the_ones_the_internals_were_checked_on(library):
     ("2.13.0rc1", False), ("2.13.0.dev20260101", False), ("2.12.9", False),  # before the lowest checked
     ("2.14", False), ("2.14.0rc1", False), ("2.14.0+cu128", False), ("3.0", False)])  # the first unchecked on
 def test_the_range_check_orders_versions_as_releases_are(installed, inside):
-    assert internals.in_checked_range(installed, "2.13.0", "2.14") is inside
-    assert internals.in_checked_range("1.15", "1.15.0", "1.16")  # a two-part version is its .0
+    assert versions.in_checked_range(installed, "2.13.0", "2.14") is inside
+    assert versions.in_checked_range("1.15", "1.15.0", "1.16")  # a two-part version is its .0
 
 
 def test_a_version_outside_the_range_gives_one_line_naming_the_uses(monkeypatch):
     monkeypatch.setitem(internals.CHECKED, "torch", ("0.1", "0.2"))
-    lines = internals.outside_checked_range()
+    lines = versions.outside_checked_range()
     assert len(lines) == 1 and lines[0].startswith("torch ") and "(>=0.1,<0.2)" in lines[0], lines
     assert "_get_ddp_logging_data" in lines[0]
 

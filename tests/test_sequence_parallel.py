@@ -4,14 +4,14 @@ trains on half of every row's tokens. Each test below runs under both unless it 
 
 fp32 parity: the pair shares 4 x accumulation 2 per step (global batch 8, as the single-process reference's
 1 x 8), from the same seeded model; it must reproduce the reference's per-step losses, evaluation and final
-weights within FP32_TOLERANCE, each rank holding slices of 16 of the 32 tokens (recorded by the run), and the
-memory account's model state as scripts/estimate_memory.py predicts it; on 4 processes, two such pairs
-(dp_shard_size 2) as well. final/ loads with from_pretrained and
-gives the reference's logits. Resumed from its checkpoints it continues bit for bit under its own config, at
+weights within FP32_TOLERANCE (Ulysses: each rank holding slices of 16 of the 32 tokens, recorded by the run;
+the ring: the loss is the reference's only if each rank's share of the targets is), and the memory account's
+model state as scripts/estimate_memory.py predicts it; on 4 processes, two such pairs (dp_shard_size 2) as
+well. final/ loads with from_pretrained and gives the reference's logits. Resumed from its checkpoints it continues bit for bit under its own config, at
 another split of the same global batch (8 x accumulation 1: under Ulysses the resume stops inside one rank's
-batch), and under zero3.yaml / fsdp.yaml (the same checkpoint files, no split). bf16: fine-tuning a checkpoint saved in bf16 stays within
-the bf16 tolerance of the single-process bf16 run and exports bf16. SFT on variable-length chats:
-tests/test_numerics.py. What it cannot run is refused in one line.
+batch), and under zero3.yaml / fsdp.yaml (the same checkpoint files, no split). bf16: fine-tuning a checkpoint
+saved in bf16 stays within the bf16 tolerance of the single-process bf16 run and exports bf16. SFT on
+variable-length chats: tests/test_numerics.py. What it cannot run is refused in one line.
 """
 
 import json

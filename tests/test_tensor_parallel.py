@@ -240,7 +240,8 @@ def test_what_tensor_parallelism_cannot_run_is_one_line(markov_data, tmp_path):
     line = launch_refused("tp.yaml", base, launcher_args=["--num_processes", "4"])
     assert "parallelism_config: tp_size 2 = 2 processes but num_processes is 4" in line
     line = launch_refused("tp.yaml", base, launcher_args=["--parallelism_config_cp_size", "2"])
-    assert "parallelism_config_cp_size 2: context parallelism is not supported by these recipes yet" in line
+    assert "parallelism_config_cp_size 2: context parallelism (torch's ring attention) runs under FSDP2, not " \
+           "MULTI_GPU" in line
     fsdp_tp = yaml.safe_load((CONFIGS / "fsdp.yaml").read_text())
     fsdp_tp["parallelism_config"] = {"parallelism_config_dp_shard_size": 1, "parallelism_config_tp_size": 2}
     (tmp_path / "fsdp_tp.yaml").write_text(yaml.safe_dump(fsdp_tp))
@@ -268,7 +269,7 @@ def test_a_group_handed_different_batches_is_stopped():
 
     batch = {"input_ids": torch.tensor([[1, 2, 3]]), "labels": torch.tensor([[1, 2, 3]])}
     assert check_shared_batch(TwoRanks(same=True), batch) == 1
-    with pytest.raises(RuntimeError, match="tensor-parallel group 0 were handed different batches"):
+    with pytest.raises(RuntimeError, match="tensor/context-parallel group 0 were handed different batches"):
         check_shared_batch(TwoRanks(same=False), batch)
 
 
