@@ -4,8 +4,8 @@ For a model (a config.json, a model folder or a Hub name; read on the meta devic
 (how many, on how many nodes, their memory) and the job (sequence length, global batch in
 sequences per optimizer step), each config is tried at every micro-batch that divides the
 per-device batch, with activation checkpointing off and on (zero3_ulysses.yaml also at every sp_size that
-divides the devices and the attention heads: rows split over sp_size devices, for sequences whose
-activations fit no device whole):
+divides the devices and the attention heads, fsdp_cp.yaml at every cp_size that divides the devices: rows
+split over that many devices, for sequences whose activations fit no device whole):
 
 * memory per device: `make estimate-memory`'s peak from the second step on (checked against measured
   memory for every config in docs/benchmark.md), within --headroom of the device's memory; with
@@ -17,7 +17,8 @@ activations fit no device whole):
   each at its bus bandwidth: what `make doctor` reports as busbw, read from its --report with
   --doctor_report) + the optimizer step and autocast's weight casts (bytes through device memory)
   + offload traffic (the host link) and the CPU optimizer step (host memory); under sequence parallelism
-  ZeRO-3's traffic for sp_size x the micro-steps and Ulysses' all-to-alls, at all_gather's busbw. On a GPU
+  ZeRO-3's traffic for sp_size x the micro-steps and Ulysses' all-to-alls, at all_gather's busbw (context
+  parallelism: FSDP2's for cp_size x the micro-steps and the ring's keys and values, the same way). On a GPU
   communication overlaps compute (NCCL runs on its own streams): the step is the larger of the two;
   on a CPU host they share the cores: the sum. Ties (a compute-bound step) go to less traffic.
 
@@ -61,8 +62,8 @@ SINGLE_NODE = ["ddp.yaml", "fsdp.yaml", "fsdp_shard_grad_op.yaml", "fsdp_offload
                "zero2_offload.yaml", "zero3.yaml", "zero3_offload.yaml"]
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 ONE_DEVICE = ["single.yaml", "fsdp_offload.yaml", "zero2_offload.yaml", "zero3_offload.yaml"]
-# rows split over sp_size devices: tried at every sp_size that divides the devices and the attention heads
-SEQUENCE_PARALLEL = ["zero3_ulysses.yaml"]
+# rows split over sp_size (cp_size) devices: tried at every size that divides the devices (Ulysses: and the heads)
+SEQUENCE_PARALLEL = ["zero3_ulysses.yaml", "fsdp_cp.yaml"]
 MULTI_NODE = ["multi_node_ddp.yaml", "multi_node_fsdp.yaml", "multi_node_hsdp.yaml", "multi_node_zero3.yaml"]
 
 
@@ -138,6 +139,15 @@ def sequence_exchange_bytes(model: dict, tokens: int, sp: int, c: int, micro_ste
     return micro_steps * passes * model["layers"] * tokens * width * c * (sp - 1) / sp
 
 
+def ring_exchange_bytes(model: dict, tokens: int, cp: int, c: int, micro_steps: int, checkpointing: bool) -> float:
+    """Bus bytes per device per optimizer step of ring attention (torch's all-gather rotation): per layer and
+    micro-step the keys and values of the whole rows (`tokens`) gathered forward, gathered again backward and their
+    gradients passed back round the ring (and the forward once more with activation checkpointing), each
+    (cp-1)/cp of it."""
+    passes = 4 if checkpointing else 3
+    return micro_steps * passes * model["layers"] * tokens * 2 * model["kv_hidden_size"] * c * (cp - 1) / cp
+
+
 def device_and_host_bytes(est: dict, s: dict, on_gpu: bool) -> tuple[float, float]:
     """Bytes per device, and per process in CPU RAM. On a CPU host it is all one memory (the estimate's
     peak, FSDP's whole-model loading included). On a GPU, offload moves the master copy and the
@@ -194,22 +204,26 @@ def rank(args, model: dict, device: dict) -> list[dict]:
             s["replicas"] = nodes
         baseline = 0.0 if on_gpu else process_baseline_bytes(s["strategy"] == "deepspeed")
         options = []
-        splits = ([sp for sp in range(2, n + 1) if n % sp == 0 and model["attention_heads"] % sp == 0]
-                  if s.get("sp_size", 1) > 1 else [1])
+        ring = s.get("cp_size", 1) > 1  # fsdp_cp.yaml's split, else zero3_ulysses.yaml's (1: rows whole)
+        splits = ([sp for sp in range(2, n + 1) if n % sp == 0 and (ring or model["attention_heads"] % sp == 0)]
+                  if s.get("sp_size", 1) > 1 or ring else [1])
         for sp, micro in [(sp, m) for sp in splits for m in range(per_device, 0, -1)
                           if per_device % m == 0 and args.micro_batch in (None, m)]:
             for checkpointing in {"auto": (False, True), "off": (False,), "on": (True,)}[args.activation_checkpointing]:
                 k = per_device // micro
-                s = dict(s, sp_size=sp)
+                s = dict(s, **{"cp_size" if ring else "sp_size": sp})
                 sharding = dict(s, num_processes=n_node) if s["replicas"] > 1 else s
                 est = estimate(model, sharding, micro, args.seq_len, checkpointing, k)
                 device_bytes, host_bytes = device_and_host_bytes(est, sharding, on_gpu)
                 device_bytes += baseline
-                # under sequence parallelism a group reads its sp ranks' batches in turn: sp x k micro-steps
+                # a group of sp ranks reads sp batches in turn (Ulysses), or one sp times as large (the ring; its
+                # per-device batch is the same): sp x k micro-steps either way
                 traffic = comm_and_memory_traffic(s, model, c, k * sp, n_node, nodes)
                 if sp > 1:  # at all_gather's busbw
-                    traffic["link"][where_of(nodes), "all_to_all"] = sequence_exchange_bytes(
-                        model, micro * -(-args.seq_len // sp), sp, c, k * sp, est["activation_checkpointing"])
+                    traffic["link"][where_of(nodes), "all_to_all"] = (
+                        ring_exchange_bytes(model, micro * args.seq_len, sp, c, k * sp, est["activation_checkpointing"])
+                        if ring else sequence_exchange_bytes(model, micro * -(-args.seq_len // sp), sp, c, k * sp,
+                                                             est["activation_checkpointing"]))
                 recompute = 4 / 3 if est["activation_checkpointing"] else 1.0
                 compute = per_device * args.seq_len * flops_per_token * recompute / (device["tflops"] * 1e12 * args.mfu)
                 comm = sum(size / (device["link_gbps" if where == "intra" else "inter_node_gbps"][
@@ -281,9 +295,10 @@ def write_yaml(choice: dict, args, path: str) -> None:
                       f"  parallelism_config_dp_shard_size: {args.num_devices // args.num_nodes}", text)
     text = re.sub(r"(?m)^mixed_precision: .*$", f"mixed_precision: '{args.mixed_precision}'", text)
     if choice["sp_size"] > 1:  # the chosen split, and the groups beside each other
-        shard = args.num_devices // choice["sp_size"]
-        text = re.sub(r"(?m)^  parallelism_config_sp_size: .*$", f"  parallelism_config_sp_size: {choice['sp_size']}"
-                      + (f"\n  parallelism_config_dp_shard_size: {shard}" if shard > 1 else ""), text)
+        shard, key = args.num_devices // choice["sp_size"], "cp" if choice["strategy"].get("cp_size", 1) > 1 else "sp"
+        text = re.sub(rf"(?m)^  parallelism_config_{key}_size: .*$", f"  parallelism_config_{key}_size: "
+                      f"{choice['sp_size']}" + (f"\n  parallelism_config_dp_shard_size: {shard}" if shard > 1 else ""),
+                      text)
     if choice["strategy"]["strategy"] == "fsdp":
         text = re.sub(r"(?m)^  fsdp_activation_checkpointing: .*$",
                       f"  fsdp_activation_checkpointing: {str(choice['activation_checkpointing']).lower()}", text)
@@ -445,7 +460,8 @@ def main(argv=None) -> dict:
     print(f"{'config':24} {'micro x acc':>11} {'AC':>3} {'GB/device':>9} {'CPU GB/node':>11} {'compute s':>9} "
           f"{'comm s':>7} {'other s':>7} {'step s':>7}  verdict")
     for r in rows:
-        name = r["config"] + (f" sp {r['sp_size']}" if r["sp_size"] > 1 else "")
+        split = "cp" if r["config"] == "fsdp_cp.yaml" else "sp"
+        name = r["config"] + (f" {split} {r['sp_size']}" if r["sp_size"] > 1 else "")
         print(f"{name:24} {r['micro_batch']:>6} x {r['accumulation']:<3} {'on' if r['activation_checkpointing'] else 'off':>3} "
               f"{r['device_gb']:9.2f} {r['host_gb_per_node']:11.1f} {r['compute_s']:9.3g} {r['comm_s']:7.3g} "
               f"{r['other_s']:7.3g} {r['step_s']:7.3g}  {r['verdict']}")

@@ -92,12 +92,16 @@ def test_each_configs_traffic_is_its_collectives_bytes_at_the_link(tmp_path, con
 
 def test_long_sequences_choose_sequence_parallelism_and_its_split_reaches_the_yaml(tmp_path):
     """Llama-3-8B at 128k tokens on 8 H100s: whole rows' activations fit no device even checkpointed; rows split
-    over sp_size devices (zero3_ulysses.yaml) do, and the YAML carries the split and the groups beside it."""
+    over sp_size devices (zero3_ulysses.yaml) do, and the YAML carries the split and the groups beside it. Rows
+    split by ring attention (fsdp_cp.yaml) fit too, as fast (compute-bound), with more traffic: the ring passes the
+    whole rows' keys and values, Ulysses' all-to-alls a slice's queries, keys, values and output."""
     result = choose(tmp_path, "--model", LLAMA3_8B, "--device", "h100", "--num_devices", 8, "--seq_len", 131072,
                     "--global_batch", 8)
     chosen = result["rows"][0]
     assert chosen["config"] == "zero3_ulysses.yaml" and chosen["verdict"] == "chosen" and chosen["sp_size"] > 1
-    assert not any(r["fits"] for r in result["rows"][1:])
+    ring = result["rows"][1]
+    assert ring["config"] == "fsdp_cp.yaml" and ring["verdict"] == "as fast, more communication"
+    assert not any(r["fits"] for r in result["rows"][2:])
     config = yaml.safe_load((tmp_path / "chosen.yaml").read_text())["parallelism_config"]
     assert config["parallelism_config_sp_size"] == chosen["sp_size"]
     assert config.get("parallelism_config_dp_shard_size", 1) * chosen["sp_size"] == 8
@@ -116,6 +120,23 @@ def test_sequence_parallel_traffic_is_zero3s_per_micro_step_and_the_all_to_alls(
     width = 2 * 4096 + 2 * 1024  # Llama-3-8B: 32 query heads, 8 key/value heads of 128
     exchange = micro_steps * 2 * 32 * (1024 // sp) * width * 2 * (sp - 1) / sp
     assert sp > 1 and row["comm_s"] == pytest.approx((zero3 + exchange) / 100e9, rel=1e-9)
+
+
+def test_ring_attention_traffic_is_fsdp2s_per_micro_step_and_the_rings_and_its_split_reaches_the_yaml(tmp_path):
+    """fsdp_cp.yaml at every cp_size that divides the devices: a ring reads a batch cp times its per-device one
+    (cp x accumulation micro-steps, each FSDP2's gathers and reduction), and each layer passes the whole rows'
+    keys and values round the ring forward, again backward with their gradients, each (cp - 1) / cp of it."""
+    options = ["--model", LLAMA3_8B, "--device", "h100", "--num_devices", 8, "--seq_len", 1024, "--global_batch", 32,
+               "--micro_batch", 1, "--link_gbps", 100, "--device_memory_gb", 1000, "--activation_checkpointing", "off"]
+    fsdp = choose(tmp_path / "fsdp", *options, "--configs", "fsdp.yaml")["rows"][0]
+    result = choose(tmp_path / "ring", *options, "--configs", "fsdp_cp.yaml")
+    row = result["rows"][0]
+    cp, per_micro_step = row["sp_size"], fsdp["comm_s"] * 100e9 / 4  # fsdp.yaml: 1 x accumulation 4
+    ring = 4 * cp * 3 * 32 * 1024 * 2 * 1024 * 2 * (cp - 1) / cp  # 8 key/value heads of 128
+    assert cp > 1 and row["comm_s"] * 100e9 == pytest.approx(per_micro_step * 4 * cp + ring, rel=1e-9)
+    config = yaml.safe_load((tmp_path / "ring" / "chosen.yaml").read_text())["parallelism_config"]
+    assert config["parallelism_config_cp_size"] == cp and "parallelism_config_sp_size" not in config
+    assert config.get("parallelism_config_dp_shard_size", 1) * cp == 8
 
 
 def test_checkpointing_precision_and_hsdp_sizes_reach_the_yaml_and_the_command(tmp_path):
