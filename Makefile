@@ -210,10 +210,10 @@ check-config: install
 test: install-test
 	$(PY) -m pytest tests $(ARGS)
 
-# Runs killed (SIGKILL, every process) at 35 moments across ddp, fsdp, zero3, tp and zero3_ulysses, inside saves and
-# exports too, each resumed to the uninterrupted run's weights (make test runs 5 of them).
+# Runs killed (SIGKILL, every process) at 42 moments across ddp, fsdp, zero3, tp, zero3_ulysses and fsdp_cp, inside saves and
+# exports too, each resumed to the uninterrupted run's weights (make test runs 6 of them).
 test-crashes: install-test
-	CRASH_TRIALS=35 $(PY) -m pytest tests/test_crashes.py $(ARGS)
+	CRASH_TRIALS=42 $(PY) -m pytest tests/test_crashes.py $(ARGS)
 
 # The quick loop while developing: everything not marked slow.
 test-fast: install-test

@@ -30,7 +30,7 @@ from common.peers import free_port
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU_CONFIGS = ["single.yaml", "ddp.yaml", "tp.yaml", "fsdp.yaml", "fsdp_shard_grad_op.yaml", "fsdp_offload.yaml",
                "zero1.yaml", "zero2.yaml", "zero2_offload.yaml", "zero2_json.yaml", "zero3.yaml", "zero3_offload.yaml",
-               "zero3_ulysses.yaml"]
+               "zero3_ulysses.yaml", "fsdp_cp.yaml"]
 
 
 def checkpoints_in_yaml(config: str) -> bool:
@@ -235,9 +235,9 @@ def write_docs(args, results: list, baseline: float, versus: str, summary: str) 
     write_page(args.docs, "Strategies: speed and memory per rank", (
         f"{summary}; {args.steps} optimizer steps per run, all runs in one invocation (compare rows, not "
         "machines). Steps/s leaves out the first logging window (warm-up)."
-        + (" A tensor- or sequence-parallel group trains on one batch, so at the same per-device batch its step "
-           "holds fewer tokens than a data-parallel one's: compare tokens/s per process there."
-           if any("tp" in r["config"] or "ulysses" in r["config"] for r in results) else "") + "\n\n" + speed +
+        + (" A tensor-, sequence- or context-parallel group trains on one batch, so at the same per-device batch "
+           "its step holds fewer tokens than a data-parallel one's: compare tokens/s per process there."
+           if any(key in r["config"] for r in results for key in ("tp", "ulysses", "_cp")) else "") + "\n\n" + speed +
         "\n\nMemory per rank in MB, measured at the first optimizer step (run.json's `memory_per_rank`, the rank "
         "with the highest peak) / estimated before launch by `make estimate-memory`; peak is the process's peak "
         f"resident set by the first step. {allocator_note()}\n\n" + memory + chart))

@@ -6,9 +6,10 @@ save or the final export is under way (its temporary folder exists); then the sa
 resumes it with `--resume_from_checkpoint latest`. The resumed run must finish, and its
 `final/` weights must equal the uninterrupted run's bit for bit.
 
-`make test` runs CRASH_TRIALS=5 trials (one per config: ddp, fsdp, zero3, tp: the tensor-parallel
+`make test` runs CRASH_TRIALS=6 trials (one per config: ddp, fsdp, zero3, tp: the tensor-parallel
 run killed inside a checkpoint save, zero3_ulysses: the sequence-parallel run killed inside the final
-export); `make test-crashes` runs 35 (seven per config). Two last tests kill a run while it converts a ZeRO-3 checkpoint for
+export, fsdp_cp: the context-parallel run killed at a random moment); `make test-crashes` runs 42
+(seven per config). Two last tests kill a run while it converts a ZeRO-3 checkpoint for
 another world size, and while it rewrites a zero2 checkpoint for another config (common/portable.py).
 """
 
@@ -25,8 +26,8 @@ import pytest
 from conftest import (FP32, OFFLINE_ENV, causal_lm_args, launch, launch_command, load_weights, max_weight_difference,
                       read_run)
 
-TRIALS = int(os.environ.get("CRASH_TRIALS", "5"))
-CONFIGS = ("ddp.yaml", "fsdp.yaml", "zero3.yaml", "tp.yaml", "zero3_ulysses.yaml")
+TRIALS = int(os.environ.get("CRASH_TRIALS", "6"))
+CONFIGS = ("ddp.yaml", "fsdp.yaml", "zero3.yaml", "tp.yaml", "zero3_ulysses.yaml", "fsdp_cp.yaml")
 RUN = dict(max_steps=8, save_steps=2, save_total_limit=2, per_device_train_batch_size=2,
            gradient_accumulation_steps=2, warmup_steps=2)
 
