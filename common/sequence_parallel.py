@@ -54,12 +54,16 @@ def check_arguments(arguments: tuple) -> None:
     say `scores_whole_rows` (what it scores) is refused: its loss is not a sum over next-token targets."""
     for args in arguments:
         if getattr(args, "scores_whole_rows", None):
-            raise UsageError(f"sequence and context parallelism (parallelism_config_sp_size, _cp_size) split each "
-                             f"row's next-token targets across ranks, while this recipe scores "
-                             f"{args.scores_whole_rows}: use zero3.yaml or fsdp.yaml; causal_lm.py and sft.py run "
-                             "under them")
+            raise UsageError(whole_rows_problem(args.scores_whole_rows))
         for problem in recipe_problems(vars(args)):
             raise UsageError(problem)
+
+
+def whole_rows_problem(scores: str) -> str:
+    """The line refusing a recipe that scores `scores` (its arguments' `scores_whole_rows`)."""
+    return (f"sequence and context parallelism (parallelism_config_sp_size, _cp_size) split each row's next-token "
+            f"targets across ranks, while this recipe scores {scores}: use zero3.yaml or fsdp.yaml; causal_lm.py and "
+            "sft.py run under them")
 
 
 def recipe_problems(values: dict) -> list[str]:

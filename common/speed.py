@@ -24,6 +24,7 @@ import torch
 
 from common.errors import UsageError
 from common.internals import allow_recompiles, attention_implementation
+from common.mesh import launched_mesh_size
 from common.sequence_parallel import check_heads, launched_attention
 
 ATTENTION = ("auto", "sdpa", "eager", "flash_attention_2", "flex_attention", "sdpa_varlen")
@@ -102,9 +103,10 @@ def prepare_model(model, speed: SpeedArguments, packed_rows: bool = False):
     sequence_parallel_attention = launched_attention()  # zero3_ulysses.yaml: DeepSpeed wraps it; fsdp_cp.yaml: sdpa
     if sequence_parallel_attention is not None:
         if speed.attn_implementation not in ("auto", sequence_parallel_attention):
+            named = ("its config's parallelism_config_sp_attn_implementation" if launched_mesh_size("sp") > 1
+                     else "context parallelism's ring attention replaces sdpa's")
             raise UsageError(f"--attn_implementation {speed.attn_implementation} under sequence/context parallelism, "
-                             f"which runs {sequence_parallel_attention} (parallelism_config_sp_attn_implementation; "
-                             "context parallelism's ring attention is sdpa's): leave out --attn_implementation")
+                             f"which runs {sequence_parallel_attention} ({named}): leave out --attn_implementation")
         candidates = [sequence_parallel_attention]
         check_heads(model)
     for attention in candidates:

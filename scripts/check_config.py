@@ -15,10 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from pathlib import Path
 import sys
 
 import yaml
 
+REPO = Path(__file__).resolve().parent.parent
 ZERO_STAGES = (0, 1, 2, 3)
 
 
@@ -94,7 +96,7 @@ def check(config_path: str, recipe_config: str | None = None, num_processes: int
 
     mesh = raw.get("parallelism_config") or {}
     if mesh:
-        problems += check_mesh(mesh, raw, fsdp, recipe, world)
+        problems += check_mesh(mesh, raw, fsdp, recipe, world, recipe_keys(recipe_config))
 
     if str(raw.get("mixed_precision")).lower() == "fp8":
         problems += check_fp8(raw, fsdp, mesh)
@@ -108,9 +110,38 @@ def check(config_path: str, recipe_config: str | None = None, num_processes: int
     return problems
 
 
-def check_mesh(mesh: dict, raw: dict, fsdp: dict, recipe: dict, world: int) -> list[str]:
+def recipe_keys(recipe_config: str | None) -> set[str]:
+    if not recipe_config:
+        return set()
+    with open(recipe_config) as handle:
+        return set(yaml.safe_load(handle) or {})
+
+
+def whole_row_recipe(keys: set[str]) -> str | None:
+    """What the recipe whose YAML sets `keys` scores, where its loss needs whole rows (dpo.py,
+    sequence_classification.py: arguments classes with `scores_whole_rows`), told by the arguments only it has."""
+    import dataclasses
+    import importlib.util
+
+    classes = []
+    for path in sorted((REPO / "recipes").glob("*.py")):
+        spec = importlib.util.spec_from_file_location(f"recipe_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        classes += [value for name, value in vars(module).items() if name.endswith("Arguments") and
+                    dataclasses.is_dataclass(value) and value.__module__ == module.__name__]
+    fields = {cls: {field.name for field in dataclasses.fields(cls)} for cls in classes}
+    for cls in classes:
+        own = fields[cls] - set().union(*(names for other, names in fields.items() if other is not cls))
+        if getattr(cls, "scores_whole_rows", None) and keys & own:
+            return cls.scores_whole_rows
+    return None
+
+
+def check_mesh(mesh: dict, raw: dict, fsdp: dict, recipe: dict, world: int, keys: set[str] = frozenset()) -> list[str]:
     """parallelism_config: its sizes against the world size and what each dimension needs (common.mesh's rules,
-    which a launched run applies too), and whether the recipe's model can be split by tensor parallelism."""
+    which a launched run applies too), and whether the recipe's model can be split by tensor parallelism; `keys`:
+    those the recipe YAML sets (which recipe it is)."""
     from common.mesh import DIMENSIONS, mesh_problems
 
     sizes = {name: int(mesh.get(f"parallelism_config_{name}_size", 1)) for name in DIMENSIONS}
@@ -122,9 +153,10 @@ def check_mesh(mesh: dict, raw: dict, fsdp: dict, recipe: dict, world: int) -> l
     if sizes["tp"] > 1:
         problems += tensor_parallel_model_problems(recipe, sizes["tp"])
     if sizes["sp"] > 1 or sizes["cp"] > 1:
-        from common.sequence_parallel import recipe_problems
+        from common.sequence_parallel import recipe_problems, whole_rows_problem
 
-        problems += recipe_problems(recipe)
+        scores = whole_row_recipe(keys)
+        problems += recipe_problems(recipe) + ([whole_rows_problem(scores)] if scores else [])
     return problems
 
 

@@ -192,6 +192,11 @@ def test_check_config_names_what_the_recipe_yaml_asks_that_sequence_parallelism_
                         "which the exchange does not keep; pass --packing false"]
     assert check_config.check_mesh({"parallelism_config_sp_size": 2}, {"distributed_type": "DEEPSPEED"}, {},
                                    {"packing": False}, 2) == []
+    for recipe, scores in (("dpo_demo", "each answer's log-probability"), ("sequence_classification_demo",
+                                                                             "one class per example")):
+        problems = check_config.check(str(CONFIGS / RING), str(REPO / f"recipes/configs/{recipe}.yaml"))
+        assert len(problems) == 1 and f"while this recipe scores {scores}: use zero3.yaml or fsdp.yaml" in problems[0]
+    assert check_config.check(str(CONFIGS / RING), str(REPO / "recipes/configs/lora_demo.yaml")) == []
     assert "zero3_ulysses.yaml: dp_shard_size = num_processes / sp_size" in \
         mesh_problems({"sp": 2}, 4, "DEEPSPEED", False, False, zero_stage=3)[0]
 
