@@ -6,8 +6,8 @@
 Under tensor parallelism (tp.yaml, fsdp_tp.yaml) and context parallelism (fsdp_cp.yaml) the ranks
 of a group are handed the same batch (accelerate hands it to each of them), so a sum over every
 rank counts each example as often and a gather returns it as often. The recipes' counts, metrics
-and evaluations go through these instead: over the data-parallel ranks only, whatever the mesh (the same as accelerate's own
-calls where there is no tensor parallelism)."""
+and evaluations go through these instead: over the data-parallel ranks only, whatever the mesh (the
+same as accelerate's own calls where there is no tensor parallelism)."""
 
 from __future__ import annotations
 
@@ -78,13 +78,24 @@ def launched_mesh_size(dimension: str) -> int:
 
 def _size(accelerator, dimension: str) -> int:
     config = getattr(accelerator, "parallelism_config", None)  # (a stand-in for one process may have none)
-    return getattr(config, f"{dimension}_size", None) or 1 if config is not None else 1
+    return getattr(config, f"{dimension}_size", None) or 1
 
 
 def sequence_shards(accelerator) -> int:
     """How many ranks each train on a share of every row's tokens: sp_size (Ulysses) or cp_size (ring attention),
     else 1 (`accelerator`: an Accelerator or its AcceleratorState)."""
-    return _size(accelerator, "sp") * _size(accelerator, "cp")
+    return ulysses_shards(accelerator) * context_shards(accelerator)
+
+
+def ulysses_shards(accelerator) -> int:
+    """sp_size: the ranks of a Ulysses group, each handed its own batch, each reading a slice of every batch of the
+    group in turn (so each loader batch becomes sp_size micro-batches)."""
+    return _size(accelerator, "sp")
+
+
+def tensor_shards(accelerator) -> int:
+    """tp_size: the ranks of a tensor-parallel group, handed the same batch, each holding its share of the layers."""
+    return _size(accelerator, "tp")
 
 
 def context_shards(accelerator) -> int:
@@ -94,13 +105,13 @@ def context_shards(accelerator) -> int:
 
 def replicas(accelerator) -> int:
     """How many ranks are handed each batch: tp_size x cp_size (a tensor- or context-parallel group), else 1."""
-    return _size(accelerator, "tp") * context_shards(accelerator)
+    return tensor_shards(accelerator) * context_shards(accelerator)
 
 
 def data_parallel_size(accelerator) -> int:
     """The number of different batches each micro-step trains on: processes / replicas, and / sp_size under
     sequence parallelism, where a group's ranks each train on a slice of one batch (common.sequence_parallel)."""
-    return accelerator.num_processes // replicas(accelerator) // _size(accelerator, "sp")
+    return accelerator.num_processes // replicas(accelerator) // ulysses_shards(accelerator)
 
 
 def data_parallel_share(accelerator, items: list) -> list:
@@ -118,7 +129,7 @@ def reduce_sum(accelerator, tensor: torch.Tensor) -> torch.Tensor:
     """The sum over the ranks of what each trained on (tokens, samples, FLOPs), a tensor-parallel group's counted once
     (a context-parallel group's ranks each hold their share of the tokens: common.metrics divides the samples)."""
     total = accelerator.reduce(tensor, reduction="sum")
-    group = _size(accelerator, "tp")
+    group = tensor_shards(accelerator)
     return total if group == 1 else total / group
 
 

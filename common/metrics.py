@@ -91,7 +91,7 @@ class MetricsLogger:
         """Average the window over micro-batches and ranks; call on every rank."""
         device = self.accelerator.device
         tokens, samples, flops = mesh.reduce_sum(self.accelerator, self.window_sums.clone()).tolist()
-        samples /= mesh.sequence_shards(self.accelerator)  # a sequence-parallel group's ranks each hold a slice
+        samples /= mesh.sequence_shards(self.accelerator)  # a split row's ranks each hold a share of its tokens
         mean_loss = self.accelerator.reduce(
             torch.as_tensor(self.window_loss / max(self.window_batches, 1), device=device), reduction="mean")
         own = {}

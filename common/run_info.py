@@ -11,7 +11,7 @@ import sys
 import torch
 
 from common import memory
-from common.mesh import context_shards, data_parallel_size, sequence_shards
+from common.mesh import data_parallel_size, ulysses_shards
 from common.accelerator import Launch, autocast_dtype, participating_processes
 from common.internals import innermost_optimizer, master_weights_dtype
 from common.model import local_parameter_shards
@@ -50,7 +50,7 @@ def strategy_details(accelerator, launch: Launch) -> dict:
     mesh = getattr(state, "device_mesh", None)  # a parallelism_config (HSDP: dp_replicate x dp_shard)
     if mesh is not None and mesh.mesh_dim_names:
         details["device_mesh"] = dict(zip(mesh.mesh_dim_names, mesh.mesh.shape))
-    shards = sequence_shards(accelerator) // context_shards(accelerator)
+    shards = ulysses_shards(accelerator)
     if shards > 1:  # DeepSpeed's Ulysses groups: no torch device mesh
         details["device_mesh"] = {"sp": shards, "dp": accelerator.num_processes // shards}
     return details

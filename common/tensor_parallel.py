@@ -17,6 +17,7 @@ import os
 from common.accelerator import unwrap
 from common.errors import UsageError
 from common.internals import innermost_optimizer
+from common.mesh import tensor_shards
 
 
 def enabled(state=None) -> bool:
@@ -27,8 +28,7 @@ def enabled(state=None) -> bool:
         if not is_initialized():  # a model built outside a run (a script, a test)
             return False
         state = AcceleratorState()
-    config = getattr(state, "parallelism_config", None)
-    return config is not None and config.tp_enabled
+    return tensor_shards(state) > 1
 
 
 def check_arguments(arguments: tuple) -> None:

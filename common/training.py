@@ -66,7 +66,7 @@ def total_training_steps(args: TrainingArguments, train_loader, accelerator) -> 
     each read sp_size times under sequence parallelism (once per slice: `common.sequence_parallel`)."""
     if args.max_steps > 0:
         return args.max_steps
-    shards = mesh.sequence_shards(accelerator) // mesh.context_shards(accelerator)
+    shards = mesh.ulysses_shards(accelerator)
     batches = len(train_loader) // (mesh.data_parallel_size(accelerator) * shards) * shards
     return args.num_train_epochs * steps_per_epoch(batches, args.gradient_accumulation_steps)
 
