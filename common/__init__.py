@@ -4,6 +4,7 @@ import logging
 
 import torch
 
+
 # torchao (accelerate's FP8 backend, which transformers and peft import whenever it is installed) logs at import
 # that its CUDA-only kernels (mxfp8, CUTLASS sm90a) cannot load on a CPU build of torch, and torch then calls the
 # enums it registers deprecated: four lines on every run's stderr, before any error, that say nothing about the run.

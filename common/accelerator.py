@@ -21,8 +21,12 @@ from datetime import timedelta
 
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration
-from accelerate.utils import (DistributedDataParallelKwargs, GradientAccumulationPlugin, InitProcessGroupKwargs,
-                               ProjectConfiguration)
+from accelerate.utils import (
+    DistributedDataParallelKwargs,
+    GradientAccumulationPlugin,
+    InitProcessGroupKwargs,
+    ProjectConfiguration,
+)
 
 from common import cpu_host
 from common.errors import UsageError
@@ -58,8 +62,14 @@ def refuse_unsupported_mesh() -> None:
     fsdp = _env_flag("ACCELERATE_USE_FSDP")
     kind = "DEEPSPEED" if _env_flag("ACCELERATE_USE_DEEPSPEED") else "FSDP" if fsdp else "MULTI_GPU"
     stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")  # (not exported beside a DeepSpeed JSON)
-    problems = mesh_problems(sizes, launched_world_size(), kind, fsdp and os.environ.get("FSDP_VERSION", "1") == "2",
-                             _env_flag("FSDP_CPU_RAM_EFFICIENT_LOADING"), int(stage) if stage else None)
+    problems = mesh_problems(
+        sizes,
+        launched_world_size(),
+        kind,
+        fsdp and os.environ.get("FSDP_VERSION", "1") == "2",
+        _env_flag("FSDP_CPU_RAM_EFFICIENT_LOADING"),
+        int(stage) if stage else None,
+    )
     if problems:
         raise UsageError(problems[0])
 
@@ -68,9 +78,11 @@ def more_processes_than_gpus(local_world: int, gpus: int) -> str | None:
     """The one line for a node launched with more processes than it has GPUs (NCCL runs one per GPU), else None."""
     if local_world <= gpus:
         return None
-    return (f"{local_world} processes on this node but {gpus} GPU(s) visible (NCCL needs one GPU per process): "
-            f"launch at most {gpus} per node (--num_processes counts them all: nodes x {gpus}), or check "
-            "CUDA_VISIBLE_DEVICES")
+    return (
+        f"{local_world} processes on this node but {gpus} GPU(s) visible (NCCL needs one GPU per process): "
+        f"launch at most {gpus} per node (--num_processes counts them all: nodes x {gpus}), or check "
+        "CUDA_VISIBLE_DEVICES"
+    )
 
 
 def refuse_more_processes_than_gpus() -> None:
@@ -90,6 +102,7 @@ def refuse_more_processes_than_gpus() -> None:
 @dataclass(frozen=True)
 class Launch:
     """What was launched, beside what the Accelerator resolved it to (both go to run.json)."""
+
     strategy: str  # single, ddp, tp, fsdp or deepspeed, as the accelerate config asked
     requested_mixed_precision: str
     sync_each_micro_batch: bool
@@ -115,11 +128,14 @@ def build_accelerator(args, hidden_size: int | None = None) -> tuple[Accelerator
         # The loop's windows (common.training.train_batches) end each optimizer step, epoch
         # boundaries included, so accelerate's own end-of-dataloader sync is switched off.
         gradient_accumulation_plugin=GradientAccumulationPlugin(
-            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False,
-            sync_each_batch=sync_each_micro_batch),
+            num_steps=args.gradient_accumulation_steps,
+            sync_with_dataloader=False,
+            sync_each_batch=sync_each_micro_batch,
+        ),
         log_with=None if args.report_to == "none" else args.report_to,
-        project_config=ProjectConfiguration(project_dir=args.output_dir,
-                                            logging_dir=os.path.join(args.output_dir, "logs")),
+        project_config=ProjectConfiguration(
+            project_dir=args.output_dir, logging_dir=os.path.join(args.output_dir, "logs")
+        ),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
         step_scheduler_with_optimizer=False,
         dynamo_plugin=dynamo_plugin(args),  # --torch_compile: regional compilation at prepare (common.speed)
@@ -138,9 +154,11 @@ def build_accelerator(args, hidden_size: int | None = None) -> tuple[Accelerator
     accelerator = Accelerator(**kwargs)
     if strategy == "deepspeed":
         if args.torch_compile and accelerator.state.deepspeed_plugin.zero_stage == 3:
-            raise UsageError("--torch_compile under ZeRO-3: DeepSpeed's parameter hooks make torch.compile recompile "
-                             "every layer for each submodule, then fall back to eager; use fsdp.yaml (FSDP2 compiles "
-                             "per layer) or zero2.yaml, or drop --torch_compile")
+            raise UsageError(
+                "--torch_compile under ZeRO-3: DeepSpeed's parameter hooks make torch.compile recompile "
+                "every layer for each submodule, then fall back to eager; use fsdp.yaml (FSDP2 compiles "
+                "per layer) or zero2.yaml, or drop --torch_compile"
+            )
         _clip_with_max_grad_norm(accelerator.state.deepspeed_plugin, args.max_grad_norm)
         _size_buckets_to_model(accelerator.state.deepspeed_plugin, hidden_size)
         _quiet_deepspeed_collective_warnings()
@@ -149,7 +167,8 @@ def build_accelerator(args, hidden_size: int | None = None) -> tuple[Accelerator
     if accelerator.num_processes != launched_world_size():
         raise RuntimeError(
             f"accelerate launched {launched_world_size()} processes but this rank sees "
-            f"{accelerator.num_processes} ({accelerator.distributed_type}); each rank would train alone")
+            f"{accelerator.num_processes} ({accelerator.distributed_type}); each rank would train alone"
+        )
     return accelerator, Launch(strategy, requested_precision, sync_each_micro_batch)
 
 
@@ -160,9 +179,11 @@ def _clip_with_max_grad_norm(plugin, max_grad_norm: float) -> None:
     config = plugin.deepspeed_config
     configured = config.get("gradient_clipping", "auto")
     if configured not in ("auto", None) and not math.isclose(float(configured), max_grad_norm):
-        raise UsageError(f"the DeepSpeed config sets gradient_clipping: {configured} but --max_grad_norm is "
-                         f"{max_grad_norm}; remove gradient_clipping from the config (or set it to \"auto\") so "
-                         "--max_grad_norm decides, or pass the same value to both")
+        raise UsageError(
+            f"the DeepSpeed config sets gradient_clipping: {configured} but --max_grad_norm is "
+            f'{max_grad_norm}; remove gradient_clipping from the config (or set it to "auto") so '
+            "--max_grad_norm decides, or pass the same value to both"
+        )
     config["gradient_clipping"] = float(max_grad_norm)
     plugin.gradient_clipping = float(max_grad_norm)
 
@@ -218,8 +239,11 @@ def _quiet_deepspeed_collective_warnings() -> None:
     deprecates with a FutureWarning that repeats at every call (something in the step resets
     the warnings registry): 228 lines per rank in 12 ZeRO-3 steps of the tiny model. Nothing
     a user of these recipes can act on, so it is filtered; every other warning still shows."""
-    warnings.filterwarnings("ignore", category=FutureWarning,
-                            message=r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated")
+    warnings.filterwarnings(
+        "ignore",
+        category=FutureWarning,
+        message=r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated",
+    )
 
 
 def unwrap(accelerator: Accelerator, model):

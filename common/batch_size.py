@@ -40,9 +40,11 @@ def fit_batch_size(accelerator, model, train_loader: DataLoader, args) -> DataLo
     def next_size():
         failed.append(sizes.pop(0))
         if not sizes:
-            raise UsageError(f"--auto_find_batch_size: even a per-device batch of 1 ran out of memory on rank "
-                             f"{accelerator.process_index}; use a larger device, a sharded strategy with offload "
-                             "(accelerate_configs/zero3_offload.yaml), --gradient_checkpointing or shorter sequences")
+            raise UsageError(
+                f"--auto_find_batch_size: even a per-device batch of 1 ran out of memory on rank "
+                f"{accelerator.process_index}; use a larger device, a sharded strategy with offload "
+                "(accelerate_configs/zero3_offload.yaml), --gradient_checkpointing or shorter sequences"
+            )
         return sizes[0]
 
     @find_executable_batch_size(starting_batch_size=asked, reduce_batch_size_fn=next_size)
@@ -63,10 +65,16 @@ def fit_batch_size(accelerator, model, train_loader: DataLoader, args) -> DataLo
             plugin.deepspeed_config["gradient_accumulation_steps"] = args.gradient_accumulation_steps
         train_loader = with_batch_size(train_loader, chosen)
     if accelerator.is_main_process:
-        tried = f"per-device batch {', '.join(map(str, failed))} ran out of memory" if failed else \
-            f"per-device batch {asked} fits"
-        print(f"auto_find_batch_size: {tried}; training with {chosen} x gradient_accumulation_steps "
-              f"{args.gradient_accumulation_steps} per process (the global batch asked for)", flush=True)
+        tried = (
+            f"per-device batch {', '.join(map(str, failed))} ran out of memory"
+            if failed
+            else f"per-device batch {asked} fits"
+        )
+        print(
+            f"auto_find_batch_size: {tried}; training with {chosen} x gradient_accumulation_steps "
+            f"{args.gradient_accumulation_steps} per process (the global batch asked for)",
+            flush=True,
+        )
     return train_loader
 
 
@@ -76,8 +84,9 @@ def longest_batch(loader: DataLoader, batch_size: int) -> dict:
     lengths = [len(ids) for ids in dataset["input_ids"]]
     longest = sorted(range(len(lengths)), key=lengths.__getitem__, reverse=True)[:batch_size]
     if len(longest) < batch_size:
-        raise UsageError(f"--per_device_train_batch_size {batch_size} is larger than the train split "
-                         f"({len(longest)} examples)")
+        raise UsageError(
+            f"--per_device_train_batch_size {batch_size} is larger than the train split ({len(longest)} examples)"
+        )
     return loader.collate_fn([dataset[i] for i in longest])
 
 
@@ -114,6 +123,12 @@ def release_host_memory() -> None:
 
 def with_batch_size(loader: DataLoader, batch_size: int) -> DataLoader:
     """The same loader (data, order, collation, last partial batch dropped) at another batch size."""
-    return DataLoader(loader.dataset, batch_size=batch_size, shuffle=isinstance(loader.sampler, RandomSampler),
-                      collate_fn=loader.collate_fn, generator=loader.generator, drop_last=loader.drop_last,
-                      num_workers=loader.num_workers)
+    return DataLoader(
+        loader.dataset,
+        batch_size=batch_size,
+        shuffle=isinstance(loader.sampler, RandomSampler),
+        collate_fn=loader.collate_fn,
+        generator=loader.generator,
+        drop_last=loader.drop_last,
+        num_workers=loader.num_workers,
+    )

@@ -29,6 +29,7 @@ from common.chat_template import check_jinja, template_errors
 from common.errors import UsageError
 from common.peers import main_process_alone
 
+
 OVERLONG = ("drop", "truncate")
 GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 # ShareGPT's speaker names ("from") -> chat-template roles
@@ -41,8 +42,10 @@ def data_format(columns: list[str], messages_column: str) -> str:
     if {"prompt", "completion"} <= set(columns):
         return "prompt_completion"
     hint = " (ShareGPT data: --messages_column conversations)" if "conversations" in columns else ""
-    raise UsageError(f"SFT data needs a {messages_column!r} column (conversations) or \"prompt\" and \"completion\" "
-                     f"columns; found {columns}. Set --messages_column{hint} or rename the columns")
+    raise UsageError(
+        f'SFT data needs a {messages_column!r} column (conversations) or "prompt" and "completion" '
+        f"columns; found {columns}. Set --messages_column{hint} or rename the columns"
+    )
 
 
 def _text_of(content):
@@ -64,25 +67,32 @@ def as_messages(conversation) -> list[dict]:
     """A conversation as {"role", "content"} messages: as given (content as text, or OpenAI-style
     text parts, joined), or from ShareGPT's {"from", "value"} turns. Anything else is a UsageError
     that shows the conversation."""
+
     def all_text(keys):
         return isinstance(conversation, list) and all(
-            isinstance(turn, dict) and all(isinstance(turn.get(key), str) for key in keys) for turn in conversation)
+            isinstance(turn, dict) and all(isinstance(turn.get(key), str) for key in keys) for turn in conversation
+        )
 
     if all_text(("role", "content")):
         return conversation
-    if isinstance(conversation, list) and all(isinstance(turn, dict) and isinstance(turn.get("role"), str)
-                                              for turn in conversation):
+    if isinstance(conversation, list) and all(
+        isinstance(turn, dict) and isinstance(turn.get("role"), str) for turn in conversation
+    ):
         texts = [_text_of(turn.get("content")) for turn in conversation]
         if None not in texts:
             return [{"role": turn["role"], "content": text} for turn, text in zip(conversation, texts)]
     if all_text(("from", "value")):
         unknown = sorted({turn["from"] for turn in conversation} - set(SHAREGPT_ROLES))
         if unknown:
-            raise UsageError(f"ShareGPT turns from {unknown} have no chat role; the speakers read are "
-                             f"{', '.join(SHAREGPT_ROLES)}: rename them in the data")
+            raise UsageError(
+                f"ShareGPT turns from {unknown} have no chat role; the speakers read are "
+                f"{', '.join(SHAREGPT_ROLES)}: rename them in the data"
+            )
         return [{"role": SHAREGPT_ROLES[turn["from"]], "content": turn["value"]} for turn in conversation]
-    raise UsageError(f"a conversation is not a list of {{\"role\": ..., \"content\": ...}} messages (or ShareGPT "
-                     f"{{\"from\": ..., \"value\": ...}} turns) with text content: {str(conversation)[:120]}")
+    raise UsageError(
+        f'a conversation is not a list of {{"role": ..., "content": ...}} messages (or ShareGPT '
+        f'{{"from": ..., "value": ...}} turns) with text content: {str(conversation)[:120]}'
+    )
 
 
 def _render(tokenizer, messages, add_generation_prompt=False) -> str:
@@ -99,11 +109,13 @@ def assistant_spans(tokenizer, messages: list[dict], first_labelled_turn: int = 
         if message["role"] != "assistant" or index < first_labelled_turn:
             continue
         before = _render(tokenizer, messages[:index], add_generation_prompt=True) if index else ""
-        through = _render(tokenizer, messages[:index + 1])
+        through = _render(tokenizer, messages[: index + 1])
         if not (text.startswith(through) and through.startswith(before)):
-            raise UsageError("the chat template renders the start of a conversation differently from the whole "
-                             "conversation, so assistant turns cannot be located by rendering; wrap assistant "
-                             "content in {% generation %}...{% endgeneration %} in the template (--chat_template)")
+            raise UsageError(
+                "the chat template renders the start of a conversation differently from the whole "
+                "conversation, so assistant turns cannot be located by rendering; wrap assistant "
+                "content in {% generation %}...{% endgeneration %} in the template (--chat_template)"
+            )
         end = len(through.rstrip())
         if end > len(before):
             spans.append((len(before), end))
@@ -114,15 +126,18 @@ def _encode_with_spans(tokenizer, messages, first_labelled_turn):
     text, spans = assistant_spans(tokenizer, messages, first_labelled_turn)
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = encoded["input_ids"]
-    labels = [token if any(start < end_ and end > start_ for start_, end_ in spans) else -100
-              for token, (start, end) in zip(ids, encoded["offset_mapping"])]
+    labels = [
+        token if any(start < end_ and end > start_ for start_, end_ in spans) else -100
+        for token, (start, end) in zip(ids, encoded["offset_mapping"])
+    ]
     return ids, labels
 
 
 def _encode_with_markers(tokenizer, messages):
     with template_errors(messages):
-        encoded = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                                return_assistant_tokens_mask=True)
+        encoded = tokenizer.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
     ids = encoded["input_ids"]
     return ids, [token if mask else -100 for token, mask in zip(ids, encoded["assistant_masks"])]
 
@@ -137,8 +152,9 @@ def encode_example(example: dict, tokenizer, fmt: str, messages_column: str):
     """input_ids and labels for one row of either format."""
     if fmt == "prompt_completion" and isinstance(example["prompt"], str):
         if not isinstance(example["completion"], str):
-            raise UsageError("\"prompt\" is text but \"completion\" is not; give both as text or both as lists of "
-                             "messages")
+            raise UsageError(
+                '"prompt" is text but "completion" is not; give both as text or both as lists of messages'
+            )
         return _encode_text(tokenizer, example["prompt"], example["completion"])
     if fmt == "prompt_completion":
         prompt = as_messages(example["prompt"])
@@ -146,12 +162,19 @@ def encode_example(example: dict, tokenizer, fmt: str, messages_column: str):
     else:
         messages, first = as_messages(example[messages_column]), 0
     if GENERATION_MARKER.search(tokenizer.chat_template) and not first:  # a prompt's assistant turns are no labels:
-        return _encode_with_markers(tokenizer, messages)                  # those come from rendering (spans)
+        return _encode_with_markers(tokenizer, messages)  # those come from rendering (spans)
     return _encode_with_spans(tokenizer, messages, first)
 
 
-def tokenize_sft(raw: DatasetDict, tokenizer, messages_column: str, max_length: int, overlong: str,
-                 accelerator, num_proc: int | None = None) -> tuple[DatasetDict, dict]:
+def tokenize_sft(
+    raw: DatasetDict,
+    tokenizer,
+    messages_column: str,
+    max_length: int,
+    overlong: str,
+    accelerator,
+    num_proc: int | None = None,
+) -> tuple[DatasetDict, dict]:
     """Tokenize every split; returns the datasets and, per split, how many examples were
     dropped and why ({"train": {"too_long": 3}, ...})."""
     if overlong not in OVERLONG:
@@ -159,8 +182,10 @@ def tokenize_sft(raw: DatasetDict, tokenizer, messages_column: str, max_length: 
     fmt = data_format(raw["train"].column_names, messages_column)
     for split, dataset in raw.items():
         if data_format(dataset.column_names, messages_column) != fmt:
-            raise UsageError(f"the {split} split's columns {dataset.column_names} are not in the train split's "
-                             "format; give both splits the same columns")
+            raise UsageError(
+                f"the {split} split's columns {dataset.column_names} are not in the train split's "
+                "format; give both splits the same columns"
+            )
     conversational = fmt == "messages" or not isinstance(raw["train"][0]["prompt"], str)
     if conversational and not tokenizer.chat_template:
         raise UsageError("the tokenizer has no chat_template; pass --chat_template (a template file or text)")
@@ -180,22 +205,29 @@ def tokenize_sft(raw: DatasetDict, tokenizer, messages_column: str, max_length: 
         return {"input_ids": ids, "labels": labels, "status": status}
 
     with accelerator.main_process_first(), main_process_alone(accelerator, "tokenizing"):
-        encoded = raw.map(encode, num_proc=num_proc, remove_columns=raw["train"].column_names,
-                          desc="tokenizing SFT examples")
+        encoded = raw.map(
+            encode, num_proc=num_proc, remove_columns=raw["train"].column_names, desc="tokenizing SFT examples"
+        )
     dropped, kept = {}, {}
     for split, dataset in encoded.items():
         counts = Counter(dataset["status"])
         dropped[split] = {reason: count for reason, count in counts.items() if reason != "ok"}
         kept[split] = dataset.filter(lambda status: status == "ok", input_columns="status").remove_columns("status")
         if dropped[split]:
-            accelerator.print(f"dropped {sum(dropped[split].values())} of {len(dataset)} {split} examples: "
-                              + ", ".join(f"{count} {reason.replace('_', ' ')}" for reason, count in
-                                          sorted(dropped[split].items()))
-                              + (f" (longer than --block_size {max_length}; --overlong truncate keeps them cut)"
-                                 if "too_long" in dropped[split] else ""))
+            accelerator.print(
+                f"dropped {sum(dropped[split].values())} of {len(dataset)} {split} examples: "
+                + ", ".join(f"{count} {reason.replace('_', ' ')}" for reason, count in sorted(dropped[split].items()))
+                + (
+                    f" (longer than --block_size {max_length}; --overlong truncate keeps them cut)"
+                    if "too_long" in dropped[split]
+                    else ""
+                )
+            )
         if len(kept[split]) == 0:
-            raise UsageError(f"no {split} example is left to train on (dropped: {dropped[split]}, max length "
-                             f"{max_length}); raise --block_size or pass --overlong truncate")
+            raise UsageError(
+                f"no {split} example is left to train on (dropped: {dropped[split]}, max length "
+                f"{max_length}); raise --block_size or pass --overlong truncate"
+            )
     return DatasetDict(kept), dropped
 
 

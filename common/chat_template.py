@@ -23,22 +23,29 @@ def read_chat_template(value: str) -> str:
             with open(value, encoding="utf-8") as handle:
                 text = handle.read()
         except (OSError, UnicodeDecodeError) as error:
-            raise UsageError(f"--chat_template {value} does not read ({describe(error)}); pass a UTF-8 text file "
-                             "holding a Jinja template") from None
+            raise UsageError(
+                f"--chat_template {value} does not read ({describe(error)}); pass a UTF-8 text file "
+                "holding a Jinja template"
+            ) from None
         if value.endswith(".json"):
             try:
                 text = json.loads(text)["chat_template"]
             except (ValueError, KeyError, TypeError):
-                raise UsageError(f"--chat_template {value}: a .json file must be an object with a "
-                                 "\"chat_template\" string") from None
+                raise UsageError(
+                    f'--chat_template {value}: a .json file must be an object with a "chat_template" string'
+                ) from None
         if not isinstance(text, str):
-            raise UsageError(f"--chat_template {value}: \"chat_template\" must be one template string; a list of "
-                             "named templates is not read here: pass the one to use")
+            raise UsageError(
+                f'--chat_template {value}: "chat_template" must be one template string; a list of '
+                "named templates is not read here: pass the one to use"
+            )
         check_jinja(text, f"--chat_template {value}")
         return text
     if "{{" not in value and "{%" not in value:
-        raise UsageError(f"--chat_template {value!r} is neither a file nor a Jinja template; "
-                         "give a path to a template file or the template text")
+        raise UsageError(
+            f"--chat_template {value!r} is neither a file nor a Jinja template; "
+            "give a path to a template file or the template text"
+        )
     check_jinja(value, "--chat_template")
     return value
 
@@ -62,8 +69,9 @@ def check_jinja(template: str, source: str) -> None:
         ImmutableSandboxedEnvironment(extensions=[GenerationTag, loopcontrols]).from_string(template)
     except jinja2.TemplateError as error:
         line = f" at line {error.lineno}" if getattr(error, "lineno", None) else ""
-        raise UsageError(f"{source} is not a valid Jinja template ({type(error).__name__}{line}: {error}); fix "
-                         "the template") from None
+        raise UsageError(
+            f"{source} is not a valid Jinja template ({type(error).__name__}{line}: {error}); fix the template"
+        ) from None
 
 
 @contextlib.contextmanager
@@ -75,6 +83,8 @@ def template_errors(messages):
     try:
         yield
     except jinja2.TemplateError as error:
-        raise UsageError(f"the chat template (--chat_template, or the tokenizer's) does not render a conversation "
-                         f"({describe(error)}): fix the template or the data; the conversation: "
-                         f"{str(messages)[:120]}") from None
+        raise UsageError(
+            f"the chat template (--chat_template, or the tokenizer's) does not render a conversation "
+            f"({describe(error)}): fix the template or the data; the conversation: "
+            f"{str(messages)[:120]}"
+        ) from None

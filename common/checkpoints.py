@@ -23,8 +23,18 @@ from common.portable_load import load as load_portable
 from common.run_dir import MODEL_FILES, STATE_FILE, checkpoints_dir, list_checkpoints, swap_into_place
 
 
-def save_checkpoint(accelerator, model, optimizer, scheduler, output_dir: str, step: int, state: dict,
-                    total_limit: int | None, tokenizer=None, dtype=None) -> str:
+def save_checkpoint(
+    accelerator,
+    model,
+    optimizer,
+    scheduler,
+    output_dir: str,
+    step: int,
+    state: dict,
+    total_limit: int | None,
+    tokenizer=None,
+    dtype=None,
+) -> str:
     """accelerate `save_state` into tmp, then an atomic rename to step_N, then prune.
     Weights that are not finite stop the run instead (nothing is written). Beside the state,
     MODEL_FILES holds what a Hugging Face folder needs besides the weights (config in the
@@ -64,8 +74,14 @@ def load_checkpoint(accelerator, path: str | None, model, optimizer, scheduler) 
         return {"step": 0}
     universal = reshard.is_universal(path)
     # each param group's hyperparameters but the learning rate (the schedule sets it)
-    hyperparameters = [{key: value for key, value in group.items() if key not in ("params", "lr")}
-                       for group in innermost_optimizer(optimizer).param_groups] if universal else None
+    hyperparameters = (
+        [
+            {key: value for key, value in group.items() if key not in ("params", "lr")}
+            for group in innermost_optimizer(optimizer).param_groups
+        ]
+        if universal
+        else None
+    )
     try:
         if portable.is_portable(path):
             load_portable(accelerator, model, optimizer, scheduler, path)
@@ -84,8 +100,10 @@ def load_checkpoint(accelerator, path: str | None, model, optimizer, scheduler) 
     schedule_the_loaded_optimizer(optimizer, scheduler)  # before the schedule sets a rate
     reshard.schedule_from_before_per_step(scheduler, state)
     saved_processes = state.get("num_processes", accelerator.num_processes)
-    accelerator.print(f"resumed from {path} at step {state['step']}"
-                      + (f" (saved by {saved_processes} processes)" if saved_processes != accelerator.num_processes else ""))
+    accelerator.print(
+        f"resumed from {path} at step {state['step']}"
+        + (f" (saved by {saved_processes} processes)" if saved_processes != accelerator.num_processes else "")
+    )
     return state
 
 
@@ -104,20 +122,28 @@ def load_failure(path: str, error: BaseException) -> Exception:
     a damaged file, or a checkpoint written with other model or strategy arguments."""
     reason, fault = describe(error), load_fault(error)
     if fault == "memory":
-        return RunStopped(f"checkpoint {path} could not be loaded: this host ran out of memory ({reason}); free "
-                          "memory (fewer processes per node, a host with more) and resume again; the checkpoint "
-                          "itself may be fine")
+        return RunStopped(
+            f"checkpoint {path} could not be loaded: this host ran out of memory ({reason}); free "
+            "memory (fewer processes per node, a host with more) and resume again; the checkpoint "
+            "itself may be fine"
+        )
     if fault == "io":
-        return RunStopped(f"checkpoint {path} could not be read: an I/O error on this host ({reason}); check the "
-                          "filesystem (space, permissions, the mount) and resume again; the checkpoint itself may "
-                          "be fine")
+        return RunStopped(
+            f"checkpoint {path} could not be read: an I/O error on this host ({reason}); check the "
+            "filesystem (space, permissions, the mount) and resume again; the checkpoint itself may "
+            "be fine"
+        )
     if fault == "damaged" or isinstance(error, FileNotFoundError):
-        return UsageError(f"checkpoint {path} is damaged ({reason}): resume from an earlier one "
-                          "(--resume_from_checkpoint <output_dir>/checkpoints/step_N) or start afresh with "
-                          "--overwrite_output_dir")
-    return UsageError(f"checkpoint {path} does not load into this run ({reason}); it was written with other "
-                      "model or strategy arguments: resume with the arguments in its run's run.json, pass another "
-                      "--resume_from_checkpoint, or start afresh with --overwrite_output_dir")
+        return UsageError(
+            f"checkpoint {path} is damaged ({reason}): resume from an earlier one "
+            "(--resume_from_checkpoint <output_dir>/checkpoints/step_N) or start afresh with "
+            "--overwrite_output_dir"
+        )
+    return UsageError(
+        f"checkpoint {path} does not load into this run ({reason}); it was written with other "
+        "model or strategy arguments: resume with the arguments in its run's run.json, pass another "
+        "--resume_from_checkpoint, or start afresh with --overwrite_output_dir"
+    )
 
 
 def write_model_files(model, tokenizer, dtype, folder: str) -> None:

@@ -30,8 +30,7 @@ from common.internals import cpu_has_bf16_instructions, present_cpu_group_as_mul
 
 def cpu_runs_bf16() -> bool:
     """The CPU has bf16 instructions (avx512_bf16/amx), or RECIPES_EMULATE_BF16=true."""
-    return (os.environ.get("RECIPES_EMULATE_BF16", "false").lower() == "true"
-            or cpu_has_bf16_instructions())
+    return os.environ.get("RECIPES_EMULATE_BF16", "false").lower() == "true" or cpu_has_bf16_instructions()
 
 
 def _requested_precision() -> str:
@@ -42,8 +41,11 @@ def accelerator_kwargs(strategy: str, process_group: InitProcessGroupKwargs) -> 
     """Accelerator() arguments (and process-group set-up) for `strategy` on this CPU host;
     `process_group` carries the recipe's timeout."""
     if _requested_precision() == "bf16" and not cpu_runs_bf16():
-        _say_fp32("bf16", "this CPU has no bf16 instructions (avx512_bf16/amx; RECIPES_EMULATE_BF16=true runs "
-                          "bf16 anyway, several times slower)")
+        _say_fp32(
+            "bf16",
+            "this CPU has no bf16 instructions (avx512_bf16/amx; RECIPES_EMULATE_BF16=true runs "
+            "bf16 anyway, several times slower)",
+        )
         os.environ["ACCELERATE_MIXED_PRECISION"] = "no"
     if strategy == "single":
         return {}

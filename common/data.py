@@ -16,9 +16,10 @@ from common import sequence_parallel
 from common.arguments import DataArguments
 from common.errors import UsageError, describe, downloads_off, load_fault
 from common.mixture import announce, load_mixture, stream_mixture
-from common.sources import FILE_BUILDERS
 from common.peers import main_process_alone
+from common.sources import FILE_BUILDERS
 from common.streaming import StreamLoader, load_train_stream, tokenize_and_pack_stream
+
 
 STREAM_HELD_OUT = 1000  # validation rows taken from a stream that has no validation split
 
@@ -50,9 +51,11 @@ def load_raw_datasets(args: DataArguments, seed: int) -> DatasetDict:
         try:
             split = raw["train"].train_test_split(test_size=args.validation_split_percentage / 100, seed=seed)
         except ValueError as error:  # too few rows to split off a validation set
-            raise UsageError(f"cannot split {len(raw['train'])} training rows at --validation_split_percentage "
-                             f"{args.validation_split_percentage} ({describe(error)}); give a --validation_file "
-                             "or more data") from None
+            raise UsageError(
+                f"cannot split {len(raw['train'])} training rows at --validation_split_percentage "
+                f"{args.validation_split_percentage} ({describe(error)}); give a --validation_file "
+                "or more data"
+            ) from None
         raw = DatasetDict(train=split["train"], validation=split["test"])
     if args.max_eval_samples:
         raw["validation"] = raw["validation"].select(range(min(args.max_eval_samples, len(raw["validation"]))))
@@ -63,23 +66,36 @@ def load_hub_dataset(args: DataArguments, **kwargs):
     """load_dataset(--dataset_name, --dataset_config_name, **kwargs); one that does not load (a
     mistyped or unreachable name, a missing config name) is a one-line error."""
     config = f" --dataset_config_name {args.dataset_config_name}" if args.dataset_config_name else ""
-    return _from_hub(args.dataset_name, args.dataset_config_name, f"--dataset_name {args.dataset_name}{config}",
-                     "with --dataset_config_name where it has several) or --train_file", **kwargs)
+    return _from_hub(
+        args.dataset_name,
+        args.dataset_config_name,
+        f"--dataset_name {args.dataset_name}{config}",
+        "with --dataset_config_name where it has several) or --train_file",
+        **kwargs,
+    )
 
 
 def _from_hub(name: str, config: str | None, what: str, instead: str, **kwargs):
     try:
         return load_dataset(name, config, **kwargs)
     except (ConnectionError, FileNotFoundError, ValueError) as error:  # DatasetNotFoundError: a FileNotFoundError
-        raise UsageError(f"{what} does not load ({describe(error)}); pass a Hub dataset reachable from here ({instead}"
-                         f"{downloads_off('HF_DATASETS_OFFLINE', 'HF_HUB_OFFLINE')}") from None
+        raise UsageError(
+            f"{what} does not load ({describe(error)}); pass a Hub dataset reachable from here ({instead}"
+            f"{downloads_off('HF_DATASETS_OFFLINE', 'HF_HUB_OFFLINE')}"
+        ) from None
 
 
 def _mixture_source(source, streaming: bool):
     """A --dataset_mixture source from the Hub (common.mixture loads local ones)."""
     config = f" config {source.config}" if source.config else ""
-    return _from_hub(source.id, source.config, f"--dataset_mixture source {source.id}{config} split {source.split}",
-                     "with its config and split) or a local file as its id", split=source.split, streaming=streaming)
+    return _from_hub(
+        source.id,
+        source.config,
+        f"--dataset_mixture source {source.id}{config} split {source.split}",
+        "with its config and split) or a local file as its id",
+        split=source.split,
+        streaming=streaming,
+    )
 
 
 def _mixed(args: DataArguments, builder: str | None, seed: int) -> DatasetDict:
@@ -103,14 +119,19 @@ def _load_streaming(args: DataArguments, builder: str | None, data_files: dict |
         validation = Dataset.from_list(rows) if rows else None
         announce(args.mixture)
     else:
-        train = load_hub_dataset(args, split="train", streaming=True) if args.dataset_name else \
-            load_train_stream(builder, data_files)
+        train = (
+            load_hub_dataset(args, split="train", streaming=True)
+            if args.dataset_name
+            else load_train_stream(builder, data_files)
+        )
     if args.validation_file:
         validation = _load_files(builder, {"validation": args.validation_file})["validation"]
     elif validation is None:
         if args.dataset_name:
             try:
-                validation = load_dataset(args.dataset_name, args.dataset_config_name, split="validation", streaming=True)
+                validation = load_dataset(
+                    args.dataset_name, args.dataset_config_name, split="validation", streaming=True
+                )
             except ValueError:  # no validation split on the Hub
                 pass
         if validation is None:
@@ -150,11 +171,15 @@ def _load_files(builder: str, data_files: dict) -> DatasetDict:
         except unreadable as error:
             if load_fault(error) in ("memory", "io"):
                 raise
-            raise UsageError(f"{path}: not readable as {builder} ({describe(error.__cause__ or error)}); fix the file "
-                             "(rows count from 0)") from None
-    raise UsageError("the data files do not have the same columns ("
-                     + "; ".join(f"{path}: {names}" for path, names in columns.items())
-                     + "); give every split the same columns")
+            raise UsageError(
+                f"{path}: not readable as {builder} ({describe(error.__cause__ or error)}); fix the file "
+                "(rows count from 0)"
+            ) from None
+    raise UsageError(
+        "the data files do not have the same columns ("
+        + "; ".join(f"{path}: {names}" for path, names in columns.items())
+        + "); give every split the same columns"
+    )
 
 
 def check_text_column(raw: DatasetDict, column: str) -> None:
@@ -167,8 +192,10 @@ def check_text_column(raw: DatasetDict, column: str) -> None:
         else:
             bad = [value for value in dataset[column] if not isinstance(value, str)][:1]
         if bad:
-            raise UsageError(f"column {column!r} of the {split} data holds {bad[0]!r}, not text; every value "
-                             "must be a string (no nulls, numbers or lists)")
+            raise UsageError(
+                f"column {column!r} of the {split} data holds {bad[0]!r}, not text; every value "
+                "must be a string (no nulls, numbers or lists)"
+            )
 
 
 def pack_sequences(examples: dict, block_size: int, eos_token_id: int) -> dict:
@@ -181,12 +208,13 @@ def pack_sequences(examples: dict, block_size: int, eos_token_id: int) -> dict:
         stream.extend(ids)
         stream.append(eos_token_id)
     usable = len(stream) // block_size * block_size
-    blocks = [stream[start:start + block_size] for start in range(0, usable, block_size)]
+    blocks = [stream[start : start + block_size] for start in range(0, usable, block_size)]
     return {"input_ids": blocks, "labels": [list(block) for block in blocks]}
 
 
-def tokenize_and_pack(raw: DatasetDict, tokenizer, text_column: str, block_size: int,
-                      accelerator, num_proc: int | None = None) -> DatasetDict:
+def tokenize_and_pack(
+    raw: DatasetDict, tokenizer, text_column: str, block_size: int, accelerator, num_proc: int | None = None
+) -> DatasetDict:
     """Tokenize every split (batched, cached) and pack it into blocks of `block_size`."""
     stream = raw["train"] if isinstance(raw["train"], IterableDataset) else None
     if stream is not None:  # --streaming: each rank packs its own documents as they are read
@@ -201,27 +229,48 @@ def tokenize_and_pack(raw: DatasetDict, tokenizer, text_column: str, block_size:
 
     # rank 0 builds the cache, the others read it
     with accelerator.main_process_first(), main_process_alone(accelerator, "tokenizing"):
-        tokenized = raw.map(tokenize, batched=True, num_proc=num_proc,
-                            remove_columns=raw["validation"].column_names, desc="tokenizing")
-        packed = tokenized.map(pack_sequences, batched=True, batch_size=1000, num_proc=num_proc,
-                               fn_kwargs={"block_size": block_size, "eos_token_id": tokenizer.eos_token_id},
-                               remove_columns=tokenized["validation"].column_names, desc=f"packing into {block_size}-token blocks")
+        tokenized = raw.map(
+            tokenize, batched=True, num_proc=num_proc, remove_columns=raw["validation"].column_names, desc="tokenizing"
+        )
+        packed = tokenized.map(
+            pack_sequences,
+            batched=True,
+            batch_size=1000,
+            num_proc=num_proc,
+            fn_kwargs={"block_size": block_size, "eos_token_id": tokenizer.eos_token_id},
+            remove_columns=tokenized["validation"].column_names,
+            desc=f"packing into {block_size}-token blocks",
+        )
     if getattr(accelerator, "is_local_main_process", False) and not accelerator.is_main_process:  # another node
-        cache = os.path.dirname(packed["validation"].cache_files[0]["filename"]) if packed["validation"].cache_files else "?"
-        print(f"note: the first node tokenized into {cache}; this node used it only if that path is on a filesystem "
-              "all nodes share, else it tokenized its own copy (set HF_DATASETS_CACHE to a shared path, or use "
-              "--streaming)", file=sys.stderr)
+        cache = (
+            os.path.dirname(packed["validation"].cache_files[0]["filename"])
+            if packed["validation"].cache_files
+            else "?"
+        )
+        print(
+            f"note: the first node tokenized into {cache}; this node used it only if that path is on a filesystem "
+            "all nodes share, else it tokenized its own copy (set HF_DATASETS_CACHE to a shared path, or use "
+            "--streaming)",
+            file=sys.stderr,
+        )
     for split, dataset in packed.items():
         if len(dataset) == 0:
             raise UsageError(f"the {split} split has fewer than block_size={block_size} tokens; lower --block_size")
     if stream is not None:
-        packed["train"] = tokenize_and_pack_stream(stream, text_column, tokenize, pack_sequences, block_size,
-                                                   tokenizer.eos_token_id, accelerator)
+        packed["train"] = tokenize_and_pack_stream(
+            stream, text_column, tokenize, pack_sequences, block_size, tokenizer.eos_token_id, accelerator
+        )
     return packed
 
 
-def make_dataloaders(datasets: DatasetDict, train_batch_size: int, eval_batch_size: int,
-                     seed: int, collate_fn=default_data_collator, eval_collate_fn=None):
+def make_dataloaders(
+    datasets: DatasetDict,
+    train_batch_size: int,
+    eval_batch_size: int,
+    seed: int,
+    collate_fn=default_data_collator,
+    eval_collate_fn=None,
+):
     """Shuffled train loader (the order is a function of seed and epoch, so it resumes; its rows splittable under
     sequence parallelism) and an eval loader (with `eval_collate_fn` if given, else `collate_fn`)."""
     import torch
@@ -230,10 +279,17 @@ def make_dataloaders(datasets: DatasetDict, train_batch_size: int, eval_batch_si
     if isinstance(datasets["train"], IterableDataset):  # --streaming: already this rank's share
         train = StreamLoader(datasets["train"], train_batch_size)
     else:
-        train = DataLoader(datasets["train"], shuffle=True, batch_size=train_batch_size,
-                           collate_fn=sequence_parallel.splittable(collate_fn),
-                           generator=generator, drop_last=True)
-    evaluation = DataLoader(datasets["validation"], batch_size=eval_batch_size, collate_fn=eval_collate_fn or collate_fn)
+        train = DataLoader(
+            datasets["train"],
+            shuffle=True,
+            batch_size=train_batch_size,
+            collate_fn=sequence_parallel.splittable(collate_fn),
+            generator=generator,
+            drop_last=True,
+        )
+    evaluation = DataLoader(
+        datasets["validation"], batch_size=eval_batch_size, collate_fn=eval_collate_fn or collate_fn
+    )
     return train, evaluation
 
 
@@ -241,12 +297,21 @@ def _check_columns(raw: DatasetDict, *columns: str) -> None:
     for column in columns:
         for split, dataset in raw.items():
             if column not in dataset.column_names:
-                raise UsageError(f"column {column!r} not in the {split} data (columns: {dataset.column_names}); "
-                                 "set --text_column/--label_column/--messages_column")
+                raise UsageError(
+                    f"column {column!r} not in the {split} data (columns: {dataset.column_names}); "
+                    "set --text_column/--label_column/--messages_column"
+                )
 
 
-def tokenize_for_classification(raw: DatasetDict, tokenizer, text_column: str, label_column: str,
-                                max_length: int, accelerator, num_proc: int | None = None):
+def tokenize_for_classification(
+    raw: DatasetDict,
+    tokenizer,
+    text_column: str,
+    label_column: str,
+    max_length: int,
+    accelerator,
+    num_proc: int | None = None,
+):
     """Tokenize (truncated to max_length, padded later per batch) and map labels to ids.
 
     Returns the datasets and the label names, sorted, as found in the train split."""
@@ -264,7 +329,7 @@ def tokenize_for_classification(raw: DatasetDict, tokenizer, text_column: str, l
         return encoded
 
     with accelerator.main_process_first(), main_process_alone(accelerator, "tokenizing"):
-        tokenized = raw.map(tokenize, batched=True, num_proc=num_proc,
-                            remove_columns=raw["train"].column_names, desc="tokenizing")
+        tokenized = raw.map(
+            tokenize, batched=True, num_proc=num_proc, remove_columns=raw["train"].column_names, desc="tokenizing"
+        )
     return tokenized, label_names
-

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from common import mesh
 
+
 LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
 
@@ -29,8 +30,10 @@ def completion_log_probs(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     labels = batch["labels"][:, 1:]
     # row by row: an fp32 copy of one row's logits at a time, not of the batch's (2B x T x vocabulary)
-    sums = [-F.cross_entropy(row[:-1].float(), row_labels, ignore_index=-100, reduction="sum")
-            for row, row_labels in zip(logits, labels)]
+    sums = [
+        -F.cross_entropy(row[:-1].float(), row_labels, ignore_index=-100, reduction="sum")
+        for row, row_labels in zip(logits, labels)
+    ]
     return torch.stack(sums).chunk(2)
 
 
@@ -39,8 +42,15 @@ def completion_lengths(batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return (batch["labels"][:, 1:] != -100).sum(1).clamp(min=1).chunk(2)
 
 
-def preference_loss(policy: tuple, reference: tuple, lengths: tuple, beta: float, loss_type: str,
-                    label_smoothing: float = 0.0, rpo_alpha: float = 0.0) -> tuple[torch.Tensor, dict]:
+def preference_loss(
+    policy: tuple,
+    reference: tuple,
+    lengths: tuple,
+    beta: float,
+    loss_type: str,
+    label_smoothing: float = 0.0,
+    rpo_alpha: float = 0.0,
+) -> tuple[torch.Tensor, dict]:
     """Per-pair losses and the reward metrics (per pair, detached) from (chosen, rejected)
     log-probabilities summed over each completion's `lengths` tokens."""
     chosen_nll = -policy[0] / lengths[0]
@@ -65,8 +75,16 @@ def preference_loss(policy: tuple, reference: tuple, lengths: tuple, beta: float
 
 
 @torch.no_grad()
-def evaluate_preferences(model, reference, dataloader, accelerator, beta: float, loss_type: str,
-                         label_smoothing: float, rpo_alpha: float = 0.0) -> dict:
+def evaluate_preferences(
+    model,
+    reference,
+    dataloader,
+    accelerator,
+    beta: float,
+    loss_type: str,
+    label_smoothing: float,
+    rpo_alpha: float = 0.0,
+) -> dict:
     """eval_loss, eval_rewards/* and eval_prefers_chosen (the share of pairs whose chosen answer the
     policy itself finds likelier: the preference accuracy that means something before training too,
     where every reward is 0) over every held-out pair, each counted once (gather_for_metrics)."""
@@ -74,13 +92,26 @@ def evaluate_preferences(model, reference, dataloader, accelerator, beta: float,
     sums, count = torch.zeros(len(REWARDS) + 2, dtype=torch.float64), 0
     for batch in dataloader:
         policy = completion_log_probs(model, batch)
-        losses, rewards = preference_loss(policy, reference.log_probs(batch, "validation"), completion_lengths(batch),
-                                          beta, loss_type, label_smoothing, rpo_alpha)
+        losses, rewards = preference_loss(
+            policy,
+            reference.log_probs(batch, "validation"),
+            completion_lengths(batch),
+            beta,
+            loss_type,
+            label_smoothing,
+            rpo_alpha,
+        )
         prefers = (policy[0] > policy[1]).float()
-        values = mesh.gather_for_metrics(accelerator, torch.stack([losses.detach(), prefers, *rewards.values()], dim=1))
+        values = mesh.gather_for_metrics(
+            accelerator, torch.stack([losses.detach(), prefers, *rewards.values()], dim=1)
+        )
         sums += values.double().sum(0).cpu()
         count += values.shape[0]
     model.train()
     means = (sums / max(count, 1)).tolist()
-    return {"eval_loss": means[0], "eval_prefers_chosen": means[1],
-            **{f"eval_{name}": value for name, value in zip(REWARDS, means[2:])}, "eval_pairs": count}
+    return {
+        "eval_loss": means[0],
+        "eval_prefers_chosen": means[1],
+        **{f"eval_{name}": value for name, value in zip(REWARDS, means[2:])},
+        "eval_pairs": count,
+    }

@@ -38,7 +38,9 @@ def describe(error: BaseException) -> str:
     """A library's exception in one line, for a UsageError: its type and the line that says why
     (transformers' validation errors put it on a later line, "ValueError: The hidden size ...")."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    reason = next((line for line in lines if line.startswith(("ValueError:", "TypeError:"))), lines[0] if lines else "")
+    reason = next(
+        (line for line in lines if line.startswith(("ValueError:", "TypeError:"))), lines[0] if lines else ""
+    )
     return f"{type(error).__name__}: {reason}"[:300]
 
 
@@ -49,16 +51,30 @@ def downloads_off(*variables: str) -> str:
     names = [name for name in variables if os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")]
     if not names:
         return ""
-    return (f"; {' and '.join(names)} {'is' if len(names) == 1 else 'are'} set here, so only what the Hub cache "
-            f"already holds loads: set {'=0 '.join(names)}=0 to download")
+    return (
+        f"; {' and '.join(names)} {'is' if len(names) == 1 else 'are'} set here, so only what the Hub cache "
+        f"already holds loads: set {'=0 '.join(names)}=0 to download"
+    )
 
 
 # errno values that mean the host's storage failed, not the file read
-HOST_IO_ERRNOS = (errno.EIO, errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.ESTALE, errno.ETIMEDOUT,
-                  errno.ENOMEM, errno.EDQUOT)
+HOST_IO_ERRNOS = (
+    errno.EIO,
+    errno.ENOSPC,
+    errno.EROFS,
+    errno.EACCES,
+    errno.EPERM,
+    errno.ESTALE,
+    errno.ETIMEDOUT,
+    errno.ENOMEM,
+    errno.EDQUOT,
+)
 # what the libraries say of a file cut short or corrupt: safetensors' header, a torch zip, a pickle, JSON
-DAMAGE_SAID = re.compile(r"deserializ|header|unexpected end|truncat|corrupt|invalid load key|PytorchStreamReader|"
-                         r"zip archive|Expecting value|Unterminated|EOF", re.IGNORECASE)
+DAMAGE_SAID = re.compile(
+    r"deserializ|header|unexpected end|truncat|corrupt|invalid load key|PytorchStreamReader|"
+    r"zip archive|Expecting value|Unterminated|EOF",
+    re.IGNORECASE,
+)
 
 
 def load_fault(error: BaseException) -> str | None:
@@ -69,8 +85,9 @@ def load_fault(error: BaseException) -> str | None:
         return "memory"
     if isinstance(error, OSError) and error.errno in HOST_IO_ERRNOS:
         return "io"
-    if isinstance(error, (EOFError, pickle.UnpicklingError, zipfile.BadZipFile)) or \
-            DAMAGE_SAID.search(f"{type(error).__name__}: {error}"):
+    if isinstance(error, (EOFError, pickle.UnpicklingError, zipfile.BadZipFile)) or DAMAGE_SAID.search(
+        f"{type(error).__name__}: {error}"
+    ):
         return "damaged"
     return None
 
@@ -137,8 +154,10 @@ def one_line_errors(ddp_timeout: float | None = None):
 
 def exits_on_usage_error(main):
     """Decorate a script's main(): its errors end it as `one_line_errors` says."""
+
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
         with one_line_errors():
             return main(*args, **kwargs)
+
     return wrapper

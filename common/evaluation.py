@@ -13,6 +13,7 @@ from common import mesh
 from common.accelerator import unwrap
 from common.errors import UsageError
 
+
 SHIPPED_METRICS = os.path.join(os.path.dirname(__file__), "evaluate_metrics")
 
 
@@ -22,8 +23,10 @@ def load_metric(name: str):
     try:
         return evaluate.load(shipped if os.path.isdir(shipped) else name)
     except (FileNotFoundError, ConnectionError, OSError) as error:
-        raise UsageError(f"metric {name!r} is neither shipped in {SHIPPED_METRICS} nor loadable "
-                         f"({type(error).__name__}); use one of {sorted(os.listdir(SHIPPED_METRICS))}")
+        raise UsageError(
+            f"metric {name!r} is neither shipped in {SHIPPED_METRICS} nor loadable "
+            f"({type(error).__name__}); use one of {sorted(os.listdir(SHIPPED_METRICS))}"
+        )
 
 
 class BestModelTracker:
@@ -42,7 +45,9 @@ class BestModelTracker:
         if self.metric not in metrics:
             raise UsageError(f"metric_for_best_model {self.metric!r} is not computed; choose one of {sorted(metrics)}")
         value = metrics[self.metric]
-        better = self.best_value is None or (value > self.best_value if self.greater_is_better else value < self.best_value)
+        better = self.best_value is None or (
+            value > self.best_value if self.greater_is_better else value < self.best_value
+        )
         if better:
             self.best_value, self.best_step, self.evals_without_improvement = value, step, 0
         else:
@@ -54,8 +59,11 @@ class BestModelTracker:
         return bool(self.patience) and self.evals_without_improvement >= self.patience
 
     def state_dict(self) -> dict:
-        return {"best_value": self.best_value, "best_step": self.best_step,
-                "evals_without_improvement": self.evals_without_improvement}
+        return {
+            "best_value": self.best_value,
+            "best_step": self.best_step,
+            "evals_without_improvement": self.evals_without_improvement,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.best_value = state.get("best_value")
@@ -73,7 +81,8 @@ def evaluate_classification(model, dataloader, accelerator, metrics: dict, f1_av
         logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
         losses = torch.nn.functional.cross_entropy(logits.float(), batch["labels"], reduction="none")
         predictions, references, losses = mesh.gather_for_metrics(
-            accelerator, (logits.argmax(-1), batch["labels"], losses))
+            accelerator, (logits.argmax(-1), batch["labels"], losses)
+        )
         loss_sum += losses.double().sum().item()
         count += len(references)
         for metric in metrics.values():
@@ -96,16 +105,25 @@ def size_max_new_tokens(requested: int | None, longest_answer: int, accelerator)
     if requested is None:  # capped: answers of thousands of tokens would make each evaluation a long generation
         return min(longest_answer, AUTO_MAX_NEW_TOKENS)
     if requested < longest_answer:
-        accelerator.print(f"warning: --max_new_tokens {requested} is shorter than the longest reference answer "
-                          f"({longest_answer} tokens with its end of turn): longer answers will be cut and scored as "
-                          f"wrong; raise it to {longest_answer} or leave it unset to size it from the references")
+        accelerator.print(
+            f"warning: --max_new_tokens {requested} is shorter than the longest reference answer "
+            f"({longest_answer} tokens with its end of turn): longer answers will be cut and scored as "
+            f"wrong; raise it to {longest_answer} or leave it unset to size it from the references"
+        )
     return requested
 
 
 @torch.no_grad()
-def evaluate_generation(model, tokenizer, references: list, accelerator, max_new_tokens: int,
-                        stop_ids: list[int] | None = None, batch_size: int = 16,
-                        longest_answer: int | None = None) -> dict:
+def evaluate_generation(
+    model,
+    tokenizer,
+    references: list,
+    accelerator,
+    max_new_tokens: int,
+    stop_ids: list[int] | None = None,
+    batch_size: int = 16,
+    longest_answer: int | None = None,
+) -> dict:
     """Exact match of greedy answers to `references`, (prompt, answer) pairs from
     `common.chat.generation_references`: a prompt is the turns before a conversation's last
     assistant turn (rendered with the chat template) or a prompt-completion row's text.
@@ -125,22 +143,33 @@ def evaluate_generation(model, tokenizer, references: list, accelerator, max_new
     try:
         mine = mesh.data_parallel_share(accelerator, indexed)  # a tensor-parallel group generates the same
         for start in range(0, len(mine), batch_size):
-            chunk = mine[start:start + batch_size]
-            prompts = [prompt if isinstance(prompt, str) else
-                       tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
-                       for _, (prompt, _) in chunk]
+            chunk = mine[start : start + batch_size]
+            prompts = [
+                prompt
+                if isinstance(prompt, str)
+                else tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+                for _, (prompt, _) in chunk
+            ]
             # Text prompts tokenize as plain text does (BOS and all); a rendered template has its own.
-            inputs = tokenizer(prompts, padding=True, return_tensors="pt",
-                               add_special_tokens=isinstance(chunk[0][1][0], str))
+            inputs = tokenizer(
+                prompts, padding=True, return_tensors="pt", add_special_tokens=isinstance(chunk[0][1][0], str)
+            )
             inputs = inputs.to(accelerator.device)
-            output = unwrapped.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
-                                        eos_token_id=stop_ids or None, pad_token_id=tokenizer.pad_token_id,
-                                        synced_gpus=accelerator.num_processes > 1)
-            generated = output[:, inputs["input_ids"].shape[1]:]
+            output = unwrapped.generate(
+                **inputs,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=stop_ids or None,
+                pad_token_id=tokenizer.pad_token_id,
+                synced_gpus=accelerator.num_processes > 1,
+            )
+            generated = output[:, inputs["input_ids"].shape[1] :]
             ended = torch.isin(generated, torch.tensor(stop_ids, device=generated.device)).any(dim=1)
             answers = tokenizer.batch_decode(generated, skip_special_tokens=True)
-            scored += [(index, (bool(done) and text.strip() == answer.strip(), not done))
-                       for (index, (_, answer)), text, done in zip(chunk, answers, ended.tolist())]
+            scored += [
+                (index, (bool(done) and text.strip() == answer.strip(), not done))
+                for (index, (_, answer)), text, done in zip(chunk, answers, ended.tolist())
+            ]
     finally:
         tokenizer.padding_side = padding_side
     model.train()
@@ -148,16 +177,23 @@ def evaluate_generation(model, tokenizer, references: list, accelerator, max_new
     cut = sum(was_cut for _, was_cut in seen.values())
     if cut and accelerator.is_main_process:  # through tqdm: the training bar stays on its own line
         tqdm.write(cut_answers_warning(cut, len(seen), max_new_tokens, longest_answer))
-    return {"eval_exact_match": sum(match for match, _ in seen.values()) / max(len(seen), 1),
-            "eval_generated": len(seen), "eval_truncated_generations": cut}
+    return {
+        "eval_exact_match": sum(match for match, _ in seen.values()) / max(len(seen), 1),
+        "eval_generated": len(seen),
+        "eval_truncated_generations": cut,
+    }
 
 
 def cut_answers_warning(cut: int, generated: int, max_new_tokens: int, longest_answer: int | None) -> str:
     """The line that says how many answers the limit cut, and whether raising it would help."""
-    said = (f"{cut} of {generated} answers reached --max_new_tokens {max_new_tokens} before the end of the turn "
-            "and were scored as wrong")
+    said = (
+        f"{cut} of {generated} answers reached --max_new_tokens {max_new_tokens} before the end of the turn "
+        "and were scored as wrong"
+    )
     if longest_answer is not None and max_new_tokens >= longest_answer:
-        return (f"{said}: each is longer than any reference answer ({longest_answer} tokens with its end of turn), "
-                "so none was cut short of a right answer")
+        return (
+            f"{said}: each is longer than any reference answer ({longest_answer} tokens with its end of turn), "
+            "so none was cut short of a right answer"
+        )
     needed = f" to {longest_answer}, the longest reference answer with its end of turn," if longest_answer else ""
     return f"warning: {said}; raise --max_new_tokens{needed} or leave it unset to size it from the references"

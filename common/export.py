@@ -20,17 +20,25 @@ import torch
 from common.accelerator import unwrap
 from common.checkpoints import save_config
 from common.errors import UsageError
-from common.portable import read_dcp
 from common.internals import full_shape, is_zero3_parameter, saves_as_state_dict, without_zero3_init
 from common.lora import merged_model_skeleton, merged_tensors, save_merged, saved_adapter_names
 from common.memory import current_memory
 from common.model_card import write_model_card
 from common.peers import main_process_alone
+from common.portable import read_dcp
 from common.run_dir import write_folder
 
 
-def export_final(accelerator, model, tokenizer, output_dir: str, dtype, name: str = "final",
-                 merge_adapter: bool = False, cost: dict | None = None) -> str:
+def export_final(
+    accelerator,
+    model,
+    tokenizer,
+    output_dir: str,
+    dtype,
+    name: str = "final",
+    merge_adapter: bool = False,
+    cost: dict | None = None,
+) -> str:
     """Hugging Face folder (safetensors + config + tokenizer) in `dtype`, under any strategy.
 
     The weights exported are the ones the optimizer updates (fp32 master weights under
@@ -48,23 +56,30 @@ def export_final(accelerator, model, tokenizer, output_dir: str, dtype, name: st
     highest = {"rss_mb": before}
     tensors = _watching_memory(master_tensors(accelerator, model), highest)
     if accelerator.is_main_process:
+
         def write(folder):
             write_hf_folder(unwrapped, tensors, tokenizer, dtype, folder)
             write_model_card(folder, output_dir, name)
+
         write_folder(target, write)
     else:
         for _ in tensors:  # take part in every gather
             pass
     if cost is not None:
-        cost.update(gather_s=round(time.perf_counter() - started, 2), rss_before_mb=round(before, 1),
-                    rss_peak_mb=round(highest["rss_mb"], 1))
+        cost.update(
+            gather_s=round(time.perf_counter() - started, 2),
+            rss_before_mb=round(before, 1),
+            rss_peak_mb=round(highest["rss_mb"], 1),
+        )
     if merge_adapter and hasattr(unwrapped, "peft_config"):
         with main_process_alone(accelerator, f"writing {target}_merged"):
             if accelerator.is_main_process:
                 with without_zero3_init():  # only this process builds the merged model
+
                     def write_merged_with_card(tmp):
                         write_merged(unwrapped, target, tmp, tokenizer, dtype)
                         write_model_card(tmp, output_dir, f"{name}_merged")
+
                     write_folder(f"{target}_merged", write_merged_with_card)
     accelerator.wait_for_everyone()
     return target
@@ -101,14 +116,22 @@ def write_hf_folder(model, tensors, tokenizer, dtype, folder: str) -> None:
     weights, code from the Hub) is written by `save_pretrained` itself, from the whole state dict."""
     items = tensors.items() if isinstance(tensors, dict) else tensors
     if hasattr(model, "peft_config") or not saves_as_state_dict(model):
-        model.save_pretrained(folder, safe_serialization=True, state_dict={
-            k: v.to(dtype) if v.is_floating_point() else v for k, v in without_tied_copies(model, dict(items)).items()})
+        model.save_pretrained(
+            folder,
+            safe_serialization=True,
+            state_dict={
+                k: v.to(dtype) if v.is_floating_point() else v
+                for k, v in without_tied_copies(model, dict(items)).items()
+            },
+        )
     else:
         os.makedirs(folder, exist_ok=True)
         write_safetensors(os.path.join(folder, "model.safetensors"), export_layout(model, dtype), items)
     if not hasattr(model, "peft_config"):
         # the model's own class, as save_pretrained names it (FSDP2 swaps in a subclass, FSDP<name>)
-        model.config.architectures = [next(c.__name__ for c in type(model).__mro__ if not c.__name__.startswith("FSDP"))]
+        model.config.architectures = [
+            next(c.__name__ for c in type(model).__mro__ if not c.__name__.startswith("FSDP"))
+        ]
         save_config(model.config, dtype, folder)
         if model.can_generate() and model.generation_config is not None:
             model.generation_config.save_pretrained(folder)
@@ -150,9 +173,18 @@ def export_layout(model, dtype) -> list[tuple[str, tuple, torch.dtype]]:
     return layout
 
 
-SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
-                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-                      torch.uint8: "U8", torch.bool: "BOOL"}
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 
 
 def write_safetensors(path: str, layout: list, tensors) -> None:
@@ -163,7 +195,11 @@ def write_safetensors(path: str, layout: list, tensors) -> None:
     header, offset = {}, 0
     for name, shape, dtype in layout:
         size = math.prod(shape) * dtype.itemsize
-        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        header[name] = {
+            "dtype": SAFETENSORS_DTYPES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + size],
+        }
         offset += size
     header["__metadata__"] = {"format": "pt"}
     encoded = json.dumps(header, separators=(",", ":")).encode()
@@ -177,7 +213,9 @@ def write_safetensors(path: str, layout: list, tensors) -> None:
                 continue
             shape, dtype = wanted[name]
             if tuple(tensor.shape) != tuple(shape):
-                raise RuntimeError(f"export: {name} gathered with shape {tuple(tensor.shape)}, expected {tuple(shape)}")
+                raise RuntimeError(
+                    f"export: {name} gathered with shape {tuple(tensor.shape)}, expected {tuple(shape)}"
+                )
             handle.write(tensor.detach().to("cpu", dtype).contiguous().reshape(-1).view(torch.uint8).numpy().data)
             written.append(name)
     if written != [name for name, _, _ in layout]:
@@ -205,8 +243,10 @@ def read_checkpoint_weights(path: str) -> dict:
         from safetensors.torch import load_file
 
         return load_file(single)
-    raise UsageError(f"{path} holds no model weights this project writes (DeepSpeed's 'latest' tag, "
-                     "pytorch_model_fsdp_0/ or model.safetensors); pass a checkpoints/step_N folder of a run")
+    raise UsageError(
+        f"{path} holds no model weights this project writes (DeepSpeed's 'latest' tag, "
+        "pytorch_model_fsdp_0/ or model.safetensors); pass a checkpoints/step_N folder of a run"
+    )
 
 
 def master_tensors(accelerator, model):

@@ -15,6 +15,7 @@ import torch
 from accelerate import PartialState
 from tqdm import tqdm
 
+
 # library -> (lowest checked, first version not checked)
 CHECKED = {
     "torch": ("2.13.0", "2.14"),
@@ -27,41 +28,81 @@ CHECKED = {
 
 Use = collections.namedtuple("Use", ["library", "what", "why"])
 USES = (
-    Use("accelerate", "Accelerator.step (the accumulation counter)",
-        "start_accumulation_window: each window's last micro-batch syncs, epoch ends included"),
-    Use("accelerate", "PartialState._shared_state['distributed_type']",
-        "present_cpu_group_as_multi_gpu: accelerate applies the FSDP plugin only from MULTI_GPU"),
-    Use("transformers", "integrations.deepspeed._hf_deepspeed_config_weak_ref",
-        "without_zero3_init: build a model on one process while a ZeRO-3 config is registered"),
-    Use("transformers", "PreTrainedModel._init_weights",
-        "init_module_weights: seeded initialisation module by module (the same weights under every strategy)"),
-    Use("transformers", "PreTrainedModel._no_split_modules",
-        "declared_layer_classes / declare_layer_classes: the layer classes FSDP wraps"),
+    Use(
+        "accelerate",
+        "Accelerator.step (the accumulation counter)",
+        "start_accumulation_window: each window's last micro-batch syncs, epoch ends included",
+    ),
+    Use(
+        "accelerate",
+        "PartialState._shared_state['distributed_type']",
+        "present_cpu_group_as_multi_gpu: accelerate applies the FSDP plugin only from MULTI_GPU",
+    ),
+    Use(
+        "transformers",
+        "integrations.deepspeed._hf_deepspeed_config_weak_ref",
+        "without_zero3_init: build a model on one process while a ZeRO-3 config is registered",
+    ),
+    Use(
+        "transformers",
+        "PreTrainedModel._init_weights",
+        "init_module_weights: seeded initialisation module by module (the same weights under every strategy)",
+    ),
+    Use(
+        "transformers",
+        "PreTrainedModel._no_split_modules",
+        "declared_layer_classes / declare_layer_classes: the layer classes FSDP wraps",
+    ),
     Use("transformers", "PretrainedConfig._attn_implementation", "attention_implementation"),
-    Use("transformers", "PreTrainedModel._resolve_parallel_plans", "resolved_tp_plan: a model built here, split by TP"),
+    Use(
+        "transformers", "PreTrainedModel._resolve_parallel_plans", "resolved_tp_plan: a model built here, split by TP"
+    ),
     Use("transformers", "ReplicateParallel (gone in 5.23)", "common/tensor_parallel.py's provide_replicate_parallel"),
     Use("transformers", "PretrainedConfig._name_or_path", "set_base_model_name"),
-    Use("transformers", "PreTrainedModel._weight_conversions, _auto_class, _keys_to_ignore_on_save", "saves_as_state_dict"),
-    Use("transformers", "integrations.sdpa_attention.sdpa_attention_forward, masking_utils.sdpa_mask, the mask "
-        "function's allow_is_causal_skip keyword", "common/packing.py's sdpa_varlen_forward: sdpa_varlen and its mask"),
+    Use(
+        "transformers",
+        "PreTrainedModel._weight_conversions, _auto_class, _keys_to_ignore_on_save",
+        "saves_as_state_dict",
+    ),
+    Use(
+        "transformers",
+        "integrations.sdpa_attention.sdpa_attention_forward, masking_utils.sdpa_mask, the mask "
+        "function's allow_is_causal_skip keyword",
+        "common/packing.py's sdpa_varlen_forward: sdpa_varlen and its mask",
+    ),
     Use("torch", "_dynamo.config.recompile_limit", "allow_recompiles: the compile budget regional compile shares"),
     Use("torch", "profiler.profile.step_num / current_action", "start_profiler_at: label steps by optimizer step"),
-    Use("torch", "DistributedDataParallel._get_ddp_logging_data()['bucket_sizes']",
-        "ddp_bucket_bytes: DDP's gradient buckets, held by C++ only"),
+    Use(
+        "torch",
+        "DistributedDataParallel._get_ddp_logging_data()['bucket_sizes']",
+        "ddp_bucket_bytes: DDP's gradient buckets, held by C++ only",
+    ),
     Use("torch", "torch.ops.mkldnn._is_mkldnn_bf16_supported", "cpu_has_bf16_instructions"),
     Use("torch", "fused Adam(W)'s found_inf (GradScaler's protocol)", "skip_step_on_device"),
     Use("torch", "_context_parallel's ring attention, DTensor op handlers, sharding rules", "ring_attention_on_cpu"),
-    Use("deepspeed", "the ZeRO optimizers' module path and attribute names (fp32_/fp16_partitioned_groups_flat, "
-                     "offload_optimizer, single_partition_of_fp32_groups, *bucket*/ipg/grad/fp32/bit16 attributes)",
+    Use(
+        "deepspeed",
+        "the ZeRO optimizers' module path and attribute names (fp32_/fp16_partitioned_groups_flat, "
+        "offload_optimizer, single_partition_of_fp32_groups, *bucket*/ipg/grad/fp32/bit16 attributes)",
         "zero_optimizer, master_weights_dtype, zero_attribute_category: the memory account and run.json; "
-        "share_zero3_fp32_partitions; common/portable.py: ZeRO-1/2's Adam state linked before the first step"),
-    Use("deepspeed", "ZeRO-3 parameter attributes ds_tensor, ds_numel, ds_shape, ds_id",
-        "zero3_partition, full_*; common/portable.py"),
-    Use("deepspeed", "0.19.8's ZeRO-3 universal load (load_hp_checkpoint_state_from_checkpoint_dir_stage3)",
-        "repair_zero3_universal_load: its two faults, put right after loading"),
+        "share_zero3_fp32_partitions; common/portable.py: ZeRO-1/2's Adam state linked before the first step",
+    ),
+    Use(
+        "deepspeed",
+        "ZeRO-3 parameter attributes ds_tensor, ds_numel, ds_shape, ds_id",
+        "zero3_partition, full_*; common/portable.py",
+    ),
+    Use(
+        "deepspeed",
+        "0.19.8's ZeRO-3 universal load (load_hp_checkpoint_state_from_checkpoint_dir_stage3)",
+        "repair_zero3_universal_load: its two faults, put right after loading",
+    ),
     Use("tqdm", "tqdm._instances", "close_progress_bars: an error starts its own line"),
-    Use("deepspeed", "autotuning.autotuner's optional `import mlflow`, run as deepspeed is imported",
-        "common/accelerator.py's import_deepspeed: 0.8 s of every process's start where mlflow is installed"),
+    Use(
+        "deepspeed",
+        "autotuning.autotuner's optional `import mlflow`, run as deepspeed is imported",
+        "common/accelerator.py's import_deepspeed: 0.8 s of every process's start where mlflow is installed",
+    ),
     Use("python", "argparse.ArgumentParser._actions", "parser_actions: the keys a recipe YAML may set"),
 )
 
@@ -159,6 +200,7 @@ def ring_attention_on_cpu() -> None:
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy, register_op_strategy
     from torch.distributed.tensor.experimental._context_parallel import _attention as ring
+
     dispatch, forward = DTensor._op_dispatcher, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
     backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 
@@ -168,13 +210,19 @@ def ring_attention_on_cpu() -> None:
         named = {**dict(zip((a.name for a in op._schema.arguments), info.local_args)), **info.local_kwargs}
         if named.pop("attn_mask", None) is not None:  # (accelerate's hooks drop the model's: the ring's is causal)
             raise ValueError("context parallelism's ring attention takes no attention mask")
-        on_ring = ring._templated_ring_attention if op is forward else functools.partial(
-            ring._templated_ring_attention_backward, grad_out_name="grad_out")
+        on_ring = (
+            ring._templated_ring_attention
+            if op is forward
+            else functools.partial(ring._templated_ring_attention_backward, grad_out_name="grad_out")
+        )
         return dispatch.wrap(on_ring(info.compute_mesh.get_group(), 2, op, **named), info.output_sharding.output_spec)
 
     for op, outputs, inputs in ((forward, 2, 3), (backward, 3, 6)):  # out, logsumexp | q, k, v; grads | 6 inputs
-        register_op_strategy(op)(lambda schema, n=outputs + inputs, first=outputs: expand_to_full_mesh_op_strategy(
-            schema.get_mesh_from_args(validate=False), schema, [[Shard(2)] * n], input_index=first))
+        register_op_strategy(op)(
+            lambda schema, n=outputs + inputs, first=outputs: expand_to_full_mesh_op_strategy(
+                schema.get_mesh_from_args(validate=False), schema, [[Shard(2)] * n], input_index=first
+            )
+        )
         ring.custom_ops[op] = handler
 
 
@@ -206,8 +254,11 @@ def share_zero3_fp32_partitions(optimizer) -> None:
     zero = zero_optimizer(optimizer)
     if zero is not None and not getattr(zero, "offload_optimizer", True):
         for master, own in zip(zero.fp32_partitioned_groups_flat, zero.fp16_partitioned_groups_flat):
-            if own is not None and master.data_ptr() != own.data_ptr() and \
-                    (master.dtype, master.device, master.shape) == (own.dtype, own.device, own.shape):
+            if (
+                own is not None
+                and master.data_ptr() != own.data_ptr()
+                and (master.dtype, master.device, master.shape) == (own.dtype, own.device, own.shape)
+            ):
                 master.data = own.data  # the optimizer's state and DeepSpeed's ds_id stay on the same tensor
 
 

@@ -19,31 +19,44 @@ from typing import Annotated
 
 import torch
 
-from common.ranges import Range, check_ranges
 from common.errors import UsageError
 from common.internals import is_zero3_parameter
+from common.ranges import Range, check_ranges
 
 
 @dataclass
 class LoraArguments:
     use_peft: bool = field(default=False, metadata={"help": "Train LoRA adapters only; the base model stays frozen."})
     lora_r: Annotated[int, Range(low=1)] = field(default=8, metadata={"help": "The adapters' rank."})
-    lora_alpha: Annotated[int, Range(above=0)] = field(default=16, metadata={
-        "help": "The adapters' scale is lora_alpha / lora_r."})
+    lora_alpha: Annotated[int, Range(above=0)] = field(
+        default=16, metadata={"help": "The adapters' scale is lora_alpha / lora_r."}
+    )
     lora_dropout: Annotated[float, Range(0, below=1)] = 0.0
-    lora_target_modules: list[str] | None = field(default=None, metadata={
-        "help": "Layer names to adapt (q_proj v_proj ...), or all-linear; default: peft's choice for the architecture."})
-    save_merged_model: bool = field(default=False, metadata={
-        "help": "Also export the base model with the adapter merged in, to <output_dir>/final_merged."})
+    lora_target_modules: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Layer names to adapt (q_proj v_proj ...), or all-linear; default: peft's choice for the architecture."
+        },
+    )
+    save_merged_model: bool = field(
+        default=False,
+        metadata={"help": "Also export the base model with the adapter merged in, to <output_dir>/final_merged."},
+    )
 
     def __post_init__(self):
         check_ranges(self)
         if not self.use_peft:
-            changed = [f"--{f.name}" for f in fields(self) if f.name != "use_peft"
-                       and getattr(self, f.name) != (f.default_factory() if callable(f.default_factory) else f.default)]
+            changed = [
+                f"--{f.name}"
+                for f in fields(self)
+                if f.name != "use_peft"
+                and getattr(self, f.name) != (f.default_factory() if callable(f.default_factory) else f.default)
+            ]
             if changed:
-                raise UsageError(f"{', '.join(changed)} shape(s) LoRA adapters, which train only with --use_peft; "
-                                 "add --use_peft (or use_peft: true in the recipe YAML), or drop them")
+                raise UsageError(
+                    f"{', '.join(changed)} shape(s) LoRA adapters, which train only with --use_peft; "
+                    "add --use_peft (or use_peft: true in the recipe YAML), or drop them"
+                )
 
 
 def apply_lora(model, args: LoraArguments):
@@ -53,21 +66,28 @@ def apply_lora(model, args: LoraArguments):
         return model
     base = model.config.name_or_path  # a folder or Hub name; built from --model_config: "" or the config file
     if args.save_merged_model and (not base or os.path.isfile(base)):
-        raise UsageError("--save_merged_model reloads the base model from --model_name_or_path, and a model built "
-                         "from --model_config has none: drop --save_merged_model")
+        raise UsageError(
+            "--save_merged_model reloads the base model from --model_name_or_path, and a model built "
+            "from --model_config has none: drop --save_merged_model"
+        )
     from peft import LoraConfig, get_peft_model
 
     classifier = type(model).__name__.endswith("ForSequenceClassification")
     targets = args.lora_target_modules
-    config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                        target_modules=targets[0] if targets == ["all-linear"] else targets,
-                        task_type="SEQ_CLS" if classifier else "CAUSAL_LM")
+    config = LoraConfig(
+        r=args.lora_r,
+        lora_alpha=args.lora_alpha,
+        lora_dropout=args.lora_dropout,
+        target_modules=targets[0] if targets == ["all-linear"] else targets,
+        task_type="SEQ_CLS" if classifier else "CAUSAL_LM",
+    )
     try:
         model = get_peft_model(model, config)
     except ValueError as error:
         names = sorted({name.split(".")[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
-        raise UsageError(f"--lora_target_modules {targets}: {str(error).splitlines()[0]} "
-                         f"(the model's linear layers: {names})") from None
+        raise UsageError(
+            f"--lora_target_modules {targets}: {str(error).splitlines()[0]} (the model's linear layers: {names})"
+        ) from None
     _match_zero3_dtype(model)
     return model
 

@@ -30,11 +30,24 @@ from collections import defaultdict
 
 import torch
 
-from common.internals import (ddp_bucket_bytes, innermost_optimizer, zero3_flat_master_groups, zero3_partition,
-                              zero_attribute_category, zero_optimizer)
+from common.internals import (
+    ddp_bucket_bytes,
+    innermost_optimizer,
+    zero3_flat_master_groups,
+    zero3_partition,
+    zero_attribute_category,
+    zero_optimizer,
+)
 
-CATEGORIES = ("parameters", "master_weights", "gradients", "optimizer_states", "communication_buffers",
-              "other_tensors")
+
+CATEGORIES = (
+    "parameters",
+    "master_weights",
+    "gradients",
+    "optimizer_states",
+    "communication_buffers",
+    "other_tensors",
+)
 MODEL_STATE = ("parameters", "master_weights", "gradients", "optimizer_states")
 MB = 2**20
 
@@ -91,8 +104,7 @@ def mark(phase: str) -> None:
     """Note this process's memory as a run passes a phase (started, model_built, prepared):
     the account reports each, so start-up and the model build show beside training."""
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_initialized() else None
-    _phases[phase] = {key: None if value is None else round(value, 1)
-                      for key, value in current_memory(device).items()}
+    _phases[phase] = {key: None if value is None else round(value, 1) for key, value in current_memory(device).items()}
 
 
 def current_memory(device) -> dict:
@@ -106,12 +118,15 @@ def current_memory(device) -> dict:
                     status[key] = int(value.split()[0]) / 1024
     except OSError:  # no /proc (macOS): the peak only, from getrusage (bytes there, KB on Linux)
         import resource
+
         status["VmHWM"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     figures = {"rss_mb": status.get("VmRSS"), "peak_rss_mb": status.get("VmHWM")}
     if getattr(device, "type", "") == "cuda":
-        figures.update(allocated_mb=torch.cuda.memory_allocated(device) / MB,
-                       peak_allocated_mb=torch.cuda.max_memory_allocated(device) / MB,
-                       reserved_mb=torch.cuda.memory_reserved(device) / MB)
+        figures.update(
+            allocated_mb=torch.cuda.memory_allocated(device) / MB,
+            peak_allocated_mb=torch.cuda.max_memory_allocated(device) / MB,
+            reserved_mb=torch.cuda.memory_reserved(device) / MB,
+        )
     return figures
 
 
@@ -124,9 +139,11 @@ class MemoryAccount:
         self.activation_bytes: int | None = None
         self._saved: list = []
         self._saving = None
-        self._hooks = [innermost_optimizer(optimizer).register_step_post_hook(self._after_step),
-                       model.register_forward_pre_hook(self._start_saving),
-                       model.register_forward_hook(self._stop_saving)]
+        self._hooks = [
+            innermost_optimizer(optimizer).register_step_post_hook(self._after_step),
+            model.register_forward_pre_hook(self._start_saving),
+            model.register_forward_hook(self._stop_saving),
+        ]
 
     def _start_saving(self, module, args):
         if self.activation_bytes is None and self._saving is None and module.training:
@@ -200,14 +217,16 @@ class MemoryAccount:
         return self._summary(tally)
 
     def _summary(self, tally: _Tally) -> dict:
-        by_dtype = {category: {dtype: n for dtype, n in sorted(tally.bytes[category].items()) if n}
-                    for category in CATEGORIES}
+        by_dtype = {
+            category: {dtype: n for dtype, n in sorted(tally.bytes[category].items()) if n} for category in CATEGORIES
+        }
         totals = {category: sum(tally.bytes[category].values()) / MB for category in CATEGORIES}
-        return {"bytes_by_category": by_dtype,
-                **{f"{category}_mb": round(total, 1) for category, total in totals.items()},
-                "model_state_mb": round(sum(totals[c] for c in MODEL_STATE), 1),
-                "tensors_mb": round(sum(totals.values()), 1),
-                "activations_mb": None if self.activation_bytes is None else round(self.activation_bytes / MB, 1),
-                "activation_bytes": self.activation_bytes,
-                **{key: None if value is None else round(value, 1)
-                   for key, value in current_memory(self.device).items()}}
+        return {
+            "bytes_by_category": by_dtype,
+            **{f"{category}_mb": round(total, 1) for category, total in totals.items()},
+            "model_state_mb": round(sum(totals[c] for c in MODEL_STATE), 1),
+            "tensors_mb": round(sum(totals.values()), 1),
+            "activations_mb": None if self.activation_bytes is None else round(self.activation_bytes / MB, 1),
+            "activation_bytes": self.activation_bytes,
+            **{key: None if value is None else round(value, 1) for key, value in current_memory(self.device).items()},
+        }

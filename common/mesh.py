@@ -21,51 +21,73 @@ from accelerate.utils import recursively_apply
 DIMENSIONS = ("dp_replicate", "dp_shard", "tp", "cp", "sp")
 
 
-def mesh_problems(sizes: dict, world: int, distributed_type: str, fsdp2: bool, efficient_loading: bool,
-                  zero_stage: int | None = None) -> list[str]:
+def mesh_problems(
+    sizes: dict, world: int, distributed_type: str, fsdp2: bool, efficient_loading: bool, zero_stage: int | None = None
+) -> list[str]:
     """`sizes`: each dimension's size (DIMENSIONS); `world`: the processes launched (num_processes);
     `distributed_type`: the config's (MULTI_GPU, FSDP, DEEPSPEED, ...); `fsdp2`: FSDP with fsdp_version 2;
     `efficient_loading`: fsdp_cpu_ram_efficient_loading; `zero_stage`: DeepSpeed's, where known. Each problem
     is one line that says what to do."""
     problems = []
     if sizes.get("cp", 1) > 1 and not fsdp2:
-        problems.append(f"parallelism_config_cp_size {sizes['cp']}: context parallelism (torch's ring attention) runs "
-                        f"under FSDP2, not {distributed_type}: use fsdp_cp.yaml as the template")
+        problems.append(
+            f"parallelism_config_cp_size {sizes['cp']}: context parallelism (torch's ring attention) runs "
+            f"under FSDP2, not {distributed_type}: use fsdp_cp.yaml as the template"
+        )
     elif sizes.get("cp", 1) > 1 and sizes.get("tp", 1) > 1:
-        problems.append("parallelism_config_cp_size beside parallelism_config_tp_size: these recipes run context "
-                        "parallelism over data-parallel ranks only; set tp_size 1 (fsdp_cp.yaml)")
+        problems.append(
+            "parallelism_config_cp_size beside parallelism_config_tp_size: these recipes run context "
+            "parallelism over data-parallel ranks only; set tp_size 1 (fsdp_cp.yaml)"
+        )
     if sizes.get("sp", 1) > 1 and distributed_type != "DEEPSPEED":
-        problems.append(f"parallelism_config_sp_size {sizes['sp']}: sequence parallelism (Ulysses) runs under "
-                        f"DeepSpeed, not {distributed_type}: use zero3_ulysses.yaml as the template")
+        problems.append(
+            f"parallelism_config_sp_size {sizes['sp']}: sequence parallelism (Ulysses) runs under "
+            f"DeepSpeed, not {distributed_type}: use zero3_ulysses.yaml as the template"
+        )
     elif sizes.get("sp", 1) > 1 and zero_stage not in (None, 3):
         # seen in a probe: under ZeRO-1/2 DeepSpeed averages gradients over dp / sp_size ranks, not over all of them
-        problems.append(f"parallelism_config_sp_size {sizes['sp']} with ZeRO stage {zero_stage}: the recipes' "
-                        "sequence parallelism is proven under ZeRO-3 only (under ZeRO-1/2 DeepSpeed scales the "
-                        "gradients otherwise); set zero_stage: 3, as zero3_ulysses.yaml does")
+        problems.append(
+            f"parallelism_config_sp_size {sizes['sp']} with ZeRO stage {zero_stage}: the recipes' "
+            "sequence parallelism is proven under ZeRO-3 only (under ZeRO-1/2 DeepSpeed scales the "
+            "gradients otherwise); set zero_stage: 3, as zero3_ulysses.yaml does"
+        )
     elif sizes.get("sp", 1) > 1 and sizes.get("tp", 1) > 1:
-        problems.append("parallelism_config_sp_size beside parallelism_config_tp_size: these recipes run sequence "
-                        "parallelism over data-parallel ranks only; set tp_size 1 (zero3_ulysses.yaml)")
+        problems.append(
+            "parallelism_config_sp_size beside parallelism_config_tp_size: these recipes run sequence "
+            "parallelism over data-parallel ranks only; set tp_size 1 (zero3_ulysses.yaml)"
+        )
     product = math.prod(sizes.get(name, 1) for name in DIMENSIONS)
     if product != world:
         named = " x ".join(f"{name}_size {sizes[name]}" for name in DIMENSIONS if sizes.get(name, 1) > 1) or "1"
-        problems.append(f"parallelism_config: {named} = {product} processes but num_processes is {world}; make the "
-                        "sizes multiply to num_processes (HSDP: dp_replicate_size = nodes, dp_shard_size = GPUs per "
-                        "node; tp.yaml: tp_size = num_processes; zero3_ulysses.yaml: dp_shard_size = num_processes / "
-                        "sp_size; fsdp_cp.yaml: dp_shard_size = num_processes / cp_size)")
+        problems.append(
+            f"parallelism_config: {named} = {product} processes but num_processes is {world}; make the "
+            "sizes multiply to num_processes (HSDP: dp_replicate_size = nodes, dp_shard_size = GPUs per "
+            "node; tp.yaml: tp_size = num_processes; zero3_ulysses.yaml: dp_shard_size = num_processes / "
+            "sp_size; fsdp_cp.yaml: dp_shard_size = num_processes / cp_size)"
+        )
     ulysses = distributed_type == "DEEPSPEED" and sizes.get("sp", 1) > 1  # its dp_shard: the other ranks' ZeRO
     if (sizes.get("dp_replicate", 1) > 1 or sizes.get("dp_shard", 1) > 1 and not ulysses) and not fsdp2:
-        problems.append("parallelism_config's dp_replicate_size and dp_shard_size need distributed_type FSDP "
-                        "(fsdp_version 2): use multi_node_hsdp.yaml or fsdp_tp.yaml as the template")
+        problems.append(
+            "parallelism_config's dp_replicate_size and dp_shard_size need distributed_type FSDP "
+            "(fsdp_version 2): use multi_node_hsdp.yaml or fsdp_tp.yaml as the template"
+        )
     tp = sizes.get("tp", 1)
     if tp > 1 and distributed_type != "MULTI_GPU" and not fsdp2:
-        aside = (" (DeepSpeed's own AutoTP is configured in its JSON, not supported by these recipes)"
-                 if distributed_type == "DEEPSPEED" else "")
-        problems.append(f"parallelism_config_tp_size {tp}: tensor parallelism runs under distributed_type MULTI_GPU "
-                        f"(tp.yaml) or FSDP2 (fsdp_tp.yaml), not {distributed_type}{aside}")
+        aside = (
+            " (DeepSpeed's own AutoTP is configured in its JSON, not supported by these recipes)"
+            if distributed_type == "DEEPSPEED"
+            else ""
+        )
+        problems.append(
+            f"parallelism_config_tp_size {tp}: tensor parallelism runs under distributed_type MULTI_GPU "
+            f"(tp.yaml) or FSDP2 (fsdp_tp.yaml), not {distributed_type}{aside}"
+        )
     elif tp > 1 and fsdp2 and efficient_loading:
-        problems.append("fsdp_cpu_ram_efficient_loading: true beside parallelism_config_tp_size: broadcasting rank "
-                        "0's weights into 2-D (dp_shard x tp) shards fails in accelerate 1.15; set it to false, as "
-                        "fsdp_tp.yaml does (every rank then builds the model, then keeps its shards)")
+        problems.append(
+            "fsdp_cpu_ram_efficient_loading: true beside parallelism_config_tp_size: broadcasting rank "
+            "0's weights into 2-D (dp_shard x tp) shards fails in accelerate 1.15; set it to false, as "
+            "fsdp_tp.yaml does (every rank then builds the model, then keeps its shards)"
+        )
     return problems
 
 
@@ -121,7 +143,7 @@ def data_parallel_share(accelerator, items: list) -> list:
     group = replicas(accelerator)
     ranks, rank = accelerator.num_processes // group, accelerator.process_index // group
     length = math.ceil(len(items) / ranks) if items else 0
-    share = items[rank * length:(rank + 1) * length]
+    share = items[rank * length : (rank + 1) * length]
     return share + [items[-1]] * (length - len(share)) if items else share
 
 
@@ -162,13 +184,16 @@ def check_shared_batch(accelerator, batch: dict) -> int:
     prints = accelerator.gather(mine[None].to(accelerator.device)).reshape(-1, group, mine.numel())
     differing = [index for index, members in enumerate(prints) if not (members == members[0]).all()]
     if differing:
-        raise RuntimeError(f"the ranks of tensor/context-parallel group {differing[0]} were handed different batches; "
-                           "they must train on the same one (a data loader not prepared by accelerate?)")
+        raise RuntimeError(
+            f"the ranks of tensor/context-parallel group {differing[0]} were handed different batches; "
+            "they must train on the same one (a data loader not prepared by accelerate?)"
+        )
     return prints.shape[0]
 
 
 def _fingerprint(tensor: torch.Tensor) -> torch.Tensor:
     """A number that differs for different values or shapes (position-weighted sum, in float64)."""
     values = tensor.detach().double().flatten()
-    return (values * torch.arange(1, values.numel() + 1, dtype=torch.float64, device=values.device)).sum() \
-        + values.numel()
+    return (
+        values * torch.arange(1, values.numel() + 1, dtype=torch.float64, device=values.device)
+    ).sum() + values.numel()

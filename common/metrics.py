@@ -15,9 +15,8 @@ import os
 import time
 
 import torch
-from tqdm.auto import tqdm
-
 from accelerate.utils import gather_object
+from tqdm.auto import tqdm
 
 from common import mesh
 from common.accelerator import autocast_dtype, unwrap
@@ -27,15 +26,24 @@ from common.run_dir import write_atomically
 
 
 class MetricsLogger:
-    def __init__(self, accelerator, output_dir: str, total_steps: int, start_step: int = 0, model=None,
-                 optimizer=None, peak_tflops: float | None = None):
+    def __init__(
+        self,
+        accelerator,
+        output_dir: str,
+        total_steps: int,
+        start_step: int = 0,
+        model=None,
+        optimizer=None,
+        peak_tflops: float | None = None,
+    ):
         """`model` (prepared) gives the FLOPs per token, and with `optimizer` (prepared) the
         memory account (`common.memory`); `peak_tflops` overrides the device table."""
         self.accelerator = accelerator
         self.output_dir = output_dir
         self.memory = MemoryAccount(model, optimizer, accelerator.device) if optimizer is not None else None
-        self.flops = (ModelFlops(unwrap(accelerator, model), mesh.sequence_shards(accelerator))
-                      if model is not None else None)
+        self.flops = (
+            ModelFlops(unwrap(accelerator, model), mesh.sequence_shards(accelerator)) if model is not None else None
+        )
         compute = autocast_dtype(accelerator.mixed_precision)
         self.peak_tflops = device_peak_tflops(accelerator.device, compute, peak_tflops)
         self.data_wait_s = 0.0
@@ -48,8 +56,13 @@ class MetricsLogger:
         self.window_values = {}  # a recipe's own per-batch figures (`record_values`)
         if accelerator.is_main_process and os.path.exists(self.path):
             self._drop_rows_after(start_step)
-        self.progress = tqdm(total=total_steps, initial=start_step, desc="training",
-                             disable=not accelerator.is_main_process, dynamic_ncols=True)
+        self.progress = tqdm(
+            total=total_steps,
+            initial=start_step,
+            desc="training",
+            disable=not accelerator.is_main_process,
+            dynamic_ncols=True,
+        )
 
     def _drop_rows_after(self, step: int) -> None:
         """A resumed run repeats the steps after its checkpoint: drop the crashed run's copies,
@@ -80,8 +93,9 @@ class MetricsLogger:
         values); the train line carries their mean over the window's examples on every rank."""
         for name, value in values.items():
             total = self.window_values.get(name, 0.0)
-            self.window_values[name] = total + torch.stack([value.detach().float().sum(),
-                                                            torch.tensor(float(value.numel()), device=value.device)])
+            self.window_values[name] = total + torch.stack(
+                [value.detach().float().sum(), torch.tensor(float(value.numel()), device=value.device)]
+            )
 
     def add_data_wait(self, seconds: float) -> None:
         """Time the loop spent waiting for its next batches (common.training.TrainBatches)."""
@@ -93,26 +107,34 @@ class MetricsLogger:
         tokens, samples, flops = mesh.reduce_sum(self.accelerator, self.window_sums.clone()).tolist()
         samples /= mesh.sequence_shards(self.accelerator)  # a split row's ranks each hold a share of its tokens
         mean_loss = self.accelerator.reduce(
-            torch.as_tensor(self.window_loss / max(self.window_batches, 1), device=device), reduction="mean")
+            torch.as_tensor(self.window_loss / max(self.window_batches, 1), device=device), reduction="mean"
+        )
         own = {}
         if self.window_values:  # one reduce for all of them
             sums = self.accelerator.reduce(torch.stack(list(self.window_values.values())), reduction="sum").tolist()
             own = {name: total / max(count, 1) for name, (total, count) in zip(self.window_values, sums)}
         # one row per rank: [data wait, peak memory (, allocated, reserved on a GPU)]
         per_rank = self.accelerator.gather(
-            torch.tensor([[self.data_wait_s, *memory_mb(device)]], dtype=torch.float64, device=device)).tolist()
+            torch.tensor([[self.data_wait_s, *memory_mb(device)]], dtype=torch.float64, device=device)
+        ).tolist()
         now = time.perf_counter()
         seconds = max(now - self.window_start, 1e-9)
         tflops = flops / seconds / self.accelerator.num_processes / 1e12 if self.flops is not None else None
-        row = {"step": step, "loss": float(mean_loss), "lr": lr,
-               "grad_norm": None if grad_norm is None else float(grad_norm), **own,
-               "tokens_per_s": tokens / seconds, "samples_per_s": samples / seconds,
-               "tokens_per_s_per_device": tokens / seconds / self.accelerator.num_processes,
-               "tflops_per_device": tflops,
-               "mfu": tflops / self.peak_tflops if tflops is not None and self.peak_tflops else None,
-               "data_wait_fraction": max(rank[0] for rank in per_rank) / seconds,  # the slowest rank's
-               "elapsed_s": now - self.start_time,
-               "peak_memory_mb_per_rank": [round(rank[1], 1) for rank in per_rank]}
+        row = {
+            "step": step,
+            "loss": float(mean_loss),
+            "lr": lr,
+            "grad_norm": None if grad_norm is None else float(grad_norm),
+            **own,
+            "tokens_per_s": tokens / seconds,
+            "samples_per_s": samples / seconds,
+            "tokens_per_s_per_device": tokens / seconds / self.accelerator.num_processes,
+            "tflops_per_device": tflops,
+            "mfu": tflops / self.peak_tflops if tflops is not None and self.peak_tflops else None,
+            "data_wait_fraction": max(rank[0] for rank in per_rank) / seconds,  # the slowest rank's
+            "elapsed_s": now - self.start_time,
+            "peak_memory_mb_per_rank": [round(rank[1], 1) for rank in per_rank],
+        }
         if len(per_rank[0]) > 2:
             row["memory_allocated_mb_per_rank"] = [round(rank[2], 1) for rank in per_rank]
             row["memory_reserved_mb_per_rank"] = [round(rank[3], 1) for rank in per_rank]
@@ -158,7 +180,9 @@ class MetricsLogger:
         row = {"step": step, **metrics, "elapsed_s": time.perf_counter() - self.start_time}
         self._write(row)
         if self.accelerator.is_main_process:
-            self.progress.write(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+            self.progress.write(
+                " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items())
+            )
         return row
 
     def log_event(self, row: dict) -> None:
@@ -173,8 +197,9 @@ class MetricsLogger:
         self.accelerator.end_training()
 
     def _write(self, row: dict) -> None:
-        self.accelerator.log({k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "step"},
-                             step=row["step"])
+        self.accelerator.log(
+            {k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}, step=row["step"]
+        )
         if self.accelerator.is_main_process:
             with open(self.path, "a") as handle:
                 handle.write(json.dumps(row) + "\n")
@@ -189,8 +214,9 @@ def start_trackers(accelerator, args, config: dict) -> None:
         import mlflow
 
         mlflow.set_tracking_uri(f"sqlite:///{os.path.abspath(os.path.join(args.output_dir, 'mlflow.db'))}")
-    accelerator.init_trackers(args.run_name, config, init_kwargs={"mlflow": {"run_name": name},
-                                                                   "trackio": {"name": name, "embed": False}})
+    accelerator.init_trackers(
+        args.run_name, config, init_kwargs={"mlflow": {"run_name": name}, "trackio": {"name": name, "embed": False}}
+    )
 
 
 def memory_mb(device) -> tuple:

@@ -31,20 +31,29 @@ def _load_source(source: Source, streaming: bool, load_hub):
     else:
         builder = FILE_BUILDERS.get(os.path.splitext(source.id)[1].lower()) if os.path.isfile(source.id) else None
         try:
-            dataset = load_dataset(builder or source.id, source.config, split=source.split, streaming=streaming,
-                                   data_files={"train": source.id} if builder else None)
+            dataset = load_dataset(
+                builder or source.id,
+                source.config,
+                split=source.split,
+                streaming=streaming,
+                data_files={"train": source.id} if builder else None,
+            )
         except Exception as error:  # datasets' and pyarrow's errors for what a file holds (StopIteration: empty)
             if load_fault(error) in ("memory", "io"):
                 raise
-            raise UsageError(f"--dataset_mixture: source {source.id} split {source.split} does not load "
-                             f"({describe(error.__cause__ or error) if str(error) else 'no data in it'}); fix the "
-                             "file or its split (a local file's split is train, or a slice: train[:10%])") from None
+            raise UsageError(
+                f"--dataset_mixture: source {source.id} split {source.split} does not load "
+                f"({describe(error.__cause__ or error) if str(error) else 'no data in it'}); fix the "
+                "file or its split (a local file's split is train, or a slice: train[:10%])"
+            ) from None
     columns = column_names(dataset)
     if source.columns:
         missing = [column for column in source.columns if column not in columns]
         if missing:
-            raise UsageError(f"--dataset_mixture: source {source.id} has no column(s) {', '.join(map(repr, missing))} "
-                             f"(its columns: {columns}); fix its `columns`")
+            raise UsageError(
+                f"--dataset_mixture: source {source.id} has no column(s) {', '.join(map(repr, missing))} "
+                f"(its columns: {columns}); fix its `columns`"
+            )
         dataset = dataset.select_columns(list(source.columns))
         renames = {old: new for old, new in source.columns.items() if old != new}
         if renames:
@@ -63,22 +72,35 @@ def load_mixture(mixture: Mixture, seed: int, load_hub, held_out: float | None):
     for index, source in enumerate(mixture.sources):
         dataset = _load_source(source, False, load_hub)
         if len(dataset) == 0:
-            raise UsageError(f"--dataset_mixture: source {source.id} (split {source.split}) has no rows; give it data "
-                             "or leave it out")
+            raise UsageError(
+                f"--dataset_mixture: source {source.id} (split {source.split}) has no rows; give it data "
+                "or leave it out"
+            )
         wanted = source.rows_from(len(dataset))
         if wanted < 1:
-            raise UsageError(f"--dataset_mixture: source {source.id} gives no rows at weight {source.weight} of its "
-                             f"{len(dataset)}; raise its weight")
+            raise UsageError(
+                f"--dataset_mixture: source {source.id} gives no rows at weight {source.weight} of its "
+                f"{len(dataset)}; raise its weight"
+            )
         parts.append(dataset.shuffle(seed=seed + index))
-        mixture.counts.append({"source": source.id, "split": source.split, "hub": source.on_hub,
-                               "available": len(dataset), "rows": wanted})
+        mixture.counts.append(
+            {
+                "source": source.id,
+                "split": source.split,
+                "hub": source.on_hub,
+                "available": len(dataset),
+                "rows": wanted,
+            }
+        )
     parts = _alike(parts, mixture)
     held = [0] * len(parts) if held_out is None else _held_per_source(mixture, held_out, seed)
     train, validation = [], []
     for part, count, rows in zip(parts, mixture.counts, held):
         if rows >= count["available"]:
-            raise UsageError(f"--dataset_mixture: cannot hold out {rows} of the {count['available']} rows of "
-                             f"{count['source']} for validation; lower test_split_size or give --validation_file")
+            raise UsageError(
+                f"--dataset_mixture: cannot hold out {rows} of the {count['available']} rows of "
+                f"{count['source']} for validation; lower test_split_size or give --validation_file"
+            )
         validation.append(part.select(range(rows)))
         rest = part.select(range(rows, len(part)))
         whole, share = divmod(count["rows"] - rows, len(rest))  # beyond its size: every row again, then a share
@@ -98,28 +120,41 @@ def _alike(parts: list, mixture: Mixture) -> list:
     _same_column_names([part.column_names for part in parts], mixture)
     if all(part.features == first.features for part in parts):
         return parts
-    differing = [name for name in first.column_names if any(part.features[name] != first.features[name] for part in parts)]
+    differing = [
+        name for name in first.column_names if any(part.features[name] != first.features[name] for part in parts)
+    ]
     chats = [name for name in differing if all(_turns(part.features[name]) for part in parts)]
     if chats:
+
         def read(batch):
-            return {name: [[{"role": turn["role"], "content": turn["content"]} for turn in as_messages(conversation)]
-                           for conversation in batch[name]] for name in chats}
+            return {
+                name: [
+                    [{"role": turn["role"], "content": turn["content"]} for turn in as_messages(conversation)]
+                    for conversation in batch[name]
+                ]
+                for name in chats
+            }
+
         parts = [part.map(read, batched=True, desc="reading conversations as messages") for part in parts]
     for part, source in zip(parts[1:], mixture.sources[1:]):
         for name in part.column_names:  # only a cast that keeps every value: int32 to int64, string to large_string
             mine, theirs = part.features[name], parts[0].features[name]
             if mine != theirs and _kind(mine) != _kind(theirs) or _kind(mine) is None and mine != theirs:
-                raise UsageError(f"--dataset_mixture: column {name!r} of {source.id} ({mine}) is not of the kind of "
-                                 f"{mixture.sources[0].id}'s ({theirs}); make them the same (labels as text in "
-                                 "both, or numbers in both)")
+                raise UsageError(
+                    f"--dataset_mixture: column {name!r} of {source.id} ({mine}) is not of the kind of "
+                    f"{mixture.sources[0].id}'s ({theirs}); make them the same (labels as text in "
+                    "both, or numbers in both)"
+                )
     return [parts[0]] + [part.cast(parts[0].features) for part in parts[1:]]
 
 
 def _same_column_names(names: list[list[str]], mixture: Mixture) -> None:
     for columns, source in zip(names[1:], mixture.sources[1:]):
         if sorted(columns) != sorted(names[0]):
-            raise UsageError(f"--dataset_mixture: source {source.id} has columns {sorted(columns)} and "
-                             f"{mixture.sources[0].id} {sorted(names[0])}; map them to the same names with `columns`")
+            raise UsageError(
+                f"--dataset_mixture: source {source.id} has columns {sorted(columns)} and "
+                f"{mixture.sources[0].id} {sorted(names[0])}; map them to the same names with `columns`"
+            )
 
 
 def _turns(feature) -> bool:
@@ -130,9 +165,18 @@ def _turns(feature) -> bool:
 
 def _kind(feature) -> str | None:
     dtype = getattr(feature, "dtype", None) if type(feature).__name__ == "Value" else None
-    return next((kind for kind, prefixes in (("whole numbers", ("int", "uint")), ("numbers", ("float",)),
-                                             ("text", ("string", "large_string"))) if str(dtype).startswith(prefixes)),
-                None)
+    return next(
+        (
+            kind
+            for kind, prefixes in (
+                ("whole numbers", ("int", "uint")),
+                ("numbers", ("float",)),
+                ("text", ("string", "large_string")),
+            )
+            if str(dtype).startswith(prefixes)
+        ),
+        None,
+    )
 
 
 def _held_per_source(mixture: Mixture, size: float, seed: int) -> list[int]:
@@ -143,8 +187,10 @@ def _held_per_source(mixture: Mixture, size: float, seed: int) -> list[int]:
     total = sum(count["rows"] for count in mixture.counts)
     held = int(round(size * total)) if size < 1 else int(size)
     if not 1 <= held < total:
-        raise UsageError(f"cannot hold out {size} of the {total} mixed rows for validation; give test_split_size "
-                         "(or --validation_split_percentage) between 1 row and all of them, or --validation_file")
+        raise UsageError(
+            f"cannot hold out {size} of the {total} mixed rows for validation; give test_split_size "
+            "(or --validation_split_percentage) between 1 row and all of them, or --validation_file"
+        )
     order = np.random.default_rng(seed).permutation(total)
     ends = np.cumsum([count["rows"] for count in mixture.counts])
     return np.bincount(np.searchsorted(ends, order[:held], side="right"), minlength=len(ends)).tolist()
@@ -165,11 +211,21 @@ def stream_mixture(mixture: Mixture, seed: int, load_hub, held_out: int | None):
         held[index] += sum(held) < (held_out or 0)
     validation = [row for stream, rows in zip(streams, held) if rows for row in stream.take(rows)]
     for source, probability, rows in zip(mixture.sources, probabilities, held):
-        mixture.counts.append({"source": source.id, "split": source.split, "hub": source.on_hub,
-                               "probability": round(probability, 6), **({"held_out": rows} if held_out else {})})
-    train = interleave_datasets([stream.skip(rows) if rows else stream for stream, rows in zip(streams, held)],
-                                probabilities=probabilities, seed=mixture.seed_or(seed),
-                                stopping_strategy="first_exhausted")
+        mixture.counts.append(
+            {
+                "source": source.id,
+                "split": source.split,
+                "hub": source.on_hub,
+                "probability": round(probability, 6),
+                **({"held_out": rows} if held_out else {}),
+            }
+        )
+    train = interleave_datasets(
+        [stream.skip(rows) if rows else stream for stream, rows in zip(streams, held)],
+        probabilities=probabilities,
+        seed=mixture.seed_or(seed),
+        stopping_strategy="first_exhausted",
+    )
     return train, validation if held_out else None
 
 

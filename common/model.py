@@ -15,10 +15,16 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from common import memory, tensor_parallel
 from common.arguments import ModelArguments
 from common.errors import RunStopped, UsageError, describe, downloads_off, load_fault
+from common.internals import (
+    declare_layer_classes,
+    declared_layer_classes,
+    full_numel,
+    init_module_weights,
+    is_zero3_parameter,
+    zero3_partition,
+)
 from common.peers import lost_peer_message
-from common.speed import prepare_model, SpeedArguments
-from common.internals import (declare_layer_classes, declared_layer_classes, full_numel, init_module_weights,
-                              is_zero3_parameter, zero3_partition)
+from common.speed import SpeedArguments, prepare_model
 
 
 def reachable_hint(name: str) -> str:
@@ -41,20 +47,29 @@ def one_line_load_errors(what: str, name: str, otherwise: str, refused=(OSError,
             raise  # a collective failed (rank 0 broadcasting the weights): the exit policy names the lost peer
         reason, fault = describe(error), load_fault(error)
         if fault in ("memory", "io"):
-            host = "ran out of memory" if fault == "memory" else "had an I/O error (check the filesystem: space, " \
-                                                                 "permissions, the mount)"
-            raise RunStopped(f"{what} {name} could not be loaded: this host {host} ({reason}); fix that and run "
-                             "again; the files themselves may be fine") from None
+            host = (
+                "ran out of memory"
+                if fault == "memory"
+                else "had an I/O error (check the filesystem: space, permissions, the mount)"
+            )
+            raise RunStopped(
+                f"{what} {name} could not be loaded: this host {host} ({reason}); fix that and run "
+                "again; the files themselves may be fine"
+            ) from None
         local = os.path.isdir(name)
         missing = local and isinstance(error, FileNotFoundError)  # a shard its index names
         if missing or fault == "damaged" and (local or not isinstance(error, OSError)):  # a network error is no damage
             again = "copy or save it again" if local else "delete its copy in the Hub cache and download it again"
-            raise UsageError(f"{what} {'folder ' if local else ''}{name} is damaged ({reason}): a file in it is "
-                             f"{'missing' if missing else 'cut short or corrupt'}; {again}") from None
+            raise UsageError(
+                f"{what} {'folder ' if local else ''}{name} is damaged ({reason}): a file in it is "
+                f"{'missing' if missing else 'cut short or corrupt'}; {again}"
+            ) from None
         if isinstance(error, RuntimeError) and re.search(r"ignore_mismatched_sizes|size mismatch", str(error)):
-            raise UsageError(f"the weights in {name} do not fit the {what} its config describes ({reason}); pass a "
-                             "folder whose config.json matches its weights (a classifier fine-tuned for other "
-                             "labels: start from its base model)") from None
+            raise UsageError(
+                f"the weights in {name} do not fit the {what} its config describes ({reason}); pass a "
+                "folder whose config.json matches its weights (a classifier fine-tuned for other "
+                "labels: start from its base model)"
+            ) from None
         if isinstance(error, refused):
             raise UsageError(f"no {what} loads from {name} ({reason}); {otherwise}") from None
         raise
@@ -63,16 +78,27 @@ def one_line_load_errors(what: str, name: str, otherwise: str, refused=(OSError,
 def load_tokenizer(args: ModelArguments):
     name = args.tokenizer_name_or_path or args.model_name_or_path
     # tokenizers raises plain Exceptions (and KeyError, TypeError) for a tokenizer.json it cannot read
-    with one_line_load_errors("tokenizer", name, "pass --tokenizer_name_or_path with a folder holding tokenizer "
-                                                 f"files, {reachable_hint(name)}", refused=Exception):
+    with one_line_load_errors(
+        "tokenizer",
+        name,
+        f"pass --tokenizer_name_or_path with a folder holding tokenizer files, {reachable_hint(name)}",
+        refused=Exception,
+    ):
         tokenizer = AutoTokenizer.from_pretrained(name)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 
 
-def load_model(args: ModelArguments, tokenizer, seed: int, speed: SpeedArguments | None = None,
-               packed_rows: bool = False, auto_class=AutoModelForCausalLM, **config_overrides):
+def load_model(
+    args: ModelArguments,
+    tokenizer,
+    seed: int,
+    speed: SpeedArguments | None = None,
+    packed_rows: bool = False,
+    auto_class=AutoModelForCausalLM,
+    **config_overrides,
+):
     """From `model_name_or_path`, or a fresh model from `model_config` sized to the tokenizer.
 
     Weights are loaded in `--torch_dtype` (float32 by default: fp32 master weights even
@@ -82,8 +108,11 @@ def load_model(args: ModelArguments, tokenizer, seed: int, speed: SpeedArguments
     dtype = "auto" if args.torch_dtype == "auto" else getattr(torch, args.torch_dtype)
     if args.model_name_or_path:
         kind = f"{auto_class.__name__.replace('AutoModelFor', '')} model"
-        with one_line_load_errors(kind, args.model_name_or_path, "pass a model folder (config.json + weights) "
-                                                                 f"{reachable_hint(args.model_name_or_path)}"):
+        with one_line_load_errors(
+            kind,
+            args.model_name_or_path,
+            f"pass a model folder (config.json + weights) {reachable_hint(args.model_name_or_path)}",
+        ):
             model = auto_class.from_pretrained(args.model_name_or_path, dtype=dtype, **config_overrides)
         if getattr(model.config, "pad_token_id", None) is None:
             # Decoder checkpoints (Llama, Mistral, ...) ship without a pad token: padded batches
@@ -91,15 +120,25 @@ def load_model(args: ModelArguments, tokenizer, seed: int, speed: SpeedArguments
             model.config.pad_token_id = tokenizer.pad_token_id
         if args.adapter_name_or_path:  # a trained PEFT adapter on top (e.g. to evaluate it)
             from peft import PeftModel
-            with one_line_load_errors("PEFT adapter", args.adapter_name_or_path, "pass --adapter_name_or_path with "
-                                      "a folder holding adapter_config.json and the adapter's weights (a --use_peft "
-                                      f"run's final/) {reachable_hint(args.adapter_name_or_path)}"):
+
+            with one_line_load_errors(
+                "PEFT adapter",
+                args.adapter_name_or_path,
+                "pass --adapter_name_or_path with "
+                "a folder holding adapter_config.json and the adapter's weights (a --use_peft "
+                f"run's final/) {reachable_hint(args.adapter_name_or_path)}",
+            ):
                 model = PeftModel.from_pretrained(model, args.adapter_name_or_path)
     else:
         try:
             config = AutoConfig.from_pretrained(
-                args.model_config, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id, **config_overrides)
+                args.model_config,
+                vocab_size=len(tokenizer),
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+                bos_token_id=tokenizer.bos_token_id,
+                **config_overrides,
+            )
             build_dtype = torch.float32 if dtype == "auto" else dtype
             if _weights_come_from_rank0():
                 from accelerate import init_empty_weights
@@ -111,8 +150,9 @@ def load_model(args: ModelArguments, tokenizer, seed: int, speed: SpeedArguments
                 model = auto_class.from_config(config, dtype=build_dtype)
                 initialise_weights(model, seed)
         except (OSError, ValueError, TypeError, KeyError, StrictDataclassError) as error:
-            raise UsageError(f"--model_config {args.model_config} does not build a model ({describe(error)}); "
-                             "fix the config") from None
+            raise UsageError(
+                f"--model_config {args.model_config} does not build a model ({describe(error)}); fix the config"
+            ) from None
     name_layer_classes(model)
     # Training never reuses a KV cache, and transformers isolates packed sequences
     # (position ids restarting at 0) only when no cache is passed. generate() still
@@ -141,7 +181,7 @@ def _uninitialised_on_cpu(model) -> None:
     """Give meta parameters CPU storage that is never written: the OS backs untouched pages
     with no memory, and each parameter gets its own address (accelerate matches the
     optimizer's parameters to the sharded ones by it; on the meta device all are 0)."""
-    buffers = {name: buffer for name, buffer in model.named_buffers()}
+    buffers = dict(model.named_buffers())
     model.to_empty(device="cpu")
     for name, buffer in buffers.items():  # to_empty replaces buffers too: keep the built ones
         model.get_buffer(name).copy_(buffer)
@@ -180,8 +220,10 @@ def saved_config(name_or_path: str):
     try:
         return AutoConfig.from_pretrained(name_or_path)
     except (OSError, ValueError) as error:  # a missing folder, a mistyped or unreachable Hub name, a bad config
-        raise UsageError(f"no model config loads from {name_or_path} ({describe(error)}); pass a model folder "
-                         f"(config.json + weights) {reachable_hint(name_or_path)}") from None
+        raise UsageError(
+            f"no model config loads from {name_or_path} ({describe(error)}); pass a model folder "
+            f"(config.json + weights) {reachable_hint(name_or_path)}"
+        ) from None
 
 
 def export_dtype(args: ModelArguments) -> torch.dtype:
@@ -209,8 +251,10 @@ def check_block_size(args: ModelArguments, block_size: int) -> str | None:
     limit = getattr(config, "max_position_embeddings", None)
     if not isinstance(limit, int) or block_size <= limit:
         return None
-    said = f"--block_size {block_size} is longer than the {limit} positions the model's config gives " \
-           "(max_position_embeddings)"
+    said = (
+        f"--block_size {block_size} is longer than the {limit} positions the model's config gives "
+        "(max_position_embeddings)"
+    )
     if not (getattr(config, "rope_parameters", None) or getattr(config, "rope_theta", None)):
         raise UsageError(f"{said}, and its positions are a learned table; pass --block_size {limit} or less")
     if args.model_config:  # from scratch: trained at this length from the start
@@ -236,8 +280,13 @@ def name_layer_classes(model) -> None:
     (BERT: BertEmbeddings) list a module holding the input embeddings, which
     accelerate then shards twice (it also shards the embeddings on their own) and
     FSDP2 fails. Layer classes are those repeated in a ModuleList."""
-    repeated = {type(child).__name__ for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 1
-                for child in m if len({type(c) for c in m}) == 1}
+    repeated = {
+        type(child).__name__
+        for m in model.modules()
+        if isinstance(m, torch.nn.ModuleList) and len(m) > 1
+        for child in m
+        if len({type(c) for c in m}) == 1
+    }
     declared = [name for name in declared_layer_classes(model) if name in repeated]
     if declared or repeated:
         declare_layer_classes(model, declared or sorted(repeated))

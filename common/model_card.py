@@ -18,10 +18,25 @@ import json
 import os
 import shlex
 
-HYPERPARAMETERS = ("learning_rate", "lr_scheduler_type", "warmup_steps", "warmup_ratio", "weight_decay",
-                   "max_grad_norm", "num_train_epochs", "max_steps", "per_device_train_batch_size",
-                   "gradient_accumulation_steps", "block_size", "seed", "lora_r", "lora_alpha", "lora_dropout",
-                   "lora_target_modules")
+
+HYPERPARAMETERS = (
+    "learning_rate",
+    "lr_scheduler_type",
+    "warmup_steps",
+    "warmup_ratio",
+    "weight_decay",
+    "max_grad_norm",
+    "num_train_epochs",
+    "max_steps",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "block_size",
+    "seed",
+    "lora_r",
+    "lora_alpha",
+    "lora_dropout",
+    "lora_target_modules",
+)
 
 
 def write_model_card(folder: str, output_dir: str, what: str) -> None:
@@ -37,52 +52,83 @@ def write_model_card(folder: str, output_dir: str, what: str) -> None:
     recipe = os.path.splitext(os.path.basename((run.get("command") or ["the recipe"])[0]))[0]
     strategy = run.get("launched_strategy", "?")
     tags = ["accelerate-recipes", recipe, strategy] + (["lora"] if adapter or args.get("use_peft") else [])
-    data = ModelCardData(base_model=base if on_hub else None, library_name="peft" if adapter else "transformers",
-                         tags=tags, datasets=_hub_datasets(args, run) or None)
-    body = "\n\n".join([
-        f"# {os.path.basename(os.path.normpath(output_dir))} / {what}",
-        _what_it_is(adapter, base, args, what),
-        "## Data\n\n" + _data(args, run),
-        "## Training\n\n" + _training(run, recipe),
-        "## Hyper-parameters\n\n" + _table({key: args[key] for key in HYPERPARAMETERS if args.get(key) is not None}),
-        "## Results\n\n" + _results(output_dir),
-        "## Command\n\n" + _command(run),
-    ])
+    data = ModelCardData(
+        base_model=base if on_hub else None,
+        library_name="peft" if adapter else "transformers",
+        tags=tags,
+        datasets=_hub_datasets(args, run) or None,
+    )
+    body = "\n\n".join(
+        [
+            f"# {os.path.basename(os.path.normpath(output_dir))} / {what}",
+            _what_it_is(adapter, base, args, what),
+            "## Data\n\n" + _data(args, run),
+            "## Training\n\n" + _training(run, recipe),
+            "## Hyper-parameters\n\n"
+            + _table({key: args[key] for key in HYPERPARAMETERS if args.get(key) is not None}),
+            "## Results\n\n" + _results(output_dir),
+            "## Command\n\n" + _command(run),
+        ]
+    )
     ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body}\n").save(os.path.join(folder, "README.md"))
 
 
 def _hub_datasets(args: dict, run: dict) -> list:
     """The Hub datasets the run trained on: --dataset_name, or a mixture's sources that are not local."""
     names = [args["dataset_name"]] if args.get("dataset_name") else []
-    return list(dict.fromkeys(names + [source["source"] for source in run.get("data_sources", []) if source.get("hub")]))
+    return list(
+        dict.fromkeys(names + [source["source"] for source in run.get("data_sources", []) if source.get("hub")])
+    )
 
 
 def _what_it_is(adapter: bool, base, args: dict, what: str) -> str:
-    start = (f"the pretrained model `{base}`" if base else
-             f"a model built from `{args.get('model_config')}` (trained from scratch)")
-    kind = ("A LoRA adapter (load it with `peft.PeftModel.from_pretrained` on the base model)" if adapter else
-            "The base model with its LoRA adapter merged in" if what.endswith("_merged") else
-            "A Hugging Face model folder (load it with `from_pretrained`)")
+    start = (
+        f"the pretrained model `{base}`"
+        if base
+        else f"a model built from `{args.get('model_config')}` (trained from scratch)"
+    )
+    kind = (
+        "A LoRA adapter (load it with `peft.PeftModel.from_pretrained` on the base model)"
+        if adapter
+        else "The base model with its LoRA adapter merged in"
+        if what.endswith("_merged")
+        else "A Hugging Face model folder (load it with `from_pretrained`)"
+    )
     return f"{kind}, trained from {start}. Written by the run's `{what}` export."
 
 
 def _data(args: dict, run: dict) -> str:
-    sources = {"dataset": args.get("dataset_name"), "train file": args.get("train_file"),
-               "validation file": args.get("validation_file")}
+    sources = {
+        "dataset": args.get("dataset_name"),
+        "train file": args.get("train_file"),
+        "validation file": args.get("validation_file"),
+    }
     counts = {key: run[key] for key in ("train_blocks", "dropped_examples") if run.get(key) is not None}
     for source in run.get("data_sources", []):  # a --dataset_mixture's sources and the rows each gave
-        taken = (f"{source['train']} training rows" if "train" in source else f"{source['rows']} rows"
-                 if "rows" in source else f"drawn with probability {source['probability']}")
+        taken = (
+            f"{source['train']} training rows"
+            if "train" in source
+            else f"{source['rows']} rows"
+            if "rows" in source
+            else f"drawn with probability {source['probability']}"
+        )
         sources[f"source {source['source']} ({source['split']})"] = taken
     return _table({**{k: v for k, v in sources.items() if v}, **counts}) or "Not recorded."
 
 
 def _training(run: dict, recipe: str) -> str:
-    facts = {"recipe": f"recipes/{recipe}.py", "strategy": run.get("launched_strategy"),
-             "distributed type": run.get("distributed_type"), "processes": run.get("participating_processes"),
-             "mixed precision": run.get("mixed_precision"), "compute dtype": run.get("compute_dtype"),
-             "master weights": run.get("master_weights_dtype"), "ZeRO stage": run.get("zero_stage"),
-             "effective batch size": run.get("effective_batch_size"), "trained steps": run.get("max_steps")}
+    facts = {
+        "recipe": f"recipes/{recipe}.py",
+        "strategy": run.get("launched_strategy"),
+        "distributed type": run.get("distributed_type"),
+        "processes": run.get("participating_processes"),
+        "mixed precision": run.get("mixed_precision"),
+        "compute dtype": run.get("compute_dtype"),
+        "master weights": run.get("master_weights_dtype"),
+        "ZeRO stage": run.get("zero_stage"),
+        "effective batch size": run.get("effective_batch_size"),
+        "trained steps": run.get("max_steps"),
+    }
     versions = run.get("versions", {})
     facts["versions"] = ", ".join(f"{name} {version}" for name, version in versions.items() if version)
     return _table({key: value for key, value in facts.items() if value not in (None, "")})
@@ -103,15 +149,19 @@ def _results(output_dir: str) -> str:
     shown = {f"eval at step {evaluation['step']}: {k}": v for k, v in evaluation.items() if k.startswith("eval_")}
     if train:
         shown[f"train loss at step {train['step']}"] = train["loss"]
-    return _table({key: round(value, 4) if isinstance(value, float) else value for key, value in shown.items()}) \
+    return (
+        _table({key: round(value, 4) if isinstance(value, float) else value for key, value in shown.items()})
         or "No evaluation was logged."
+    )
 
 
 def _command(run: dict) -> str:
     command = run.get("command")
     if not command:
         return "Not recorded."
-    launch = f"accelerate launch --num_processes {run.get('world_size', 1)} (the {run.get('launched_strategy')} config)"
+    launch = (
+        f"accelerate launch --num_processes {run.get('world_size', 1)} (the {run.get('launched_strategy')} config)"
+    )
     return f"Launched with {launch}:\n\n```bash\npython {' '.join(shlex.quote(part) for part in command)}\n```"
 
 

@@ -45,6 +45,7 @@ from common.errors import RunStopped
 from common.internals import innermost_optimizer, skip_step_on_device
 from common.model import local_parameter_shards
 
+
 # fp16: overflows in a row before the run stops (the scaler halves its scale at each: 2^16 falls below 2^-14)
 MAX_OVERFLOWS_IN_A_ROW = 30
 
@@ -57,8 +58,12 @@ def skips_on_device(accelerator, inner, schedule) -> bool:
     if accelerator.state.deepspeed_plugin is not None or inner is None:
         return False
     whole = not any(hasattr(p, "to_local") for group in inner.param_groups for p in group["params"])
-    return (isinstance(inner, torch.optim.Adam) and bool(inner.defaults.get("fused")) and whole
-            and isinstance(schedule, torch.optim.lr_scheduler.LambdaLR))
+    return (
+        isinstance(inner, torch.optim.Adam)
+        and bool(inner.defaults.get("fused"))
+        and whole
+        and isinstance(schedule, torch.optim.lr_scheduler.LambdaLR)
+    )
 
 
 def torch_optimizer_and_schedule(optimizer, scheduler) -> tuple:
@@ -72,8 +77,17 @@ def nonfinite_check(accelerator, optimizer, scheduler) -> str:
 
 
 class NonFiniteGuard:
-    def __init__(self, accelerator, model, policy: str, max_skips: int, metrics, optimizer=None, scheduler=None,
-                 read_every: int = 1):
+    def __init__(
+        self,
+        accelerator,
+        model,
+        policy: str,
+        max_skips: int,
+        metrics,
+        optimizer=None,
+        scheduler=None,
+        read_every: int = 1,
+    ):
         """With `optimizer` and `scheduler`, where `skips_on_device`: steps are decided on the device
         and read every `read_every` steps (the logging steps), before a checkpoint and at the end."""
         self.accelerator, self.model, self.metrics = accelerator, model, metrics
@@ -142,36 +156,60 @@ class NonFiniteGuard:
             self.overflows += 1
             self.overflows_in_a_row += 1
             stop = self.overflows_in_a_row > MAX_OVERFLOWS_IN_A_ROW
-            self.metrics.log_event({"step": step, "event": "loss_scale_overflow", "grad_norm": str(norm),
-                                    "action": "stopped" if stop else "skipped", "overflows": self.overflows})
+            self.metrics.log_event(
+                {
+                    "step": step,
+                    "event": "loss_scale_overflow",
+                    "grad_norm": str(norm),
+                    "action": "stopped" if stop else "skipped",
+                    "overflows": self.overflows,
+                }
+            )
             if stop:  # each overflow halved the scale: the gradients are not finite at any scale
-                raise RunStopped(f"step {step}: the gradients overflowed {self.overflows_in_a_row} steps in a row "
-                                 "while every loss was finite, each time at half the loss scale before: they are "
-                                 "not finite at any scale; lower the learning rate, use bf16, or check the model "
-                                 "and data, then resume from the last checkpoint")
+                raise RunStopped(
+                    f"step {step}: the gradients overflowed {self.overflows_in_a_row} steps in a row "
+                    "while every loss was finite, each time at half the loss scale before: they are "
+                    "not finite at any scale; lower the learning rate, use bf16, or check the model "
+                    "and data, then resume from the last checkpoint"
+                )
             return True
-        what = (f"non-finite loss on rank {', '.join(map(str, loss_ranks))}" if loss_ranks
-                else "non-finite gradients") + f" (gradient norm {norm})"
+        what = (
+            f"non-finite loss on rank {', '.join(map(str, loss_ranks))}" if loss_ranks else "non-finite gradients"
+        ) + f" (gradient norm {norm})"
         applied = hasattr(self.model, "was_step_applied") and self.model.was_step_applied()
         self.skipped += not applied
         stop = applied or self.policy == "stop" or self.skipped > self.max_skips
-        self.metrics.log_event({"step": step, "event": "nonfinite", "loss_ranks": loss_ranks,
-                                "grad_norm": str(norm), "action": "stopped" if stop else "skipped",
-                                "skipped_steps": self.skipped})
+        self.metrics.log_event(
+            {
+                "step": step,
+                "event": "nonfinite",
+                "loss_ranks": loss_ranks,
+                "grad_norm": str(norm),
+                "action": "stopped" if stop else "skipped",
+                "skipped_steps": self.skipped,
+            }
+        )
         if applied:
-            raise RunStopped(f"step {step}: {what}, and DeepSpeed applied it, so the weights are no longer "
-                             "finite; resume from the last checkpoint with a lower learning rate or without the "
-                             "offending data")
+            raise RunStopped(
+                f"step {step}: {what}, and DeepSpeed applied it, so the weights are no longer "
+                "finite; resume from the last checkpoint with a lower learning rate or without the "
+                "offending data"
+            )
         if self.policy == "stop":
-            raise RunStopped(f"step {step}: {what}; stopped (--nonfinite stop). Checkpoints hold finite weights: "
-                             "resume from the last one with a lower learning rate or without the offending data, "
-                             "or pass --nonfinite skip")
+            raise RunStopped(
+                f"step {step}: {what}; stopped (--nonfinite stop). Checkpoints hold finite weights: "
+                "resume from the last one with a lower learning rate or without the offending data, "
+                "or pass --nonfinite skip"
+            )
         if self.skipped > self.max_skips:
-            raise RunStopped(f"step {step}: {what}; {self.skipped} steps were non-finite, more than "
-                             f"--max_nonfinite_skips {self.max_skips}: lower the learning rate, check the data "
-                             "and the model's weights, then resume from the last checkpoint")
-        self.accelerator.print(f"warning: step {step}: {what}; step skipped ({self.skipped} of at most "
-                               f"{self.max_skips})")
+            raise RunStopped(
+                f"step {step}: {what}; {self.skipped} steps were non-finite, more than "
+                f"--max_nonfinite_skips {self.max_skips}: lower the learning rate, check the data "
+                "and the model's weights, then resume from the last checkpoint"
+            )
+        self.accelerator.print(
+            f"warning: step {step}: {what}; step skipped ({self.skipped} of at most {self.max_skips})"
+        )
         return True
 
 
@@ -183,5 +221,7 @@ def check_finite_weights(accelerator, model, step: int) -> None:
             if shard.numel() and shard.is_floating_point():
                 bad += (~torch.isfinite(shard)).any().float()
     if float(accelerator.reduce(bad, reduction="sum")) > 0:
-        raise RunStopped(f"step {step}: the weights hold non-finite values, so no checkpoint was written; "
-                         "resume from the last checkpoint with a lower learning rate")
+        raise RunStopped(
+            f"step {step}: the weights hold non-finite values, so no checkpoint was written; "
+            "resume from the last checkpoint with a lower learning rate"
+        )

@@ -24,6 +24,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from common.internals import attention_implementation
 
+
 NAME = "sdpa_varlen"
 _PACKED = torch.empty(0, dtype=torch.bool)  # stands for "packed row, no dense mask"; plain sdpa would refuse it
 
@@ -89,21 +90,31 @@ def _sliding_window_mask(length: int, window: int, device) -> torch.Tensor:
 
 def sdpa_varlen_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     if attention_mask is not _PACKED:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     position_ids = kwargs.get("position_ids")
     if position_ids is None or query.shape[0] != 1:
-        raise ValueError(f"{NAME} needs one packed row and its position_ids; this model does not pass them to "
-                         "its attention, so use attn_implementation='sdpa'")
+        raise ValueError(
+            f"{NAME} needs one packed row and its position_ids; this model does not pass them to "
+            "its attention, so use attn_implementation='sdpa'"
+        )
     window = kwargs.get("sliding_window")  # Mistral, Qwen2 and friends pass their layer's window
     pieces, order = [], []
     for index, real in _example_groups(position_ids):
         # [1, heads, tokens, dim] -> [examples, heads, longest, dim]
         q, k, v = (t[0][:, index].transpose(0, 1) for t in (query, key, value))
         mask = None if not window else _sliding_window_mask(q.shape[2], window, q.device)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout if module.training else 0.0,
-                                             is_causal=mask is None, scale=scaling,
-                                             enable_gqa=q.shape[1] != k.shape[1])
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            dropout_p=dropout if module.training else 0.0,
+            is_causal=mask is None,
+            scale=scaling,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
         pieces.append(out.transpose(0, 1)[:, real])  # [heads, the group's tokens, dim]
         order.append(index[real])
     order = torch.cat(order)

@@ -17,37 +17,48 @@ import yaml
 from transformers import HfArgumentParser
 
 from common.arguments import DataArguments, TrainingArguments
-from common.ranges import check_ranges
 from common.errors import UsageError, exit_with_error
 from common.internals import parser_actions
+from common.ranges import check_ranges
 
 
 # Trainer's options that these recipes take elsewhere: where each is set here
-_PRECISION = "mixed precision comes from the accelerate config, its mixed_precision (or accelerate launch " \
-             "--mixed_precision bf16)"
+_PRECISION = (
+    "mixed precision comes from the accelerate config, its mixed_precision (or accelerate launch "
+    "--mixed_precision bf16)"
+)
 _STRATEGY = "the strategy comes from the accelerate config: accelerate launch --config_file accelerate_configs/X.yaml"
 _EVALUATION = "evaluation runs every --eval_steps N (0: at the end only)"
-ELSEWHERE = {"bf16": _PRECISION, "fp16": _PRECISION,
-             "deepspeed": _STRATEGY, "fsdp": _STRATEGY, "fsdp_config": _STRATEGY,
-             "eval_strategy": _EVALUATION, "evaluation_strategy": _EVALUATION,
-             "save_strategy": "checkpoints are written every --save_steps N (0: none)",
-             "logging_strategy": "metrics are logged every --logging_steps N",
-             "local_rank": "accelerate launch gives each process its rank",
-             # the alignment-handbook's and TRL's keys, where these recipes take them otherwise
-             "do_eval": _EVALUATION,
-             "model_revision": "download that revision to a folder (hf download NAME --revision REV --local-dir DIR) "
-                               "and pass --model_name_or_path DIR",
-             "dataset_num_proc": "--preprocessing_num_workers N", "dataset_text_field": "--text_column NAME",
-             "max_seq_length": "--block_size N (longer examples follow --overlong)",
-             "max_length": "--block_size N (longer examples follow --overlong)",
-             "gradient_checkpointing_kwargs": "--gradient_checkpointing (always non-reentrant here)",
-             "log_level": "the main process logs progress, the others errors; TRANSFORMERS_VERBOSITY and "
-                          "DATASETS_VERBOSITY set the libraries' levels",
-             "remove_unused_columns": "each recipe keeps only the columns it reads (--text_column, --messages_column, "
-                                      "--label_column)",
-             **dict.fromkeys(("push_to_hub", "hub_model_id", "hub_strategy", "hub_private_repo"),
-                             "the recipes do not upload: hf upload REPO OUTPUT_DIR/final uploads the exported "
-                             "folder (its README.md is the model card)")}
+ELSEWHERE = {
+    "bf16": _PRECISION,
+    "fp16": _PRECISION,
+    "deepspeed": _STRATEGY,
+    "fsdp": _STRATEGY,
+    "fsdp_config": _STRATEGY,
+    "eval_strategy": _EVALUATION,
+    "evaluation_strategy": _EVALUATION,
+    "save_strategy": "checkpoints are written every --save_steps N (0: none)",
+    "logging_strategy": "metrics are logged every --logging_steps N",
+    "local_rank": "accelerate launch gives each process its rank",
+    # the alignment-handbook's and TRL's keys, where these recipes take them otherwise
+    "do_eval": _EVALUATION,
+    "model_revision": "download that revision to a folder (hf download NAME --revision REV --local-dir DIR) "
+    "and pass --model_name_or_path DIR",
+    "dataset_num_proc": "--preprocessing_num_workers N",
+    "dataset_text_field": "--text_column NAME",
+    "max_seq_length": "--block_size N (longer examples follow --overlong)",
+    "max_length": "--block_size N (longer examples follow --overlong)",
+    "gradient_checkpointing_kwargs": "--gradient_checkpointing (always non-reentrant here)",
+    "log_level": "the main process logs progress, the others errors; TRANSFORMERS_VERBOSITY and "
+    "DATASETS_VERBOSITY set the libraries' levels",
+    "remove_unused_columns": "each recipe keeps only the columns it reads (--text_column, --messages_column, "
+    "--label_column)",
+    **dict.fromkeys(
+        ("push_to_hub", "hub_model_id", "hub_strategy", "hub_private_repo"),
+        "the recipes do not upload: hf upload REPO OUTPUT_DIR/final uploads the exported "
+        "folder (its README.md is the model card)",
+    ),
+}
 
 
 def _where_instead(keys) -> str:
@@ -65,8 +76,10 @@ def _yaml_to_argv(config: dict, parser: argparse.ArgumentParser, source: str) ->
     actions = parser_actions(parser)
     unknown = [key for key in config if key not in actions or key in ("help", "config")]
     if unknown:  # every one at once, so that a file from elsewhere is fixed in one go
-        raise UsageError(f"{source}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
-                         f"run the recipe with --help to list the keys{_where_instead(unknown)}")
+        raise UsageError(
+            f"{source}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+            f"run the recipe with --help to list the keys{_where_instead(unknown)}"
+        )
     argv = []
     for key, value in config.items():
         if value is None:
@@ -102,7 +115,9 @@ def _parse(dataclass_types, argv):
     yaml_argv: list[str] = []
     if config_path is not None:
         if not os.path.isfile(config_path):
-            raise UsageError(f"--config: {config_path} does not exist; pass a recipe YAML such as recipes/configs/*.yaml")
+            raise UsageError(
+                f"--config: {config_path} does not exist; pass a recipe YAML such as recipes/configs/*.yaml"
+            )
         with open(config_path) as handle:
             try:
                 config = yaml.safe_load(handle) or {}
@@ -116,15 +131,17 @@ def _parse(dataclass_types, argv):
         except UsageError as error:
             raise UsageError(f"{config_path}: {error}")
     *parsed, remaining = parser.parse_args_into_dataclasses(
-        args=yaml_argv + argv, return_remaining_strings=True, look_for_args_file=False)
+        args=yaml_argv + argv, return_remaining_strings=True, look_for_args_file=False
+    )
     if remaining:
         keys = [token[2:].split("=")[0].replace("-", "_") for token in remaining if token.startswith("--")]
-        raise UsageError(f"unknown argument(s) {' '.join(remaining)}; run with --help to list "
-                         f"them{_where_instead(keys)}")
-    for arguments in parsed[:len(dataclass_types)]:  # a recipe's own dataclass too, whose __post_init__ may not
+        raise UsageError(
+            f"unknown argument(s) {' '.join(remaining)}; run with --help to list them{_where_instead(keys)}"
+        )
+    for arguments in parsed[: len(dataclass_types)]:  # a recipe's own dataclass too, whose __post_init__ may not
         check_ranges(arguments)
     _check_together(parsed)
-    return tuple(parsed[:len(dataclass_types)])  # parsed[-1] is the namespace holding --config
+    return tuple(parsed[: len(dataclass_types)])  # parsed[-1] is the namespace holding --config
 
 
 def _check_together(parsed) -> None:
@@ -133,16 +150,22 @@ def _check_together(parsed) -> None:
     training = next((p for p in parsed if isinstance(p, TrainingArguments)), None)
     own_batch = next((p for p in parsed if hasattr(p, "no_auto_batch_size")), None)
     if training is not None and training.auto_find_batch_size and own_batch is not None:
-        raise UsageError(f"--auto_find_batch_size is not available here: {own_batch.no_auto_batch_size}; set "
-                         "--per_device_train_batch_size (scripts/estimate_memory.py predicts what fits)")
+        raise UsageError(
+            f"--auto_find_batch_size is not available here: {own_batch.no_auto_batch_size}; set "
+            "--per_device_train_batch_size (scripts/estimate_memory.py predicts what fits)"
+        )
     if data is not None and training is not None and getattr(data, "streaming", False):
         if any(getattr(p, "reads_data_in_memory", False) for p in parsed):
-            raise UsageError("--streaming is for the packed-text recipes (causal_lm.py); this recipe reads "
-                             "its data in memory: drop --streaming")
+            raise UsageError(
+                "--streaming is for the packed-text recipes (causal_lm.py); this recipe reads "
+                "its data in memory: drop --streaming"
+            )
         if training.max_steps <= 0:
             raise UsageError("--streaming needs --max_steps: a stream has no length to count epochs by")
         if training.auto_find_batch_size:
-            raise UsageError("--streaming cannot be used with --auto_find_batch_size; set --per_device_train_batch_size")
+            raise UsageError(
+                "--streaming cannot be used with --auto_find_batch_size; set --per_device_train_batch_size"
+            )
 
 
 def _find_config(argv: list[str]) -> str | None:

@@ -16,15 +16,21 @@ import sys
 import threading
 import time
 
-LOST_PEER = re.compile(r"timed out|timeout|connection (closed|reset|refused)|broken pipe|no route to host|"
-                       r"network is unreachable|connection abort", re.IGNORECASE)
+
+LOST_PEER = re.compile(
+    r"timed out|timeout|connection (closed|reset|refused)|broken pipe|no route to host|"
+    r"network is unreachable|connection abort",
+    re.IGNORECASE,
+)
 ADDRESS = re.compile(r"\[([0-9a-fA-F:.]+)\]:(\d+)")
 # A communication backend's own error: gloo raises a plain RuntimeError, with its source location
 # ("[.../gloo/transport/tcp/pair.cc:553] Connection closed by peer") or without it (DDP's backward: "Application
 # timeout caused pair closure"); NCCL and the rendezvous store raise torch.distributed's DistError types.
 # Another error that mentions a timeout (a CUDA launch timeout) is not one.
-BACKEND = re.compile(r"/gloo/|ProcessGroup(Gloo|NCCL|MPI|UCC)|\bNCCL\b|\bc10d\b|timeout caused pair closure|"
-                     r"Timed out waiting \d+ms for (recv|send)|Connection (closed|reset) by peer|(Read|Write) error \[")
+BACKEND = re.compile(
+    r"/gloo/|ProcessGroup(Gloo|NCCL|MPI|UCC)|\bNCCL\b|\bc10d\b|timeout caused pair closure|"
+    r"Timed out waiting \d+ms for (recv|send)|Connection (closed|reset) by peer|(Read|Write) error \["
+)
 
 
 def free_port() -> int:
@@ -45,22 +51,27 @@ def lost_peer_message(error: BaseException, timeout: float | None) -> str | None
     addresses = sorted({address for address, _ in ADDRESS.findall(text)})
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     others = [r for r in range(world) if r != rank]
-    where = (f"rank {others[0]}" if len(others) == 1 else f"one of ranks {others[0]}-{others[-1]}") + \
-        (f" at {', '.join(addresses)}" if addresses else "") + \
-        f" (the main node is {os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')})"
-    return (f"lost contact with {where} during a collective on rank {rank} "
-            f"(host {os.uname().nodename}): {reason}. A process or node died, hangs or cannot be reached: check "
-            "every node's processes and logs, that the nodes reach each other on the interface in use "
-            f"(GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME), then resume with --resume_from_checkpoint latest "
-            f"(collectives wait --ddp_timeout {'?' if timeout is None else f'{timeout:g}'} s)")
+    where = (
+        (f"rank {others[0]}" if len(others) == 1 else f"one of ranks {others[0]}-{others[-1]}")
+        + (f" at {', '.join(addresses)}" if addresses else "")
+        + f" (the main node is {os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')})"
+    )
+    return (
+        f"lost contact with {where} during a collective on rank {rank} "
+        f"(host {os.uname().nodename}): {reason}. A process or node died, hangs or cannot be reached: check "
+        "every node's processes and logs, that the nodes reach each other on the interface in use "
+        f"(GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME), then resume with --resume_from_checkpoint latest "
+        f"(collectives wait --ddp_timeout {'?' if timeout is None else f'{timeout:g}'} s)"
+    )
 
 
 def from_the_backend(error: BaseException) -> bool:
     """Whether `error` was raised by a collective's communication backend (gloo, NCCL, the store)."""
     import torch.distributed
 
-    return isinstance(error, getattr(torch.distributed, "DistError", ())) or \
-        (isinstance(error, RuntimeError) and bool(BACKEND.search(str(error))))
+    return isinstance(error, getattr(torch.distributed, "DistError", ())) or (
+        isinstance(error, RuntimeError) and bool(BACKEND.search(str(error)))
+    )
 
 
 def peer_exited(error: BaseException) -> bool:
@@ -91,8 +102,10 @@ def main_process_alone(accelerator, what: str, every: float = 30.0):
 
     def line(elapsed: float) -> str:
         warning = " - over half of it: if this runs longer, raise --ddp_timeout" if elapsed > timeout / 2 else ""
-        return (f"{what}: {elapsed:.0f} s so far on the main process; the other ranks wait for it up to "
-                f"--ddp_timeout {timeout:.0f} s{warning}")
+        return (
+            f"{what}: {elapsed:.0f} s so far on the main process; the other ranks wait for it up to "
+            f"--ddp_timeout {timeout:.0f} s{warning}"
+        )
 
     with reporting_progress(what, line, every):
         yield

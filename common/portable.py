@@ -24,6 +24,7 @@ import torch
 from common.errors import UsageError
 from common.run_dir import MODEL_FILES, STATE_FILE
 
+
 PORTABLE = "portable"
 OPTIMIZER_STATES = ("exp_avg", "exp_avg_sq")
 
@@ -32,8 +33,12 @@ OPTIMIZER_STATES = ("exp_avg", "exp_avg_sq")
 # it writes: one process and DDP write the same ones
 FAMILY = {"single": "torch", "ddp": "torch", "fsdp": "fsdp", "tp": "fsdp", "deepspeed": "deepspeed"}
 # what each family's checkpoint files are, in a resume's message (a tp.yaml run writes FSDP2's DCP folders)
-FILES = {"torch": "whole-model files (single.yaml, ddp.yaml)", "fsdp": "DCP shards (fsdp, tp configs)",
-         "deepspeed": "DeepSpeed ZeRO files", "portable": "a portable rewrite"}
+FILES = {
+    "torch": "whole-model files (single.yaml, ddp.yaml)",
+    "fsdp": "DCP shards (fsdp, tp configs)",
+    "deepspeed": "DeepSpeed ZeRO files",
+    "portable": "a portable rewrite",
+}
 
 
 def family(accelerator) -> str:
@@ -90,9 +95,12 @@ def rewrite(path: str, target: str, to_universal) -> None:
         weights, moments, steps = READERS[source](path, state, tmp, to_universal)
         from safetensors.torch import save_file
 
-        save_file({name: t.float().contiguous() for name, t in weights.items()}, os.path.join(tmp, "model.safetensors"))
-        save_file({name: t.float().contiguous() for name, t in moments.items()},
-                  os.path.join(tmp, "optimizer.safetensors"))
+        save_file(
+            {name: t.float().contiguous() for name, t in weights.items()}, os.path.join(tmp, "model.safetensors")
+        )
+        save_file(
+            {name: t.float().contiguous() for name, t in moments.items()}, os.path.join(tmp, "optimizer.safetensors")
+        )
         with open(os.path.join(tmp, "optimizer.json"), "w") as handle:
             json.dump({"optimizer": "AdamW", "steps": steps}, handle)
         for name in os.listdir(path):
@@ -113,8 +121,10 @@ def _read_torch(path: str, state: dict, tmp: str, to_universal):
 
     groups = state.get("optimizer_parameters")
     if groups is None:
-        raise UsageError(f"checkpoint {path} does not name its optimizer's parameters (written before resuming under "
-                         "another config existed); resume it under the config that wrote it")
+        raise UsageError(
+            f"checkpoint {path} does not name its optimizer's parameters (written before resuming under "
+            "another config existed); resume it under the config that wrote it"
+        )
     saved = torch.load(os.path.join(path, "optimizer.bin"), map_location="cpu", weights_only=True)
     names = [name for group in groups for name in group]
     moments, steps = {}, {}
@@ -141,9 +151,11 @@ def read_dcp(folder: str, prefix: str) -> dict:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     metadata = dcp.FileSystemReader(folder).read_metadata()
-    state = {key: torch.empty(item.size, dtype=item.properties.dtype)
-             for key, item in metadata.state_dict_metadata.items()
-             if isinstance(item, TensorStorageMetadata) and key.startswith(prefix)}
+    state = {
+        key: torch.empty(item.size, dtype=item.properties.dtype)
+        for key, item in metadata.state_dict_metadata.items()
+        if isinstance(item, TensorStorageMetadata) and key.startswith(prefix)
+    }
     with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": one process is the intent
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(state, storage_reader=dcp.FileSystemReader(folder), no_dist=True)
@@ -165,26 +177,36 @@ def _read_deepspeed(path: str, state: dict, tmp: str, to_universal):
         try:
             to_universal(path, universal)
         except UsageError as error:
-            raise UsageError(f"checkpoint {path} could not be rewritten for another strategy ({error}); resume it "
-                             "under the config that wrote it") from None
+            raise UsageError(
+                f"checkpoint {path} could not be rewritten for another strategy ({error}); resume it "
+                "under the config that wrote it"
+            ) from None
     zero = os.path.join(universal, "pytorch_model", "zero")
     weights, moments = {}, {}
     for name in sorted(os.listdir(zero)):
         folder = os.path.join(zero, name)
         if not os.path.isfile(os.path.join(folder, "fp32.pt")):
             continue
-        load = lambda what: _tensor(torch.load(os.path.join(folder, f"{what}.pt"), map_location="cpu",  # noqa: E731
-                                               weights_only=False)).reshape(shapes[name])  # ZeRO-3's are flat
+
+        def load(what, folder=folder, name=name):  # ZeRO-3's are flat
+            saved = torch.load(os.path.join(folder, f"{what}.pt"), map_location="cpu", weights_only=False)
+            return _tensor(saved).reshape(shapes[name])
+
         weights[name] = load("fp32")
-        moments.update({f"{name}.{key}": load(key) for key in OPTIMIZER_STATES
-                        if os.path.isfile(os.path.join(folder, f"{key}.pt"))})
+        moments.update(
+            {
+                f"{name}.{key}": load(key)
+                for key in OPTIMIZER_STATES
+                if os.path.isfile(os.path.join(folder, f"{key}.pt"))
+            }
+        )
     inner = _first_file(engine, "optim_states.pt")["optimizer_state_dict"]
     inner = inner.get("base_optimizer_state", inner.get("optimizer_state_dict", inner))
     step = max(float(entry["step"]) for entry in inner["state"].values())
     if made_here:  # its state file first: a crash mid-way leaves a conversion that is redone, not a damaged one
         os.remove(os.path.join(universal, STATE_FILE))
         shutil.rmtree(universal)
-    return weights, moments, {name: step for name in weights}
+    return weights, moments, dict.fromkeys(weights, step)
 
 
 def _first_file(folder: str, suffix: str) -> dict:
@@ -194,8 +216,10 @@ def _first_file(folder: str, suffix: str) -> dict:
 
 
 def _fp16_refusal(path: str) -> UsageError:
-    return UsageError(f"checkpoint {path} is an fp16 run's, whose loss scale does not carry over to another "
-                      "strategy; resume it under the config that wrote it (or continue in bf16 from its export)")
+    return UsageError(
+        f"checkpoint {path} is an fp16 run's, whose loss scale does not carry over to another "
+        "strategy; resume it under the config that wrote it (or continue in bf16 from its export)"
+    )
 
 
 def _tensor(value):

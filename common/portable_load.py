@@ -26,15 +26,19 @@ def load(accelerator, model, optimizer, scheduler, path: str) -> None:
 
     with open(os.path.join(path, "optimizer.json")) as handle:
         steps = json.load(handle)["steps"]
-    with safe_open(os.path.join(path, "model.safetensors"), "pt") as weights, \
-            safe_open(os.path.join(path, "optimizer.safetensors"), "pt") as moments:
+    with (
+        safe_open(os.path.join(path, "model.safetensors"), "pt") as weights,
+        safe_open(os.path.join(path, "optimizer.safetensors"), "pt") as moments,
+    ):
         # frozen parameters (LoRA's base model) come from the base model; DeepSpeed's checkpoints leave them out
         trainable = [name for name, parameter in _named_parameters(accelerator, model) if parameter.requires_grad]
         missing = sorted(set(trainable) - set(weights.keys()))
         if missing:
-            raise UsageError(f"checkpoint {path} holds no weight for {len(missing)} of this model's trained "
-                             f"parameters (first: {missing[0]}): it was written for another model; resume with "
-                             "that run's model arguments")
+            raise UsageError(
+                f"checkpoint {path} holds no weight for {len(missing)} of this model's trained "
+                f"parameters (first: {missing[0]}): it was written for another model; resume with "
+                "that run's model arguments"
+            )
         if family(accelerator) == "deepspeed":
             _load_deepspeed(accelerator, model, optimizer, weights, moments, steps)
         else:
@@ -65,21 +69,38 @@ def _inner(optimizer):
 def _load_torch(accelerator, model, optimizer, weights, moments, steps) -> None:
     """One process, DDP, FSDP2: the full state read on the first process only and sent to the others (torch's
     broadcast_from_rank0; FSDP2 keeps each rank's shard of it)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
     module, inner = _module(accelerator, model), _inner(optimizer)
     several = accelerator.num_processes > 1
     first = accelerator.process_index == 0
     options = StateDictOptions(full_state_dict=True, strict=False, broadcast_from_rank0=several)
     wanted = set(module.state_dict().keys()) & set(weights.keys())  # every trained parameter: `load` checked
-    set_model_state_dict(module, {name: weights.get_tensor(name) for name in sorted(wanted)} if first else {},
-                         options=options)
+    set_model_state_dict(
+        module, {name: weights.get_tensor(name) for name in sorted(wanted)} if first else {}, options=options
+    )
     names = {id(parameter): name for name, parameter in module.named_parameters()}
-    groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": [names[id(p)] for p in group["params"]]}
-              for group in inner.param_groups]
-    state = {name: {"step": torch.tensor(steps[name], dtype=torch.float32),
-                    **{key: moments.get_tensor(f"{name}.{key}") for key in OPTIMIZER_STATES}}
-             for group in groups for name in group["params"] if name in steps} if first else {}
+    groups = [
+        {**{k: v for k, v in group.items() if k != "params"}, "params": [names[id(p)] for p in group["params"]]}
+        for group in inner.param_groups
+    ]
+    state = (
+        {
+            name: {
+                "step": torch.tensor(steps[name], dtype=torch.float32),
+                **{key: moments.get_tensor(f"{name}.{key}") for key in OPTIMIZER_STATES},
+            }
+            for group in groups
+            for name in group["params"]
+            if name in steps
+        }
+        if first
+        else {}
+    )
     set_optimizer_state_dict(module, inner, {"state": state, "param_groups": groups} if first else {}, options=options)
 
 
@@ -93,8 +114,10 @@ def _load_deepspeed(accelerator, model, optimizer, weights, moments, steps) -> N
 
     inner, step = _inner(optimizer), max(steps.values(), default=0.0)
     fused = any(group.get("fused") or group.get("capturable") for group in inner.param_groups)
-    flats = {id(flat): flat for flat in [p for group in inner.param_groups for p in group["params"]]
-             + zero3_flat_master_groups(optimizer)}
+    flats = {
+        id(flat): flat
+        for flat in [p for group in inner.param_groups for p in group["params"]] + zero3_flat_master_groups(optimizer)
+    }
     for flat in flats.values():
         entry = inner.state[flat]
         for key in OPTIMIZER_STATES:
@@ -105,15 +128,18 @@ def _load_deepspeed(accelerator, model, optimizer, weights, moments, steps) -> N
         from deepspeed.utils import lazy_init_hp_params_optimizer_state
 
         for index, _ in enumerate(inner.param_groups):
-            lazy_init_hp_params_optimizer_state(zero.bit16_groups[index], zero.single_partition_of_fp32_groups[index],
-                                                inner.state)
+            lazy_init_hp_params_optimizer_state(
+                zero.bit16_groups[index], zero.single_partition_of_fp32_groups[index], inner.state
+            )
     for name, parameter in _named_parameters(accelerator, model):
         if name not in weights.keys():
             continue  # frozen and left out (LoRA's base model, from the base model already)
         full = weights.get_tensor(name)
         zero3 = hasattr(parameter, "ds_id")
         # the compute copy: every rank's under ZeRO-1/2; under ZeRO-3 rank 0's, then partitioned again
-        gathered = deepspeed.zero.GatheredParameters([parameter], modifier_rank=0) if zero3 else contextlib.nullcontext()
+        gathered = (
+            deepspeed.zero.GatheredParameters([parameter], modifier_rank=0) if zero3 else contextlib.nullcontext()
+        )
         with gathered, torch.no_grad():
             if not zero3 or accelerator.process_index == 0:
                 parameter.data.copy_(full.to(parameter.device, parameter.dtype))

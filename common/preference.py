@@ -26,10 +26,11 @@ from collections import Counter
 import torch
 from datasets import DatasetDict
 
-from common.chat import as_messages, encode_example, OVERLONG
+from common.chat import OVERLONG, as_messages, encode_example
 from common.chat_template import check_jinja
 from common.errors import UsageError
 from common.peers import main_process_alone
+
 
 SIDES = ("chosen", "rejected")
 
@@ -37,9 +38,11 @@ SIDES = ("chosen", "rejected")
 def check_pair_columns(columns: list[str]) -> None:
     missing = [name for name in SIDES if name not in columns]
     if missing:
-        raise UsageError(f"preference data needs \"chosen\" and \"rejected\" columns (and \"prompt\" unless chosen and "
-                         f"rejected are whole conversations); {', '.join(missing)} missing, found {columns}: rename "
-                         "the columns, or map them with dataset_mixture's columns")
+        raise UsageError(
+            f'preference data needs "chosen" and "rejected" columns (and "prompt" unless chosen and '
+            f"rejected are whole conversations); {', '.join(missing)} missing, found {columns}: rename "
+            "the columns, or map them with dataset_mixture's columns"
+        )
 
 
 def split_pair(example: dict, row: int) -> tuple:
@@ -47,62 +50,86 @@ def split_pair(example: dict, row: int) -> tuple:
     chosen, rejected = example["chosen"], example["rejected"]
     if isinstance(chosen, str) and isinstance(rejected, str):
         if not isinstance(example.get("prompt"), str):
-            raise UsageError(f"row {row}: chosen and rejected are text, so \"prompt\" must be text too; found "
-                             f"{str(example.get('prompt'))[:80]!r}")
+            raise UsageError(
+                f'row {row}: chosen and rejected are text, so "prompt" must be text too; found '
+                f"{str(example.get('prompt'))[:80]!r}"
+            )
         return example["prompt"], chosen, rejected
     if isinstance(chosen, str) or isinstance(rejected, str):
-        raise UsageError(f"row {row}: one of chosen and rejected is text and the other is not; give both as text or "
-                         "both as lists of messages")
+        raise UsageError(
+            f"row {row}: one of chosen and rejected is text and the other is not; give both as text or "
+            "both as lists of messages"
+        )
     try:
         chosen, rejected = as_messages(chosen), as_messages(rejected)
     except UsageError as error:
         raise UsageError(f"row {row}: {error}") from None
     if chosen and chosen[0]["role"] == "assistant":  # TRL's conversational format: the prompt's turns apart
         if not isinstance(example.get("prompt"), list):
-            raise UsageError(f"row {row}: chosen and rejected are answers (assistant messages), so \"prompt\" must be "
-                             f"a list of messages; found {str(example.get('prompt'))[:80]!r}")
+            raise UsageError(
+                f'row {row}: chosen and rejected are answers (assistant messages), so "prompt" must be '
+                f"a list of messages; found {str(example.get('prompt'))[:80]!r}"
+            )
         try:
             return as_messages(example["prompt"]), chosen, rejected
         except UsageError as error:
             raise UsageError(f"row {row}: {error}") from None
     cut = max((i + 1 for i, message in enumerate(chosen) if message["role"] != "assistant"), default=0)
     if chosen[:cut] != rejected[:cut]:  # whole chats (UltraFeedback): the shared prompt turns
-        raise UsageError(f"row {row}: chosen and rejected are whole conversations whose prompt turns differ (the turns "
-                         "up to the last user turn must be the same in both); fix the row or drop it")
+        raise UsageError(
+            f"row {row}: chosen and rejected are whole conversations whose prompt turns differ (the turns "
+            "up to the last user turn must be the same in both); fix the row or drop it"
+        )
     if cut == 0 or cut >= len(chosen) or cut >= len(rejected):
-        raise UsageError(f"row {row}: a conversation needs prompt turns and then an assistant answer on each side; "
-                         f"chosen has {len(chosen)} turns, rejected {len(rejected)}, the prompt {cut}")
+        raise UsageError(
+            f"row {row}: a conversation needs prompt turns and then an assistant answer on each side; "
+            f"chosen has {len(chosen)} turns, rejected {len(rejected)}, the prompt {cut}"
+        )
     return chosen[:cut], chosen[cut:], rejected[cut:]
 
 
-def encode_pair(example: dict, row: int, tokenizer, block_size: int, max_prompt_length: int | None,
-                overlong: str) -> dict:
+def encode_pair(
+    example: dict, row: int, tokenizer, block_size: int, max_prompt_length: int | None, overlong: str
+) -> dict:
     """The row's two sides' input_ids and labels, its `status` (ok, too_long: dropped, or completion_cut)
     and whether its prompt was cut (`prompt_cut`)."""
     prompt, chosen, rejected = split_pair(example, row)
     status, prompt_cut, out = "ok", False, {}
     for side, completion in zip(SIDES, (chosen, rejected)):
-        ids, labels = encode_example({"prompt": prompt, "completion": completion}, tokenizer, "prompt_completion", None)
+        ids, labels = encode_example(
+            {"prompt": prompt, "completion": completion}, tokenizer, "prompt_completion", None
+        )
         answer = next((i for i, label in enumerate(labels) if label != -100), len(labels))
         if max_prompt_length is not None and answer > max_prompt_length:
-            ids, labels = ids[answer - max_prompt_length:], labels[answer - max_prompt_length:]
+            ids, labels = ids[answer - max_prompt_length :], labels[answer - max_prompt_length :]
             answer, prompt_cut = max_prompt_length, True
         if answer >= block_size:
-            raise UsageError(f"row {row}: the prompt is {answer} tokens, which leaves no room for the answer in "
-                             f"--block_size {block_size}; raise --block_size or set --max_prompt_length (prompts are "
-                             "then cut from their start)")
+            raise UsageError(
+                f"row {row}: the prompt is {answer} tokens, which leaves no room for the answer in "
+                f"--block_size {block_size}; raise --block_size or set --max_prompt_length (prompts are "
+                "then cut from their start)"
+            )
         if len(ids) > block_size:
             status = "too_long" if overlong == "drop" else "completion_cut"
             ids, labels = ids[:block_size], labels[:block_size]
         out[f"{side}_input_ids"], out[f"{side}_labels"] = ids, labels
     if out["chosen_input_ids"] == out["rejected_input_ids"]:
-        raise UsageError(f"row {row}: chosen and rejected are the same once tokenized ({str(chosen)[:60]!r}); a pair "
-                         "must differ: drop the row")
+        raise UsageError(
+            f"row {row}: chosen and rejected are the same once tokenized ({str(chosen)[:60]!r}); a pair "
+            "must differ: drop the row"
+        )
     return {**out, "status": status, "prompt_cut": prompt_cut}
 
 
-def tokenize_pairs(raw: DatasetDict, tokenizer, block_size: int, max_prompt_length: int | None, overlong: str,
-                   accelerator, num_proc: int | None = None) -> tuple[DatasetDict, dict]:
+def tokenize_pairs(
+    raw: DatasetDict,
+    tokenizer,
+    block_size: int,
+    max_prompt_length: int | None,
+    overlong: str,
+    accelerator,
+    num_proc: int | None = None,
+) -> tuple[DatasetDict, dict]:
     """Tokenize every split's pairs; each row keeps its index in its split (`index`, by which
     precomputed reference log-probs are found). Returns the datasets and, per split, the rows
     dropped and cut and why ({"train": {"too_long": 3, "prompt_cut": 5}})."""
@@ -122,22 +149,34 @@ def tokenize_pairs(raw: DatasetDict, tokenizer, block_size: int, max_prompt_leng
         return {**encode_pair(example, row, tokenizer, block_size, max_prompt_length, overlong), "index": row}
 
     with accelerator.main_process_first(), main_process_alone(accelerator, "tokenizing"):
-        encoded = raw.map(encode, with_indices=True, num_proc=num_proc, remove_columns=raw["train"].column_names,
-                          desc="tokenizing preference pairs")
+        encoded = raw.map(
+            encode,
+            with_indices=True,
+            num_proc=num_proc,
+            remove_columns=raw["train"].column_names,
+            desc="tokenizing preference pairs",
+        )
     counted, kept = {}, {}
     for split, dataset in encoded.items():
         counts = Counter(dataset["status"]) + Counter(prompt_cut=sum(dataset["prompt_cut"]))
         counted[split] = {reason: count for reason, count in counts.items() if reason != "ok"}
-        kept[split] = dataset.filter(lambda status: status != "too_long", input_columns="status").remove_columns(
-            ["status", "prompt_cut"]).flatten_indices()  # kept rows only (their digest: common.reference)
+        kept[split] = (
+            dataset.filter(lambda status: status != "too_long", input_columns="status")
+            .remove_columns(["status", "prompt_cut"])
+            .flatten_indices()
+        )  # kept rows only (their digest: common.reference)
         if counted[split]:
-            accelerator.print(f"{split} pairs: " + ", ".join(f"{count} {reason.replace('_', ' ')}" for reason, count in
-                                                              sorted(counted[split].items()))
-                              + f" (of {len(dataset)}; --block_size {block_size}, --max_prompt_length "
-                                f"{max_prompt_length}, --overlong {overlong})")
+            accelerator.print(
+                f"{split} pairs: "
+                + ", ".join(f"{count} {reason.replace('_', ' ')}" for reason, count in sorted(counted[split].items()))
+                + f" (of {len(dataset)}; --block_size {block_size}, --max_prompt_length "
+                f"{max_prompt_length}, --overlong {overlong})"
+            )
         if len(kept[split]) == 0:
-            raise UsageError(f"no {split} pair is left (dropped: {counted[split]}, --block_size {block_size}); raise "
-                             "--block_size or pass --overlong truncate")
+            raise UsageError(
+                f"no {split} pair is left (dropped: {counted[split]}, --block_size {block_size}); raise "
+                "--block_size or pass --overlong truncate"
+            )
     return DatasetDict(kept), counted
 
 
@@ -177,8 +216,12 @@ class PairBatches:
         labels = torch.full((len(sequences), width), -100, dtype=torch.long)
         attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
         for i, (ids, row_labels) in enumerate(sequences):
-            input_ids[i, :len(ids)] = torch.tensor(ids)
-            labels[i, :len(ids)] = torch.tensor(row_labels)
-            attention_mask[i, :len(ids)] = 1
-        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels,
-                "index": torch.tensor([row["index"] for row in rows])}
+            input_ids[i, : len(ids)] = torch.tensor(ids)
+            labels[i, : len(ids)] = torch.tensor(row_labels)
+            attention_mask[i, : len(ids)] = 1
+        return {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "labels": labels,
+            "index": torch.tensor([row["index"] for row in rows]),
+        }

@@ -50,8 +50,15 @@ class StepProfiler:
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if accelerator.device.type == "cuda" else [])
         folder = os.path.join(output_dir, "profile")
         self.profiler = torch.profiler.profile(
-            activities=activities, schedule=schedule, record_shapes=True, profile_memory=memory, with_stack=memory,
-            on_trace_ready=torch.profiler.tensorboard_trace_handler(folder, worker_name=f"rank{accelerator.process_index}"))
+            activities=activities,
+            schedule=schedule,
+            record_shapes=True,
+            profile_memory=memory,
+            with_stack=memory,
+            on_trace_ready=torch.profiler.tensorboard_trace_handler(
+                folder, worker_name=f"rank{accelerator.process_index}"
+            ),
+        )
         start_profiler_at(self.profiler, start_step + 1, schedule(start_step + 1))  # the step about to run
         self.profiler.start()
         accelerator.print(f"profiling optimizer steps {first}-{last} into {folder}")

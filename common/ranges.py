@@ -22,6 +22,7 @@ class Range:
     """Where a number option's value must lie: `low`/`high` inclusive, `above`/`below` exclusive; a
     float must also be finite. `why` says what the bound is, or what to do. Declared in the
     option's annotation, so that it sits beside the option and argparse never sees it."""
+
     low: float | None = None
     high: float | None = None
     above: float | None = None
@@ -34,8 +35,12 @@ class Range:
             return None
         if isinstance(value, float) and not math.isfinite(value):
             return f"--{key} must be a finite number, got {value}"
-        if ((self.low is None or value >= self.low) and (self.high is None or value <= self.high)
-                and (self.above is None or value > self.above) and (self.below is None or value < self.below)):
+        if (
+            (self.low is None or value >= self.low)
+            and (self.high is None or value <= self.high)
+            and (self.above is None or value > self.above)
+            and (self.below is None or value < self.below)
+        ):
             return None
         lower = f"[{self.low}" if self.low is not None else f"({self.above}" if self.above is not None else None
         upper = f"{self.high}]" if self.high is not None else f"{self.below})" if self.below is not None else None
@@ -60,8 +65,9 @@ def check_ranges(arguments) -> None:
 def _declared_ranges(cls) -> dict:
     hints = typing.get_type_hints(cls, include_extras=True)  # HfArgumentParser reads them without the extras
     names = [f.name for f in dataclasses.fields(cls)]
-    return {name: extra for name in names for extra in getattr(hints[name], "__metadata__", ())
-            if isinstance(extra, Range)}
+    return {
+        name: extra for name in names for extra in getattr(hints[name], "__metadata__", ()) if isinstance(extra, Range)
+    }
 
 
 AT_LEAST_0, AT_LEAST_1 = Range(low=0), Range(low=1)

@@ -58,9 +58,12 @@ class Reference:
             self.model = shard_like_policy(run.accelerator, self.model)
             self.fsdp_units = [module for module in self.model.modules() if isinstance(module, FSDPModule)]
         else:
-            self.loaders = {split: run.accelerator.prepare_data_loader(DataLoader(dataset, batch_size=batch_size,
-                                                                                  collate_fn=collate))
-                            for split, dataset in datasets.items()}
+            self.loaders = {
+                split: run.accelerator.prepare_data_loader(
+                    DataLoader(dataset, batch_size=batch_size, collate_fn=collate)
+                )
+                for split, dataset in datasets.items()
+            }
             self.path = os.path.join(run.args.output_dir, REFERENCE_TABLE)
             self.fingerprints = {split: fingerprint(dataset) for split, dataset in datasets.items()}
             if run.checkpoint is not None:
@@ -68,16 +71,23 @@ class Reference:
 
     def _read(self, checkpoint: str) -> dict:
         if not os.path.exists(self.path):
-            raise UsageError(f"the run resumes from {checkpoint} but its reference log-probs ({self.path}) are gone, "
-                             "and the model is no longer the reference; restore the file or start afresh with "
-                             "--overwrite_output_dir")
+            raise UsageError(
+                f"the run resumes from {checkpoint} but its reference log-probs ({self.path}) are gone, "
+                "and the model is no longer the reference; restore the file or start afresh with "
+                "--overwrite_output_dir"
+            )
         saved = torch.load(self.path)
-        changed = [split for split in self.fingerprints if saved.get("fingerprints", {}).get(split) !=
-                   self.fingerprints[split]]
+        changed = [
+            split
+            for split in self.fingerprints
+            if saved.get("fingerprints", {}).get(split) != self.fingerprints[split]
+        ]
         if changed:
-            raise UsageError(f"{self.path} holds the reference log-probs of other {' and '.join(changed)} pairs than "
-                             "this run's (the data, tokenizer or lengths changed since they were computed); resume "
-                             "with the run's own data, or start afresh with --overwrite_output_dir")
+            raise UsageError(
+                f"{self.path} holds the reference log-probs of other {' and '.join(changed)} pairs than "
+                "this run's (the data, tokenizer or lengths changed since they were computed); resume "
+                "with the run's own data, or start afresh with --overwrite_output_dir"
+            )
         return {split: saved[split] for split in self.fingerprints}
 
     def record(self) -> dict:
@@ -110,7 +120,9 @@ class Reference:
         for batch in loader:
             with self.accelerator.autocast():
                 chosen, rejected = completion_log_probs(self.policy, batch)
-            index, pair = mesh.gather_for_metrics(self.accelerator, (batch["index"], torch.stack([chosen, rejected], 1)))
+            index, pair = mesh.gather_for_metrics(
+                self.accelerator, (batch["index"], torch.stack([chosen, rejected], 1))
+            )
             indices.append(index.cpu())
             scores.append(pair.float().cpu())
         self.policy.train()
@@ -124,8 +136,10 @@ class Reference:
         if self.kind == "precomputed":
             pair = self.tables[split][batch["index"].cpu()]
             if torch.isnan(pair).any():  # a row the table was not computed for: never trained on with NaN
-                raise RuntimeError(f"{self.path} has no reference log-probs for {split} rows "
-                                   f"{batch['index'][torch.isnan(pair[:, 0])].tolist()}")
+                raise RuntimeError(
+                    f"{self.path} has no reference log-probs for {split} rows "
+                    f"{batch['index'][torch.isnan(pair[:, 0])].tolist()}"
+                )
             pair = pair.to(batch["input_ids"].device)
             return pair[:, 0], pair[:, 1]
         with torch.no_grad(), self.accelerator.autocast():

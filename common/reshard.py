@@ -22,11 +22,16 @@ import time
 import uuid
 
 from common import portable
-from common.accelerator import (ZERO3_DEFAULT_SUB_GROUP_SIZE, ZERO3_SUB_GROUP_SIZE, launched_strategy,
-                                zero3_sub_group_size)
+from common.accelerator import (
+    ZERO3_DEFAULT_SUB_GROUP_SIZE,
+    ZERO3_SUB_GROUP_SIZE,
+    launched_strategy,
+    zero3_sub_group_size,
+)
 from common.errors import NodeStopped, UsageError, describe
 from common.peers import reporting_progress
 from common.run_dir import STATE_FILE, write_atomically
+
 
 UNIVERSAL = "universal"  # a DeepSpeed checkpoint converted for another world size, inside its step_N
 SCHEDULE = "lr_schedule"  # trainer_state.json: how far the saved schedule had stepped
@@ -36,8 +41,11 @@ def layout(accelerator) -> dict:
     """What shaped the saved state, for trainer_state.json: the world size, ZeRO-3's sub-group size
     (it shapes the flat optimizer partitions as the world size does), and the schedule's unit."""
     sub_group_size = zero3_sub_group_size(accelerator.state.deepspeed_plugin)
-    return {"num_processes": accelerator.num_processes, SCHEDULE: "per_optimizer_step",
-            **({"zero3_sub_group_size": sub_group_size} if sub_group_size is not None else {})}
+    return {
+        "num_processes": accelerator.num_processes,
+        SCHEDULE: "per_optimizer_step",
+        **({"zero3_sub_group_size": sub_group_size} if sub_group_size is not None else {}),
+    }
 
 
 def is_universal(path: str) -> bool:
@@ -55,20 +63,26 @@ def launched_layout() -> dict | None:
             zero = json.load(handle).get("zero_optimization", {})
     stage = str(zero.get("stage", os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "")))
     sub_group_size = zero.get("sub_group_size", ZERO3_SUB_GROUP_SIZE) if stage == "3" else None
-    return {"num_processes": int(os.environ.get("WORLD_SIZE", "1")),
-            "zero3_sub_group_size": None if sub_group_size is None else int(float(sub_group_size))}
+    return {
+        "num_processes": int(os.environ.get("WORLD_SIZE", "1")),
+        "zero3_sub_group_size": None if sub_group_size is None else int(float(sub_group_size)),
+    }
 
 
 def _saved_layout(path: str) -> dict:
     with open(os.path.join(path, STATE_FILE)) as handle:
         saved = json.load(handle)
-    return {"num_processes": saved.get("num_processes"),
-            "zero3_sub_group_size": saved.get("zero3_sub_group_size", ZERO3_DEFAULT_SUB_GROUP_SIZE)}
+    return {
+        "num_processes": saved.get("num_processes"),
+        "zero3_sub_group_size": saved.get("zero3_sub_group_size", ZERO3_DEFAULT_SUB_GROUP_SIZE),
+    }
 
 
 def _differs(saved: dict, wanted: dict) -> bool:
-    return saved["num_processes"] not in (None, wanted["num_processes"]) or \
-        wanted["zero3_sub_group_size"] not in (None, saved["zero3_sub_group_size"])
+    return saved["num_processes"] not in (None, wanted["num_processes"]) or wanted["zero3_sub_group_size"] not in (
+        None,
+        saved["zero3_sub_group_size"],
+    )
 
 
 def _converted(target: str) -> bool:
@@ -91,8 +105,11 @@ def convert_before_start(path: str | None, wait_s: float) -> None:
     if int(os.environ.get("RANK", "0")) == 0:
         convert(path, conversion)
         return
-    waiting = reporting_progress(f"waiting for rank 0 to convert {path}") \
-        if int(os.environ.get("LOCAL_RANK", "0")) == 0 else contextlib.nullcontext()  # one line per node
+    waiting = (
+        reporting_progress(f"waiting for rank 0 to convert {path}")
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0
+        else contextlib.nullcontext()
+    )  # one line per node
     with waiting:
         _wait_for_conversion(path, conversion[0], wait_s)
 
@@ -104,13 +121,19 @@ def conversion_needed(path: str | None, family: str, zero_layout: dict | None):
     if path is None or portable.is_portable(path):
         return None
     if portable.needs_rewrite(path, family):
-        return (os.path.join(path, portable.PORTABLE), f"rewriting {path} ({portable.saved_family(path)}) to load "
-                f"under {family} (per parameter, by name: common/portable.py)",
-                lambda source, target: portable.rewrite(source, target, convert_to_universal))
+        return (
+            os.path.join(path, portable.PORTABLE),
+            f"rewriting {path} ({portable.saved_family(path)}) to load "
+            f"under {family} (per parameter, by name: common/portable.py)",
+            lambda source, target: portable.rewrite(source, target, convert_to_universal),
+        )
     if zero_layout is None or not _differs(_saved_layout(path), zero_layout):
         return None
-    return (os.path.join(path, UNIVERSAL), f"converting {path} for {zero_layout['num_processes']} processes "
-            "(DeepSpeed's universal format)", convert_to_universal)
+    return (
+        os.path.join(path, UNIVERSAL),
+        f"converting {path} for {zero_layout['num_processes']} processes (DeepSpeed's universal format)",
+        convert_to_universal,
+    )
 
 
 def convert(path: str, conversion: tuple) -> None:
@@ -189,7 +212,8 @@ def _wait_for_conversion(path: str, target: str, wait_s: float) -> None:
                 f"waited {wait_s:.0f} s (--ddp_timeout) for rank 0 to convert {path} for this run "
                 f"with no sign of it in {status_file}: rank 0 died or hangs, or this node does not see its files. "
                 "Every node must reach the checkpoint and output_dir on one shared filesystem; check rank 0's log, "
-                "then resume again (or as the checkpoint was written: its config and number of processes)")
+                "then resume again (or as the checkpoint was written: its config and number of processes)"
+            )
         time.sleep(1.0)
 
 
@@ -200,8 +224,11 @@ def for_this_world_size(accelerator, path: str | None) -> str | None:
     made (made here by the main process otherwise). Call before `accelerator.prepare` (the engine
     reads the load_universal flag when built)."""
     plugin = accelerator.state.deepspeed_plugin
-    this_run = None if plugin is None else {"num_processes": accelerator.num_processes,
-                                            "zero3_sub_group_size": zero3_sub_group_size(plugin)}
+    this_run = (
+        None
+        if plugin is None
+        else {"num_processes": accelerator.num_processes, "zero3_sub_group_size": zero3_sub_group_size(plugin)}
+    )
     conversion = conversion_needed(path, portable.family(accelerator), this_run)
     if conversion is None:
         return path
@@ -210,16 +237,24 @@ def for_this_world_size(accelerator, path: str | None) -> str | None:
         converter(path, target)
     accelerator.wait_for_everyone()
     if not is_universal(target):
-        accelerator.print(f"{path} holds {portable.FILES.get(portable.saved_family(path), 'other files')}, this run "
-                          f"reads {portable.FILES[portable.family(accelerator)]}: loading its rewrite {target}")
+        accelerator.print(
+            f"{path} holds {portable.FILES.get(portable.saved_family(path), 'other files')}, this run "
+            f"reads {portable.FILES[portable.family(accelerator)]}: loading its rewrite {target}"
+        )
         return target
     saved = _saved_layout(path)
     plugin.deepspeed_config.setdefault("checkpoint", {})["load_universal"] = True
     same_sub_groups = this_run["zero3_sub_group_size"] in (None, saved["zero3_sub_group_size"])
-    accelerator.print(f"{path} was saved by {saved['num_processes']} processes"
-                      + ("" if same_sub_groups else f" with ZeRO-3 sub_group_size {saved['zero3_sub_group_size']} "
-                                                    f"(this run: {this_run['zero3_sub_group_size']})")
-                      + f": loading its universal conversion {target}")
+    accelerator.print(
+        f"{path} was saved by {saved['num_processes']} processes"
+        + (
+            ""
+            if same_sub_groups
+            else f" with ZeRO-3 sub_group_size {saved['zero3_sub_group_size']} "
+            f"(this run: {this_run['zero3_sub_group_size']})"
+        )
+        + f": loading its universal conversion {target}"
+    )
     return target
 
 
@@ -228,21 +263,46 @@ def convert_to_universal(path: str, target: str) -> None:
     with the rest of the checkpoint copied beside it; written to a temporary folder first."""
     tmp = target + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(path, tmp, ignore=lambda folder, names: [
-        name for name in names if folder == path and (
-            name in ("pytorch_model", "latest", UNIVERSAL) or name.startswith((UNIVERSAL + ".", "portable"))
-            or name.endswith(".py"))])
+    shutil.copytree(
+        path,
+        tmp,
+        ignore=lambda folder, names: [
+            name
+            for name in names
+            if folder == path
+            and (
+                name in ("pytorch_model", "latest", UNIVERSAL)
+                or name.startswith((UNIVERSAL + ".", "portable"))
+                or name.endswith(".py")
+            )
+        ],
+    )
     result = subprocess.run(
-        [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-         os.path.join(path, "pytorch_model"), "--output_folder", os.path.join(tmp, "pytorch_model"),
-         "--num_extract_workers", "1", "--num_merge_workers", "1", "--inject_missing_state"],
-        capture_output=True, text=True)
+        [
+            sys.executable,
+            "-m",
+            "deepspeed.checkpoint.ds_to_universal",
+            "--input_folder",
+            os.path.join(path, "pytorch_model"),
+            "--output_folder",
+            os.path.join(tmp, "pytorch_model"),
+            "--num_extract_workers",
+            "1",
+            "--num_merge_workers",
+            "1",
+            "--inject_missing_state",
+        ],
+        capture_output=True,
+        text=True,
+    )
     if result.returncode != 0:
         shutil.rmtree(tmp, ignore_errors=True)
         last = (result.stderr.strip() or result.stdout.strip() or "no output").splitlines()[-1]
-        raise UsageError(f"checkpoint {path} could not be converted for another number of processes "
-                         f"(deepspeed.checkpoint.ds_to_universal: {last}); resume it on the number of "
-                         "processes that wrote it (num_processes in its trainer_state.json)")
+        raise UsageError(
+            f"checkpoint {path} could not be converted for another number of processes "
+            f"(deepspeed.checkpoint.ds_to_universal: {last}); resume it on the number of "
+            "processes that wrote it (num_processes in its trainer_state.json)"
+        )
     shutil.rmtree(target, ignore_errors=True)  # only ever an incomplete conversion (no state file)
     os.replace(tmp, target)
 

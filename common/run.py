@@ -19,26 +19,40 @@ import sys
 from accelerate.utils import set_seed
 
 from common import memory, sequence_parallel, tensor_parallel
-from common.accelerator import (build_accelerator, launched_mesh_size, launched_strategy,
-                                refuse_more_processes_than_gpus, refuse_unsupported_mesh, unwrap)
+from common.accelerator import (
+    build_accelerator,
+    launched_mesh_size,
+    launched_strategy,
+    refuse_more_processes_than_gpus,
+    refuse_unsupported_mesh,
+    unwrap,
+)
 from common.arguments import DataArguments, ModelArguments, TrainingArguments
-from common.parsing import parse_args, to_dict
 from common.checkpoints import load_checkpoint, save_checkpoint
 from common.errors import UsageError, exit_now, one_line_errors
 from common.export import export_final
 from common.internals import share_zero3_fp32_partitions
-from common.versions import outside_checked_range
 from common.lora import LoraArguments
 from common.metrics import MetricsLogger, start_trackers
 from common.model import check_block_size, count_parameters, export_dtype, model_hidden_size
 from common.nonfinite import NonFiniteGuard, nonfinite_check
-from common.profiling import StepProfiler
+from common.parsing import parse_args, to_dict
 from common.portable import optimizer_parameter_names
+from common.profiling import StepProfiler
 from common.reshard import convert_before_start, for_this_world_size
-from common.run_dir import (check_output_dir, clear_earlier_run, launch_started, launch_starting, list_checkpoints,
-                            mark_launch_starting, resolve_checkpoint, set_aside_later_checkpoints)
+from common.run_dir import (
+    check_output_dir,
+    clear_earlier_run,
+    launch_started,
+    launch_starting,
+    list_checkpoints,
+    mark_launch_starting,
+    resolve_checkpoint,
+    set_aside_later_checkpoints,
+)
 from common.run_info import data_sources, record_run, tracker_config
 from common.speed import refuse_fp8_where_it_cannot_run, speed_record
+from common.versions import outside_checked_range
 
 
 def run_recipe(main, *argument_types, argv: list[str] | None = None):
@@ -84,22 +98,51 @@ class Run:
         if self.checkpoint is not None and accelerator.is_main_process:
             aside = set_aside_later_checkpoints(args.output_dir, state["step"])
             if aside is not None:
-                print(f"resuming from step {state['step']}: the run's later checkpoints (the continuation this run "
-                      f"replaces) were moved to {aside}; delete them once they are not needed", file=sys.stderr)
+                print(
+                    f"resuming from step {state['step']}: the run's later checkpoints (the continuation this run "
+                    f"replaces) were moved to {aside}; delete them once they are not needed",
+                    file=sys.stderr,
+                )
         if accelerator.is_main_process:
             launch_started(args.output_dir)  # the folder's checkpoints are this launch's from here on
         accelerator.wait_for_everyone()
-        written = record_run(accelerator, self.launch, model, optimizer, to_dict(*self.arguments), args.output_dir,
-                             max_steps=max_steps, **record, **count_parameters(model), **data_sources(self.arguments),
-                             nonfinite_check=nonfinite_check(accelerator, optimizer, scheduler),
-                             speed=speed_record(unwrap(accelerator, model), args))
+        written = record_run(
+            accelerator,
+            self.launch,
+            model,
+            optimizer,
+            to_dict(*self.arguments),
+            args.output_dir,
+            max_steps=max_steps,
+            **record,
+            **count_parameters(model),
+            **data_sources(self.arguments),
+            nonfinite_check=nonfinite_check(accelerator, optimizer, scheduler),
+            speed=speed_record(unwrap(accelerator, model), args),
+        )
         start_trackers(accelerator, args, tracker_config(written["args"]))
-        self.metrics = MetricsLogger(accelerator, args.output_dir, max_steps, start_step=state["step"], model=model,
-                                     optimizer=optimizer, peak_tflops=args.peak_tflops)
-        self.nonfinite = NonFiniteGuard(accelerator, model, args.nonfinite, args.max_nonfinite_skips, self.metrics,
-                                        optimizer, scheduler, read_every=args.logging_steps)
-        self.profiler = StepProfiler(accelerator, args.profile_steps, args.output_dir, args.profile_memory,
-                                     start_step=state["step"])
+        self.metrics = MetricsLogger(
+            accelerator,
+            args.output_dir,
+            max_steps,
+            start_step=state["step"],
+            model=model,
+            optimizer=optimizer,
+            peak_tflops=args.peak_tflops,
+        )
+        self.nonfinite = NonFiniteGuard(
+            accelerator,
+            model,
+            args.nonfinite,
+            args.max_nonfinite_skips,
+            self.metrics,
+            optimizer,
+            scheduler,
+            read_every=args.logging_steps,
+        )
+        self.profiler = StepProfiler(
+            accelerator, args.profile_steps, args.output_dir, args.profile_memory, start_step=state["step"]
+        )
         return state
 
     def save_checkpoint(self, step: int, state: dict) -> str:
@@ -108,14 +151,32 @@ class Run:
         self.nonfinite.settle()  # a step skipped on the device is acted on before anything is written
         if self.optimizer_parameters is not None:
             state = {**state, "optimizer_parameters": self.optimizer_parameters}
-        return save_checkpoint(self.accelerator, self.model, self.optimizer, self.scheduler, self.args.output_dir,
-                               step, state, self.args.save_total_limit, self.tokenizer, self.export_dtype)
+        return save_checkpoint(
+            self.accelerator,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            self.args.output_dir,
+            step,
+            state,
+            self.args.save_total_limit,
+            self.tokenizer,
+            self.export_dtype,
+        )
 
     def export(self, name: str = "final", cost: dict | None = None) -> str:
         """Every rank calls it: output_dir/<name> as a Hugging Face folder in the export dtype (with
         --use_peft the adapter, and with --save_merged_model the merged model in <name>_merged)."""
-        return export_final(self.accelerator, self.model, self.tokenizer, self.args.output_dir, self.export_dtype,
-                            name=name, merge_adapter=self.merge_adapter, cost=cost)
+        return export_final(
+            self.accelerator,
+            self.model,
+            self.tokenizer,
+            self.args.output_dir,
+            self.export_dtype,
+            name=name,
+            merge_adapter=self.merge_adapter,
+            cost=cost,
+        )
 
     def finish(self) -> str:
         """After the loop: the profiler stopped, final/ exported (its gather's time and host memory
@@ -151,12 +212,15 @@ def start_run(*arguments) -> Run:
     checkpoint = resolve_checkpoint(args.output_dir, args.resume_from_checkpoint)
     convert_before_start(checkpoint, args.ddp_timeout)  # a ZeRO checkpoint of another layout, before any collective
     model_args = next((a for a in arguments if isinstance(a, ModelArguments)), None)
-    sized = model_args is not None and launched_strategy() == "deepspeed"  # ZeRO-3's bounds: the config read there only
+    sized = (
+        model_args is not None and launched_strategy() == "deepspeed"
+    )  # ZeRO-3's bounds: the config read there only
     accelerator, launch = build_accelerator(args, model_hidden_size(model_args) if sized else None)
     memory.mark("started")
     data_args = next((a for a in arguments if isinstance(a, DataArguments)), None)
-    warnings = outside_checked_range() + ([check_block_size(model_args, data_args.block_size)]
-                                          if data_args and model_args else [])
+    warnings = outside_checked_range() + (
+        [check_block_size(model_args, data_args.block_size)] if data_args and model_args else []
+    )
     if accelerator.is_main_process:
         for line in filter(None, warnings):
             print(f"warning: {line}", file=sys.stderr)
@@ -180,19 +244,25 @@ def resume_after_restart(args) -> None:
         # attempts that end at once, without repeating the line.
         if restart:
             sys.exit(2)
-        raise UsageError(f"--max_restarts {max_restarts} needs a rendezvous store made fresh for each attempt, or "
-                         "a restarted worker can hang or fail to reach the dead one: launch with "
-                         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 accelerate launch --rdzv_backend c10d --max_restarts "
-                         f"{max_restarts} ... (make <recipe> LAUNCH_ARGS=\"--max_restarts {max_restarts}\" does both)")
+        raise UsageError(
+            f"--max_restarts {max_restarts} needs a rendezvous store made fresh for each attempt, or "
+            "a restarted worker can hang or fail to reach the dead one: launch with "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 accelerate launch --rdzv_backend c10d --max_restarts "
+            f'{max_restarts} ... (make <recipe> LAUNCH_ARGS="--max_restarts {max_restarts}" does both)'
+        )
     first_attempt_ended_early = launch_starting(args.output_dir)
     if restart and list_checkpoints(args.output_dir) and not first_attempt_ended_early:
         args.resume_from_checkpoint, args.overwrite_output_dir = "latest", False
     elif restart and not first_attempt_ended_early and args.resume_from_checkpoint is None:
         args.overwrite_output_dir = True  # what the folder holds (run.json, metrics) is this launch's own
     if restart and _is_rank0():
-        what = ("resuming from the latest checkpoint" if args.resume_from_checkpoint == "latest" else
-                "the first attempt ended before it started training: starting as it did" if first_attempt_ended_early
-                else "no checkpoint yet, starting again")
+        what = (
+            "resuming from the latest checkpoint"
+            if args.resume_from_checkpoint == "latest"
+            else "the first attempt ended before it started training: starting as it did"
+            if first_attempt_ended_early
+            else "no checkpoint yet, starting again"
+        )
         print(f"restart {restart} of at most {max_restarts}: {what}", file=sys.stderr)
 
 

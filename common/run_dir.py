@@ -19,6 +19,7 @@ import shutil
 
 from common.errors import UsageError
 
+
 STEP_DIR = re.compile(r"^step_(\d+)$")
 STATE_FILE = "trainer_state.json"  # inside step_N: the step, the data position, the layout that wrote it
 MODEL_FILES = "model_files"  # inside step_N: config, generation config, tokenizer, adapter config
@@ -58,9 +59,11 @@ def check_output_dir(output_dir: str, resume_from_checkpoint: str | None, overwr
     """Refuse to start a fresh run on top of an earlier one (nothing of the user's is lost)."""
     found = earlier_run(output_dir)
     if resume_from_checkpoint is None and not overwrite and found:
-        raise UsageError(f"output_dir {output_dir} already holds a run ({', '.join(found)}); pass "
-                         "--resume_from_checkpoint latest to continue it, --overwrite_output_dir to start afresh, "
-                         "or another --output_dir")
+        raise UsageError(
+            f"output_dir {output_dir} already holds a run ({', '.join(found)}); pass "
+            "--resume_from_checkpoint latest to continue it, --overwrite_output_dir to start afresh, "
+            "or another --output_dir"
+        )
 
 
 def mark_launch_starting(output_dir: str) -> None:
@@ -89,8 +92,10 @@ def resolve_checkpoint(output_dir: str, resume_from_checkpoint: str | None) -> s
     """The checkpoint to resume from: a step_N folder, the latest of the run ('latest'), or None."""
     if resume_from_checkpoint != "latest":
         if resume_from_checkpoint and not os.path.isfile(os.path.join(resume_from_checkpoint, STATE_FILE)):
-            raise UsageError(f"--resume_from_checkpoint {resume_from_checkpoint} is not a complete checkpoint "
-                             f"(no {STATE_FILE}); pass a step_N folder or 'latest'")
+            raise UsageError(
+                f"--resume_from_checkpoint {resume_from_checkpoint} is not a complete checkpoint "
+                f"(no {STATE_FILE}); pass a step_N folder or 'latest'"
+            )
         return resume_from_checkpoint
     found = list_checkpoints(output_dir)
     return found[-1] if found else None  # 'latest' with none yet starts from scratch

@@ -11,11 +11,12 @@ import sys
 import torch
 
 from common import memory
-from common.mesh import data_parallel_size, ulysses_shards
 from common.accelerator import Launch, autocast_dtype, participating_processes
 from common.internals import innermost_optimizer, master_weights_dtype
+from common.mesh import data_parallel_size, ulysses_shards
 from common.model import local_parameter_shards
 from common.run_dir import write_atomically
+
 
 PACKAGES = ("torch", "accelerate", "transformers", "datasets", "deepspeed", "peft", "evaluate", "tokenizers")
 
@@ -35,18 +36,24 @@ def strategy_details(accelerator, launch: Launch) -> dict:
     details = {"launched_strategy": launch.strategy}
     if getattr(state, "deepspeed_plugin", None) is not None:
         zero = state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {})
-        details.update(zero_stage=zero.get("stage"), zero3_sub_group_size=zero.get("sub_group_size"),
-                       zero3_max_live_parameters=zero.get("stage3_max_live_parameters"),
-                       offload_optimizer=zero.get("offload_optimizer", {}).get("device", "none"),
-                       offload_param=zero.get("offload_param", {}).get("device", "none"),
-                       deepspeed_cpu_adam=bool(state.deepspeed_plugin.deepspeed_config.get("zero_force_ds_cpu_optimizer", True))
-                       and zero.get("offload_optimizer", {}).get("device", "none") != "none")
+        details.update(
+            zero_stage=zero.get("stage"),
+            zero3_sub_group_size=zero.get("sub_group_size"),
+            zero3_max_live_parameters=zero.get("stage3_max_live_parameters"),
+            offload_optimizer=zero.get("offload_optimizer", {}).get("device", "none"),
+            offload_param=zero.get("offload_param", {}).get("device", "none"),
+            deepspeed_cpu_adam=bool(state.deepspeed_plugin.deepspeed_config.get("zero_force_ds_cpu_optimizer", True))
+            and zero.get("offload_optimizer", {}).get("device", "none") != "none",
+        )
     if getattr(state, "fsdp_plugin", None) is not None:
         plugin = state.fsdp_plugin
-        details.update(fsdp_version=plugin.fsdp_version, fsdp_reshard_after_forward=str(plugin.reshard_after_forward),
-                       fsdp_offload_params=_fsdp_offloads(plugin),
-                       fsdp_state_dict_type=str(plugin.state_dict_type),
-                       fsdp_activation_checkpointing=bool(plugin.activation_checkpointing))
+        details.update(
+            fsdp_version=plugin.fsdp_version,
+            fsdp_reshard_after_forward=str(plugin.reshard_after_forward),
+            fsdp_offload_params=_fsdp_offloads(plugin),
+            fsdp_state_dict_type=str(plugin.state_dict_type),
+            fsdp_activation_checkpointing=bool(plugin.activation_checkpointing),
+        )
     mesh = getattr(state, "device_mesh", None)  # a parallelism_config (HSDP: dp_replicate x dp_shard)
     if mesh is not None and mesh.mesh_dim_names:
         details["device_mesh"] = dict(zip(mesh.mesh_dim_names, mesh.mesh.shape))
@@ -59,7 +66,9 @@ def strategy_details(accelerator, launch: Launch) -> dict:
 def _fsdp_offloads(plugin) -> bool:
     from torch.distributed.fsdp import CPUOffloadPolicy
 
-    return isinstance(plugin.cpu_offload, CPUOffloadPolicy) or bool(getattr(plugin.cpu_offload, "offload_params", False))
+    return isinstance(plugin.cpu_offload, CPUOffloadPolicy) or bool(
+        getattr(plugin.cpu_offload, "offload_params", False)
+    )
 
 
 def local_parameter_elements(model) -> int:
@@ -87,9 +96,13 @@ def precision_details(accelerator, model, optimizer) -> dict:
         reduce = getattr(policy, "reduce_dtype", None) or getattr(policy, "param_dtype", None) or master
     elif accelerator.num_processes > 1:
         reduce = master  # DDP reduces gradients in the parameters' dtype; autocast does not change it
-    return {"compute_dtype": compute or _dtype_name(master), "master_weights_dtype": _dtype_name(master),
-            "optimizer_states_dtype": _dtype_name(master), "gradient_reduce_dtype": _dtype_name(reduce),
-            "optimizer": type(innermost_optimizer(optimizer)).__name__}  # the one updating the weights
+    return {
+        "compute_dtype": compute or _dtype_name(master),
+        "master_weights_dtype": _dtype_name(master),
+        "optimizer_states_dtype": _dtype_name(master),
+        "gradient_reduce_dtype": _dtype_name(reduce),
+        "optimizer": type(innermost_optimizer(optimizer)).__name__,
+    }  # the one updating the weights
 
 
 def record_run(accelerator, launch: Launch, model, optimizer, args: dict, output_dir: str, **extra) -> dict:
@@ -117,7 +130,8 @@ def record_run(accelerator, launch: Launch, model, optimizer, args: dict, output
         "device": str(accelerator.device),
         "local_parameter_elements": [int(n) for n in accelerator.gather(local).tolist()],
         # a tensor-parallel group trains on one batch: counted once (common.mesh)
-        "effective_batch_size": args["per_device_train_batch_size"] * args["gradient_accumulation_steps"]
+        "effective_batch_size": args["per_device_train_batch_size"]
+        * args["gradient_accumulation_steps"]
         * data_parallel_size(accelerator),
         **strategy_details(accelerator, launch),
         **extra,

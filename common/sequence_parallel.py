@@ -38,6 +38,7 @@ import torch
 from common.errors import UsageError
 from common.mesh import context_shards, launched_mesh_size
 
+
 ADAPTER = "UlyssesSPDataLoaderAdapter"
 
 
@@ -61,20 +62,27 @@ def check_arguments(arguments: tuple) -> None:
 
 def whole_rows_problem(scores: str) -> str:
     """The line refusing a recipe that scores `scores` (its arguments' `scores_whole_rows`)."""
-    return (f"sequence and context parallelism (parallelism_config_sp_size, _cp_size) split each row's next-token "
-            f"targets across ranks, while this recipe scores {scores}: use zero3.yaml or fsdp.yaml; causal_lm.py and "
-            "sft.py run under them")
+    return (
+        f"sequence and context parallelism (parallelism_config_sp_size, _cp_size) split each row's next-token "
+        f"targets across ranks, while this recipe scores {scores}: use zero3.yaml or fsdp.yaml; causal_lm.py and "
+        "sft.py run under them"
+    )
 
 
 def recipe_problems(values: dict) -> list[str]:
     """What a recipe's arguments (or its YAML, for `make check-config`) ask that sequence or context parallelism
     cannot run."""
-    whys = {"packing": "packed rows need attention kept within each example, which the exchange does not keep",
-            "streaming": "a stream is not a loader accelerate can split the rows of",
-            "auto_find_batch_size": "its trial steps run on whole rows, before they are split; set "
-                                    "--per_device_train_batch_size instead"}
-    return [f"--{flag} under sequence/context parallelism: {why}; pass --{flag} false" for flag, why in whys.items()
-            if str(values.get(flag, False)).lower() == "true"]
+    whys = {
+        "packing": "packed rows need attention kept within each example, which the exchange does not keep",
+        "streaming": "a stream is not a loader accelerate can split the rows of",
+        "auto_find_batch_size": "its trial steps run on whole rows, before they are split; set "
+        "--per_device_train_batch_size instead",
+    }
+    return [
+        f"--{flag} under sequence/context parallelism: {why}; pass --{flag} false"
+        for flag, why in whys.items()
+        if str(values.get(flag, False)).lower() == "true"
+    ]
 
 
 def check_heads(model) -> None:
@@ -82,9 +90,11 @@ def check_heads(model) -> None:
     size, config = launched_mesh_size("sp"), model.config.get_text_config()
     heads = getattr(config, "num_attention_heads", None)
     if heads is not None and heads % size:
-        raise UsageError(f"parallelism_config_sp_size {size}: the model has {heads} attention heads, which do not "
-                         f"divide by it (each rank of a group attends with its share of the heads); use an sp_size "
-                         f"that divides {heads}")
+        raise UsageError(
+            f"parallelism_config_sp_size {size}: the model has {heads} attention heads, which do not "
+            f"divide by it (each rank of a group attends with its share of the heads); use an sp_size "
+            f"that divides {heads}"
+        )
 
 
 class SplittableRows:
@@ -99,8 +109,10 @@ class SplittableRows:
         batch = dict(self.collate(examples))
         mask = batch.pop("attention_mask", None)
         if mask is not None and (mask[:, 1:] > mask[:, :-1]).any():
-            raise UsageError("sequence parallelism needs padding at the end of each row (the tokenizer pads on the "
-                             "left): set tokenizer.padding_side = 'right' for training")
+            raise UsageError(
+                "sequence parallelism needs padding at the end of each row (the tokenizer pads on the "
+                "left): set tokenizer.padding_side = 'right' for training"
+            )
         batch.pop("position_ids", None)
         batch = padded(batch, batch["input_ids"].shape[1] + -batch["input_ids"].shape[1] % self.size)
         if self.shifted:
@@ -142,8 +154,9 @@ def context_parallel(accelerator, batch: dict):
     if context_shards(accelerator) == 1:
         return contextlib.nullcontext()
     rows = [batch[key] for key in ("input_ids", "position_ids", "shift_labels")]
-    return accelerator.maybe_context_parallel(buffers=rows, buffer_seq_dims=[1] * len(rows),
-                                              no_restore_buffers=set(rows))
+    return accelerator.maybe_context_parallel(
+        buffers=rows, buffer_seq_dims=[1] * len(rows), no_restore_buffers=set(rows)
+    )
 
 
 def is_split(loader) -> bool:
@@ -163,8 +176,13 @@ def batches(accelerator, adapter, skip: int):
     source = accelerator.skip_first_batches(adapter.dl, whole) if whole else adapter.dl
     if torch.distributed.get_backend(adapter.sp_group) == "gloo":
         source = _as_long_as_the_group(source, adapter.sp_group)
-    fresh = type(adapter)(source, sp_rank=adapter.sp_rank, sp_group=adapter.sp_group,
-                          sp_world_size=adapter.sp_world_size, device=adapter.device)
+    fresh = type(adapter)(
+        source,
+        sp_rank=adapter.sp_rank,
+        sp_group=adapter.sp_group,
+        sp_world_size=adapter.sp_world_size,
+        device=adapter.device,
+    )
     for _ in range(part):
         next(fresh)
     return fresh

@@ -14,6 +14,7 @@ import yaml
 
 from common.errors import UsageError
 
+
 SOURCE_KEYS = ("id", "config", "split", "columns", "weight", "samples")
 MIXTURE_KEYS = ("datasets", "seed", "test_split_size")
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
@@ -33,7 +34,11 @@ class Source:
         return not os.path.exists(self.id)
 
     def rows_from(self, available: int) -> int:  # the rows it gives the mixture out of those it has
-        return self.samples if self.samples is not None else int(available * (1.0 if self.weight is None else self.weight))
+        return (
+            self.samples
+            if self.samples is not None
+            else int(available * (1.0 if self.weight is None else self.weight))
+        )
 
 
 @dataclass
@@ -63,13 +68,17 @@ def parse_mixture(value: str) -> Mixture:
         try:
             block = json.loads(value)
         except json.JSONDecodeError:
-            raise UsageError(f"--dataset_mixture {value[:80]!r} is neither a file nor JSON; pass a YAML file holding "
-                             "the mixture (datasets: [{id: ..., weight: ...}, ...]) or the same as JSON") from None
+            raise UsageError(
+                f"--dataset_mixture {value[:80]!r} is neither a file nor JSON; pass a YAML file holding "
+                "the mixture (datasets: [{id: ..., weight: ...}, ...]) or the same as JSON"
+            ) from None
     if isinstance(block, list):  # the list of sources alone
         block = {"datasets": block}
     if not isinstance(block, dict) or not block.get("datasets"):
-        raise UsageError(f"{where}: a dataset mixture is a mapping with `datasets:`, a list of sources "
-                         "({id: NAME_OR_FILE, weight: 0.5}, ...)")
+        raise UsageError(
+            f"{where}: a dataset mixture is a mapping with `datasets:`, a list of sources "
+            "({id: NAME_OR_FILE, weight: 0.5}, ...)"
+        )
     _no_unknown(block, MIXTURE_KEYS, where, "the mixture")
     if not isinstance(block["datasets"], list):
         raise UsageError(f"{where}: `datasets` must be a list of sources, got {block['datasets']!r}")
@@ -78,51 +87,75 @@ def parse_mixture(value: str) -> Mixture:
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**32):
         raise UsageError(f"{where}: seed must be a whole number from 0 to 2**32 - 1, got {seed!r}")
     test_split = block.get("test_split_size")
-    if test_split is not None and (isinstance(test_split, bool) or not isinstance(test_split, (int, float))
-                                   or not 0 < test_split < 1 and not (test_split >= 1 and test_split == int(test_split))):
-        raise UsageError(f"{where}: test_split_size must be a number of rows (>= 1) or a fraction in (0, 1), "
-                         f"got {test_split!r}")
+    if test_split is not None and (
+        isinstance(test_split, bool)
+        or not isinstance(test_split, (int, float))
+        or not 0 < test_split < 1
+        and not (test_split >= 1 and test_split == int(test_split))
+    ):
+        raise UsageError(
+            f"{where}: test_split_size must be a number of rows (>= 1) or a fraction in (0, 1), got {test_split!r}"
+        )
     return Mixture(sources, seed, test_split if test_split is None or test_split < 1 else int(test_split))
 
 
 def _no_unknown(block: dict, known: tuple, where: str, what: str) -> None:
     unknown = [key for key in block if key not in known]
     if unknown:
-        raise UsageError(f"{where}: {what} has unknown key(s) {', '.join(map(repr, unknown))}; the keys are "
-                         f"{', '.join(known)}")
+        raise UsageError(
+            f"{where}: {what} has unknown key(s) {', '.join(map(repr, unknown))}; the keys are {', '.join(known)}"
+        )
 
 
 def _source(entry, index: int, where: str) -> Source:
     if not isinstance(entry, dict) or not isinstance(entry.get("id"), str) or not entry["id"]:
-        raise UsageError(f"{where}: source {index} must be a mapping with an `id` (a Hub name or a local file), "
-                         f"got {entry!r}")
+        raise UsageError(
+            f"{where}: source {index} must be a mapping with an `id` (a Hub name or a local file), got {entry!r}"
+        )
     name = f"{where}: source {index} ({entry['id']})"
     _no_unknown(entry, SOURCE_KEYS, name, "it")
     path = os.path.expanduser(entry["id"])
     if os.path.isfile(path) and os.path.splitext(path)[1].lower() not in FILE_BUILDERS:
         raise UsageError(f"{name}: a local file must be one of {', '.join(sorted(FILE_BUILDERS))}")
-    if not os.path.exists(path) and (path.startswith((".", "/", "~")) or path.count("/") > 1
-                                     or os.path.splitext(path)[1].lower() in FILE_BUILDERS):
-        raise UsageError(f"{name}: no such file or folder; check the path (relative paths start at {os.getcwd()}) "
-                         "or give a Hub name (org/name)")
+    if not os.path.exists(path) and (
+        path.startswith((".", "/", "~")) or path.count("/") > 1 or os.path.splitext(path)[1].lower() in FILE_BUILDERS
+    ):
+        raise UsageError(
+            f"{name}: no such file or folder; check the path (relative paths start at {os.getcwd()}) "
+            "or give a Hub name (org/name)"
+        )
     weight, samples = entry.get("weight"), entry.get("samples")
     if weight is not None and samples is not None:
         raise UsageError(f"{name}: give weight (a share of its rows) or samples (a number of rows), not both")
-    if weight is not None and (isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < 1e9):
-        raise UsageError(f"{name}: weight must be a number above 0 (the share of its rows taken: 0.5 takes half, "
-                         f"2 every row twice), got {weight!r}; leave the source out to use none of it")
+    if weight is not None and (
+        isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < 1e9
+    ):
+        raise UsageError(
+            f"{name}: weight must be a number above 0 (the share of its rows taken: 0.5 takes half, "
+            f"2 every row twice), got {weight!r}; leave the source out to use none of it"
+        )
     if samples is not None and (isinstance(samples, bool) or not isinstance(samples, int) or samples < 1):
         raise UsageError(f"{name}: samples must be a whole number of rows >= 1, got {samples!r}")
     columns = entry.get("columns")
     if isinstance(columns, list) and all(isinstance(column, str) for column in columns) and columns:
         columns = {column: column for column in columns}
-    elif columns is not None and not (isinstance(columns, dict) and columns and all(
-            isinstance(key, str) and isinstance(value, str) for key, value in columns.items())):
-        raise UsageError(f"{name}: columns must be a list of column names or a mapping {{their_name: "
-                         f"recipe_name}}, got {columns!r}")
+    elif columns is not None and not (
+        isinstance(columns, dict)
+        and columns
+        and all(isinstance(key, str) and isinstance(value, str) for key, value in columns.items())
+    ):
+        raise UsageError(
+            f"{name}: columns must be a list of column names or a mapping {{their_name: recipe_name}}, got {columns!r}"
+        )
     if columns and len(set(columns.values())) < len(columns):
         raise UsageError(f"{name}: columns maps two columns to one name ({columns}); give each its own")
     for key in [key for key in ("config", "split") if entry.get(key) is not None and not isinstance(entry[key], str)]:
         raise UsageError(f"{name}: {key} must be text, got {entry[key]!r}")
-    return Source(path, entry.get("config"), entry.get("split") or "train", columns,
-                  None if weight is None else float(weight), samples)
+    return Source(
+        path,
+        entry.get("config"),
+        entry.get("split") or "train",
+        columns,
+        None if weight is None else float(weight),
+        samples,
+    )

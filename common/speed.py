@@ -27,6 +27,7 @@ from common.internals import allow_recompiles, attention_implementation
 from common.mesh import launched_mesh_size
 from common.sequence_parallel import check_heads, launched_attention
 
+
 ATTENTION = ("auto", "sdpa", "eager", "flash_attention_2", "flex_attention", "sdpa_varlen")
 OPTIMIZERS = {"adamw_torch_fused": {"fused": True}, "adamw_torch": {"foreach": True}}
 FP8_CAPABILITY = (8, 9)  # float8 matmuls: Ada Lovelace and Hopper on
@@ -38,46 +39,77 @@ def _installed(package: str) -> bool:
 
 @dataclass
 class SpeedArguments:
-    attn_implementation: str = field(default="auto", metadata={
-        "help": f"Attention kernel: {', '.join(ATTENTION)}. auto: flash_attention_2 where flash-attn is installed "
-                "(GPU); for packed rows flex_attention on a GPU, else sdpa_varlen (per-example sdpa); otherwise "
-                "the model's default (sdpa). run.json records the one used."})
-    torch_compile: bool = field(default=False, metadata={
-        "help": "Compile each repeated layer once with torch.compile (accelerate's regional compilation, inductor); "
-                "the first steps take the compile time."})
-    optim: str = field(default="adamw_torch_fused", metadata={
-        "help": f"AdamW kernel: {' or '.join(OPTIMIZERS)} (torch's foreach implementation)."})
-    gradient_checkpointing: bool = field(default=False, metadata={
-        "help": "Recompute layers' activations in the backward instead of keeping them (less memory, ~1/3 more "
-                "compute per checkpointed layer)."})
-    gradient_checkpointing_every_n_layers: int = field(default=1, metadata={
-        "help": "With --gradient_checkpointing: checkpoint one layer in N (2: every other layer), trading some "
-                "of the memory saved back for speed."})
-    use_liger_kernel: bool = field(default=False, metadata={
-        "help": "Patch the model with Liger's Triton kernels (NVIDIA GPU and the liger-kernel package)."})
+    attn_implementation: str = field(
+        default="auto",
+        metadata={
+            "help": f"Attention kernel: {', '.join(ATTENTION)}. auto: flash_attention_2 where flash-attn is installed "
+            "(GPU); for packed rows flex_attention on a GPU, else sdpa_varlen (per-example sdpa); otherwise "
+            "the model's default (sdpa). run.json records the one used."
+        },
+    )
+    torch_compile: bool = field(
+        default=False,
+        metadata={
+            "help": "Compile each repeated layer once with torch.compile (accelerate's regional compilation, inductor); "
+            "the first steps take the compile time."
+        },
+    )
+    optim: str = field(
+        default="adamw_torch_fused",
+        metadata={"help": f"AdamW kernel: {' or '.join(OPTIMIZERS)} (torch's foreach implementation)."},
+    )
+    gradient_checkpointing: bool = field(
+        default=False,
+        metadata={
+            "help": "Recompute layers' activations in the backward instead of keeping them (less memory, ~1/3 more "
+            "compute per checkpointed layer)."
+        },
+    )
+    gradient_checkpointing_every_n_layers: int = field(
+        default=1,
+        metadata={
+            "help": "With --gradient_checkpointing: checkpoint one layer in N (2: every other layer), trading some "
+            "of the memory saved back for speed."
+        },
+    )
+    use_liger_kernel: bool = field(
+        default=False,
+        metadata={"help": "Patch the model with Liger's Triton kernels (NVIDIA GPU and the liger-kernel package)."},
+    )
 
     def __post_init__(self):
         on_gpu = torch.cuda.is_available()
         if self.attn_implementation not in ATTENTION:
-            raise UsageError(f"--attn_implementation must be one of {', '.join(ATTENTION)}, got "
-                             f"{self.attn_implementation!r}")
+            raise UsageError(
+                f"--attn_implementation must be one of {', '.join(ATTENTION)}, got {self.attn_implementation!r}"
+            )
         if self.attn_implementation == "flash_attention_2" and not (on_gpu and _installed("flash_attn")):
-            raise UsageError("--attn_implementation flash_attention_2 needs an NVIDIA GPU and the flash-attn package "
-                             "(pip install flash-attn); --attn_implementation auto picks the fastest kernel installed")
+            raise UsageError(
+                "--attn_implementation flash_attention_2 needs an NVIDIA GPU and the flash-attn package "
+                "(pip install flash-attn); --attn_implementation auto picks the fastest kernel installed"
+            )
         if self.attn_implementation == "flex_attention" and not on_gpu:
-            raise UsageError("--attn_implementation flex_attention: torch's flex_attention has no backward on CPU; on "
-                             "a host without a GPU use auto (sdpa, and sdpa_varlen for packed rows)")
+            raise UsageError(
+                "--attn_implementation flex_attention: torch's flex_attention has no backward on CPU; on "
+                "a host without a GPU use auto (sdpa, and sdpa_varlen for packed rows)"
+            )
         if self.optim not in OPTIMIZERS:
             raise UsageError(f"--optim must be one of {', '.join(OPTIMIZERS)}, got {self.optim!r}")
         if self.gradient_checkpointing_every_n_layers < 1:
-            raise UsageError(f"--gradient_checkpointing_every_n_layers must be at least 1, got "
-                             f"{self.gradient_checkpointing_every_n_layers}")
+            raise UsageError(
+                f"--gradient_checkpointing_every_n_layers must be at least 1, got "
+                f"{self.gradient_checkpointing_every_n_layers}"
+            )
         if self.gradient_checkpointing_every_n_layers > 1 and not self.gradient_checkpointing:
-            raise UsageError("--gradient_checkpointing_every_n_layers chooses which layers --gradient_checkpointing "
-                             "recomputes; add --gradient_checkpointing true")
+            raise UsageError(
+                "--gradient_checkpointing_every_n_layers chooses which layers --gradient_checkpointing "
+                "recomputes; add --gradient_checkpointing true"
+            )
         if self.use_liger_kernel and not on_gpu:
-            raise UsageError("--use_liger_kernel: Liger's kernels are Triton GPU kernels and this host has no CUDA GPU; "
-                             "drop --use_liger_kernel here")
+            raise UsageError(
+                "--use_liger_kernel: Liger's kernels are Triton GPU kernels and this host has no CUDA GPU; "
+                "drop --use_liger_kernel here"
+            )
         if self.use_liger_kernel and not _installed("liger_kernel"):
             raise UsageError("--use_liger_kernel needs the liger-kernel package: pip install liger-kernel")
 
@@ -103,10 +135,15 @@ def prepare_model(model, speed: SpeedArguments, packed_rows: bool = False):
     sequence_parallel_attention = launched_attention()  # zero3_ulysses.yaml: DeepSpeed wraps it; fsdp_cp.yaml: sdpa
     if sequence_parallel_attention is not None:
         if speed.attn_implementation not in ("auto", sequence_parallel_attention):
-            named = ("its config's parallelism_config_sp_attn_implementation" if launched_mesh_size("sp") > 1
-                     else "context parallelism's ring attention replaces sdpa's")
-            raise UsageError(f"--attn_implementation {speed.attn_implementation} under sequence/context parallelism, "
-                             f"which runs {sequence_parallel_attention} ({named}): leave out --attn_implementation")
+            named = (
+                "its config's parallelism_config_sp_attn_implementation"
+                if launched_mesh_size("sp") > 1
+                else "context parallelism's ring attention replaces sdpa's"
+            )
+            raise UsageError(
+                f"--attn_implementation {speed.attn_implementation} under sequence/context parallelism, "
+                f"which runs {sequence_parallel_attention} ({named}): leave out --attn_implementation"
+            )
         candidates = [sequence_parallel_attention]
         check_heads(model)
     for attention in candidates:
@@ -119,11 +156,15 @@ def prepare_model(model, speed: SpeedArguments, packed_rows: bool = False):
         except (ValueError, ImportError) as error:  # the model's class does not support it
             if len(candidates) == 1:
                 reason = str(error).strip().splitlines()[0]
-                raise UsageError(f"--attn_implementation {attention} does not run on {type(model).__name__} "
-                                 f"({reason}); use --attn_implementation auto") from None
+                raise UsageError(
+                    f"--attn_implementation {attention} does not run on {type(model).__name__} "
+                    f"({reason}); use --attn_implementation auto"
+                ) from None
     if speed.gradient_checkpointing:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False},
-                                              every_n_layers=speed.gradient_checkpointing_every_n_layers)
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": False},
+            every_n_layers=speed.gradient_checkpointing_every_n_layers,
+        )
     if speed.use_liger_kernel:
         from transformers.integrations.liger import apply_liger_kernel
 
@@ -156,18 +197,28 @@ def checkpointed_layers(model) -> list[bool]:
     return [bool(m.gradient_checkpointing) for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
-def fp8_problem(capability: tuple | None, torchao: bool, backend: str, strategy: str,
-                fsdp_ram_efficient_loading: bool, tp_size: int = 1) -> str | None:
+def fp8_problem(
+    capability: tuple | None,
+    torchao: bool,
+    backend: str,
+    strategy: str,
+    fsdp_ram_efficient_loading: bool,
+    tp_size: int = 1,
+) -> str | None:
     """Why `mixed_precision: fp8` cannot run here, in one line, else None. `capability`: the CUDA GPU's compute
     capability (None: no GPU; a CPU runs the float8 matmuls too, to check a run, never faster); `backend`:
     ACCELERATE_FP8_BACKEND as the launcher set it ("" when not given); `tp_size`: the mesh's tensor-parallel size."""
     if capability is not None and tuple(capability) < FP8_CAPABILITY:  # a CPU runs torchao's float8 matmuls
-        return (f"mixed_precision fp8 needs an NVIDIA GPU of compute capability 8.9 or later (Ada, Hopper: L4, "
-                f"H100, H200) and this GPU's is {capability[0]}.{capability[1]} (accelerate would quietly train "
-                "in fp16 instead): use bf16")
+        return (
+            f"mixed_precision fp8 needs an NVIDIA GPU of compute capability 8.9 or later (Ada, Hopper: L4, "
+            f"H100, H200) and this GPU's is {capability[0]}.{capability[1]} (accelerate would quietly train "
+            "in fp16 instead): use bf16"
+        )
     if backend.upper() not in ("", "NO", "AO"):
-        return (f"fp8_backend {backend.lower()}: these recipes train fp8 through torchao, the backend checked here; "
-                "launch with --fp8_backend ao (or fp8_config: {backend: AO} in the config)")
+        return (
+            f"fp8_backend {backend.lower()}: these recipes train fp8 through torchao, the backend checked here; "
+            "launch with --fp8_backend ao (or fp8_config: {backend: AO} in the config)"
+        )
     if not torchao:
         return "mixed_precision fp8 trains through torchao, which is not installed: pip install torchao, or use bf16"
     instead = "use single.yaml, ddp.yaml, or fsdp.yaml with --fsdp_cpu_ram_efficient_loading false, or bf16"
@@ -176,9 +227,11 @@ def fp8_problem(capability: tuple | None, torchao: bool, backend: str, strategy:
     if strategy == "deepspeed":
         return f"mixed_precision fp8 under DeepSpeed is not checked with torchao here: {instead}"
     if strategy == "fsdp" and fsdp_ram_efficient_loading:
-        return ("mixed_precision fp8 (torchao) under FSDP2 cannot load with fsdp_cpu_ram_efficient_loading: true "
-                "(accelerate refuses the pair): set it to false in the config, or launch with "
-                "--fsdp_cpu_ram_efficient_loading false")
+        return (
+            "mixed_precision fp8 (torchao) under FSDP2 cannot load with fsdp_cpu_ram_efficient_loading: true "
+            "(accelerate refuses the pair): set it to false in the config, or launch with "
+            "--fsdp_cpu_ram_efficient_loading false"
+        )
     return None
 
 
@@ -194,9 +247,13 @@ def refuse_fp8_where_it_cannot_run(strategy: str, tp_size: int) -> None:
     where it cannot run (`fp8_problem`); where it can, the launcher's environment set as accelerate reads it."""
     if os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower() != "fp8":
         return
-    problem = fp8_problem(*fp8_host(os.environ.get("ACCELERATE_USE_CPU", "false").lower() == "true"),
-                          os.environ.get("ACCELERATE_FP8_BACKEND", ""), strategy,
-                          os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "false").lower() == "true", tp_size)
+    problem = fp8_problem(
+        *fp8_host(os.environ.get("ACCELERATE_USE_CPU", "false").lower() == "true"),
+        os.environ.get("ACCELERATE_FP8_BACKEND", ""),
+        strategy,
+        os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "false").lower() == "true",
+        tp_size,
+    )
     if problem:
         raise UsageError(problem)
     # accelerate's launcher exports --fp8_backend as given (ao), which its own FP8BackendType (AO) then refuses
@@ -209,11 +266,13 @@ def refuse_fp8_where_it_cannot_run(strategy: str, tp_size: int) -> None:
 def speed_record(model, speed: SpeedArguments) -> dict:
     """What ran, for run.json: the attention kernel read back from the model, and the other options."""
     layers = checkpointed_layers(model)
-    return {"attention": attention_implementation(model),
-            "torch_compile": "regional (inductor)" if speed.torch_compile else "off",
-            "optim": speed.optim,
-            "checkpointed_layers": f"{sum(layers)} of {len(layers)}",
-            "liger_kernel": speed.use_liger_kernel,
-            # accelerate swaps these in at prepare under mixed_precision fp8 (torchao): every linear layer whose sizes
-            # divide by 16 but the model's first and last (LoRA's adapters too, where their rank divides by 16)
-            "float8_linear_layers": sum(type(m).__name__ == "Float8Linear" for m in model.modules())}
+    return {
+        "attention": attention_implementation(model),
+        "torch_compile": "regional (inductor)" if speed.torch_compile else "off",
+        "optim": speed.optim,
+        "checkpointed_layers": f"{sum(layers)} of {len(layers)}",
+        "liger_kernel": speed.use_liger_kernel,
+        # accelerate swaps these in at prepare under mixed_precision fp8 (torchao): every linear layer whose sizes
+        # divide by 16 but the model's first and last (LoRA's adapters too, where their rank divides by 16)
+        "float8_linear_layers": sum(type(m).__name__ == "Float8Linear" for m in model.modules()),
+    }

@@ -47,16 +47,22 @@ def column_names(dataset) -> list[str]:
     return dataset.column_names or list(next(iter(dataset.take(1)), {}).keys())
 
 
-def tokenize_and_pack_stream(stream: IterableDataset, text_column: str, tokenize, pack, block_size: int,
-                             eos_token_id: int, accelerator) -> IterableDataset:
+def tokenize_and_pack_stream(
+    stream: IterableDataset, text_column: str, tokenize, pack, block_size: int, eos_token_id: int, accelerator
+) -> IterableDataset:
     """This rank's documents, tokenized and packed as they are read."""
     columns = column_names(stream)
     if text_column not in columns:
         raise UsageError(f"column {text_column!r} not in the train data (columns: {columns}); set --text_column")
     mine = split_dataset_by_node(stream, rank=accelerator.process_index, world_size=accelerator.num_processes)
     tokenized = mine.map(tokenize, batched=True, remove_columns=columns)
-    return tokenized.map(pack, batched=True, batch_size=1000, remove_columns=["input_ids"],
-                         fn_kwargs={"block_size": block_size, "eos_token_id": eos_token_id})
+    return tokenized.map(
+        pack,
+        batched=True,
+        batch_size=1000,
+        remove_columns=["input_ids"],
+        fn_kwargs={"block_size": block_size, "eos_token_id": eos_token_id},
+    )
 
 
 class StreamLoader:
@@ -74,8 +80,9 @@ class StreamLoader:
         self.dataset.set_epoch(self.epoch)
         if stream_state is not None:
             self.dataset.load_state_dict(stream_state)
-        self._batches = iter(DataLoader(self.dataset, batch_size=self.batch_size, drop_last=True,
-                                        collate_fn=default_data_collator))
+        self._batches = iter(
+            DataLoader(self.dataset, batch_size=self.batch_size, drop_last=True, collate_fn=default_data_collator)
+        )
 
     def window(self, size: int) -> list | None:
         """The next `size` batches of this rank, or None if its stream ends first."""
@@ -114,6 +121,8 @@ def every_rank_has(accelerator, window) -> bool:
 def check_resumable(position: dict, accelerator) -> None:
     saved = len(position["ranks"])
     if saved != accelerator.num_processes:
-        raise UsageError(f"this streaming checkpoint was written by {saved} processes and this run has "
-                         f"{accelerator.num_processes}: a stream's documents are dealt to ranks by their number, so "
-                         f"resume it on {saved} processes (or start afresh)")
+        raise UsageError(
+            f"this streaming checkpoint was written by {saved} processes and this run has "
+            f"{accelerator.num_processes}: a stream's documents are dealt to ranks by their number, so "
+            f"resume it on {saved} processes (or start afresh)"
+        )

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+
 PAD, UNK, EOS = "<pad>", "<unk>", "<eos>"
 SPECIAL_TOKENS = [PAD, UNK, EOS]
 
@@ -93,8 +94,12 @@ def build_word_tokenizer(words: list[str], chat_template: str | None = None, ext
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     backend.decoder = decoders.WordPiece(prefix="##")  # joins words with single spaces
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token=PAD, unk_token=UNK, eos_token=EOS,
-        additional_special_tokens=list(extra_special) or None)
+        tokenizer_object=backend,
+        pad_token=PAD,
+        unk_token=UNK,
+        eos_token=EOS,
+        additional_special_tokens=list(extra_special) or None,
+    )
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     return tokenizer
@@ -112,15 +117,22 @@ def write_jsonl(path: str, rows: list[dict]) -> None:
 def write_markov_corpus(out_dir: str, seed=0, train_docs=6000, validation_docs=400) -> dict:
     """Write train/validation jsonl, the tokenizer and `source.json` (with the floor)."""
     source = MarkovSource.random(seed=seed)
-    write_jsonl(os.path.join(out_dir, "train.jsonl"),
-                [{"text": t} for t in source.sample_documents(train_docs, seed + 1)])
-    write_jsonl(os.path.join(out_dir, "validation.jsonl"),
-                [{"text": t} for t in source.sample_documents(validation_docs, seed + 2)])
+    write_jsonl(
+        os.path.join(out_dir, "train.jsonl"), [{"text": t} for t in source.sample_documents(train_docs, seed + 1)]
+    )
+    write_jsonl(
+        os.path.join(out_dir, "validation.jsonl"),
+        [{"text": t} for t in source.sample_documents(validation_docs, seed + 2)],
+    )
     build_word_tokenizer(source.words).save_pretrained(os.path.join(out_dir, "tokenizer"))
-    info = {"seed": seed, "train_docs": train_docs, "validation_docs": validation_docs,
-            "entropy_rate_nats": source.entropy_rate(),
-            "entropy_rate_bits": source.entropy_rate() / math.log(2),
-            "num_words": len(source.words)}
+    info = {
+        "seed": seed,
+        "train_docs": train_docs,
+        "validation_docs": validation_docs,
+        "entropy_rate_nats": source.entropy_rate(),
+        "entropy_rate_bits": source.entropy_rate() / math.log(2),
+        "num_words": len(source.words),
+    }
     with open(os.path.join(out_dir, "source.json"), "w") as handle:
         json.dump(info, handle, indent=2)
     return info
@@ -128,16 +140,58 @@ def write_markov_corpus(out_dir: str, seed=0, train_docs=6000, validation_docs=4
 
 # --- Sentiment: labelled sentences for sequence classification -------------------------
 
-POSITIVE = ["wonderful", "excellent", "delightful", "great", "fantastic", "superb", "lovely", "brilliant",
-            "pleasant", "amazing", "charming", "enjoyable"]
-NEGATIVE = ["terrible", "awful", "dreadful", "horrible", "poor", "disappointing", "boring", "bad",
-            "miserable", "unpleasant", "annoying", "mediocre"]
-SUBJECTS = ["the film", "this restaurant", "my new phone", "the hotel", "the concert", "that book",
-            "the service", "our trip", "the coffee", "this game", "the lecture", "the show"]
-TRAIN_TEMPLATES = ["{subject} was {adjective}.", "i found {subject} {adjective}.",
-                   "honestly, {subject} is {adjective}.", "everyone said {subject} was {adjective}."]
-HELD_OUT_TEMPLATES = ["in my opinion {subject} felt {adjective} overall.",
-                      "we all agreed that {subject} turned out {adjective}."]
+POSITIVE = [
+    "wonderful",
+    "excellent",
+    "delightful",
+    "great",
+    "fantastic",
+    "superb",
+    "lovely",
+    "brilliant",
+    "pleasant",
+    "amazing",
+    "charming",
+    "enjoyable",
+]
+NEGATIVE = [
+    "terrible",
+    "awful",
+    "dreadful",
+    "horrible",
+    "poor",
+    "disappointing",
+    "boring",
+    "bad",
+    "miserable",
+    "unpleasant",
+    "annoying",
+    "mediocre",
+]
+SUBJECTS = [
+    "the film",
+    "this restaurant",
+    "my new phone",
+    "the hotel",
+    "the concert",
+    "that book",
+    "the service",
+    "our trip",
+    "the coffee",
+    "this game",
+    "the lecture",
+    "the show",
+]
+TRAIN_TEMPLATES = [
+    "{subject} was {adjective}.",
+    "i found {subject} {adjective}.",
+    "honestly, {subject} is {adjective}.",
+    "everyone said {subject} was {adjective}.",
+]
+HELD_OUT_TEMPLATES = [
+    "in my opinion {subject} felt {adjective} overall.",
+    "we all agreed that {subject} turned out {adjective}.",
+]
 
 
 def sentiment_examples(count: int, seed: int, templates: list[str]) -> list[dict]:
@@ -155,7 +209,9 @@ def sentiment_examples(count: int, seed: int, templates: list[str]) -> list[dict
 def write_sentiment_data(out_dir: str, train=1200, validation=201, seed=0) -> None:
     """Validation sentences use templates never seen in training."""
     write_jsonl(os.path.join(out_dir, "train.jsonl"), sentiment_examples(train, seed, TRAIN_TEMPLATES))
-    write_jsonl(os.path.join(out_dir, "validation.jsonl"), sentiment_examples(validation, seed + 1, HELD_OUT_TEMPLATES))
+    write_jsonl(
+        os.path.join(out_dir, "validation.jsonl"), sentiment_examples(validation, seed + 1, HELD_OUT_TEMPLATES)
+    )
 
 
 # --- Arithmetic instructions: chat data with checkable answers -------------------------
@@ -168,7 +224,8 @@ CHAT_TEMPLATE = (
     "{% if message['role'] == 'user' %}<user> {{ message['content'] }} "
     "{% elif message['role'] == 'assistant' %}<assistant> {% generation %}{{ message['content'] }} <eos>{% endgeneration %} "
     "{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<assistant> {% endif %}")
+    "{% if add_generation_prompt %}<assistant> {% endif %}"
+)
 ARITHMETIC_WORDS = ["what", "is", "plus", "minus", "?", "count", "from", "to"] + [str(n) for n in range(19)]
 
 
@@ -189,14 +246,17 @@ def arithmetic_examples(count: int, seed: int, max_operand: int = 9, counting: b
         else:
             a, b = max(a, b), min(a, b)
             question, answer = f"what is {a} minus {b} ?", a - b
-        rows.append({"messages": [{"role": "user", "content": question},
-                                  {"role": "assistant", "content": str(answer)}]})
+        rows.append(
+            {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": str(answer)}]}
+        )
     return rows
 
 
 def write_arithmetic_data(out_dir: str, train=3000, validation=101, seed=0, counting=False) -> None:
     write_jsonl(os.path.join(out_dir, "train.jsonl"), arithmetic_examples(train, seed, counting=counting))
-    write_jsonl(os.path.join(out_dir, "validation.jsonl"), arithmetic_examples(validation, seed + 1, counting=counting))
+    write_jsonl(
+        os.path.join(out_dir, "validation.jsonl"), arithmetic_examples(validation, seed + 1, counting=counting)
+    )
     tokenizer = build_word_tokenizer(ARITHMETIC_WORDS, chat_template=CHAT_TEMPLATE, extra_special=(USER, ASSISTANT))
     tokenizer.save_pretrained(os.path.join(out_dir, "tokenizer"))
 
@@ -219,8 +279,13 @@ def preference_examples(count: int, seed: int) -> list[dict]:
     rows = []
     for row in arithmetic_examples(count, seed, counting=True):
         question, answer = row["messages"][0], row["messages"][1]["content"]
-        rows.append({"prompt": [question], "chosen": [{"role": "assistant", "content": answer}],
-                     "rejected": [{"role": "assistant", "content": near_miss(answer, rng)}]})
+        rows.append(
+            {
+                "prompt": [question],
+                "chosen": [{"role": "assistant", "content": answer}],
+                "rejected": [{"role": "assistant", "content": near_miss(answer, rng)}],
+            }
+        )
     return rows
 
 
@@ -233,8 +298,12 @@ def write_preference_data(out_dir: str, train=2000, validation=200, seed=0) -> N
 
 # For a real chat model: the instruction in the system turn, the answer that follows it chosen.
 NUMBER_ONLY = "Answer with the number only."
-SENTENCES = ["The answer is {answer}.", "{a} {op} {b} is {answer}.", "{a} {op} {b} equals {answer}.",
-             "Sure! {a} {op} {b} = {answer}."]
+SENTENCES = [
+    "The answer is {answer}.",
+    "{a} {op} {b} is {answer}.",
+    "{a} {op} {b} equals {answer}.",
+    "Sure! {a} {op} {b} = {answer}.",
+]
 
 
 def format_pair(a: int, op: str, b: int, rng) -> dict:
@@ -242,10 +311,11 @@ def format_pair(a: int, op: str, b: int, rng) -> dict:
     the right number in a sentence, which ignores the instruction."""
     answer = str(a + b if op == "plus" else a - b)
     rejected = str(rng.choice(SENTENCES)).format(a=a, op=op, b=b, answer=answer)
-    return {"prompt": [{"role": "system", "content": NUMBER_ONLY},
-                       {"role": "user", "content": f"what is {a} {op} {b} ?"}],
-            "chosen": [{"role": "assistant", "content": answer}],
-            "rejected": [{"role": "assistant", "content": rejected}]}
+    return {
+        "prompt": [{"role": "system", "content": NUMBER_ONLY}, {"role": "user", "content": f"what is {a} {op} {b} ?"}],
+        "chosen": [{"role": "assistant", "content": answer}],
+        "rejected": [{"role": "assistant", "content": rejected}],
+    }
 
 
 def write_format_preference_data(out_dir: str, train=2000, held_out=50, seed=0) -> None:
@@ -253,11 +323,14 @@ def write_format_preference_data(out_dir: str, train=2000, held_out=50, seed=0) 
     questions (a plus b, a minus b >= 0, for a, b in 0..9), `held_out` are validation only, one pair each;
     the train pairs are drawn from the others."""
     rng = np.random.default_rng(seed + 2000)
-    questions = [(a, "plus", b) for a in range(10) for b in range(10)] + \
-                [(a, "minus", b) for a in range(10) for b in range(a + 1)]
+    questions = [(a, "plus", b) for a in range(10) for b in range(10)] + [
+        (a, "minus", b) for a in range(10) for b in range(a + 1)
+    ]
     order = rng.permutation(len(questions))
     validation = [format_pair(*questions[i], rng) for i in order[:held_out]]
     seen = order[held_out:]
-    write_jsonl(os.path.join(out_dir, "train.jsonl"),
-                [format_pair(*questions[seen[i]], rng) for i in rng.integers(0, len(seen), size=train)])
+    write_jsonl(
+        os.path.join(out_dir, "train.jsonl"),
+        [format_pair(*questions[seen[i]], rng) for i in rng.integers(0, len(seen), size=train)],
+    )
     write_jsonl(os.path.join(out_dir, "validation.jsonl"), validation)

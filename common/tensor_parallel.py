@@ -35,17 +35,23 @@ def check_arguments(arguments: tuple) -> None:
     """What a tensor-parallel run cannot do, refused before anything is built."""
     for args in arguments:
         if getattr(args, "use_peft", False):
-            raise UsageError("--use_peft under tensor parallelism: LoRA's adapters would wrap projections the "
-                             "plan splits across ranks, which these recipes do not support; use a data-parallel "
-                             "config (ddp.yaml, fsdp.yaml, zero3.yaml) for LoRA")
+            raise UsageError(
+                "--use_peft under tensor parallelism: LoRA's adapters would wrap projections the "
+                "plan splits across ranks, which these recipes do not support; use a data-parallel "
+                "config (ddp.yaml, fsdp.yaml, zero3.yaml) for LoRA"
+            )
         if getattr(args, "adapter_name_or_path", None):
-            raise UsageError("--adapter_name_or_path under tensor parallelism: the plan splits the base model's "
-                             "layers, not a peft wrapper's; merge the adapter first (a --save_merged_model run's "
-                             "final_merged/) and pass that folder as --model_name_or_path")
+            raise UsageError(
+                "--adapter_name_or_path under tensor parallelism: the plan splits the base model's "
+                "layers, not a peft wrapper's; merge the adapter first (a --save_merged_model run's "
+                "final_merged/) and pass that folder as --model_name_or_path"
+            )
         if getattr(args, "streaming", False):
-            raise UsageError("--streaming under tensor parallelism: a stream deals its documents to every rank, "
-                             "while a tensor-parallel group must see the same batch; leave out --streaming (the "
-                             "data is then indexed and shared by the group) or use a data-parallel config")
+            raise UsageError(
+                "--streaming under tensor parallelism: a stream deals its documents to every rank, "
+                "while a tensor-parallel group must see the same batch; leave out --streaming (the "
+                "data is then indexed and shared by the group) or use a data-parallel config"
+            )
 
 
 def model_problems(model, size: int) -> list[str]:
@@ -53,19 +59,25 @@ def model_problems(model, size: int) -> list[str]:
     transformers, tied embeddings, heads that do not divide. `make check-config` asks it before a launch."""
     config, name = model.config.get_text_config(), type(model).__name__
     if not model.tp_plan:
-        return [f"tp_size {size}: {name} cannot be split for tensor parallelism: transformers has no tensor-parallel "
-                "plan for it; use a model whose class has one (Llama, Mistral, Qwen, Gemma, ...) or a data-parallel "
-                "config"]
+        return [
+            f"tp_size {size}: {name} cannot be split for tensor parallelism: transformers has no tensor-parallel "
+            "plan for it; use a model whose class has one (Llama, Mistral, Qwen, Gemma, ...) or a data-parallel "
+            "config"
+        ]
     tied = tied_head(model)
     rules = [model.tp_plan.get(module) or "" for module in tied or ()]
     if tied and not (rules[0] == "embedding_rowwise" and rules[1].startswith("colwise")):
-        return [f"tp_size {size}: {name} ties its input embeddings to its output head (tie_word_embeddings), and its "
-                "tensor-parallel plan does not split both by vocabulary rows, as splitting the one weight once needs; "
-                "use fsdp.yaml or zero3.yaml"]
-    return [f"tp_size {size}: the model has {heads} {key.removeprefix('num_').replace('_', ' ')}, which do not divide "
-            "by it; pick a tp_size that divides them (parallelism_config_tp_size in the accelerate config)"
-            for key in ("num_attention_heads", "num_key_value_heads")
-            if isinstance(heads := getattr(config, key, None), int) and heads % size]
+        return [
+            f"tp_size {size}: {name} ties its input embeddings to its output head (tie_word_embeddings), and its "
+            "tensor-parallel plan does not split both by vocabulary rows, as splitting the one weight once needs; "
+            "use fsdp.yaml or zero3.yaml"
+        ]
+    return [
+        f"tp_size {size}: the model has {heads} {key.removeprefix('num_').replace('_', ' ')}, which do not divide "
+        "by it; pick a tp_size that divides them (parallelism_config_tp_size in the accelerate config)"
+        for key in ("num_attention_heads", "num_key_value_heads")
+        if isinstance(heads := getattr(config, key, None), int) and heads % size
+    ]
 
 
 def tied_head(model) -> tuple[str, str] | None:
@@ -94,8 +106,10 @@ def shard(model, state=None):
     try:
         plan = resolved_tp_plan(model, distributed)
     except ValueError as error:  # a plan transformers cannot apply to this model
-        raise UsageError(f"{type(model).__name__} cannot be split for tensor parallelism ({error}); use a "
-                         "data-parallel config (fsdp.yaml, zero3.yaml)") from None
+        raise UsageError(
+            f"{type(model).__name__} cannot be split for tensor parallelism ({error}); use a "
+            "data-parallel config (fsdp.yaml, zero3.yaml)"
+        ) from None
     tied = tied_head(model)
     if tied:  # one weight, listed once among the parameters: split once (vocabulary rows, as both rules split it)
         plan = {rule: style for rule, style in plan.items() if rule != f"{tied[1]}.weight"}
@@ -161,8 +175,9 @@ def save_state(accelerator, model, optimizer, scheduler, folder: str) -> None:
     weights, moments = get_state_dict(unwrap(accelerator, model), innermost_optimizer(optimizer))
     dcp.save({"model": weights}, checkpoint_id=os.path.join(folder, "pytorch_model_fsdp_0"))
     dcp.save({"optimizer": moments}, checkpoint_id=os.path.join(folder, "optimizer_0"))
-    save_accelerator_state(folder, [], [], [scheduler], [], accelerator.process_index, accelerator.step,
-                           scaler=accelerator.scaler)  # fp16's loss scale, as accelerate's save_state keeps it
+    save_accelerator_state(
+        folder, [], [], [scheduler], [], accelerator.process_index, accelerator.step, scaler=accelerator.scaler
+    )  # fp16's loss scale, as accelerate's save_state keeps it
 
 
 def load_state(accelerator, model, optimizer, scheduler, folder: str) -> None:

@@ -6,9 +6,8 @@ import math
 import time
 
 import torch
-from transformers import get_scheduler
-
 from accelerate.utils import gather_object
+from transformers import get_scheduler
 
 from common import mesh, sequence_parallel
 from common.arguments import TrainingArguments
@@ -17,8 +16,15 @@ from common.internals import start_accumulation_window
 from common.speed import adamw_kernel
 from common.streaming import StreamLoader, check_resumable, every_rank_has
 
-NORM_TYPES = (torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d,
-              torch.nn.SyncBatchNorm)
+
+NORM_TYPES = (
+    torch.nn.LayerNorm,
+    torch.nn.GroupNorm,
+    torch.nn.BatchNorm1d,
+    torch.nn.BatchNorm2d,
+    torch.nn.BatchNorm3d,
+    torch.nn.SyncBatchNorm,
+)
 
 
 def is_norm(module) -> bool:
@@ -40,10 +46,14 @@ def create_optimizer(model, args: TrainingArguments) -> torch.optim.Optimizer:
                 continue
             seen.add(id(parameter))
             (no_decay if is_norm(module) or name == "bias" else decay).append(parameter)
-    groups = [{"params": decay, "weight_decay": args.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=args.learning_rate,
-                             betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon, **adamw_kernel(args))
+    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(
+        [g for g in groups if g["params"]],
+        lr=args.learning_rate,
+        betas=(args.adam_beta1, args.adam_beta2),
+        eps=args.adam_epsilon,
+        **adamw_kernel(args),
+    )
 
 
 def steps_per_epoch(batches_per_epoch: int, gradient_accumulation_steps: int) -> int:
@@ -53,9 +63,11 @@ def steps_per_epoch(batches_per_epoch: int, gradient_accumulation_steps: int) ->
     drop_last leaves out a partial batch; the next epoch's shuffle uses them)."""
     steps = batches_per_epoch // gradient_accumulation_steps
     if steps < 1:
-        raise UsageError(f"an epoch has {batches_per_epoch} batches per process, fewer than "
-                         f"gradient_accumulation_steps={gradient_accumulation_steps}: use more data, a smaller "
-                         "per_device_train_batch_size or fewer accumulation steps")
+        raise UsageError(
+            f"an epoch has {batches_per_epoch} batches per process, fewer than "
+            f"gradient_accumulation_steps={gradient_accumulation_steps}: use more data, a smaller "
+            "per_device_train_batch_size or fewer accumulation steps"
+        )
     return steps
 
 
@@ -74,8 +86,13 @@ def total_training_steps(args: TrainingArguments, train_loader, accelerator) -> 
 def create_scheduler(optimizer, args: TrainingArguments, max_steps: int):
     """transformers' schedule over the run's optimizer steps: the recipes step it once per
     optimizer step (`common.accelerator` tells accelerate not to step it per process)."""
-    return get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup_steps(args, max_steps),
-                         num_training_steps=max_steps, scheduler_specific_kwargs=args.scheduler_kwargs)
+    return get_scheduler(
+        args.lr_scheduler_type,
+        optimizer,
+        num_warmup_steps=warmup_steps(args, max_steps),
+        num_training_steps=max_steps,
+        scheduler_specific_kwargs=args.scheduler_kwargs,
+    )
 
 
 def warmup_steps(args: TrainingArguments, max_steps: int) -> int:
@@ -95,7 +112,8 @@ def evaluate_loss(model, dataloader, accelerator) -> dict:
         logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
         labels = batch["labels"][:, 1:]
         per_token = torch.nn.functional.cross_entropy(
-            logits[:, :-1].float().transpose(1, 2), labels, ignore_index=-100, reduction="none")
+            logits[:, :-1].float().transpose(1, 2), labels, ignore_index=-100, reduction="none"
+        )
         mask = labels != -100
         sums, counts = mesh.gather_for_metrics(accelerator, ((per_token * mask).sum(1), mask.sum(1)))
         loss_sum += sums.double().sum().item()
@@ -140,14 +158,25 @@ class TrainBatches:
       accumulation rescaled), at the same sample, with the same steps per epoch
       (floor(dataset / G)); another G is refused."""
 
-    def __init__(self, accelerator, dataloader, gradient_accumulation_steps: int, max_steps: int, resume_from: dict,
-                 metrics=None):
+    def __init__(
+        self,
+        accelerator,
+        dataloader,
+        gradient_accumulation_steps: int,
+        max_steps: int,
+        resume_from: dict,
+        metrics=None,
+    ):
         """`metrics` (a MetricsLogger) is told how long each window waited for its batches.
         `dataloader` is a prepared DataLoader, or a common.streaming.StreamLoader (--streaming)."""
         self.split = dataloader if sequence_parallel.is_split(dataloader) else None  # zero3_ulysses.yaml's adapter
         dataloader = sequence_parallel.whole_rows(dataloader)
         self.accelerator, self.dataloader, self.metrics = accelerator, dataloader, metrics
-        self.accumulation, self.max_steps, self.start_step = gradient_accumulation_steps, max_steps, resume_from["step"]
+        self.accumulation, self.max_steps, self.start_step = (
+            gradient_accumulation_steps,
+            max_steps,
+            resume_from["step"],
+        )
         shards = self.split.sp_world_size if self.split is not None else 1  # the ranks that split each row
         self.batch = dataloader.total_batch_size // shards  # samples per micro-batch over all ranks
         self.global_batch = self.batch * gradient_accumulation_steps
@@ -166,7 +195,11 @@ class TrainBatches:
         elif "samples" not in position:  # written before positions were counted in samples: same layout
             position = {"epoch": position["epoch"], "samples": position["batches"] * self.batch}
         self._check_global_batch(position.get("global_batch", self.global_batch))
-        self._position = {"epoch": position["epoch"], "samples": position["samples"], "global_batch": self.global_batch}
+        self._position = {
+            "epoch": position["epoch"],
+            "samples": position["samples"],
+            "global_batch": self.global_batch,
+        }
 
     def _check_global_batch(self, saved: int) -> None:
         if saved != self.global_batch:
@@ -176,7 +209,8 @@ class TrainBatches:
                 f"the checkpoint was trained with a global batch of {saved} samples per step and this run's is "
                 f"{self.global_batch} ({processes} {kind} x {self.batch // processes} per device x "
                 f"{self.accumulation} accumulation): set --per_device_train_batch_size and "
-                f"--gradient_accumulation_steps so that {kind} x batch x accumulation = {saved}")
+                f"--gradient_accumulation_steps so that {kind} x batch x accumulation = {saved}"
+            )
 
     @property
     def position(self) -> dict:
@@ -203,13 +237,18 @@ class TrainBatches:
             if groups and self.metrics is not None:  # each tensor/context-parallel group's ranks hold one batch
                 self.metrics.record_in_run_json("shared_batch_groups_checked", groups)
             if step == 0 and self.split is not None and self.metrics is not None:  # what each rank's slice held
-                self.metrics.record_in_run_json("sequence_parallel", {
-                    "sp_size": self.split.sp_world_size, "slice_tokens": int(window[0]["input_ids"].shape[1])})
+                self.metrics.record_in_run_json(
+                    "sequence_parallel",
+                    {"sp_size": self.split.sp_world_size, "slice_tokens": int(window[0]["input_ids"].shape[1])},
+                )
             start_accumulation_window(self.accelerator)  # the window's last batch syncs
             for batch in window:
                 if tokens is not None:
-                    batch = {**batch, "num_items_in_batch": tokens / (self.accelerator.num_processes * self.accumulation
-                                                                      * mesh.context_shards(self.accelerator))}
+                    batch = {
+                        **batch,
+                        "num_items_in_batch": tokens
+                        / (self.accelerator.num_processes * self.accumulation * mesh.context_shards(self.accelerator)),
+                    }
                 yield sequence_parallel.as_model_input(batch)
             if self.stream is not None and step + 1 < steps:
                 upcoming = self._fetch(windows)
@@ -230,8 +269,11 @@ class TrainBatches:
         used = self.per_epoch * self.accumulation
         while True:
             self.dataloader.set_epoch(epoch)
-            batches = (sequence_parallel.batches(self.accelerator, self.split, skip) if self.split is not None  # slices
-                       else iter(self.accelerator.skip_first_batches(self.dataloader, skip) if skip else self.dataloader))
+            batches = (
+                sequence_parallel.batches(self.accelerator, self.split, skip)
+                if self.split is not None  # slices
+                else iter(self.accelerator.skip_first_batches(self.dataloader, skip) if skip else self.dataloader)
+            )
             for start in range(skip, used, self.accumulation):
                 window = [next(batches) for _ in range(self.accumulation)]
                 end = start + self.accumulation
@@ -252,9 +294,11 @@ class TrainBatches:
                 yield window, None
                 continue
             if in_epoch == 0:
-                raise UsageError(f"the training stream gives a process fewer than one step's blocks "
-                                 f"({self.accumulation} x {self.batch // self.accelerator.num_processes} blocks per "
-                                 "process): use more data, a smaller batch or fewer accumulation steps")
+                raise UsageError(
+                    f"the training stream gives a process fewer than one step's blocks "
+                    f"({self.accumulation} x {self.batch // self.accelerator.num_processes} blocks per "
+                    "process): use more data, a smaller batch or fewer accumulation steps"
+                )
             self.stream.next_epoch()
             in_epoch = 0
 

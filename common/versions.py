@@ -11,7 +11,9 @@ def in_checked_range(installed: str, lowest: str, first_unchecked: str) -> bool:
     """lowest <= installed < first_unchecked, releases ordered: 1.15 = 1.15.0 > 1.15.0rc1; 1.16.0rc1 >= 1.16."""
     from packaging.version import Version
 
-    def release(version): return Version(version).release + (0,) * (4 - len(Version(version).release))
+    def release(version):
+        return Version(version).release + (0,) * (4 - len(Version(version).release))
+
     return Version(installed) >= Version(lowest) and release(installed) < release(first_unchecked)
 
 
@@ -25,6 +27,8 @@ def outside_checked_range() -> list[str]:
             continue
         if not in_checked_range(installed, lowest, first_unchecked):
             uses = "; ".join(use.what for use in USES if use.library == library)
-            lines.append(f"{library} {installed} is outside the range common/internals.py was checked on "
-                         f"(>={lowest},<{first_unchecked}); its uses of {library}'s internals may break: {uses}")
+            lines.append(
+                f"{library} {installed} is outside the range common/internals.py was checked on "
+                f"(>={lowest},<{first_unchecked}); its uses of {library}'s internals may break: {uses}"
+            )
     return lines

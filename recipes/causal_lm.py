@@ -31,11 +31,11 @@ import math
 from common.arguments import DataArguments, ModelArguments, TrainingArguments
 from common.batch_size import fit_batch_size
 from common.data import load_raw_datasets, make_dataloaders, tokenize_and_pack
-from common.lora import apply_lora, LoraArguments
+from common.lora import LoraArguments, apply_lora
 from common.model import load_model, load_tokenizer
 from common.run import run_recipe, start_run
 from common.sequence_parallel import context_parallel
-from common.training import create_optimizer, create_scheduler, evaluate_loss, total_training_steps, TrainBatches
+from common.training import TrainBatches, create_optimizer, create_scheduler, evaluate_loss, total_training_steps
 
 
 def main(model_args: ModelArguments, data_args: DataArguments, lora_args: LoraArguments, args: TrainingArguments):
@@ -45,10 +45,12 @@ def main(model_args: ModelArguments, data_args: DataArguments, lora_args: LoraAr
     # Data: tokenize and pack into blocks of block_size tokens.
     tokenizer = load_tokenizer(model_args)
     raw = load_raw_datasets(data_args, args.seed)
-    datasets = tokenize_and_pack(raw, tokenizer, data_args.text_column, data_args.block_size,
-                                 accelerator, data_args.preprocessing_num_workers)
+    datasets = tokenize_and_pack(
+        raw, tokenizer, data_args.text_column, data_args.block_size, accelerator, data_args.preprocessing_num_workers
+    )
     train_loader, eval_loader = make_dataloaders(
-        datasets, args.per_device_train_batch_size, args.per_device_eval_batch_size, args.seed)
+        datasets, args.per_device_train_batch_size, args.per_device_eval_batch_size, args.seed
+    )
 
     # Model (with --use_peft: frozen, with trainable LoRA adapters), optimizer, schedule.
     model = apply_lora(load_model(model_args, tokenizer, args.seed, args), lora_args)
@@ -57,11 +59,18 @@ def main(model_args: ModelArguments, data_args: DataArguments, lora_args: LoraAr
     max_steps = total_training_steps(args, train_loader, accelerator)
     scheduler = create_scheduler(optimizer, args, max_steps)
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
-        model, optimizer, train_loader, eval_loader, scheduler)
+        model, optimizer, train_loader, eval_loader, scheduler
+    )
 
     # Resume from the checkpoint (if any), write run.json, start the metrics. {"step": 0} for a fresh run.
-    state = run.begin(model, optimizer, scheduler, tokenizer, max_steps,
-                      train_blocks=None if data_args.streaming else len(datasets["train"]))
+    state = run.begin(
+        model,
+        optimizer,
+        scheduler,
+        tokenizer,
+        max_steps,
+        train_blocks=None if data_args.streaming else len(datasets["train"]),
+    )
     step, metrics, nonfinite, profiler = state["step"], run.metrics, run.nonfinite, run.profiler
     if step == 0 and model_args.model_name_or_path:
         metrics.log_eval(step, evaluate_loss(model, eval_loader, accelerator))  # the pretrained model's loss
@@ -70,8 +79,9 @@ def main(model_args: ModelArguments, data_args: DataArguments, lora_args: LoraAr
     # carries num_items_in_batch, so the loss is the mean over the global batch's label tokens.
     model.train()
     grad_norm = None
-    batches = TrainBatches(accelerator, train_loader, args.gradient_accumulation_steps, max_steps, resume_from=state,
-                           metrics=metrics)  # ends after step max_steps
+    batches = TrainBatches(
+        accelerator, train_loader, args.gradient_accumulation_steps, max_steps, resume_from=state, metrics=metrics
+    )  # ends after step max_steps
     for batch in batches:
         with accelerator.accumulate(model), context_parallel(accelerator, batch):  # fsdp_cp.yaml splits the rows
             loss = model(**batch).loss
@@ -98,8 +108,10 @@ def main(model_args: ModelArguments, data_args: DataArguments, lora_args: LoraAr
 
     final_eval = metrics.log_eval(step, evaluate_loss(model, eval_loader, accelerator))
     final_dir = run.finish()
-    accelerator.print(f"eval_loss={final_eval['eval_loss']:.4f} perplexity={math.exp(final_eval['eval_loss']):.3f} "
-                      f"saved to {final_dir}")
+    accelerator.print(
+        f"eval_loss={final_eval['eval_loss']:.4f} perplexity={math.exp(final_eval['eval_loss']):.3f} "
+        f"saved to {final_dir}"
+    )
     return final_eval
 
 

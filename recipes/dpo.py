@@ -30,16 +30,16 @@ from common.chat import answer_token_counts
 from common.chat_template import read_chat_template
 from common.data import load_raw_datasets, make_dataloaders
 from common.dpo import completion_lengths, completion_log_probs, evaluate_preferences, preference_loss
-from common.evaluation import evaluate_generation, size_max_new_tokens
-from common.lora import apply_lora, LoraArguments
 from common.errors import UsageError
+from common.evaluation import evaluate_generation, size_max_new_tokens
+from common.lora import LoraArguments, apply_lora
 from common.model import load_model, load_tokenizer
-from common.preference import answer_end_ids, chosen_references, PairBatches, tokenize_pairs
+from common.preference import PairBatches, answer_end_ids, chosen_references, tokenize_pairs
 from common.ranges import Range
 from common.reference import build_reference, disable_dropout
 from common.run import run_recipe, start_run
 from common.sequence_parallel import context_parallel
-from common.training import create_optimizer, create_scheduler, total_training_steps, TrainBatches
+from common.training import TrainBatches, create_optimizer, create_scheduler, total_training_steps
 
 
 @dataclass
@@ -48,36 +48,66 @@ class DPOArguments:
     no_auto_batch_size = "its trial step would not count the reference model nor score pairs"
     scores_whole_rows = "each answer's log-probability"  # sequence parallelism refused (common.sequence_parallel)
     chat_template: str | None = field(
-        default=None, metadata={"help": "A chat template file or text; replaces the tokenizer's (and is saved with it)."})
-    beta: Annotated[float, Range(above=0)] = field(default=0.1, metadata={
-        "help": "How far the policy may move from the reference: the rewards are beta x log-ratio."})
-    loss_type: Literal["sigmoid", "ipo", "hinge"] = field(default="sigmoid", metadata={
-        "help": "sigmoid (DPO), ipo (on per-token log-probs) or hinge (SLiC)."})
-    label_smoothing: Annotated[float, Range(low=0, below=0.5)] = field(default=0.0, metadata={
-        "help": "The share of pairs assumed mislabelled (conservative DPO; sigmoid loss only)."})
-    rpo_alpha: Annotated[float, Range(low=0)] = field(default=0.0, metadata={
-        "help": "Adds this times the chosen answer's negative log-likelihood per token to each pair's loss (RPO): "
-                "keeps the chosen answer likely, where DPO alone can drift to answers neither side gave; 0: off."})
+        default=None,
+        metadata={"help": "A chat template file or text; replaces the tokenizer's (and is saved with it)."},
+    )
+    beta: Annotated[float, Range(above=0)] = field(
+        default=0.1,
+        metadata={"help": "How far the policy may move from the reference: the rewards are beta x log-ratio."},
+    )
+    loss_type: Literal["sigmoid", "ipo", "hinge"] = field(
+        default="sigmoid", metadata={"help": "sigmoid (DPO), ipo (on per-token log-probs) or hinge (SLiC)."}
+    )
+    label_smoothing: Annotated[float, Range(low=0, below=0.5)] = field(
+        default=0.0, metadata={"help": "The share of pairs assumed mislabelled (conservative DPO; sigmoid loss only)."}
+    )
+    rpo_alpha: Annotated[float, Range(low=0)] = field(
+        default=0.0,
+        metadata={
+            "help": "Adds this times the chosen answer's negative log-likelihood per token to each pair's loss (RPO): "
+            "keeps the chosen answer likely, where DPO alone can drift to answers neither side gave; 0: off."
+        },
+    )
     max_prompt_length: Annotated[int | None, Range(low=1, why="unset: prompts are not cut")] = field(
-        default=None, metadata={"help": "Prompts longer than this many tokens keep their last ones (counted)."})
-    overlong: Literal["drop", "truncate"] = field(default="drop", metadata={
-        "help": "Pairs whose longer side is over --block_size: drop or truncate (cut at the answer's end); counted "
-                "in run.json."})
-    precompute_ref_log_probs: bool = field(default=False, metadata={
-        "help": "Score every pair with the reference once before training (no reference model in memory after)."})
-    generation_samples: Annotated[int, Range(low=0)] = field(default=0, metadata={
-        "help": "Held-out prompts answered greedily at each evaluation, scored by exact match against the chosen "
-                "answer (where that is the right one: a task metric); 0: none."})
-    disable_dropout: bool = field(default=True, metadata={
-        "help": "Dropout off in the policy, so that it scores pairs as its reference does (TRL's default)."})
+        default=None, metadata={"help": "Prompts longer than this many tokens keep their last ones (counted)."}
+    )
+    overlong: Literal["drop", "truncate"] = field(
+        default="drop",
+        metadata={
+            "help": "Pairs whose longer side is over --block_size: drop or truncate (cut at the answer's end); counted "
+            "in run.json."
+        },
+    )
+    precompute_ref_log_probs: bool = field(
+        default=False,
+        metadata={
+            "help": "Score every pair with the reference once before training (no reference model in memory after)."
+        },
+    )
+    generation_samples: Annotated[int, Range(low=0)] = field(
+        default=0,
+        metadata={
+            "help": "Held-out prompts answered greedily at each evaluation, scored by exact match against the chosen "
+            "answer (where that is the right one: a task metric); 0: none."
+        },
+    )
+    disable_dropout: bool = field(
+        default=True,
+        metadata={"help": "Dropout off in the policy, so that it scores pairs as its reference does (TRL's default)."},
+    )
 
     def __post_init__(self):
         if self.label_smoothing and self.loss_type != "sigmoid":
             raise UsageError(f"--label_smoothing is for --loss_type sigmoid; drop it for {self.loss_type}")
 
 
-def main(model_args: ModelArguments, data_args: DataArguments, dpo_args: DPOArguments, lora_args: LoraArguments,
-         args: TrainingArguments):
+def main(
+    model_args: ModelArguments,
+    data_args: DataArguments,
+    dpo_args: DPOArguments,
+    lora_args: LoraArguments,
+    args: TrainingArguments,
+):
     run = start_run(model_args, data_args, dpo_args, lora_args, args)
     accelerator = run.accelerator
 
@@ -86,11 +116,19 @@ def main(model_args: ModelArguments, data_args: DataArguments, dpo_args: DPOArgu
     if dpo_args.chat_template:
         tokenizer.chat_template = read_chat_template(dpo_args.chat_template)
     raw = load_raw_datasets(data_args, args.seed)
-    datasets, cut = tokenize_pairs(raw, tokenizer, data_args.block_size, dpo_args.max_prompt_length,
-                                   dpo_args.overlong, accelerator, data_args.preprocessing_num_workers)
+    datasets, cut = tokenize_pairs(
+        raw,
+        tokenizer,
+        data_args.block_size,
+        dpo_args.max_prompt_length,
+        dpo_args.overlong,
+        accelerator,
+        data_args.preprocessing_num_workers,
+    )
     collate = PairBatches(tokenizer.pad_token_id)
-    train_loader, eval_loader = make_dataloaders(datasets, args.per_device_train_batch_size,
-                                                 args.per_device_eval_batch_size, args.seed, collate_fn=collate)
+    train_loader, eval_loader = make_dataloaders(
+        datasets, args.per_device_train_batch_size, args.per_device_eval_batch_size, args.seed, collate_fn=collate
+    )
     references = chosen_references(raw["validation"], dpo_args.generation_samples)  # the task metric, if asked
     stop_ids = answer_end_ids(tokenizer, references)
     longest_answer = max(answer_token_counts(tokenizer, references), default=1)
@@ -104,35 +142,53 @@ def main(model_args: ModelArguments, data_args: DataArguments, dpo_args: DPOArgu
     max_steps = total_training_steps(args, train_loader, accelerator)
     scheduler = create_scheduler(optimizer, args, max_steps)
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
-        model, optimizer, train_loader, eval_loader, scheduler)
+        model, optimizer, train_loader, eval_loader, scheduler
+    )
     reference.prepare(run, model, datasets, collate, args.per_device_eval_batch_size)
 
     # Resume from the checkpoint (if any), write run.json, start the metrics. {"step": 0} for a fresh run.
-    state = run.begin(model, optimizer, scheduler, tokenizer, max_steps, pairs_cut_or_dropped=cut,
-                      reference_model=reference.record())
+    state = run.begin(
+        model, optimizer, scheduler, tokenizer, max_steps, pairs_cut_or_dropped=cut, reference_model=reference.record()
+    )
     reference.score_before_training()  # --precompute_ref_log_probs: once per run (a resumed one read its table)
     step, metrics, nonfinite, profiler = state["step"], run.metrics, run.nonfinite, run.profiler
-    objective = dict(beta=dpo_args.beta, loss_type=dpo_args.loss_type, label_smoothing=dpo_args.label_smoothing,
-                     rpo_alpha=dpo_args.rpo_alpha)
+    objective = dict(
+        beta=dpo_args.beta,
+        loss_type=dpo_args.loss_type,
+        label_smoothing=dpo_args.label_smoothing,
+        rpo_alpha=dpo_args.rpo_alpha,
+    )
 
     def evaluate():
         scores = evaluate_preferences(model, reference, eval_loader, accelerator, **objective)
         if references:
-            scores.update(evaluate_generation(model, tokenizer, references, accelerator, max_new_tokens, stop_ids,
-                                              args.per_device_eval_batch_size, longest_answer))
+            scores.update(
+                evaluate_generation(
+                    model,
+                    tokenizer,
+                    references,
+                    accelerator,
+                    max_new_tokens,
+                    stop_ids,
+                    args.per_device_eval_batch_size,
+                    longest_answer,
+                )
+            )
         return metrics.log_eval(step, scores)
 
     before = evaluate() if step == 0 else None
 
     model.train()
     grad_norm = None
-    batches = TrainBatches(accelerator, train_loader, args.gradient_accumulation_steps, max_steps, resume_from=state,
-                           metrics=metrics)  # ends after step max_steps
+    batches = TrainBatches(
+        accelerator, train_loader, args.gradient_accumulation_steps, max_steps, resume_from=state, metrics=metrics
+    )  # ends after step max_steps
     for batch in batches:
         with accelerator.accumulate(model), context_parallel(accelerator, batch):  # fsdp_cp.yaml splits the rows
             ref_log_probs = reference.log_probs(batch, "train")
-            losses, rewards = preference_loss(completion_log_probs(model, batch), ref_log_probs,
-                                              completion_lengths(batch), **objective)
+            losses, rewards = preference_loss(
+                completion_log_probs(model, batch), ref_log_probs, completion_lengths(batch), **objective
+            )
             loss = losses.mean()  # pairs per micro-batch are equal on every rank: the global batch's mean
             metrics.record_batch(loss, batch)
             metrics.record_values(rewards)
@@ -159,13 +215,17 @@ def main(model_args: ModelArguments, data_args: DataArguments, dpo_args: DPOArgu
     after = evaluate()
     final_dir = run.finish()
     start = f"{before['eval_prefers_chosen']:.3f} before -> " if before else ""
-    accelerator.print(f"prefers the chosen answer {start}{after['eval_prefers_chosen']:.3f} of {after['eval_pairs']} "
-                      f"held-out pairs (reward accuracy {after['eval_rewards/accuracies']:.3f}, eval_loss "
-                      f"{after['eval_loss']:.4f}); saved to {final_dir}")
+    accelerator.print(
+        f"prefers the chosen answer {start}{after['eval_prefers_chosen']:.3f} of {after['eval_pairs']} "
+        f"held-out pairs (reward accuracy {after['eval_rewards/accuracies']:.3f}, eval_loss "
+        f"{after['eval_loss']:.4f}); saved to {final_dir}"
+    )
     if references:
         start = f"{before['eval_exact_match']:.3f} before -> " if before else ""
-        accelerator.print(f"greedy answers equal to the chosen one: {start}{after['eval_exact_match']:.3f} of "
-                          f"{after['eval_generated']}")
+        accelerator.print(
+            f"greedy answers equal to the chosen one: {start}{after['eval_exact_match']:.3f} of "
+            f"{after['eval_generated']}"
+        )
     return after
 
 

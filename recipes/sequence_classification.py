@@ -23,15 +23,15 @@ from typing import Annotated, Literal
 from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding
 
 from common.arguments import DataArguments, ModelArguments, TrainingArguments
-from common.ranges import Range
 from common.batch_size import fit_batch_size
 from common.data import load_raw_datasets, make_dataloaders, tokenize_for_classification
 from common.evaluation import BestModelTracker, evaluate_classification, load_metric
-from common.lora import apply_lora, LoraArguments
+from common.lora import LoraArguments, apply_lora
 from common.model import load_model, load_tokenizer
+from common.ranges import Range
 from common.run import run_recipe, start_run
 from common.sequence_parallel import context_parallel
-from common.training import create_optimizer, create_scheduler, total_training_steps, TrainBatches
+from common.training import TrainBatches, create_optimizer, create_scheduler, total_training_steps
 
 
 @dataclass
@@ -44,11 +44,17 @@ class ClassificationArguments:
     metric_for_best_model: str = "eval_accuracy"
     greater_is_better: bool = True
     early_stopping_patience: Annotated[int | None, Range(low=1, why="unset: never stop early")] = field(
-        default=None, metadata={"help": "Evaluations without improvement before stopping."})
+        default=None, metadata={"help": "Evaluations without improvement before stopping."}
+    )
 
 
-def main(model_args: ModelArguments, data_args: DataArguments, task_args: ClassificationArguments,
-         lora_args: LoraArguments, args: TrainingArguments):
+def main(
+    model_args: ModelArguments,
+    data_args: DataArguments,
+    task_args: ClassificationArguments,
+    lora_args: LoraArguments,
+    args: TrainingArguments,
+):
     run = start_run(model_args, data_args, task_args, lora_args, args)
     accelerator = run.accelerator
     metric_modules = {name: load_metric(name) for name in task_args.metrics}
@@ -57,35 +63,61 @@ def main(model_args: ModelArguments, data_args: DataArguments, task_args: Classi
     tokenizer = load_tokenizer(model_args)
     raw = load_raw_datasets(data_args, args.seed)
     datasets, label_names = tokenize_for_classification(
-        raw, tokenizer, data_args.text_column, task_args.label_column, data_args.block_size, accelerator,
-        data_args.preprocessing_num_workers)
-    train_loader, eval_loader = make_dataloaders(datasets, args.per_device_train_batch_size,
-                                                 args.per_device_eval_batch_size, args.seed,
-                                                 collate_fn=DataCollatorWithPadding(tokenizer))
+        raw,
+        tokenizer,
+        data_args.text_column,
+        task_args.label_column,
+        data_args.block_size,
+        accelerator,
+        data_args.preprocessing_num_workers,
+    )
+    train_loader, eval_loader = make_dataloaders(
+        datasets,
+        args.per_device_train_batch_size,
+        args.per_device_eval_batch_size,
+        args.seed,
+        collate_fn=DataCollatorWithPadding(tokenizer),
+    )
 
-    model = load_model(model_args, tokenizer, args.seed, args,
-                       auto_class=AutoModelForSequenceClassification, num_labels=len(label_names),
-                       id2label=dict(enumerate(label_names)),
-                       label2id={name: i for i, name in enumerate(label_names)})
+    model = load_model(
+        model_args,
+        tokenizer,
+        args.seed,
+        args,
+        auto_class=AutoModelForSequenceClassification,
+        num_labels=len(label_names),
+        id2label=dict(enumerate(label_names)),
+        label2id={name: i for i, name in enumerate(label_names)},
+    )
     model = apply_lora(model, lora_args)  # --use_peft: LoRA adapters and the new head train, the rest is frozen
     optimizer = create_optimizer(model, args)
     train_loader = fit_batch_size(accelerator, model, train_loader, args)  # --auto_find_batch_size
     max_steps = total_training_steps(args, train_loader, accelerator)
     scheduler = create_scheduler(optimizer, args, max_steps)
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
-        model, optimizer, train_loader, eval_loader, scheduler)
+        model, optimizer, train_loader, eval_loader, scheduler
+    )
 
     # Resume from the checkpoint (if any), write run.json, start the metrics. {"step": 0} for a fresh run.
-    state = run.begin(model, optimizer, scheduler, tokenizer, max_steps, labels=label_names,
-                      eval_examples=len(datasets["validation"]))
+    state = run.begin(
+        model,
+        optimizer,
+        scheduler,
+        tokenizer,
+        max_steps,
+        labels=label_names,
+        eval_examples=len(datasets["validation"]),
+    )
     step, metrics, nonfinite, profiler = state["step"], run.metrics, run.nonfinite, run.profiler
-    best = BestModelTracker(task_args.metric_for_best_model, task_args.greater_is_better,
-                            task_args.early_stopping_patience)
+    best = BestModelTracker(
+        task_args.metric_for_best_model, task_args.greater_is_better, task_args.early_stopping_patience
+    )
     best.load_state_dict(state.get("best", {}))
 
     def evaluate_and_track():
-        results = metrics.log_eval(step, evaluate_classification(model, eval_loader, accelerator,
-                                                                 metric_modules, task_args.f1_average))
+        results = metrics.log_eval(
+            step, evaluate_classification(model, eval_loader, accelerator, metric_modules, task_args.f1_average)
+        )
         if best.update(step, results):
             run.export("best")
         return results
@@ -93,8 +125,9 @@ def main(model_args: ModelArguments, data_args: DataArguments, task_args: Classi
     # Training loop.
     model.train()
     grad_norm = None
-    batches = TrainBatches(accelerator, train_loader, args.gradient_accumulation_steps, max_steps, resume_from=state,
-                           metrics=metrics)  # ends after step max_steps
+    batches = TrainBatches(
+        accelerator, train_loader, args.gradient_accumulation_steps, max_steps, resume_from=state, metrics=metrics
+    )  # ends after step max_steps
     for batch in batches:
         with accelerator.accumulate(model), context_parallel(accelerator, batch):  # fsdp_cp.yaml splits the rows
             loss = model(**batch).loss
@@ -117,16 +150,19 @@ def main(model_args: ModelArguments, data_args: DataArguments, task_args: Classi
         if args.eval_steps and step % args.eval_steps == 0 and step < max_steps:
             evaluate_and_track()
             if best.should_stop:
-                accelerator.print(f"early stopping at step {step}: best {best.metric}={best.best_value:.4f} "
-                                  f"at step {best.best_step}")
+                accelerator.print(
+                    f"early stopping at step {step}: best {best.metric}={best.best_value:.4f} at step {best.best_step}"
+                )
                 break
         if args.save_steps and step % args.save_steps == 0:
             run.save_checkpoint(step, {"data": batches.position, "best": best.state_dict()})
 
     final = evaluate_and_track()
     run.finish()
-    accelerator.print(f"eval_accuracy={final.get('eval_accuracy', float('nan')):.4f} best "
-                      f"{best.metric}={best.best_value:.4f} at step {best.best_step}")
+    accelerator.print(
+        f"eval_accuracy={final.get('eval_accuracy', float('nan')):.4f} best "
+        f"{best.metric}={best.best_value:.4f} at step {best.best_step}"
+    )
     return final
 
 

@@ -30,20 +30,19 @@ from typing import Annotated
 from transformers import DataCollatorForSeq2Seq
 
 from common.arguments import DataArguments, ModelArguments, TrainingArguments
-from common.ranges import Range
 from common.batch_size import fit_batch_size
 from common.chat import OVERLONG, answer_token_counts, end_of_turn_ids, generation_references, tokenize_sft
 from common.chat_template import read_chat_template
 from common.data import load_raw_datasets, make_dataloaders
 from common.evaluation import evaluate_generation, size_max_new_tokens
-from common.lora import apply_lora, LoraArguments
-from common.model import load_model, load_tokenizer
 from common.internals import attention_implementation
+from common.lora import LoraArguments, apply_lora
+from common.model import load_model, load_tokenizer
 from common.packing import PackOrPad
+from common.ranges import Range
 from common.run import run_recipe, start_run
 from common.sequence_parallel import context_parallel
-from common.training import (create_optimizer, create_scheduler, evaluate_loss, total_training_steps,
-                             TrainBatches)
+from common.training import TrainBatches, create_optimizer, create_scheduler, evaluate_loss, total_training_steps
 
 
 @dataclass
@@ -51,20 +50,35 @@ class SFTArguments:
     reads_data_in_memory = True  # not a field: --streaming is refused here (common.parsing)
     messages_column: str = "messages"
     chat_template: str | None = field(
-        default=None, metadata={"help": "A chat template file or text; replaces the tokenizer's (and is saved with it)."})
-    overlong: str = field(default="drop", metadata={
-        "help": f"Examples longer than --block_size: {' or '.join(OVERLONG)} (dropped examples are counted in run.json)."})
+        default=None,
+        metadata={"help": "A chat template file or text; replaces the tokenizer's (and is saved with it)."},
+    )
+    overlong: str = field(
+        default="drop",
+        metadata={
+            "help": f"Examples longer than --block_size: {' or '.join(OVERLONG)} (dropped examples are counted in run.json)."
+        },
+    )
     packing: bool = field(default=True, metadata={"help": "Flatten each batch into one row (no padding)."})
     max_new_tokens: Annotated[int | None, Range(low=1, why="unset: sized from the reference answers")] = field(
-        default=None, metadata={
-        "help": "Longest greedy answer for exact match, in tokens; default: the longest reference answer's, with its "
-                "end-of-turn token, at most 512 (an answer cut by the limit is scored as wrong and counted)."})
+        default=None,
+        metadata={
+            "help": "Longest greedy answer for exact match, in tokens; default: the longest reference answer's, with its "
+            "end-of-turn token, at most 512 (an answer cut by the limit is scored as wrong and counted)."
+        },
+    )
     max_generation_samples: Annotated[int | None, Range(low=1, why="unset: all of them")] = field(
-        default=None, metadata={"help": "Eval conversations to generate for."})
+        default=None, metadata={"help": "Eval conversations to generate for."}
+    )
 
 
-def main(model_args: ModelArguments, data_args: DataArguments, sft_args: SFTArguments, lora_args: LoraArguments,
-         args: TrainingArguments):
+def main(
+    model_args: ModelArguments,
+    data_args: DataArguments,
+    sft_args: SFTArguments,
+    lora_args: LoraArguments,
+    args: TrainingArguments,
+):
     run = start_run(model_args, data_args, sft_args, lora_args, args)
     accelerator = run.accelerator
 
@@ -73,15 +87,28 @@ def main(model_args: ModelArguments, data_args: DataArguments, sft_args: SFTArgu
     if sft_args.chat_template:
         tokenizer.chat_template = read_chat_template(sft_args.chat_template)
     raw = load_raw_datasets(data_args, args.seed)
-    datasets, dropped = tokenize_sft(raw, tokenizer, sft_args.messages_column, data_args.block_size,
-                                     sft_args.overlong, accelerator, data_args.preprocessing_num_workers)
+    datasets, dropped = tokenize_sft(
+        raw,
+        tokenizer,
+        sft_args.messages_column,
+        data_args.block_size,
+        sft_args.overlong,
+        accelerator,
+        data_args.preprocessing_num_workers,
+    )
     padding = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
     collate = PackOrPad(padding) if sft_args.packing else padding
     train_loader, eval_loader = make_dataloaders(
-        datasets, args.per_device_train_batch_size, args.per_device_eval_batch_size, args.seed, collate_fn=collate,
-        eval_collate_fn=padding)  # eval keeps one row per conversation, so every one is counted once
-    references = generation_references(raw["validation"], raw["train"].column_names, sft_args.messages_column,
-                                       sft_args.max_generation_samples)
+        datasets,
+        args.per_device_train_batch_size,
+        args.per_device_eval_batch_size,
+        args.seed,
+        collate_fn=collate,
+        eval_collate_fn=padding,
+    )  # eval keeps one row per conversation, so every one is counted once
+    references = generation_references(
+        raw["validation"], raw["train"].column_names, sft_args.messages_column, sft_args.max_generation_samples
+    )
     stop_ids = end_of_turn_ids(datasets["validation"])
     longest_answer = max(answer_token_counts(tokenizer, references), default=1)
     max_new_tokens = size_max_new_tokens(sft_args.max_new_tokens, longest_answer, accelerator)
@@ -94,25 +121,47 @@ def main(model_args: ModelArguments, data_args: DataArguments, sft_args: SFTArgu
     max_steps = total_training_steps(args, train_loader, accelerator)
     scheduler = create_scheduler(optimizer, args, max_steps)
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
-        model, optimizer, train_loader, eval_loader, scheduler)
+        model, optimizer, train_loader, eval_loader, scheduler
+    )
 
     # Resume from the checkpoint (if any), write run.json, start the metrics. {"step": 0} for a fresh run.
-    state = run.begin(model, optimizer, scheduler, tokenizer, max_steps, dropped_examples=dropped, batches=layout,
-                      generation={"max_new_tokens": max_new_tokens, "longest_reference_answer_tokens": longest_answer})
+    state = run.begin(
+        model,
+        optimizer,
+        scheduler,
+        tokenizer,
+        max_steps,
+        dropped_examples=dropped,
+        batches=layout,
+        generation={"max_new_tokens": max_new_tokens, "longest_reference_answer_tokens": longest_answer},
+    )
     step, metrics, nonfinite, profiler = state["step"], run.metrics, run.nonfinite, run.profiler
 
     def evaluate():
-        return metrics.log_eval(step, {**evaluate_loss(model, eval_loader, accelerator),
-                                       **evaluate_generation(model, tokenizer, references, accelerator,
-                                                             max_new_tokens, stop_ids,
-                                                             args.per_device_eval_batch_size, longest_answer)})
+        return metrics.log_eval(
+            step,
+            {
+                **evaluate_loss(model, eval_loader, accelerator),
+                **evaluate_generation(
+                    model,
+                    tokenizer,
+                    references,
+                    accelerator,
+                    max_new_tokens,
+                    stop_ids,
+                    args.per_device_eval_batch_size,
+                    longest_answer,
+                ),
+            },
+        )
 
     before = evaluate() if step == 0 else None
 
     model.train()
     grad_norm = None
-    batches = TrainBatches(accelerator, train_loader, args.gradient_accumulation_steps, max_steps, resume_from=state,
-                           metrics=metrics)  # ends after step max_steps
+    batches = TrainBatches(
+        accelerator, train_loader, args.gradient_accumulation_steps, max_steps, resume_from=state, metrics=metrics
+    )  # ends after step max_steps
     for batch in batches:
         with accelerator.accumulate(model), context_parallel(accelerator, batch):  # fsdp_cp.yaml splits the rows
             loss = model(**batch).loss
@@ -140,10 +189,15 @@ def main(model_args: ModelArguments, data_args: DataArguments, sft_args: SFTArgu
     after = evaluate()
     final_dir = run.finish()
     start = f"{before['eval_exact_match']:.3f} untrained -> " if before else ""
-    cut = (f" ({after['eval_truncated_generations']} cut at --max_new_tokens {max_new_tokens})"
-           if after["eval_truncated_generations"] else "")
-    accelerator.print(f"exact match {start}{after['eval_exact_match']:.3f} on {after['eval_generated']} questions"
-                      f"{cut}; saved to {final_dir}")
+    cut = (
+        f" ({after['eval_truncated_generations']} cut at --max_new_tokens {max_new_tokens})"
+        if after["eval_truncated_generations"]
+        else ""
+    )
+    accelerator.print(
+        f"exact match {start}{after['eval_exact_match']:.3f} on {after['eval_generated']} questions"
+        f"{cut}; saved to {final_dir}"
+    )
     return after
 
 

@@ -19,8 +19,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import common  # noqa: F401  (keeps torchao's import-time noise off the answer's output)
 
 
-def answer(model_path: str, question: str, max_new_tokens: int = 32, adapter: str | None = None,
-           system: str | None = None) -> str:
+def answer(
+    model_path: str, question: str, max_new_tokens: int = 32, adapter: str | None = None, system: str | None = None
+) -> str:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     if os.path.isfile(os.path.join(model_path, "adapter_config.json")):  # an adapter: on the base it names
         from peft import AutoPeftModelForCausalLM
@@ -33,15 +34,25 @@ def answer(model_path: str, question: str, max_new_tokens: int = 32, adapter: st
 
         model = PeftModel.from_pretrained(model, adapter).eval()
     if not tokenizer.chat_template:
-        raise SystemExit(f"error: the tokenizer in {model_path} has no chat template; ask a chat model, or train one "
-                         "with recipes/sft.py --chat_template FILE")
+        raise SystemExit(
+            f"error: the tokenizer in {model_path} has no chat template; ask a chat model, or train one "
+            "with recipes/sft.py --chat_template FILE"
+        )
     turns = [{"role": "system", "content": system}] if system else []
-    inputs = tokenizer.apply_chat_template(turns + [{"role": "user", "content": question}], add_generation_prompt=True,
-                                           return_dict=True, return_tensors="pt")
+    inputs = tokenizer.apply_chat_template(
+        turns + [{"role": "user", "content": question}],
+        add_generation_prompt=True,
+        return_dict=True,
+        return_tensors="pt",
+    )
     with torch.no_grad():
-        output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
-                                pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
-    return tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+        output = model.generate(
+            **inputs,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+        )
+    return tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True).strip()
 
 
 def main(argv=None):

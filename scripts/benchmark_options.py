@@ -24,12 +24,14 @@ import tempfile
 
 import yaml
 
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from benchmark_peers import REPO, check_job, job_line, job_parser, launch, mfu, model_config  # noqa: E402
 from figures import markdown_table, write_page  # noqa: E402
 
 from common.speed import fp8_host, fp8_problem  # noqa: E402  (benchmark_peers puts the repository on the path)
+
 
 OPTIONS = {
     "defaults": [],
@@ -53,8 +55,13 @@ LAUNCHER = {"fp8": FP8, "compile_and_fp8": FP8}
 
 def main(argv=None):
     parser = job_parser(__doc__)
-    parser.add_argument("--options", nargs="+", default=[name for name in OPTIONS if name != "defaults"],
-                        choices=[name for name in OPTIONS if name != "defaults"], help="the options to time")
+    parser.add_argument(
+        "--options",
+        nargs="+",
+        default=[name for name in OPTIONS if name != "defaults"],
+        choices=[name for name in OPTIONS if name != "defaults"],
+        help="the options to time",
+    )
     args = parser.parse_args(argv)
     check_job(args)
     variants = ["defaults", *args.options]
@@ -71,8 +78,16 @@ def main(argv=None):
                 if name in launcher_refusal:
                     result = {"refused": launcher_refusal[name]}
                 else:
-                    result = launch("recipe", args, config, folder, round_, recipe_args=OPTIONS[name], name=name,
-                                    launcher_args=launcher_args(name, args.config))
+                    result = launch(
+                        "recipe",
+                        args,
+                        config,
+                        folder,
+                        round_,
+                        recipe_args=OPTIONS[name],
+                        name=name,
+                        launcher_args=launcher_args(name, args.config),
+                    )
                 if "refused" in result:
                     refused[name] = result["refused"]
                     print(f"round {round_ + 1}: {name:28s} {result['refused']}", flush=True)
@@ -80,8 +95,11 @@ def main(argv=None):
                 speeds[name].append(result["tokens"] / result["seconds"])
                 peaks[name] = result["peak_mb"]  # the CUDA allocator's peak on a GPU, the resident set on a CPU host
                 flops = flops or result  # FLOPs per token and the device's peak (MFU on a GPU): the same job for all
-                print(f"round {round_ + 1}: {name:28s} {speeds[name][-1]:10.0f} tokens/s, peak {peaks[name]:.0f} MB "
-                      f"(loss {result['loss']:.3f})", flush=True)
+                print(
+                    f"round {round_ + 1}: {name:28s} {speeds[name][-1]:10.0f} tokens/s, peak {peaks[name]:.0f} MB "
+                    f"(loss {result['loss']:.3f})",
+                    flush=True,
+                )
                 if args.docs and speeds["defaults"]:  # the page so far: a run cut short keeps what it measured
                     write_table(args, variants, speeds, peaks, refused, flops, quiet=True)
     if "defaults" in refused:
@@ -120,8 +138,17 @@ def write_table(args, variants: list, speeds: dict, peaks: dict, refused: dict, 
             rows.append([name, f"`{flags}`", "refused here:", refused[name].removeprefix("error: "), "", "", ""])
         elif speeds[name]:
             speed = statistics.median(speeds[name])
-            rows.append([name, f"`{flags}`", f"{speed:.0f}", f"{speed / base_speed:.2f}x", f"{peaks[name]:.0f}",
-                         f"{peaks[name] / base_peak:.2f}x", ", ".join(f"{v:.0f}" for v in speeds[name])])
+            rows.append(
+                [
+                    name,
+                    f"`{flags}`",
+                    f"{speed:.0f}",
+                    f"{speed / base_speed:.2f}x",
+                    f"{peaks[name]:.0f}",
+                    f"{peaks[name] / base_peak:.2f}x",
+                    ", ".join(f"{v:.0f}" for v in speeds[name]),
+                ]
+            )
     if flops.get("peak_tflops"):  # a GPU in common.flops' table
         header.insert(4, "MFU")
         for row in rows:
@@ -130,12 +157,20 @@ def write_table(args, variants: list, speeds: dict, peaks: dict, refused: dict, 
     if not quiet:
         print(table)
     if args.docs:
-        write_page(args.docs, "The speed options against the recipe's defaults", "\n\n".join([
-            job_line(args), table,
-            "Above 1x in tokens/s: faster than the defaults (fused AdamW, sdpa attention, no compile, no "
-            "activation checkpointing). Peak memory: the last logged window's, the rank with the highest; on a "
-            "CPU host the process's resident set (compile's own memory included), on a GPU the CUDA allocator's "
-            "peak. torch_compile's first steps compile; the timed steps come after --warmup."]))
+        write_page(
+            args.docs,
+            "The speed options against the recipe's defaults",
+            "\n\n".join(
+                [
+                    job_line(args),
+                    table,
+                    "Above 1x in tokens/s: faster than the defaults (fused AdamW, sdpa attention, no compile, no "
+                    "activation checkpointing). Peak memory: the last logged window's, the rank with the highest; on a "
+                    "CPU host the process's resident set (compile's own memory included), on a GPU the CUDA allocator's "
+                    "peak. torch_compile's first steps compile; the timed steps come after --warmup.",
+                ]
+            ),
+        )
 
 
 if __name__ == "__main__":

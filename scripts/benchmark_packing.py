@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import torch  # noqa: E402
@@ -42,15 +43,18 @@ from common.synthetic import write_arithmetic_data, write_jsonl  # noqa: E402
 
 class _OneProcess:
     from contextlib import nullcontext as main_process_first
+
     is_main_process = True
 
     def print(self, *args):
         pass
 
 
-DATA = {"equal": "the SFT demo's arithmetic chats (nearly equal lengths)",
-        "mixed": "arithmetic and counting chats (answers of 1 to 12 tokens)",
-        "varied": "chats of 20 to 400 tokens (lengths spread as real chats' are)"}
+DATA = {
+    "equal": "the SFT demo's arithmetic chats (nearly equal lengths)",
+    "mixed": "arithmetic and counting chats (answers of 1 to 12 tokens)",
+    "varied": "chats of 20 to 400 tokens (lengths spread as real chats' are)",
+}
 
 
 def varied_chats(count: int, seed: int) -> list[dict]:
@@ -62,9 +66,14 @@ def varied_chats(count: int, seed: int) -> list[dict]:
     for _ in range(count):
         total = rng.randint(20, 400) - 8  # the template's role tokens
         answer = max(1, total // 4)
-        chats.append({"messages": [
-            {"role": "user", "content": " ".join(rng.choice(words) for _ in range(total - answer))},
-            {"role": "assistant", "content": " ".join(rng.choice(words) for _ in range(answer))}]})
+        chats.append(
+            {
+                "messages": [
+                    {"role": "user", "content": " ".join(rng.choice(words) for _ in range(total - answer))},
+                    {"role": "assistant", "content": " ".join(rng.choice(words) for _ in range(answer))},
+                ]
+            }
+        )
     return chats
 
 
@@ -76,18 +85,28 @@ def measure(kind: str, args) -> tuple[str, list]:
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(data, "tokenizer"))
     if kind == "varied":
         write_jsonl(os.path.join(data, "train.jsonl"), varied_chats(count, seed=0))
-    raw = DatasetDict({split: Dataset.from_json(os.path.join(data, f"{split}.jsonl")) for split in ("train", "validation")})
+    raw = DatasetDict(
+        {split: Dataset.from_json(os.path.join(data, f"{split}.jsonl")) for split in ("train", "validation")}
+    )
     examples = tokenize_sft(raw, tokenizer, "messages", 512, "drop", _OneProcess())[0]["train"]
     features = [{"input_ids": e["input_ids"], "labels": e["labels"]} for e in examples]
-    batches = [features[i:i + args.batch_size] for i in range(0, len(features) - args.batch_size + 1, args.batch_size)]
+    batches = [
+        features[i : i + args.batch_size] for i in range(0, len(features) - args.batch_size + 1, args.batch_size)
+    ]
     padded = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
-    layouts = {"padded": (padded, False), "packed-sdpa": (DataCollatorWithFlattening(), False),
-               "packed-varlen": (DataCollatorWithFlattening(), True), "auto": (packing.PackOrPad(padded), True)}
+    layouts = {
+        "padded": (padded, False),
+        "packed-sdpa": (DataCollatorWithFlattening(), False),
+        "packed-varlen": (DataCollatorWithFlattening(), True),
+        "auto": (packing.PackOrPad(padded), True),
+    }
 
     model_args = ModelArguments(model_config=args.model_config, tokenizer_name_or_path=os.path.join(data, "tokenizer"))
-    label_tokens = sum(sum(label != -100 for label in f["labels"]) for batch in batches[args.warmup:] for f in batch)
-    summary = (f"{len(batches) - args.warmup} steps of {args.batch_size} conversations ({label_tokens} label tokens), "
-               f"precision {args.precision}, {torch.get_num_threads()} threads")
+    label_tokens = sum(sum(label != -100 for label in f["labels"]) for batch in batches[args.warmup :] for f in batch)
+    summary = (
+        f"{len(batches) - args.warmup} steps of {args.batch_size} conversations ({label_tokens} label tokens), "
+        f"precision {args.precision}, {torch.get_num_threads()} threads"
+    )
     print(f"{DATA[kind]}: {summary}")
     print(f"{'layout':<14} {'attention':<12} {'label tok/s':>11} {'vs padded':>9} {'final loss':>10}")
     runs = {}  # each layout's own model (the same initial weights), optimizer and attention
@@ -98,7 +117,7 @@ def measure(kind: str, args) -> tuple[str, list]:
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16")
     seconds, losses, names = dict.fromkeys(layouts, 0.0), {}, list(layouts)
     for index, batch in enumerate(batches):  # interleaved: every layout takes each step, in rotated order
-        for name in names[index % len(names):] + names[:index % len(names)]:
+        for name in names[index % len(names) :] + names[: index % len(names)]:
             collate, model, optimizer, _ = runs[name]
             started = time.perf_counter()
             inputs = collate(batch)
@@ -120,29 +139,40 @@ def measure(kind: str, args) -> tuple[str, list]:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--batch_size", type=int, default=64)
     parser.add_argument("--model_config", default="recipes/configs/tiny_llama.json")
     parser.add_argument("--precision", choices=["bf16", "no"], default="bf16")
     parser.add_argument("--data", nargs="+", choices=list(DATA), default=list(DATA))
-    parser.add_argument("--docs", help="also write the table to this markdown page (make benchmark-packing: "
-                                       "docs/benchmark-packing.md)")
+    parser.add_argument(
+        "--docs", help="also write the table to this markdown page (make benchmark-packing: docs/benchmark-packing.md)"
+    )
     args = parser.parse_args(argv)
 
     tables = [(kind, *measure(kind, args)) for kind in args.data]
     if args.docs:
         from figures import markdown_table, write_page
 
-        write_page(args.docs, "SFT packing: packed vs padded batches", "\n\n".join(
-            ["One process, the demo's tiny Llama from its config (positions up to 512). Label tokens/s of whole "
-             "training steps (forward, backward, AdamW), each layout on the same batches, in one run, the layouts "
-             "interleaved step by step."] +
-            [f"**{DATA[kind]}**: {summary}.\n\n" + markdown_table(
-                ["layout", "attention", "label tokens/s", "vs padded", "final loss"], rows)
-             for kind, summary, rows in tables]))
+        write_page(
+            args.docs,
+            "SFT packing: packed vs padded batches",
+            "\n\n".join(
+                [
+                    "One process, the demo's tiny Llama from its config (positions up to 512). Label tokens/s of whole "
+                    "training steps (forward, backward, AdamW), each layout on the same batches, in one run, the layouts "
+                    "interleaved step by step."
+                ]
+                + [
+                    f"**{DATA[kind]}**: {summary}.\n\n"
+                    + markdown_table(["layout", "attention", "label tokens/s", "vs padded", "final loss"], rows)
+                    for kind, summary, rows in tables
+                ]
+            ),
+        )
 
 
 if __name__ == "__main__":

@@ -39,9 +39,11 @@ import subprocess
 import sys
 import tempfile
 
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from figures import markdown_table, write_page  # noqa: E402
+
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(REPO, "outputs", "data", "markov")
@@ -54,23 +56,57 @@ DPO_BLOCK, DPO_BETA = 32, 0.1  # recipes/configs/dpo_demo.yaml's; no pair of the
 def model_config(hidden: int, layers: int, folder: str) -> str:
     path = os.path.join(folder, "model.json")
     with open(path, "w") as handle:
-        json.dump({"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": hidden,
-                   "intermediate_size": hidden * 8 // 3 // 64 * 64 or 64, "num_hidden_layers": layers,
-                   "num_attention_heads": max(hidden // 64, 1), "num_key_value_heads": max(hidden // 64, 1),
-                   "max_position_embeddings": 2048, "tie_word_embeddings": False, "rms_norm_eps": 1e-6}, handle)
+        json.dump(
+            {
+                "model_type": "llama",
+                "architectures": ["LlamaForCausalLM"],
+                "hidden_size": hidden,
+                "intermediate_size": hidden * 8 // 3 // 64 * 64 or 64,
+                "num_hidden_layers": layers,
+                "num_attention_heads": max(hidden // 64, 1),
+                "num_key_value_heads": max(hidden // 64, 1),
+                "max_position_embeddings": 2048,
+                "tie_word_embeddings": False,
+                "rms_norm_eps": 1e-6,
+            },
+            handle,
+        )
     return path
 
 
 # The recipes' side of both jobs: nothing but training in the timed steps, and the peers' schedule and clipping.
-RECIPE_JOB = ["--eval_steps", "0", "--save_steps", "0", "--warmup_steps", "0", "--lr_scheduler_type", "linear",
-              "--weight_decay", "0", "--max_grad_norm", "1.0", "--report_to", "none", "--seed", "0"]
+RECIPE_JOB = [
+    "--eval_steps",
+    "0",
+    "--save_steps",
+    "0",
+    "--warmup_steps",
+    "0",
+    "--lr_scheduler_type",
+    "linear",
+    "--weight_decay",
+    "0",
+    "--max_grad_norm",
+    "1.0",
+    "--report_to",
+    "none",
+    "--seed",
+    "0",
+]
 
 
 def accelerate_launch(script: list, args, launcher_args=()) -> subprocess.CompletedProcess:
     """`script` under `accelerate launch` with the job's config and number of processes (and `launcher_args`)."""
-    command = [os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch", "--config_file",
-               os.path.join(REPO, "accelerate_configs", args.config), "--num_processes", str(args.num_processes),
-               *launcher_args, *script]
+    command = [
+        os.path.join(os.path.dirname(sys.executable), "accelerate"),
+        "launch",
+        "--config_file",
+        os.path.join(REPO, "accelerate_configs", args.config),
+        "--num_processes",
+        str(args.num_processes),
+        *launcher_args,
+        *script,
+    ]
     return subprocess.run(command, cwd=REPO, capture_output=True, text=True)
 
 
@@ -82,8 +118,9 @@ def check_ran(what: str, result: subprocess.CompletedProcess) -> None:
 def check_processes(what: str, measured: dict, args) -> dict:
     """`measured`, once it is known to come from every process (a launch can silently train each rank alone)."""
     if measured["processes"] != args.num_processes:
-        raise SystemExit(f"error: the {what} run trained on {measured['processes']} process(es), not "
-                         f"{args.num_processes}")
+        raise SystemExit(
+            f"error: the {what} run trained on {measured['processes']} process(es), not {args.num_processes}"
+        )
     return measured
 
 
@@ -98,23 +135,67 @@ def recipe_windows(out: str, args, rate: str, per_window: int) -> dict:
     return {"run": record, "rows": rows, "timed": timed, "seconds": sum(per_window / row[rate] for row in timed)}
 
 
-def launch(contender: str, args, config: str, folder: str, round_: int, recipe_args=(), name: str | None = None,
-           launcher_args=()) -> dict:
+def launch(
+    contender: str,
+    args,
+    config: str,
+    folder: str,
+    round_: int,
+    recipe_args=(),
+    name: str | None = None,
+    launcher_args=(),
+) -> dict:
     """One launch of `contender` (the recipe with `recipe_args` added, under `accelerate launch` with
     `launcher_args`); returns its seconds and tokens over the timed steps, or {"refused": the recipe's one-line
     error} when the recipe refused its arguments."""
     out = os.path.join(folder, f"{name or contender}_{round_}")
     job = ["--block_size", str(args.block_size), "--learning_rate", str(args.learning_rate)]
-    data = ["--train_file", os.path.join(DATA, "train.jsonl"), "--validation_file", os.path.join(DATA, "validation.jsonl")]
+    data = [
+        "--train_file",
+        os.path.join(DATA, "train.jsonl"),
+        "--validation_file",
+        os.path.join(DATA, "validation.jsonl"),
+    ]
     if contender == "recipe":
-        script = [os.path.join(REPO, "recipes", "causal_lm.py"), "--model_config", config, "--tokenizer_name_or_path",
-                  os.path.join(DATA, "tokenizer"), *data, *job, "--output_dir", out, "--per_device_train_batch_size",
-                  str(args.batch_size), "--max_steps", str(args.steps), "--logging_steps", str(args.warmup),
-                  "--max_eval_samples", "200", *RECIPE_JOB, *recipe_args]
+        script = [
+            os.path.join(REPO, "recipes", "causal_lm.py"),
+            "--model_config",
+            config,
+            "--tokenizer_name_or_path",
+            os.path.join(DATA, "tokenizer"),
+            *data,
+            *job,
+            "--output_dir",
+            out,
+            "--per_device_train_batch_size",
+            str(args.batch_size),
+            "--max_steps",
+            str(args.steps),
+            "--logging_steps",
+            str(args.warmup),
+            "--max_eval_samples",
+            "200",
+            *RECIPE_JOB,
+            *recipe_args,
+        ]
     else:
-        script = [os.path.join(REPO, "scripts", "peers", f"{contender}_loop.py"), "--model_config", config,
-                  "--tokenizer", os.path.join(DATA, "tokenizer"), *data, *job, "--batch_size", str(args.batch_size),
-                  "--steps", str(args.steps), "--warmup", str(args.warmup), "--out", out + ".json"]
+        script = [
+            os.path.join(REPO, "scripts", "peers", f"{contender}_loop.py"),
+            "--model_config",
+            config,
+            "--tokenizer",
+            os.path.join(DATA, "tokenizer"),
+            *data,
+            *job,
+            "--batch_size",
+            str(args.batch_size),
+            "--steps",
+            str(args.steps),
+            "--warmup",
+            str(args.warmup),
+            "--out",
+            out + ".json",
+        ]
     result = accelerate_launch(script, args, launcher_args)
     refusal = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     if result.returncode != 0 and contender == "recipe" and refusal:
@@ -133,10 +214,15 @@ def recipe_figures(out: str, args) -> dict:
     last = logged["timed"][-1]
     # the model's training FLOPs per token (common.flops), read off the recipe's log: the same for every contender
     tflops, mfu = last.get("tflops_per_device"), last.get("mfu")
-    return {"seconds": logged["seconds"], "tokens": window * len(logged["timed"]), "loss": last["loss"],
-            "flops_per_token": tflops and tflops * 1e12 / last["tokens_per_s_per_device"],
-            "peak_tflops": mfu and tflops / mfu,
-            "processes": logged["run"]["participating_processes"], "peak_mb": max(last["peak_memory_mb_per_rank"])}
+    return {
+        "seconds": logged["seconds"],
+        "tokens": window * len(logged["timed"]),
+        "loss": last["loss"],
+        "flops_per_token": tflops and tflops * 1e12 / last["tokens_per_s_per_device"],
+        "peak_tflops": mfu and tflops / mfu,
+        "processes": logged["run"]["participating_processes"],
+        "peak_mb": max(last["peak_memory_mb_per_rank"]),
+    }
 
 
 def mfu(tokens_per_s: float, args, figures: dict) -> float:
@@ -152,16 +238,50 @@ def launch_dpo(contender: str, args, config: str, folder: str, round_: int, step
     job = ["--block_size", str(DPO_BLOCK), "--learning_rate", str(args.learning_rate), "--beta", str(DPO_BETA)]
     train = os.path.join(PAIRS, "train.jsonl")
     if contender == "recipe":
-        script = [os.path.join(REPO, "recipes", "dpo.py"), "--model_config", config, "--tokenizer_name_or_path",
-                  os.path.join(PAIRS, "tokenizer"), "--train_file", train, "--validation_file",
-                  os.path.join(PAIRS, "validation.jsonl"), "--max_eval_samples", "16", *job, "--output_dir", out,
-                  "--per_device_train_batch_size", str(args.batch_size), "--max_steps", str(steps),
-                  "--logging_steps", str(min(args.warmup, steps)), *RECIPE_JOB]
+        script = [
+            os.path.join(REPO, "recipes", "dpo.py"),
+            "--model_config",
+            config,
+            "--tokenizer_name_or_path",
+            os.path.join(PAIRS, "tokenizer"),
+            "--train_file",
+            train,
+            "--validation_file",
+            os.path.join(PAIRS, "validation.jsonl"),
+            "--max_eval_samples",
+            "16",
+            *job,
+            "--output_dir",
+            out,
+            "--per_device_train_batch_size",
+            str(args.batch_size),
+            "--max_steps",
+            str(steps),
+            "--logging_steps",
+            str(min(args.warmup, steps)),
+            *RECIPE_JOB,
+        ]
     else:
-        script = [os.path.join(REPO, "scripts", "peers", "trl_dpo_loop.py"), "--model_config", config, "--tokenizer",
-                  os.path.join(PAIRS, "tokenizer"), "--train_file", train, "--validation_file",
-                  os.path.join(PAIRS, "validation.jsonl"), *job, "--batch_size", str(args.batch_size),
-                  "--steps", str(steps), "--warmup", str(args.warmup), "--out", out + ".json"]
+        script = [
+            os.path.join(REPO, "scripts", "peers", "trl_dpo_loop.py"),
+            "--model_config",
+            config,
+            "--tokenizer",
+            os.path.join(PAIRS, "tokenizer"),
+            "--train_file",
+            train,
+            "--validation_file",
+            os.path.join(PAIRS, "validation.jsonl"),
+            *job,
+            "--batch_size",
+            str(args.batch_size),
+            "--steps",
+            str(steps),
+            "--warmup",
+            str(args.warmup),
+            "--out",
+            out + ".json",
+        ]
     check_ran(f"DPO {contender}", accelerate_launch(script, args))
     if contender == "trl":
         with open(out + ".json") as handle:
@@ -172,10 +292,16 @@ def launch_dpo(contender: str, args, config: str, folder: str, round_: int, step
     if any(cut.values()):
         raise SystemExit(f"error: the recipe cut or dropped pairs ({cut}): the two would not train on the same pairs")
     rows = logged["rows"]
-    return check_processes(f"DPO {contender}", {
-        "seconds": logged["seconds"], "pairs": window // 2 * len(logged["timed"]),
-        "first_loss": rows[0]["loss"] if rows[0]["step"] == 1 else None,
-        "processes": logged["run"]["participating_processes"]}, args)
+    return check_processes(
+        f"DPO {contender}",
+        {
+            "seconds": logged["seconds"],
+            "pairs": window // 2 * len(logged["timed"]),
+            "first_loss": rows[0]["loss"] if rows[0]["step"] == 1 else None,
+            "processes": logged["run"]["participating_processes"],
+        },
+        args,
+    )
 
 
 def tokens_per_pair() -> float:
@@ -185,9 +311,11 @@ def tokens_per_pair() -> float:
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(PAIRS, "tokenizer"))
     with open(os.path.join(PAIRS, "train.jsonl")) as handle:
         pairs = [json.loads(line) for line in handle]
-    return 2 * statistics.fmean(len(tokenizer.apply_chat_template(pair["prompt"] + pair[side],
-                                                                  return_dict=True)["input_ids"])
-                                for pair in pairs for side in ("chosen", "rejected"))
+    return 2 * statistics.fmean(
+        len(tokenizer.apply_chat_template(pair["prompt"] + pair[side], return_dict=True)["input_ids"])
+        for pair in pairs
+        for side in ("chosen", "rejected")
+    )
 
 
 def dpo_job(args, config: str, folder: str) -> tuple[str, str]:
@@ -196,36 +324,50 @@ def dpo_job(args, config: str, folder: str) -> tuple[str, str]:
     first = {"recipe": launch_dpo("recipe", args, config, folder, 0, steps=1)["first_loss"]}
     per_pair = tokens_per_pair()
     for round_ in range(args.rounds):
-        for contender in DPO_CONTENDERS[round_ % 2:] + DPO_CONTENDERS[:round_ % 2]:
+        for contender in DPO_CONTENDERS[round_ % 2 :] + DPO_CONTENDERS[: round_ % 2]:
             result = launch_dpo(contender, args, config, folder, round_)
             first.setdefault(contender, result.get("first_loss"))
             speeds[contender].append(result["pairs"] / result["seconds"] * per_pair)
             print(f"round {round_ + 1}: dpo {contender:6s} {speeds[contender][-1]:10.0f} tokens/s", flush=True)
     speed = {name: statistics.median(values) for name, values in speeds.items()}
     header = ["DPO run", "tokens/s (median)", "pairs/s", "recipe / this", "loss at step 1", "each round's tokens/s"]
-    rows = [[name, f"{speed[name]:.0f}", f"{speed[name] / per_pair:.1f}", f"{speed['recipe'] / speed[name]:.2f}x",
-             f"{first[name]:.6f}", ", ".join(f"{v:.0f}" for v in speeds[name])] for name in DPO_CONTENDERS]
+    rows = [
+        [
+            name,
+            f"{speed[name]:.0f}",
+            f"{speed[name] / per_pair:.1f}",
+            f"{speed['recipe'] / speed[name]:.2f}x",
+            f"{first[name]:.6f}",
+            ", ".join(f"{v:.0f}" for v in speeds[name]),
+        ]
+        for name in DPO_CONTENDERS
+    ]
     ratio = f"recipe / TRL DPOTrainer: {speed['recipe'] / speed['trl']:.3f}x"
-    return markdown_table(header, rows) + "\n" + ratio, "\n\n".join([
-        f"`{args.config}` on {args.num_processes} processes; the same Llama; `make dpo`'s pairs ({per_pair:.1f} tokens "
-        f"a pair, both sides), per-device batch {args.batch_size} pairs, beta {DPO_BETA}, sigmoid loss; {args.steps} "
-        f"steps, timed after step {args.warmup}; {args.rounds} rounds, interleaved.", markdown_table(header, rows),
-        f"**{ratio}** (above 1: the recipe is faster).",
-        "Both score a pair's chosen and rejected side in one forward of the policy and one of a frozen copy "
-        "(the reference), with the sigmoid loss (log 2 at step 1, where the reference equals the policy) and no "
-        "activation checkpointing (TRL's default is on; here it is turned off for both). For what the job leaves "
-        "open each keeps its defaults: TRL's DPOTrainer computes, every step, the entropy, the token accuracy and "
-        "the mean logits of each side for its log, and wraps the model in DDP with find_unused_parameters=True "
-        "(Trainer's default without checkpointing); the recipe's log carries the loss, the rewards and the "
-        "gradient norm. The two initialise the model each its own way and shuffle the pairs each its own way, "
-        "so their later losses are not comparable step by step."])
+    return markdown_table(header, rows) + "\n" + ratio, "\n\n".join(
+        [
+            f"`{args.config}` on {args.num_processes} processes; the same Llama; `make dpo`'s pairs ({per_pair:.1f} tokens "
+            f"a pair, both sides), per-device batch {args.batch_size} pairs, beta {DPO_BETA}, sigmoid loss; {args.steps} "
+            f"steps, timed after step {args.warmup}; {args.rounds} rounds, interleaved.",
+            markdown_table(header, rows),
+            f"**{ratio}** (above 1: the recipe is faster).",
+            "Both score a pair's chosen and rejected side in one forward of the policy and one of a frozen copy "
+            "(the reference), with the sigmoid loss (log 2 at step 1, where the reference equals the policy) and no "
+            "activation checkpointing (TRL's default is on; here it is turned off for both). For what the job leaves "
+            "open each keeps its defaults: TRL's DPOTrainer computes, every step, the entropy, the token accuracy and "
+            "the mean logits of each side for its log, and wraps the model in DDP with find_unused_parameters=True "
+            "(Trainer's default without checkpointing); the recipe's log carries the loss, the rewards and the "
+            "gradient norm. The two initialise the model each its own way and shuffle the pairs each its own way, "
+            "so their later losses are not comparable step by step.",
+        ]
+    )
 
 
 def job_parser(description: str) -> argparse.ArgumentParser:
     """The job's options (config, processes, model size, batch, steps, rounds, --docs), shared with
     scripts/benchmark_options.py."""
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("--config", default="ddp.yaml", help="an accelerate config in accelerate_configs/")
     parser.add_argument("--num_processes", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=256)
@@ -241,26 +383,36 @@ def job_parser(description: str) -> argparse.ArgumentParser:
 
 
 def job_choices(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--jobs", nargs="+", choices=("causal", "dpo"), default=["causal", "dpo"],
-                        help="the jobs to run (the page holds the ones run)")
+    parser.add_argument(
+        "--jobs",
+        nargs="+",
+        choices=("causal", "dpo"),
+        default=["causal", "dpo"],
+        help="the jobs to run (the page holds the ones run)",
+    )
     return parser
 
 
 def check_job(args) -> None:
     if args.steps <= args.warmup or (args.steps - args.warmup) % args.warmup:
-        raise SystemExit(f"error: --steps {args.steps} must exceed --warmup {args.warmup} by a multiple of it "
-                         "(the recipe's logging windows are the timed stretches)")
+        raise SystemExit(
+            f"error: --steps {args.steps} must exceed --warmup {args.warmup} by a multiple of it "
+            "(the recipe's logging windows are the timed stretches)"
+        )
     if not os.path.isfile(os.path.join(DATA, "train.jsonl")):
         raise SystemExit(f"error: no demo data in {DATA}; run `make demo-data` (the benchmark targets do)")
 
 
 def job_line(args) -> str:
-    return (f"`{args.config}` on {args.num_processes} processes; a Llama of hidden size {args.hidden} and "
-            f"{args.layers} layers built from a config; per-device batch {args.batch_size} x {args.block_size} "
-            f"tokens; {args.steps} steps, timed after step {args.warmup}; {args.rounds} rounds, interleaved.")
+    return (
+        f"`{args.config}` on {args.num_processes} processes; a Llama of hidden size {args.hidden} and "
+        f"{args.layers} layers built from a config; per-device batch {args.batch_size} x {args.block_size} "
+        f"tokens; {args.steps} steps, timed after step {args.warmup}; {args.rounds} rounds, interleaved."
+    )
 
 
-CAUSAL_NOTES = ("What each does per optimizer step besides the model's work: the recipe and Trainer average the "
+CAUSAL_NOTES = (
+    "What each does per optimizer step besides the model's work: the recipe and Trainer average the "
     "loss over the global batch's label tokens, which takes one all-reduce of the token count per step "
     "(right for any data; here every block is full, so a per-rank mean would give the same loss): "
     "Trainer's holds every rank at the start of each step, the recipe's runs a step ahead, during "
@@ -277,7 +429,8 @@ CAUSAL_NOTES = ("What each does per optimizer step besides the model's work: the
     "take accelerate's default (False). The bare loop and Trainer keep the model's use_cache, so each "
     "training forward also fills a key/value cache nobody reads; the recipes turn it off "
     "(common.model). The rounds' spread is a few percent on a shared 2-core host: compare ratios from "
-    "one run.")
+    "one run.",
+)
 
 
 def main(argv=None):
@@ -286,8 +439,9 @@ def main(argv=None):
     if "dpo" in args.jobs and not os.path.isfile(os.path.join(PAIRS, "train.jsonl")):
         raise SystemExit(f"error: no preference pairs in {PAIRS}; run `make benchmark-peers` (it writes them)")
     if "dpo" in args.jobs and importlib.util.find_spec("trl") is None:
-        raise SystemExit("error: trl is not installed (the DPO job's peer); run `make benchmark-peers`, which "
-                         "installs it")
+        raise SystemExit(
+            "error: trl is not installed (the DPO job's peer); run `make benchmark-peers`, which installs it"
+        )
     sections = [job_line(args)]
     with tempfile.TemporaryDirectory() as folder:
         config = model_config(args.hidden, args.layers, folder)
@@ -298,39 +452,57 @@ def main(argv=None):
             print(dpo_table)
             sections += ["## DPO: recipes/dpo.py against TRL's DPOTrainer", dpo_section]
     if args.docs:
-        write_page(args.docs, "The recipes against a bare accelerate loop, Trainer and TRL", "\n\n".join(sections),
-                   packages=("trl",) if "dpo" in args.jobs else ())
+        write_page(
+            args.docs,
+            "The recipes against a bare accelerate loop, Trainer and TRL",
+            "\n\n".join(sections),
+            packages=("trl",) if "dpo" in args.jobs else (),
+        )
 
 
 def causal_job(args, config: str, folder: str) -> list[str]:
     """The causal-LM recipe against the bare loop and Trainer, rounds interleaved: the page's paragraphs."""
     results, figures = {name: [] for name in CONTENDERS}, {}
     for round_ in range(args.rounds):
-        order = CONTENDERS[round_ % 3:] + CONTENDERS[:round_ % 3]
+        order = CONTENDERS[round_ % 3 :] + CONTENDERS[: round_ % 3]
         for contender in order:
             result = launch(contender, args, config, folder, round_)
             figures.setdefault(contender, result)
             results[contender].append(result["tokens"] / result["seconds"])
-            print(f"round {round_ + 1}: {contender:8s} {results[contender][-1]:10.0f} tokens/s "
-                  f"(loss {result['loss']:.3f})", flush=True)
+            print(
+                f"round {round_ + 1}: {contender:8s} {results[contender][-1]:10.0f} tokens/s "
+                f"(loss {result['loss']:.3f})",
+                flush=True,
+            )
 
     speed = {name: statistics.median(values) for name, values in results.items()}
     header = ["run", "tokens/s (median)", "recipe / this", "each round's tokens/s"]
-    rows = [[name, f"{speed[name]:.0f}", f"{speed['recipe'] / speed[name]:.2f}x",
-             ", ".join(f"{v:.0f}" for v in results[name])] for name in CONTENDERS]
+    rows = [
+        [
+            name,
+            f"{speed[name]:.0f}",
+            f"{speed['recipe'] / speed[name]:.2f}x",
+            ", ".join(f"{v:.0f}" for v in results[name]),
+        ]
+        for name in CONTENDERS
+    ]
     recipe = figures["recipe"]
     mfu_line = None
     if recipe["peak_tflops"]:  # a GPU in common.flops' table: MFU from the recipe's FLOPs per token (the same job)
         header.insert(2, "MFU")
         for row, name in zip(rows, CONTENDERS):
             row.insert(2, f"{mfu(speed[name], args, recipe):.1%}")
-        mfu_line = (f"MFU: training FLOPs per token {recipe['flops_per_token'] / 1e9:.2f} G (common.flops: "
-                    f"6N + 12 L H Q T) x tokens/s per device / the device's dense bf16 peak, "
-                    f"{recipe['peak_tflops']:.1f} TFLOP/s. The recipe's peak memory (CUDA allocator): "
-                    f"{recipe['peak_mb'] / 1024:.1f} GiB.")
+        mfu_line = (
+            f"MFU: training FLOPs per token {recipe['flops_per_token'] / 1e9:.2f} G (common.flops: "
+            f"6N + 12 L H Q T) x tokens/s per device / the device's dense bf16 peak, "
+            f"{recipe['peak_tflops']:.1f} TFLOP/s. The recipe's peak memory (CUDA allocator): "
+            f"{recipe['peak_mb'] / 1024:.1f} GiB."
+        )
     print(markdown_table(header, rows))
-    ratios = (f"recipe / bare loop: **{speed['recipe'] / speed['bare']:.3f}x**; recipe / Trainer: "
-              f"**{speed['recipe'] / speed['trainer']:.3f}x** (above 1: the recipe is faster).")
+    ratios = (
+        f"recipe / bare loop: **{speed['recipe'] / speed['bare']:.3f}x**; recipe / Trainer: "
+        f"**{speed['recipe'] / speed['trainer']:.3f}x** (above 1: the recipe is faster)."
+    )
     print(ratios.replace("**", ""))
     return [markdown_table(header, rows), ratios] + ([mfu_line] if mfu_line else []) + list(CAUSAL_NOTES)
 

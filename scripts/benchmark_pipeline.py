@@ -31,6 +31,7 @@ import torch.nn.functional as F
 import transformers
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOC = os.path.join(REPO, "docs", "benchmark-pipeline.md")
 CONFIGS = {"tiny_llama": "recipes/configs/tiny_llama.json", "llama_100m": "recipes/configs/llama_100m.json"}
@@ -97,9 +98,11 @@ def make_data(vocab: int) -> torch.Tensor:
 
 def token_loss(global_tokens: int):
     """A loss function whose sum over micro-batches is the token mean over the global batch."""
+
     def loss_fn(logits, target):
         """Summed token cross-entropy of this micro-batch, divided by the global batch's token count."""
         return F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="sum") / global_tokens
+
     return loss_fn
 
 
@@ -152,8 +155,17 @@ def worker(rank: int, world: int, schedule_name: str, config_path: str, out_dir:
         times.append(time.perf_counter() - start)
     hwm = vm_hwm_mb()
     state = {names[id(p)]: p.detach().clone() for p in params}
-    torch.save({"losses": losses, "norms": norms, "times": times, "hwm_mb": hwm, "state": state,
-                "params": sum(p.numel() for p in params)}, os.path.join(out_dir, f"{schedule_name}_{rank}.pt"))
+    torch.save(
+        {
+            "losses": losses,
+            "norms": norms,
+            "times": times,
+            "hwm_mb": hwm,
+            "state": state,
+            "params": sum(p.numel() for p in params),
+        },
+        os.path.join(out_dir, f"{schedule_name}_{rank}.pt"),
+    )
     if world > 1:
         dist.destroy_process_group()
 
@@ -171,10 +183,15 @@ def compare(single: dict, ranks: list) -> dict:
     rel = lambda a, b: max(abs(x - y) / abs(y) for x, y in zip(a, b))  # noqa: E731
     weights = {name: t for r in ranks for name, t in r["state"].items()}
     assert weights.keys() == single["state"].keys(), "the stages do not hold exactly the full model's parameters"
-    return {"loss": rel(ranks[1]["losses"], single["losses"]), "norm": rel(ranks[0]["norms"], single["norms"]),
-            "weight": max((weights[n] - t).abs().max().item() for n, t in single["state"].items()),
-            "where": max(single["state"], key=lambda n: (weights[n] - single["state"][n]).abs().max().item()),
-            "first": single["losses"][0], "last": single["losses"][-1], "clip": min(single["norms"]) > CLIP}
+    return {
+        "loss": rel(ranks[1]["losses"], single["losses"]),
+        "norm": rel(ranks[0]["norms"], single["norms"]),
+        "weight": max((weights[n] - t).abs().max().item() for n, t in single["state"].items()),
+        "where": max(single["state"], key=lambda n: (weights[n] - single["state"][n]).abs().max().item()),
+        "first": single["losses"][0],
+        "last": single["losses"][-1],
+        "clip": min(single["norms"]) > CLIP,
+    }
 
 
 def median_time(result: dict) -> float:
@@ -184,44 +201,69 @@ def median_time(result: dict) -> float:
 
 def write_page(parity: dict, cost: dict, cost_model: str, seconds: float, loads: list, doc: str):
     """Write docs/benchmark-pipeline.md from the measured figures."""
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
-    head = (f"*Written by `scripts/benchmark_pipeline.py` (`make benchmark-pipeline`) on "
-            f"{datetime.date.today()}; {cpu}, {os.cpu_count()} cores, no GPU; python {platform.python_version()}, "
-            f"torch {torch.__version__}, transformers {transformers.__version__}. "
-            "Do not edit by hand: run the command again.*")
-    lines = ["# Pipeline parallelism on CPU: torch.distributed.pipelining, 2 stages over gloo", "", head, "",
-             f"Each run: {STEPS} AdamW steps (lr {ADAMW['lr']}, betas {ADAMW['betas']}, weight decay "
-             f"{ADAMW['weight_decay']}), global batch {BATCH} x {SEQ} random tokens (seeded) in {MICRO} micro-batches "
-             f"for the pipeline and in one forward for the single process, clipping to global norm {CLIP}, fp32. "
-             f"The whole script took {seconds:.0f} s; the host's 1-minute load average was "
-             f"{loads[0]:.1f} at its start and {loads[1]:.1f} at its end (its own 2 processes make about 2).", "",
-             "## Parity with one process", "",
-             "| model | schedule | loss, step 1 -> last | max relative loss gap | max relative grad-norm gap "
-             "| max abs final weight gap (in) | clipping active every step |", "|---|---|---|---|---|---|---|"]
+    cpu = next(
+        (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+        platform.processor(),
+    )
+    head = (
+        f"*Written by `scripts/benchmark_pipeline.py` (`make benchmark-pipeline`) on "
+        f"{datetime.date.today()}; {cpu}, {os.cpu_count()} cores, no GPU; python {platform.python_version()}, "
+        f"torch {torch.__version__}, transformers {transformers.__version__}. "
+        "Do not edit by hand: run the command again.*"
+    )
+    lines = [
+        "# Pipeline parallelism on CPU: torch.distributed.pipelining, 2 stages over gloo",
+        "",
+        head,
+        "",
+        f"Each run: {STEPS} AdamW steps (lr {ADAMW['lr']}, betas {ADAMW['betas']}, weight decay "
+        f"{ADAMW['weight_decay']}), global batch {BATCH} x {SEQ} random tokens (seeded) in {MICRO} micro-batches "
+        f"for the pipeline and in one forward for the single process, clipping to global norm {CLIP}, fp32. "
+        f"The whole script took {seconds:.0f} s; the host's 1-minute load average was "
+        f"{loads[0]:.1f} at its start and {loads[1]:.1f} at its end (its own 2 processes make about 2).",
+        "",
+        "## Parity with one process",
+        "",
+        "| model | schedule | loss, step 1 -> last | max relative loss gap | max relative grad-norm gap "
+        "| max abs final weight gap (in) | clipping active every step |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for (config, name), g in parity.items():
-        lines.append(f"| {config} | {name} | {g['first']:.4f} -> {g['last']:.4f} | {g['loss']:.2e} | "
-                     f"{g['norm']:.2e} | {g['weight']:.2e} (`{g['where']}`) | {'yes' if g['clip'] else 'no'} |")
-    lines += ["", f"## Cost at {cost_model} ({cost['single'][0]['params']:,} parameters)", "",
-              f"Step time is the median of steps 2 to {STEPS} of each process (forward, backward, clipping, AdamW); "
-              f"the single process uses {os.cpu_count()} threads, each pipeline stage {os.cpu_count() // 2}. "
-              "Peak resident set is VmHWM from /proc/self/status at the end of the run (it includes the "
-              "interpreter, torch and transformers, and the full model each process builds before the split).", "",
-              "| run | process | parameters held | step time, s | peak resident set, MB |", "|---|---|---|---|---|"]
+        lines.append(
+            f"| {config} | {name} | {g['first']:.4f} -> {g['last']:.4f} | {g['loss']:.2e} | "
+            f"{g['norm']:.2e} | {g['weight']:.2e} (`{g['where']}`) | {'yes' if g['clip'] else 'no'} |"
+        )
+    lines += [
+        "",
+        f"## Cost at {cost_model} ({cost['single'][0]['params']:,} parameters)",
+        "",
+        f"Step time is the median of steps 2 to {STEPS} of each process (forward, backward, clipping, AdamW); "
+        f"the single process uses {os.cpu_count()} threads, each pipeline stage {os.cpu_count() // 2}. "
+        "Peak resident set is VmHWM from /proc/self/status at the end of the run (it includes the "
+        "interpreter, torch and transformers, and the full model each process builds before the split).",
+        "",
+        "| run | process | parameters held | step time, s | peak resident set, MB |",
+        "|---|---|---|---|---|",
+    ]
     for name, results in cost.items():
         for rank, r in enumerate(results):
             who = "single process" if name == "single" else f"stage {rank}"
             lines.append(f"| {name} | {who} | {r['params']:,} | {median_time(r):.2f} | {r['hwm_mb']:.0f} |")
-    lines += ["", "## What was manual", "",
-              "torch.distributed.pipelining supplied the stages' send/receive and the GPipe and 1F1B schedules. "
-              "The script did by hand: the split (each process builds the whole model, then stage 0 replaces the "
-              "final norm and lm_head by Identity and stage 1 sets the embeddings to None, each keeping its half of "
-              "the decoder layers and the rotary embedding, with a wrapper that feeds token ids or hidden states to "
-              "the model's forward); the loss scaling (each micro-batch's loss is its token sum divided by the global "
-              "batch's token count, with the schedule's own gradient scaling off, `scale_grads=False`); and the "
-              "clipping across stages (each stage's squared gradient norm, all_reduce, one clipping factor applied on "
-              "both). The gaps above are what these runs measured, nothing more: no other model, sequence length, "
-              "number of stages or hardware was tried.", ""]
+    lines += [
+        "",
+        "## What was manual",
+        "",
+        "torch.distributed.pipelining supplied the stages' send/receive and the GPipe and 1F1B schedules. "
+        "The script did by hand: the split (each process builds the whole model, then stage 0 replaces the "
+        "final norm and lm_head by Identity and stage 1 sets the embeddings to None, each keeping its half of "
+        "the decoder layers and the rotary embedding, with a wrapper that feeds token ids or hidden states to "
+        "the model's forward); the loss scaling (each micro-batch's loss is its token sum divided by the global "
+        "batch's token count, with the schedule's own gradient scaling off, `scale_grads=False`); and the "
+        "clipping across stages (each stage's squared gradient norm, all_reduce, one clipping factor applied on "
+        "both). The gaps above are what these runs measured, nothing more: no other model, sequence length, "
+        "number of stages or hardware was tried.",
+        "",
+    ]
     with open(doc, "w") as page:
         page.write("\n".join(lines))
 

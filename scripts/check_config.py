@@ -15,10 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from pathlib import Path
 import sys
+from pathlib import Path
 
 import yaml
+
 
 REPO = Path(__file__).resolve().parent.parent
 ZERO_STAGES = (0, 1, 2, 3)
@@ -34,8 +35,9 @@ def launch_keys() -> set[str]:
 
 def recipe_values(recipe_config: str | None) -> dict:
     """The recipe YAML's values over TrainingArguments' defaults."""
-    from common.arguments import TrainingArguments
     import dataclasses
+
+    from common.arguments import TrainingArguments
 
     values = {f.name: f.default for f in dataclasses.fields(TrainingArguments)}
     if recipe_config:
@@ -84,15 +86,19 @@ def check(config_path: str, recipe_config: str | None = None, num_processes: int
     fsdp = raw.get("fsdp_config") or {}
     for key in fsdp:
         if key not in known:
-            problems.append(f"fsdp_config.{key}: unknown to accelerate launch (known: fsdp_* keys of `accelerate launch --help`)")
+            problems.append(
+                f"fsdp_config.{key}: unknown to accelerate launch (known: fsdp_* keys of `accelerate launch --help`)"
+            )
     wrap = fsdp.get("fsdp_transformer_layer_cls_to_wrap")
     if raw.get("distributed_type") == "FSDP" and wrap:
         names = model_class_names(recipe)
-        for name in ([wrap] if isinstance(wrap, str) else wrap):
+        for name in [wrap] if isinstance(wrap, str) else wrap:
             for single in str(name).split(","):
                 if names is not None and single.strip() not in names:
-                    problems.append(f"fsdp_transformer_layer_cls_to_wrap: the model has no {single.strip()!r} "
-                                    "layer; name one of its decoder/encoder layer classes or remove the key")
+                    problems.append(
+                        f"fsdp_transformer_layer_cls_to_wrap: the model has no {single.strip()!r} "
+                        "layer; name one of its decoder/encoder layer classes or remove the key"
+                    )
 
     mesh = raw.get("parallelism_config") or {}
     if mesh:
@@ -128,8 +134,11 @@ def whole_row_recipe(keys: set[str]) -> str | None:
         spec = importlib.util.spec_from_file_location(f"recipe_{path.stem}", path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        classes += [value for name, value in vars(module).items() if name.endswith("Arguments") and
-                    dataclasses.is_dataclass(value) and value.__module__ == module.__name__]
+        classes += [
+            value
+            for name, value in vars(module).items()
+            if name.endswith("Arguments") and dataclasses.is_dataclass(value) and value.__module__ == module.__name__
+        ]
     fields = {cls: {field.name for field in dataclasses.fields(cls)} for cls in classes}
     for cls in classes:
         own = fields[cls] - set().union(*(names for other, names in fields.items() if other is not cls))
@@ -148,8 +157,9 @@ def check_mesh(mesh: dict, raw: dict, fsdp: dict, recipe: dict, world: int, keys
     fsdp2 = raw.get("distributed_type") == "FSDP" and str(fsdp.get("fsdp_version")) == "2"
     efficient = str(fsdp.get("fsdp_cpu_ram_efficient_loading", False)).lower() == "true"
     stage = (raw.get("deepspeed_config") or {}).get("zero_stage")
-    problems = mesh_problems(sizes, world, str(raw.get("distributed_type")), fsdp2, efficient,
-                             int(stage) if stage is not None else None)
+    problems = mesh_problems(
+        sizes, world, str(raw.get("distributed_type")), fsdp2, efficient, int(stage) if stage is not None else None
+    )
     if sizes["tp"] > 1:
         problems += tensor_parallel_model_problems(recipe, sizes["tp"])
     if sizes["sp"] > 1 or sizes["cp"] > 1:
@@ -166,9 +176,13 @@ def check_fp8(raw: dict, fsdp: dict, mesh: dict) -> list[str]:
     from common.speed import fp8_host, fp8_problem
 
     strategy = {"DEEPSPEED": "deepspeed", "FSDP": "fsdp"}.get(str(raw.get("distributed_type")), "ddp")
-    problem = fp8_problem(*fp8_host(), str((raw.get("fp8_config") or {}).get("backend", "")), strategy,
-                          str(fsdp.get("fsdp_cpu_ram_efficient_loading", False)).lower() == "true",
-                          int(mesh.get("parallelism_config_tp_size", 1)))
+    problem = fp8_problem(
+        *fp8_host(),
+        str((raw.get("fp8_config") or {}).get("backend", "")),
+        strategy,
+        str(fsdp.get("fsdp_cpu_ram_efficient_loading", False)).lower() == "true",
+        int(mesh.get("parallelism_config_tp_size", 1)),
+    )
     return [problem] if problem else []
 
 
@@ -206,42 +220,65 @@ def check_deepspeed(deepspeed: dict, raw: dict, recipe: dict, world: int, config
             except json.JSONDecodeError as error:
                 return [f"{path}: not valid JSON ({error})"]
         if "mixed_precision" in raw:
-            problems.append("mixed_precision: set it in the DeepSpeed JSON (bf16/fp16 blocks), not beside "
-                            "deepspeed_config_file; accelerate refuses both")
+            problems.append(
+                "mixed_precision: set it in the DeepSpeed JSON (bf16/fp16 blocks), not beside "
+                "deepspeed_config_file; accelerate refuses both"
+            )
         zero = ds.get("zero_optimization", {})
         stage = zero.get("stage", 0)
         offload_optimizer = zero.get("offload_optimizer", {}).get("device", "none")
         offload_param = zero.get("offload_param", {}).get("device", "none")
-        values = {k: ds.get(k, "auto") for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-                                                  "train_batch_size", "gradient_clipping")}
+        values = {
+            k: ds.get(k, "auto")
+            for k in (
+                "train_micro_batch_size_per_gpu",
+                "gradient_accumulation_steps",
+                "train_batch_size",
+                "gradient_clipping",
+            )
+        }
         if values["train_micro_batch_size_per_gpu"] not in ("auto", micro):
-            problems.append(f"{path}: train_micro_batch_size_per_gpu={values['train_micro_batch_size_per_gpu']} but the "
-                            f"recipe's per_device_train_batch_size={micro}; use \"auto\"")
+            problems.append(
+                f"{path}: train_micro_batch_size_per_gpu={values['train_micro_batch_size_per_gpu']} but the "
+                f'recipe\'s per_device_train_batch_size={micro}; use "auto"'
+            )
         if values["gradient_accumulation_steps"] not in ("auto", accumulation):
-            problems.append(f"{path}: gradient_accumulation_steps={values['gradient_accumulation_steps']} but the "
-                            f"recipe's is {accumulation}; use \"auto\"")
+            problems.append(
+                f"{path}: gradient_accumulation_steps={values['gradient_accumulation_steps']} but the "
+                f'recipe\'s is {accumulation}; use "auto"'
+            )
         expected = micro * accumulation * world
         if values["train_batch_size"] not in ("auto", expected):
-            problems.append(f"{path}: train_batch_size={values['train_batch_size']} != micro {micro} x accumulation "
-                            f"{accumulation} x world size {world} = {expected}; use \"auto\"")
+            problems.append(
+                f"{path}: train_batch_size={values['train_batch_size']} != micro {micro} x accumulation "
+                f'{accumulation} x world size {world} = {expected}; use "auto"'
+            )
         if values["gradient_clipping"] not in ("auto", clipping):
-            problems.append(f"{path}: gradient_clipping={values['gradient_clipping']} but the recipe's "
-                            f"max_grad_norm={clipping}; make them equal or use \"auto\"")
+            problems.append(
+                f"{path}: gradient_clipping={values['gradient_clipping']} but the recipe's "
+                f'max_grad_norm={clipping}; make them equal or use "auto"'
+            )
     else:
         stage = deepspeed.get("zero_stage", 0)
         offload_optimizer = deepspeed.get("offload_optimizer_device", "none")
         offload_param = deepspeed.get("offload_param_device", "none")
         if "gradient_clipping" in deepspeed and float(deepspeed["gradient_clipping"]) != float(clipping):
-            problems.append(f"deepspeed_config.gradient_clipping={deepspeed['gradient_clipping']} but the recipe's "
-                            f"max_grad_norm={clipping}; remove the key (--max_grad_norm sets it) or make them equal")
+            problems.append(
+                f"deepspeed_config.gradient_clipping={deepspeed['gradient_clipping']} but the recipe's "
+                f"max_grad_norm={clipping}; remove the key (--max_grad_norm sets it) or make them equal"
+            )
         if "gradient_accumulation_steps" in deepspeed and deepspeed["gradient_accumulation_steps"] != accumulation:
-            problems.append(f"deepspeed_config.gradient_accumulation_steps={deepspeed['gradient_accumulation_steps']} "
-                            f"but the recipe's is {accumulation}; remove the key (the recipe sets it)")
+            problems.append(
+                f"deepspeed_config.gradient_accumulation_steps={deepspeed['gradient_accumulation_steps']} "
+                f"but the recipe's is {accumulation}; remove the key (the recipe sets it)"
+            )
     if stage not in ZERO_STAGES:
         problems.append(f"zero stage {stage!r}: must be one of {ZERO_STAGES}")
     if offload_param not in ("none", None) and stage != 3:
-        problems.append(f"offload_param_device={offload_param} needs ZeRO stage 3 (got {stage}); use zero3_offload.yaml "
-                        "or set offload_param_device: none")
+        problems.append(
+            f"offload_param_device={offload_param} needs ZeRO stage 3 (got {stage}); use zero3_offload.yaml "
+            "or set offload_param_device: none"
+        )
     if offload_optimizer not in ("none", None) and stage == 0:
         problems.append(f"offload_optimizer_device={offload_optimizer} needs ZeRO stage 1, 2 or 3 (got 0)")
     return problems

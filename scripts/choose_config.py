@@ -43,23 +43,55 @@ import re
 import sys
 import time
 
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from estimate_memory import REPO, estimate, process_baseline_mb, read_model, read_strategy  # noqa: E402
+
 
 GB = 1e9
 # Dense bf16 peak and fp32 peak without TF32, which the recipes leave off (data sheets), memory, HBM
 # bandwidth, intra-node all_reduce busbw (nccl-tests on 8 GPUs over NVLink, typical), host link (PCIe,
 # one direction), CPU RAM per node (DGX systems'), all in GB or GB/s.
 DEVICES = {
-    "h100": {"tflops": 989.4, "tflops_fp32": 66.9, "memory_gb": 80, "memory_gbps": 3350, "link_gbps": 360,
-             "host_link_gbps": 50, "host_memory_gb": 2048},
-    "h200": {"tflops": 989.4, "tflops_fp32": 66.9, "memory_gb": 141, "memory_gbps": 4800, "link_gbps": 360,
-             "host_link_gbps": 50, "host_memory_gb": 2048},
-    "a100": {"tflops": 312.0, "tflops_fp32": 19.5, "memory_gb": 80, "memory_gbps": 2039, "link_gbps": 230,
-             "host_link_gbps": 25, "host_memory_gb": 1024},
+    "h100": {
+        "tflops": 989.4,
+        "tflops_fp32": 66.9,
+        "memory_gb": 80,
+        "memory_gbps": 3350,
+        "link_gbps": 360,
+        "host_link_gbps": 50,
+        "host_memory_gb": 2048,
+    },
+    "h200": {
+        "tflops": 989.4,
+        "tflops_fp32": 66.9,
+        "memory_gb": 141,
+        "memory_gbps": 4800,
+        "link_gbps": 360,
+        "host_link_gbps": 50,
+        "host_memory_gb": 2048,
+    },
+    "a100": {
+        "tflops": 312.0,
+        "tflops_fp32": 19.5,
+        "memory_gb": 80,
+        "memory_gbps": 2039,
+        "link_gbps": 230,
+        "host_link_gbps": 25,
+        "host_memory_gb": 1024,
+    },
 }
-SINGLE_NODE = ["ddp.yaml", "fsdp.yaml", "fsdp_shard_grad_op.yaml", "fsdp_offload.yaml", "zero1.yaml", "zero2.yaml",
-               "zero2_offload.yaml", "zero3.yaml", "zero3_offload.yaml"]
+SINGLE_NODE = [
+    "ddp.yaml",
+    "fsdp.yaml",
+    "fsdp_shard_grad_op.yaml",
+    "fsdp_offload.yaml",
+    "zero1.yaml",
+    "zero2.yaml",
+    "zero2_offload.yaml",
+    "zero3.yaml",
+    "zero3_offload.yaml",
+]
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 ONE_DEVICE = ["single.yaml", "fsdp_offload.yaml", "zero2_offload.yaml", "zero3_offload.yaml"]
 # rows split over sp_size (cp_size) devices: tried at every size that divides the devices (Ulysses: and the heads)
@@ -155,8 +187,13 @@ def device_and_host_bytes(est: dict, s: dict, on_gpu: bool) -> tuple[float, floa
     gradient partition) to CPU RAM."""
     if not on_gpu:
         return est["run_tensors_peak"], 0.0
-    live = (est["model_state"] + est["communication_buffers"] + est["activations"] + est["step_transient"]
-            + est["accumulation_transient"])
+    live = (
+        est["model_state"]
+        + est["communication_buffers"]
+        + est["activations"]
+        + est["step_transient"]
+        + est["accumulation_transient"]
+    )
     moved = 0.0
     if s["offload"] or s["offload_params"]:
         moved = est["master_weights"] + est["optimizer_states"]
@@ -176,12 +213,15 @@ def process_baseline_bytes(deepspeed: bool) -> float:
 
 def candidates(args) -> list[str]:
     """The shipped configs for this many devices and nodes (--configs: only those of them)."""
-    shipped = (MULTI_NODE if args.num_nodes > 1 else ONE_DEVICE if args.num_devices == 1
-               else SINGLE_NODE + SEQUENCE_PARALLEL)
+    shipped = (
+        MULTI_NODE if args.num_nodes > 1 else ONE_DEVICE if args.num_devices == 1 else SINGLE_NODE + SEQUENCE_PARALLEL
+    )
     unknown = [name for name in args.configs or [] if name not in shipped]
     if unknown:
-        raise SystemExit(f"error: --configs {' '.join(unknown)}: not among the configs for {args.num_devices} "
-                         f"device(s) on {args.num_nodes} node(s); choose from {' '.join(shipped)}")
+        raise SystemExit(
+            f"error: --configs {' '.join(unknown)}: not among the configs for {args.num_devices} "
+            f"device(s) on {args.num_nodes} node(s); choose from {' '.join(shipped)}"
+        )
     return [name for name in shipped if name in (args.configs or shipped)]
 
 
@@ -205,11 +245,20 @@ def rank(args, model: dict, device: dict) -> list[dict]:
         baseline = 0.0 if on_gpu else process_baseline_bytes(s["strategy"] == "deepspeed")
         options = []
         ring = s.get("cp_size", 1) > 1  # fsdp_cp.yaml's split, else zero3_ulysses.yaml's (1: rows whole)
-        splits = ([sp for sp in range(2, n + 1) if n % sp == 0 and (ring or model["attention_heads"] % sp == 0)]
-                  if s.get("sp_size", 1) > 1 or ring else [1])
-        for sp, micro in [(sp, m) for sp in splits for m in range(per_device, 0, -1)
-                          if per_device % m == 0 and args.micro_batch in (None, m)]:
-            for checkpointing in {"auto": (False, True), "off": (False,), "on": (True,)}[args.activation_checkpointing]:
+        splits = (
+            [sp for sp in range(2, n + 1) if n % sp == 0 and (ring or model["attention_heads"] % sp == 0)]
+            if s.get("sp_size", 1) > 1 or ring
+            else [1]
+        )
+        for sp, micro in [
+            (sp, m)
+            for sp in splits
+            for m in range(per_device, 0, -1)
+            if per_device % m == 0 and args.micro_batch in (None, m)
+        ]:
+            for checkpointing in {"auto": (False, True), "off": (False,), "on": (True,)}[
+                args.activation_checkpointing
+            ]:
                 k = per_device // micro
                 s = dict(s, **{"cp_size" if ring else "sp_size": sp})
                 sharding = dict(s, num_processes=n_node) if s["replicas"] > 1 else s
@@ -221,48 +270,100 @@ def rank(args, model: dict, device: dict) -> list[dict]:
                 traffic = comm_and_memory_traffic(s, model, c, k * sp, n_node, nodes)
                 if sp > 1:  # at all_gather's busbw
                     traffic["link"][where_of(nodes), "all_to_all"] = (
-                        ring_exchange_bytes(model, micro * args.seq_len, sp, c, k * sp, est["activation_checkpointing"])
-                        if ring else sequence_exchange_bytes(model, micro * -(-args.seq_len // sp), sp, c, k * sp,
-                                                             est["activation_checkpointing"]))
+                        ring_exchange_bytes(
+                            model, micro * args.seq_len, sp, c, k * sp, est["activation_checkpointing"]
+                        )
+                        if ring
+                        else sequence_exchange_bytes(
+                            model, micro * -(-args.seq_len // sp), sp, c, k * sp, est["activation_checkpointing"]
+                        )
+                    )
                 recompute = 4 / 3 if est["activation_checkpointing"] else 1.0
-                compute = per_device * args.seq_len * flops_per_token * recompute / (device["tflops"] * 1e12 * args.mfu)
-                comm = sum(size / (device["link_gbps" if where == "intra" else "inter_node_gbps"][
-                    "all_gather" if op == "all_to_all" else op] * GB) for (where, op), size in traffic["link"].items()
-                    if size)
-                other = (traffic["memory"] / (device["memory_gbps"] * GB) + traffic["host"] / (
-                    device["host_link_gbps"] * GB) + 28 * traffic["cpu_optimizer"] * n_node / (
-                    args.host_memory_gbps * GB))
+                compute = (
+                    per_device * args.seq_len * flops_per_token * recompute / (device["tflops"] * 1e12 * args.mfu)
+                )
+                comm = sum(
+                    size
+                    / (
+                        device["link_gbps" if where == "intra" else "inter_node_gbps"][
+                            "all_gather" if op == "all_to_all" else op
+                        ]
+                        * GB
+                    )
+                    for (where, op), size in traffic["link"].items()
+                    if size
+                )
+                other = (
+                    traffic["memory"] / (device["memory_gbps"] * GB)
+                    + traffic["host"] / (device["host_link_gbps"] * GB)
+                    + 28 * traffic["cpu_optimizer"] * n_node / (args.host_memory_gbps * GB)
+                )
                 step = (max(compute, comm) if on_gpu else compute + comm) + other
                 host_bytes *= n_node
                 if on_gpu:  # the build comes before training's offloaded state, except FSDP2's rank 0 sharding it
                     load = loading_bytes(est, s, model, n_node)
                     host_bytes = host_bytes + load if s["strategy"] == "fsdp" else max(host_bytes, load)
-                options.append({"config": name, "micro_batch": micro, "accumulation": k, "sp_size": sp,
-                                "activation_checkpointing": est["activation_checkpointing"],
-                                "fits": device_bytes <= device_limit and host_bytes <= host_limit,
-                                "device_gb": device_bytes / GB, "host_gb_per_node": host_bytes / GB,
-                                "compute_s": compute, "comm_s": comm, "other_s": other, "step_s": step,
-                                "strategy": s})
+                options.append(
+                    {
+                        "config": name,
+                        "micro_batch": micro,
+                        "accumulation": k,
+                        "sp_size": sp,
+                        "activation_checkpointing": est["activation_checkpointing"],
+                        "fits": device_bytes <= device_limit and host_bytes <= host_limit,
+                        "device_gb": device_bytes / GB,
+                        "host_gb_per_node": host_bytes / GB,
+                        "compute_s": compute,
+                        "comm_s": comm,
+                        "other_s": other,
+                        "step_s": step,
+                        "strategy": s,
+                    }
+                )
         fitting = [o for o in options if o["fits"]]
-        rows.append(min(fitting, key=lambda o: o["step_s"]) if fitting
-                    else min(options, key=lambda o: (o["device_gb"] > device_limit / GB) + (
-                        o["host_gb_per_node"] > host_limit / GB) + o["device_gb"] / 1e6))
+        rows.append(
+            min(fitting, key=lambda o: o["step_s"])
+            if fitting
+            else min(
+                options,
+                key=lambda o: (
+                    (o["device_gb"] > device_limit / GB)
+                    + (o["host_gb_per_node"] > host_limit / GB)
+                    + o["device_gb"] / 1e6
+                ),
+            )
+        )
     fastest = min((r["step_s"] for r in rows if r["fits"]), default=None)
-    rows.sort(key=lambda r: (not r["fits"], ((1, r["step_s"], 0) if r["step_s"] > fastest * 1.005 else
-                                             (0, r["comm_s"], r["device_gb"])) if r["fits"] else (r["device_gb"],)))
+    rows.sort(
+        key=lambda r: (
+            not r["fits"],
+            ((1, r["step_s"], 0) if r["step_s"] > fastest * 1.005 else (0, r["comm_s"], r["device_gb"]))
+            if r["fits"]
+            else (r["device_gb"],),
+        )
+    )
     chosen = rows[0] if rows[0]["fits"] else None
     for r in rows:
         if not r["fits"]:
-            needs = [f"{r['device_gb']:.1f} GB per device (of {device_limit / GB:.1f})"] * (r["device_gb"] > device_limit / GB)
+            needs = [f"{r['device_gb']:.1f} GB per device (of {device_limit / GB:.1f})"] * (
+                r["device_gb"] > device_limit / GB
+            )
             needs += [f"{r['host_gb_per_node']:.0f} GB of CPU RAM per node (of {args.host_memory_gb:.0f})"] * (
-                r["host_gb_per_node"] > host_limit / GB)
-            r["verdict"] = (f"does not fit: needs {' and '.join(needs)} at micro-batch {r['micro_batch']}"
-                            + (" with activation checkpointing" if r["activation_checkpointing"] else ""))
+                r["host_gb_per_node"] > host_limit / GB
+            )
+            r["verdict"] = f"does not fit: needs {' and '.join(needs)} at micro-batch {r['micro_batch']}" + (
+                " with activation checkpointing" if r["activation_checkpointing"] else ""
+            )
         elif r is chosen:
             r["verdict"] = "chosen"
         elif r["step_s"] <= fastest * 1.005:  # a tie: the same step, more traffic or memory
-            r["verdict"] = ("as fast, more communication" if r["comm_s"] > chosen["comm_s"] else
-                            "as fast, more memory" if r["device_gb"] > chosen["device_gb"] else "as fast")
+            r["verdict"] = (
+                "as fast, more communication"
+                if r["comm_s"] > chosen["comm_s"]
+                else "as fast, more memory"
+                if r["device_gb"] > chosen["device_gb"]
+                else "as fast"
+            )
         else:
             r["verdict"] = f"slower: {r['step_s'] / chosen['step_s']:.2f}x the chosen"
     return rows
@@ -289,22 +390,36 @@ def write_yaml(choice: dict, args, path: str) -> None:
     text = re.sub(r"(?m)^num_processes: .*$", f"num_processes: {args.num_devices}", text)
     text = re.sub(r"(?m)^num_machines: .*$", f"num_machines: {args.num_nodes}", text)
     if args.num_nodes > 1:
-        text = re.sub(r"(?m)^  parallelism_config_dp_replicate_size: .*$",
-                      f"  parallelism_config_dp_replicate_size: {args.num_nodes}", text)
-        text = re.sub(r"(?m)^  parallelism_config_dp_shard_size: .*$",
-                      f"  parallelism_config_dp_shard_size: {args.num_devices // args.num_nodes}", text)
+        text = re.sub(
+            r"(?m)^  parallelism_config_dp_replicate_size: .*$",
+            f"  parallelism_config_dp_replicate_size: {args.num_nodes}",
+            text,
+        )
+        text = re.sub(
+            r"(?m)^  parallelism_config_dp_shard_size: .*$",
+            f"  parallelism_config_dp_shard_size: {args.num_devices // args.num_nodes}",
+            text,
+        )
     text = re.sub(r"(?m)^mixed_precision: .*$", f"mixed_precision: '{args.mixed_precision}'", text)
     if choice["sp_size"] > 1:  # the chosen split, and the groups beside each other
         shard, key = args.num_devices // choice["sp_size"], "cp" if choice["strategy"].get("cp_size", 1) > 1 else "sp"
-        text = re.sub(rf"(?m)^  parallelism_config_{key}_size: .*$", f"  parallelism_config_{key}_size: "
-                      f"{choice['sp_size']}" + (f"\n  parallelism_config_dp_shard_size: {shard}" if shard > 1 else ""),
-                      text)
+        text = re.sub(
+            rf"(?m)^  parallelism_config_{key}_size: .*$",
+            f"  parallelism_config_{key}_size: "
+            f"{choice['sp_size']}" + (f"\n  parallelism_config_dp_shard_size: {shard}" if shard > 1 else ""),
+            text,
+        )
     if choice["strategy"]["strategy"] == "fsdp":
-        text = re.sub(r"(?m)^  fsdp_activation_checkpointing: .*$",
-                      f"  fsdp_activation_checkpointing: {str(choice['activation_checkpointing']).lower()}", text)
-    header = (f"# Chosen by make choose-config from {os.path.basename(choice['config'])} for {args.model} on "
-              f"{args.num_devices} device(s) ({args.device}), {args.seq_len}-token sequences, global batch "
-              f"{args.global_batch}, {args.mixed_precision}.\n# Launch with: {launch_line(choice, args, path)}\n")
+        text = re.sub(
+            r"(?m)^  fsdp_activation_checkpointing: .*$",
+            f"  fsdp_activation_checkpointing: {str(choice['activation_checkpointing']).lower()}",
+            text,
+        )
+    header = (
+        f"# Chosen by make choose-config from {os.path.basename(choice['config'])} for {args.model} on "
+        f"{args.num_devices} device(s) ({args.device}), {args.seq_len}-token sequences, global batch "
+        f"{args.global_batch}, {args.mixed_precision}.\n# Launch with: {launch_line(choice, args, path)}\n"
+    )
     if args.num_nodes > 1:
         header += "# On each node: fill main_process_ip below (node 0's address) and pass --machine_rank 0..N-1.\n"
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -313,12 +428,17 @@ def write_yaml(choice: dict, args, path: str) -> None:
 
 
 def launch_line(choice: dict, args, path: str) -> str:
-    checkpointing = (" --gradient_checkpointing true" if choice["activation_checkpointing"]
-                     and choice["strategy"]["strategy"] != "fsdp" else "")
+    checkpointing = (
+        " --gradient_checkpointing true"
+        if choice["activation_checkpointing"] and choice["strategy"]["strategy"] != "fsdp"
+        else ""
+    )
     node = " --machine_rank NODE_RANK --main_process_ip NODE0_ADDRESS" if args.num_nodes > 1 else ""
-    return (f"accelerate launch --config_file {path}{node} recipes/causal_lm.py --per_device_train_batch_size "
-            f"{choice['micro_batch']} --gradient_accumulation_steps {choice['accumulation']} --block_size "
-            f"{args.seq_len}{checkpointing} ...")
+    return (
+        f"accelerate launch --config_file {path}{node} recipes/causal_lm.py --per_device_train_batch_size "
+        f"{choice['micro_batch']} --gradient_accumulation_steps {choice['accumulation']} --block_size "
+        f"{args.seq_len}{checkpointing} ..."
+    )
 
 
 def parse(argv):
@@ -327,36 +447,66 @@ def parse(argv):
     parser.add_argument("--num_devices", type=int, required=True, help="devices (processes) over all nodes")
     parser.add_argument("--num_nodes", type=int, default=1)
     parser.add_argument("--device", choices=[*DEVICES, "cpu"], help="default: the GPU here, else cpu (measured)")
-    parser.add_argument("--device_memory_gb", type=float, help="memory per device (default: the preset's; on cpu "
-                                                                "this host's available memory / devices)")
+    parser.add_argument(
+        "--device_memory_gb",
+        type=float,
+        help="memory per device (default: the preset's; on cpu this host's available memory / devices)",
+    )
     parser.add_argument("--peak_tflops", type=float, help="the device's dense peak in the compute dtype")
-    parser.add_argument("--mfu", type=float, help="achieved fraction of the peak (default 0.37: the recipe's "
-                                                  "measured MFU at 1B on an H200, docs/gpu; on cpu 1.0 of the "
-                                                  "measured matmul rate)")
+    parser.add_argument(
+        "--mfu",
+        type=float,
+        help="achieved fraction of the peak (default 0.37: the recipe's "
+        "measured MFU at 1B on an H200, docs/gpu; on cpu 1.0 of the "
+        "measured matmul rate)",
+    )
     parser.add_argument("--link_gbps", type=float, help="intra-node busbw of every collective, GB/s")
     parser.add_argument("--memory_gbps", type=float, help="the device's memory bandwidth, GB/s (on cpu: measured)")
     parser.add_argument("--vocab_size", type=int, help="override the config's (a model built for a tokenizer)")
-    parser.add_argument("--doctor_report", help="make doctor's --report JSON: each collective's busbw at its "
-                                                 "largest size")
-    parser.add_argument("--inter_node_gbps", type=float, default=50.0,
-                        help="busbw between nodes, GB/s (default: a 400 Gb/s NIC per device; a --doctor_report "
-                             "run over several nodes replaces it)")
+    parser.add_argument(
+        "--doctor_report", help="make doctor's --report JSON: each collective's busbw at its largest size"
+    )
+    parser.add_argument(
+        "--inter_node_gbps",
+        type=float,
+        default=50.0,
+        help="busbw between nodes, GB/s (default: a 400 Gb/s NIC per device; a --doctor_report "
+        "run over several nodes replaces it)",
+    )
     parser.add_argument("--host_link_gbps", type=float, help="device to CPU RAM, GB/s (offload)")
-    parser.add_argument("--host_memory_gb", type=float, help="CPU RAM per node (default: the preset's, on cpu "
-                                                              "this host's available memory)")
-    parser.add_argument("--host_memory_gbps", type=float, help="CPU memory bandwidth per node, GB/s, for the CPU "
-                                                                "optimizer (default 100; on cpu: measured)")
+    parser.add_argument(
+        "--host_memory_gb",
+        type=float,
+        help="CPU RAM per node (default: the preset's, on cpu this host's available memory)",
+    )
+    parser.add_argument(
+        "--host_memory_gbps",
+        type=float,
+        help="CPU memory bandwidth per node, GB/s, for the CPU optimizer (default 100; on cpu: measured)",
+    )
     parser.add_argument("--seq_len", type=int, default=2048)
     parser.add_argument("--global_batch", type=int, required=True, help="sequences per optimizer step, all devices")
-    parser.add_argument("--micro_batch", type=int, help="sequences per device per forward (default: the fastest "
-                                                        "that fits, among the divisors of the per-device batch)")
-    parser.add_argument("--activation_checkpointing", choices=["auto", "off", "on"], default="auto",
-                        help="auto: whichever is faster among what fits (a config may turn it on itself)")
+    parser.add_argument(
+        "--micro_batch",
+        type=int,
+        help="sequences per device per forward (default: the fastest "
+        "that fits, among the divisors of the per-device batch)",
+    )
+    parser.add_argument(
+        "--activation_checkpointing",
+        choices=["auto", "off", "on"],
+        default="auto",
+        help="auto: whichever is faster among what fits (a config may turn it on itself)",
+    )
     parser.add_argument("--mixed_precision", choices=["bf16", "fp16", "no"], default="bf16")
-    parser.add_argument("--headroom", type=float, help="fraction of device memory kept free (default 0.1: the "
-                                                       "estimate's gap to a run's measured peak, up to 14%% below "
-                                                       "it on a CPU host, docs/choose-config.md; on a GPU the CUDA "
-                                                       "context and fragmentation too)")
+    parser.add_argument(
+        "--headroom",
+        type=float,
+        help="fraction of device memory kept free (default 0.1: the "
+        "estimate's gap to a run's measured peak, up to 14%% below "
+        "it on a CPU host, docs/choose-config.md; on a GPU the CUDA "
+        "context and fragmentation too)",
+    )
     parser.add_argument("--configs", nargs="+", help="rank only these shipped configs (names in accelerate_configs/)")
     parser.add_argument("--output", default=os.path.join("outputs", "chosen_config.yaml"))
     parser.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
@@ -371,9 +521,11 @@ def read_doctor_report(path: str) -> dict:
             report = json.load(handle)
         return {op: (report.get(op) or report["all_reduce"])[-1]["busbw_gbps"] for op in COLLECTIVES}
     except (OSError, ValueError, KeyError, IndexError, TypeError) as error:
-        raise SystemExit(f"error: --doctor_report {path} is not make doctor's report over 2 or more processes "
-                         f"({type(error).__name__}: {error}); run make doctor ARGS='--max_size 256M --report "
-                         f"{path}'") from None
+        raise SystemExit(
+            f"error: --doctor_report {path} is not make doctor's report over 2 or more processes "
+            f"({type(error).__name__}: {error}); run make doctor ARGS='--max_size 256M --report "
+            f"{path}'"
+        ) from None
 
 
 def resolve_device(args, model: dict) -> dict:
@@ -384,11 +536,16 @@ def resolve_device(args, model: dict) -> dict:
         name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
         args.device = next((key for key in DEVICES if re.search(rf"\b{key}\b", name.lower())), "cpu")
         if args.device == "cpu" and name != "cpu":
-            raise SystemExit(f"error: no preset for {name}; pass --device and --peak_tflops, --device_memory_gb, "
-                             "--link_gbps")
-    overrides = {"tflops": args.peak_tflops, "memory_gb": args.device_memory_gb, "memory_gbps": args.memory_gbps,
-                 "host_link_gbps": args.host_link_gbps,
-                 "inter_node_gbps": dict.fromkeys(COLLECTIVES, args.inter_node_gbps)}
+            raise SystemExit(
+                f"error: no preset for {name}; pass --device and --peak_tflops, --device_memory_gb, --link_gbps"
+            )
+    overrides = {
+        "tflops": args.peak_tflops,
+        "memory_gb": args.device_memory_gb,
+        "memory_gbps": args.memory_gbps,
+        "host_link_gbps": args.host_link_gbps,
+        "inter_node_gbps": dict.fromkeys(COLLECTIVES, args.inter_node_gbps),
+    }
     # a report's ring spans the nodes it ran on: on several nodes it measures the link between them
     measured = "inter_node_gbps" if args.num_nodes > 1 else "link_gbps"
     if args.link_gbps:
@@ -396,14 +553,22 @@ def resolve_device(args, model: dict) -> dict:
     if args.doctor_report:
         overrides[measured] = read_doctor_report(args.doctor_report)
     elif args.device == "cpu" and args.num_devices > 1 and not args.link_gbps:
-        raise SystemExit("error: on cpu the link between processes is measured, not assumed: run make doctor "
-                         "ARGS='--max_size 256M --report doctor.json' and pass --doctor_report doctor.json")
+        raise SystemExit(
+            "error: on cpu the link between processes is measured, not assumed: run make doctor "
+            "ARGS='--max_size 256M --report doctor.json' and pass --doctor_report doctor.json"
+        )
     if args.device == "cpu":  # one process of the job on its share of the cores
         device = {"memory_gb": available_memory_gb() / args.num_devices}
         if args.peak_tflops is None or args.memory_gbps is None:
             threads = max(1, (os.cpu_count() or 1) // (args.num_devices // args.num_nodes))
-            device.update(measure_host(torch.bfloat16 if args.mixed_precision == "bf16" else torch.float32,
-                                       threads, model, min(args.seq_len, 2048)))
+            device.update(
+                measure_host(
+                    torch.bfloat16 if args.mixed_precision == "bf16" else torch.float32,
+                    threads,
+                    model,
+                    min(args.seq_len, 2048),
+                )
+            )
     else:
         device = dict(DEVICES[args.device])
         device["link_gbps"] = dict.fromkeys(COLLECTIVES, device["link_gbps"])
@@ -429,51 +594,75 @@ def available_memory_gb() -> float:
 def main(argv=None) -> dict:
     args = parse(argv)
     if args.num_devices < 1 or args.num_nodes < 1 or args.num_devices % args.num_nodes:
-        raise SystemExit(f"error: --num_devices {args.num_devices} is not a multiple of --num_nodes {args.num_nodes}; "
-                         "pass the total device count over all nodes")
+        raise SystemExit(
+            f"error: --num_devices {args.num_devices} is not a multiple of --num_nodes {args.num_nodes}; "
+            "pass the total device count over all nodes"
+        )
     if args.global_batch < 1 or args.seq_len < 2:
-        raise SystemExit(f"error: --global_batch {args.global_batch} and --seq_len {args.seq_len}: pass at least 1 "
-                         "sequence and 2 tokens")
+        raise SystemExit(
+            f"error: --global_batch {args.global_batch} and --seq_len {args.seq_len}: pass at least 1 "
+            "sequence and 2 tokens"
+        )
     if args.global_batch % args.num_devices:
-        raise SystemExit(f"error: --global_batch {args.global_batch} does not divide over {args.num_devices} devices; "
-                         "pass a multiple of --num_devices")
+        raise SystemExit(
+            f"error: --global_batch {args.global_batch} does not divide over {args.num_devices} devices; "
+            "pass a multiple of --num_devices"
+        )
     per_device = args.global_batch // args.num_devices
     if args.micro_batch is not None and (args.micro_batch < 1 or per_device % args.micro_batch):
-        raise SystemExit(f"error: --micro_batch {args.micro_batch} does not divide the per-device batch {per_device} "
-                         f"(--global_batch {args.global_batch} over {args.num_devices} devices); pass a divisor of it")
+        raise SystemExit(
+            f"error: --micro_batch {args.micro_batch} does not divide the per-device batch {per_device} "
+            f"(--global_batch {args.global_batch} over {args.num_devices} devices); pass a divisor of it"
+        )
     for path, flag in ((args.output, "--output"), (args.json, "--json")):
         if path and os.path.exists(path) and not args.overwrite:
             raise SystemExit(f"error: {path} exists; pass another {flag} or --overwrite to replace it")
     try:
         model = read_model(args.model, args.vocab_size)
     except (OSError, ValueError) as error:
-        raise SystemExit(f"error: --model {args.model} gives no model config ({str(error).splitlines()[0]}); "
-                         "pass a config.json, a model folder or a Hub name reachable from here")
+        raise SystemExit(
+            f"error: --model {args.model} gives no model config ({str(error).splitlines()[0]}); "
+            "pass a config.json, a model folder or a Hub name reachable from here"
+        )
     device = resolve_device(args, model)
     rows = rank(args, model, device)
-    links = "; ".join(f"{where} " + ", ".join(f"{op} {bw:.3g}" for op, bw in device[key].items())
-                      for where, key in (("link busbw GB/s:", "link_gbps"), ("between nodes:", "inter_node_gbps"))
-                      if key == "link_gbps" or args.num_nodes > 1)
-    print(f"{model['parameters']:,} parameters on {args.num_devices} x {args.device} in {args.num_nodes} node(s) "
-          f"({device['memory_gb']:.1f} GB, {device['tflops']:.3g} TFLOP/s peak at {args.mfu:.2f}, {links}), "
-          f"{args.seq_len}-token sequences, global batch {args.global_batch}, {args.mixed_precision}")
-    print(f"{'config':24} {'micro x acc':>11} {'AC':>3} {'GB/device':>9} {'CPU GB/node':>11} {'compute s':>9} "
-          f"{'comm s':>7} {'other s':>7} {'step s':>7}  verdict")
+    links = "; ".join(
+        f"{where} " + ", ".join(f"{op} {bw:.3g}" for op, bw in device[key].items())
+        for where, key in (("link busbw GB/s:", "link_gbps"), ("between nodes:", "inter_node_gbps"))
+        if key == "link_gbps" or args.num_nodes > 1
+    )
+    print(
+        f"{model['parameters']:,} parameters on {args.num_devices} x {args.device} in {args.num_nodes} node(s) "
+        f"({device['memory_gb']:.1f} GB, {device['tflops']:.3g} TFLOP/s peak at {args.mfu:.2f}, {links}), "
+        f"{args.seq_len}-token sequences, global batch {args.global_batch}, {args.mixed_precision}"
+    )
+    print(
+        f"{'config':24} {'micro x acc':>11} {'AC':>3} {'GB/device':>9} {'CPU GB/node':>11} {'compute s':>9} "
+        f"{'comm s':>7} {'other s':>7} {'step s':>7}  verdict"
+    )
     for r in rows:
         split = "cp" if r["config"] == "fsdp_cp.yaml" else "sp"
         name = r["config"] + (f" {split} {r['sp_size']}" if r["sp_size"] > 1 else "")
-        print(f"{name:24} {r['micro_batch']:>6} x {r['accumulation']:<3} {'on' if r['activation_checkpointing'] else 'off':>3} "
-              f"{r['device_gb']:9.2f} {r['host_gb_per_node']:11.1f} {r['compute_s']:9.3g} {r['comm_s']:7.3g} "
-              f"{r['other_s']:7.3g} {r['step_s']:7.3g}  {r['verdict']}")
-    result = {"device": device, "model": model, "rows": [{k: v for k, v in r.items() if k != "strategy"} for r in rows]}
+        print(
+            f"{name:24} {r['micro_batch']:>6} x {r['accumulation']:<3} {'on' if r['activation_checkpointing'] else 'off':>3} "
+            f"{r['device_gb']:9.2f} {r['host_gb_per_node']:11.1f} {r['compute_s']:9.3g} {r['comm_s']:7.3g} "
+            f"{r['other_s']:7.3g} {r['step_s']:7.3g}  {r['verdict']}"
+        )
+    result = {
+        "device": device,
+        "model": model,
+        "rows": [{k: v for k, v in r.items() if k != "strategy"} for r in rows],
+    }
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as handle:
             json.dump(result, handle, indent=2)
     choice = next((r for r in rows if r["verdict"] == "chosen"), None)
     if choice is None:
-        raise SystemExit(f"error: no config fits: {rows[0]['config']} {rows[0]['verdict']}; use more devices or "
-                         "nodes, more CPU RAM for offload, a shorter --seq_len, or LoRA (--use_peft)")
+        raise SystemExit(
+            f"error: no config fits: {rows[0]['config']} {rows[0]['verdict']}; use more devices or "
+            "nodes, more CPU RAM for offload, a shorter --seq_len, or LoRA (--use_peft)"
+        )
     write_yaml(choice, args, args.output)
     print(f"wrote {args.output}\n{launch_line(choice, args, args.output)}")
     return result

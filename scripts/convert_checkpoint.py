@@ -30,18 +30,27 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="a run's checkpoints/step_N folder")
     parser.add_argument("--config_file", required=True, help="the accelerate config the run will resume under")
-    parser.add_argument("--num_processes", type=int, default=None,
-                        help="the processes it will resume on (default: the config's num_processes)")
+    parser.add_argument(
+        "--num_processes",
+        type=int,
+        default=None,
+        help="the processes it will resume on (default: the config's num_processes)",
+    )
     args = parser.parse_args(argv)
     checkpoint = os.path.normpath(args.checkpoint)
     if not os.path.isfile(os.path.join(checkpoint, STATE_FILE)):
-        raise UsageError(f"--checkpoint {checkpoint} is not a complete checkpoint (no {STATE_FILE}); pass a "
-                         "checkpoints/step_N folder of a run")
+        raise UsageError(
+            f"--checkpoint {checkpoint} is not a complete checkpoint (no {STATE_FILE}); pass a "
+            "checkpoints/step_N folder of a run"
+        )
     if not os.path.isfile(args.config_file):
         raise UsageError(f"--config_file {args.config_file} does not exist; pass one of accelerate_configs/*.yaml")
     strategy = read_strategy(args.config_file, args.num_processes, None)
-    zero_layout = {key: strategy[key] for key in ("num_processes", "zero3_sub_group_size")} \
-        if strategy["strategy"] == "deepspeed" else None
+    zero_layout = (
+        {key: strategy[key] for key in ("num_processes", "zero3_sub_group_size")}
+        if strategy["strategy"] == "deepspeed"
+        else None
+    )
     conversion = conversion_needed(checkpoint, FAMILY[strategy["strategy"]], zero_layout)
     if conversion is None:
         print(f"{checkpoint}: nothing to convert; it loads under {args.config_file} as it is")

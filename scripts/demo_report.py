@@ -1,6 +1,6 @@
 """Print the demo's final eval loss beside the corpus' entropy floor.
 
-    python scripts/demo_report.py --run outputs/causal_lm_demo --data outputs/data/markov
+python scripts/demo_report.py --run outputs/causal_lm_demo --data outputs/data/markov
 """
 
 import argparse
@@ -27,8 +27,7 @@ def main(argv=None):
     run = json.load(open(os.path.join(args.run, "run.json")))
     loss = final_eval(args.run)["eval_loss"]
     excess = loss / floor - 1
-    print(f"demo: {run['participating_processes']} processes ({run['distributed_type']}), "
-          f"{run['max_steps']} steps")
+    print(f"demo: {run['participating_processes']} processes ({run['distributed_type']}), {run['max_steps']} steps")
     print(f"demo: eval loss {loss:.4f} nats/token vs entropy floor {floor:.4f} ({excess:+.1%})")
     print(f"demo: model saved to {os.path.join(args.run, 'final')}")
     if excess > args.tolerance:

@@ -32,9 +32,24 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-ENV_PREFIXES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
-                "MASTER_PORT", "CUDA_VISIBLE_DEVICES", "NCCL_", "GLOO_", "TORCHELASTIC_", "ACCELERATE_USE_",
-                "ACCELERATE_MIXED_PRECISION", "OMP_NUM_THREADS")
+
+ENV_PREFIXES = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "CUDA_VISIBLE_DEVICES",
+    "NCCL_",
+    "GLOO_",
+    "TORCHELASTIC_",
+    "ACCELERATE_USE_",
+    "ACCELERATE_MIXED_PRECISION",
+    "OMP_NUM_THREADS",
+)
 REPO = Path(__file__).resolve().parents[1]
 WORKER = "RECIPES_DOCTOR_WORKER"  # set for the launched copies of this script
 
@@ -46,6 +61,7 @@ def fail(message: str) -> None:
 
 # ---- what this host has ----------------------------------------------------------------------
 
+
 def devices() -> dict:
     import torch
 
@@ -53,20 +69,32 @@ def devices() -> dict:
     if torch.cuda.is_available():
         for index in range(torch.cuda.device_count()):
             props = torch.cuda.get_device_properties(index)
-            info["gpus"].append({"name": props.name, "memory_gb": round(props.total_memory / 1e9, 1),
-                                 "capability": f"{props.major}.{props.minor}"})
+            info["gpus"].append(
+                {
+                    "name": props.name,
+                    "memory_gb": round(props.total_memory / 1e9, 1),
+                    "capability": f"{props.major}.{props.minor}",
+                }
+            )
         info["cuda"] = torch.version.cuda
         with contextlib.suppress(Exception):
             info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
         with contextlib.suppress(Exception):
-            info["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                            capture_output=True, text=True, timeout=30).stdout.split()[0]
+            info["driver"] = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            ).stdout.split()[0]
     return info
 
 
 def distributed_env() -> dict:
-    return {k: v for k, v in sorted(os.environ.items())
-            if k.startswith(ENV_PREFIXES) and k not in ("TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_SIGNALS_TO_HANDLE")}
+    return {
+        k: v
+        for k, v in sorted(os.environ.items())
+        if k.startswith(ENV_PREFIXES) and k not in ("TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_SIGNALS_TO_HANDLE")
+    }
 
 
 def interface_addresses() -> dict[str, str]:
@@ -100,18 +128,24 @@ def network_problem(net: dict, multi_host: bool) -> str | None:
     """The likely cause, from this host's side, of peers failing to connect; None when none is seen."""
     main = net["main_node"]
     if "route_error" in net:
-        return (f"this host has no route to the main node {main} ({net['route_error']}): check the address, that this "
-                "node's network link is up, and the routes (`ip route get " + main + "`)")
+        return (
+            f"this host has no route to the main node {main} ({net['route_error']}): check the address, that this "
+            "node's network link is up, and the routes (`ip route get " + main + "`)"
+        )
     ifname = net["socket_ifname"]
     if ifname and ifname.split(",")[0] not in net["interfaces"]:
-        return (f"GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME is {ifname}, which this host does not have (it has "
-                f"{', '.join(net['interfaces'])}): set it to the interface that reaches {main}"
-                f" ({net.get('route_interface')})")
+        return (
+            f"GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME is {ifname}, which this host does not have (it has "
+            f"{', '.join(net['interfaces'])}): set it to the interface that reaches {main}"
+            f" ({net.get('route_interface')})"
+        )
     announced = net["interfaces"].get(ifname) if ifname else net.get("hostname_address")
     if multi_host and announced and announced.startswith("127.") and not main.startswith("127."):
-        return (f"this host announces {announced} (its hostname {net['hostname']} resolves to loopback) to peers on "
-                f"other hosts, which cannot reach it there: set GLOO_SOCKET_IFNAME={net.get('route_interface')} "
-                f"(NCCL_SOCKET_IFNAME for NCCL), the interface with {net.get('route_address')} that reaches {main}")
+        return (
+            f"this host announces {announced} (its hostname {net['hostname']} resolves to loopback) to peers on "
+            f"other hosts, which cannot reach it there: set GLOO_SOCKET_IFNAME={net.get('route_interface')} "
+            f"(NCCL_SOCKET_IFNAME for NCCL), the interface with {net.get('route_address')} that reaches {main}"
+        )
     return None
 
 
@@ -132,6 +166,7 @@ def wait_for_main_node(address: str, port: int, timeout: float) -> str | None:
 
 # ---- the collectives -------------------------------------------------------------------------
 
+
 def check_collectives(dist, device, world: int, rank: int) -> dict:
     """Each collective on values whose right answer every rank can compute."""
     import torch
@@ -141,7 +176,9 @@ def check_collectives(dist, device, world: int, rank: int) -> dict:
     dist.all_reduce(x)
     results["all_reduce"] = bool(torch.all(x == world * (world + 1) / 2))
     gathered = torch.empty(world * 2, device=device)
-    getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(gathered, torch.full((2,), float(rank), device=device))
+    getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(
+        gathered, torch.full((2,), float(rank), device=device)
+    )
     results["all_gather"] = torch.equal(gathered, torch.arange(world, device=device).float().repeat_interleave(2))
     contribution = torch.arange(world * 2, device=device).float() * (rank + 1)
     shard = torch.empty(2, device=device)
@@ -167,9 +204,11 @@ def time_collective(dist, device, world: int, sizes: list[int], iterations: int,
         numel = max(1, size // 4) if op == "all_reduce" else max(world, size // 4 // world * world)
         whole = torch.ones(numel, device=device)
         part = torch.empty(whole.numel() // world, device=device)
-        call = {"all_reduce": lambda: dist.all_reduce(whole),
-                "all_gather": lambda: dist.all_gather_into_tensor(whole, part),
-                "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, whole)}[op]
+        call = {
+            "all_reduce": lambda: dist.all_reduce(whole),
+            "all_gather": lambda: dist.all_gather_into_tensor(whole, part),
+            "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, whole),
+        }[op]
         repeats = max(2, min(iterations, int(iterations * 2**20 / max(size, 2**20))))
         for _ in range(2):
             call()
@@ -186,8 +225,9 @@ def time_collective(dist, device, world: int, sizes: list[int], iterations: int,
         seconds = elapsed.item()
         algbw = whole.numel() * 4 / seconds / 1e9
         factor = 2 * (world - 1) / world if op == "all_reduce" else (world - 1) / world
-        rows.append({"bytes": whole.numel() * 4, "time_us": seconds * 1e6, "algbw_gbps": algbw,
-                     "busbw_gbps": algbw * factor})
+        rows.append(
+            {"bytes": whole.numel() * 4, "time_us": seconds * 1e6, "algbw_gbps": algbw, "busbw_gbps": algbw * factor}
+        )
     return rows
 
 
@@ -199,8 +239,11 @@ def version_mismatches(reports: list[dict]) -> list[str]:
         for report in reports:
             by_version.setdefault(report["versions"][name], []).append(report)
         if len(by_version) > 1:
-            parts = [f"{version} on rank{'s' if len(rs) > 1 else ''} {','.join(str(r['rank']) for r in rs)} "
-                     f"(host {', '.join(sorted({r['host'] for r in rs}))})" for version, rs in by_version.items()]
+            parts = [
+                f"{version} on rank{'s' if len(rs) > 1 else ''} {','.join(str(r['rank']) for r in rs)} "
+                f"(host {', '.join(sorted({r['host'] for r in rs}))})"
+                for version, rs in by_version.items()
+            ]
             found.append(f"{name}: " + "; ".join(parts))
     return found
 
@@ -222,8 +265,14 @@ def worker(args) -> None:
     from common.run_info import package_versions
 
     if "RANK" not in os.environ:  # a one-process config: accelerate starts the script without torchrun
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(free_port()))
+        os.environ.update(
+            RANK="0",
+            LOCAL_RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_WORLD_SIZE="1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(free_port()),
+        )
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     main = os.environ.get("MASTER_ADDR", "127.0.0.1")
@@ -235,32 +284,53 @@ def worker(args) -> None:
     if use_gpu:
         torch.cuda.set_device(device)
     net = network(main)
-    report = {"rank": rank, "host": net["hostname"], "address": net.get("route_address"), "versions": package_versions(),
-              "devices": devices(), "env": distributed_env(), "network": net}
+    report = {
+        "rank": rank,
+        "host": net["hostname"],
+        "address": net.get("route_address"),
+        "versions": package_versions(),
+        "devices": devices(),
+        "env": distributed_env(),
+        "network": net,
+    }
     problem = network_problem(net, multi_host=world > local_world)
     if problem:
         fail(f"rank {rank}: {problem}")
     backend = "nccl" if use_gpu else "gloo"
     try:
-        dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout), device_id=device if use_gpu else None)
+        dist.init_process_group(
+            backend, timeout=timedelta(seconds=args.timeout), device_id=device if use_gpu else None
+        )
         reports = [None] * world
         dist.all_gather_object(reports, report)
         checks = check_collectives(dist, device, world, rank)
         sizes = [s for s in (2**k for k in range(2, 40, 2)) if s <= args.max_size] if world > 1 else []
         bandwidth = time_collective(dist, device, world, sizes, args.iterations)
         # the sharded strategies' collectives, at the largest sizes (make choose-config reads them)
-        gathers = {op: time_collective(dist, device, world, sizes[-2:], args.iterations, op)
-                   for op in ("all_gather", "reduce_scatter")}
+        gathers = {
+            op: time_collective(dist, device, world, sizes[-2:], args.iterations, op)
+            for op in ("all_gather", "reduce_scatter")
+        }
     except Exception as error:  # every failure inside the process group gets its cause named
         from common.peers import lost_peer_message
 
-        fail(lost_peer_message(error, args.timeout) or f"rank {rank}: a collective failed ({type(error).__name__}: "
-                                          f"{str(error).splitlines()[0] if str(error) else ''})")
+        fail(
+            lost_peer_message(error, args.timeout)
+            or f"rank {rank}: a collective failed ({type(error).__name__}: "
+            f"{str(error).splitlines()[0] if str(error) else ''})"
+        )
     if rank == 0:
         mismatches = version_mismatches(reports)
-        summary = {"world_size": world, "hosts": sorted({r["host"] + "@" + str(r["address"]) for r in reports}),
-                   "backend": backend, "ranks": reports, "collectives": checks, "all_reduce": bandwidth, **gathers,
-                   "version_mismatches": mismatches}
+        summary = {
+            "world_size": world,
+            "hosts": sorted({r["host"] + "@" + str(r["address"]) for r in reports}),
+            "backend": backend,
+            "ranks": reports,
+            "collectives": checks,
+            "all_reduce": bandwidth,
+            **gathers,
+            "version_mismatches": mismatches,
+        }
         print_summary(summary)
         if args.report:
             Path(args.report).parent.mkdir(parents=True, exist_ok=True)
@@ -275,31 +345,41 @@ def worker(args) -> None:
 
 def print_summary(summary: dict) -> None:
     ranks = summary["ranks"]
-    print(f"doctor: {summary['world_size']} ranks on {len(summary['hosts'])} host(s) {', '.join(summary['hosts'])}, "
-          f"backend {summary['backend']}")
+    print(
+        f"doctor: {summary['world_size']} ranks on {len(summary['hosts'])} host(s) {', '.join(summary['hosts'])}, "
+        f"backend {summary['backend']}"
+    )
     print("versions (rank 0): " + ", ".join(f"{k} {v}" for k, v in ranks[0]["versions"].items()))
     for r in ranks:
         gpus = ", ".join(f"{g['name']} {g['memory_gb']} GB" for g in r["devices"]["gpus"]) or "no GPU"
         extra = "".join(f", {k} {r['devices'][k]}" for k in ("driver", "cuda", "nccl") if k in r["devices"])
         env = " ".join(f"{k}={v}" for k, v in r["env"].items())
-        print(f"rank {r['rank']} on {r['host']} ({r['address']} via {r['network'].get('route_interface')}): "
-              f"{r['devices']['cpu_cores']} CPU cores, {gpus}{extra}\n    {env}")
+        print(
+            f"rank {r['rank']} on {r['host']} ({r['address']} via {r['network'].get('route_interface')}): "
+            f"{r['devices']['cpu_cores']} CPU cores, {gpus}{extra}\n    {env}"
+        )
     print("collectives: " + ", ".join(f"{k} {'ok' if ok else 'WRONG'}" for k, ok in summary["collectives"].items()))
     if summary["world_size"] == 1:
         print("all_reduce not timed: one rank, nothing crosses a link (launch 2 or more processes to time it)")
         return
-    print(f"all_reduce over {summary['world_size']} ranks:\n{'bytes':>12} {'time_us':>10} {'algbw_GB/s':>11} "
-          f"{'busbw_GB/s':>11}")
+    print(
+        f"all_reduce over {summary['world_size']} ranks:\n{'bytes':>12} {'time_us':>10} {'algbw_GB/s':>11} "
+        f"{'busbw_GB/s':>11}"
+    )
     for row in summary["all_reduce"]:
         print(f"{row['bytes']:>12} {row['time_us']:>10.1f} {row['algbw_gbps']:>11.3g} {row['busbw_gbps']:>11.3g}")
     for op in ("all_gather", "reduce_scatter"):
         if summary.get(op):
-            print(f"{op}: " + ", ".join(f"busbw {row['busbw_gbps']:.3g} GB/s at {row['bytes']} bytes" for row in summary[op]))
+            print(
+                f"{op}: "
+                + ", ".join(f"busbw {row['busbw_gbps']:.3g} GB/s at {row['bytes']} bytes" for row in summary[op])
+            )
     if summary["version_mismatches"]:
         print("versions differ: " + "; ".join(summary["version_mismatches"]))
 
 
 # ---- make doctor: the check before the launch, then the launch ------------------------------
+
 
 def launch(args, launcher_args: list[str]) -> None:
     """Check that this node reaches the main node, then launch the workers; one line if they cannot meet."""
@@ -314,27 +394,53 @@ def launch(args, launcher_args: list[str]) -> None:
     if machines > 1:
         main, port = str(known.main_process_ip), int(known.main_process_port or 29500)
         if main.startswith("FILL") or main == "None":
-            fail(f"{args.config_file} has no main node address: pass LAUNCH_ARGS=\"--main_process_ip <address of "
-                 "the node with machine_rank 0> --machine_rank <this node's rank>\"")
+            fail(
+                f'{args.config_file} has no main node address: pass LAUNCH_ARGS="--main_process_ip <address of '
+                "the node with machine_rank 0> --machine_rank <this node's rank>\""
+            )
         net = network(main)
-        if machine_rank == 0 and net.get("route_address") and net["route_address"] != socket.gethostbyname(main) \
-                and socket.gethostbyname(main) not in net["interfaces"].values():
-            fail(f"this node runs machine_rank 0 but {main} is not one of its addresses "
-                 f"({', '.join(net['interfaces'].values())}): run machine_rank 0 on the main node, or fix "
-                 "--main_process_ip")
+        if (
+            machine_rank == 0
+            and net.get("route_address")
+            and net["route_address"] != socket.gethostbyname(main)
+            and socket.gethostbyname(main) not in net["interfaces"].values()
+        ):
+            fail(
+                f"this node runs machine_rank 0 but {main} is not one of its addresses "
+                f"({', '.join(net['interfaces'].values())}): run machine_rank 0 on the main node, or fix "
+                "--main_process_ip"
+            )
         problem = network_problem(net, multi_host=True)
         if problem:
             fail(f"machine_rank {machine_rank}: {problem}")
         if machine_rank > 0 and (reason := wait_for_main_node(main, port, args.timeout)):
-            fail(f"machine_rank {machine_rank} cannot reach the main node {main}:{port} ({reason}): start machine_rank"
-                 f" 0 there first, and check the address, the port and any firewall between the nodes")
+            fail(
+                f"machine_rank {machine_rank} cannot reach the main node {main}:{port} ({reason}): start machine_rank"
+                f" 0 there first, and check the address, the port and any firewall between the nodes"
+            )
     accelerate = Path(sys.executable).with_name("accelerate")
-    command = [str(accelerate), "launch", "--rdzv_conf", f"timeout={int(args.timeout)}", "--config_file",
-               args.config_file, *launcher_args, __file__, "--timeout", str(args.timeout), "--iterations",
-               str(args.iterations), *(["--max_size", str(args.max_size)] if args.max_size else []),
-               *(["--report", args.report] if args.report else [])]
-    process = subprocess.Popen(command, env={**os.environ, WORKER: "1", "PYTHONPATH": f"{REPO}{os.pathsep}"
-                                             f"{os.environ.get('PYTHONPATH', '')}"}, stderr=subprocess.PIPE, text=True)
+    command = [
+        str(accelerate),
+        "launch",
+        "--rdzv_conf",
+        f"timeout={int(args.timeout)}",
+        "--config_file",
+        args.config_file,
+        *launcher_args,
+        __file__,
+        "--timeout",
+        str(args.timeout),
+        "--iterations",
+        str(args.iterations),
+        *(["--max_size", str(args.max_size)] if args.max_size else []),
+        *(["--report", args.report] if args.report else []),
+    ]
+    process = subprocess.Popen(
+        command,
+        env={**os.environ, WORKER: "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"},
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     errors = []
     for line in process.stderr:  # passed through as it comes, kept to name the cause
         sys.stderr.write(line)
@@ -344,21 +450,34 @@ def launch(args, launcher_args: list[str]) -> None:
     if process.returncode != 0 and not re.search(r"^error: ", errors, re.MULTILINE):
         joined = re.search(r"(\d+)/(\d+) clients joined", errors)
         if joined:
-            fail(f"the main node waited {args.timeout:.0f} s and only {joined.group(1)} of {joined.group(2)} nodes "
-                 "joined: start `make doctor` on every node with its own --machine_rank, and check that they reach "
-                 "this node's --main_process_ip and port")
+            fail(
+                f"the main node waited {args.timeout:.0f} s and only {joined.group(1)} of {joined.group(2)} nodes "
+                "joined: start `make doctor` on every node with its own --machine_rank, and check that they reach "
+                "this node's --main_process_ip and port"
+            )
         fail(f"the launch failed (exit {process.returncode}) before the workers could report; see the output above")
     sys.exit(process.returncode)
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    parser.add_argument("--config_file", default="accelerate_configs/ddp.yaml",
-                        help="accelerate config to launch with (run without a launcher)")
-    parser.add_argument("--timeout", type=float, default=120,
-                        help="seconds to wait for the main node and for each collective before naming the cause")
-    parser.add_argument("--max_size", type=parse_size, default=None,
-                        help="largest all_reduce timed, e.g. 64M (default 1G on GPU, 16M on CPU)")
+    parser.add_argument(
+        "--config_file",
+        default="accelerate_configs/ddp.yaml",
+        help="accelerate config to launch with (run without a launcher)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=120,
+        help="seconds to wait for the main node and for each collective before naming the cause",
+    )
+    parser.add_argument(
+        "--max_size",
+        type=parse_size,
+        default=None,
+        help="largest all_reduce timed, e.g. 64M (default 1G on GPU, 16M on CPU)",
+    )
     parser.add_argument("--iterations", type=int, default=20, help="timed calls per size (fewer above 1 MB)")
     parser.add_argument("--report", default=None, help="also write the rank-0 summary here as JSON")
     args, launcher_args = parser.parse_known_args(argv)

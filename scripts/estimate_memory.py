@@ -65,6 +65,7 @@ import os
 import re
 import sys
 
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MB = 2**20
 if REPO not in sys.path:
@@ -98,8 +99,13 @@ def read_strategy(config_file: str, num_processes: int | None, mixed_precision: 
             offload_params = zero.get("offload_param", {}).get("device", "none") != "none"
             sub_group_size = zero.get("sub_group_size")
             if mixed_precision is None:
-                precision = "bf16" if ds.get("bf16", {}).get("enabled") else "fp16" if ds.get("fp16", {}).get(
-                    "enabled") else "no"
+                precision = (
+                    "bf16"
+                    if ds.get("bf16", {}).get("enabled")
+                    else "fp16"
+                    if ds.get("fp16", {}).get("enabled")
+                    else "no"
+                )
         else:
             stage = deepspeed.get("zero_stage", 0)
             offload = deepspeed.get("offload_optimizer_device", "none") != "none"
@@ -114,15 +120,22 @@ def read_strategy(config_file: str, num_processes: int | None, mixed_precision: 
     fsdp = config.get("fsdp_config", {})
     offload_params = offload_params or str(fsdp.get("fsdp_offload_params", False)).lower() == "true"
     replicas = int(parallelism.get("parallelism_config_dp_replicate_size", 1))
-    return {"strategy": strategy, "zero_stage": stage, "offload": offload, "offload_params": offload_params,
-            "replicas": replicas, "tp_size": tp_size, "num_processes": processes,
-            "sp_size": int(parallelism.get("parallelism_config_sp_size", 1)),
-            "cp_size": int(parallelism.get("parallelism_config_cp_size", 1)),
-            "zero3_sub_group_size": None if sub_group_size is None else int(float(sub_group_size)),
-            "mixed_precision": precision,
-            "fsdp_reshard_after_forward": str(fsdp.get("fsdp_reshard_after_forward", True)).lower() == "true",
-            "activation_checkpointing": str(fsdp.get("fsdp_activation_checkpointing", False)).lower() == "true",
-            "fsdp_cpu_ram_efficient_loading": str(fsdp.get("fsdp_cpu_ram_efficient_loading", False)).lower() == "true"}
+    return {
+        "strategy": strategy,
+        "zero_stage": stage,
+        "offload": offload,
+        "offload_params": offload_params,
+        "replicas": replicas,
+        "tp_size": tp_size,
+        "num_processes": processes,
+        "sp_size": int(parallelism.get("parallelism_config_sp_size", 1)),
+        "cp_size": int(parallelism.get("parallelism_config_cp_size", 1)),
+        "zero3_sub_group_size": None if sub_group_size is None else int(float(sub_group_size)),
+        "mixed_precision": precision,
+        "fsdp_reshard_after_forward": str(fsdp.get("fsdp_reshard_after_forward", True)).lower() == "true",
+        "activation_checkpointing": str(fsdp.get("fsdp_activation_checkpointing", False)).lower() == "true",
+        "fsdp_cpu_ram_efficient_loading": str(fsdp.get("fsdp_cpu_ram_efficient_loading", False)).lower() == "true",
+    }
 
 
 def read_model(model: str, vocab_size: int | None = None) -> dict:
@@ -139,27 +152,35 @@ def read_model(model: str, vocab_size: int | None = None) -> dict:
     # split by tensor parallelism: every parameter of a module (or the parameter) its TP plan names
     planned = re.compile("|".join(re.escape(name).replace(r"\*", r"\d+") + r"(\..+)?" for name in built.tp_plan))
     tp_split = sum(p.numel() for name, p in built.named_parameters() if built.tp_plan and planned.fullmatch(name))
-    layers = next((m for m in built.modules() if isinstance(m, torch.nn.ModuleList)
-                   and len(m) == config.num_hidden_layers), [])
+    layers = next(
+        (m for m in built.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == config.num_hidden_layers), []
+    )
     total, largest_tensor = sum(p.numel() for p in parameters), max(p.numel() for p in parameters)
     layer_sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]
-    return {"parameters": total, "largest_tensor": largest_tensor,
-            "largest_layer": max(layer_sizes, default=largest_tensor),
-            "root_parameters": total - sum(layer_sizes),  # outside the decoder layers: FSDP2's root unit
-            "tp_split_parameters": tp_split,
-            # the weights a token multiplies (GPT-2's Conv1D too; experts stored as fused tensors are not counted)
-            "matmul_parameters": sum(m.weight.numel() for m in built.modules() if isinstance(m, (torch.nn.Linear, Conv1D))),
-            "hidden_size": config.hidden_size, "intermediate_size": getattr(config, "intermediate_size",
-                                                                             4 * config.hidden_size),
-            "layers": config.num_hidden_layers, "vocab_size": config.vocab_size,
-            "attention_heads": getattr(config, "num_attention_heads", 1),
-            # the key and value projections' width (grouped-query attention: fewer heads than the queries)
-            "kv_hidden_size": (getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", 1))
-            * (getattr(config, "head_dim", None) or config.hidden_size // getattr(config, "num_attention_heads", 1))}
+    return {
+        "parameters": total,
+        "largest_tensor": largest_tensor,
+        "largest_layer": max(layer_sizes, default=largest_tensor),
+        "root_parameters": total - sum(layer_sizes),  # outside the decoder layers: FSDP2's root unit
+        "tp_split_parameters": tp_split,
+        # the weights a token multiplies (GPT-2's Conv1D too; experts stored as fused tensors are not counted)
+        "matmul_parameters": sum(
+            m.weight.numel() for m in built.modules() if isinstance(m, (torch.nn.Linear, Conv1D))
+        ),
+        "hidden_size": config.hidden_size,
+        "intermediate_size": getattr(config, "intermediate_size", 4 * config.hidden_size),
+        "layers": config.num_hidden_layers,
+        "vocab_size": config.vocab_size,
+        "attention_heads": getattr(config, "num_attention_heads", 1),
+        # the key and value projections' width (grouped-query attention: fewer heads than the queries)
+        "kv_hidden_size": (getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", 1))
+        * (getattr(config, "head_dim", None) or config.hidden_size // getattr(config, "num_attention_heads", 1)),
+    }
 
 
-def activation_bytes(model: dict, batch_size: int, seq_len: int, compute_bytes: int, checkpointing: bool,
-                     tp: int = 1, sp: int = 1) -> int:
+def activation_bytes(
+    model: dict, batch_size: int, seq_len: int, compute_bytes: int, checkpointing: bool, tp: int = 1, sp: int = 1
+) -> int:
     """Tensors one micro-batch's forward saves for backward, for a Llama-style decoder.
 
     Per layer and token: the two RMSNorm inputs in fp32 (8h), the inputs of the q/k/v, o, gate/up
@@ -174,8 +195,9 @@ def activation_bytes(model: dict, batch_size: int, seq_len: int, compute_bytes: 
     (the o projection's input), one c·h more per token and layer (measured at 101M: 4 MB of 97)."""
     h, i, vocab, layers = model["hidden_size"], model["intermediate_size"], model["vocab_size"], model["layers"]
     tokens = batch_size * seq_len
-    per_layer = 8 * h + compute_bytes * h + compute_bytes * (h + i + 4 * h + 3 * i) / tp + (compute_bytes * h if sp > 1
-                                                                                             else 0)
+    per_layer = (
+        8 * h + compute_bytes * h + compute_bytes * (h + i + 4 * h + 3 * i) / tp + (compute_bytes * h if sp > 1 else 0)
+    )
     logits = 8 * vocab + compute_bytes * h
     if checkpointing:
         return tokens * (layers * 4 * h + per_layer + logits)
@@ -192,8 +214,15 @@ def reference_bytes(psi: int, strategy: dict, c: int) -> float:
     return 4 * psi / n if strategy["strategy"] == "fsdp" else 4 * psi
 
 
-def estimate(model: dict, strategy: dict, batch_size: int, seq_len: int, checkpointing: bool = False,
-             accumulation: int = 1, dpo_reference: bool = False) -> dict:
+def estimate(
+    model: dict,
+    strategy: dict,
+    batch_size: int,
+    seq_len: int,
+    checkpointing: bool = False,
+    accumulation: int = 1,
+    dpo_reference: bool = False,
+) -> dict:
     """Bytes per rank by category (the memory account's), and the peak. Activation checkpointing
     is on when asked or when the config turns it on (fsdp_activation_checkpointing). With
     `dpo_reference`, DPO's frozen reference copy (`reference_bytes`) joins the model state."""
@@ -223,8 +252,11 @@ def estimate(model: dict, strategy: dict, batch_size: int, seq_len: int, checkpo
         parameters, master, gradients, optimizer = 4 * local / n, 0, 4 * local / n, 8 * local / n
         # a layer gathered whole and the next prefetched, and the root unit (embeddings, final norm, head:
         # FSDP2 keeps the root gathered from forward to backward); without resharding, the whole model
-        step_transient = (2 * c * model["largest_layer"] + c * model.get("root_parameters", 0)
-                          if strategy["fsdp_reshard_after_forward"] else c * psi) / tp  # gathered: a TP rank's part
+        step_transient = (
+            2 * c * model["largest_layer"] + c * model.get("root_parameters", 0)
+            if strategy["fsdp_reshard_after_forward"]
+            else c * psi
+        ) / tp  # gathered: a TP rank's part
         if strategy.get("fsdp_cpu_ram_efficient_loading"):  # rank 0: the whole model, its shard, a layer
             loading = 4 * psi + 4 * psi / n + 4 * model["largest_layer"]
     else:
@@ -233,8 +265,14 @@ def estimate(model: dict, strategy: dict, batch_size: int, seq_len: int, checkpo
         local = psi - model.get("tp_split_parameters", 0) * (tp - 1) / tp if kind == "tp" else psi
         parameters, master, gradients, optimizer = 4 * local, 0, 4 * local, 8 * local
     reference = (parameters if kind == "tp" else reference_bytes(psi, strategy, c)) if dpo_reference else 0
-    categories = {"parameters": parameters, "master_weights": master, "gradients": gradients,
-                  "optimizer_states": optimizer, "reference_model": reference, "communication_buffers": buckets}
+    categories = {
+        "parameters": parameters,
+        "master_weights": master,
+        "gradients": gradients,
+        "optimizer_states": optimizer,
+        "reference_model": reference,
+        "communication_buffers": buckets,
+    }
     # sequence (context) parallelism: a rank holds its share of each row, -(-L // sp) tokens once padded
     sp = strategy.get("sp_size", 1) * strategy.get("cp_size", 1)
     activations = activation_bytes(model, batch_size, -(-seq_len // sp), c, checkpointing, tp, sp)
@@ -247,12 +285,17 @@ def estimate(model: dict, strategy: dict, batch_size: int, seq_len: int, checkpo
     later = 0
     if accumulation > 1 and n > 1:
         later = 4 * psi if kind == "ddp" else c * psi * (n - 1) / n if kind == "deepspeed" and stage == 1 else 0
-    return {**{k: int(v) for k, v in categories.items()}, "model_state": int(model_state),
-            "activations": int(activations), "activation_checkpointing": checkpointing,
-            "step_transient": int(step_transient), "loading_peak": int(loading),
-            "tensors_peak": int(max(model_state + buckets + activations + step_transient, loading)),
-            "accumulation_transient": int(later),
-            "run_tensors_peak": int(max(model_state + buckets + activations + step_transient + later, loading))}
+    return {
+        **{k: int(v) for k, v in categories.items()},
+        "model_state": int(model_state),
+        "activations": int(activations),
+        "activation_checkpointing": checkpointing,
+        "step_transient": int(step_transient),
+        "loading_peak": int(loading),
+        "tensors_peak": int(max(model_state + buckets + activations + step_transient, loading)),
+        "accumulation_transient": int(later),
+        "run_tensors_peak": int(max(model_state + buckets + activations + step_transient + later, loading)),
+    }
 
 
 def process_baseline_mb(strategy: dict) -> float:
@@ -273,47 +316,75 @@ def process_baseline_mb(strategy: dict) -> float:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="a config.json, a model folder, or a Hub name")
-    parser.add_argument("--config", default=os.path.join(REPO, "accelerate_configs/ddp.yaml"),
-                        help="an accelerate config YAML")
+    parser.add_argument(
+        "--config", default=os.path.join(REPO, "accelerate_configs/ddp.yaml"), help="an accelerate config YAML"
+    )
     parser.add_argument("--num_processes", type=int, help="world size (default: the config's)")
     parser.add_argument("--batch_size", type=int, default=1, help="per-device micro-batch")
     parser.add_argument("--seq_len", type=int, default=1024)
     parser.add_argument("--mixed_precision", choices=["no", "bf16", "fp16", "fp8"], help="default: the config's")
     parser.add_argument("--gradient_accumulation_steps", type=int, default=1)
-    parser.add_argument("--gradient_checkpointing", action="store_true",
-                        help="activation checkpointing (also on when the config's FSDP settings turn it on)")
+    parser.add_argument(
+        "--gradient_checkpointing",
+        action="store_true",
+        help="activation checkpointing (also on when the config's FSDP settings turn it on)",
+    )
     parser.add_argument("--vocab_size", type=int, help="override the config's (a model built for a tokenizer)")
-    parser.add_argument("--dpo_reference", action="store_true",
-                        help="add recipes/dpo.py's frozen reference copy (not with --use_peft or "
-                             "--precompute_ref_log_probs, which hold none); a DPO micro-batch of B pairs is 2B rows: "
-                             "pass --batch_size 2B")
+    parser.add_argument(
+        "--dpo_reference",
+        action="store_true",
+        help="add recipes/dpo.py's frozen reference copy (not with --use_peft or "
+        "--precompute_ref_log_probs, which hold none); a DPO micro-batch of B pairs is 2B rows: "
+        "pass --batch_size 2B",
+    )
     parser.add_argument("--json", help="also write the estimate here")
     args = parser.parse_args(argv)
     for path, what in ((args.config, "--config"),):
         if not os.path.isfile(path):
-            raise SystemExit(f"error: {what} {path} is not a file; pass an accelerate config YAML "
-                             "(accelerate_configs/*.yaml)")
+            raise SystemExit(
+                f"error: {what} {path} is not a file; pass an accelerate config YAML (accelerate_configs/*.yaml)"
+            )
     strategy = read_strategy(args.config, args.num_processes, args.mixed_precision)
     try:
         model = read_model(args.model, args.vocab_size)
     except (OSError, ValueError) as error:
-        raise SystemExit(f"error: --model {args.model} gives no model config ({str(error).splitlines()[0]}); "
-                         "pass a config.json, a model folder or a Hub name reachable from here")
-    result = estimate(model, strategy, args.batch_size, args.seq_len, args.gradient_checkpointing,
-                      args.gradient_accumulation_steps, args.dpo_reference)
+        raise SystemExit(
+            f"error: --model {args.model} gives no model config ({str(error).splitlines()[0]}); "
+            "pass a config.json, a model folder or a Hub name reachable from here"
+        )
+    result = estimate(
+        model,
+        strategy,
+        args.batch_size,
+        args.seq_len,
+        args.gradient_checkpointing,
+        args.gradient_accumulation_steps,
+        args.dpo_reference,
+    )
     import torch
 
     baseline = 0.0 if torch.cuda.is_available() else process_baseline_mb(strategy)
     result["process_baseline_mb"] = round(baseline, 1)
     result["peak_mb"] = round(result["tensors_peak"] / MB + baseline, 1)
     result["run_peak_mb"] = round(result["run_tensors_peak"] / MB + baseline, 1)
-    print(f"{model['parameters']:,} parameters; {os.path.basename(args.config)} on {strategy['num_processes']} "
-          f"process(es), {strategy['mixed_precision']}, batch {args.batch_size} x {args.seq_len} tokens"
-          f"{f', accumulation {args.gradient_accumulation_steps}' if args.gradient_accumulation_steps > 1 else ''}"
-          f"{', activation checkpointing' if result['activation_checkpointing'] else ''}; MB per rank:")
-    for key in ("parameters", "master_weights", "gradients", "optimizer_states",
-                *(("reference_model",) if args.dpo_reference else ()), "model_state",
-                "communication_buffers", "activations", "step_transient", "loading_peak"):
+    print(
+        f"{model['parameters']:,} parameters; {os.path.basename(args.config)} on {strategy['num_processes']} "
+        f"process(es), {strategy['mixed_precision']}, batch {args.batch_size} x {args.seq_len} tokens"
+        f"{f', accumulation {args.gradient_accumulation_steps}' if args.gradient_accumulation_steps > 1 else ''}"
+        f"{', activation checkpointing' if result['activation_checkpointing'] else ''}; MB per rank:"
+    )
+    for key in (
+        "parameters",
+        "master_weights",
+        "gradients",
+        "optimizer_states",
+        *(("reference_model",) if args.dpo_reference else ()),
+        "model_state",
+        "communication_buffers",
+        "activations",
+        "step_transient",
+        "loading_peak",
+    ):
         print(f"  {key:22} {result[key] / MB:10.1f}")
     if baseline:
         print(f"  {'process (start-up)':22} {baseline:10.1f}")

@@ -13,22 +13,28 @@ import json
 from dataclasses import dataclass, field
 
 from accelerate import Accelerator
+
 from common.arguments import DataArguments, ModelArguments, TrainingArguments
-from common.parsing import parse_args
 from common.data import load_raw_datasets, make_dataloaders, tokenize_and_pack
 from common.model import load_model, load_tokenizer
+from common.parsing import parse_args
 from common.training import evaluate_loss
 
 
 @dataclass
 class EvalArguments:
-    mixed_precision: str = field(default="no", metadata={
-        "help": "no or bf16: evaluate as the run did (bf16 autocast for a run launched with a bf16 config)."})
+    mixed_precision: str = field(
+        default="no",
+        metadata={
+            "help": "no or bf16: evaluate as the run did (bf16 autocast for a run launched with a bf16 config)."
+        },
+    )
 
 
 def main(argv=None):
     model_args, data_args, eval_args, args = parse_args(
-        (ModelArguments, DataArguments, EvalArguments, TrainingArguments), argv)
+        (ModelArguments, DataArguments, EvalArguments, TrainingArguments), argv
+    )
     accelerator = Accelerator(cpu=True, mixed_precision=eval_args.mixed_precision)
     tokenizer = load_tokenizer(model_args)
     # The same validation split training used: --validation_file, or the seeded hold-out of train.

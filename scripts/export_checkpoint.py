@@ -44,8 +44,10 @@ def build_model(model_files: str):
     architecture = (config.architectures or [None])[0]
     model_class = getattr(transformers, architecture or "", None)
     if model_class is None:
-        raise UsageError(f"{model_files}/config.json names architecture {architecture!r}, which this "
-                         f"transformers ({transformers.__version__}) does not have; export with the versions the run used")
+        raise UsageError(
+            f"{model_files}/config.json names architecture {architecture!r}, which this "
+            f"transformers ({transformers.__version__}) does not have; export with the versions the run used"
+        )
     with torch.device("meta"):
         model = model_class(config)
     if os.path.isfile(os.path.join(model_files, "generation_config.json")):
@@ -69,8 +71,10 @@ def load_weights(model, state_dict: dict) -> None:
         model.tie_weights()
     missing = [name for name, tensor in model.state_dict().items() if tensor.is_meta]
     if missing or result.unexpected_keys:
-        raise UsageError(f"the checkpoint's weights do not fit its model_files/config.json (missing {missing[:3]}, "
-                         f"unexpected {result.unexpected_keys[:3]}); the checkpoint is damaged or its folder mixed up")
+        raise UsageError(
+            f"the checkpoint's weights do not fit its model_files/config.json (missing {missing[:3]}, "
+            f"unexpected {result.unexpected_keys[:3]}); the checkpoint is damaged or its folder mixed up"
+        )
 
 
 @exits_on_usage_error
@@ -81,21 +85,26 @@ def main(argv=None) -> str:
     args = parser.parse_args(argv)
     checkpoint = os.path.normpath(args.checkpoint)
     if not os.path.isfile(os.path.join(checkpoint, STATE_FILE)):
-        raise UsageError(f"--checkpoint {checkpoint} is not a complete checkpoint (no {STATE_FILE}); pass a "
-                         "checkpoints/step_N folder of a run")
+        raise UsageError(
+            f"--checkpoint {checkpoint} is not a complete checkpoint (no {STATE_FILE}); pass a "
+            "checkpoints/step_N folder of a run"
+        )
     model_files = os.path.join(checkpoint, MODEL_FILES)
     if not os.path.isfile(os.path.join(model_files, "config.json")):
-        raise UsageError(f"--checkpoint {checkpoint} has no {MODEL_FILES}/config.json (written by this project's "
-                         "save_checkpoint since export_checkpoint exists); resume the run from it with "
-                         "--resume_from_checkpoint and save again, or export the run's final/ instead")
+        raise UsageError(
+            f"--checkpoint {checkpoint} has no {MODEL_FILES}/config.json (written by this project's "
+            "save_checkpoint since export_checkpoint exists); resume the run from it with "
+            "--resume_from_checkpoint and save again, or export the run's final/ instead"
+        )
     parent, name = os.path.dirname(checkpoint), os.path.basename(checkpoint)
     if os.path.basename(parent).startswith(ABANDONED):  # a continuation a resume set aside: exported/<that>/step_N
         parent, name = os.path.dirname(parent), os.path.join(os.path.basename(parent), name)
     run_dir = os.path.dirname(parent)
     output_dir = args.output_dir or os.path.join(run_dir, "exported", name)
     if os.path.exists(output_dir):
-        raise UsageError(f"--output_dir {output_dir} already exists; it is left as it is: remove it or pass "
-                         "another --output_dir")
+        raise UsageError(
+            f"--output_dir {output_dir} already exists; it is left as it is: remove it or pass another --output_dir"
+        )
 
     model, dtype = build_model(model_files)
     state_dict = read_checkpoint_weights(checkpoint)
@@ -111,8 +120,10 @@ def main(argv=None) -> str:
     write_folder(output_dir, write)
     with open(os.path.join(checkpoint, STATE_FILE)) as handle:
         step = json.load(handle)["step"]
-    print(f"step {step} of {run_dir} ({len(state_dict)} tensors) exported in {str(dtype).replace('torch.', '')} "
-          f"to {output_dir}")
+    print(
+        f"step {step} of {run_dir} ({len(state_dict)} tensors) exported in {str(dtype).replace('torch.', '')} "
+        f"to {output_dir}"
+    )
     return output_dir
 
 

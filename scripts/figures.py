@@ -47,8 +47,10 @@ def write_page(path: str, title: str, body: str, packages: tuple = ()) -> None:
     command = " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0]), *sys.argv[1:]])
     versions = {**package_versions(), **{name: importlib.metadata.version(name) for name in packages}}
     versions = ", ".join(f"{name} {version}" for name, version in versions.items() if version)
-    header = (f"# {title}\n\n*Written by `{command}` on {datetime.date.today().isoformat()}; "
-              f"{machine()}; {versions}. Do not edit by hand: run the command again.*\n\n")
+    header = (
+        f"# {title}\n\n*Written by `{command}` on {datetime.date.today().isoformat()}; "
+        f"{machine()}; {versions}. Do not edit by hand: run the command again.*\n\n"
+    )
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as handle:
         handle.write(header + body.rstrip() + "\n")

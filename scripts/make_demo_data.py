@@ -20,11 +20,22 @@ import argparse
 import json
 import os
 
-from common.synthetic import (write_arithmetic_data, write_format_preference_data, write_markov_corpus,
-                              write_preference_data, write_sentiment_data)
+from common.synthetic import (
+    write_arithmetic_data,
+    write_format_preference_data,
+    write_markov_corpus,
+    write_preference_data,
+    write_sentiment_data,
+)
 
-WRITERS = {"markov": write_markov_corpus, "sentiment": write_sentiment_data, "arithmetic": write_arithmetic_data,
-           "preference": write_preference_data, "format_preference": write_format_preference_data}
+
+WRITERS = {
+    "markov": write_markov_corpus,
+    "sentiment": write_sentiment_data,
+    "arithmetic": write_arithmetic_data,
+    "preference": write_preference_data,
+    "format_preference": write_format_preference_data,
+}
 
 
 def main(argv=None):

@@ -15,6 +15,7 @@ import importlib.util
 import os
 import sys
 
+
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT = os.path.join("outputs", "models", "SmolLM2-135M-Instruct")
 

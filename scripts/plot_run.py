@@ -15,6 +15,7 @@ import json
 import os
 import sys
 
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from common.errors import UsageError, exits_on_usage_error  # noqa: E402
@@ -24,8 +25,9 @@ def read_rows(run: str) -> tuple[list[dict], list[dict]]:
     """(training rows, evaluation rows) of `run`/metrics.jsonl."""
     path = os.path.join(run, "metrics.jsonl")
     if not os.path.isfile(path):
-        raise UsageError(f"{run} has no metrics.jsonl; pass the --output_dir of a run (it holds run.json and "
-                         "metrics.jsonl)")
+        raise UsageError(
+            f"{run} has no metrics.jsonl; pass the --output_dir of a run (it holds run.json and metrics.jsonl)"
+        )
     with open(path) as handle:
         rows = [json.loads(line) for line in handle if line.strip()]
     train = [row for row in rows if "loss" in row]
@@ -48,13 +50,15 @@ def main(argv=None) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, (loss_axis, lr_axis) = plt.subplots(2, 1, figsize=(8, 6), sharex=True,
-                                               gridspec_kw={"height_ratios": [3, 1]})
+    figure, (loss_axis, lr_axis) = plt.subplots(
+        2, 1, figsize=(8, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1]}
+    )
     if train:
         loss_axis.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss", linewidth=1)
     if evaluations:
-        loss_axis.plot([r["step"] for r in evaluations], [r["eval_loss"] for r in evaluations], "o-",
-                       label="eval loss")
+        loss_axis.plot(
+            [r["step"] for r in evaluations], [r["eval_loss"] for r in evaluations], "o-", label="eval loss"
+        )
     loss_axis.set_ylabel("loss")
     loss_axis.legend()
     loss_axis.set_title(os.path.basename(os.path.abspath(args.run)))

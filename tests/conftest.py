@@ -17,14 +17,19 @@ import pytest
 
 from common.peers import free_port  # noqa: F401 (tests import it from here)
 
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 CONFIGS = REPO / "accelerate_configs"
 RECIPES = REPO / "recipes"
 # bf16 as the configs ask, on any CPU: emulated where it has no bf16 instructions (common/cpu_host.py)
-OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-               "RECIPES_EMULATE_BF16": "true",
-               "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+OFFLINE_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "RECIPES_EMULATE_BF16": "true",
+    "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+}
 
 
 MAKE_STATE = ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES")
@@ -41,11 +46,19 @@ def outer_make_state() -> set[str]:
 def run(command: list[str], cwd=REPO, env: dict | None = None, check=True, timeout=900):
     outer = outer_make_state()
     inherited = {key: value for key, value in os.environ.items() if key not in outer}
-    result = subprocess.run([str(c) for c in command], cwd=cwd, capture_output=True, text=True,
-                            env={**inherited, **OFFLINE_ENV, **(env or {})}, timeout=timeout)
+    result = subprocess.run(
+        [str(c) for c in command],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env={**inherited, **OFFLINE_ENV, **(env or {})},
+        timeout=timeout,
+    )
     if check and result.returncode != 0:
-        raise AssertionError(f"exit {result.returncode}: {' '.join(map(str, command))}\n"
-                             f"--- stdout ---\n{result.stdout[-4000:]}\n--- stderr ---\n{result.stderr[-8000:]}")
+        raise AssertionError(
+            f"exit {result.returncode}: {' '.join(map(str, command))}\n"
+            f"--- stdout ---\n{result.stdout[-4000:]}\n--- stderr ---\n{result.stderr[-8000:]}"
+        )
     return result
 
 
@@ -55,12 +68,15 @@ def launch_command(config: str, recipe: str, args: list, launcher_args: list | N
     if "--main_process_port" not in launcher_args:
         launcher_args += ["--main_process_port", str(free_port())]
     recipe_path = recipe if os.path.isabs(str(recipe)) else RECIPES / recipe
-    return [str(c) for c in [BIN / "accelerate", "launch", "--config_file", CONFIGS / config,
-                             *launcher_args, recipe_path, *args]]
+    return [
+        str(c)
+        for c in [BIN / "accelerate", "launch", "--config_file", CONFIGS / config, *launcher_args, recipe_path, *args]
+    ]
 
 
 class OneProcess:  # the members of an Accelerator that the tokenizing helpers use (tokenize_sft, tokenize_pairs)
     from contextlib import nullcontext as main_process_first
+
     is_main_process = True
 
     def __init__(self):
@@ -70,16 +86,67 @@ class OneProcess:  # the members of an Accelerator that the tokenizing helpers u
         self.printed.append(" ".join(map(str, args)))
 
 
+def tiered(values, in_make_test) -> list:
+    """Parameters for an exhaustive check: those in `in_make_test` run in `make test` (its realistic cases), the
+    rest carry the `exhaustive` marker and run in `make test-all` only."""
+    in_make_test = list(in_make_test)
+    return [
+        v if v in in_make_test else pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=pytest.mark.exhaustive)
+        for v in values
+    ]
+
+
 # Launcher flag for the runs that check bit-level fp32 parity; the shipped configs ask for bf16.
 FP32 = ["--mixed_precision", "no"]
 
 
-def launch(config: str, recipe: str, args: list, num_processes: int | None = None, cwd=REPO,
-           env: dict | None = None, check=True, launcher_args: list | None = None):
+def launch(
+    config: str,
+    recipe: str,
+    args: list,
+    num_processes: int | None = None,
+    cwd=REPO,
+    env: dict | None = None,
+    check=True,
+    launcher_args: list | None = None,
+):
     launcher_args = list(launcher_args or [])
     if num_processes is not None:
         launcher_args += ["--num_processes", str(num_processes)]
     return run(launch_command(config, recipe, args, launcher_args), cwd=cwd, env=env, check=check)
+
+
+_current_test: list = []  # the test item running now (its setup, call and teardown)
+_popen_init = subprocess.Popen.__init__
+
+
+def _counted_popen_init(self, args, *rest, **kwargs):
+    """Every subprocess a test starts goes through here: `accelerate launch` and `make` commands are
+    recorded in the running test's junit properties (scripts/test_durations.py counts them)."""
+    words = [str(a) for a in (args if isinstance(args, (list, tuple)) else [args])]
+    names = [os.path.basename(w) for w in words]
+    kind = (
+        "launch"
+        if "accelerate" in names and "launch" in words
+        else "make"
+        if "make" in names[:1] and "-n" not in words
+        else None
+    )
+    if kind and _current_test:
+        _current_test[-1].user_properties.append(
+            (kind, " ".join(words[names.index(kind if kind == "make" else "accelerate") :][:8]))
+        )
+    _popen_init(self, args, *rest, **kwargs)
+
+
+subprocess.Popen.__init__ = _counted_popen_init
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _current_test.append(item)
+    yield
+    _current_test.pop()
 
 
 def pytest_report_header(config):
@@ -127,12 +194,23 @@ def markov_data(tmp_path_factory) -> Path:
 
 def causal_lm_args(data: Path, output_dir: Path, **overrides) -> list[str]:
     """Small, fast causal_lm arguments on the generated corpus (fp32, logs every step)."""
-    values = {"config": REPO / "recipes/configs/causal_lm_demo.yaml",
-              "tokenizer_name_or_path": data / "tokenizer", "train_file": data / "train.jsonl",
-              "validation_file": data / "validation.jsonl", "model_config": REPO / "recipes/configs/tiny_llama.json",
-              "output_dir": output_dir, "block_size": 32, "max_steps": 12, "logging_steps": 1,
-              "eval_steps": 0, "save_steps": 0, "per_device_train_batch_size": 4,
-              "per_device_eval_batch_size": 8, "warmup_steps": 2, "report_to": "none"}
+    values = {
+        "config": REPO / "recipes/configs/causal_lm_demo.yaml",
+        "tokenizer_name_or_path": data / "tokenizer",
+        "train_file": data / "train.jsonl",
+        "validation_file": data / "validation.jsonl",
+        "model_config": REPO / "recipes/configs/tiny_llama.json",
+        "output_dir": output_dir,
+        "block_size": 32,
+        "max_steps": 12,
+        "logging_steps": 1,
+        "eval_steps": 0,
+        "save_steps": 0,
+        "per_device_train_batch_size": 4,
+        "per_device_eval_batch_size": 8,
+        "warmup_steps": 2,
+        "report_to": "none",
+    }
     values.update(overrides)
     return [token for key, value in values.items() for token in (f"--{key}", str(value))]
 
@@ -146,8 +224,10 @@ def bf16_checkpoint(markov_data, tmp_path_factory) -> Path:
     from common.model import load_model, load_tokenizer
 
     out = tmp_path_factory.mktemp("bf16_checkpoint")
-    args = ModelArguments(model_config=str(REPO / "recipes/configs/tiny_llama.json"),
-                          tokenizer_name_or_path=str(markov_data / "tokenizer"))
+    args = ModelArguments(
+        model_config=str(REPO / "recipes/configs/tiny_llama.json"),
+        tokenizer_name_or_path=str(markov_data / "tokenizer"),
+    )
     tokenizer = load_tokenizer(args)
     load_model(args, tokenizer, seed=0).to(torch.bfloat16).save_pretrained(out)
     tokenizer.save_pretrained(out)
@@ -185,8 +265,9 @@ def assert_same_hf_folder(exported, final, model_cards: bool = True) -> None:
 
     exported, final = Path(exported), Path(final)
     skipped = set() if model_cards else {"README.md"}  # against a folder another library wrote, with its own card
-    assert sorted(p.name for p in exported.iterdir() if p.name not in skipped) == \
-        sorted(p.name for p in final.iterdir() if p.name not in skipped)
+    assert sorted(p.name for p in exported.iterdir() if p.name not in skipped) == sorted(
+        p.name for p in final.iterdir() if p.name not in skipped
+    )
     for path in (path for path in final.iterdir() if path.name not in skipped):
         mine = exported / path.name
         if path.suffix == ".safetensors":
@@ -220,11 +301,24 @@ def estimate_for_run(output_dir, config_file) -> dict:
     precision = {"bfloat16": "bf16", "float16": "fp16", "float32": "no"}[record["compute_dtype"]]
     script = load_script("scripts/estimate_memory.py")
     result = script.main(
-        ["--model", str(Path(output_dir) / "final"), "--config", str(config_file),
-         "--num_processes", str(record["participating_processes"]), "--mixed_precision", precision,
-         "--batch_size", str(args["per_device_train_batch_size"]), "--seq_len", str(args["block_size"]),
-         "--gradient_accumulation_steps", str(args["gradient_accumulation_steps"]),
-         *(["--gradient_checkpointing"] if args["gradient_checkpointing"] else [])])
+        [
+            "--model",
+            str(Path(output_dir) / "final"),
+            "--config",
+            str(config_file),
+            "--num_processes",
+            str(record["participating_processes"]),
+            "--mixed_precision",
+            precision,
+            "--batch_size",
+            str(args["per_device_train_batch_size"]),
+            "--seq_len",
+            str(args["block_size"]),
+            "--gradient_accumulation_steps",
+            str(args["gradient_accumulation_steps"]),
+            *(["--gradient_checkpointing"] if args["gradient_checkpointing"] else []),
+        ]
+    )
     if result["process_baseline_mb"]:  # the start-up as the script measures it in a fresh process, as users run it
         baseline = fresh_process_baseline_mb(result["strategy"]["strategy"] == "deepspeed", str(config_file))
         result["peak_mb"] = round(result["peak_mb"] - result["process_baseline_mb"] + baseline, 1)
@@ -242,8 +336,18 @@ def fresh_process_baseline_mb(deepspeed: bool, config_file: str) -> float:
     session (seen: 1102 MB estimated in-process for a run a user's estimate puts at 989)."""
     if deepspeed not in FRESH_BASELINES:
         out = Path(tempfile.gettempdir()) / f"estimate_{os.getpid()}_{int(deepspeed)}.json"
-        run([sys.executable, "scripts/estimate_memory.py", "--model", str(RECIPES / "configs/tiny_llama.json"),
-             "--config", config_file, "--json", str(out)])
+        run(
+            [
+                sys.executable,
+                "scripts/estimate_memory.py",
+                "--model",
+                str(RECIPES / "configs/tiny_llama.json"),
+                "--config",
+                config_file,
+                "--json",
+                str(out),
+            ]
+        )
         FRESH_BASELINES[deepspeed] = json.loads(out.read_text())["process_baseline_mb"]
         out.unlink()
     return FRESH_BASELINES[deepspeed]
@@ -256,8 +360,11 @@ def model_state_gaps(output_dir, config_file) -> dict:
     gaps = {}
     for category in (*MODEL_STATE, "model_state"):
         for account in read_run(output_dir)["memory_per_rank"]:
-            counted = (sum(sum(account["bytes_by_category"][c].values()) for c in MODEL_STATE)
-                       if category == "model_state" else sum(account["bytes_by_category"][category].values()))
+            counted = (
+                sum(sum(account["bytes_by_category"][c].values()) for c in MODEL_STATE)
+                if category == "model_state"
+                else sum(account["bytes_by_category"][category].values())
+            )
             gap = abs(counted - predicted[category]) / max(predicted[category], 1)
             gaps[category] = max(gaps.get(category, 0.0), gap if predicted[category] else float(counted > 0))
     return gaps
@@ -265,8 +372,11 @@ def model_state_gaps(output_dir, config_file) -> dict:
 
 def export_checkpoint(checkpoint, output_dir) -> Path:
     """scripts/export_checkpoint.py's main() here (`make export-checkpoint` runs it as a command)."""
-    return Path(load_script("scripts/export_checkpoint.py").main(["--checkpoint", str(checkpoint),
-                                                                  "--output_dir", str(output_dir)]))
+    return Path(
+        load_script("scripts/export_checkpoint.py").main(
+            ["--checkpoint", str(checkpoint), "--output_dir", str(output_dir)]
+        )
+    )
 
 
 def evaluate_in_process(argv: list) -> dict:
@@ -295,8 +405,18 @@ def load_script(relative_path: str):
 STEPS, SAVE_AT = 12, 6
 
 
-def resume_elsewhere(out, stopped, step: int, processes: int, config, recipe: str, recipe_args, accumulation: int,
-                     launcher_args=(), logged_rows: int = 0):
+def resume_elsewhere(
+    out,
+    stopped,
+    step: int,
+    processes: int,
+    config,
+    recipe: str,
+    recipe_args,
+    accumulation: int,
+    launcher_args=(),
+    logged_rows: int = 0,
+):
     """Copy the run's step-`step` checkpoint, and the first `logged_rows` loss rows of its
     metrics, into `stopped`, as a run that stopped there leaves them; resume it there with
     `accumulation` on `processes` (recipe_args(**overrides) gives the recipe's arguments), and
@@ -305,8 +425,13 @@ def resume_elsewhere(out, stopped, step: int, processes: int, config, recipe: st
     if logged_rows:
         logged = [line + "\n" for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
         (stopped / "metrics.jsonl").write_text("".join(logged[:logged_rows]))
-    result = launch(config, recipe, recipe_args(resume_from_checkpoint="latest", gradient_accumulation_steps=accumulation),
-                    num_processes=processes, launcher_args=list(launcher_args))
+    result = launch(
+        config,
+        recipe,
+        recipe_args(resume_from_checkpoint="latest", gradient_accumulation_steps=accumulation),
+        num_processes=processes,
+        launcher_args=list(launcher_args),
+    )
     assert read_run(stopped)["participating_processes"] == processes
     return result
 
@@ -315,8 +440,12 @@ def resume_elsewhere(out, stopped, step: int, processes: int, config, recipe: st
 def reference(markov_data, tmp_path_factory):
     """One process, global batch 8, fp32, the model built from its config (seeded)."""
     out = tmp_path_factory.mktemp("reference") / "run"
-    launch("single.yaml", "causal_lm.py", causal_lm_args(markov_data, out, per_device_train_batch_size=8,
-                                                         max_steps=STEPS), launcher_args=FP32)
+    launch(
+        "single.yaml",
+        "causal_lm.py",
+        causal_lm_args(markov_data, out, per_device_train_batch_size=8, max_steps=STEPS),
+        launcher_args=FP32,
+    )
     assert read_run(out)["participating_processes"] == 1
     return out
 
@@ -325,9 +454,13 @@ def reference(markov_data, tmp_path_factory):
 def bf16_reference(markov_data, bf16_checkpoint, tmp_path_factory):
     """One process, global batch 8, bf16 as the configs ask, fine-tuning the bf16 checkpoint."""
     out = tmp_path_factory.mktemp("bf16_reference") / "run"
-    launch("single.yaml", "causal_lm.py", pretrained_args(markov_data, bf16_checkpoint, out,
-                                                          per_device_train_batch_size=8, max_steps=STEPS,
-                                                          save_steps=STEPS))
+    launch(
+        "single.yaml",
+        "causal_lm.py",
+        pretrained_args(
+            markov_data, bf16_checkpoint, out, per_device_train_batch_size=8, max_steps=STEPS, save_steps=STEPS
+        ),
+    )
     assert read_run(out)["participating_processes"] == 1
     return out
 
@@ -387,15 +520,26 @@ def decoder_classifier(sentiment_data, tmp_path_factory) -> Path:
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    backend.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"],
-                                                           initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                                           show_progress=False))
+    backend.train_from_iterator(
+        texts,
+        trainers.BpeTrainer(
+            vocab_size=300,
+            special_tokens=["<s>", "</s>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
     backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>")
     assert tokenizer.pad_token is None
     tokenizer.save_pretrained(out)
-    config = AutoConfig.from_pretrained(REPO / "recipes/configs/tiny_llama.json", vocab_size=len(tokenizer),
-                                        bos_token_id=0, eos_token_id=1, pad_token_id=None)
+    config = AutoConfig.from_pretrained(
+        REPO / "recipes/configs/tiny_llama.json",
+        vocab_size=len(tokenizer),
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=None,
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(out)
     assert json.loads((out / "config.json").read_text()).get("pad_token_id") is None
@@ -439,8 +583,11 @@ def minilm() -> Path:
 def trained_base(markov_data, tmp_path_factory) -> Path:
     """A tiny Llama trained briefly on the Markov corpus: the base model LoRA adapts."""
     out = tmp_path_factory.mktemp("base") / "run"
-    launch("single.yaml", "causal_lm.py", causal_lm_args(markov_data, out, max_steps=80, logging_steps=20,
-                                                         learning_rate=0.003))
+    launch(
+        "single.yaml",
+        "causal_lm.py",
+        causal_lm_args(markov_data, out, max_steps=80, logging_steps=20, learning_rate=0.003),
+    )
     return out / "final"
 
 
@@ -469,15 +616,23 @@ class TwoHosts:
 
     def up(self) -> None:
         a, b = self.names
-        commands = [["netns", "add", a], ["netns", "add", b],
-                    ["link", "add", self.links[0], "type", "veth", "peer", "name", self.links[1]]]
+        commands = [
+            ["netns", "add", a],
+            ["netns", "add", b],
+            ["link", "add", self.links[0], "type", "veth", "peer", "name", self.links[1]],
+        ]
         for name, link, address in zip(self.names, self.links, self.addresses):
-            commands += [["link", "set", link, "netns", name], ["-n", name, "addr", "add", f"{address}/24", "dev", link],
-                         ["-n", name, "link", "set", "lo", "up"], ["-n", name, "link", "set", link, "up"]]
+            commands += [
+                ["link", "set", link, "netns", name],
+                ["-n", name, "addr", "add", f"{address}/24", "dev", link],
+                ["-n", name, "link", "set", "lo", "up"],
+                ["-n", name, "link", "set", link, "up"],
+            ]
         for command in commands:
             subprocess.run(["ip", *command], check=True, capture_output=True, text=True)
         hosts = f"127.0.0.1 localhost {socket.gethostname()}\n" + "".join(
-            f"{address} {hostname}\n" for address, hostname in zip(self.addresses, self.hostnames))
+            f"{address} {hostname}\n" for address, hostname in zip(self.addresses, self.hostnames)
+        )
         for name in self.names:
             Path(f"/etc/netns/{name}").mkdir(parents=True, exist_ok=True)
             Path(f"/etc/netns/{name}/hosts").write_text(hosts)
@@ -485,8 +640,9 @@ class TwoHosts:
     def set_link(self, host: int, state: str) -> None:
         subprocess.run(["ip", "-n", self.names[host], "link", "set", self.links[host], state], check=True)
 
-    def command(self, host: int, command: list, ifname: bool = True, own_hostname: bool = False
-                ) -> tuple[list[str], dict]:
+    def command(
+        self, host: int, command: list, ifname: bool = True, own_hostname: bool = False
+    ) -> tuple[list[str], dict]:
         """`command` run on host 0 or 1 (inside its namespace), and its environment: gloo on that
         host's link (GLOO_SOCKET_IFNAME) unless ifname is False."""
         env = {**os.environ, **OFFLINE_ENV}
@@ -515,8 +671,10 @@ def two_hosts():
         hosts.up()
     except (OSError, subprocess.CalledProcessError) as error:
         hosts.down()
-        pytest.skip(f"cannot create network namespaces here (needs root and `ip netns`): "
-                    f"{getattr(error, 'stderr', '') or error}")
+        pytest.skip(
+            f"cannot create network namespaces here (needs root and `ip netns`): "
+            f"{getattr(error, 'stderr', '') or error}"
+        )
     yield hosts
     hosts.down()
 

@@ -3,12 +3,13 @@ import json
 import re
 
 import pytest
+from conftest import REPO, load_script
 
 from common.arguments import DataArguments, ModelArguments, TrainingArguments
-from common.parsing import _parse, parse_args
 from common.errors import UsageError
-from common.lora import apply_lora, LoraArguments
-from conftest import REPO, load_script
+from common.lora import LoraArguments, apply_lora
+from common.parsing import _parse, parse_args
+
 
 TYPES = (ModelArguments, DataArguments, TrainingArguments)
 
@@ -20,15 +21,17 @@ def recipe_yaml(tmp_path):
     model_config = tmp_path / "model.json"
     model_config.write_text('{"model_type": "llama"}')
     config = tmp_path / "recipe.yaml"
-    config.write_text(f"model_config: {model_config}\ntokenizer_name_or_path: tok\ntrain_file: {data}\n"
-                      "learning_rate: 0.01\nmax_steps: 7\ngradient_checkpointing: true\n")
+    config.write_text(
+        f"model_config: {model_config}\ntokenizer_name_or_path: tok\ntrain_file: {data}\n"
+        "learning_rate: 0.01\nmax_steps: 7\ngradient_checkpointing: true\n"
+    )
     return config
 
 
 def test_yaml_values_then_command_line_overrides(recipe_yaml):
     model, data, train = _parse(TYPES, ["--config", str(recipe_yaml), "--learning_rate", "0.5"])
-    assert train.learning_rate == 0.5          # command line wins
-    assert train.max_steps == 7                # from the YAML
+    assert train.learning_rate == 0.5  # command line wins
+    assert train.max_steps == 7  # from the YAML
     assert train.gradient_checkpointing is True
     assert train.per_device_train_batch_size == 8  # dataclass default
     assert model.tokenizer_name_or_path == "tok"
@@ -39,11 +42,14 @@ def test_equals_form_and_bool_override(recipe_yaml):
     assert train.gradient_checkpointing is False
 
 
-@pytest.mark.parametrize("line, expected", [
-    ("bogus_key: 1", "unknown key 'bogus_key'"),
-    ("learning_rate: fast", "invalid float value: 'fast'"),
-    ("max_steps: 1.5", "invalid int value: '1.5'"),
-])
+@pytest.mark.parametrize(
+    "line, expected",
+    [
+        ("bogus_key: 1", "unknown key 'bogus_key'"),
+        ("learning_rate: fast", "invalid float value: 'fast'"),
+        ("max_steps: 1.5", "invalid int value: '1.5'"),
+    ],
+)
 def test_bad_yaml_names_the_key_and_file(recipe_yaml, line, expected):
     recipe_yaml.write_text(recipe_yaml.read_text() + line + "\n")
     with pytest.raises(UsageError, match=expected) as error:
@@ -54,9 +60,11 @@ def test_bad_yaml_names_the_key_and_file(recipe_yaml, line, expected):
 def test_trainer_options_set_elsewhere_say_where(recipe_yaml):
     """Trainer's --bf16, --deepspeed, --eval_strategy ... are the launcher's or another option's
     here: the one line says which, on the command line and in the recipe YAML."""
-    expected = (r"unknown argument\(s\) --bf16 true --deepspeed ds.json --lr 1; .*--bf16: mixed precision comes from "
-                r"the accelerate config.*; --deepspeed: the strategy comes from the accelerate config: accelerate "
-                r"launch --config_file")
+    expected = (
+        r"unknown argument\(s\) --bf16 true --deepspeed ds.json --lr 1; .*--bf16: mixed precision comes from "
+        r"the accelerate config.*; --deepspeed: the strategy comes from the accelerate config: accelerate "
+        r"launch --config_file"
+    )
     with pytest.raises(UsageError, match=expected) as error:
         _parse(TYPES, ["--config", str(recipe_yaml), "--bf16", "true", "--deepspeed", "ds.json", "--lr", "1"])
     assert "--lr:" not in str(error.value)  # no advice for an option that is not Trainer's
@@ -67,31 +75,43 @@ def test_trainer_options_set_elsewhere_say_where(recipe_yaml):
         _parse(TYPES, ["--config", str(recipe_yaml)])
 
 
-@pytest.mark.parametrize("argv, expected", [
-    (["--no_such_flag", "1"], "unknown argument"),
-    (["--per_device_train_batch_size", "many"], "invalid int value"),
-    (["--per_device_train_batch_size", "0"], "--per_device_train_batch_size must be >= 1, got 0"),
-    (["--report_to", "comet_ml"], "--report_to must be tensorboard, wandb, trackio, mlflow or none"),
-    (["--train_file", "/nonexistent/x.jsonl"], "does not exist"),
-    (["--learning_rat", "0.1"], "unknown argument.s. --learning_rat"),  # no prefix matching
-    (["--learning_rate", "-0.1"], "--learning_rate must be >= 0"),
-    (["--learning_rate", "0"], "nothing would train"),
-    (["--adam_beta2", "1.5"], r"--adam_beta2 must be in \[0, 1\)"),
-    (["--lr_scheduler_type", "cosin"], "'cosin' is not a scheduler; use one of linear, cosine"),
-    (["--max_grad_norm", "-1"], "--max_grad_norm must be >= 0"),
-    (["--tokenizer_name_or_path", "./no/such/tokenizer"], "tokenizer_name_or_path ./no/such/tokenizer does not exist"),
-    (["--model_config", "", "--model_name_or_path", "/no/such/model"], "model_name_or_path /no/such/model does not exist"),
-    # ranges declared beside each option (common.arguments.Range), checked before anything else
-    (["--seed", "-1"], re.escape("--seed must be in [0, 4294967295] (numpy's seeds are 32-bit), got -1")),
-    (["--seed", str(2**32)], r"--seed must be in \[0, 4294967295\]"),
-    (["--learning_rate", "inf"], "--learning_rate must be a finite number, got inf"),
-    (["--save_total_limit", "0"], re.escape("--save_total_limit must be >= 1 (unset keeps every checkpoint), got 0")),
-    (["--peak_tflops", "0"], "--peak_tflops must be > 0, got 0.0"),
-    (["--ddp_timeout", str(10**14)], re.escape("--ddp_timeout must be in [1, 1000000000] (seconds)")),
-    (["--max_eval_samples", "0"], "--max_eval_samples must be >= 1"),
-    (["--validation_split_percentage", "100"], re.escape("--validation_split_percentage must be in (0, 100)")),
-    (["--preprocessing_num_workers", "-1"], "--preprocessing_num_workers must be >= 0, got -1"),
-])
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--no_such_flag", "1"], "unknown argument"),
+        (["--per_device_train_batch_size", "many"], "invalid int value"),
+        (["--per_device_train_batch_size", "0"], "--per_device_train_batch_size must be >= 1, got 0"),
+        (["--report_to", "comet_ml"], "--report_to must be tensorboard, wandb, trackio, mlflow or none"),
+        (["--train_file", "/nonexistent/x.jsonl"], "does not exist"),
+        (["--learning_rat", "0.1"], "unknown argument.s. --learning_rat"),  # no prefix matching
+        (["--learning_rate", "-0.1"], "--learning_rate must be >= 0"),
+        (["--learning_rate", "0"], "nothing would train"),
+        (["--adam_beta2", "1.5"], r"--adam_beta2 must be in \[0, 1\)"),
+        (["--lr_scheduler_type", "cosin"], "'cosin' is not a scheduler; use one of linear, cosine"),
+        (["--max_grad_norm", "-1"], "--max_grad_norm must be >= 0"),
+        (
+            ["--tokenizer_name_or_path", "./no/such/tokenizer"],
+            "tokenizer_name_or_path ./no/such/tokenizer does not exist",
+        ),
+        (
+            ["--model_config", "", "--model_name_or_path", "/no/such/model"],
+            "model_name_or_path /no/such/model does not exist",
+        ),
+        # ranges declared beside each option (common.arguments.Range), checked before anything else
+        (["--seed", "-1"], re.escape("--seed must be in [0, 4294967295] (numpy's seeds are 32-bit), got -1")),
+        (["--seed", str(2**32)], r"--seed must be in \[0, 4294967295\]"),
+        (["--learning_rate", "inf"], "--learning_rate must be a finite number, got inf"),
+        (
+            ["--save_total_limit", "0"],
+            re.escape("--save_total_limit must be >= 1 (unset keeps every checkpoint), got 0"),
+        ),
+        (["--peak_tflops", "0"], "--peak_tflops must be > 0, got 0.0"),
+        (["--ddp_timeout", str(10**14)], re.escape("--ddp_timeout must be in [1, 1000000000] (seconds)")),
+        (["--max_eval_samples", "0"], "--max_eval_samples must be >= 1"),
+        (["--validation_split_percentage", "100"], re.escape("--validation_split_percentage must be in (0, 100)")),
+        (["--preprocessing_num_workers", "-1"], "--preprocessing_num_workers must be >= 0, got -1"),
+    ],
+)
 def test_bad_command_line(recipe_yaml, argv, expected):
     with pytest.raises(UsageError, match=expected):
         _parse(TYPES, ["--config", str(recipe_yaml)] + argv)
@@ -110,15 +130,30 @@ def test_a_recipes_own_options_have_their_declared_ranges_checked(recipe_yaml):
 
     *_, own = _parse((*TYPES, RecipeArguments), ["--config", str(recipe_yaml), "--max_generation_samples", "3"])
     assert own.max_generation_samples == 3
-    with pytest.raises(UsageError, match=re.escape("--max_generation_samples must be >= 1 (unset: all of "
-                                                   "them), got 0")):
+    with pytest.raises(
+        UsageError, match=re.escape("--max_generation_samples must be >= 1 (unset: all of them), got 0")
+    ):
         _parse((*TYPES, RecipeArguments), ["--config", str(recipe_yaml), "--max_generation_samples", "0"])
 
 
-@pytest.mark.parametrize("recipe, option, value, said", [
-    ("sft.py", "max_generation_samples", "0", "must be >= 1 (unset: all of them), got 0"),
-    ("sequence_classification.py", "early_stopping_patience", "-1", "must be >= 1 (unset: never stop early), got -1"),
-    ("sequence_classification.py", "f1_average", "bogus", "invalid choice: 'bogus' (choose from 'binary', 'macro'")])
+@pytest.mark.parametrize(
+    "recipe, option, value, said",
+    [
+        ("sft.py", "max_generation_samples", "0", "must be >= 1 (unset: all of them), got 0"),
+        (
+            "sequence_classification.py",
+            "early_stopping_patience",
+            "-1",
+            "must be >= 1 (unset: never stop early), got -1",
+        ),
+        (
+            "sequence_classification.py",
+            "f1_average",
+            "bogus",
+            "invalid choice: 'bogus' (choose from 'binary', 'macro'",
+        ),
+    ],
+)
 def test_the_recipes_own_options_out_of_range_are_one_line(recipe, option, value, said, recipe_yaml, capsys):
     """Before, --early_stopping_patience -1 stopped at the first evaluation, --max_generation_samples 0
     scored no question, and --f1_average bogus was a traceback at the first evaluation."""
@@ -131,8 +166,11 @@ def test_the_recipes_own_options_out_of_range_are_one_line(recipe, option, value
 
 
 def test_a_file_for_a_model_or_tokenizer_folder(recipe_yaml):
-    with pytest.raises(UsageError, match=r"--tokenizer_name_or_path .*recipe.yaml is a file; pass the folder that "
-                                         r"holds it"):
+    with pytest.raises(
+        UsageError,
+        match=r"--tokenizer_name_or_path .*recipe.yaml is a file; pass the folder that "
+        r"holds it",
+    ):
         _parse(TYPES, ["--config", str(recipe_yaml), "--tokenizer_name_or_path", str(recipe_yaml)])
 
 
@@ -143,8 +181,10 @@ def test_output_dir_that_is_a_file(recipe_yaml, tmp_path):
     assert (tmp_path / "taken").read_text() == "the user's file"
 
 
-@pytest.mark.parametrize("content, expected", [("not json", "not a readable JSON model config"),
-                                               ('{"hidden_size": 64}', "has no \"model_type\"")])
+@pytest.mark.parametrize(
+    "content, expected",
+    [("not json", "not a readable JSON model config"), ('{"hidden_size": 64}', 'has no "model_type"')],
+)
 def test_model_config_that_is_not_a_model_config(recipe_yaml, tmp_path, content, expected):
     (tmp_path / "model.json").write_text(content)
     with pytest.raises(UsageError, match=expected):
@@ -167,9 +207,21 @@ def test_parse_args_exits_with_one_line(recipe_yaml, capsys):
 def test_every_training_field_is_settable_from_yaml(tmp_path, recipe_yaml):
     """Each dataclass field round-trips through the YAML path with its own type."""
     fields = {f.name: f for f in dataclasses.fields(TrainingArguments)}
-    assert {"output_dir", "max_steps", "num_train_epochs", "seed", "per_device_train_batch_size",
-            "gradient_accumulation_steps", "learning_rate", "logging_steps", "eval_steps", "save_steps",
-            "resume_from_checkpoint", "report_to", "gradient_checkpointing"} <= set(fields)
+    assert {
+        "output_dir",
+        "max_steps",
+        "num_train_epochs",
+        "seed",
+        "per_device_train_batch_size",
+        "gradient_accumulation_steps",
+        "learning_rate",
+        "logging_steps",
+        "eval_steps",
+        "save_steps",
+        "resume_from_checkpoint",
+        "report_to",
+        "gradient_checkpointing",
+    } <= set(fields)
     recipe_yaml.write_text(recipe_yaml.read_text() + "seed: 3\nnum_train_epochs: 2\nreport_to: none\n")
     _, _, train = _parse(TYPES, ["--config", str(recipe_yaml)])
     assert (train.seed, train.num_train_epochs, train.report_to) == (3, 2, "none")
@@ -179,18 +231,23 @@ LORA_TYPES = (*TYPES[:2], LoraArguments, TYPES[2])
 
 
 def test_use_peft_and_the_lora_options_parse_as_trl_spells_them(recipe_yaml):
-    _, _, lora, _ = _parse(LORA_TYPES, ["--config", str(recipe_yaml), "--use_peft", "--lora_r", "16",
-                                        "--lora_target_modules", "q_proj", "v_proj"])
+    _, _, lora, _ = _parse(
+        LORA_TYPES,
+        ["--config", str(recipe_yaml), "--use_peft", "--lora_r", "16", "--lora_target_modules", "q_proj", "v_proj"],
+    )
     assert lora.use_peft is True and lora.lora_r == 16 and lora.lora_target_modules == ["q_proj", "v_proj"]
     assert _parse(LORA_TYPES, ["--config", str(recipe_yaml)])[2].use_peft is False
 
 
-@pytest.mark.parametrize("argv, expected", [
-    (["--lora_r", "16"], "--lora_r shape(s) LoRA adapters, which train only with --use_peft; add --use_peft"),
-    (["--save_merged_model", "true"], "--save_merged_model shape(s) LoRA adapters"),
-    (["--use_peft", "--lora_r", "0"], "--lora_r must be >= 1, got 0"),
-    (["--use_peft", "--lora_dropout", "1"], "--lora_dropout must be in [0, 1), got 1.0"),
-])
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--lora_r", "16"], "--lora_r shape(s) LoRA adapters, which train only with --use_peft; add --use_peft"),
+        (["--save_merged_model", "true"], "--save_merged_model shape(s) LoRA adapters"),
+        (["--use_peft", "--lora_r", "0"], "--lora_r must be >= 1, got 0"),
+        (["--use_peft", "--lora_dropout", "1"], "--lora_dropout must be in [0, 1), got 1.0"),
+    ],
+)
 def test_lora_options_without_use_peft_or_out_of_range_are_refused(recipe_yaml, argv, expected):
     with pytest.raises(UsageError, match=re.escape(expected)):
         _parse(LORA_TYPES, ["--config", str(recipe_yaml), *argv])
@@ -199,8 +256,16 @@ def test_lora_options_without_use_peft_or_out_of_range_are_refused(recipe_yaml, 
 def test_a_merged_export_needs_a_pretrained_base():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=2))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=32,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+        )
+    )
     with pytest.raises(UsageError, match="--save_merged_model reloads the base model from --model_name_or_path"):
         apply_lora(model, LoraArguments(use_peft=True, save_merged_model=True))
     from transformers import AutoConfig
@@ -211,17 +276,35 @@ def test_a_merged_export_needs_a_pretrained_base():
     with pytest.raises(UsageError, match="--save_merged_model reloads the base model from --model_name_or_path"):
         apply_lora(built, LoraArguments(use_peft=True, save_merged_model=True))
     wrapped = apply_lora(model, LoraArguments(use_peft=True, lora_target_modules=["all-linear"]))
-    assert {n.split(".")[-4] for n, p in wrapped.named_parameters() if p.requires_grad} == \
-        {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert {n.split(".")[-4] for n, p in wrapped.named_parameters() if p.requires_grad} == {
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    }
 
 
 HANDBOOK_SFT = REPO / "tests/data/handbook/zephyr-7b-beta-sft-config_full.yaml"
 # what the one message says to write instead of each of the handbook's keys these recipes do not take
-HANDBOOK_REPLACED = {"model_revision": None, "bf16": None, "do_eval": None,
-                     "eval_strategy": None, "logging_strategy": None, "save_strategy": None,
-                     "gradient_checkpointing_kwargs": None, "hub_model_id": None, "hub_strategy": None,
-                     "push_to_hub": None, "log_level": None, "remove_unused_columns": None,
-                     "dataset_num_proc": "preprocessing_num_workers", "max_seq_length": "block_size"}
+HANDBOOK_REPLACED = {
+    "model_revision": None,
+    "bf16": None,
+    "do_eval": None,
+    "eval_strategy": None,
+    "logging_strategy": None,
+    "save_strategy": None,
+    "gradient_checkpointing_kwargs": None,
+    "hub_model_id": None,
+    "hub_strategy": None,
+    "push_to_hub": None,
+    "log_level": None,
+    "remove_unused_columns": None,
+    "dataset_num_proc": "preprocessing_num_workers",
+    "max_seq_length": "block_size",
+}
 
 
 def handbook_message(recipe: str, config) -> tuple[str, list[str]]:
@@ -251,7 +334,8 @@ def rewritten_as_told(config, replaced: dict, tmp_path, **changes):
 
 
 def test_a_handbook_recipe_yaml_names_every_key_it_cannot_take_in_one_message_and_then_runs(
-        real_model, counting_data, tmp_path, monkeypatch):
+    real_model, counting_data, tmp_path, monkeypatch
+):
     """The alignment-handbook's zephyr-7b-beta SFT config as published: one message lists all 14 keys
     taken otherwise here, each with what to write instead (before: one key per run, 16 runs; its
     warmup_ratio and dataset_mixture now work as in the handbook). Rewritten as the message says, with
@@ -264,31 +348,79 @@ def test_a_handbook_recipe_yaml_names_every_key_it_cannot_take_in_one_message_an
     assert named == sorted(HANDBOOK_REPLACED)
     for key, instead in HANDBOOK_REPLACED.items():
         assert re.search(rf"--{key}\b[^;]*: ", message.split("keys. ", 1)[1]), key  # each says what to write
-    assert "--dataset_num_proc: --preprocessing_num_workers N" in message and "--max_seq_length: --block_size N" in message
+    assert (
+        "--dataset_num_proc: --preprocessing_num_workers N" in message
+        and "--max_seq_length: --block_size N" in message
+    )
 
-    rewritten, config = rewritten_as_told(HANDBOOK_SFT, HANDBOOK_REPLACED, tmp_path, model_name_or_path=str(real_model),
-                                          attn_implementation="sdpa", output_dir=str(tmp_path / "run"), report_to="none")
+    rewritten, config = rewritten_as_told(
+        HANDBOOK_SFT,
+        HANDBOOK_REPLACED,
+        tmp_path,
+        model_name_or_path=str(real_model),
+        attn_implementation="sdpa",
+        output_dir=str(tmp_path / "run"),
+        report_to="none",
+    )
     config["dataset_mixture"]["datasets"][0].update(id=str(counting_data / "train.jsonl"), split="train")
     config["dataset_mixture"]["test_split_size"] = 40
     rewritten.write_text(__import__("yaml").safe_dump(config))
-    run_in_process("recipes/sft.py", ["--config", rewritten, "--max_steps", "2", "--per_device_train_batch_size", "2",
-                                      "--block_size", "128", "--max_eval_samples", "4", "--max_generation_samples", "2",
-                                      "--preprocessing_num_workers", "0", "--logging_steps", "1"], monkeypatch)
+    run_in_process(
+        "recipes/sft.py",
+        [
+            "--config",
+            rewritten,
+            "--max_steps",
+            "2",
+            "--per_device_train_batch_size",
+            "2",
+            "--block_size",
+            "128",
+            "--max_eval_samples",
+            "4",
+            "--max_generation_samples",
+            "2",
+            "--preprocessing_num_workers",
+            "0",
+            "--logging_steps",
+            "1",
+        ],
+        monkeypatch,
+    )
     run = json.loads((tmp_path / "run/run.json").read_text())
     assert run["args"]["warmup_ratio"] == 0.1 and run["args"]["gradient_checkpointing"] is True
-    assert run["data_sources"] == [{"source": str(counting_data / "train.jsonl"), "split": "train", "hub": False,
-                                    "available": 400, "rows": 400, "train": 360, "held_out": 40}]
+    assert run["data_sources"] == [
+        {
+            "source": str(counting_data / "train.jsonl"),
+            "split": "train",
+            "hub": False,
+            "available": 400,
+            "rows": 400,
+            "train": 360,
+            "held_out": 40,
+        }
+    ]
     rows = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     assert [row["lr"] for row in rows if "lr" in row] == [2e-05, 0.0]  # warmed up by step 1, cosine to 0 at 2
 
 
 HANDBOOK_DPO = REPO / "tests/data/handbook/zephyr-7b-beta-dpo-config_full.yaml"
-HANDBOOK_DPO_REPLACED = {"bf16": None, "do_eval": None, "eval_strategy": None, "save_strategy": None,
-                         "gradient_checkpointing_kwargs": None, "hub_model_id": None, "push_to_hub": None,
-                         "log_level": None, "dataset_num_proc": "preprocessing_num_workers", "max_length": "block_size"}
+HANDBOOK_DPO_REPLACED = {
+    "bf16": None,
+    "do_eval": None,
+    "eval_strategy": None,
+    "save_strategy": None,
+    "gradient_checkpointing_kwargs": None,
+    "hub_model_id": None,
+    "push_to_hub": None,
+    "log_level": None,
+    "dataset_num_proc": "preprocessing_num_workers",
+    "max_length": "block_size",
+}
 
 
 @pytest.mark.slow  # two 135M models (the policy and its reference) in this process: ~40 s
+@pytest.mark.exhaustive
 def test_the_handbook_dpo_recipe_yaml_names_its_keys_in_one_message_and_then_runs(real_model, tmp_path, monkeypatch):
     """The alignment-handbook's zephyr-7b-beta DPO config as published: one message names the 10 keys taken
     otherwise here (max_length: --block_size). Rewritten as it says, with the model swapped for the real
@@ -296,32 +428,64 @@ def test_the_handbook_dpo_recipe_yaml_names_its_keys_in_one_message_and_then_run
     and `rejected` kept) for two local files, it trains 2 steps in this process: beta 0.01, warmup_ratio,
     max_prompt_length, the two sources' counts, a frozen copy of the model as the reference, log 2 at step 1."""
     import math
+
     import yaml
+    from conftest import run_in_process
 
     from common.synthetic import preference_examples
-    from conftest import run_in_process
 
     message, named = handbook_message("dpo.py", HANDBOOK_DPO)
     assert named == sorted(HANDBOOK_DPO_REPLACED)
     assert "--max_length: --block_size N" in message and "--dataset_num_proc: --preprocessing_num_workers N" in message
 
-    rewritten, config = rewritten_as_told(HANDBOOK_DPO, HANDBOOK_DPO_REPLACED, tmp_path,
-                                          model_name_or_path=str(real_model), output_dir=str(tmp_path / "run"),
-                                          report_to="none")
-    for source, split, count, seed in zip(config["dataset_mixture"]["datasets"], ("train_prefs", "test_prefs"),
-                                          (60, 30), (0, 1)):
+    rewritten, config = rewritten_as_told(
+        HANDBOOK_DPO,
+        HANDBOOK_DPO_REPLACED,
+        tmp_path,
+        model_name_or_path=str(real_model),
+        output_dir=str(tmp_path / "run"),
+        report_to="none",
+    )
+    for source, split, count, seed in zip(
+        config["dataset_mixture"]["datasets"], ("train_prefs", "test_prefs"), (60, 30), (0, 1)
+    ):
         path = tmp_path / f"{split}.jsonl"
-        path.write_text("".join(json.dumps({"prompt": row["prompt"][0]["content"],
-                                            "chosen": row["prompt"] + row["chosen"],
-                                            "rejected": row["prompt"] + row["rejected"]}) + "\n"
-                                for row in preference_examples(count, seed)))
+        path.write_text(
+            "".join(
+                json.dumps(
+                    {
+                        "prompt": row["prompt"][0]["content"],
+                        "chosen": row["prompt"] + row["chosen"],
+                        "rejected": row["prompt"] + row["rejected"],
+                    }
+                )
+                + "\n"
+                for row in preference_examples(count, seed)
+            )
+        )
         source.update(id=str(path), split="train")
     config["dataset_mixture"]["test_split_size"] = 20
     rewritten.write_text(yaml.safe_dump(config))
-    run_in_process("recipes/dpo.py", ["--config", rewritten, "--max_steps", "2", "--per_device_train_batch_size", "2",
-                                      "--preprocessing_num_workers", "0", "--logging_steps", "1"], monkeypatch)
+    run_in_process(
+        "recipes/dpo.py",
+        [
+            "--config",
+            rewritten,
+            "--max_steps",
+            "2",
+            "--per_device_train_batch_size",
+            "2",
+            "--preprocessing_num_workers",
+            "0",
+            "--logging_steps",
+            "1",
+        ],
+        monkeypatch,
+    )
     run = json.loads((tmp_path / "run/run.json").read_text())
-    assert run["args"]["beta"] == 0.01 and run["args"]["max_prompt_length"] == 512 and run["args"]["block_size"] == 1024
+    assert (
+        run["args"]["beta"] == 0.01 and run["args"]["max_prompt_length"] == 512 and run["args"]["block_size"] == 1024
+    )
     assert run["reference_model"]["kind"] == "model" and run["args"]["gradient_checkpointing"] is True
     assert [(s["rows"], s["train"] + s["held_out"]) for s in run["data_sources"]] == [(60, 60), (30, 30)]
     assert sum(s["held_out"] for s in run["data_sources"]) == 20

@@ -9,8 +9,8 @@ import re
 import shutil
 
 import pytest
-
 from conftest import REPO, causal_lm_args, flags, launch, pretrained_args, read_run
+
 
 GOOD = '{"text": "a b c d e f g h"}\n' * 40
 
@@ -46,11 +46,14 @@ def snapshot(out) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("train, validation, expected", [
-    # The other bad files (empty, null or number text, mismatched columns) are checked in-process
-    # in test_data.py: the same code path, which this launch proves ends in one line.
-    (GOOD + '{"text": "a b\n', GOOD, r"train.jsonl: not readable as json \(ArrowInvalid: JSON parse error"),
-])
+@pytest.mark.parametrize(
+    "train, validation, expected",
+    [
+        # The other bad files (empty, null or number text, mismatched columns) are checked in-process
+        # in test_data.py: the same code path, which this launch proves ends in one line.
+        (GOOD + '{"text": "a b\n', GOOD, r"train.jsonl: not readable as json \(ArrowInvalid: JSON parse error"),
+    ],
+)
 def test_bad_data_is_one_line(markov_data, tmp_path, train, validation, expected):
     files = data_files(tmp_path, train, validation)
     error = launch_bad(causal_lm_args(markov_data, tmp_path / "run", **files))
@@ -64,7 +67,9 @@ def test_model_config_that_builds_no_model_overwrites_nothing(earlier_run, marko
     before = snapshot(out)
     config = json.loads((REPO / "recipes/configs/tiny_llama.json").read_text())
     (tmp_path / "bad.json").write_text(json.dumps({**config, "hidden_size": 30, "num_attention_heads": 4}))
-    error = launch_bad(causal_lm_args(markov_data, out, model_config=tmp_path / "bad.json") + ["--overwrite_output_dir"])
+    error = launch_bad(
+        causal_lm_args(markov_data, out, model_config=tmp_path / "bad.json") + ["--overwrite_output_dir"]
+    )
     assert "bad.json does not build a model" in error and "not a multiple of the number of attention heads" in error
     # --overwrite_output_dir clears the earlier run only once the new one is known to start.
     assert snapshot(out) == before and (out / "final").is_dir() and (out / "checkpoints" / "step_2").is_dir()
@@ -79,10 +84,17 @@ def test_folders_without_a_model_or_a_tokenizer(markov_data, tmp_path):
 
     (tmp_path / "empty").mkdir()
     config = str(REPO / "recipes/configs/tiny_llama.json")
-    tokenizer = load_tokenizer(ModelArguments(model_config=config, tokenizer_name_or_path=str(markov_data / "tokenizer")))
+    tokenizer = load_tokenizer(
+        ModelArguments(model_config=config, tokenizer_name_or_path=str(markov_data / "tokenizer"))
+    )
     with pytest.raises(UsageError, match=r"no CausalLM model loads from .*empty"):
-        load_model(ModelArguments(model_name_or_path=str(tmp_path / "empty"), tokenizer_name_or_path=str(
-            markov_data / "tokenizer")), tokenizer, seed=0)
+        load_model(
+            ModelArguments(
+                model_name_or_path=str(tmp_path / "empty"), tokenizer_name_or_path=str(markov_data / "tokenizer")
+            ),
+            tokenizer,
+            seed=0,
+        )
     with pytest.raises(UsageError, match=r"no tokenizer loads from .*empty"):
         load_tokenizer(ModelArguments(model_config=config, tokenizer_name_or_path=str(tmp_path / "empty")))
 
@@ -120,18 +132,29 @@ def test_a_hub_dataset_that_does_not_load_is_one_line(monkeypatch, streaming):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read by the Hub client at import
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     args = DataArguments(dataset_name="no-such-org/no-such-corpus", dataset_config_name="en", streaming=streaming)
-    with pytest.raises(UsageError, match=r"--dataset_name no-such-org/no-such-corpus --dataset_config_name en does "
-                                         r"not load \(.*\); pass a Hub dataset .* or --train_file; HF_DATASETS_OFFLINE "
-                                         r"and HF_HUB_OFFLINE are set here"):
+    with pytest.raises(
+        UsageError,
+        match=r"--dataset_name no-such-org/no-such-corpus --dataset_config_name en does "
+        r"not load \(.*\); pass a Hub dataset .* or --train_file; HF_DATASETS_OFFLINE "
+        r"and HF_HUB_OFFLINE are set here",
+    ):
         load_raw_datasets(args, seed=0)
 
 
 @pytest.mark.slow
 def test_sft_data_in_no_known_format(arithmetic_data, tmp_path):
     files = data_files(tmp_path, '{"question": "q", "answer": "a"}\n' * 8, '{"question": "q", "answer": "a"}\n' * 2)
-    error = launch_bad(flags(config=REPO / "recipes/configs/sft_demo.yaml", tokenizer_name_or_path=arithmetic_data / "tokenizer",
-                             output_dir=tmp_path / "run", max_steps=2, **files), recipe="sft.py")
-    assert "needs a 'messages' column (conversations) or \"prompt\" and \"completion\" columns" in error
+    error = launch_bad(
+        flags(
+            config=REPO / "recipes/configs/sft_demo.yaml",
+            tokenizer_name_or_path=arithmetic_data / "tokenizer",
+            output_dir=tmp_path / "run",
+            max_steps=2,
+            **files,
+        ),
+        recipe="sft.py",
+    )
+    assert 'needs a \'messages\' column (conversations) or "prompt" and "completion" columns' in error
 
 
 @pytest.mark.slow
@@ -139,10 +162,20 @@ def test_resume_with_another_model_config_changes_nothing(earlier_run, markov_da
     config = json.loads((REPO / "recipes/configs/tiny_llama.json").read_text())
     (tmp_path / "wider.json").write_text(json.dumps({**config, "intermediate_size": config["intermediate_size"] * 2}))
     before = snapshot(earlier_run)
-    error = launch_bad(causal_lm_args(markov_data, earlier_run, model_config=tmp_path / "wider.json", max_steps=4,
-                                      resume_from_checkpoint="latest"))
-    assert re.search(r"checkpoint .*step_2 does not load into this run .*resume with the arguments in its run's "
-                     r"run.json", error), error
+    error = launch_bad(
+        causal_lm_args(
+            markov_data,
+            earlier_run,
+            model_config=tmp_path / "wider.json",
+            max_steps=4,
+            resume_from_checkpoint="latest",
+        )
+    )
+    assert re.search(
+        r"checkpoint .*step_2 does not load into this run .*resume with the arguments in its run's "
+        r"run.json",
+        error,
+    ), error
     assert snapshot(earlier_run) == before and read_run(earlier_run)["args"]["max_steps"] == 2
 
 
@@ -174,7 +207,8 @@ def test_an_error_only_rank_1_meets_is_one_line_naming_the_rank_and_every_rank_e
         "    if run.accelerator.process_index == 1:\n"
         "        raise UsageError('the shard for this rank does not load: check its files')\n"
         "    run.accelerator.wait_for_everyone()  # rank 0 waits for rank 1\n\n\n"
-        "run_recipe(main, ModelArguments, DataArguments, TrainingArguments)\n")
+        "run_recipe(main, ModelArguments, DataArguments, TrainingArguments)\n"
+    )
     started = time.monotonic()
     error = launch_bad(causal_lm_args(markov_data, tmp_path / "out"), recipe=recipe)
     assert error == "error: rank 1: the shard for this rank does not load: check its files"
@@ -189,20 +223,25 @@ def test_block_size_past_the_models_positions(bf16_checkpoint, markov_data, tmp_
     from common.errors import UsageError
     from common.model import check_block_size
 
-    (tmp_path / "gpt2.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 2,
-                                                    "n_positions": 64}))
+    (tmp_path / "gpt2.json").write_text(
+        json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 2, "n_positions": 64})
+    )
     tokenizer = str(markov_data / "tokenizer")
     gpt2 = ModelArguments(model_config=str(tmp_path / "gpt2.json"), tokenizer_name_or_path=tokenizer)
-    with pytest.raises(UsageError, match=r"--block_size 128 is longer than the 64 positions .* learned table; "
-                                         r"pass --block_size 64 or less"):
+    with pytest.raises(
+        UsageError,
+        match=r"--block_size 128 is longer than the 64 positions .* learned table; "
+        r"pass --block_size 64 or less",
+    ):
         check_block_size(gpt2, 128)
     assert check_block_size(gpt2, 64) is None
     limit = json.loads((bf16_checkpoint / "config.json").read_text())["max_position_embeddings"]
     pretrained = ModelArguments(model_name_or_path=str(bf16_checkpoint))
     assert "a rotary model runs there" in check_block_size(pretrained, limit + 1)
     assert check_block_size(pretrained, limit) is None
-    scratch = ModelArguments(model_config=str(REPO / "recipes/configs/tiny_llama.json"),
-                             tokenizer_name_or_path=tokenizer)
+    scratch = ModelArguments(
+        model_config=str(REPO / "recipes/configs/tiny_llama.json"), tokenizer_name_or_path=tokenizer
+    )
     assert check_block_size(scratch, limit + 1) is None
 
 
@@ -220,7 +259,9 @@ def error_in_process(recipe: str, argv: list, capsys) -> str:
     from common.lora import LoraArguments
     from common.run import run_recipe
 
-    own = [getattr(module, name) for name in ("SFTArguments", "DPOArguments") if hasattr(module, name)]  # as its last line
+    own = [
+        getattr(module, name) for name in ("SFTArguments", "DPOArguments") if hasattr(module, name)
+    ]  # as its last line
     types = [ModelArguments, DataArguments, *own, LoraArguments, TrainingArguments]
     capsys.readouterr()
     try:
@@ -235,8 +276,9 @@ def error_in_process(recipe: str, argv: list, capsys) -> str:
 
 
 @pytest.mark.parametrize("case", ["negative_seed", "weights_cut_short", "template_not_jinja"])
-def test_start_up_input_a_library_refuses_is_one_line(case, markov_data, bf16_checkpoint, arithmetic_data, tmp_path,
-                                                      capsys):
+def test_start_up_input_a_library_refuses_is_one_line(
+    case, markov_data, bf16_checkpoint, arithmetic_data, tmp_path, capsys
+):
     """Issue 34, item 8: a value a library range-checks (numpy's seed), a model folder whose weights
     file is cut short, and a --chat_template that is not Jinja each end in one line before any
     process trains, with nothing written to output_dir (they were tracebacks: from set_seed, from
@@ -249,21 +291,32 @@ def test_start_up_input_a_library_refuses_is_one_line(case, markov_data, bf16_ch
         model = tmp_path / "model"
         shutil.copytree(bf16_checkpoint, model)
         weights = model / "model.safetensors"
-        weights.write_bytes(weights.read_bytes()[:weights.stat().st_size // 2])  # a copy cut short
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # a copy cut short
         error = error_in_process("causal_lm.py", pretrained_args(markov_data, model, out), capsys)
-        assert error == (f"error: CausalLM model folder {model} is damaged (SafetensorError: Error while "
-                         "deserializing header: incomplete metadata, file not fully covered): a file in it is cut "
-                         "short or corrupt; copy or save it again")
+        assert error == (
+            f"error: CausalLM model folder {model} is damaged (SafetensorError: Error while "
+            "deserializing header: incomplete metadata, file not fully covered): a file in it is cut "
+            "short or corrupt; copy or save it again"
+        )
     else:
         template = tmp_path / "template.jinja"
         template.write_text("{% for message in messages %}\n{{ message.content }\n{% endfor %}")
-        error = error_in_process("sft.py", flags(config=REPO / "recipes/configs/sft_demo.yaml", output_dir=out,
-                                               tokenizer_name_or_path=arithmetic_data / "tokenizer",
-                                               train_file=arithmetic_data / "train.jsonl",
-                                               validation_file=arithmetic_data / "validation.jsonl",
-                                               chat_template=template), capsys)
-        assert error == (f"error: --chat_template {template} is not a valid Jinja template (TemplateSyntaxError "
-                         "at line 2: unexpected '}'); fix the template")
+        error = error_in_process(
+            "sft.py",
+            flags(
+                config=REPO / "recipes/configs/sft_demo.yaml",
+                output_dir=out,
+                tokenizer_name_or_path=arithmetic_data / "tokenizer",
+                train_file=arithmetic_data / "train.jsonl",
+                validation_file=arithmetic_data / "validation.jsonl",
+                chat_template=template,
+            ),
+            capsys,
+        )
+        assert error == (
+            f"error: --chat_template {template} is not a valid Jinja template (TemplateSyntaxError "
+            "at line 2: unexpected '}'); fix the template"
+        )
     assert not out.exists()
 
 
@@ -284,8 +337,11 @@ def test_damaged_model_tokenizer_and_adapter_folders(bf16_checkpoint, tmp_path):
     sharded = tmp_path / "sharded"
     base.save_pretrained(sharded, max_shard_size="100KB")
     max(sharded.glob("model-*.safetensors")).unlink()
-    with pytest.raises(UsageError, match=r"CausalLM model folder .*sharded is damaged \(FileNotFoundError: .*model-0"
-                                         r".*\): a file in it is missing; copy or save it again"):
+    with pytest.raises(
+        UsageError,
+        match=r"CausalLM model folder .*sharded is damaged \(FileNotFoundError: .*model-0"
+        r".*\): a file in it is missing; copy or save it again",
+    ):
         load_model(ModelArguments(model_name_or_path=str(sharded)), tokenizer, seed=0)
 
     wider = tmp_path / "wider"
@@ -296,18 +352,27 @@ def test_damaged_model_tokenizer_and_adapter_folders(bf16_checkpoint, tmp_path):
         load_model(ModelArguments(model_name_or_path=str(wider)), tokenizer, seed=0)
 
     (wider / "tokenizer.json").write_text((wider / "tokenizer.json").read_text()[:200])
-    with pytest.raises(UsageError, match=r"tokenizer folder .*wider is damaged \(JSONDecodeError: .*\): a file in it "
-                                         r"is cut short or corrupt"):
+    with pytest.raises(
+        UsageError,
+        match=r"tokenizer folder .*wider is damaged \(JSONDecodeError: .*\): a file in it "
+        r"is cut short or corrupt",
+    ):
         load_tokenizer(ModelArguments(model_name_or_path=str(wider)))
 
     adapter = tmp_path / "adapter"
     get_peft_model(base, LoraConfig(r=2, task_type="CAUSAL_LM")).save_pretrained(adapter)
     weights = adapter / "adapter_model.safetensors"
-    weights.write_bytes(weights.read_bytes()[:weights.stat().st_size // 2])
-    with pytest.raises(UsageError, match=r"PEFT adapter folder .*adapter is damaged \(SafetensorError: .*\): a file "
-                                         r"in it is cut short or corrupt"):
-        load_model(ModelArguments(model_name_or_path=str(bf16_checkpoint), adapter_name_or_path=str(adapter)),
-                   tokenizer, seed=0)
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(
+        UsageError,
+        match=r"PEFT adapter folder .*adapter is damaged \(SafetensorError: .*\): a file "
+        r"in it is cut short or corrupt",
+    ):
+        load_model(
+            ModelArguments(model_name_or_path=str(bf16_checkpoint), adapter_name_or_path=str(adapter)),
+            tokenizer,
+            seed=0,
+        )
 
 
 def test_a_chat_template_that_raises_on_the_data_is_one_line(arithmetic_data):
@@ -319,13 +384,21 @@ def test_a_chat_template_that_raises_on_the_data_is_one_line(arithmetic_data):
     from common.errors import UsageError
 
     tokenizer = AutoTokenizer.from_pretrained(arithmetic_data / "tokenizer")
-    tokenizer.chat_template = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not "
-                               "supported') }}{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}")
-    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is 1 plus 1 ?"},
-                {"role": "assistant", "content": "2"}]
-    with pytest.raises(UsageError, match=r"the chat template \(--chat_template, or the tokenizer's\) does not render a "
-                                         r"conversation \(TemplateError: System role not supported\): fix the template "
-                                         r"or the data; the conversation: \[\{'role': 'system'"):
+    tokenizer.chat_template = (
+        "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not "
+        "supported') }}{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    )
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "what is 1 plus 1 ?"},
+        {"role": "assistant", "content": "2"},
+    ]
+    with pytest.raises(
+        UsageError,
+        match=r"the chat template \(--chat_template, or the tokenizer's\) does not render a "
+        r"conversation \(TemplateError: System role not supported\): fix the template "
+        r"or the data; the conversation: \[\{'role': 'system'",
+    ):
         assistant_spans(tokenizer, messages)
 
 
@@ -341,7 +414,9 @@ def test_a_parquet_file_cut_short_is_one_line(tmp_path):
     Dataset.from_dict({"text": ["a b c d"] * 50}).to_parquet(tmp_path / "train.parquet")
     Dataset.from_dict({"text": ["a b c d"] * 5}).to_parquet(tmp_path / "validation.parquet")
     train = tmp_path / "train.parquet"
-    train.write_bytes(train.read_bytes()[:train.stat().st_size // 2])
+    train.write_bytes(train.read_bytes()[: train.stat().st_size // 2])
     args = DataArguments(train_file=str(train), validation_file=str(tmp_path / "validation.parquet"))
-    with pytest.raises(UsageError, match=r"train.parquet: not readable as parquet \(ArrowInvalid: Parquet magic bytes"):
+    with pytest.raises(
+        UsageError, match=r"train.parquet: not readable as parquet \(ArrowInvalid: Parquet magic bytes"
+    ):
         load_raw_datasets(args, seed=0)

@@ -3,14 +3,26 @@
 import shutil
 
 import pytest
-
-from conftest import BIN, FP32, REPO, STEPS, causal_lm_args, evaluate_in_process, launch, losses, read_metrics, read_run, run
+from conftest import (
+    BIN,
+    FP32,
+    REPO,
+    STEPS,
+    causal_lm_args,
+    evaluate_in_process,
+    launch,
+    losses,
+    read_metrics,
+    read_run,
+    run,
+)
 
 
 def test_ddp_two_processes_train_export_and_reload(markov_data, tmp_path):
     out = tmp_path / "ddp"
-    launch("ddp.yaml", "causal_lm.py", causal_lm_args(markov_data, out, max_steps=30, logging_steps=5),
-           launcher_args=FP32)  # fp32: make evaluate (fp32) must reproduce the logged eval loss to 1e-5
+    launch(
+        "ddp.yaml", "causal_lm.py", causal_lm_args(markov_data, out, max_steps=30, logging_steps=5), launcher_args=FP32
+    )  # fp32: make evaluate (fp32) must reproduce the logged eval loss to 1e-5
     record = read_run(out)
     assert record["world_size"] == 2 and record["participating_processes"] == 2
     assert record["distributed_type"] == "MULTI_CPU"
@@ -25,15 +37,27 @@ def test_ddp_two_processes_train_export_and_reload(markov_data, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from common.flops import ModelFlops
+
     per_token = ModelFlops(AutoModelForCausalLM.from_pretrained(out / "final")).per_token(32)
     for row in train:
         assert row["tflops_per_device"] == pytest.approx(row["tokens_per_s_per_device"] * per_token / 1e12, rel=1e-6)
         assert row["mfu"] is None and 0 <= row["data_wait_fraction"] < 1
     assert (out / "final" / "model.safetensors").exists() and (out / "final" / "tokenizer.json").exists()
 
-    reloaded = evaluate_in_process(["--model_name_or_path", out / "final", "--train_file", markov_data / "train.jsonl",
-                                    "--validation_file", markov_data / "validation.jsonl", "--block_size", "32",
-                                    "--per_device_eval_batch_size", "8"])
+    reloaded = evaluate_in_process(
+        [
+            "--model_name_or_path",
+            out / "final",
+            "--train_file",
+            markov_data / "train.jsonl",
+            "--validation_file",
+            markov_data / "validation.jsonl",
+            "--block_size",
+            "32",
+            "--per_device_eval_batch_size",
+            "8",
+        ]
+    )
     assert reloaded["eval_loss"] == pytest.approx(evals[-1]["eval_loss"], abs=1e-5)
 
 
@@ -49,8 +73,9 @@ def test_copied_recipe_runs_outside_the_repository_and_never_overwrites_a_run(ma
     assert read_run(out)["participating_processes"] == 2
     assert (out / "final" / "config.json").exists()
     before = (out / "final" / "model.safetensors").read_bytes()
-    result = run([BIN / "python", work / "train.py"] + causal_lm_args(markov_data, out, max_steps=2), cwd=work,
-                 check=False)
+    result = run(
+        [BIN / "python", work / "train.py"] + causal_lm_args(markov_data, out, max_steps=2), cwd=work, check=False
+    )
     assert result.returncode == 2
     assert result.stderr.strip().startswith("error: output_dir") and result.stderr.count("\n") == 1
     assert (out / "final" / "model.safetensors").read_bytes() == before
@@ -64,7 +89,7 @@ def test_bad_input_is_one_line_and_nonzero_exit(markov_data, tmp_path):
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and message in errors[0], result.stderr[-2000:]
-    assert "causal_lm.py\", line" not in result.stderr  # no traceback from the recipe (torchrun adds its own)
+    assert 'causal_lm.py", line' not in result.stderr  # no traceback from the recipe (torchrun adds its own)
     assert not (tmp_path / "bad").exists()  # failed before anything was written
 
 
@@ -73,9 +98,20 @@ def test_rotation_and_gradient_checkpointing(markov_data, reference, tmp_path):
     """save_total_limit keeps the newest checkpoints; gradient checkpointing leaves the losses
     unchanged (against the one-process reference run, which has it off)."""
     checkpointed = tmp_path / "ckpt"
-    launch("single.yaml", "causal_lm.py", causal_lm_args(markov_data, checkpointed, per_device_train_batch_size=8,
-                                                         max_steps=STEPS, save_steps=4, save_total_limit=2,
-                                                         gradient_checkpointing="true"), launcher_args=FP32)
+    launch(
+        "single.yaml",
+        "causal_lm.py",
+        causal_lm_args(
+            markov_data,
+            checkpointed,
+            per_device_train_batch_size=8,
+            max_steps=STEPS,
+            save_steps=4,
+            save_total_limit=2,
+            gradient_checkpointing="true",
+        ),
+        launcher_args=FP32,
+    )
     assert read_run(checkpointed)["args"]["gradient_checkpointing"] is True
     assert sorted(p.name for p in (checkpointed / "checkpoints").iterdir()) == ["step_12", "step_8"]
     assert len(losses(checkpointed)) == STEPS

@@ -6,13 +6,20 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import OneProcess as CPU
 from datasets import Dataset, DatasetDict
 
-from common.errors import UsageError
-from common.chat import (GENERATION_MARKER, answer_token_counts, assistant_spans, end_of_turn_ids, generation_references,
-                         tokenize_sft)
+from common.chat import (
+    GENERATION_MARKER,
+    answer_token_counts,
+    assistant_spans,
+    end_of_turn_ids,
+    generation_references,
+    tokenize_sft,
+)
 from common.chat_template import read_chat_template
-from conftest import OneProcess as CPU
+from common.errors import UsageError
+
 
 TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
 FAMILIES = ["llama3", "chatml_qwen2_5", "mistral", "gemma"]
@@ -26,11 +33,18 @@ def byte_bpe():
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    text = ["The capital of France is Paris.", "What is the capital of France?", "You are a helpful assistant.",
-            "Seven plus five is twelve, and the answer is twelve.", "Write a haiku about the sea.",
-            "Waves fold into foam; the tide keeps its slow promise; salt on the cold stones."] * 20
-    backend.train_from_iterator(text, trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                                          show_progress=False))
+    text = [
+        "The capital of France is Paris.",
+        "What is the capital of France?",
+        "You are a helpful assistant.",
+        "Seven plus five is twelve, and the answer is twelve.",
+        "Write a haiku about the sea.",
+        "Waves fold into foam; the tide keeps its slow promise; salt on the cold stones.",
+    ] * 20
+    backend.train_from_iterator(
+        text,
+        trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False),
+    )
     return backend
 
 
@@ -40,17 +54,26 @@ def family_tokenizer(byte_bpe, family):
     from transformers import PreTrainedTokenizerFast
 
     spec = json.loads((TEMPLATES / f"{family}.json").read_text())
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=copy.deepcopy(byte_bpe), bos_token=spec["bos_token"],
-                                        eos_token=spec["eos_token"], additional_special_tokens=spec["special"])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=copy.deepcopy(byte_bpe),
+        bos_token=spec["bos_token"],
+        eos_token=spec["eos_token"],
+        additional_special_tokens=spec["special"],
+    )
     tokenizer.chat_template = read_chat_template(str(TEMPLATES / f"{family}.jinja"))
     return tokenizer, spec
 
 
 def conversation(system: bool):
-    turns = [{"role": "user", "content": "What is the capital of France?"},
-             {"role": "assistant", "content": "The capital of France is Paris."},
-             {"role": "user", "content": "Write a haiku about the sea."},
-             {"role": "assistant", "content": " Waves fold into foam;\nthe tide keeps its slow promise;\nsalt on the cold stones.\n"}]
+    turns = [
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": "The capital of France is Paris."},
+        {"role": "user", "content": "Write a haiku about the sea."},
+        {
+            "role": "assistant",
+            "content": " Waves fold into foam;\nthe tide keeps its slow promise;\nsalt on the cold stones.\n",
+        },
+    ]
     return ([{"role": "system", "content": "You are a helpful assistant."}] if system else []) + turns
 
 
@@ -70,8 +93,9 @@ def test_labels_are_exactly_each_assistant_turn_and_its_end_of_turn_token(byte_b
     tokenizer, spec = family_tokenizer(byte_bpe, family)
     assert not GENERATION_MARKER.search(tokenizer.chat_template)
     messages = conversation(system=spec["system"])
-    raw = DatasetDict(train=Dataset.from_list([{"messages": messages}]),
-                      validation=Dataset.from_list([{"messages": messages}]))
+    raw = DatasetDict(
+        train=Dataset.from_list([{"messages": messages}]), validation=Dataset.from_list([{"messages": messages}])
+    )
     example = tokenize_sft(raw, tokenizer, "messages", 512, "drop", CPU())[0]["train"][0]
     ids, labels = example["input_ids"], example["labels"]
     assert ids == tokenizer.apply_chat_template(messages, tokenize=True)["input_ids"]  # the template's own tokens
@@ -94,8 +118,12 @@ def test_span_labels_equal_the_marker_labels_on_a_marked_template(arithmetic_dat
     marked = AutoTokenizer.from_pretrained(arithmetic_data / "tokenizer")
     unmarked = AutoTokenizer.from_pretrained(arithmetic_data / "tokenizer")
     unmarked.chat_template = marked.chat_template.replace("{% generation %}", "").replace("{% endgeneration %}", "")
-    raw = DatasetDict({split: Dataset.from_json(str(arithmetic_data / f"{split}.jsonl")).select(range(40))
-                       for split in ("train", "validation")})
+    raw = DatasetDict(
+        {
+            split: Dataset.from_json(str(arithmetic_data / f"{split}.jsonl")).select(range(40))
+            for split in ("train", "validation")
+        }
+    )
     by_markers = tokenize_sft(raw, marked, "messages", 64, "drop", CPU())[0]["train"]
     by_rendering = tokenize_sft(raw, unmarked, "messages", 64, "drop", CPU())[0]["train"]
     assert by_markers["labels"] == by_rendering["labels"] and by_markers["input_ids"] == by_rendering["input_ids"]
@@ -109,7 +137,7 @@ def test_prompt_completion_learns_the_completion_only(byte_bpe):
     example = tokenize_sft(raw, tokenizer, "messages", 64, "drop", CPU())[0]["train"][0]
     learned = [label for label in example["labels"] if label != -100]
     assert learned == tokenizer("Paris.", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    assert example["input_ids"][-len(learned):] == learned
+    assert example["input_ids"][-len(learned) :] == learned
 
     # Conversational: an assistant turn inside the prompt is context, not a label.
     chat = conversation(system=True)
@@ -130,8 +158,9 @@ def test_reference_answers_are_measured_in_the_tokens_generation_takes(byte_bpe,
     run); a text completion's tokens and EOS."""
     tokenizer, spec = family_tokenizer(byte_bpe, family)
     messages = conversation(system=spec["system"])
-    raw = DatasetDict(train=Dataset.from_list([{"messages": messages}]),
-                      validation=Dataset.from_list([{"messages": messages}]))
+    raw = DatasetDict(
+        train=Dataset.from_list([{"messages": messages}]), validation=Dataset.from_list([{"messages": messages}])
+    )
     references = generation_references(raw["validation"], raw["train"].column_names, "messages", None)
     labels = tokenize_sft(raw, tokenizer, "messages", 512, "drop", CPU())[0]["validation"][0]["labels"]
     answer = labelled_runs(labels)[-1]
@@ -140,7 +169,9 @@ def test_reference_answers_are_measured_in_the_tokens_generation_takes(byte_bpe,
     assert answer_token_counts(tokenizer, references) == [len(answer)]
 
     text = [("What is the capital of France? ", "Paris.")]
-    assert answer_token_counts(tokenizer, text) == [len(tokenizer("Paris.", add_special_tokens=False)["input_ids"]) + 1]
+    assert answer_token_counts(tokenizer, text) == [
+        len(tokenizer("Paris.", add_special_tokens=False)["input_ids"]) + 1
+    ]
 
 
 def test_reference_answers_are_measured_through_generation_markers(arithmetic_data):
@@ -156,7 +187,10 @@ def test_reference_answers_are_measured_through_generation_markers(arithmetic_da
 def test_overlong_examples_are_dropped_and_counted_or_truncated(byte_bpe):
     tokenizer, _ = family_tokenizer(byte_bpe, "llama3")
     short = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Paris."}]
-    long = [{"role": "user", "content": "Write a haiku about the sea. " * 8}, {"role": "assistant", "content": "Waves."}]
+    long = [
+        {"role": "user", "content": "Write a haiku about the sea. " * 8},
+        {"role": "assistant", "content": "Waves."},
+    ]
     no_answer = [{"role": "user", "content": "Hi"}]
     rows = [{"messages": m} for m in (short, long, no_answer, short)]
     raw = DatasetDict(train=Dataset.from_list(rows), validation=Dataset.from_list(rows[:1]))
@@ -193,8 +227,9 @@ def test_bad_chat_inputs_are_usage_errors(byte_bpe, tmp_path):
     assert read_chat_template(str(tmp_path / "tokenizer_config.json")) == "{{ messages }}"
 
     # A template that renders earlier turns differently once later ones exist (as reasoning templates do).
-    tokenizer.chat_template = ("{% for m in messages %}{% if loop.last %}[last]{% endif %}"
-                               "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% if loop.last %}[last]{% endif %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    )
     with pytest.raises(UsageError, match="generation"):
         assistant_spans(tokenizer, conversation(system=False))
 
@@ -215,8 +250,9 @@ def test_sharegpt_turns_are_read_as_the_same_messages(byte_bpe, family):
     sharegpt, raw = tokenized([{"conversations": turns}], "conversations")
     reference, _ = tokenized([{"messages": messages}], "messages")
     assert sharegpt == reference and len(labelled_runs(sharegpt["labels"])) == 2
-    assert generation_references(raw["validation"], raw["train"].column_names, "conversations", 1) == \
-        [(messages[:-1], messages[-1]["content"])]
+    assert generation_references(raw["validation"], raw["train"].column_names, "conversations", 1) == [
+        (messages[:-1], messages[-1]["content"])
+    ]
 
     with pytest.raises(UsageError, match=r"--messages_column conversations"):
         tokenized([{"conversations": turns}], "messages")
@@ -229,8 +265,13 @@ def test_openai_style_text_parts_are_read_as_text(byte_bpe):
     conversation as content given as text; a part of another type is a one-line refusal."""
     tokenizer, _ = family_tokenizer(byte_bpe, "chatml_qwen2_5")
     messages = conversation(system=True)
-    parts = [{"role": m["role"], "content": [{"type": "text", "text": m["content"][:9]},
-                                             {"type": "text", "text": m["content"][9:]}]} for m in messages]
+    parts = [
+        {
+            "role": m["role"],
+            "content": [{"type": "text", "text": m["content"][:9]}, {"type": "text", "text": m["content"][9:]}],
+        }
+        for m in messages
+    ]
 
     def tokenized(rows):
         raw = DatasetDict(train=Dataset.from_list(rows), validation=Dataset.from_list(rows))
@@ -238,8 +279,9 @@ def test_openai_style_text_parts_are_read_as_text(byte_bpe):
 
     from_parts, raw = tokenized([{"messages": parts}])
     assert from_parts == tokenized([{"messages": messages}])[0] and len(labelled_runs(from_parts["labels"])) == 2
-    assert generation_references(raw["validation"], raw["train"].column_names, "messages", 1) == \
-        [(messages[:-1], messages[-1]["content"])]
+    assert generation_references(raw["validation"], raw["train"].column_names, "messages", 1) == [
+        (messages[:-1], messages[-1]["content"])
+    ]
     with_image = [{**parts[0], "content": parts[0]["content"] + [{"type": "image_url", "text": None}]}] + parts[1:]
     with pytest.raises(UsageError, match=r"parts of type \['image_url'\]; SFT here trains on text"):
         tokenized([{"messages": with_image}])

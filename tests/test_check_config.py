@@ -6,11 +6,16 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import CONFIGS, REPO, load_script, run
 
-TEMPLATES = {"multi_node_ddp.yaml", "multi_node_fsdp.yaml", "multi_node_hsdp.yaml", "multi_node_hsdp_tp.yaml",
-             "multi_node_zero3.yaml"}
+
+TEMPLATES = {
+    "multi_node_ddp.yaml",
+    "multi_node_fsdp.yaml",
+    "multi_node_hsdp.yaml",
+    "multi_node_hsdp_tp.yaml",
+    "multi_node_zero3.yaml",
+}
 SHIPPED = sorted(p.name for p in CONFIGS.glob("*.yaml"))
 
 
@@ -32,7 +37,8 @@ def check(config, *extra):
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = load_script("scripts/check_config.py").main(
-            [str(config), "--recipe_config", str(REPO / "recipes/configs/causal_lm_demo.yaml"), *map(str, extra)])
+            [str(config), "--recipe_config", str(REPO / "recipes/configs/causal_lm_demo.yaml"), *map(str, extra)]
+        )
     return Result(code, out.getvalue(), err.getvalue())
 
 
@@ -77,17 +83,37 @@ def _set(path: str, value):
         for key in parents:
             node = node.setdefault(key, {})
         node[leaf] = value
+
     return edit
 
 
-@pytest.mark.parametrize("name, edit, expected", [
-    ("ddp.yaml", _set("num_gpus_total", 8), r"unknown keys \(\['num_gpus_total'\]\)"),
-    ("fsdp.yaml", _set("fsdp_config.fsdp_reshard_after_forwrd", True), r"fsdp_config.fsdp_reshard_after_forwrd: unknown"),
-    ("fsdp.yaml", _set("fsdp_config.fsdp_transformer_layer_cls_to_wrap", "GPT2Block"), r"the model has no 'GPT2Block' layer"),
-    ("zero2.yaml", _set("deepspeed_config.offload_param_device", "cpu"), r"offload_param_device=cpu needs ZeRO stage 3 \(got 2\)"),
-    ("zero3.yaml", _set("deepspeed_config.gradient_clipping", 0.5), r"gradient_clipping=0.5 but the recipe's max_grad_norm=1.0"),
-    ("zero3.yaml", _set("deepspeed_config.zero_stagee", 3), r"deepspeed_config.zero_stagee: unknown"),
-])
+@pytest.mark.parametrize(
+    "name, edit, expected",
+    [
+        ("ddp.yaml", _set("num_gpus_total", 8), r"unknown keys \(\['num_gpus_total'\]\)"),
+        (
+            "fsdp.yaml",
+            _set("fsdp_config.fsdp_reshard_after_forwrd", True),
+            r"fsdp_config.fsdp_reshard_after_forwrd: unknown",
+        ),
+        (
+            "fsdp.yaml",
+            _set("fsdp_config.fsdp_transformer_layer_cls_to_wrap", "GPT2Block"),
+            r"the model has no 'GPT2Block' layer",
+        ),
+        (
+            "zero2.yaml",
+            _set("deepspeed_config.offload_param_device", "cpu"),
+            r"offload_param_device=cpu needs ZeRO stage 3 \(got 2\)",
+        ),
+        (
+            "zero3.yaml",
+            _set("deepspeed_config.gradient_clipping", 0.5),
+            r"gradient_clipping=0.5 but the recipe's max_grad_norm=1.0",
+        ),
+        ("zero3.yaml", _set("deepspeed_config.zero_stagee", 3), r"deepspeed_config.zero_stagee: unknown"),
+    ],
+)
 def test_broken_copies_are_reported(tmp_path, name, edit, expected):
     result = check(broken_copy(tmp_path, name, edit))
     assert result.returncode == 1
@@ -96,7 +122,9 @@ def test_broken_copies_are_reported(tmp_path, name, edit, expected):
 
 
 def test_wrap_class_the_model_has_passes(tmp_path):
-    path = broken_copy(tmp_path, "fsdp.yaml", _set("fsdp_config.fsdp_transformer_layer_cls_to_wrap", "LlamaDecoderLayer"))
+    path = broken_copy(
+        tmp_path, "fsdp.yaml", _set("fsdp_config.fsdp_transformer_layer_cls_to_wrap", "LlamaDecoderLayer")
+    )
     assert check(path).returncode == 0
 
 
@@ -104,7 +132,9 @@ def test_deepspeed_json_batch_sizes_must_agree(tmp_path):
     ds = json.loads((CONFIGS / "deepspeed/zero2_auto.json").read_text())
     ds.update(train_batch_size=64, train_micro_batch_size_per_gpu=8)
     (tmp_path / "ds.json").write_text(json.dumps(ds))
-    path = broken_copy(tmp_path, "zero2_json.yaml", _set("deepspeed_config.deepspeed_config_file", str(tmp_path / "ds.json")))
+    path = broken_copy(
+        tmp_path, "zero2_json.yaml", _set("deepspeed_config.deepspeed_config_file", str(tmp_path / "ds.json"))
+    )
     out = check(path).stdout
     # The demo recipe: per_device_train_batch_size 8, accumulation 1, world size 2 -> 16.
     assert "train_batch_size=64 != micro 8 x accumulation 1 x world size 2 = 16" in out
@@ -114,17 +144,41 @@ def test_deepspeed_json_batch_sizes_must_agree(tmp_path):
     assert "= 32" in check(path, "--num_processes", "4").stdout  # a bigger world changes the expected size
 
 
-@pytest.mark.parametrize("name, edit, extra, expected", [
-    ("tp.yaml", None, ["--num_processes", 4], r"parallelism_config: tp_size 2 = 2 processes but num_processes is 4"),
-    ("fsdp_tp.yaml", None, ["--num_processes", 8],
-     r"parallelism_config: dp_shard_size 2 x tp_size 2 = 4 processes but num_processes is 8"),
-    ("tp.yaml", _set("parallelism_config.parallelism_config_cp_size", 2), [],
-     r"parallelism_config_cp_size 2: context parallelism \(torch.s ring attention\) runs under FSDP2, not MULTI_GPU"),
-    ("tp.yaml", _set("distributed_type", "DEEPSPEED"), [],
-     r"tensor parallelism runs under distributed_type MULTI_GPU \(tp.yaml\) or FSDP2 \(fsdp_tp.yaml\), not DEEPSPEED"),
-    ("fsdp_tp.yaml", _set("fsdp_config.fsdp_cpu_ram_efficient_loading", True), [],
-     r"fsdp_cpu_ram_efficient_loading: true beside parallelism_config_tp_size"),
-])
+@pytest.mark.parametrize(
+    "name, edit, extra, expected",
+    [
+        (
+            "tp.yaml",
+            None,
+            ["--num_processes", 4],
+            r"parallelism_config: tp_size 2 = 2 processes but num_processes is 4",
+        ),
+        (
+            "fsdp_tp.yaml",
+            None,
+            ["--num_processes", 8],
+            r"parallelism_config: dp_shard_size 2 x tp_size 2 = 4 processes but num_processes is 8",
+        ),
+        (
+            "tp.yaml",
+            _set("parallelism_config.parallelism_config_cp_size", 2),
+            [],
+            r"parallelism_config_cp_size 2: context parallelism \(torch.s ring attention\) runs under FSDP2, not MULTI_GPU",
+        ),
+        (
+            "tp.yaml",
+            _set("distributed_type", "DEEPSPEED"),
+            [],
+            r"tensor parallelism runs under distributed_type MULTI_GPU \(tp.yaml\) or FSDP2 \(fsdp_tp.yaml\), not DEEPSPEED",
+        ),
+        (
+            "fsdp_tp.yaml",
+            _set("fsdp_config.fsdp_cpu_ram_efficient_loading", True),
+            [],
+            r"fsdp_cpu_ram_efficient_loading: true beside parallelism_config_tp_size",
+        ),
+    ],
+)
 def test_tensor_parallel_mesh_problems_are_named(tmp_path, name, edit, extra, expected):
     path = broken_copy(tmp_path, name, edit) if edit else CONFIGS / name
     result = check(path, *extra)
@@ -136,8 +190,10 @@ def test_a_model_tensor_parallelism_cannot_split_is_named(tmp_path):
     llama = json.loads((REPO / "recipes/configs/tiny_llama.json").read_text())
     llama.update(hidden_size=48, num_attention_heads=3, num_key_value_heads=3)
     gpt2 = {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4}
-    for name, model, expected in (("three_heads", llama, "the model has 3 attention heads, which do not divide by it"),
-                                  ("gpt2", gpt2, "GPT2LMHeadModel cannot be split for tensor parallelism")):
+    for name, model, expected in (
+        ("three_heads", llama, "the model has 3 attention heads, which do not divide by it"),
+        ("gpt2", gpt2, "GPT2LMHeadModel cannot be split for tensor parallelism"),
+    ):
         (tmp_path / f"{name}.json").write_text(json.dumps(model))
         recipe = tmp_path / f"{name}.yaml"
         recipe.write_text(yaml.safe_dump({"model_config": str(tmp_path / f"{name}.json")}))
@@ -146,7 +202,9 @@ def test_a_model_tensor_parallelism_cannot_split_is_named(tmp_path):
 
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
-            code = load_script("scripts/check_config.py").main([str(CONFIGS / "tp.yaml"), "--recipe_config", str(recipe)])
+            code = load_script("scripts/check_config.py").main(
+                [str(CONFIGS / "tp.yaml"), "--recipe_config", str(recipe)]
+            )
         assert code == 1 and expected in out.getvalue(), out.getvalue()
 
 
@@ -155,16 +213,20 @@ def _fp8(**more):
         config["mixed_precision"] = "fp8"
         for path, value in more.items():
             _set(path.replace("__", "."), value)(config)
+
     return edit
 
 
-@pytest.mark.parametrize("name, edit, expected", [
-    ("ddp.yaml", _fp8(), None),
-    ("fsdp.yaml", _fp8(fsdp_config__fsdp_cpu_ram_efficient_loading=False), None),
-    ("ddp.yaml", _fp8(fp8_config__backend="TE"), r"fp8_backend te: these recipes train fp8 through torchao"),
-    ("fsdp.yaml", _fp8(), r"fp8 \(torchao\) under FSDP2 cannot load with fsdp_cpu_ram_efficient_loading: true"),
-    ("tp.yaml", _fp8(), r"fp8 under tensor parallelism \(tp_size 2\) does not run with torchao"),
-])
+@pytest.mark.parametrize(
+    "name, edit, expected",
+    [
+        ("ddp.yaml", _fp8(), None),
+        ("fsdp.yaml", _fp8(fsdp_config__fsdp_cpu_ram_efficient_loading=False), None),
+        ("ddp.yaml", _fp8(fp8_config__backend="TE"), r"fp8_backend te: these recipes train fp8 through torchao"),
+        ("fsdp.yaml", _fp8(), r"fp8 \(torchao\) under FSDP2 cannot load with fsdp_cpu_ram_efficient_loading: true"),
+        ("tp.yaml", _fp8(), r"fp8 under tensor parallelism \(tp_size 2\) does not run with torchao"),
+    ],
+)
 def test_fp8_configs_are_checked_as_a_run_checks_them(tmp_path, name, edit, expected):
     """mixed_precision: fp8 in the YAML: what the recipe would refuse at launch (common.speed.fp8_problem), named
     by check-config before it (torchao is in the test extras; this host has no GPU to judge)."""

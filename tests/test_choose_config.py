@@ -6,8 +6,8 @@ import json
 
 import pytest
 import yaml
-
 from conftest import REPO, causal_lm_args, launch, load_script, read_run, run
+
 
 choose_config = load_script("scripts/choose_config.py")
 LLAMA3_8B = str(REPO / "recipes/configs/llama3_8b.json")
@@ -15,13 +15,15 @@ LLAMA3_70B = str(REPO / "recipes/configs/llama3_70b.json")
 
 
 def choose(tmp_path, *argv) -> dict:
-    return choose_config.main([*map(str, argv), "--output", str(tmp_path / "chosen.yaml"),
-                               "--json", str(tmp_path / "table.json")])
+    return choose_config.main(
+        [*map(str, argv), "--output", str(tmp_path / "chosen.yaml"), "--json", str(tmp_path / "table.json")]
+    )
 
 
 def test_llama3_8b_on_8_h100_gets_a_config_that_fits_and_its_yaml(tmp_path):
-    result = choose(tmp_path, "--model", LLAMA3_8B, "--device", "h100", "--num_devices", 8, "--seq_len", 4096,
-                    "--global_batch", 64)
+    result = choose(
+        tmp_path, "--model", LLAMA3_8B, "--device", "h100", "--num_devices", 8, "--seq_len", 4096, "--global_batch", 64
+    )
     assert result["model"]["parameters"] == 8_030_261_248  # Meta's published Llama-3-8B
     # the embeddings and the head sit outside the decoder layers: FSDP2's root unit
     assert result["model"]["root_parameters"] == 2 * 128256 * 4096 + 4096
@@ -40,21 +42,48 @@ def test_llama3_8b_on_8_h100_gets_a_config_that_fits_and_its_yaml(tmp_path):
     assert config["num_processes"] == 8 and config["num_machines"] == 1
     shipped = yaml.safe_load((REPO / "accelerate_configs" / chosen[0]["config"]).read_text())
     assert {k: v for k, v in config.items() if k not in ("num_processes", "fsdp_config")} == {
-        k: v for k, v in shipped.items() if k not in ("num_processes", "fsdp_config")}
-    assert f"--per_device_train_batch_size {chosen[0]['micro_batch']} --gradient_accumulation_steps " \
-           f"{chosen[0]['accumulation']} --block_size 4096" in written.splitlines()[1]
+        k: v for k, v in shipped.items() if k not in ("num_processes", "fsdp_config")
+    }
+    assert (
+        f"--per_device_train_batch_size {chosen[0]['micro_batch']} --gradient_accumulation_steps "
+        f"{chosen[0]['accumulation']} --block_size 4096" in written.splitlines()[1]
+    )
 
 
 def test_llama3_70b_on_one_node_needs_offload_and_the_cpu_ram_for_it(tmp_path):
-    result = choose(tmp_path, "--model", LLAMA3_70B, "--device", "h100", "--num_devices", 8, "--seq_len", 4096,
-                    "--global_batch", 64)
+    result = choose(
+        tmp_path,
+        "--model",
+        LLAMA3_70B,
+        "--device",
+        "h100",
+        "--num_devices",
+        8,
+        "--seq_len",
+        4096,
+        "--global_batch",
+        64,
+    )
     fitting = {r["config"] for r in result["rows"] if r["fits"]}
     assert fitting and fitting <= {"zero3_offload.yaml", "fsdp_offload.yaml", "zero2_offload.yaml"}
     chosen = result["rows"][0]
     assert chosen["host_gb_per_node"] > 1000  # 70B's fp32 master copy and Adam moments: over 840 GB of CPU RAM
     with pytest.raises(SystemExit) as refused:  # the same on nodes with 512 GB of RAM: nothing fits
-        choose(tmp_path / "small", "--model", LLAMA3_70B, "--device", "h100", "--num_devices", 8, "--seq_len", 4096,
-               "--global_batch", 64, "--host_memory_gb", 512)
+        choose(
+            tmp_path / "small",
+            "--model",
+            LLAMA3_70B,
+            "--device",
+            "h100",
+            "--num_devices",
+            8,
+            "--seq_len",
+            4096,
+            "--global_batch",
+            64,
+            "--host_memory_gb",
+            512,
+        )
     message = str(refused.value)
     assert message.startswith("error: no config fits") and "\n" not in message
     assert not (tmp_path / "small" / "chosen.yaml").exists()
@@ -64,26 +93,60 @@ def test_llama3_70b_on_one_node_needs_offload_and_the_cpu_ram_for_it(tmp_path):
 
 
 def test_multi_node_choice_is_a_filled_multi_node_template(tmp_path):
-    result = choose(tmp_path, "--model", LLAMA3_70B, "--device", "a100", "--num_devices", 64, "--num_nodes", 8,
-                    "--seq_len", 2048, "--global_batch", 64)
+    result = choose(
+        tmp_path,
+        "--model",
+        LLAMA3_70B,
+        "--device",
+        "a100",
+        "--num_devices",
+        64,
+        "--num_nodes",
+        8,
+        "--seq_len",
+        2048,
+        "--global_batch",
+        64,
+    )
     assert {r["config"] for r in result["rows"]} == set(choose_config.MULTI_NODE)
     config = yaml.safe_load((tmp_path / "chosen.yaml").read_text())
     assert config["num_processes"] == 64 and config["num_machines"] == 8
     assert config["main_process_ip"].startswith("FILL")  # the template's field for the user's cluster
 
 
-@pytest.mark.parametrize("config, bus_bytes_per_psi", [  # k = 4 micro-batches, c = 2 (bf16)
-    ("ddp.yaml", 2 * 4),  # fp32 gradients all-reduced once a step
-    ("zero1.yaml", 2 + 2),  # a reduce-scatter at the boundary, the updated weights all-gathered
-    ("zero2.yaml", 4 * 2 + 2),  # a reduce-scatter per micro-batch
-    ("zero3.yaml", 4 * 3 * 2),  # forward and backward all-gathers and a reduce-scatter per micro-batch
-    ("fsdp.yaml", 4 * 3 * 2),
-    ("fsdp_shard_grad_op.yaml", 4 * 2 * 2),  # no re-gather for backward
-])
+@pytest.mark.parametrize(
+    "config, bus_bytes_per_psi",
+    [  # k = 4 micro-batches, c = 2 (bf16)
+        ("ddp.yaml", 2 * 4),  # fp32 gradients all-reduced once a step
+        ("zero1.yaml", 2 + 2),  # a reduce-scatter at the boundary, the updated weights all-gathered
+        ("zero2.yaml", 4 * 2 + 2),  # a reduce-scatter per micro-batch
+        ("zero3.yaml", 4 * 3 * 2),  # forward and backward all-gathers and a reduce-scatter per micro-batch
+        ("fsdp.yaml", 4 * 3 * 2),
+        ("fsdp_shard_grad_op.yaml", 4 * 2 * 2),  # no re-gather for backward
+    ],
+)
 def test_each_configs_traffic_is_its_collectives_bytes_at_the_link(tmp_path, config, bus_bytes_per_psi):
-    result = choose(tmp_path, "--model", LLAMA3_8B, "--device", "h100", "--num_devices", 8, "--seq_len", 1024,
-                    "--global_batch", 32, "--micro_batch", 1, "--configs", config, "--link_gbps", 100,
-                    "--device_memory_gb", 1000)
+    result = choose(
+        tmp_path,
+        "--model",
+        LLAMA3_8B,
+        "--device",
+        "h100",
+        "--num_devices",
+        8,
+        "--seq_len",
+        1024,
+        "--global_batch",
+        32,
+        "--micro_batch",
+        1,
+        "--configs",
+        config,
+        "--link_gbps",
+        100,
+        "--device_memory_gb",
+        1000,
+    )
     row = result["rows"][0]
     ring = 7 / 8 * result["model"]["parameters"]
     assert row["comm_s"] == pytest.approx(bus_bytes_per_psi * ring / 100e9, rel=1e-9)
@@ -95,8 +158,19 @@ def test_long_sequences_choose_sequence_parallelism_and_its_split_reaches_the_ya
     over sp_size devices (zero3_ulysses.yaml) do, and the YAML carries the split and the groups beside it. Rows
     split by ring attention (fsdp_cp.yaml) fit too, as fast (compute-bound), with more traffic: the ring passes the
     whole rows' keys and values, Ulysses' all-to-alls a slice's queries, keys, values and output."""
-    result = choose(tmp_path, "--model", LLAMA3_8B, "--device", "h100", "--num_devices", 8, "--seq_len", 131072,
-                    "--global_batch", 8)
+    result = choose(
+        tmp_path,
+        "--model",
+        LLAMA3_8B,
+        "--device",
+        "h100",
+        "--num_devices",
+        8,
+        "--seq_len",
+        131072,
+        "--global_batch",
+        8,
+    )
     chosen = result["rows"][0]
     assert chosen["config"] == "zero3_ulysses.yaml" and chosen["verdict"] == "chosen" and chosen["sp_size"] > 1
     ring = result["rows"][1]
@@ -111,9 +185,29 @@ def test_sequence_parallel_traffic_is_zero3s_per_micro_step_and_the_all_to_alls(
     """A group reads its sp ranks' batches in turn (sp x accumulation micro-steps, each gathering ZeRO-3's
     weights twice and reducing once), and each layer exchanges its slice's q, k, v and output forward and
     backward, each (sp - 1) / sp of it."""
-    result = choose(tmp_path, "--model", LLAMA3_8B, "--device", "h100", "--num_devices", 8, "--seq_len", 1024,
-                    "--global_batch", 32, "--micro_batch", 1, "--configs", "zero3_ulysses.yaml", "--link_gbps", 100,
-                    "--device_memory_gb", 1000, "--activation_checkpointing", "off")
+    result = choose(
+        tmp_path,
+        "--model",
+        LLAMA3_8B,
+        "--device",
+        "h100",
+        "--num_devices",
+        8,
+        "--seq_len",
+        1024,
+        "--global_batch",
+        32,
+        "--micro_batch",
+        1,
+        "--configs",
+        "zero3_ulysses.yaml",
+        "--link_gbps",
+        100,
+        "--device_memory_gb",
+        1000,
+        "--activation_checkpointing",
+        "off",
+    )
     row, model = result["rows"][0], result["model"]
     sp, micro_steps = row["sp_size"], 4 * row["sp_size"]
     zero3 = micro_steps * 3 * 2 * 7 / 8 * model["parameters"]
@@ -126,8 +220,26 @@ def test_ring_attention_traffic_is_fsdp2s_per_micro_step_and_the_rings_and_its_s
     """fsdp_cp.yaml at every cp_size that divides the devices: a ring reads a batch cp times its per-device one
     (cp x accumulation micro-steps, each FSDP2's gathers and reduction), and each layer passes the whole rows'
     keys and values round the ring forward, again backward with their gradients, each (cp - 1) / cp of it."""
-    options = ["--model", LLAMA3_8B, "--device", "h100", "--num_devices", 8, "--seq_len", 1024, "--global_batch", 32,
-               "--micro_batch", 1, "--link_gbps", 100, "--device_memory_gb", 1000, "--activation_checkpointing", "off"]
+    options = [
+        "--model",
+        LLAMA3_8B,
+        "--device",
+        "h100",
+        "--num_devices",
+        8,
+        "--seq_len",
+        1024,
+        "--global_batch",
+        32,
+        "--micro_batch",
+        1,
+        "--link_gbps",
+        100,
+        "--device_memory_gb",
+        1000,
+        "--activation_checkpointing",
+        "off",
+    ]
     fsdp = choose(tmp_path / "fsdp", *options, "--configs", "fsdp.yaml")["rows"][0]
     result = choose(tmp_path / "ring", *options, "--configs", "fsdp_cp.yaml")
     row = result["rows"][0]
@@ -140,43 +252,113 @@ def test_ring_attention_traffic_is_fsdp2s_per_micro_step_and_the_rings_and_its_s
 
 
 def test_checkpointing_precision_and_hsdp_sizes_reach_the_yaml_and_the_command(tmp_path):
-    fsdp = choose(tmp_path / "fsdp", "--model", LLAMA3_8B, "--device", "h100", "--num_devices", 8, "--global_batch",
-                  64, "--configs", "fsdp.yaml", "--activation_checkpointing", "on", "--mixed_precision", "no")
+    fsdp = choose(
+        tmp_path / "fsdp",
+        "--model",
+        LLAMA3_8B,
+        "--device",
+        "h100",
+        "--num_devices",
+        8,
+        "--global_batch",
+        64,
+        "--configs",
+        "fsdp.yaml",
+        "--activation_checkpointing",
+        "on",
+        "--mixed_precision",
+        "no",
+    )
     written = (tmp_path / "fsdp" / "chosen.yaml").read_text()
     config = yaml.safe_load(written)
     assert config["fsdp_config"]["fsdp_activation_checkpointing"] is True and config["mixed_precision"] == "no"
     assert "--gradient_checkpointing" not in written.splitlines()[1]  # FSDP's own checkpointing, from the YAML
-    bf16 = choose(tmp_path / "bf16", "--model", LLAMA3_8B, "--device", "h100", "--num_devices", 8, "--global_batch",
-                  64, "--configs", "fsdp.yaml", "--activation_checkpointing", "on")
+    bf16 = choose(
+        tmp_path / "bf16",
+        "--model",
+        LLAMA3_8B,
+        "--device",
+        "h100",
+        "--num_devices",
+        8,
+        "--global_batch",
+        64,
+        "--configs",
+        "fsdp.yaml",
+        "--activation_checkpointing",
+        "on",
+    )
     assert fsdp["rows"][0]["compute_s"] == pytest.approx(bf16["rows"][0]["compute_s"] * 989.4 / 66.9)  # fp32 peak
-    choose(tmp_path / "zero3", "--model", LLAMA3_8B, "--device", "h100", "--num_devices", 8, "--global_batch", 64,
-           "--configs", "zero3.yaml", "--activation_checkpointing", "on")
+    choose(
+        tmp_path / "zero3",
+        "--model",
+        LLAMA3_8B,
+        "--device",
+        "h100",
+        "--num_devices",
+        8,
+        "--global_batch",
+        64,
+        "--configs",
+        "zero3.yaml",
+        "--activation_checkpointing",
+        "on",
+    )
     assert "--gradient_checkpointing true" in (tmp_path / "zero3" / "chosen.yaml").read_text().splitlines()[1]
-    choose(tmp_path / "hsdp", "--model", LLAMA3_8B, "--device", "h100", "--num_devices", 32, "--num_nodes", 4,
-           "--global_batch", 64, "--configs", "multi_node_hsdp.yaml")
+    choose(
+        tmp_path / "hsdp",
+        "--model",
+        LLAMA3_8B,
+        "--device",
+        "h100",
+        "--num_devices",
+        32,
+        "--num_nodes",
+        4,
+        "--global_batch",
+        64,
+        "--configs",
+        "multi_node_hsdp.yaml",
+    )
     written = (tmp_path / "hsdp" / "chosen.yaml").read_text()
-    assert yaml.safe_load(written)["parallelism_config"] == {"parallelism_config_dp_replicate_size": 4,
-                                                             "parallelism_config_dp_shard_size": 8}
+    assert yaml.safe_load(written)["parallelism_config"] == {
+        "parallelism_config_dp_replicate_size": 4,
+        "parallelism_config_dp_shard_size": 8,
+    }
     assert "--machine_rank NODE_RANK --main_process_ip NODE0_ADDRESS" in written.splitlines()[1]
 
 
 def test_one_cpu_device_is_ranked_without_a_link(tmp_path):
-    result = choose(tmp_path, "--model", str(REPO / "recipes/configs/tiny_llama.json"), "--device", "cpu",
-                    "--num_devices", 1, "--seq_len", 32, "--global_batch", 4)
+    result = choose(
+        tmp_path,
+        "--model",
+        str(REPO / "recipes/configs/tiny_llama.json"),
+        "--device",
+        "cpu",
+        "--num_devices",
+        1,
+        "--seq_len",
+        32,
+        "--global_batch",
+        4,
+    )
     assert {r["config"] for r in result["rows"]} == set(choose_config.ONE_DEVICE)
     assert result["rows"][0]["verdict"] == "chosen" and all(r["comm_s"] == 0 for r in result["rows"])
 
 
-@pytest.mark.parametrize("argv, says", [
-    (["--num_devices", 6, "--num_nodes", 4], "is not a multiple of --num_nodes"),
-    (["--num_devices", 8, "--global_batch", 12], "does not divide over 8 devices"),
-    (["--num_devices", 8, "--global_batch", 0], "pass at least 1 sequence"),
-    (["--num_devices", 8, "--micro_batch", 3], "does not divide the per-device batch 8"),
-    (["--num_devices", 8, "--doctor_report", "no_such_report.json"], "is not make doctor's report"),
-    (["--num_devices", 2, "--device", "cpu"], "pass --doctor_report"),
-    (["--num_devices", 8, "--configs", "multi_node_ddp.yaml"], "not among the configs for 8 device(s)"),
-    (["--num_devices", 8, "--model", "no/such/model"], "gives no model config"),
-])
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--num_devices", 6, "--num_nodes", 4], "is not a multiple of --num_nodes"),
+        (["--num_devices", 8, "--global_batch", 12], "does not divide over 8 devices"),
+        (["--num_devices", 8, "--global_batch", 0], "pass at least 1 sequence"),
+        (["--num_devices", 8, "--micro_batch", 3], "does not divide the per-device batch 8"),
+        (["--num_devices", 8, "--doctor_report", "no_such_report.json"], "is not make doctor's report"),
+        (["--num_devices", 2, "--device", "cpu"], "pass --doctor_report"),
+        (["--num_devices", 8, "--configs", "multi_node_ddp.yaml"], "not among the configs for 8 device(s)"),
+        (["--num_devices", 8, "--model", "no/such/model"], "gives no model config"),
+    ],
+)
 def test_bad_input_is_refused_in_one_line(tmp_path, argv, says):
     values = {"--model": LLAMA3_8B, "--device": "h100", "--global_batch": 64}
     given = dict(zip(argv[::2], argv[1::2]))
@@ -200,17 +382,33 @@ def test_the_chosen_yaml_launches_as_written_on_this_host(markov_data, tmp_path)
     """make choose-config on this host (its compute and memory measured), then the YAML it wrote launched
     with the arguments it printed: the run takes part on every process it was chosen for."""
     chosen = tmp_path / "chosen.yaml"
-    result = run(["make", "-s", "choose-config", "MODEL=recipes/configs/tiny_llama.json",
-                  f"ARGS=--num_devices 2 --global_batch 8 --seq_len 32 --link_gbps 1 --output {chosen} "
-                  f"--json {tmp_path / 'table.json'}"])
+    result = run(
+        [
+            "make",
+            "-s",
+            "choose-config",
+            "MODEL=recipes/configs/tiny_llama.json",
+            f"ARGS=--num_devices 2 --global_batch 8 --seq_len 32 --link_gbps 1 --output {chosen} "
+            f"--json {tmp_path / 'table.json'}",
+        ]
+    )
     table = json.loads((tmp_path / "table.json").read_text())
     row = table["rows"][0]
     assert row["verdict"] == "chosen" and f"wrote {chosen}" in result.stdout
     assert f"--per_device_train_batch_size {row['micro_batch']}" in result.stdout.splitlines()[-1]
     out = tmp_path / "run"
-    launch(str(chosen), "causal_lm.py", causal_lm_args(
-        markov_data, out, block_size=32, max_steps=2, per_device_train_batch_size=row["micro_batch"],
-        gradient_accumulation_steps=row["accumulation"]))
+    launch(
+        str(chosen),
+        "causal_lm.py",
+        causal_lm_args(
+            markov_data,
+            out,
+            block_size=32,
+            max_steps=2,
+            per_device_train_batch_size=row["micro_batch"],
+            gradient_accumulation_steps=row["accumulation"],
+        ),
+    )
     record = read_run(out)
     assert record["participating_processes"] == 2
     kind = yaml.safe_load((REPO / "accelerate_configs" / row["config"]).read_text())["distributed_type"]
@@ -218,13 +416,25 @@ def test_the_chosen_yaml_launches_as_written_on_this_host(markov_data, tmp_path)
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive
 def test_make_benchmark_choice_writes_the_comparison(tmp_path):
     page = tmp_path / "choice.md"
-    result = run(["make", "-s", "benchmark-choice", f"ARGS=--model_config recipes/configs/tiny_llama.json --steps 3 "
-                                                    f"--configs ddp.yaml zero3.yaml --docs {page}"])
+    result = run(
+        [
+            "make",
+            "-s",
+            "benchmark-choice",
+            f"ARGS=--model_config recipes/configs/tiny_llama.json --steps 3 "
+            f"--configs ddp.yaml zero3.yaml --docs {page}",
+        ]
+    )
     caps = [line for line in result.stdout.splitlines() if line.startswith("cap ")]
     assert len(caps) == 2  # a cap just above each measured peak
     written = page.read_text()
-    for heading in ("| config | measured s/step | estimated s/step |", "## Published setups", "Llama-3-70B",
-                    "What its authors used"):
+    for heading in (
+        "| config | measured s/step | estimated s/step |",
+        "## Published setups",
+        "Llama-3-70B",
+        "What its authors used",
+    ):
         assert heading in written

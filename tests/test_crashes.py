@@ -6,30 +6,46 @@ save or the final export is under way (its temporary folder exists); then the sa
 resumes it with `--resume_from_checkpoint latest`. The resumed run must finish, and its
 `final/` weights must equal the uninterrupted run's bit for bit.
 
-`make test` runs CRASH_TRIALS=6 trials (one per config: ddp, fsdp, zero3, tp: the tensor-parallel
-run killed inside a checkpoint save, zero3_ulysses: the sequence-parallel run killed inside the final
-export, fsdp_cp: the context-parallel run killed at a random moment); `make test-crashes` runs 42
-(seven per config). Two last tests kill a run while it converts a ZeRO-3 checkpoint for
+`make test-all` runs CRASH_TRIALS=6 trials (one per config: ddp killed inside a checkpoint save, fsdp inside
+the final export, zero3 at a random moment, tp: the tensor-parallel run inside a save, zero3_ulysses: the
+sequence-parallel run inside the export, fsdp_cp: the context-parallel run at random), `make test` the first
+three (one of each moment); `make test-crashes` runs 42 (seven per config). Two last tests kill a run while it converts a ZeRO-3 checkpoint for
 another world size, and while it rewrites a zero2 checkpoint for another config (common/portable.py).
 """
 
 import os
 import random
-from pathlib import Path
 import shutil
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
+from conftest import (
+    FP32,
+    OFFLINE_ENV,
+    causal_lm_args,
+    launch,
+    launch_command,
+    load_weights,
+    max_weight_difference,
+    read_run,
+    tiered,
+)
 
-from conftest import (FP32, OFFLINE_ENV, causal_lm_args, launch, launch_command, load_weights, max_weight_difference,
-                      read_run)
 
 TRIALS = int(os.environ.get("CRASH_TRIALS", "6"))
+IN_MAKE_TEST = (0,)  # ddp killed inside a checkpoint save; make test-all: all six
 CONFIGS = ("ddp.yaml", "fsdp.yaml", "zero3.yaml", "tp.yaml", "zero3_ulysses.yaml", "fsdp_cp.yaml")
-RUN = dict(max_steps=8, save_steps=2, save_total_limit=2, per_device_train_batch_size=2,
-           gradient_accumulation_steps=2, warmup_steps=2)
+RUN = dict(
+    max_steps=8,
+    save_steps=2,
+    save_total_limit=2,
+    per_device_train_batch_size=2,
+    gradient_accumulation_steps=2,
+    warmup_steps=2,
+)
 
 
 def moments(count: int) -> list[tuple[str, str]]:
@@ -93,8 +109,13 @@ def run_until_killed(command: list[str], out, when: str, seed: int) -> str:
     """Start the run in its own process group and kill all of it at the chosen moment; returns
     what was under way (or 'finished' when the moment never came). A random moment is a random
     time (up to 50 ms) after a random step's logged line."""
-    process = subprocess.Popen(command, env={**os.environ, **OFFLINE_ENV}, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL, start_new_session=True)
+    process = subprocess.Popen(
+        command,
+        env={**os.environ, **OFFLINE_ENV},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     rng = random.Random(seed)
     after_steps, extra, reached = rng.randint(1, RUN["max_steps"] - 2), rng.uniform(0.0, 0.05), None
     while process.poll() is None:
@@ -111,28 +132,33 @@ def run_until_killed(command: list[str], out, when: str, seed: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(markov_data, tmp_path_factory) -> dict:
-    """Each config's uninterrupted run's final weights."""
+def uninterrupted(markov_data, tmp_path_factory):
+    """A config's uninterrupted run's final weights, run once for the trials that ask for it."""
     runs = {}
-    for config in sorted({config for config, _ in moments(TRIALS)}):
-        out = tmp_path_factory.mktemp(config.removesuffix(".yaml"))
-        launch(config, "causal_lm.py", causal_lm_args(markov_data, out / "run", **RUN), launcher_args=FP32)
-        runs[config] = load_weights(out / "run" / "final")
-    return runs
+
+    def final_weights(config: str) -> dict:
+        if config not in runs:
+            out = tmp_path_factory.mktemp(config.removesuffix(".yaml"))
+            launch(config, "causal_lm.py", causal_lm_args(markov_data, out / "run", **RUN), launcher_args=FP32)
+            runs[config] = load_weights(out / "run" / "final")
+        return runs[config]
+
+    return final_weights
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("trial", range(TRIALS))
+@pytest.mark.parametrize("trial", tiered(range(TRIALS), IN_MAKE_TEST))
 def test_a_run_killed_at_any_moment_resumes_to_the_same_weights(trial, uninterrupted, markov_data, tmp_path):
     config, when = moments(TRIALS)[trial]
     out = tmp_path / "run"
     args = causal_lm_args(markov_data, out, **RUN)
     what = run_until_killed(launch_command(config, "causal_lm.py", args, FP32), out, when, seed=trial)
-    assert what != "finished" and "(1 processes)" not in what, \
+    assert what != "finished" and "(1 processes)" not in what, (
         f"{config}: the run's ranks had finished before the moment to kill them ({when}) came: {what}"
+    )
     resumed = launch(config, "causal_lm.py", args + ["--resume_from_checkpoint", "latest"], launcher_args=FP32)
     assert resumed.returncode == 0
-    weights, reference = load_weights(out / "final"), uninterrupted[config]
+    weights, reference = load_weights(out / "final"), uninterrupted(config)
     assert weights.keys() == reference.keys()
     different = [key for key in weights if not bool((weights[key] == reference[key]).all())]
     print(f"{config}: killed {what}; resumed; {len(different)} of {len(weights)} tensors differ")
@@ -149,18 +175,32 @@ def test_a_run_killed_while_converting_a_checkpoint_for_another_world_size_resum
     launch("zero3.yaml", "causal_lm.py", causal_lm_args(markov_data, full, **args), launcher_args=FP32)
     shutil.copytree(full / "checkpoints" / "step_4", stopped / "checkpoints" / "step_4")
     one_process = dict(args, per_device_train_batch_size=4, resume_from_checkpoint="latest")  # the same global batch
-    command = launch_command("zero3.yaml", "causal_lm.py", causal_lm_args(markov_data, stopped, **one_process),
-                             FP32 + ["--num_processes", "1"])
-    process = subprocess.Popen(command, env={**os.environ, **OFFLINE_ENV}, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL, start_new_session=True)
+    command = launch_command(
+        "zero3.yaml",
+        "causal_lm.py",
+        causal_lm_args(markov_data, stopped, **one_process),
+        FP32 + ["--num_processes", "1"],
+    )
+    process = subprocess.Popen(
+        command,
+        env={**os.environ, **OFFLINE_ENV},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     converting = stopped / "checkpoints" / "step_4" / "universal.tmp"
     while process.poll() is None and not converting.exists():
         time.sleep(0.001)
     assert process.poll() is None, "the run ended before the conversion started"
     assert kill_everything(process) >= 2  # the launcher and its rank at least
     assert not (stopped / "checkpoints" / "step_4" / "universal" / "trainer_state.json").exists()
-    resumed = launch("zero3.yaml", "causal_lm.py", causal_lm_args(markov_data, stopped, **one_process),
-                     num_processes=1, launcher_args=FP32)
+    resumed = launch(
+        "zero3.yaml",
+        "causal_lm.py",
+        causal_lm_args(markov_data, stopped, **one_process),
+        num_processes=1,
+        launcher_args=FP32,
+    )
     assert "converting" in resumed.stderr and read_run(stopped)["participating_processes"] == 1
     gap = max_weight_difference(stopped / "final", full / "final")
     print(f"zero3, killed while converting for 1 process, converted again: max weight gap to 2 processes {gap:.2e}")
@@ -168,6 +208,7 @@ def test_a_run_killed_while_converting_a_checkpoint_for_another_world_size_resum
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive
 def test_a_run_killed_while_rewriting_a_checkpoint_for_another_config_resumes(markov_data, tmp_path):
     """A zero2 checkpoint resumed under ddp.yaml: every process is killed while rank 0 rewrites it into the
     portable form (common/portable.py, written to portable.tmp; DeepSpeed's own per-parameter conversion
@@ -181,16 +222,24 @@ def test_a_run_killed_while_rewriting_a_checkpoint_for_another_config_resumes(ma
     own = {path.relative_to(checkpoint): path.read_bytes() for path in checkpoint.rglob("*") if path.is_file()}
     resume = dict(args, resume_from_checkpoint="latest")
     command = launch_command("ddp.yaml", "causal_lm.py", causal_lm_args(markov_data, stopped, **resume), FP32)
-    process = subprocess.Popen(command, env={**os.environ, **OFFLINE_ENV}, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL, start_new_session=True)
+    process = subprocess.Popen(
+        command,
+        env={**os.environ, **OFFLINE_ENV},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     rewriting = checkpoint / "portable.tmp"
     while process.poll() is None and not rewriting.exists():
         time.sleep(0.001)
     assert process.poll() is None, "the run ended before the rewrite started"
     assert kill_everything(process) >= 3  # the launcher and its two ranks at least
     assert not (checkpoint / "portable" / "trainer_state.json").exists()
-    assert {path.relative_to(checkpoint): path.read_bytes() for path in checkpoint.rglob("*") if path.is_file()
-            and not path.relative_to(checkpoint).parts[0].startswith(("portable", "universal"))} == own
+    assert {
+        path.relative_to(checkpoint): path.read_bytes()
+        for path in checkpoint.rglob("*")
+        if path.is_file() and not path.relative_to(checkpoint).parts[0].startswith(("portable", "universal"))
+    } == own
     resumed = launch("ddp.yaml", "causal_lm.py", causal_lm_args(markov_data, stopped, **resume), launcher_args=FP32)
     assert "rewriting" in resumed.stderr and read_run(stopped)["participating_processes"] == 2
     gap = max_weight_difference(stopped / "final", full / "final")

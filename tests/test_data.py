@@ -6,9 +6,10 @@ import pytest
 from accelerate import PartialState
 from datasets import Dataset, DatasetDict
 
-from common.errors import UsageError
 from common.data import pack_sequences, tokenize_and_pack
+from common.errors import UsageError
 from common.synthetic import MarkovSource, build_word_tokenizer
+
 
 EOS = 2
 
@@ -22,10 +23,10 @@ def test_packing_tiles_the_stream_exactly(block_size):
     blocks = packed["input_ids"]
     assert all(len(block) == block_size for block in blocks)
     flat = [t for block in blocks for t in block]
-    assert flat == stream[:len(flat)]                     # nothing lost, duplicated or reordered
-    assert len(stream) - len(flat) < block_size           # only the last partial block is dropped
+    assert flat == stream[: len(flat)]  # nothing lost, duplicated or reordered
+    assert len(stream) - len(flat) < block_size  # only the last partial block is dropped
     assert packed["labels"] == blocks
-    assert sum(1 for t in flat if t == EOS) == sum(1 for t in stream[:len(flat)] if t == EOS)
+    assert sum(1 for t in flat if t == EOS) == sum(1 for t in stream[: len(flat)] if t == EOS)
 
 
 def test_tokenize_and_pack_on_a_dataset():
@@ -35,8 +36,10 @@ def test_tokenize_and_pack_on_a_dataset():
     raw = DatasetDict(train=Dataset.from_dict({"text": docs}), validation=Dataset.from_dict({"text": docs[:40]}))
     packed = tokenize_and_pack(raw, tokenizer, "text", 16, PartialState(cpu=True))
     flat = [t for block in packed["train"]["input_ids"] for t in block]
-    expected = [t for d in docs for t in tokenizer(d, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]]
-    assert flat == expected[:len(flat)] and len(expected) - len(flat) < 16
+    expected = [
+        t for d in docs for t in tokenizer(d, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    ]
+    assert flat == expected[: len(flat)] and len(expected) - len(flat) < 16
     assert tokenizer.unk_token_id not in flat
     with pytest.raises(UsageError, match="text_column"):
         tokenize_and_pack(raw, tokenizer, "body", 16, PartialState(cpu=True))
@@ -59,8 +62,8 @@ def test_entropy_formula_matches_an_empirical_estimate():
 
 def test_too_few_rows_to_split_off_validation_is_one_line(tmp_path):
     from common.arguments import DataArguments
-    from common.errors import UsageError
     from common.data import load_raw_datasets
+    from common.errors import UsageError
 
     (tmp_path / "train.jsonl").write_text('{"text": "a b"}\n')
     with pytest.raises(UsageError, match="cannot split 1 training rows at --validation_split_percentage 5"):
@@ -70,12 +73,19 @@ def test_too_few_rows_to_split_off_validation_is_one_line(tmp_path):
 GOOD = '{"text": "a b c d e f g h"}\n' * 40
 
 
-@pytest.mark.parametrize("train, validation, expected", [
-    ("", GOOD, r"train.jsonl: no data in the file; give a file with rows"),
-    (GOOD + '{"text": null}\n', GOOD, r"column 'text' of the \w+ data holds None, not text"),
-    (GOOD + '{"text": 3}\n', GOOD, r"column 'text' of the \w+ data holds 3, not text"),
-    (GOOD, '{"body": "a b"}\n', r"do not have the same columns \(.*train.jsonl: \['text'\]; .*validation.jsonl: \['body'\]\)"),
-])
+@pytest.mark.parametrize(
+    "train, validation, expected",
+    [
+        ("", GOOD, r"train.jsonl: no data in the file; give a file with rows"),
+        (GOOD + '{"text": null}\n', GOOD, r"column 'text' of the \w+ data holds None, not text"),
+        (GOOD + '{"text": 3}\n', GOOD, r"column 'text' of the \w+ data holds 3, not text"),
+        (
+            GOOD,
+            '{"body": "a b"}\n',
+            r"do not have the same columns \(.*train.jsonl: \['text'\]; .*validation.jsonl: \['body'\]\)",
+        ),
+    ],
+)
 def test_bad_data_files_are_one_line(tmp_path, train, validation, expected):
     """What a recipe's start-up does with the files (a launched run of a bad file is in test_bad_input.py)."""
     from common.arguments import DataArguments
@@ -84,6 +94,8 @@ def test_bad_data_files_are_one_line(tmp_path, train, validation, expected):
     (tmp_path / "train.jsonl").write_text(train)
     (tmp_path / "validation.jsonl").write_text(validation)
     with pytest.raises(UsageError, match=expected) as error:
-        args = DataArguments(train_file=str(tmp_path / "train.jsonl"), validation_file=str(tmp_path / "validation.jsonl"))
+        args = DataArguments(
+            train_file=str(tmp_path / "train.jsonl"), validation_file=str(tmp_path / "validation.jsonl")
+        )
         check_text_column(load_raw_datasets(args, seed=0), "text")
     assert "\n" not in str(error.value)

@@ -12,14 +12,26 @@ import os
 
 import pytest
 import torch
+from conftest import (
+    FP32,
+    REPO,
+    flags,
+    launch,
+    load_script,
+    load_weights,
+    max_weight_difference,
+    read_metrics,
+    read_run,
+    run,
+    tiered,
+)
+from conftest import OneProcess as CPU
 from datasets import Dataset, DatasetDict
 
 from common.dpo import preference_loss
 from common.errors import UsageError
 from common.preference import PairBatches, tokenize_pairs
-from conftest import OneProcess as CPU
-from conftest import (FP32, REPO, flags, launch, load_script, load_weights, max_weight_difference, read_metrics,
-                      read_run, run)
+
 
 FP32_TOLERANCE = 1e-5
 LOG_2 = math.log(2)
@@ -44,8 +56,12 @@ def labelled_text(tokenizer, ids, labels) -> str:
 
 
 SYSTEM = {"role": "system", "content": "You answer with a number."}
-TURNS = [SYSTEM, {"role": "user", "content": "what is 2 plus 2?"}, {"role": "assistant", "content": "4"},
-         {"role": "user", "content": "and 7 plus 5?"}]
+TURNS = [
+    SYSTEM,
+    {"role": "user", "content": "what is 2 plus 2?"},
+    {"role": "assistant", "content": "4"},
+    {"role": "user", "content": "and 7 plus 5?"},
+]
 
 
 def test_conversational_and_whole_chat_pairs_tokenize_alike_with_labels_on_the_answer_only(chat_tokenizer):
@@ -54,10 +70,16 @@ def test_conversational_and_whole_chat_pairs_tokenize_alike_with_labels_on_the_a
     chosen, rejected = {"role": "assistant", "content": "12"}, {"role": "assistant", "content": "It is 13."}
     trl = {"prompt": TURNS, "chosen": [chosen], "rejected": [rejected]}
     whole = {"prompt": "and 7 plus 5?", "chosen": TURNS + [chosen], "rejected": TURNS + [rejected]}
-    sharegpt = {"chosen": [{"from": {"system": "system", "user": "human", "assistant": "gpt"}[m["role"]],
-                            "value": m["content"]} for m in TURNS + [chosen]],
-                "rejected": [{"from": {"system": "system", "user": "human", "assistant": "gpt"}[m["role"]],
-                              "value": m["content"]} for m in TURNS + [rejected]]}
+    sharegpt = {
+        "chosen": [
+            {"from": {"system": "system", "user": "human", "assistant": "gpt"}[m["role"]], "value": m["content"]}
+            for m in TURNS + [chosen]
+        ],
+        "rejected": [
+            {"from": {"system": "system", "user": "human", "assistant": "gpt"}[m["role"]], "value": m["content"]}
+            for m in TURNS + [rejected]
+        ],
+    }
     rows = [tokenized([row], chat_tokenizer)[0][0] for row in (trl, whole, sharegpt)]
     assert rows[0] == rows[1] == rows[2]
     row = rows[0]
@@ -67,23 +89,33 @@ def test_conversational_and_whole_chat_pairs_tokenize_alike_with_labels_on_the_a
     assert chat_tokenizer.decode(row["chosen_input_ids"]) == rendered  # the template's own rendering
 
     text = tokenized([{"prompt": "7 plus 5 =", "chosen": " 12", "rejected": " 13"}], chat_tokenizer)[0][0]
-    assert labelled_text(chat_tokenizer, text["chosen_input_ids"], text["chosen_labels"]) == " 12" + \
-        chat_tokenizer.eos_token  # text pairs: no template, the completion and EOS
+    assert (
+        labelled_text(chat_tokenizer, text["chosen_input_ids"], text["chosen_labels"])
+        == " 12" + chat_tokenizer.eos_token
+    )  # text pairs: no template, the completion and EOS
 
 
 def test_long_prompts_are_cut_from_their_start_and_long_pairs_dropped_or_cut_with_counts(chat_tokenizer):
     long_prompt = [{"role": "user", "content": "one two three four five six seven eight nine ten " * 3}]
-    pairs = [{"prompt": long_prompt, "chosen": [{"role": "assistant", "content": "yes"}],
-              "rejected": [{"role": "assistant", "content": "no " * 30}]},
-             {"prompt": [{"role": "user", "content": "hi"}], "chosen": [{"role": "assistant", "content": "hello"}],
-              "rejected": [{"role": "assistant", "content": "go away"}]}]
+    pairs = [
+        {
+            "prompt": long_prompt,
+            "chosen": [{"role": "assistant", "content": "yes"}],
+            "rejected": [{"role": "assistant", "content": "no " * 30}],
+        },
+        {
+            "prompt": [{"role": "user", "content": "hi"}],
+            "chosen": [{"role": "assistant", "content": "hello"}],
+            "rejected": [{"role": "assistant", "content": "go away"}],
+        },
+    ]
     full, counted, _ = tokenized(pairs, chat_tokenizer)
     prompt_tokens, short = (next(i for i, label in enumerate(row["chosen_labels"]) if label != -100) for row in full)
     assert counted == {} and prompt_tokens > short + 20  # (SmolLM2's template adds its system prompt to both)
 
     cut, counted, printed = tokenized(pairs, chat_tokenizer, max_prompt_length=short)
     assert counted == {"prompt_cut": 1} and "1 prompt cut" in printed[0]
-    assert cut[0]["chosen_input_ids"] == full[0]["chosen_input_ids"][prompt_tokens - short:]  # its last tokens
+    assert cut[0]["chosen_input_ids"] == full[0]["chosen_input_ids"][prompt_tokens - short :]  # its last tokens
     assert cut[1] == full[1]
 
     longest = max(len(full[0]["chosen_input_ids"]), len(full[0]["rejected_input_ids"]))
@@ -92,26 +124,46 @@ def test_long_prompts_are_cut_from_their_start_and_long_pairs_dropped_or_cut_wit
     kept, counted, _ = tokenized(pairs, chat_tokenizer, block_size=longest - 1, overlong="truncate")
     assert counted == {"completion_cut": 1} and len(kept[0]["rejected_input_ids"]) == longest - 1
 
-    with pytest.raises(UsageError, match=rf"row 0: the prompt is {prompt_tokens} tokens, which leaves no room for the "
-                                         rf"answer in --block_size {short + 5}; raise --block_size or set "
-                                         r"--max_prompt_length"):
+    with pytest.raises(
+        UsageError,
+        match=rf"row 0: the prompt is {prompt_tokens} tokens, which leaves no room for the "
+        rf"answer in --block_size {short + 5}; raise --block_size or set "
+        r"--max_prompt_length",
+    ):
         tokenized(pairs, chat_tokenizer, block_size=short + 5)
 
 
 def test_a_batch_holds_the_chosen_rows_then_the_rejected_padded():
-    rows = [{"chosen_input_ids": [1, 2, 3], "chosen_labels": [-100, 2, 3], "rejected_input_ids": [1, 4],
-             "rejected_labels": [-100, 4], "index": 7},
-            {"chosen_input_ids": [1, 5], "chosen_labels": [-100, 5], "rejected_input_ids": [1, 6, 6, 6],
-             "rejected_labels": [-100, 6, 6, 6], "index": 2}]
+    rows = [
+        {
+            "chosen_input_ids": [1, 2, 3],
+            "chosen_labels": [-100, 2, 3],
+            "rejected_input_ids": [1, 4],
+            "rejected_labels": [-100, 4],
+            "index": 7,
+        },
+        {
+            "chosen_input_ids": [1, 5],
+            "chosen_labels": [-100, 5],
+            "rejected_input_ids": [1, 6, 6, 6],
+            "rejected_labels": [-100, 6, 6, 6],
+            "index": 2,
+        },
+    ]
     batch = PairBatches(pad_token_id=0)(rows)
     assert batch["input_ids"].tolist() == [[1, 2, 3, 0], [1, 5, 0, 0], [1, 4, 0, 0], [1, 6, 6, 6]]
-    assert batch["labels"].tolist() == [[-100, 2, 3, -100], [-100, 5, -100, -100], [-100, 4, -100, -100],
-                                        [-100, 6, 6, 6]]
+    assert batch["labels"].tolist() == [
+        [-100, 2, 3, -100],
+        [-100, 5, -100, -100],
+        [-100, 4, -100, -100],
+        [-100, 6, 6, 6],
+    ]
     assert batch["attention_mask"].sum(1).tolist() == [3, 2, 2, 4] and batch["index"].tolist() == [7, 2]
 
 
-@pytest.mark.parametrize("loss_type,rpo_alpha", [("sigmoid", 0.0), ("ipo", 0.0), ("hinge", 0.0), ("sigmoid", 0.5),
-                                                 ("ipo", 2.0)])
+@pytest.mark.parametrize(
+    "loss_type,rpo_alpha", [("sigmoid", 0.0), ("ipo", 0.0), ("hinge", 0.0), ("sigmoid", 0.5), ("ipo", 2.0)]
+)
 def test_each_loss_is_its_formula(loss_type, rpo_alpha):
     generator = torch.Generator().manual_seed(0)
     policy = tuple(-torch.rand(6, generator=generator, dtype=torch.float64) * 20 for _ in range(2))
@@ -123,11 +175,18 @@ def test_each_loss_is_its_formula(loss_type, rpo_alpha):
         pc, pr, rc, rr = (float(t[i]) for t in (*policy, *reference))
         nll = -pc / int(lengths[0][i])  # the chosen answer's, per token (RPO)
         if loss_type == "ipo":
-            pc, rc, pr, rr = pc / int(lengths[0][i]), rc / int(lengths[0][i]), pr / int(lengths[1][i]), \
-                rr / int(lengths[1][i])
+            pc, rc, pr, rr = (
+                pc / int(lengths[0][i]),
+                rc / int(lengths[0][i]),
+                pr / int(lengths[1][i]),
+                rr / int(lengths[1][i]),
+            )
         z = (pc - rc) - (pr - rr)
-        expected = {"sigmoid": -0.9 * math.log(1 / (1 + math.exp(-beta * z))) - 0.1 * math.log(1 / (1 + math.exp(beta * z))),
-                    "ipo": (z - 1 / (2 * beta)) ** 2, "hinge": max(0.0, 1 - beta * z)}[loss_type] + rpo_alpha * nll
+        expected = {
+            "sigmoid": -0.9 * math.log(1 / (1 + math.exp(-beta * z))) - 0.1 * math.log(1 / (1 + math.exp(beta * z))),
+            "ipo": (z - 1 / (2 * beta)) ** 2,
+            "hinge": max(0.0, 1 - beta * z),
+        }[loss_type] + rpo_alpha * nll
         assert float(losses[i]) == pytest.approx(expected, rel=1e-12, abs=1e-12)
         assert float(rewards["rewards/chosen"][i]) == pytest.approx(beta * (pc - rc), rel=1e-12)
         assert float(rewards["rewards/margins"][i]) == pytest.approx(beta * z, rel=1e-12, abs=1e-12)
@@ -136,29 +195,55 @@ def test_each_loss_is_its_formula(loss_type, rpo_alpha):
 
 # --- bad input: one line each ------------------------------------------------------------
 
+
 def write_rows(path, rows):
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
 
 
 BAD_PAIRS = {
-    "missing rejected": ([{"prompt": "a", "chosen": "b", "answer": "c"}] * 4,
-                         r"preference data needs \"chosen\" and \"rejected\" columns .* rejected missing, found "
-                         r"\['prompt', 'chosen', 'answer'\]"),
-    "identical": ([{"prompt": "a", "chosen": "b", "rejected": "c"}] * 3 + [{"prompt": "a", "chosen": "b", "rejected": "b"}],
-                  r"row 3: chosen and rejected are the same once tokenized \('b'\); a pair must differ: drop the row"),
-    "rejected missing in a row": ([{"prompt": [{"role": "user", "content": "2+2?"}],
-                                    "chosen": [{"role": "assistant", "content": "4"}],
-                                    "rejected": [{"role": "assistant", "content": "5"}]}] * 3
-                                  + [{"prompt": [{"role": "user", "content": "2+2?"}],
-                                      "chosen": [{"role": "assistant", "content": "4"}], "rejected": None}],
-                                  r"row 3: one of chosen and rejected is text and the other is not|row 3: a conversation "
-                                  r"is not a list"),
-    "prompt turns differ": ([{"chosen": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}],
-                              "rejected": [{"role": "user", "content": "2+3?"}, {"role": "assistant", "content": "5"}]}] * 4,
-                            r"row 0: chosen and rejected are whole conversations whose prompt turns differ"),
-    "prompt too long": ([{"prompt": "what is " * 40, "chosen": "4", "rejected": "5"}] * 4,
-                        r"row 0: the prompt is \d+ tokens, which leaves no room for the answer in --block_size 64"),
+    "missing rejected": (
+        [{"prompt": "a", "chosen": "b", "answer": "c"}] * 4,
+        r"preference data needs \"chosen\" and \"rejected\" columns .* rejected missing, found "
+        r"\['prompt', 'chosen', 'answer'\]",
+    ),
+    "identical": (
+        [{"prompt": "a", "chosen": "b", "rejected": "c"}] * 3 + [{"prompt": "a", "chosen": "b", "rejected": "b"}],
+        r"row 3: chosen and rejected are the same once tokenized \('b'\); a pair must differ: drop the row",
+    ),
+    "rejected missing in a row": (
+        [
+            {
+                "prompt": [{"role": "user", "content": "2+2?"}],
+                "chosen": [{"role": "assistant", "content": "4"}],
+                "rejected": [{"role": "assistant", "content": "5"}],
+            }
+        ]
+        * 3
+        + [
+            {
+                "prompt": [{"role": "user", "content": "2+2?"}],
+                "chosen": [{"role": "assistant", "content": "4"}],
+                "rejected": None,
+            }
+        ],
+        r"row 3: one of chosen and rejected is text and the other is not|row 3: a conversation "
+        r"is not a list",
+    ),
+    "prompt turns differ": (
+        [
+            {
+                "chosen": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}],
+                "rejected": [{"role": "user", "content": "2+3?"}, {"role": "assistant", "content": "5"}],
+            }
+        ]
+        * 4,
+        r"row 0: chosen and rejected are whole conversations whose prompt turns differ",
+    ),
+    "prompt too long": (
+        [{"prompt": "what is " * 40, "chosen": "4", "rejected": "5"}] * 4,
+        r"row 0: the prompt is \d+ tokens, which leaves no room for the answer in --block_size 64",
+    ),
 }
 
 
@@ -166,8 +251,9 @@ def test_auto_find_batch_size_is_refused_in_one_line(pairs, tmp_path, capsys):
     from test_bad_input import error_in_process
 
     line = error_in_process("dpo.py", dpo_args(pairs, tmp_path / "run", auto_find_batch_size=True), capsys)
-    assert line.startswith("error: --auto_find_batch_size is not available here: its trial step would not count the "
-                           "reference model"), line
+    assert line.startswith(
+        "error: --auto_find_batch_size is not available here: its trial step would not count the reference model"
+    ), line
 
 
 @pytest.mark.parametrize("case", list(BAD_PAIRS))
@@ -176,13 +262,28 @@ def test_bad_pairs_end_the_run_in_one_line(case, real_model, tmp_path, capsys):
 
     rows, expected = BAD_PAIRS[case]
     data = write_rows(tmp_path / "pairs.jsonl", rows)
-    line = error_in_process("dpo.py", ["--model_name_or_path", real_model, "--train_file", data, "--validation_file",
-                                       data, "--block_size", 64, "--output_dir", tmp_path / "run"], capsys)
+    line = error_in_process(
+        "dpo.py",
+        [
+            "--model_name_or_path",
+            real_model,
+            "--train_file",
+            data,
+            "--validation_file",
+            data,
+            "--block_size",
+            64,
+            "--output_dir",
+            tmp_path / "run",
+        ],
+        capsys,
+    )
     assert __import__("re").search(expected, line), line
     assert not (tmp_path / "run" / "run.json").exists()
 
 
 # --- the recipe under every config ---------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory):
@@ -194,11 +295,23 @@ def pairs(tmp_path_factory):
 
 
 def dpo_args(data, out, **overrides) -> list[str]:
-    values = {"config": REPO / "recipes/configs/dpo_demo.yaml", "tokenizer_name_or_path": data / "tokenizer",
-              "train_file": data / "train.jsonl", "validation_file": data / "validation.jsonl", "output_dir": out,
-              "max_steps": -1, "num_train_epochs": 2, "per_device_train_batch_size": 2,
-              "gradient_accumulation_steps": 2, "logging_steps": 1, "learning_rate": 0.003, "warmup_steps": 2,
-              "save_steps": 6, "per_device_eval_batch_size": 8, **overrides}
+    values = {
+        "config": REPO / "recipes/configs/dpo_demo.yaml",
+        "tokenizer_name_or_path": data / "tokenizer",
+        "train_file": data / "train.jsonl",
+        "validation_file": data / "validation.jsonl",
+        "output_dir": out,
+        "max_steps": -1,
+        "num_train_epochs": 2,
+        "per_device_train_batch_size": 2,
+        "gradient_accumulation_steps": 2,
+        "logging_steps": 1,
+        "learning_rate": 0.003,
+        "warmup_steps": 2,
+        "save_steps": 6,
+        "per_device_eval_batch_size": 8,
+        **overrides,
+    }
     return flags(**values)
 
 
@@ -222,10 +335,19 @@ def train_rows(out):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config,extra", [("ddp.yaml", {}), ("fsdp.yaml", {}), ("zero2.yaml", {}), ("zero3.yaml", {}),
-                                          ("zero3_offload.yaml", {}), ("ddp.yaml", {"use_peft": True}),
-                                          ("zero3.yaml", {"use_peft": True}),
-                                          ("fsdp.yaml", {"precompute_ref_log_probs": True})])
+@pytest.mark.parametrize(
+    "config,extra",
+    [
+        pytest.param("ddp.yaml", {}, marks=pytest.mark.exhaustive),
+        pytest.param("fsdp.yaml", {}, marks=pytest.mark.exhaustive),
+        pytest.param("zero2.yaml", {}, marks=pytest.mark.exhaustive),
+        ("zero3.yaml", {}),  # make test: the reference held as ZeRO-3 shards the policy, LoRA, precomputed scores
+        pytest.param("zero3_offload.yaml", {}, marks=pytest.mark.exhaustive),
+        pytest.param("ddp.yaml", {"use_peft": True}, marks=pytest.mark.exhaustive),
+        ("zero3.yaml", {"use_peft": True}),
+        ("fsdp.yaml", {"precompute_ref_log_probs": True}),
+    ],
+)
 def test_dpo_matches_one_process_and_starts_at_log_2(config, extra, pairs, tmp_path_factory):
     """Before any update the policy is the reference: step 1's loss is log 2 and every reward 0. Then
     each step's loss, rewards and the final weights match one process's (fp32, 1e-5)."""
@@ -253,11 +375,15 @@ def test_dpo_matches_one_process_and_starts_at_log_2(config, extra, pairs, tmp_p
     else:
         assert max(first_rewards) == 0, first_rewards
     assert [r["step"] for r in rows] == list(range(1, 25))
-    gaps = {key: max(abs(a[key] - b[key]) for a, b in zip(rows, one))
-            for key in ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins")}
+    gaps = {
+        key: max(abs(a[key] - b[key]) for a, b in zip(rows, one))
+        for key in ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins")
+    }
     weight_gap = max_weight_difference(out / "final", single / "final")
-    print(f"{config} {extra}: per-step gaps {gaps}, final-weight gap {weight_gap:.2e}; loss "
-          f"{rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f}")
+    print(
+        f"{config} {extra}: per-step gaps {gaps}, final-weight gap {weight_gap:.2e}; loss "
+        f"{rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f}"
+    )
     assert all(gap < FP32_TOLERANCE for gap in gaps.values()) and weight_gap < FP32_TOLERANCE
     assert rows[-1]["loss"] < rows[0]["loss"]
 
@@ -273,8 +399,13 @@ def test_the_loss_is_the_formula_over_the_two_models_log_probs(pairs, tmp_path_f
 
     out = dpo_run(pairs, tmp_path_factory, "ddp.yaml")
     tokenizer = AutoTokenizer.from_pretrained(pairs / "tokenizer")
-    reference = load_model(ModelArguments(model_config=str(REPO / "recipes/configs/tiny_llama.json"),
-                                          tokenizer_name_or_path=str(pairs / "tokenizer")), tokenizer, seed=42).eval()
+    reference = load_model(
+        ModelArguments(
+            model_config=str(REPO / "recipes/configs/tiny_llama.json"), tokenizer_name_or_path=str(pairs / "tokenizer")
+        ),
+        tokenizer,
+        seed=42,
+    ).eval()
     policy = AutoModelForCausalLM.from_pretrained(out / "final").eval()
 
     def log_prob(model, prompt, answer):
@@ -284,14 +415,19 @@ def test_the_loss_is_the_formula_over_the_two_models_log_probs(pairs, tmp_path_f
         with torch.no_grad():
             logits = model(torch.tensor([ids])).logits[0, :-1].double()
         picked = torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
-        return float(picked[len(prompt_ids) - 1:].sum())  # the answer's tokens and its <eos>
+        return float(picked[len(prompt_ids) - 1 :].sum())  # the answer's tokens and its <eos>
 
     losses = []
     for line in (pairs / "validation.jsonl").read_text().splitlines():
         row = json.loads(line)
-        z = sum(sign * (log_prob(policy, row["prompt"], row[side][0]["content"])
-                        - log_prob(reference, row["prompt"], row[side][0]["content"]))
-                for side, sign in (("chosen", 1), ("rejected", -1)))
+        z = sum(
+            sign
+            * (
+                log_prob(policy, row["prompt"], row[side][0]["content"])
+                - log_prob(reference, row["prompt"], row[side][0]["content"])
+            )
+            for side, sign in (("chosen", 1), ("rejected", -1))
+        )
         losses.append(math.log1p(math.exp(-0.1 * z)))  # -log sigmoid(beta z), beta 0.1 (dpo_demo.yaml)
     logged = read_metrics(out)[1][-1]
     print(f"eval_loss {logged['eval_loss']:.8f} logged, {sum(losses) / len(losses):.8f} recomputed")
@@ -300,8 +436,10 @@ def test_the_loss_is_the_formula_over_the_two_models_log_probs(pairs, tmp_path_f
 
 
 @pytest.mark.slow
-def test_a_run_killed_after_a_checkpoint_resumes_bitwise_without_scoring_the_reference_again(pairs, tmp_path_factory,
-                                                                                         tmp_path):
+@pytest.mark.exhaustive
+def test_a_run_killed_after_a_checkpoint_resumes_bitwise_without_scoring_the_reference_again(
+    pairs, tmp_path_factory, tmp_path
+):
     """--precompute_ref_log_probs under ddp: every process killed (SIGKILL) once the step-12 checkpoint is
     complete, then resumed: the reference table is read, not computed again, and the final weights
     equal the uninterrupted run's bit for bit."""
@@ -314,8 +452,13 @@ def test_a_run_killed_after_a_checkpoint_resumes_bitwise_without_scoring_the_ref
     uninterrupted = dpo_run(pairs, tmp_path_factory, "ddp.yaml", precompute_ref_log_probs=True)
     out = tmp_path / "run"
     command = launch_command("ddp.yaml", "dpo.py", dpo_args(pairs, out, precompute_ref_log_probs=True), FP32)
-    process = subprocess.Popen(command, env={**os.environ, **OFFLINE_ENV}, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL, start_new_session=True)
+    process = subprocess.Popen(
+        command,
+        env={**os.environ, **OFFLINE_ENV},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 300
     while not (out / "checkpoints" / "step_12").is_dir() and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -323,8 +466,12 @@ def test_a_run_killed_after_a_checkpoint_resumes_bitwise_without_scoring_the_ref
     assert kill_everything(process) >= 3  # the launcher and both ranks
     table = out / "reference_log_probs.pt"
     written = table.stat().st_mtime_ns
-    result = launch("ddp.yaml", "dpo.py", dpo_args(pairs, out, precompute_ref_log_probs=True,
-                                                   resume_from_checkpoint="latest"), launcher_args=FP32)
+    result = launch(
+        "ddp.yaml",
+        "dpo.py",
+        dpo_args(pairs, out, precompute_ref_log_probs=True, resume_from_checkpoint="latest"),
+        launcher_args=FP32,
+    )
     assert "resumed from" in result.stdout + result.stderr
     assert table.stat().st_mtime_ns == written  # read, not computed again
     saved, again = torch.load(table), torch.load(uninterrupted / "reference_log_probs.pt")
@@ -337,10 +484,18 @@ def test_a_run_killed_after_a_checkpoint_resumes_bitwise_without_scoring_the_ref
     # The table belongs to these pairs: resumed with other lengths (another tokenization), it is refused in
     # one line before anything of the run changes.
     before = (out / "run.json").read_text()
-    refused = launch("ddp.yaml", "dpo.py", dpo_args(pairs, out, precompute_ref_log_probs=True, block_size=20,
-                                                    resume_from_checkpoint="latest"), launcher_args=FP32, check=False)
-    assert refused.returncode != 0 and f"error: {table} holds the reference log-probs of other train and validation " \
-        "pairs than this run's" in refused.stderr
+    refused = launch(
+        "ddp.yaml",
+        "dpo.py",
+        dpo_args(pairs, out, precompute_ref_log_probs=True, block_size=20, resume_from_checkpoint="latest"),
+        launcher_args=FP32,
+        check=False,
+    )
+    assert (
+        refused.returncode != 0
+        and f"error: {table} holds the reference log-probs of other train and validation pairs than this run's"
+        in refused.stderr
+    )
     assert (out / "run.json").read_text() == before
 
 
@@ -359,8 +514,10 @@ def test_make_dpo_as_it_ships_learns_to_prefer_the_right_answer(tmp_path):
     rows, evals = train_rows(out), read_metrics(out)[1]
     assert abs(rows[0]["loss"] - LOG_2) < 1e-6 and rows[0]["rewards/margins"] == 0
     before, after = evals[0], evals[-1]
-    print(f"make dpo: prefers the chosen answer {before['eval_prefers_chosen']:.3f} -> "
-          f"{after['eval_prefers_chosen']:.3f}, reward accuracy {after['eval_rewards/accuracies']:.3f}")
+    print(
+        f"make dpo: prefers the chosen answer {before['eval_prefers_chosen']:.3f} -> "
+        f"{after['eval_prefers_chosen']:.3f}, reward accuracy {after['eval_rewards/accuracies']:.3f}"
+    )
     assert before["step"] == 0 and after["step"] == 200 and after["eval_pairs"] == 200
     assert 0.2 < before["eval_prefers_chosen"] < 0.6 and after["eval_prefers_chosen"] >= 0.9
     assert f"prefers the chosen answer {before['eval_prefers_chosen']:.3f} before -> " in result.stdout
@@ -377,8 +534,17 @@ def test_dropout_is_off_so_the_policy_scores_as_its_reference():
     from common.reference import disable_dropout
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                         num_attention_heads=2, num_key_value_heads=2, attention_dropout=0.5))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=32,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            attention_dropout=0.5,
+        )
+    )
     model = get_peft_model(model, LoraConfig(r=2, lora_dropout=0.5, target_modules=["q_proj", "v_proj"])).train()
     ids = torch.randint(0, 32, (2, 8))
     assert not torch.equal(model(ids).logits, model(ids).logits)  # dropout on: two forwards differ
@@ -387,7 +553,8 @@ def test_dropout_is_off_so_the_policy_scores_as_its_reference():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", ["ddp.yaml", "fsdp.yaml"])
+@pytest.mark.parametrize("config", tiered(["ddp.yaml", "fsdp.yaml"], ["fsdp.yaml"]))
+@pytest.mark.exhaustive
 def test_under_fp8_the_reference_scores_as_the_float8_policy(config, pairs, tmp_path):
     """`--mixed_precision fp8 --fp8_backend ao`, 2 processes, accumulation 2: accelerate's prepare turns the
     policy's linear layers into torchao's float8 ones, and the reference copy gets the same (common.reference):
@@ -398,8 +565,13 @@ def test_under_fp8_the_reference_scores_as_the_float8_policy(config, pairs, tmp_
     launcher = ["--mixed_precision", "fp8", "--fp8_backend", "ao"]
     if config == "fsdp.yaml":
         launcher += ["--fsdp_cpu_ram_efficient_loading", "false"]
-    launch(config, "dpo.py", dpo_args(pairs, out, max_steps=3, num_train_epochs=1, save_steps=0),
-           num_processes=2, launcher_args=launcher)
+    launch(
+        config,
+        "dpo.py",
+        dpo_args(pairs, out, max_steps=3, num_train_epochs=1, save_steps=0),
+        num_processes=2,
+        launcher_args=launcher,
+    )
     record, rows = read_run(out), train_rows(out)
     assert record["participating_processes"] == 2 and record["mixed_precision"] == "fp8"
     assert record["reference_model"]["kind"] == "model" and record["speed"]["float8_linear_layers"] == 13

@@ -3,13 +3,21 @@
 
 import pytest
 import torch
-
 from conftest import assert_same_hf_folder
+
 from common.export import export_final, master_tensors
 from common.lora import LoraArguments, apply_lora
 
-LLAMA = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-             num_key_value_heads=2, tie_word_embeddings=False)
+
+LLAMA = dict(
+    vocab_size=32,
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    tie_word_embeddings=False,
+)
 
 
 def lora_model(classifier: bool, targets):
@@ -36,15 +44,21 @@ def accelerator():
 
 
 # (sequence classifier, --lora_target_modules, what peft saves beside the adapters)
-CASES = {"causal LM, peft's default targets": (False, None, []),
-         "classifier: its new head is a module to save": (True, None, ["score.modules_to_save.default.weight"]),
-         "embeddings targeted: peft saves them whole": (False, ["q_proj", "embed_tokens"],
-                                                        ["model.embed_tokens.base_layer.weight"])}
+CASES = {
+    "causal LM, peft's default targets": (False, None, []),
+    "classifier: its new head is a module to save": (True, None, ["score.modules_to_save.default.weight"]),
+    "embeddings targeted: peft saves them whole": (
+        False,
+        ["q_proj", "embed_tokens"],
+        ["model.embed_tokens.base_layer.weight"],
+    ),
+}
 
 
 @pytest.mark.parametrize("classifier,targets,besides", list(CASES.values()), ids=list(CASES))
-def test_a_lora_export_gathers_only_what_peft_saves_and_writes_what_peft_writes(classifier, targets, besides,
-                                                                                accelerator, tmp_path):
+def test_a_lora_export_gathers_only_what_peft_saves_and_writes_what_peft_writes(
+    classifier, targets, besides, accelerator, tmp_path
+):
     """The export gathers (one collective per tensor under ZeRO-3 and FSDP2) the tensors peft's
     save_pretrained keeps, not the base model it then drops; its folder equals peft's own save of
     the whole model."""
@@ -80,10 +94,14 @@ def trained_lora_model(tmp_path, minilm, classifier: bool):
     return model
 
 
-@pytest.mark.parametrize("classifier,dtype", [(False, torch.bfloat16), (True, torch.float32)],
-                         ids=["causal LM in bf16", "classifier (its head a module to save) in fp32"])
-def test_the_merged_export_reads_the_base_model_one_tensor_at_a_time(classifier, dtype, accelerator, minilm,
-                                                                     tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "classifier,dtype",
+    [(False, torch.bfloat16), (True, torch.float32)],
+    ids=["causal LM in bf16", "classifier (its head a module to save) in fp32"],
+)
+def test_the_merged_export_reads_the_base_model_one_tensor_at_a_time(
+    classifier, dtype, accelerator, minilm, tmp_path, monkeypatch
+):
     """--save_merged_model merges the adapter into each base tensor as it reads it from the base
     model's files, never reloading the whole base model (at 101M parameters that added the fp32
     model, 386 MB, to the main process's whole-run peak), and writes what peft's merge of the

@@ -3,7 +3,6 @@
 test_strategies.py, test_recipes.py and test_docs.py.)"""
 
 import pytest
-
 from conftest import export_checkpoint
 
 
@@ -50,10 +49,18 @@ def test_the_streamed_safetensors_file_reads_back_as_written(tmp_path):
     from common.export import write_safetensors
 
     torch.manual_seed(0)
-    tensors = {"embed.weight": torch.randn(7, 5), "norm.weight": torch.randn(5), "step": torch.tensor(3),
-               "mask": torch.tensor([True, False, True]), "lm_head.weight": torch.randn(7, 5)}
-    layout = [(name, tuple(t.shape), torch.bfloat16 if t.is_floating_point() else t.dtype)
-              for name, t in tensors.items() if name != "lm_head.weight"]  # a tied copy: left out
+    tensors = {
+        "embed.weight": torch.randn(7, 5),
+        "norm.weight": torch.randn(5),
+        "step": torch.tensor(3),
+        "mask": torch.tensor([True, False, True]),
+        "lm_head.weight": torch.randn(7, 5),
+    }
+    layout = [
+        (name, tuple(t.shape), torch.bfloat16 if t.is_floating_point() else t.dtype)
+        for name, t in tensors.items()
+        if name != "lm_head.weight"
+    ]  # a tied copy: left out
     path = tmp_path / "model.safetensors"
     write_safetensors(str(path), layout, iter(tensors.items()))
     loaded = load_file(str(path))
@@ -64,7 +71,10 @@ def test_the_streamed_safetensors_file_reads_back_as_written(tmp_path):
     with safe_open(str(path), "pt") as handle:
         assert handle.metadata() == {"format": "pt"}
     with pytest.raises(RuntimeError, match="gathered with shape"):
-        write_safetensors(str(tmp_path / "bad.safetensors"), [("embed.weight", (5, 7), torch.float32)],
-                          iter(tensors.items()))
+        write_safetensors(
+            str(tmp_path / "bad.safetensors"), [("embed.weight", (5, 7), torch.float32)], iter(tensors.items())
+        )
     with pytest.raises(RuntimeError, match="wrote 0 of 1"):
-        write_safetensors(str(tmp_path / "short.safetensors"), [("absent", (1,), torch.float32)], iter(tensors.items()))
+        write_safetensors(
+            str(tmp_path / "short.safetensors"), [("absent", (1,), torch.float32)], iter(tensors.items())
+        )

@@ -4,19 +4,24 @@ scored a match, and the default limit, sized from the references, leaves room fo
 reference answer (issue 34, item 10: the demo YAML's max_new_tokens 3 cut "forty-seven")."""
 
 import pytest
+from conftest import load_script
 from datasets import Dataset, DatasetDict
+from test_chat import CPU
 
 from common.chat import answer_token_counts, end_of_turn_ids, generation_references, tokenize_sft
-from common.evaluation import evaluate_generation, size_max_new_tokens
 from common.errors import UsageError
-from conftest import load_script
-from test_chat import CPU
+from common.evaluation import evaluate_generation, size_max_new_tokens
+
 
 # ShareGPT turns, as in the issue. SmolLM2-135M-Instruct answers the first exactly as written
 # (8 tokens with <|im_end|>) and the second in a longer sentence, wrong at any limit.
-CHATS = [[{"from": "human", "value": "What is the capital of France?"},
-          {"from": "gpt", "value": "The capital of France is Paris."}],
-         [{"from": "human", "value": "Write 83 in words."}, {"from": "gpt", "value": "eighty-three"}]]
+CHATS = [
+    [
+        {"from": "human", "value": "What is the capital of France?"},
+        {"from": "gpt", "value": "The capital of France is Paris."},
+    ],
+    [{"from": "human", "value": "Write 83 in words."}, {"from": "gpt", "value": "eighty-three"}],
+]
 
 
 @pytest.fixture(scope="module")
@@ -47,13 +52,17 @@ def test_answers_cut_by_max_new_tokens_are_counted_and_named_and_the_default_fit
         capsys.readouterr()
         # A limit shorter than the answers, as the demo YAML's was: both cut, scored wrong, counted, said.
         assert size_max_new_tokens(3, longest, accelerator) == 3
-        assert (f"warning: --max_new_tokens 3 is shorter than the longest reference answer ({longest} tokens with "
-                f"its end of turn)") in capsys.readouterr().out
+        assert (
+            f"warning: --max_new_tokens 3 is shorter than the longest reference answer ({longest} tokens with "
+            f"its end of turn)"
+        ) in capsys.readouterr().out
         cut = evaluate_generation(model, tokenizer, references, accelerator, 3, stop_ids, longest_answer=longest)
         assert cut == {"eval_exact_match": 0.0, "eval_generated": 2, "eval_truncated_generations": 2}
-        assert (f"warning: 2 of 2 answers reached --max_new_tokens 3 before the end of the turn and were scored as "
-                f"wrong; raise --max_new_tokens to {longest}, the longest reference answer with its end of turn, or "
-                "leave it unset to size it from the references") in capsys.readouterr().out
+        assert (
+            f"warning: 2 of 2 answers reached --max_new_tokens 3 before the end of the turn and were scored as "
+            f"wrong; raise --max_new_tokens to {longest}, the longest reference answer with its end of turn, or "
+            "leave it unset to size it from the references"
+        ) in capsys.readouterr().out
 
         # Unset: sized from the references. The right answer fits; the wrong one is cut, but no fault of the limit.
         sized = size_max_new_tokens(None, longest, accelerator)
@@ -74,6 +83,9 @@ def test_max_new_tokens_defaults_to_sized_from_the_references():
 
     assert SFTArguments().max_new_tokens is None
     assert SFTArguments(max_new_tokens=5).max_new_tokens == 5
-    with pytest.raises(UsageError, match=r"--max_new_tokens must be >= 1 \(unset: sized from the reference "
-                                         r"answers\), got 0"):
+    with pytest.raises(
+        UsageError,
+        match=r"--max_new_tokens must be >= 1 \(unset: sized from the reference "
+        r"answers\), got 0",
+    ):
         check_ranges(SFTArguments(max_new_tokens=0))

@@ -5,9 +5,10 @@ import os
 
 import pytest
 import torch
+from conftest import causal_lm_args, launch, losses, read_run
 
 from common.speed import FP8_CAPABILITY
-from conftest import causal_lm_args, launch, losses, read_run
+
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA not available)")
 
@@ -37,8 +38,19 @@ def test_gpu_metrics_report_mfu_memory_and_a_profile_with_kernels(markov_data, t
     out = tmp_path / "run"
     launch("single.yaml", "causal_lm.py", causal_lm_args(markov_data, out, max_steps=6, profile_steps="3-4"))
     row = read_metrics(out)[0][-1]
-    print({k: row[k] for k in ("tokens_per_s_per_device", "tflops_per_device", "mfu", "data_wait_fraction",
-                               "memory_allocated_mb_per_rank", "memory_reserved_mb_per_rank")})
+    print(
+        {
+            k: row[k]
+            for k in (
+                "tokens_per_s_per_device",
+                "tflops_per_device",
+                "mfu",
+                "data_wait_fraction",
+                "memory_allocated_mb_per_rank",
+                "memory_reserved_mb_per_rank",
+            )
+        }
+    )
     assert 0 < row["mfu"] < 1 and row["tflops_per_device"] > 0
     assert row["memory_reserved_mb_per_rank"][0] >= row["memory_allocated_mb_per_rank"][0] > 0
     trace = next((out / "profile").glob("rank0*.pt.trace.json"))
@@ -57,8 +69,7 @@ def test_doctor_on_the_gpu_reports_nccl_and_names_too_many_processes(tmp_path):
     from conftest import free_port, run
 
     report = tmp_path / "doctor.json"
-    result = run(["make", "doctor", "CONFIG=accelerate_configs/single.yaml",
-                  "ARGS=--report " + str(report)])
+    result = run(["make", "doctor", "CONFIG=accelerate_configs/single.yaml", "ARGS=--report " + str(report)])
     print(result.stdout[-3000:])
     summary = json.loads(report.read_text())
     devices = summary["ranks"][0]["devices"]
@@ -68,12 +79,20 @@ def test_doctor_on_the_gpu_reports_nccl_and_names_too_many_processes(tmp_path):
     assert all(summary["collectives"].values())
     assert summary["all_reduce"] == [] and "all_reduce not timed: one rank" in result.stdout
     too_many = torch.cuda.device_count() + 1
-    result = run(["make", "doctor", "CONFIG=accelerate_configs/ddp.yaml",
-                  f"LAUNCH_ARGS=--num_processes {too_many} --main_process_port {free_port()}",
-                  "ARGS=--max_size 1M --iterations 2"], check=False)
+    result = run(
+        [
+            "make",
+            "doctor",
+            "CONFIG=accelerate_configs/ddp.yaml",
+            f"LAUNCH_ARGS=--num_processes {too_many} --main_process_port {free_port()}",
+            "ARGS=--max_size 1M --iterations 2",
+        ],
+        check=False,
+    )
     assert result.returncode != 0
-    assert f"{too_many} processes on this node but {torch.cuda.device_count()} GPU(s) visible" in result.stderr, \
+    assert f"{too_many} processes on this node but {torch.cuda.device_count()} GPU(s) visible" in result.stderr, (
         result.stderr[-3000:]
+    )
 
 
 @needs_gpu
@@ -86,28 +105,49 @@ def test_auto_find_batch_size_halves_on_a_real_cuda_out_of_memory(tmp_path):
     import json
     import re
 
-    from common.synthetic import write_markov_corpus
     from conftest import OFFLINE_ENV, REPO, read_metrics
+
+    from common.synthetic import write_markov_corpus
 
     data = tmp_path / "data"
     write_markov_corpus(str(data), train_docs=12000, validation_docs=200, seed=0)
     config = json.loads((REPO / "recipes/configs/tiny_llama.json").read_text())
-    config.update(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
-                  num_key_value_heads=16, max_position_embeddings=512)
+    config.update(
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        max_position_embeddings=512,
+    )
     (tmp_path / "llama.json").write_text(json.dumps(config))
     cap = tmp_path / "cap"
     cap.mkdir()
     (cap / "sitecustomize.py").write_text(
         "import os\nif os.environ.get('CAP_GIB'):\n    import torch\n    if torch.cuda.is_available():\n"
         "        torch.cuda.set_per_process_memory_fraction(float(os.environ['CAP_GIB']) * 2**30 / "
-        "torch.cuda.get_device_properties(0).total_memory)\n")
+        "torch.cuda.get_device_properties(0).total_memory)\n"
+    )
     env = {**OFFLINE_ENV, "CAP_GIB": "16", "PYTHONPATH": f"{cap}{os.pathsep}{os.environ.get('PYTHONPATH', REPO)}"}
 
     def train(out, *extra):
-        return launch("single.yaml", "causal_lm.py", causal_lm_args(
-            data, out, model_config=tmp_path / "llama.json", block_size=512, per_device_train_batch_size=128,
-            per_device_eval_batch_size=8, gradient_accumulation_steps=1, max_steps=2) + list(extra),
-            env=env, check=False)
+        return launch(
+            "single.yaml",
+            "causal_lm.py",
+            causal_lm_args(
+                data,
+                out,
+                model_config=tmp_path / "llama.json",
+                block_size=512,
+                per_device_train_batch_size=128,
+                per_device_eval_batch_size=8,
+                gradient_accumulation_steps=1,
+                max_steps=2,
+            )
+            + list(extra),
+            env=env,
+            check=False,
+        )
 
     control = train(tmp_path / "control")
     assert control.returncode != 0 and "out of memory" in control.stderr.lower(), control.stderr[-3000:]
@@ -115,24 +155,34 @@ def test_auto_find_batch_size_halves_on_a_real_cuda_out_of_memory(tmp_path):
     result = train(out, "--auto_find_batch_size", "true")
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
-    chosen = re.search(r"auto_find_batch_size: per-device batch 128(, \d+)* ran out of memory; training with (\d+) "
-                       r"x gradient_accumulation_steps (\d+) per process", output)
+    chosen = re.search(
+        r"auto_find_batch_size: per-device batch 128(, \d+)* ran out of memory; training with (\d+) "
+        r"x gradient_accumulation_steps (\d+) per process",
+        output,
+    )
     assert chosen, output[-4000:]
     print(chosen.group(0))
     batch, accumulation = int(chosen.group(2)), int(chosen.group(3))
     assert batch < 128 and batch * accumulation == 128
     record = read_run(out)
     assert record["total_parameters"] > 100e6
-    assert (record["args"]["per_device_train_batch_size"], record["args"]["gradient_accumulation_steps"]) == \
-        (batch, accumulation)
+    assert (record["args"]["per_device_train_batch_size"], record["args"]["gradient_accumulation_steps"]) == (
+        batch,
+        accumulation,
+    )
     rows = read_metrics(out)[0]
-    print({k: rows[-1].get(k) for k in ("loss", "memory_allocated_mb_per_rank", "memory_reserved_mb_per_rank",
-                                        "peak_memory_mb_per_rank")})
+    print(
+        {
+            k: rows[-1].get(k)
+            for k in ("loss", "memory_allocated_mb_per_rank", "memory_reserved_mb_per_rank", "peak_memory_mb_per_rank")
+        }
+    )
     assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)
     assert max(r["peak_memory_mb_per_rank"][0] for r in rows) <= 16 * 1024
     by_hand = tmp_path / "by_hand"
-    result = train(by_hand, "--per_device_train_batch_size", str(batch), "--gradient_accumulation_steps",
-                   str(accumulation))
+    result = train(
+        by_hand, "--per_device_train_batch_size", str(batch), "--gradient_accumulation_steps", str(accumulation)
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     print("losses with the finder", losses(out), "by hand", losses(by_hand))
     assert losses(out) == pytest.approx(losses(by_hand), rel=1e-3)
@@ -140,7 +190,8 @@ def test_auto_find_batch_size_halves_on_a_real_cuda_out_of_memory(tmp_path):
 
 needs_two_gpus = pytest.mark.skipif(
     torch.cuda.device_count() < 2,
-    reason=f"needs 2 NVIDIA GPUs (NCCL runs one process per GPU; this host has {torch.cuda.device_count()})")
+    reason=f"needs 2 NVIDIA GPUs (NCCL runs one process per GPU; this host has {torch.cuda.device_count()})",
+)
 
 
 @needs_two_gpus
@@ -160,9 +211,14 @@ def test_a_lost_peer_under_nccl_prints_our_one_line_before_nccls_own(markov_data
 
     out = tmp_path / "run"
     args = causal_lm_args(markov_data, out, max_steps=100000, logging_steps=1, ddp_timeout=20)
-    process = subprocess.Popen(launch_command("ddp.yaml", "causal_lm.py", args), cwd=REPO,
-                               env={**os.environ, **OFFLINE_ENV}, text=True, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT)
+    process = subprocess.Popen(
+        launch_command("ddp.yaml", "causal_lm.py", args),
+        cwd=REPO,
+        env={**os.environ, **OFFLINE_ENV},
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     lines = []
     reader = threading.Thread(target=lambda: [lines.append(line) for line in process.stdout])
     reader.start()
@@ -177,8 +233,11 @@ def test_a_lost_peer_under_nccl_prints_our_one_line_before_nccls_own(markov_data
     reader.join()
     print("".join(lines[-40:]))
     ours = [i for i, line in enumerate(lines) if line.startswith("error:")]
-    nccl = [i for i, line in enumerate(lines) if i >= before_kill and not line.startswith("error:")
-            and re.search(r"NCCL|Watchdog", line)]
+    nccl = [
+        i
+        for i, line in enumerate(lines)
+        if i >= before_kill and not line.startswith("error:") and re.search(r"NCCL|Watchdog", line)
+    ]
     assert killed and process.returncode != 0 and len(ours) == 1, "".join(lines[-60:])
     assert "lost contact with rank 1" in lines[ours[0]]
     assert not nccl or ours[0] < nccl[0], f"NCCL spoke first: {lines[nccl[0]]}"
@@ -191,26 +250,29 @@ def test_packed_rows_on_the_gpu_take_a_varlen_kernel_with_the_padded_batchs_loss
     conversations padded (under sdpa), to bf16's rounding."""
     import importlib.util
 
+    from conftest import REPO
+    from test_recipes import _chat_batches, loss_and_gradient
     from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening
 
     from common.arguments import ModelArguments, TrainingArguments
     from common.internals import attention_implementation
     from common.model import load_model
-    from conftest import REPO
-    from test_recipes import _chat_batches, loss_and_gradient
 
     tokenizer, _, tokenized = _chat_batches(counting_data)
     features = [{k: e[k] for k in ("input_ids", "labels")} for e in tokenized["train"]]
-    model_args = ModelArguments(model_config=str(REPO / "recipes/configs/tiny_llama.json"),
-                                tokenizer_name_or_path=str(counting_data / "tokenizer"))
+    model_args = ModelArguments(
+        model_config=str(REPO / "recipes/configs/tiny_llama.json"),
+        tokenizer_name_or_path=str(counting_data / "tokenizer"),
+    )
     padded_model = load_model(model_args, tokenizer, seed=3).cuda()
     packed_model = load_model(model_args, tokenizer, seed=3, speed=TrainingArguments(), packed_rows=True).cuda()
     expected = "flash_attention_2" if importlib.util.find_spec("flash_attn") else "flex_attention"
     assert attention_implementation(packed_model) == expected
     on_gpu = lambda batch: {k: v.cuda() for k, v in batch.items()}  # noqa: E731
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        padded_loss, padded_gradient = loss_and_gradient(padded_model, on_gpu(DataCollatorForSeq2Seq(
-            tokenizer, padding=True, label_pad_token_id=-100)(features)))
+        padded_loss, padded_gradient = loss_and_gradient(
+            padded_model, on_gpu(DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)(features))
+        )
         packed_loss, packed_gradient = loss_and_gradient(packed_model, on_gpu(DataCollatorWithFlattening()(features)))
     gap = float((packed_gradient - padded_gradient).norm() / padded_gradient.norm())
     print(f"{expected}: loss {packed_loss:.5f} vs padded {padded_loss:.5f}; gradient gap {gap:.2e}")
@@ -227,12 +289,28 @@ def test_speed_options_on_the_gpu_train_as_the_defaults(markov_data, tmp_path):
     liger = importlib.util.find_spec("liger_kernel") is not None
     plain, fast = tmp_path / "plain", tmp_path / "fast"
     launch("single.yaml", "causal_lm.py", causal_lm_args(markov_data, plain, max_steps=20, logging_steps=1))
-    launch("single.yaml", "causal_lm.py", causal_lm_args(
-        markov_data, fast, max_steps=20, logging_steps=1, torch_compile="true", optim="adamw_torch",
-        gradient_checkpointing="true", gradient_checkpointing_every_n_layers=2, use_liger_kernel=str(liger).lower()))
+    launch(
+        "single.yaml",
+        "causal_lm.py",
+        causal_lm_args(
+            markov_data,
+            fast,
+            max_steps=20,
+            logging_steps=1,
+            torch_compile="true",
+            optim="adamw_torch",
+            gradient_checkpointing="true",
+            gradient_checkpointing_every_n_layers=2,
+            use_liger_kernel=str(liger).lower(),
+        ),
+    )
     speed = read_run(fast)["speed"]
     assert (speed["torch_compile"], speed["optim"], speed["checkpointed_layers"], speed["liger_kernel"]) == (
-        "regional (inductor)", "adamw_torch", "1 of 2", liger)
+        "regional (inductor)",
+        "adamw_torch",
+        "1 of 2",
+        liger,
+    )
     gaps = [abs(a - b) for a, b in zip(losses(plain), losses(fast))]
     print(f"liger {'on' if liger else 'not installed'}; largest loss gap {max(gaps):.2e}")
     assert len(gaps) == 20 and max(gaps) < 5e-2 and losses(fast)[-1] < losses(fast)[0]
@@ -300,12 +378,25 @@ def chat_model(request):
 def _chat_sft_args(chat_model, data, output_dir, lora: bool, **overrides):
     from conftest import REPO, flags
 
-    return flags(**{"config": REPO / "recipes/configs/sft_chat_demo.yaml", "model_name_or_path": chat_model,
-                    "train_file": data / "train.jsonl", "validation_file": data / "validation.jsonl",
-                    "output_dir": output_dir, "max_steps": 6, "save_steps": 3, "logging_steps": 1,
-                    "gradient_accumulation_steps": 2, "per_device_train_batch_size": 8, "max_generation_samples": 4,
-                    "learning_rate": 5e-3 if lora else 5e-4, "warmup_steps": 0,
-                    **({"use_peft": "true", "save_merged_model": "true"} if lora else {}), **overrides})
+    return flags(
+        **{
+            "config": REPO / "recipes/configs/sft_chat_demo.yaml",
+            "model_name_or_path": chat_model,
+            "train_file": data / "train.jsonl",
+            "validation_file": data / "validation.jsonl",
+            "output_dir": output_dir,
+            "max_steps": 6,
+            "save_steps": 3,
+            "logging_steps": 1,
+            "gradient_accumulation_steps": 2,
+            "per_device_train_batch_size": 8,
+            "max_generation_samples": 4,
+            "learning_rate": 5e-3 if lora else 5e-4,
+            "warmup_steps": 0,
+            **({"use_peft": "true", "save_merged_model": "true"} if lora else {}),
+            **overrides,
+        }
+    )
 
 
 @needs_gpu
@@ -326,8 +417,10 @@ def test_the_chat_model_fine_tunes_on_one_gpu_under_each_config(config, lora, ch
     train = [row["loss"] for row in read_metrics(out)[0]]
     final = out / ("final_merged" if lora else "final")
     exported = json.loads((final / "config.json").read_text())
-    print(f"{config} {'LoRA' if lora else 'full'}: losses {[round(x, 3) for x in train]}; export {exported['dtype']}; "
-          f"optimizer {record['optimizer']}; peak MB {read_metrics(out)[0][-1].get('peak_memory_mb_per_rank')}")
+    print(
+        f"{config} {'LoRA' if lora else 'full'}: losses {[round(x, 3) for x in train]}; export {exported['dtype']}; "
+        f"optimizer {record['optimizer']}; peak MB {read_metrics(out)[0][-1].get('peak_memory_mb_per_rank')}"
+    )
     assert record["participating_processes"] == 1 and record["device"].startswith("cuda")
     assert (record["compute_dtype"], record["master_weights_dtype"]) == ("bfloat16", "float32")
     assert len(train) == 6 and sum(train[-2:]) < sum(train[:2]), train
@@ -336,9 +429,16 @@ def test_the_chat_model_fine_tunes_on_one_gpu_under_each_config(config, lora, ch
     if config == "zero3_offload.yaml":
         assert record["deepspeed_cpu_adam"] is True and record["optimizer"] == "DeepSpeedCPUAdam"
         stopped = tmp_path / "stopped"
-        resume_elsewhere(out, stopped, 3, 1, config, "sft.py",
-                         lambda **resume: _chat_sft_args(chat_model, arithmetic_data, stopped, lora, **resume),
-                         accumulation=2)
+        resume_elsewhere(
+            out,
+            stopped,
+            3,
+            1,
+            config,
+            "sft.py",
+            lambda **resume: _chat_sft_args(chat_model, arithmetic_data, stopped, lora, **resume),
+            accumulation=2,
+        )
         resumed = [row["loss"] for row in read_metrics(stopped)[0]]
         gap = max(abs(a - b) for a, b in zip(train[3:], resumed))
         print(f"{config}: resumed at step 3 with DeepSpeedCPUAdam: losses {resumed}, gap {gap:.2e}")
@@ -352,11 +452,15 @@ def test_more_processes_than_gpus_is_refused_in_one_line(markov_data, tmp_path):
     from test_tensor_parallel import launch_refused
 
     gpus = torch.cuda.device_count()
-    cases = [("ddp.yaml", gpus + 1)] + ([(name, None) for name in ("tp.yaml", "zero3_ulysses.yaml", "fsdp_cp.yaml")]
-                                        if gpus < 2 else [])
+    cases = [("ddp.yaml", gpus + 1)] + (
+        [(name, None) for name in ("tp.yaml", "zero3_ulysses.yaml", "fsdp_cp.yaml")] if gpus < 2 else []
+    )
     for config, processes in cases:
-        line = launch_refused(config, causal_lm_args(markov_data, tmp_path / config, max_steps=2),
-                              launcher_args=["--num_processes", str(processes)] if processes else None)
+        line = launch_refused(
+            config,
+            causal_lm_args(markov_data, tmp_path / config, max_steps=2),
+            launcher_args=["--num_processes", str(processes)] if processes else None,
+        )
         assert f"{processes or 2} processes on this node but {gpus} GPU(s) visible" in line
 
 
@@ -376,12 +480,26 @@ def test_fp16_on_the_gpu_skips_the_scalers_overflows_and_trains(markov_data, tmp
         "import torch\n_init = torch.amp.GradScaler.__init__\n"
         "def __init__(self, *args, **kwargs):\n    kwargs.setdefault('init_scale', 2.0 ** 24)\n"
         "    kwargs.setdefault('growth_interval', 2)\n    _init(self, *args, **kwargs)\n"
-        "torch.amp.GradScaler.__init__ = __init__\n")
+        "torch.amp.GradScaler.__init__ = __init__\n"
+    )
     env = {**OFFLINE_ENV, "PYTHONPATH": f"{patch}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     out = tmp_path / "run"
-    launch("single.yaml", "causal_lm.py", causal_lm_args(
-        markov_data, out, max_steps=12, gradient_accumulation_steps=2, warmup_steps=0, max_nonfinite_skips=0,
-        save_steps=6, logging_steps=1), env=env, launcher_args=["--mixed_precision", "fp16"])
+    launch(
+        "single.yaml",
+        "causal_lm.py",
+        causal_lm_args(
+            markov_data,
+            out,
+            max_steps=12,
+            gradient_accumulation_steps=2,
+            warmup_steps=0,
+            max_nonfinite_skips=0,
+            save_steps=6,
+            logging_steps=1,
+        ),
+        env=env,
+        launcher_args=["--mixed_precision", "fp16"],
+    )
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     overflows = [row["step"] for row in rows if row.get("event") == "loss_scale_overflow"]
     train = read_metrics(out)[0]
@@ -393,8 +511,10 @@ def test_fp16_on_the_gpu_skips_the_scalers_overflows_and_trains(markov_data, tmp
     assert (out / "checkpoints" / "step_12").is_dir() and (out / "final" / "model.safetensors").is_file()
 
 
-needs_fp8 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < FP8_CAPABILITY,
-                               reason="needs an NVIDIA GPU of compute capability 8.9 or later (Ada, Hopper)")
+needs_fp8 = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < FP8_CAPABILITY,
+    reason="needs an NVIDIA GPU of compute capability 8.9 or later (Ada, Hopper)",
+)
 
 
 @needs_fp8
@@ -417,13 +537,20 @@ def test_fp8_through_torchao_trains_resumes_and_exports(config, chat_model, arit
     runs = {}
     for name, launcher_args in (("bf16", []), ("fp8", fp8)):
         out = tmp_path / name
-        launch(config, "sft.py", _chat_sft_args(chat_model, arithmetic_data, out, False), num_processes=1,
-               launcher_args=launcher_args)
+        launch(
+            config,
+            "sft.py",
+            _chat_sft_args(chat_model, arithmetic_data, out, False),
+            num_processes=1,
+            launcher_args=launcher_args,
+        )
         runs[name] = [row["loss"] for row in read_metrics(out)[0]]
     record = read_run(tmp_path / "fp8")
     layers = json.loads((chat_model / "config.json").read_text())["num_hidden_layers"]
-    print(f"fp8 ({config}): float8 layers {record['speed']['float8_linear_layers']}; losses "
-          f"{[round(x, 3) for x in runs['fp8']]}; bf16 {[round(x, 3) for x in runs['bf16']]}")
+    print(
+        f"fp8 ({config}): float8 layers {record['speed']['float8_linear_layers']}; losses "
+        f"{[round(x, 3) for x in runs['fp8']]}; bf16 {[round(x, 3) for x in runs['bf16']]}"
+    )
     assert record["mixed_precision"] == "fp8" and record["compute_dtype"] == "bfloat16"
     assert record["speed"]["float8_linear_layers"] == 7 * layers - 1  # q, k, v, o, gate, up, down; not lm_head
     assert len(runs["fp8"]) == 6 and sum(runs["fp8"][-2:]) < sum(runs["fp8"][:2]), runs
@@ -436,9 +563,17 @@ def test_fp8_through_torchao_trains_resumes_and_exports(config, chat_model, arit
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     if config == "single.yaml":
         stopped = tmp_path / "stopped"
-        resume_elsewhere(tmp_path / "fp8", stopped, 3, 1, config, "sft.py",
-                         lambda **resume: _chat_sft_args(chat_model, arithmetic_data, stopped, False, **resume),
-                         accumulation=2, launcher_args=fp8)
+        resume_elsewhere(
+            tmp_path / "fp8",
+            stopped,
+            3,
+            1,
+            config,
+            "sft.py",
+            lambda **resume: _chat_sft_args(chat_model, arithmetic_data, stopped, False, **resume),
+            accumulation=2,
+            launcher_args=fp8,
+        )
         resumed = [row["loss"] for row in read_metrics(stopped)[0]]
         print(f"fp8: resumed at step 3: {resumed} against {runs['fp8'][3:]}")
         assert len(resumed) == 3 and max(abs(a - b) for a, b in zip(runs["fp8"][3:], resumed)) < 1e-3

@@ -12,9 +12,19 @@ import subprocess
 import sys
 
 import pytest
+from conftest import (
+    CONFIGS,
+    FP32,
+    REPO,
+    causal_lm_args,
+    drop_weights,
+    estimate_for_run,
+    launch,
+    load_script,
+    read_run,
+    tiered,
+)
 
-from conftest import (CONFIGS, FP32, REPO, causal_lm_args, drop_weights, estimate_for_run, launch, load_script,
-                      read_run)
 
 MODEL = REPO / "recipes/configs/llama_100m.json"
 # glibc keeps freed heap for reuse, so a CPU process's resident set also holds what
@@ -27,39 +37,79 @@ SEQ_LEN = 16
 # run -> (config, processes, activation checkpointing)
 # zero2_json.yaml is zero2.yaml as a DeepSpeed JSON: the same account (make benchmark's tables), and its
 # categories are checked at the tiny size in tests/test_strategies.py.
-ON_2 = ["ddp.yaml", "fsdp.yaml", "fsdp_shard_grad_op.yaml", "fsdp_offload.yaml", "zero1.yaml", "zero2.yaml",
-        "zero2_offload.yaml", "zero3.yaml", "zero3_offload.yaml"]
+ON_2 = [
+    "ddp.yaml",
+    "fsdp.yaml",
+    "fsdp_shard_grad_op.yaml",
+    "fsdp_offload.yaml",
+    "zero1.yaml",
+    "zero2.yaml",
+    "zero2_offload.yaml",
+    "zero3.yaml",
+    "zero3_offload.yaml",
+]
 # Not again on 4: ddp (every rank holds everything, on any number), fsdp_shard_grad_op (its gradient and optimizer
 # shards divide as fsdp's do), fsdp_offload (fsdp's shards; the checkpointing its YAML asks for, zero3 on 4 has),
 # zero1, zero2_offload (one DeepSpeed optimizer serves ZeRO-1 and 2, offloaded or not: the same division on 2
 # and on 4 in make benchmark's tables) and zero3_offload (zero3's partitions, offloaded to the memory they are in).
 ON_4 = ["fsdp.yaml", "zero2.yaml"]
-RUNS = {"single.yaml": ("single.yaml", 1, False),
-        **{config: (config, 2, False) for config in ON_2},
-        **{f"{config} on 4": (config, 4, False) for config in ON_4},
-        "zero3.yaml on 4, checkpointing": ("zero3.yaml", 4, True)}
+# make test: DDP, FSDP2 and ZeRO-3 on 2 (and their ratios); make test-all: every run
+IN_MAKE_TEST = ["ddp.yaml", "fsdp.yaml", "zero3.yaml"]
+RUNS = {
+    "single.yaml": ("single.yaml", 1, False),
+    **{config: (config, 2, False) for config in ON_2},
+    **{f"{config} on 4": (config, 4, False) for config in ON_4},
+    "zero3.yaml on 4, checkpointing": ("zero3.yaml", 4, True),
+}
 
 
-@pytest.fixture(scope="module")
-def measured(markov_data, tmp_path_factory):
-    """Each run on a 101M-parameter Llama: two steps of 2 micro-batches of 1 x 16 tokens (the
-    account is taken at the first optimizer step, the whole run's peak over both and the
-    export: ZeRO-3's gathering settles from the second step on; short blocks, because on a CPU without bf16
-    instructions the emulated bf16 runs at about 1 GFLOP/s)."""
-    runs = {}
-    for name, (config, processes, checkpointing) in RUNS.items():
-        out = tmp_path_factory.mktemp(config.split(".")[0]) / "run"
-        launch(config, "causal_lm.py", causal_lm_args(
-            markov_data, out, model_config=MODEL, block_size=SEQ_LEN, per_device_train_batch_size=1,
-            per_device_eval_batch_size=1, gradient_accumulation_steps=2, max_steps=2, max_eval_samples=2,
-            gradient_checkpointing=str(checkpointing).lower()), num_processes=processes, env=LIVE_RSS)
+class MemoryRuns(dict):
+    """Runs on a 101M-parameter Llama, launched when a test first asks for one (by its name in RUNS, or
+    (config, processes) in fp32), each kept for every test that reads it."""
+
+    def __init__(self, data, tmp_path_factory):
+        super().__init__()
+        self.data, self.tmp_path_factory = data, tmp_path_factory
+
+    def __missing__(self, name):
+        """In bf16 (RUNS): two steps of 2 micro-batches of 1 x 16 tokens (the account is taken at the first
+        optimizer step, the whole run's peak over both and the export: ZeRO-3's gathering settles from the second
+        step on; short blocks, because on a CPU without bf16 instructions the emulated bf16 runs at about 1
+        GFLOP/s). In fp32 ((config, processes)): the same steps, launched with --mixed_precision no."""
+        fp32 = isinstance(name, tuple)
+        config, processes, checkpointing = (*name, False) if fp32 else RUNS[name]
+        out = self.tmp_path_factory.mktemp(config.split(".")[0] + ("_fp32" if fp32 else "")) / "run"
+        launch(
+            config,
+            "causal_lm.py",
+            causal_lm_args(
+                self.data,
+                out,
+                model_config=MODEL,
+                block_size=SEQ_LEN,
+                per_device_train_batch_size=1,
+                per_device_eval_batch_size=1,
+                gradient_accumulation_steps=2,
+                max_steps=2,
+                max_eval_samples=2,
+                gradient_checkpointing=str(checkpointing).lower(),
+            ),
+            num_processes=processes,
+            env=LIVE_RSS,
+            launcher_args=FP32 if fp32 else [],
+        )
         drop_weights(out)  # the tests read run.json and final/config.json
-        runs[name] = out
-    return runs
+        self[name] = out
+        return out
+
+
+@pytest.fixture(scope="session")
+def measured(markov_data, tmp_path_factory) -> MemoryRuns:
+    return MemoryRuns(markov_data, tmp_path_factory)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(RUNS))
+@pytest.mark.parametrize("name", tiered(RUNS, IN_MAKE_TEST))
 def test_estimate_matches_the_measured_account(name, measured):
     record = read_run(measured[name])
     config, processes, _ = RUNS[name]
@@ -72,8 +122,10 @@ def test_estimate_matches_the_measured_account(name, measured):
     for rank, account in enumerate(record["memory_per_rank"]):
         assert whole_run[rank]["peak_rss_mb"] >= account["phases"]["first_step"]["peak_rss_mb"]
         state, peak = account["model_state_mb"], account["phases"]["first_step"]["peak_rss_mb"]
-        print(f"{name} rank {rank}: model state {state:.0f} MB (estimated {predicted['model_state'] / 2**20:.0f}), "
-              f"peak RSS {peak:.0f} MB (estimated {predicted['peak_mb']:.0f}); {account['bytes_by_category']}")
+        print(
+            f"{name} rank {rank}: model state {state:.0f} MB (estimated {predicted['model_state'] / 2**20:.0f}), "
+            f"peak RSS {peak:.0f} MB (estimated {predicted['peak_mb']:.0f}); {account['bytes_by_category']}"
+        )
         assert state == pytest.approx(predicted["model_state"] / 2**20, rel=0.05)
         assert peak == pytest.approx(predicted["peak_mb"], rel=0.15)
         for category in ("parameters", "master_weights", "gradients", "optimizer_states"):
@@ -98,9 +150,11 @@ def test_sharded_strategies_hold_less_than_ddp(measured):
 
     ddp_state, ddp_peak = worst("ddp.yaml", "model_state_mb"), peak("ddp.yaml")
     for config in ("fsdp.yaml", "zero3.yaml"):
-        print(f"{config}: model state {worst(config, 'model_state_mb') / ddp_state:.2f}x DDP's, "
-              f"peak RSS {peak(config) / ddp_peak:.2f}x, over the whole run "
-              f"{whole_run(config) / whole_run('ddp.yaml'):.2f}x ({whole_run(config):.0f} MB)")
+        print(
+            f"{config}: model state {worst(config, 'model_state_mb') / ddp_state:.2f}x DDP's, "
+            f"peak RSS {peak(config) / ddp_peak:.2f}x, over the whole run "
+            f"{whole_run(config) / whole_run('ddp.yaml'):.2f}x ({whole_run(config):.0f} MB)"
+        )
         assert worst(config, "model_state_mb") <= 0.65 * ddp_state
     # ZeRO-3 keeps a bf16 model and gradient partition beside its fp32 master weights, and makes the fp32
     # gradients one optimizer sub-group at a time (common.accelerator's sub_group_size); fused AdamW adds
@@ -111,89 +165,137 @@ def test_sharded_strategies_hold_less_than_ddp(measured):
     # same on any number of processes; zero3 on 4 also checkpoints activations, a few MB at these 16 tokens).
     for config in ("fsdp.yaml", "zero3.yaml"):
         assert whole_run(config) <= 0.65 * whole_run("ddp.yaml")
-    for config in ("fsdp.yaml on 4", "zero3.yaml on 4, checkpointing"):
-        print(f"{config}: peak RSS {peak(config) / ddp_peak:.2f}x DDP's, over the whole run "
-              f"{whole_run(config) / whole_run('ddp.yaml'):.2f}x ({whole_run(config):.0f} MB)")
-        assert peak(config) <= 0.6 * ddp_peak
-        assert whole_run(config) <= 0.6 * whole_run("ddp.yaml")
     export = read_run(measured["zero3.yaml"])["final_export"]
     assert export["rss_peak_mb"] - export["rss_before_mb"] < 100  # the model in fp32 is 386 MB
     # Buckets sized to the model (h*h elements), not DeepSpeed's fixed 500M (1 GB in bf16)
     assert worst("zero3.yaml", "communication_buffers_mb") < 10
-    # Activation checkpointing: each layer keeps its input only (the micro-batch is the same on 4)
-    checkpointed = worst("zero3.yaml on 4, checkpointing", "activations_mb")
-    print(f"activations per micro-batch: {worst('zero3.yaml', 'activations_mb')} MB, {checkpointed} MB checkpointed")
-    assert checkpointed < 0.2 * worst("zero3.yaml", "activations_mb")
     # FSDP: rank 1 builds its model on the meta device; rank 0's weights are broadcast into the shards
     phases = read_run(measured["fsdp.yaml"])["memory_per_rank"][1]["phases"]
     assert phases["model_built"]["rss_mb"] - phases["started"]["rss_mb"] < 100  # a whole model is 386 MB
 
 
-# fp32 (launched with --mixed_precision no): DDP on 2 processes (a DDP rank holds the same on any number), the
-# sharded configs on 4. On 2, a sharded rank holds half of DDP's 16 bytes per parameter, plus the process's own
-# ~465 MB that every config has, plus about two layers in flight (FSDP2's gathered layer, its gradients and the next
-# one prefetched; ZeRO-3's live parameters): about 0.72x DDP's peak in fp32, seen, since DDP's gradients are
-# views into its buckets (common.accelerator); on 4, their share halves again.
-FP32_PROCESSES = {"ddp.yaml": 2, "fsdp.yaml": 4, "zero3.yaml": 4}
+@pytest.mark.slow
+@pytest.mark.exhaustive
+def test_sharded_strategies_on_4_hold_less_still(measured):
+    """On 4 the shards halve again (a DDP rank holds the same on any number of processes); zero3 on 4 also
+    checkpoints activations, each layer keeping its input only (the micro-batch is the same as on 2)."""
+
+    def worst(config, key):
+        return max(account[key] for account in read_run(measured[config])["memory_per_rank"])
+
+    def peak(config):
+        return max(a["phases"]["first_step"]["peak_rss_mb"] for a in read_run(measured[config])["memory_per_rank"])
+
+    def whole_run(config):
+        return max(rank["peak_rss_mb"] for rank in read_run(measured[config])["peak_memory_whole_run"])
+
+    for config in ("fsdp.yaml on 4", "zero3.yaml on 4, checkpointing"):
+        print(
+            f"{config}: peak RSS {peak(config) / peak('ddp.yaml'):.2f}x DDP's, over the whole run "
+            f"{whole_run(config) / whole_run('ddp.yaml'):.2f}x ({whole_run(config):.0f} MB)"
+        )
+        assert peak(config) <= 0.6 * peak("ddp.yaml")
+        assert whole_run(config) <= 0.6 * whole_run("ddp.yaml")
+    checkpointed = worst("zero3.yaml on 4, checkpointing", "activations_mb")
+    print(f"activations per micro-batch: {worst('zero3.yaml', 'activations_mb')} MB, {checkpointed} MB checkpointed")
+    assert checkpointed < 0.2 * worst("zero3.yaml", "activations_mb")
 
 
-@pytest.fixture(scope="module")
-def measured_fp32(markov_data, tmp_path_factory):
-    runs = {}
-    for config, processes in FP32_PROCESSES.items():
-        out = tmp_path_factory.mktemp(config.split(".")[0] + "_fp32") / "run"
-        launch(config, "causal_lm.py", causal_lm_args(
-            markov_data, out, model_config=MODEL, block_size=SEQ_LEN, per_device_train_batch_size=1,
-            per_device_eval_batch_size=1, gradient_accumulation_steps=2, max_steps=2, max_eval_samples=2),
-            num_processes=processes, env=LIVE_RSS, launcher_args=FP32)
-        drop_weights(out)
-        runs[config] = read_run(out)
-    return runs
+# fp32 (launched with --mixed_precision no). On 2, a sharded rank holds half of DDP's 16 bytes per parameter, plus
+# the process's own ~465 MB that every config has, plus about two layers in flight (FSDP2's gathered layer, its
+# gradients and the next one prefetched; ZeRO-3's live parameters): about 0.72x DDP's peak in fp32, seen, since DDP's
+# gradients are views into its buckets (common.accelerator); on 4, their share halves again.
+
+
+def fp32_record(measured, config, processes) -> dict:
+    record = read_run(measured[(config, processes)])
+    assert (record["participating_processes"], record["compute_dtype"]) == (processes, "float32")
+    assert record["total_parameters"] >= 100_000_000
+    return record
 
 
 @pytest.mark.slow
-def test_sharded_strategies_hold_less_than_ddp_in_fp32(measured_fp32):
-    def whole_run(config):
-        return max(rank["peak_rss_mb"] for rank in measured_fp32[config]["peak_memory_whole_run"])
-
-    for config, record in measured_fp32.items():
-        assert (record["participating_processes"], record["compute_dtype"]) == (FP32_PROCESSES[config], "float32")
-        assert record["total_parameters"] >= 100_000_000
-    for config in ("fsdp.yaml", "zero3.yaml"):
-        print(f"fp32 {config} on 4: whole run {whole_run(config):.0f} MB, "
-              f"{whole_run(config) / whole_run('ddp.yaml'):.3f}x DDP's {whole_run('ddp.yaml'):.0f}")
-        assert whole_run(config) <= 0.6 * whole_run("ddp.yaml")
+@pytest.mark.exhaustive
+def test_ddp_holds_its_gradients_once_and_zero3_keeps_no_second_fp32_copy(measured):
     # DDP: the gradients are the all-reduce buckets, held once (common.accelerator's gradient_as_bucket_view)
-    for account in measured_fp32["ddp.yaml"]["memory_per_rank"]:
+    for account in fp32_record(measured, "ddp.yaml", 2)["memory_per_rank"]:
         assert account["communication_buffers_mb"] == 0
         assert account["gradients_mb"] == pytest.approx(account["parameters_mb"], rel=0.01)
     # ZeRO-3 updates an fp32 model's own partitions: no second fp32 copy (common.internals.share_zero3_fp32_partitions)
-    for account in measured_fp32["zero3.yaml"]["memory_per_rank"]:
+    for account in fp32_record(measured, "zero3.yaml", 2)["memory_per_rank"]:
         assert account["master_weights_mb"] == 0
         assert account["parameters_mb"] == pytest.approx(account["gradients_mb"], rel=0.01)
         assert account["optimizer_states_mb"] == pytest.approx(2 * account["parameters_mb"], rel=0.01)
 
 
+@pytest.mark.slow
+@pytest.mark.exhaustive
+def test_sharded_strategies_hold_less_than_ddp_in_fp32_on_4(measured):
+    def whole_run(config, processes):
+        return max(rank["peak_rss_mb"] for rank in fp32_record(measured, config, processes)["peak_memory_whole_run"])
+
+    for config in ("fsdp.yaml", "zero3.yaml"):
+        ratio = whole_run(config, 4) / whole_run("ddp.yaml", 2)
+        print(f"fp32 {config} on 4: whole run {whole_run(config, 4):.0f} MB, {ratio:.3f}x DDP's")
+        assert whole_run(config, 4) <= 0.6 * whole_run("ddp.yaml", 2)
+    for account in fp32_record(measured, "zero3.yaml", 4)["memory_per_rank"]:  # no second fp32 copy on 4 either
+        assert account["master_weights_mb"] == 0
+        assert account["parameters_mb"] == pytest.approx(account["gradients_mb"], rel=0.01)
+
+
 def test_estimate_memory_refuses_a_missing_config(tmp_path):
-    result = subprocess.run([sys.executable, "scripts/estimate_memory.py", "--model", "recipes/configs/tiny_llama.json",
-                             "--config", str(tmp_path / "none.yaml")], cwd=REPO, capture_output=True, text=True)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "scripts/estimate_memory.py",
+            "--model",
+            "recipes/configs/tiny_llama.json",
+            "--config",
+            str(tmp_path / "none.yaml"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode != 0
     assert result.stderr.strip().splitlines()[-1].startswith(f"error: --config {tmp_path / 'none.yaml'} is not a file")
 
 
 def test_estimate_memory_prints_each_category(capsys):
     result = load_script("scripts/estimate_memory.py").main(
-        ["--model", str(REPO / "recipes/configs/tiny_llama.json"), "--config", str(REPO / "accelerate_configs/zero3.yaml"),
-         "--vocab_size", "100", "--seq_len", "32", "--json", "/dev/null"])
+        [
+            "--model",
+            str(REPO / "recipes/configs/tiny_llama.json"),
+            "--config",
+            str(REPO / "accelerate_configs/zero3.yaml"),
+            "--vocab_size",
+            "100",
+            "--seq_len",
+            "32",
+            "--json",
+            "/dev/null",
+        ]
+    )
     printed = capsys.readouterr().out
     for key in ("parameters", "master_weights", "gradients", "optimizer_states", "activations", "peak"):
         assert key in printed
     psi = result["model"]["parameters"]
-    assert result["strategy"] == {"strategy": "deepspeed", "zero_stage": 3, "offload": False, "offload_params": False,
-                                  "replicas": 1, "tp_size": 1, "num_processes": 2, "sp_size": 1, "cp_size": 1,
-                                  "mixed_precision": "bf16", "fsdp_reshard_after_forward": True,
-                                  "activation_checkpointing": False, "fsdp_cpu_ram_efficient_loading": False,
-                                  "zero3_sub_group_size": 10_000_000}  # common.accelerator's, the YAML naming none
+    assert result["strategy"] == {
+        "strategy": "deepspeed",
+        "zero_stage": 3,
+        "offload": False,
+        "offload_params": False,
+        "replicas": 1,
+        "tp_size": 1,
+        "num_processes": 2,
+        "sp_size": 1,
+        "cp_size": 1,
+        "mixed_precision": "bf16",
+        "fsdp_reshard_after_forward": True,
+        "activation_checkpointing": False,
+        "fsdp_cpu_ram_efficient_loading": False,
+        "zero3_sub_group_size": 10_000_000,
+    }  # common.accelerator's, the YAML naming none
     assert result["parameters"] == psi  # bf16 partition: 2 bytes x psi / 2 ranks
     # 16 psi / 2: bf16 partition and gradients, fp32 master weights, Adam (the fp32 gradients are transient)
     assert result["model_state"] == pytest.approx(8 * psi, abs=4)
@@ -202,6 +304,7 @@ def test_estimate_memory_prints_each_category(capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive
 def test_sequence_parallelism_splits_each_ranks_activations(markov_data, tmp_path):
     """At 101M, bf16, rows of 512 tokens, 1 x accumulation 2: under zero3_ulysses.yaml and fsdp_cp.yaml each
     rank saves for backward the activations of its 256 tokens, about half of what zero3.yaml's ranks save for
@@ -209,17 +312,30 @@ def test_sequence_parallelism_splits_each_ranks_activations(markov_data, tmp_pat
     seq_len, measured = 512, {}
     for config in ("zero3.yaml", "zero3_ulysses.yaml", "fsdp_cp.yaml"):
         out = tmp_path / config.removesuffix(".yaml")
-        launch(config, "causal_lm.py", causal_lm_args(
-            markov_data, out, model_config=MODEL, block_size=seq_len, per_device_train_batch_size=1,
-            per_device_eval_batch_size=1, gradient_accumulation_steps=2, max_steps=1))
+        launch(
+            config,
+            "causal_lm.py",
+            causal_lm_args(
+                markov_data,
+                out,
+                model_config=MODEL,
+                block_size=seq_len,
+                per_device_train_batch_size=1,
+                per_device_eval_batch_size=1,
+                gradient_accumulation_steps=2,
+                max_steps=1,
+            ),
+        )
         drop_weights(out)
         record = read_run(out)
         assert record["participating_processes"] == 2 and record["total_parameters"] >= 100_000_000
         predicted = estimate_for_run(out, CONFIGS / config)
         for rank, account in enumerate(record["memory_per_rank"]):
-            print(f"{config} rank {rank}: activations {account['activations_mb']:.0f} MB (estimated "
-                  f"{predicted['activations'] / 2**20:.0f}), model state {account['model_state_mb']:.0f} MB "
-                  f"(estimated {predicted['model_state'] / 2**20:.0f})")
+            print(
+                f"{config} rank {rank}: activations {account['activations_mb']:.0f} MB (estimated "
+                f"{predicted['activations'] / 2**20:.0f}), model state {account['model_state_mb']:.0f} MB "
+                f"(estimated {predicted['model_state'] / 2**20:.0f})"
+            )
             assert account["activations_mb"] == pytest.approx(predicted["activations"] / 2**20, rel=0.15)
             assert account["model_state_mb"] == pytest.approx(predicted["model_state"] / 2**20, rel=0.05)
         measured[config] = max(account["activations_mb"] for account in record["memory_per_rank"])
@@ -232,8 +348,16 @@ def test_sequence_parallelism_splits_each_ranks_activations(markov_data, tmp_pat
 def test_make_estimate_memory():
     from conftest import run
 
-    result = run(["make", "-s", "estimate-memory", "MODEL=recipes/configs/tiny_llama.json",
-                  "CONFIG=accelerate_configs/fsdp.yaml", "ARGS=--seq_len 32 --vocab_size 100"])
+    result = run(
+        [
+            "make",
+            "-s",
+            "estimate-memory",
+            "MODEL=recipes/configs/tiny_llama.json",
+            "CONFIG=accelerate_configs/fsdp.yaml",
+            "ARGS=--seq_len 32 --vocab_size 100",
+        ]
+    )
     assert "fsdp.yaml on 2 process(es), bf16, batch 1 x 32 tokens" in result.stdout
     assert "optimizer_states" in result.stdout and "peak" in result.stdout
 

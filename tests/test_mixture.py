@@ -7,8 +7,8 @@ import shutil
 from collections import Counter
 
 import pytest
-
 from conftest import REPO, flags, launch, losses, read_metrics, read_run
+
 from common.errors import UsageError
 
 
@@ -22,19 +22,31 @@ def chat_sources(arithmetic_data, tmp_path_factory):
     from common.synthetic import arithmetic_examples, write_jsonl
 
     out = tmp_path_factory.mktemp("mixture")
-    openai = [{"messages": row["messages"], "row": index, "source": "a"}
-              for index, row in enumerate(arithmetic_examples(300, seed=10))]
+    openai = [
+        {"messages": row["messages"], "row": index, "source": "a"}
+        for index, row in enumerate(arithmetic_examples(300, seed=10))
+    ]
     for row in openai:
         for turn in row["messages"]:
             turn["content"] = [{"type": "text", "text": turn["content"]}]
     write_jsonl(str(out / "openai.jsonl"), openai)
-    sharegpt = [{"conversations": [{"from": {"user": "human", "assistant": "gpt"}[turn["role"]],
-                                    "value": turn["content"]} for turn in row["messages"]], "row": 1000 + index,
-                 "id": index, "lang": "en"}
-                for index, row in enumerate(arithmetic_examples(200, seed=11))]
+    sharegpt = [
+        {
+            "conversations": [
+                {"from": {"user": "human", "assistant": "gpt"}[turn["role"]], "value": turn["content"]}
+                for turn in row["messages"]
+            ],
+            "row": 1000 + index,
+            "id": index,
+            "lang": "en",
+        }
+        for index, row in enumerate(arithmetic_examples(200, seed=11))
+    ]
     write_jsonl(str(out / "sharegpt.jsonl"), sharegpt)
-    plain = [{"chat": row["messages"], "row": 2000 + index, "origin": "generated"}
-             for index, row in enumerate(arithmetic_examples(200, seed=12))]
+    plain = [
+        {"chat": row["messages"], "row": 2000 + index, "origin": "generated"}
+        for index, row in enumerate(arithmetic_examples(200, seed=12))
+    ]
     Dataset.from_list(plain).to_parquet(str(out / "plain.parquet"))
     (out / "plain.json").write_text(json.dumps({row["row"]: row["chat"] for row in plain}))
     return out
@@ -44,11 +56,14 @@ def mixture(sources, row=True, **more) -> dict:
     """Half the OpenAI rows, 250 of the 200 ShareGPT ones and a quarter of the parquet ones, with the
     rows' ids (`row`) where asked."""
     row = {"row": "row"} if row else {}
-    return {"datasets": [{"id": str(sources / "openai.jsonl"), "columns": {"messages": "messages", **row}, "weight": 0.5},
-                         {"id": str(sources / "sharegpt.jsonl"), "columns": {"conversations": "messages", **row},
-                          "samples": 250},
-                         {"id": str(sources / "plain.parquet"), "columns": {"chat": "messages", **row},
-                          "weight": 0.25}], **more}
+    return {
+        "datasets": [
+            {"id": str(sources / "openai.jsonl"), "columns": {"messages": "messages", **row}, "weight": 0.5},
+            {"id": str(sources / "sharegpt.jsonl"), "columns": {"conversations": "messages", **row}, "samples": 250},
+            {"id": str(sources / "plain.parquet"), "columns": {"chat": "messages", **row}, "weight": 0.25},
+        ],
+        **more,
+    }
 
 
 def load(block: dict, seed: int = 42):
@@ -74,8 +89,11 @@ def test_a_mixture_takes_each_sources_rows_exactly_and_seeded(chat_sources):
     assert all(c["train"] + c["held_out"] == c["rows"] for c in counts)
     assert sum(c["held_out"] for c in counts) == 40 and raw["train"].column_names == ["messages", "row"]
 
-    rows = {json.loads(line)["row"]: as_messages(json.loads(line).get("messages") or json.loads(line)["conversations"])
-            for name in ("openai", "sharegpt") for line in (chat_sources / f"{name}.jsonl").open()}
+    rows = {
+        json.loads(line)["row"]: as_messages(json.loads(line).get("messages") or json.loads(line)["conversations"])
+        for name in ("openai", "sharegpt")
+        for line in (chat_sources / f"{name}.jsonl").open()
+    }
     rows.update({int(row): chat for row, chat in json.loads((chat_sources / "plain.json").read_text()).items()})
     for split in ("train", "validation"):  # each row as role/content text, whatever its source's shape
         assert all(rows[row] == messages for row, messages in zip(raw[split]["row"], raw[split]["messages"]))
@@ -100,22 +118,37 @@ def test_a_mixture_takes_each_sources_rows_exactly_and_seeded(chat_sources):
     assert (len(by_percentage["train"]), len(by_percentage["validation"])) == (428, 22)  # round(5% of 450)
 
 
-@pytest.mark.parametrize("block, expected", [
-    ({"datasets": [{"id": "{openai}", "weight": 0}]}, r"source 0 \(.*openai.jsonl\): weight must be a number above 0"),
-    ({"datasets": [{"id": "{openai}", "weight": "half"}]}, "weight must be a number above 0"),
-    ({"datasets": [{"id": "{openai}", "weight": -0.5}]}, "weight must be a number above 0"),
-    ({"datasets": [{"id": "{openai}", "weight": 0.5, "samples": 10}]}, "give weight .* or samples .*, not both"),
-    ({"datasets": [{"id": "{openai}", "samples": 2.5}]}, "samples must be a whole number of rows >= 1"),
-    ({"datasets": [{"id": "{openai}", "fraction": 0.5}]}, "unknown key\\(s\\) 'fraction'; the keys are id, config"),
-    ({"datasets": [{"weight": 0.5}]}, "source 0 must be a mapping with an `id`"),
-    ({"datasets": [{"id": "data/none.jsonl"}]}, "no such file or folder; check the path"),
-    ({"datasets": [{"id": "{openai}", "columns": "messages"}]}, "columns must be a list of column names or a mapping"),
-    ({"datasets": [{"id": "{openai}"}], "test_split_size": 1.5}, "test_split_size must be a number of rows"),
-    ({"datasets": [{"id": "{openai}"}], "shuffle": True}, "the mixture has unknown key\\(s\\) 'shuffle'"),
-    ({"datasets": [{"id": "{openai}", "columns": {"messages": "text", "source": "text"}}]}, "maps two columns to one"),
-    ({"datasets": [{"id": "{openai}", "weight": float("inf")}]}, "weight must be a number above 0"),
-    ({"sources": []}, "a dataset mixture is a mapping with `datasets:`"),
-])
+@pytest.mark.parametrize(
+    "block, expected",
+    [
+        (
+            {"datasets": [{"id": "{openai}", "weight": 0}]},
+            r"source 0 \(.*openai.jsonl\): weight must be a number above 0",
+        ),
+        ({"datasets": [{"id": "{openai}", "weight": "half"}]}, "weight must be a number above 0"),
+        ({"datasets": [{"id": "{openai}", "weight": -0.5}]}, "weight must be a number above 0"),
+        ({"datasets": [{"id": "{openai}", "weight": 0.5, "samples": 10}]}, "give weight .* or samples .*, not both"),
+        ({"datasets": [{"id": "{openai}", "samples": 2.5}]}, "samples must be a whole number of rows >= 1"),
+        (
+            {"datasets": [{"id": "{openai}", "fraction": 0.5}]},
+            "unknown key\\(s\\) 'fraction'; the keys are id, config",
+        ),
+        ({"datasets": [{"weight": 0.5}]}, "source 0 must be a mapping with an `id`"),
+        ({"datasets": [{"id": "data/none.jsonl"}]}, "no such file or folder; check the path"),
+        (
+            {"datasets": [{"id": "{openai}", "columns": "messages"}]},
+            "columns must be a list of column names or a mapping",
+        ),
+        ({"datasets": [{"id": "{openai}"}], "test_split_size": 1.5}, "test_split_size must be a number of rows"),
+        ({"datasets": [{"id": "{openai}"}], "shuffle": True}, "the mixture has unknown key\\(s\\) 'shuffle'"),
+        (
+            {"datasets": [{"id": "{openai}", "columns": {"messages": "text", "source": "text"}}]},
+            "maps two columns to one",
+        ),
+        ({"datasets": [{"id": "{openai}", "weight": float("inf")}]}, "weight must be a number above 0"),
+        ({"sources": []}, "a dataset mixture is a mapping with `datasets:`"),
+    ],
+)
 def test_a_bad_mixture_is_one_line_before_anything_loads(chat_sources, block, expected):
     from common.arguments import DataArguments
 
@@ -125,27 +158,46 @@ def test_a_bad_mixture_is_one_line_before_anything_loads(chat_sources, block, ex
     assert "\n" not in str(refused.value)
 
 
-@pytest.mark.parametrize("source, expected", [
-    ({"id": "{sharegpt}", "columns": ["messages"]}, r"has no column\(s\) 'messages' \(its columns: \['conversations'"),
-    ({"id": "{sharegpt}"}, r"has columns \['conversations', 'id', 'lang', 'row'\] and .*openai.jsonl \['messages', 'row', "
-                           r"'source'\]; map them"),
-    ({"id": "{sharegpt}", "columns": {"conversations": "messages", "lang": "row"}},
-     r"column 'row' of .*sharegpt.jsonl \(Value\('string'\)\) is not of the kind of .*openai.jsonl's "
-     r"\(Value\('int64'\)\); make them the same"),
-    # labels as text in one source and numbers in the other would be four classes, not two
-    ({"id": "{sharegpt}", "columns": {"conversations": "messages", "id": "source"}},
-     r"column 'source' of .*sharegpt.jsonl \(Value\('int64'\)\) is not of the kind of .*openai.jsonl's "
-     r"\(Value\('string'\)\)"),
-    ({"id": "{sharegpt}", "split": "train_sft"}, r"source .*sharegpt.jsonl split train_sft does not load \("
-                                                   r"ValueError: Unknown split"),
-    ({"id": "{empty}"}, r"source .*empty.jsonl split train does not load \(no data in it\)"),
-])
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        (
+            {"id": "{sharegpt}", "columns": ["messages"]},
+            r"has no column\(s\) 'messages' \(its columns: \['conversations'",
+        ),
+        (
+            {"id": "{sharegpt}"},
+            r"has columns \['conversations', 'id', 'lang', 'row'\] and .*openai.jsonl \['messages', 'row', "
+            r"'source'\]; map them",
+        ),
+        (
+            {"id": "{sharegpt}", "columns": {"conversations": "messages", "lang": "row"}},
+            r"column 'row' of .*sharegpt.jsonl \(Value\('string'\)\) is not of the kind of .*openai.jsonl's "
+            r"\(Value\('int64'\)\); make them the same",
+        ),
+        # labels as text in one source and numbers in the other would be four classes, not two
+        (
+            {"id": "{sharegpt}", "columns": {"conversations": "messages", "id": "source"}},
+            r"column 'source' of .*sharegpt.jsonl \(Value\('int64'\)\) is not of the kind of .*openai.jsonl's "
+            r"\(Value\('string'\)\)",
+        ),
+        (
+            {"id": "{sharegpt}", "split": "train_sft"},
+            r"source .*sharegpt.jsonl split train_sft does not load \("
+            r"ValueError: Unknown split",
+        ),
+        ({"id": "{empty}"}, r"source .*empty.jsonl split train does not load \(no data in it\)"),
+    ],
+)
 def test_sources_that_do_not_fit_together_are_one_line(chat_sources, source, expected):
     (chat_sources / "empty.jsonl").write_text("")
     files = {"{sharegpt}": str(chat_sources / "sharegpt.jsonl"), "{empty}": str(chat_sources / "empty.jsonl")}
-    block = {"datasets": [{"id": str(chat_sources / "openai.jsonl")},
-                          {key: files.get(value, value) if isinstance(value, str) else value
-                           for key, value in source.items()}]}
+    block = {
+        "datasets": [
+            {"id": str(chat_sources / "openai.jsonl")},
+            {key: files.get(value, value) if isinstance(value, str) else value for key, value in source.items()},
+        ]
+    }
     if isinstance(source.get("columns"), dict):  # the first source's columns: the same names
         block["datasets"][0]["columns"] = ["messages", list(source["columns"].values())[1]]
     with pytest.raises(UsageError, match=expected):
@@ -158,13 +210,16 @@ def test_a_mixture_with_what_it_replaces_is_refused(chat_sources):
     with pytest.raises(UsageError, match="give exactly one of --dataset_name, --train_file or --dataset_mixture"):
         DataArguments(dataset_mixture=json.dumps(mixture(chat_sources)), train_file=str(chat_sources / "openai.jsonl"))
     with pytest.raises(UsageError, match="--validation_file and the mixture's test_split_size both give"):
-        DataArguments(dataset_mixture=json.dumps(mixture(chat_sources, test_split_size=10)),
-                      validation_file=str(chat_sources / "openai.jsonl"))
+        DataArguments(
+            dataset_mixture=json.dumps(mixture(chat_sources, test_split_size=10)),
+            validation_file=str(chat_sources / "openai.jsonl"),
+        )
 
 
 @pytest.mark.slow
 def test_sft_on_a_mixture_under_ddp_records_its_sources_and_resumes_at_the_same_place(
-        chat_sources, arithmetic_data, tmp_path):
+    chat_sources, arithmetic_data, tmp_path
+):
     """sft.py on 2 processes (ddp.yaml, bf16 as it ships, accumulation 2) with the mixture in its
     recipe YAML, as the handbook writes it: run.json and the model card give each source's rows,
     and a run stopped at its step-3 checkpoint resumes to the same per-step losses (the mixed set
@@ -178,15 +233,30 @@ def test_sft_on_a_mixture_under_ddp_records_its_sources_and_resumes_at_the_same_
     config.write_text(yaml.safe_dump(recipe))
 
     def args(out, **more):
-        return flags(config=config, tokenizer_name_or_path=arithmetic_data / "tokenizer", output_dir=out,
-                     max_steps=6, save_steps=3, per_device_train_batch_size=4, gradient_accumulation_steps=2,
-                     logging_steps=1, eval_steps=0, max_generation_samples=4, report_to="none", **more)
+        return flags(
+            config=config,
+            tokenizer_name_or_path=arithmetic_data / "tokenizer",
+            output_dir=out,
+            max_steps=6,
+            save_steps=3,
+            per_device_train_batch_size=4,
+            gradient_accumulation_steps=2,
+            logging_steps=1,
+            eval_steps=0,
+            max_generation_samples=4,
+            report_to="none",
+            **more,
+        )
 
     out = tmp_path / "run"
     launch("ddp.yaml", "sft.py", args(out))
     record = read_run(out)
     assert record["participating_processes"] == 2 and record["mixed_precision"] == "bf16"
-    assert [(s["rows"], s["train"] + s["held_out"]) for s in record["data_sources"]] == [(150, 150), (250, 250), (50, 50)]
+    assert [(s["rows"], s["train"] + s["held_out"]) for s in record["data_sources"]] == [
+        (150, 150),
+        (250, 250),
+        (50, 50),
+    ]
     card = (out / "final" / "README.md").read_text()
     for source in record["data_sources"]:
         assert f"| source {source['source']} (train) | {source['train']} training rows |" in card
@@ -211,8 +281,13 @@ def test_a_streamed_mixture_holds_out_each_sources_share_and_never_trains_on_it(
 
     (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": f"a{i}"}) + "\n" for i in range(120)))
     (tmp_path / "b.jsonl").write_text("".join(json.dumps({"body": f"b{i}"}) + "\n" for i in range(40)))
-    block = {"datasets": [{"id": str(tmp_path / "a.jsonl"), "weight": 3},
-                          {"id": str(tmp_path / "b.jsonl"), "columns": {"body": "text"}}], "seed": 3}
+    block = {
+        "datasets": [
+            {"id": str(tmp_path / "a.jsonl"), "weight": 3},
+            {"id": str(tmp_path / "b.jsonl"), "columns": {"body": "text"}},
+        ],
+        "seed": 3,
+    }
     args = DataArguments(dataset_mixture=json.dumps(block), streaming=True, max_eval_samples=20)
     raw = load_raw_datasets(args, seed=0)
     held = set(raw["validation"]["text"])

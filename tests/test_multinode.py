@@ -9,8 +9,8 @@ import threading
 import time
 
 import pytest
+from conftest import BIN, FP32, OFFLINE_ENV, REPO, causal_lm_args, free_port, launch_command, losses, read_run, tiered
 
-from conftest import (BIN, FP32, OFFLINE_ENV, REPO, causal_lm_args, free_port, launch_command, losses, read_run)
 
 TEMPLATES = {"multi_node_ddp.yaml": "MULTI_CPU", "multi_node_fsdp.yaml": "FSDP", "multi_node_zero3.yaml": "DEEPSPEED"}
 
@@ -41,16 +41,38 @@ def wait_all(processes, timeout=600):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", sorted(TEMPLATES))
+@pytest.mark.parametrize("config", tiered(sorted(TEMPLATES), ["multi_node_zero3.yaml"]))  # fsdp: the SLURM test's
 def test_two_machines_on_loopback_match_one_process(config, markov_data, reference, tmp_path):
     out, port = tmp_path / "run", free_port()
     args = causal_lm_args(markov_data, out, per_device_train_batch_size=4, max_steps=12)
-    nodes = [subprocess.Popen(
-        launch_command(config, "causal_lm.py", args, [
-            "--num_machines", "2", "--num_processes", "2", "--machine_rank", str(rank),
-            "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), *FP32]),
-        cwd=REPO, env={**os.environ, **OFFLINE_ENV}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for rank in (0, 1)]
+    nodes = [
+        subprocess.Popen(
+            launch_command(
+                config,
+                "causal_lm.py",
+                args,
+                [
+                    "--num_machines",
+                    "2",
+                    "--num_processes",
+                    "2",
+                    "--machine_rank",
+                    str(rank),
+                    "--main_process_ip",
+                    "127.0.0.1",
+                    "--main_process_port",
+                    str(port),
+                    *FP32,
+                ],
+            ),
+            cwd=REPO,
+            env={**os.environ, **OFFLINE_ENV},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
     logs = wait_all(nodes)
     print(f"{config}: node output {[len(log) for log in logs]} characters")
     # The second node says where the first node's tokenized cache is, and that it must be shared.
@@ -77,6 +99,7 @@ exit $status
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive
 def test_slurm_batch_script_runs_hsdp_on_two_fake_nodes_of_two_processes(markov_data, reference, tmp_path):
     """scripts/slurm/train.sbatch with multi_node_hsdp.yaml on 2 fake nodes x 2 processes (loopback):
     the script sets the mesh from the job (dp_replicate = nodes, dp_shard = GPUs per node), so the
@@ -88,14 +111,32 @@ def test_slurm_batch_script_runs_hsdp_on_two_fake_nodes_of_two_processes(markov_
         (fake_bin / name).write_text(text)
         (fake_bin / name).chmod(stat.S_IRWXU)
     out = tmp_path / "run"
-    env = {**os.environ, **OFFLINE_ENV, "PATH": f"{fake_bin}:{OFFLINE_ENV['PATH']}", "SLURM_NNODES": "2",
-           "SLURM_JOB_NODELIST": "node[0-1]", "GPUS_PER_NODE": "2", "MAIN_PROCESS_PORT": str(free_port()),
-           "ACCELERATE": str(BIN / "accelerate")}
+    env = {
+        **os.environ,
+        **OFFLINE_ENV,
+        "PATH": f"{fake_bin}:{OFFLINE_ENV['PATH']}",
+        "SLURM_NNODES": "2",
+        "SLURM_JOB_NODELIST": "node[0-1]",
+        "GPUS_PER_NODE": "2",
+        "MAIN_PROCESS_PORT": str(free_port()),
+        "ACCELERATE": str(BIN / "accelerate"),
+    }
     env.pop("SLURM_NODEID", None)
     process = subprocess.Popen(
-        ["bash", "scripts/slurm/train.sbatch", "accelerate_configs/multi_node_hsdp.yaml", *FP32, "recipes/causal_lm.py",
-         *causal_lm_args(markov_data, out, per_device_train_batch_size=2, max_steps=12)],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            "bash",
+            "scripts/slurm/train.sbatch",
+            "accelerate_configs/multi_node_hsdp.yaml",
+            *FP32,
+            "recipes/causal_lm.py",
+            *causal_lm_args(markov_data, out, per_device_train_batch_size=2, max_steps=12),
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     log = wait_all([process])[0]
     assert "machine_rank=0 of 2, 2 processes" in log and "machine_rank=1 of 2, 2 processes" in log
     record = read_run(out)
@@ -104,8 +145,10 @@ def test_slurm_batch_script_runs_hsdp_on_two_fake_nodes_of_two_processes(markov_
     total, local = record["total_parameters"], record["local_parameter_elements"]
     assert all(0.45 * total <= n <= 0.55 * total for n in local), (local, total)
     gap = max(abs(a - b) for a, b in zip(losses(out), losses(reference)))
-    print(f"HSDP, 2 fake SLURM nodes x 2 processes: local parameter elements {local} of {total}, "
-          f"max loss gap to one process {gap:.2e}")
+    print(
+        f"HSDP, 2 fake SLURM nodes x 2 processes: local parameter elements {local} of {total}, "
+        f"max loss gap to one process {gap:.2e}"
+    )
     assert len(losses(out)) == 12 and gap < 1e-5
 
 
@@ -114,14 +157,17 @@ def zero3_checkpoint_of_another_world_size(folder):
     ZeRO shards are missing: rank 0's conversion fails."""
     (folder / "pytorch_model").mkdir(parents=True)
     (folder / "latest").write_text("pytorch_model")
-    (folder / "trainer_state.json").write_text(json.dumps({"step": 4, "num_processes": 4,
-                                                           "zero3_sub_group_size": 10_000_000}))
+    (folder / "trainer_state.json").write_text(
+        json.dumps({"step": 4, "num_processes": 4, "zero3_sub_group_size": 10_000_000})
+    )
     return folder
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive
 def test_a_failed_conversion_ends_the_other_node_with_rank_0s_line_and_an_unseen_one_within_the_timeout(
-        markov_data, tmp_path):
+    markov_data, tmp_path
+):
     """multi_node_zero3.yaml on two loopback machines, resuming a ZeRO-3 checkpoint of 4 processes on 2:
     rank 0 converts it before any process group exists while node 1 waits on the filesystem (with the
     static rendezvous its agent never learns that node 0 ended). Shared checkpoint: rank 0's conversion
@@ -130,24 +176,56 @@ def test_a_failed_conversion_ends_the_other_node_with_rank_0s_line_and_an_unseen
     --ddp_timeout (10 s) with a line naming the shared filesystem. Before, node 1 waited for ever."""
     shared = zero3_checkpoint_of_another_world_size(tmp_path / "shared/checkpoints/step_4")
     own = zero3_checkpoint_of_another_world_size(tmp_path / "node1/checkpoints/step_4")
-    for node1_checkpoint, expected in ((shared, r"rank 0 could not convert \S+step_4 for this run: "
-                                                r"checkpoint \S+ could not be converted"),
-                                       (own, r"waited 10 s \(--ddp_timeout\) for rank 0 to convert .* one shared "
-                                             r"filesystem")):
+    for node1_checkpoint, expected in (
+        (
+            shared,
+            r"rank 0 could not convert \S+step_4 for this run: "
+            r"checkpoint \S+ could not be converted",
+        ),
+        (
+            own,
+            r"waited 10 s \(--ddp_timeout\) for rank 0 to convert .* one shared "
+            r"filesystem",
+        ),
+    ):
         port, started = free_port(), time.time()
-        nodes = [subprocess.Popen(
-            launch_command("multi_node_zero3.yaml", "causal_lm.py", causal_lm_args(
-                markov_data, tmp_path / f"run{rank}", resume_from_checkpoint=checkpoint, ddp_timeout=10), [
-                "--num_machines", "2", "--num_processes", "2", "--machine_rank", str(rank),
-                "--main_process_ip", "127.0.0.1", "--main_process_port", str(port)]),
-            cwd=REPO, env={**os.environ, **OFFLINE_ENV}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            for rank, checkpoint in ((0, shared), (1, node1_checkpoint))]
+        nodes = [
+            subprocess.Popen(
+                launch_command(
+                    "multi_node_zero3.yaml",
+                    "causal_lm.py",
+                    causal_lm_args(
+                        markov_data, tmp_path / f"run{rank}", resume_from_checkpoint=checkpoint, ddp_timeout=10
+                    ),
+                    [
+                        "--num_machines",
+                        "2",
+                        "--num_processes",
+                        "2",
+                        "--machine_rank",
+                        str(rank),
+                        "--main_process_ip",
+                        "127.0.0.1",
+                        "--main_process_port",
+                        str(port),
+                    ],
+                ),
+                cwd=REPO,
+                env={**os.environ, **OFFLINE_ENV},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for rank, checkpoint in ((0, shared), (1, node1_checkpoint))
+        ]
         try:
             logs = [node.communicate(timeout=240)[0] for node in nodes]
         finally:
             for node in nodes:
                 node.kill()
-        print(f"node 1 ended in {time.time() - started:.0f} s: {[l for l in logs[1].splitlines() if l.startswith('error:')][-1:]}")
+        print(
+            f"node 1 ended in {time.time() - started:.0f} s: {[l for l in logs[1].splitlines() if l.startswith('error:')][-1:]}"
+        )
         assert nodes[0].returncode != 0 and nodes[1].returncode != 0
         assert re.search(r"error: checkpoint \S+ could not be converted for another number of processes", logs[0])
         assert re.search(r"error: " + expected, logs[1]), logs[1][-3000:]  # at once: local rank 0 of its node

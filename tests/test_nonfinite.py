@@ -13,8 +13,8 @@ import shutil
 
 import pytest
 import torch
-
 from conftest import launch, load_weights, losses, pretrained_args, read_metrics, read_run
+
 
 POISON = 3e38
 
@@ -47,9 +47,17 @@ def events(out) -> list[dict]:
 
 def run_args(markov_data, poisoned, out, **overrides):
     root, model = poisoned
-    values = dict(train_file=root / "train.jsonl", validation_file=markov_data / "validation.jsonl",
-                  gradient_accumulation_steps=2, per_device_train_batch_size=4, max_steps=10, save_steps=1, save_total_limit=20,
-                  max_grad_norm=1.0, warmup_steps=0)
+    values = dict(
+        train_file=root / "train.jsonl",
+        validation_file=markov_data / "validation.jsonl",
+        gradient_accumulation_steps=2,
+        per_device_train_batch_size=4,
+        max_steps=10,
+        save_steps=1,
+        save_total_limit=20,
+        max_grad_norm=1.0,
+        warmup_steps=0,
+    )
     values.update(overrides)
     return pretrained_args(markov_data, model, out, **values)
 
@@ -82,8 +90,12 @@ def test_a_non_finite_step_is_skipped_on_every_rank_and_training_goes_on(skippin
         schedules = [torch.load(folder / "scheduler.bin", weights_only=False) for folder in (before, after)]
         assert schedules[0]["last_epoch"] == schedules[1]["last_epoch"]  # the schedule did not step either
     trained = [s for s in range(2, 11) if s not in {e["step"] for e in skipped}]
-    changed = [s for s in trained if (out / f"checkpoints/step_{s - 1}/model.safetensors").read_bytes()
-               != (out / f"checkpoints/step_{s}/model.safetensors").read_bytes()]
+    changed = [
+        s
+        for s in trained
+        if (out / f"checkpoints/step_{s - 1}/model.safetensors").read_bytes()
+        != (out / f"checkpoints/step_{s}/model.safetensors").read_bytes()
+    ]
     assert changed == trained
     final = load_weights(out / "final")
     assert all(torch.isfinite(t.float()).all() for t in final.values())
@@ -103,8 +115,10 @@ def test_steps_skipped_on_the_device_are_read_at_the_logging_steps(markov_data, 
     assert [row["step"] for row in read_metrics(out)[0]] == [4, 8]
     every_step = {row["step"]: row["loss"] for row in read_metrics(reference)[0]}
     # a window's mean loss against the mean of the per-step run's losses over the same steps
-    gaps = [abs(row["loss"] - sum(every_step[s] for s in range(row["step"] - 3, row["step"] + 1)) / 4)
-            for row in read_metrics(out)[0]]
+    gaps = [
+        abs(row["loss"] - sum(every_step[s] for s in range(row["step"] - 3, row["step"] + 1)) / 4)
+        for row in read_metrics(out)[0]
+    ]
     print(f"loss gap, logging every 4 steps vs every step: {max(gaps):.2e}")
     assert max(gaps) < 2e-2
     assert all(torch.isfinite(t.float()).all() for t in load_weights(out / "final").values())

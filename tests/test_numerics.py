@@ -6,8 +6,18 @@ import shutil
 from types import SimpleNamespace
 
 import pytest
-
-from conftest import FP32, REPO, causal_lm_args, flags, launch, losses, max_weight_difference, read_metrics, read_run
+from conftest import (
+    FP32,
+    REPO,
+    causal_lm_args,
+    flags,
+    launch,
+    losses,
+    max_weight_difference,
+    read_metrics,
+    read_run,
+    tiered,
+)
 
 from common.arguments import TrainingArguments
 from common.errors import UsageError
@@ -15,12 +25,27 @@ from common.errors import UsageError
 
 # --- loss = mean over the global batch's label tokens --------------------------------
 
+
 def sft_args(data, out, batch, accumulation, packing):
-    return flags(config=REPO / "recipes/configs/sft_demo.yaml", tokenizer_name_or_path=data / "tokenizer",
-                 train_file=data / "train.jsonl", validation_file=data / "validation.jsonl", output_dir=out,
-                 per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation, packing=packing,
-                 max_steps=6, logging_steps=1, eval_steps=0, save_steps=0, warmup_steps=0, learning_rate=3e-3,
-                 max_generation_samples=1, max_new_tokens=1, report_to="none")
+    return flags(
+        config=REPO / "recipes/configs/sft_demo.yaml",
+        tokenizer_name_or_path=data / "tokenizer",
+        train_file=data / "train.jsonl",
+        validation_file=data / "validation.jsonl",
+        output_dir=out,
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=accumulation,
+        packing=packing,
+        max_steps=6,
+        logging_steps=1,
+        eval_steps=0,
+        save_steps=0,
+        warmup_steps=0,
+        learning_rate=3e-3,
+        max_generation_samples=1,
+        max_new_tokens=1,
+        report_to="none",
+    )
 
 
 def test_counting_chats_have_label_counts_that_vary(counting_data):
@@ -31,15 +56,22 @@ def test_counting_chats_have_label_counts_that_vary(counting_data):
     from common.chat import tokenize_sft
 
     tokenizer = AutoTokenizer.from_pretrained(counting_data / "tokenizer")
-    raw = load_dataset("json", data_files={"train": str(counting_data / "train.jsonl"),
-                                           "validation": str(counting_data / "validation.jsonl")})
-    counts = {sum(t != -100 for t in e["labels"]) for e in tokenize_sft(raw, tokenizer, "messages", 64, "drop",
-                                                                        PartialState(cpu=True))[0]["train"]}
+    raw = load_dataset(
+        "json",
+        data_files={
+            "train": str(counting_data / "train.jsonl"),
+            "validation": str(counting_data / "validation.jsonl"),
+        },
+    )
+    counts = {
+        sum(t != -100 for t in e["labels"])
+        for e in tokenize_sft(raw, tokenizer, "messages", 64, "drop", PartialState(cpu=True))[0]["train"]
+    }
     assert min(counts) == 2 and max(counts) == 13  # answer (1 to 12 tokens) + EOS
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("packing", ["true", "false"])
+@pytest.mark.parametrize("packing", tiered(["true", "false"], ["false"]))  # make test: padded, with the splits of rows
 def test_sft_objective_is_the_same_however_the_batch_is_split(packing, counting_data, tmp_path):
     """1 x 8, 2 processes x 2 with accumulation 2 (ddp; packed: zero3 and fsdp_tp.yaml's 2 TP pairs too), a
     tensor-parallel pair sharing 4 x accumulation 2 (tp.yaml) and, padded, a sequence-parallel pair splitting
@@ -73,15 +105,27 @@ def test_sft_objective_is_the_same_however_the_batch_is_split(packing, counting_
 
 # --- --max_grad_norm decides clipping under every strategy ---------------------------
 
+
 @pytest.mark.slow
+@pytest.mark.exhaustive
 def test_small_max_grad_norm_changes_zero2_as_it_changes_one_process(markov_data, tmp_path):
     # DeepSpeed clips inside its own step with its config's gradient_clipping; build_accelerator writes
     # --max_grad_norm there. Adam is almost blind to a uniform gradient scale: a large epsilon lets clipping show.
     runs = {"unclipped": ("single.yaml", 8, 0), "one": ("single.yaml", 8, 0.01), "zero2": ("zero2.yaml", 4, 0.01)}
     for name, (config, batch, max_grad_norm) in runs.items():
-        launch(config, "causal_lm.py", causal_lm_args(markov_data, tmp_path / name, per_device_train_batch_size=batch,
-                                                      max_grad_norm=max_grad_norm, adam_epsilon=1e-3, max_steps=6),
-               launcher_args=FP32)
+        launch(
+            config,
+            "causal_lm.py",
+            causal_lm_args(
+                markov_data,
+                tmp_path / name,
+                per_device_train_batch_size=batch,
+                max_grad_norm=max_grad_norm,
+                adam_epsilon=1e-3,
+                max_steps=6,
+            ),
+            launcher_args=FP32,
+        )
     assert read_run(tmp_path / "zero2")["participating_processes"] == 2
     assert read_run(tmp_path / "zero2")["args"]["max_grad_norm"] == 0.01
     unclipped, one, zero2 = (losses(tmp_path / name) for name in runs)
@@ -112,6 +156,7 @@ def test_deepspeed_clipping_follows_max_grad_norm_or_is_refused():
 
 # --- epochs with a remainder, and resuming past an epoch boundary ---------------------
 
+
 @pytest.mark.slow
 def test_epochs_with_a_remainder_resume_exactly_past_a_torn_metrics_line(tmp_path):
     from common.synthetic import write_markov_corpus
@@ -119,15 +164,25 @@ def test_epochs_with_a_remainder_resume_exactly_past_a_torn_metrics_line(tmp_pat
     data = tmp_path / "data"
     write_markov_corpus(str(data), train_docs=120, validation_docs=20, seed=0)
     accumulation = 5
-    args = dict(per_device_train_batch_size=2, gradient_accumulation_steps=accumulation, max_steps=-1,
-                num_train_epochs=3, save_steps=1, save_total_limit=100, warmup_steps=0, lr_scheduler_type="linear")
+    args = dict(
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=accumulation,
+        max_steps=-1,
+        num_train_epochs=3,
+        save_steps=1,
+        save_total_limit=100,
+        warmup_steps=0,
+        lr_scheduler_type="linear",
+    )
     full = tmp_path / "full"
     launch("ddp.yaml", "causal_lm.py", causal_lm_args(data, full, **args), launcher_args=FP32)
     record = read_run(full)
     batches = record["train_blocks"] // (2 * 2)  # per rank per epoch
     per_epoch = batches // accumulation
-    print(f"{record['train_blocks']} blocks: {batches} batches per rank per epoch, {per_epoch} steps, "
-          f"remainder {batches % accumulation}")
+    print(
+        f"{record['train_blocks']} blocks: {batches} batches per rank per epoch, {per_epoch} steps, "
+        f"remainder {batches % accumulation}"
+    )
     assert batches % accumulation != 0 and per_epoch >= 2
     assert record["max_steps"] == 3 * per_epoch
     train = read_metrics(full)[0]
@@ -139,13 +194,19 @@ def test_epochs_with_a_remainder_resume_exactly_past_a_torn_metrics_line(tmp_pat
     state = json.loads((full / "checkpoints" / f"step_{after_boundary}" / "trainer_state.json").read_text())
     assert state["data"] == {"epoch": 1, "samples": accumulation * 2 * 2, "global_batch": accumulation * 2 * 2}
     stopped = tmp_path / "stopped"
-    shutil.copytree(full / "checkpoints" / f"step_{after_boundary}", stopped / "checkpoints" / f"step_{after_boundary}")
+    shutil.copytree(
+        full / "checkpoints" / f"step_{after_boundary}", stopped / "checkpoints" / f"step_{after_boundary}"
+    )
     # The stopped run had logged two steps past its checkpoint when a crash tore its last line in half.
     rows = (full / "metrics.jsonl").read_text().splitlines(keepends=True)
     logged = [row for row in rows if json.loads(row)["step"] <= after_boundary + 2]
     (stopped / "metrics.jsonl").write_text("".join(logged) + rows[len(logged)][:25])
-    launch("ddp.yaml", "causal_lm.py", causal_lm_args(data, stopped, resume_from_checkpoint="latest", **args),
-           launcher_args=FP32)
+    launch(
+        "ddp.yaml",
+        "causal_lm.py",
+        causal_lm_args(data, stopped, resume_from_checkpoint="latest", **args),
+        launcher_args=FP32,
+    )
     kept = read_metrics(stopped)[0]  # every line parses again
     assert [r["step"] for r in kept] == list(range(1, 3 * per_epoch + 1))  # the crashed run's extra steps dropped
     resumed = kept[after_boundary:]
@@ -154,6 +215,7 @@ def test_epochs_with_a_remainder_resume_exactly_past_a_torn_metrics_line(tmp_pat
 
 
 # --- weight decay by module type; strategy-independent initialisation -------------------
+
 
 def test_weight_decay_skips_biases_and_every_norm_layer_by_type():
     import torch
@@ -179,8 +241,14 @@ def test_initial_weights_do_not_depend_on_the_global_rng_or_build_order():
 
     from common.model import initialise_weights
 
-    config = LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2)
+    config = LlamaConfig(
+        vocab_size=40,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+    )
     torch.manual_seed(1)
     first = AutoModelForCausalLM.from_config(config)
     initialise_weights(first, seed=7)

@@ -10,9 +10,19 @@ import time
 from pathlib import Path
 
 import pytest
-
-from conftest import (FP32, OFFLINE_ENV, REPO, causal_lm_args, free_port, launch, launch_command, losses,
-                      max_weight_difference, read_metrics, read_run)
+from conftest import (
+    FP32,
+    OFFLINE_ENV,
+    REPO,
+    causal_lm_args,
+    free_port,
+    launch,
+    launch_command,
+    losses,
+    max_weight_difference,
+    read_metrics,
+    read_run,
+)
 
 
 def test_profile_steps_write_one_trace_per_rank_with_the_models_ops(markov_data, tmp_path):
@@ -58,11 +68,21 @@ def test_a_killed_worker_is_restarted_and_the_run_resumes_to_the_same_weights(ma
     earlier.mkdir(parents=True)
     (earlier / "trainer_state.json").write_text(json.dumps({"step": 11}))
     args = causal_lm_args(markov_data, out, per_device_train_batch_size=4, save_steps=2, save_total_limit=2)
-    command = ["make", "causal_lm", "CONFIG=accelerate_configs/ddp.yaml",
-               f"LAUNCH_ARGS=--max_restarts 2 --mixed_precision no --main_process_port {free_port()}",
-               "ARGS=" + " ".join(args[2:])]  # the recipe YAML comes from the make target
-    process = subprocess.Popen(command, cwd=REPO, env={**os.environ, **OFFLINE_ENV}, text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    command = [
+        "make",
+        "causal_lm",
+        "CONFIG=accelerate_configs/ddp.yaml",
+        f"LAUNCH_ARGS=--max_restarts 2 --mixed_precision no --main_process_port {free_port()}",
+        "ARGS=" + " ".join(args[2:]),
+    ]  # the recipe YAML comes from the make target
+    process = subprocess.Popen(
+        command,
+        cwd=REPO,
+        env={**os.environ, **OFFLINE_ENV},
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     killed = []
     deadline = time.time() + 300
     while len(killed) < 2 and process.poll() is None and time.time() < deadline:
@@ -94,9 +114,14 @@ def test_a_hung_peer_ends_the_run_within_the_timeout_with_one_line(markov_data, 
     prints one line naming the lost peer and what to check; the launch exits non-zero."""
     out = tmp_path / "run"
     args = causal_lm_args(markov_data, out, max_steps=100000, logging_steps=1, ddp_timeout=10)
-    process = subprocess.Popen(launch_command("ddp.yaml", "causal_lm.py", args), cwd=REPO,
-                               env={**os.environ, **OFFLINE_ENV}, text=True, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT)
+    process = subprocess.Popen(
+        launch_command("ddp.yaml", "causal_lm.py", args),
+        cwd=REPO,
+        env={**os.environ, **OFFLINE_ENV},
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     lines = []  # (time seen, line), read as the launch prints them
     reader = threading.Thread(target=lambda: [lines.append((time.time(), line)) for line in process.stdout])
     reader.start()
@@ -120,14 +145,18 @@ def test_a_hung_peer_ends_the_run_within_the_timeout_with_one_line(markov_data, 
     after = errors[0][0] - stopped_at
     print(f"rank 1 frozen; rank 0's error came {after:.1f} s later, exit {process.returncode}: {errors[0][1]}")
     assert after < 10 + 15  # the timeout, plus slack for a busy machine
-    assert re.search(r"lost contact with rank 1 \(the main node is 127\.0\.0\.1:\d+\) during a collective on rank 0 "
-                     r".*(Timed out waiting 10000ms|Application timeout caused pair closure).*--ddp_timeout 10 s",
-                     errors[0][1]), errors[0][1]  # gloo's two timeout texts: the op that timed out, or one beside it
+    assert re.search(
+        r"lost contact with rank 1 \(the main node is 127\.0\.0\.1:\d+\) during a collective on rank 0 "
+        r".*(Timed out waiting 10000ms|Application timeout caused pair closure).*--ddp_timeout 10 s",
+        errors[0][1],
+    ), errors[0][1]  # gloo's two timeout texts: the op that timed out, or one beside it
 
 
 @pytest.mark.slow
-def test_a_cut_link_is_reported_on_both_nodes_and_the_run_resumes_once_it_is_back(two_hosts, markov_data, reference,
-                                                                                 tmp_path):
+@pytest.mark.exhaustive
+def test_a_cut_link_is_reported_on_both_nodes_and_the_run_resumes_once_it_is_back(
+    two_hosts, markov_data, reference, tmp_path
+):
     """multi_node_ddp.yaml across two hosts (network namespaces with their own hostnames over a
     veth pair), one process each, fp32, --ddp_timeout 10, launched as make launches with
     --max_restarts 3 (c10d rendezvous, a fresh store per attempt). The link is taken down once
@@ -139,18 +168,51 @@ def test_a_cut_link_is_reported_on_both_nodes_and_the_run_resumes_once_it_is_bac
     args = causal_lm_args(markov_data, out, per_device_train_batch_size=4, save_steps=2, ddp_timeout=10)
     lines, processes = ([], []), []
     for host in (0, 1):
-        command, env = two_hosts.command(host, launch_command("multi_node_ddp.yaml", "causal_lm.py", args, [
-            "--num_machines", "2", "--num_processes", "2", "--machine_rank", str(host), *FP32,
-            "--main_process_ip", two_hosts.addresses[0], "--main_process_port", str(port),
-            "--max_restarts", "3", "--rdzv_backend", "c10d"]), own_hostname=True)
-        process = subprocess.Popen(command, cwd=REPO, env={**env, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}, text=True,
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        threading.Thread(target=lambda p=process, seen=lines[host]: [seen.append((time.time(), line))
-                                                                     for line in p.stdout], daemon=True).start()
+        command, env = two_hosts.command(
+            host,
+            launch_command(
+                "multi_node_ddp.yaml",
+                "causal_lm.py",
+                args,
+                [
+                    "--num_machines",
+                    "2",
+                    "--num_processes",
+                    "2",
+                    "--machine_rank",
+                    str(host),
+                    *FP32,
+                    "--main_process_ip",
+                    two_hosts.addresses[0],
+                    "--main_process_port",
+                    str(port),
+                    "--max_restarts",
+                    "3",
+                    "--rdzv_backend",
+                    "c10d",
+                ],
+            ),
+            own_hostname=True,
+        )
+        process = subprocess.Popen(
+            command,
+            cwd=REPO,
+            env={**env, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        threading.Thread(
+            target=lambda p=process, seen=lines[host]: [seen.append((time.time(), line)) for line in p.stdout],
+            daemon=True,
+        ).start()
         processes.append(process)
     deadline = time.time() + 300
-    while time.time() < deadline and all(p.poll() is None for p in processes) and \
-            not (out / "checkpoints/step_2").exists():
+    while (
+        time.time() < deadline
+        and all(p.poll() is None for p in processes)
+        and not (out / "checkpoints/step_2").exists()
+    ):
         time.sleep(0.01)
     two_hosts.set_link(1, "down")
     cut = time.time()
@@ -168,21 +230,27 @@ def test_a_cut_link_is_reported_on_both_nodes_and_the_run_resumes_once_it_is_bac
         first = errors(host)[0] if errors(host) else (None, outputs[host][-4000:])
         print(f"node {host}: error {first[0]:.1f} s after the cut: {first[1][:160]}")
         assert first[0] < 10 + 15, first
-        assert re.search(rf"lost contact with rank {1 - host} \(the main node is \S+\) during a collective on rank "
-                         rf"{host} \(host {two_hosts.hostnames[host]}\).*--ddp_timeout 10 s", first[1]), first[1]
+        assert re.search(
+            rf"lost contact with rank {1 - host} \(the main node is \S+\) during a collective on rank "
+            rf"{host} \(host {two_hosts.hostnames[host]}\).*--ddp_timeout 10 s",
+            first[1],
+        ), first[1]
         assert processes[host].returncode == 0, outputs[host][-4000:]
     resumed = re.search(r"resumed from \S+/step_(\d+) at step (\d+)", outputs[0])
     assert resumed and int(resumed.group(2)) < 12, outputs[0][-4000:]
     assert [row["step"] for row in read_metrics(out)[0]] == list(range(1, 13))  # each step logged once
     assert read_run(out)["participating_processes"] == 2
     gap = max_weight_difference(out / "final", reference / "final")
-    print(f"{outputs[0].count('resumed from')} restart(s); resumed at step {resumed.group(2)} once the link was back; "
-          f"final weights vs the uninterrupted "
-          f"reference: max gap {gap:.2e}")
+    print(
+        f"{outputs[0].count('resumed from')} restart(s); resumed at step {resumed.group(2)} once the link was back; "
+        f"final weights vs the uninterrupted "
+        f"reference: max gap {gap:.2e}"
+    )
     assert gap < 1e-5
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive
 def test_auto_find_batch_size_halves_on_a_real_out_of_memory_and_keeps_the_global_batch(markov_data, tmp_path):
     """ddp, 2 processes, a small Llama on 256-token blocks (activations dominate), each process's data
     limited to 1.75 GiB (prlimit --data): the asked per-device batch of 64 runs out of memory for real
@@ -201,27 +269,47 @@ def test_auto_find_batch_size_halves_on_a_real_out_of_memory_and_keeps_the_globa
     (tmp_path / "llama.json").write_text(json.dumps(config))
     common = dict(model_config=tmp_path / "llama.json", block_size=256, max_steps=2, per_device_eval_batch_size=2)
     found = tmp_path / "found"
-    command = launch_command("ddp.yaml", "causal_lm.py", causal_lm_args(
-        markov_data, found, per_device_train_batch_size=64, gradient_accumulation_steps=1, **common) +
-        ["--auto_find_batch_size", "true"], FP32)
-    result = subprocess.run([prlimit, f"--data={int(1.75 * 2**30)}", *command], cwd=REPO, capture_output=True, text=True,
-                            env={**os.environ, **OFFLINE_ENV, "MALLOC_MMAP_THRESHOLD_": "131072"}, timeout=900)
+    command = launch_command(
+        "ddp.yaml",
+        "causal_lm.py",
+        causal_lm_args(markov_data, found, per_device_train_batch_size=64, gradient_accumulation_steps=1, **common)
+        + ["--auto_find_batch_size", "true"],
+        FP32,
+    )
+    result = subprocess.run(
+        [prlimit, f"--data={int(1.75 * 2**30)}", *command],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **OFFLINE_ENV, "MALLOC_MMAP_THRESHOLD_": "131072"},
+        timeout=900,
+    )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
-    chosen = re.search(r"auto_find_batch_size: per-device batch 64(, \d+)* ran out of memory; training with (\d+) x "
-                       r"gradient_accumulation_steps (\d+) per process", output)
+    chosen = re.search(
+        r"auto_find_batch_size: per-device batch 64(, \d+)* ran out of memory; training with (\d+) x "
+        r"gradient_accumulation_steps (\d+) per process",
+        output,
+    )
     assert chosen, output[-4000:]
     batch, accumulation = int(chosen.group(2)), int(chosen.group(3))
     print(chosen.group(0))
     assert batch < 64 and batch * accumulation == 64
     record = read_run(found)
     assert record["participating_processes"] == 2
-    assert (record["args"]["per_device_train_batch_size"], record["args"]["gradient_accumulation_steps"]) == \
-        (batch, accumulation)
+    assert (record["args"]["per_device_train_batch_size"], record["args"]["gradient_accumulation_steps"]) == (
+        batch,
+        accumulation,
+    )
     by_hand = tmp_path / "by_hand"
-    launch("ddp.yaml", "causal_lm.py", causal_lm_args(markov_data, by_hand, per_device_train_batch_size=batch,
-                                                       gradient_accumulation_steps=accumulation, **common),
-           launcher_args=FP32)
+    launch(
+        "ddp.yaml",
+        "causal_lm.py",
+        causal_lm_args(
+            markov_data, by_hand, per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation, **common
+        ),
+        launcher_args=FP32,
+    )
     assert losses(found) == pytest.approx(losses(by_hand), abs=1e-6) and len(losses(found)) == 2
 
 
@@ -232,8 +320,14 @@ def test_max_restarts_without_a_fresh_rendezvous_store_is_refused_in_one_line(ma
     line that gives the command that works; nothing is trained, and the launch ends."""
     out = tmp_path / "run"
     started = time.monotonic()
-    result = launch("ddp.yaml", "causal_lm.py", causal_lm_args(markov_data, out), check=False,
-                    launcher_args=["--max_restarts", "1"], env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"})
+    result = launch(
+        "ddp.yaml",
+        "causal_lm.py",
+        causal_lm_args(markov_data, out),
+        check=False,
+        launcher_args=["--max_restarts", "1"],
+        env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"},
+    )
     errors = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("error:")]
     assert result.returncode != 0 and len(errors) == 1, (result.stdout + result.stderr)[-3000:]
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 accelerate launch --rdzv_backend c10d --max_restarts 1" in errors[0]

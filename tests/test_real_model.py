@@ -10,16 +10,17 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from conftest import CONFIGS, FP32, launch, load_weights, model_state_gaps, pretrained_args, read_run, run, tiered
 from datasets import Dataset, DatasetDict
-
-from conftest import (CONFIGS, FP32, launch, load_weights, model_state_gaps, pretrained_args, read_run,
-                      run)
 from test_chat import CPU, labelled_runs
 
-MESSAGES = [{"role": "user", "content": "What is the capital of France?"},
-            {"role": "assistant", "content": "The capital of France is Paris."},
-            {"role": "user", "content": "And of Italy?"},
-            {"role": "assistant", "content": "Rome."}]
+
+MESSAGES = [
+    {"role": "user", "content": "What is the capital of France?"},
+    {"role": "assistant", "content": "The capital of France is Paris."},
+    {"role": "user", "content": "And of Italy?"},
+    {"role": "assistant", "content": "Rome."},
+]
 
 
 @pytest.fixture(scope="module")
@@ -46,11 +47,12 @@ def test_it_answers_through_the_recipes_model_loading(real_model, tokenizer):
     model = load_model(ModelArguments(model_name_or_path=str(real_model)), tokenizer, seed=0)
     assert next(model.parameters()).dtype == torch.float32
     assert model.get_input_embeddings().weight is model.get_output_embeddings().weight  # the tie is kept
-    prompt = tokenizer.apply_chat_template(MESSAGES[:1], add_generation_prompt=True, return_tensors="pt",
-                                           return_dict=True)
+    prompt = tokenizer.apply_chat_template(
+        MESSAGES[:1], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
     with torch.no_grad():
         out = model.generate(**prompt, max_new_tokens=12, do_sample=False)
-    answer = tokenizer.decode(out[0][prompt["input_ids"].shape[1]:], skip_special_tokens=True)
+    answer = tokenizer.decode(out[0][prompt["input_ids"].shape[1] :], skip_special_tokens=True)
     print(f"answer: {answer!r}")
     assert "Paris" in answer
 
@@ -60,8 +62,9 @@ def test_sft_labels_with_its_real_template_token_by_token(tokenizer):
     its <|im_end|> are the labels, and nothing else."""
     from common.chat import tokenize_sft
 
-    raw = DatasetDict(train=Dataset.from_list([{"messages": MESSAGES}]),
-                      validation=Dataset.from_list([{"messages": MESSAGES}]))
+    raw = DatasetDict(
+        train=Dataset.from_list([{"messages": MESSAGES}]), validation=Dataset.from_list([{"messages": MESSAGES}])
+    )
     example = tokenize_sft(raw, tokenizer, "messages", 512, "drop", CPU())[0]["train"][0]
     ids, labels = example["input_ids"], example["labels"]
     rendered = tokenizer.apply_chat_template(MESSAGES, tokenize=False)
@@ -70,7 +73,7 @@ def test_sft_labels_with_its_real_template_token_by_token(tokenizer):
     runs = labelled_runs(labels)
     assert [tokenizer.decode(run) for run in runs] == ["The capital of France is Paris.<|im_end|>", "Rome.<|im_end|>"]
     system_end = rendered.index("<|im_end|>")  # the default system prompt's own end of turn
-    system_tokens = len(tokenizer(rendered[:system_end + len("<|im_end|>")], add_special_tokens=False)["input_ids"])
+    system_tokens = len(tokenizer(rendered[: system_end + len("<|im_end|>")], add_special_tokens=False)["input_ids"])
     assert all(label == -100 for label in labels[:system_tokens])
 
 
@@ -82,8 +85,13 @@ def test_sequence_classification_from_it_pads_with_its_end_of_turn_token(real_mo
     from common.arguments import ModelArguments
     from common.model import load_model
 
-    model = load_model(ModelArguments(model_name_or_path=str(real_model)), tokenizer, seed=0,
-                       auto_class=AutoModelForSequenceClassification, num_labels=2).eval()
+    model = load_model(
+        ModelArguments(model_name_or_path=str(real_model)),
+        tokenizer,
+        seed=0,
+        auto_class=AutoModelForSequenceClassification,
+        num_labels=2,
+    ).eval()
     assert model.config.pad_token_id == tokenizer.pad_token_id == tokenizer.convert_tokens_to_ids("<|im_end|>")
     texts = ["a short one", "a rather longer sentence that needs no padding at all"]
     with torch.no_grad():
@@ -99,8 +107,16 @@ def test_make_estimate_memory_counts_its_tied_weights_once(real_model):
 
     with safe_open(str(real_model / "model.safetensors"), "pt") as handle:
         stored = sum(math.prod(handle.get_slice(key).get_shape()) for key in handle.keys())
-    result = run(["make", "-s", "estimate-memory", f"MODEL={real_model}", "CONFIG=accelerate_configs/zero3.yaml",
-                  "ARGS=--num_processes 2"])
+    result = run(
+        [
+            "make",
+            "-s",
+            "estimate-memory",
+            f"MODEL={real_model}",
+            "CONFIG=accelerate_configs/zero3.yaml",
+            "ARGS=--num_processes 2",
+        ]
+    )
     print(result.stdout[-1500:])
     assert f"{stored:,}" in result.stdout, (stored, result.stdout[-2000:])
 
@@ -114,8 +130,12 @@ def one_step_on_one_process(real_model, markov_data, tmp_path_factory) -> dict[s
     runs = {}
     for precision, launcher_args in PRECISIONS.items():
         runs[precision] = tmp_path_factory.mktemp(f"real_single_{precision}") / "run"
-        launch("single.yaml", "causal_lm.py", real_model_args(real_model, markov_data, runs[precision],
-                                                              per_device_train_batch_size=2), launcher_args=launcher_args)
+        launch(
+            "single.yaml",
+            "causal_lm.py",
+            real_model_args(real_model, markov_data, runs[precision], per_device_train_batch_size=2),
+            launcher_args=launcher_args,
+        )
     return runs
 
 
@@ -125,17 +145,38 @@ def real_model_args(model: Path, data: Path, out: Path, **overrides) -> list[str
     which magnifies rounding in the many gradients near 0 to whole steps and hides a gradient off
     by a factor (as clipping would): with eps = 1, lr = 1 and no clipping the step is about the
     gradient itself, so the comparison is of the gradients."""
-    return pretrained_args(data, model, out, **{"max_steps": 1, "block_size": 32, "per_device_eval_batch_size": 2,
-                                                "max_eval_samples": 4, "warmup_steps": 0, "save_dtype": "float32",
-                                                "learning_rate": 1.0, "adam_epsilon": 1.0, "weight_decay": 0.0, "max_grad_norm": 0,
-                                                **overrides})
+    return pretrained_args(
+        data,
+        model,
+        out,
+        **{
+            "max_steps": 1,
+            "block_size": 32,
+            "per_device_eval_batch_size": 2,
+            "max_eval_samples": 4,
+            "warmup_steps": 0,
+            "save_dtype": "float32",
+            "learning_rate": 1.0,
+            "adam_epsilon": 1.0,
+            "weight_decay": 0.0,
+            "max_grad_norm": 0,
+            **overrides,
+        },
+    )
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision", list(PRECISIONS))
-@pytest.mark.parametrize("config", ["fsdp.yaml", "zero3.yaml", "tp.yaml"])
-def test_one_step_of_the_real_model_sharded_equals_one_process(config, precision, real_model, markov_data,
-                                                                 one_step_on_one_process, tmp_path):
+@pytest.mark.parametrize(
+    "config,precision",
+    # make test: ZeRO-3 in bf16; make test-all: FSDP2, ZeRO-3 and tensor parallelism over 3, each in both
+    tiered(
+        [(c, p) for c in ("fsdp.yaml", "zero3.yaml", "tp.yaml") for p in PRECISIONS],
+        [("zero3.yaml", "bf16")],
+    ),
+)
+def test_one_step_of_the_real_model_sharded_equals_one_process(
+    config, precision, real_model, markov_data, one_step_on_one_process, tmp_path
+):
     """Tied embeddings and grouped query attention under FSDP2 and ZeRO-3 on 2 processes (the same
     global batch of 2), and split by tensor parallelism over 3 (its 9 heads and 3 KV heads do not divide by
     2; the tied weight split once, by vocabulary rows, for both its uses; the group trains on one batch of 2),
@@ -151,8 +192,12 @@ def test_one_step_of_the_real_model_sharded_equals_one_process(config, precision
         tp3.update(num_processes=3, parallelism_config={**tp3["parallelism_config"], "parallelism_config_tp_size": 3})
         config = tmp_path / "tp3.yaml"
         config.write_text(yaml.safe_dump(tp3))
-    launch(config, "causal_lm.py", real_model_args(real_model, markov_data, out, per_device_train_batch_size=batch),
-           launcher_args=PRECISIONS[precision])
+    launch(
+        config,
+        "causal_lm.py",
+        real_model_args(real_model, markov_data, out, per_device_train_batch_size=batch),
+        launcher_args=PRECISIONS[precision],
+    )
     record = read_run(out)
     assert record["participating_processes"] == processes and record["total_parameters"] == 134_515_008
     assert record["mixed_precision"] == ("no" if precision == "fp32" else "bf16")
@@ -161,12 +206,17 @@ def test_one_step_of_the_real_model_sharded_equals_one_process(config, precision
     single = {p: load_weights(run / "final") for p, run in one_step_on_one_process.items()}
     assert mine.keys() == single["fp32"].keys() == start.keys()
     gap = step_difference(mine, single[precision], start)
-    print(f"{Path(config).name}, {precision}: one step of SmolLM2-135M on {processes} processes vs 1: difference / "
-          f"step {gap:.2e}")
+    print(
+        f"{Path(config).name}, {precision}: one step of SmolLM2-135M on {processes} processes vs 1: difference / "
+        f"step {gap:.2e}"
+    )
     if precision == "fp32":
         assert gap < 1e-4
     else:
-        sharded, alone = step_difference(mine, single["fp32"], start), step_difference(single["bf16"], single["fp32"], start)
+        sharded, alone = (
+            step_difference(mine, single["fp32"], start),
+            step_difference(single["bf16"], single["fp32"], start),
+        )
         print(f"  distance from the fp32 step: {processes} processes {sharded:.2e}, 1 process {alone:.2e}")
         assert sharded < 2 * alone
     assert "lm_head.weight" not in mine

@@ -10,13 +10,27 @@ import shutil
 
 import pytest
 import torch
+from conftest import (
+    FP32,
+    REPO,
+    assert_same_hf_folder,
+    evaluate_in_process,
+    export_checkpoint,
+    flags,
+    free_port,
+    launch,
+    read_metrics,
+    read_run,
+    resume_elsewhere,
+    run,
+    tiered,
+)
 
-from conftest import (FP32, REPO, assert_same_hf_folder, evaluate_in_process, export_checkpoint, flags, free_port, launch,
-                      read_metrics, read_run, resume_elsewhere, run)
 
 STRATEGIES = {"ddp.yaml": "MULTI_CPU", "fsdp.yaml": "FSDP", "zero3.yaml": "DEEPSPEED"}
 # config -> processes its LoRA run's step-15 checkpoint resumes on (written by 2)
 LORA_RESUME_PROCESSES = {"fsdp.yaml": 1, "zero3.yaml": 1}
+# make test runs each recipe through its make target, under its config here (the rest in make test-all)
 # make target -> the config its test runs it under
 MAKE_TARGETS = {"sequence_classification": "ddp.yaml", "lora": "fsdp.yaml", "sft": "ddp.yaml"}
 
@@ -29,8 +43,15 @@ def launch_recipe(config: str, recipe: str, args: list, launcher_args: list | No
     if MAKE_TARGETS.get(target) != config:
         return launch(config, recipe, args, launcher_args=launcher_args)
     launch_args = [*(launcher_args or []), "--main_process_port", str(free_port())]
-    return run(["make", target, f"CONFIG=accelerate_configs/{config}",
-                f"LAUNCH_ARGS={shlex.join(launch_args)}", f"ARGS={shlex.join(map(str, args))}"])
+    return run(
+        [
+            "make",
+            target,
+            f"CONFIG=accelerate_configs/{config}",
+            f"LAUNCH_ARGS={shlex.join(launch_args)}",
+            f"ARGS={shlex.join(map(str, args))}",
+        ]
+    )
 
 
 def tokenized_by_2_processes(config: str, data, tmp_path) -> dict:
@@ -40,8 +61,11 @@ def tokenized_by_2_processes(config: str, data, tmp_path) -> dict:
         return {}
     for split in ("train", "validation"):
         shutil.copy(data / f"{split}.jsonl", tmp_path / f"{split}.jsonl")
-    return {"preprocessing_num_workers": 2, "train_file": tmp_path / "train.jsonl",
-            "validation_file": tmp_path / "validation.jsonl"}
+    return {
+        "preprocessing_num_workers": 2,
+        "train_file": tmp_path / "train.jsonl",
+        "validation_file": tmp_path / "validation.jsonl",
+    }
 
 
 def assert_two_process_run(out, config):
@@ -58,16 +82,31 @@ def first_and_last_loss(out):
 
 # --- sequence classification --------------------------------------------------------
 
+
 @pytest.mark.slow
-@pytest.mark.parametrize("config", list(STRATEGIES))
+@pytest.mark.parametrize("config", tiered(STRATEGIES, ["ddp.yaml"]))  # zero3: LoRA's classification test
 def test_sequence_classification(config, sentiment_data, minilm, tmp_path):
     out = tmp_path / "run"
     workers = tokenized_by_2_processes(config, sentiment_data, tmp_path)
-    result = launch_recipe(config, "sequence_classification.py", flags(**{
-        "config": REPO / "recipes/configs/sequence_classification_demo.yaml", "model_name_or_path": minilm,
-        "train_file": sentiment_data / "train.jsonl", "validation_file": sentiment_data / "validation.jsonl",
-        "output_dir": out, "max_steps": 16, "eval_steps": 8, "logging_steps": 4, "per_device_train_batch_size": 8,
-        "early_stopping_patience": 3, **workers}))
+    result = launch_recipe(
+        config,
+        "sequence_classification.py",
+        flags(
+            **{
+                "config": REPO / "recipes/configs/sequence_classification_demo.yaml",
+                "model_name_or_path": minilm,
+                "train_file": sentiment_data / "train.jsonl",
+                "validation_file": sentiment_data / "validation.jsonl",
+                "output_dir": out,
+                "max_steps": 16,
+                "eval_steps": 8,
+                "logging_steps": 4,
+                "per_device_train_batch_size": 8,
+                "early_stopping_patience": 3,
+                **workers,
+            }
+        ),
+    )
     assert ("tokenizing (num_proc=2)" in result.stderr) == bool(workers)
     record = assert_two_process_run(out, config)
     assert record["labels"] == ["negative", "positive"]
@@ -96,15 +135,28 @@ def test_sequence_classification(config, sentiment_data, minilm, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive
 def test_sequence_classification_with_a_decoder_that_has_no_pad_token(decoder_classifier, sentiment_data, tmp_path):
     """A Llama-style checkpoint (bf16, no pad token in config or tokenizer, as on the Hub)
     classifies, padded per batch, with the pad token borrowed from EOS and saved in the config."""
     out = tmp_path / "run"
-    launch("ddp.yaml", "sequence_classification.py", flags(
-        config=REPO / "recipes/configs/sequence_classification_demo.yaml", model_name_or_path=decoder_classifier,
-        train_file=sentiment_data / "train.jsonl", validation_file=sentiment_data / "validation.jsonl",
-        output_dir=out, max_steps=30, eval_steps=0, logging_steps=5, per_device_train_batch_size=8,
-        gradient_accumulation_steps=2, learning_rate=3e-3))
+    launch(
+        "ddp.yaml",
+        "sequence_classification.py",
+        flags(
+            config=REPO / "recipes/configs/sequence_classification_demo.yaml",
+            model_name_or_path=decoder_classifier,
+            train_file=sentiment_data / "train.jsonl",
+            validation_file=sentiment_data / "validation.jsonl",
+            output_dir=out,
+            max_steps=30,
+            eval_steps=0,
+            logging_steps=5,
+            per_device_train_batch_size=8,
+            gradient_accumulation_steps=2,
+            learning_rate=3e-3,
+        ),
+    )
     assert_two_process_run(out, "ddp.yaml")
     first, last = first_and_last_loss(out)
     evals = read_metrics(out)[1]
@@ -119,14 +171,22 @@ def test_best_model_tracker_and_early_stopping():
     from common.evaluation import BestModelTracker
 
     tracker = BestModelTracker("eval_accuracy", greater_is_better=True, patience=2)
-    assert [tracker.update(s, {"eval_accuracy": a}) for s, a in [(1, 0.5), (2, 0.7), (3, 0.7), (4, 0.6)]] == \
-        [True, True, False, False]
+    assert [tracker.update(s, {"eval_accuracy": a}) for s, a in [(1, 0.5), (2, 0.7), (3, 0.7), (4, 0.6)]] == [
+        True,
+        True,
+        False,
+        False,
+    ]
     assert tracker.best_step == 2 and tracker.should_stop
     restored = BestModelTracker("eval_accuracy", patience=2)
     restored.load_state_dict(tracker.state_dict())
     assert restored.best_value == 0.7 and restored.should_stop
     lower = BestModelTracker("eval_loss", greater_is_better=False)
-    assert lower.update(1, {"eval_loss": 2.0}) and lower.update(2, {"eval_loss": 1.0}) and not lower.update(3, {"eval_loss": 1.5})
+    assert (
+        lower.update(1, {"eval_loss": 2.0})
+        and lower.update(2, {"eval_loss": 1.0})
+        and not lower.update(3, {"eval_loss": 1.5})
+    )
 
 
 def test_shipped_metrics_load_offline_and_compute():
@@ -140,17 +200,38 @@ def test_shipped_metrics_load_offline_and_compute():
 
 # --- LoRA ---------------------------------------------------------------------------
 
+
 @pytest.mark.slow
-@pytest.mark.parametrize("config", list(STRATEGIES))
+@pytest.mark.parametrize("config", tiered(STRATEGIES, ["fsdp.yaml"]))  # zero3: LoRA on SFT and classification
 def test_lora(config, trained_base, shifted_markov_data, tmp_path):
     out = tmp_path / "run"
-    data = flags(train_file=shifted_markov_data / "train.jsonl", validation_file=shifted_markov_data / "validation.jsonl",
-                 block_size=32)
+    data = flags(
+        train_file=shifted_markov_data / "train.jsonl",
+        validation_file=shifted_markov_data / "validation.jsonl",
+        block_size=32,
+    )
+
     def lora_args(output_dir, **overrides):
-        return ["--config", REPO / "recipes/configs/lora_demo.yaml", "--model_name_or_path", trained_base, *data,
-                *flags(**{"output_dir": output_dir, "max_steps": 30, "eval_steps": 0, "save_steps": 15,
-                          "save_total_limit": 2, "logging_steps": 5, "per_device_train_batch_size": 4, "lora_r": 4,
-                          **overrides})]
+        return [
+            "--config",
+            REPO / "recipes/configs/lora_demo.yaml",
+            "--model_name_or_path",
+            trained_base,
+            *data,
+            *flags(
+                **{
+                    "output_dir": output_dir,
+                    "max_steps": 30,
+                    "eval_steps": 0,
+                    "save_steps": 15,
+                    "save_total_limit": 2,
+                    "logging_steps": 5,
+                    "per_device_train_batch_size": 4,
+                    "lora_r": 4,
+                    **overrides,
+                }
+            ),
+        ]
 
     launch_recipe(config, "causal_lm.py", lora_args(out), launcher_args=FP32, target="lora")
     record = assert_two_process_run(out, config)
@@ -172,8 +253,9 @@ def test_lora(config, trained_base, shifted_markov_data, tmp_path):
     # Base + reloaded adapter, and the merged export, give the eval loss logged at the end of training
     # (fp32 throughout, so that the round trip is checked to 1e-5 rather than to bf16's rounding).
     evaluate = [*data, "--per_device_eval_batch_size", "16"]
-    with_adapter = evaluate_in_process(evaluate + ["--model_name_or_path", trained_base,
-                                                   "--adapter_name_or_path", out / "final"])
+    with_adapter = evaluate_in_process(
+        evaluate + ["--model_name_or_path", trained_base, "--adapter_name_or_path", out / "final"]
+    )
     merged = evaluate_in_process(evaluate + ["--model_name_or_path", out / "final_merged"])
     for result in (with_adapter, merged):
         assert result["eval_loss"] == pytest.approx(evals[-1]["eval_loss"], abs=1e-5)
@@ -182,8 +264,17 @@ def test_lora(config, trained_base, shifted_markov_data, tmp_path):
     # accumulation 2) to the same losses: only the adapter and its optimizer state are saved.
     if config in LORA_RESUME_PROCESSES:
         stopped, processes = tmp_path / "stopped", LORA_RESUME_PROCESSES[config]
-        resume_elsewhere(out, stopped, 15, processes, config, "causal_lm.py", lambda **resume: lora_args(stopped, **resume),
-                         accumulation=2, launcher_args=FP32)
+        resume_elsewhere(
+            out,
+            stopped,
+            15,
+            processes,
+            config,
+            "causal_lm.py",
+            lambda **resume: lora_args(stopped, **resume),
+            accumulation=2,
+            launcher_args=FP32,
+        )
         resumed, logged = read_metrics(stopped)[0], read_metrics(out)[0]
         assert [r["step"] for r in resumed] == [20, 25, 30]
         gap = max(abs(a["loss"] - b["loss"]) for a, b in zip(logged[-3:], resumed))
@@ -198,11 +289,25 @@ def test_lora_on_sequence_classification_under_zero3_in_bf16(sentiment_data, min
     the adapters), the adapter is saved whole, and the merged export predicts what the adapter on
     the base model predicts."""
     out = tmp_path / "run"
-    launch("zero3.yaml", "sequence_classification.py", flags(
-        config=REPO / "recipes/configs/sequence_classification_demo.yaml", model_name_or_path=minilm,
-        train_file=sentiment_data / "train.jsonl", validation_file=sentiment_data / "validation.jsonl",
-        output_dir=out, max_steps=24, eval_steps=12, logging_steps=4, per_device_train_batch_size=8,
-        learning_rate=5e-3, use_peft="true", lora_r=8, save_merged_model="true"))
+    launch(
+        "zero3.yaml",
+        "sequence_classification.py",
+        flags(
+            config=REPO / "recipes/configs/sequence_classification_demo.yaml",
+            model_name_or_path=minilm,
+            train_file=sentiment_data / "train.jsonl",
+            validation_file=sentiment_data / "validation.jsonl",
+            output_dir=out,
+            max_steps=24,
+            eval_steps=12,
+            logging_steps=4,
+            per_device_train_batch_size=8,
+            learning_rate=5e-3,
+            use_peft="true",
+            lora_r=8,
+            save_merged_model="true",
+        ),
+    )
     record = assert_two_process_run(out, "zero3.yaml")
     assert record["mixed_precision"] == "bf16"
     assert record["trainable_parameters"] < record["total_parameters"] / 20
@@ -237,18 +342,33 @@ def test_lora_on_sequence_classification_under_zero3_in_bf16(sentiment_data, min
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive
 def test_lora_sft_of_the_real_model_under_zero3_in_bf16(real_model, arithmetic_data, tmp_path):
     """--use_peft on sft.py with SmolLM2-135M-Instruct (its template, tied embeddings, grouped
     query attention) under ZeRO-3 in bf16: only the adapters train and are saved (non-empty under
     ZeRO-3), the merged export keeps the checkpoint's bf16 and its tie and answers as base + adapter
     does, and the step-2 checkpoint resumes to the same losses."""
+
     def sft_args(output_dir, **overrides):
-        return flags(**{"config": REPO / "recipes/configs/sft_chat_demo.yaml", "model_name_or_path": real_model,
-                        "train_file": arithmetic_data / "train.jsonl",
-                        "validation_file": arithmetic_data / "validation.jsonl", "output_dir": output_dir,
-                        "max_steps": 4, "save_steps": 2, "logging_steps": 1, "per_device_train_batch_size": 8,
-                        "max_generation_samples": 8, "learning_rate": 2e-3, "warmup_steps": 0, "use_peft": "true",
-                        "save_merged_model": "true", **overrides})
+        return flags(
+            **{
+                "config": REPO / "recipes/configs/sft_chat_demo.yaml",
+                "model_name_or_path": real_model,
+                "train_file": arithmetic_data / "train.jsonl",
+                "validation_file": arithmetic_data / "validation.jsonl",
+                "output_dir": output_dir,
+                "max_steps": 4,
+                "save_steps": 2,
+                "logging_steps": 1,
+                "per_device_train_batch_size": 8,
+                "max_generation_samples": 8,
+                "learning_rate": 2e-3,
+                "warmup_steps": 0,
+                "use_peft": "true",
+                "save_merged_model": "true",
+                **overrides,
+            }
+        )
 
     out = tmp_path / "run"
     launch("zero3.yaml", "sft.py", sft_args(out))
@@ -273,12 +393,14 @@ def test_lora_sft_of_the_real_model_under_zero3_in_bf16(real_model, arithmetic_d
 
     ask = load_script("scripts/ask.py")
     question = "what is 7 plus 8 ?"
-    assert ask.answer(str(out / "final_merged"), question, 4) == \
-        ask.answer(str(real_model), question, 4, adapter=str(out / "final"))
+    assert ask.answer(str(out / "final_merged"), question, 4) == ask.answer(
+        str(real_model), question, 4, adapter=str(out / "final")
+    )
 
     stopped = tmp_path / "stopped"
-    resume_elsewhere(out, stopped, 2, 2, "zero3.yaml", "sft.py", lambda **resume: sft_args(stopped, **resume),
-                     accumulation=1)
+    resume_elsewhere(
+        out, stopped, 2, 2, "zero3.yaml", "sft.py", lambda **resume: sft_args(stopped, **resume), accumulation=1
+    )
     resumed = read_metrics(stopped)[0]
     assert [r["step"] for r in resumed] == [3, 4]
     gap = max(abs(a["loss"] - b["loss"]) for a, b in zip(train[2:], resumed))
@@ -288,18 +410,31 @@ def test_lora_sft_of_the_real_model_under_zero3_in_bf16(real_model, arithmetic_d
 
 # --- SFT ----------------------------------------------------------------------------
 
+
 @pytest.mark.slow
-@pytest.mark.parametrize("config", list(STRATEGIES))
+@pytest.mark.parametrize("config", tiered(STRATEGIES, ["ddp.yaml"]))
 def test_sft(config, arithmetic_data, tmp_path):
     """Under ddp.yaml, through `make sft`, the demo as it ships (bf16, the YAML's 600 steps) answers
     nearly every held-out question; fsdp and zero3 run a shorter stretch of it."""
     out = tmp_path / "run"
     steps = {} if config == "ddp.yaml" else {"max_steps": 120}
     workers = tokenized_by_2_processes(config, arithmetic_data, tmp_path)
-    result = launch_recipe(config, "sft.py", flags(**{
-        "config": REPO / "recipes/configs/sft_demo.yaml", "tokenizer_name_or_path": arithmetic_data / "tokenizer",
-        "train_file": arithmetic_data / "train.jsonl", "validation_file": arithmetic_data / "validation.jsonl",
-        "output_dir": out, "logging_steps": 20, **steps, **workers}))
+    result = launch_recipe(
+        config,
+        "sft.py",
+        flags(
+            **{
+                "config": REPO / "recipes/configs/sft_demo.yaml",
+                "tokenizer_name_or_path": arithmetic_data / "tokenizer",
+                "train_file": arithmetic_data / "train.jsonl",
+                "validation_file": arithmetic_data / "validation.jsonl",
+                "output_dir": out,
+                "logging_steps": 20,
+                **steps,
+                **workers,
+            }
+        ),
+    )
     assert ("tokenizing SFT examples (num_proc=2)" in result.stderr) == bool(workers)
     record = assert_two_process_run(out, config)
     assert record["mixed_precision"] == "bf16"
@@ -308,8 +443,10 @@ def test_sft(config, arithmetic_data, tmp_path):
     first, last = first_and_last_loss(out)
     before, after = read_metrics(out)[1][0], read_metrics(out)[1][-1]
     assert before["step"] == 0 and after["step"] == record["max_steps"] and after["eval_generated"] == 101
-    print(f"{config}: exact match {before['eval_exact_match']:.3f} untrained -> {after['eval_exact_match']:.3f} "
-          f"after {after['step']} steps; loss {first:.3f} -> {last:.3f}")
+    print(
+        f"{config}: exact match {before['eval_exact_match']:.3f} untrained -> {after['eval_exact_match']:.3f} "
+        f"after {after['step']} steps; loss {first:.3f} -> {last:.3f}"
+    )
     assert last < first / 2
     if config == "ddp.yaml":
         assert after["step"] == 600 and after["eval_exact_match"] >= 0.95
@@ -318,7 +455,9 @@ def test_sft(config, arithmetic_data, tmp_path):
     from transformers import AutoModelForCausalLM
 
     reloaded = AutoModelForCausalLM.from_pretrained(out / "final")
-    assert reloaded.config.vocab_size == len(json.loads((out / "final" / "tokenizer.json").read_text())["model"]["vocab"])
+    assert reloaded.config.vocab_size == len(
+        json.loads((out / "final" / "tokenizer.json").read_text())["model"]["vocab"]
+    )
 
 
 def _chat_batches(arithmetic_data, count=12):
@@ -329,8 +468,13 @@ def _chat_batches(arithmetic_data, count=12):
     from common.chat import tokenize_sft
 
     tokenizer = AutoTokenizer.from_pretrained(arithmetic_data / "tokenizer")
-    raw = load_dataset("json", data_files={"train": str(arithmetic_data / "validation.jsonl"),
-                                           "validation": str(arithmetic_data / "validation.jsonl")})
+    raw = load_dataset(
+        "json",
+        data_files={
+            "train": str(arithmetic_data / "validation.jsonl"),
+            "validation": str(arithmetic_data / "validation.jsonl"),
+        },
+    )
     raw = DatasetDict({k: v.select(range(count)) for k, v in raw.items()})
     return tokenizer, raw, tokenize_sft(raw, tokenizer, "messages", 64, "drop", PartialState(cpu=True))[0]
 
@@ -362,8 +506,14 @@ def test_packing_leaves_the_per_token_loss_unchanged(counting_data):
 
     tokenizer, _, tokenized = _chat_batches(counting_data)  # 1 to 12 answer tokens: lengths vary
     features = [{k: e[k] for k in ("input_ids", "labels")} for e in tokenized["train"]]
-    model = load_model(ModelArguments(model_config=str(REPO / "recipes/configs/tiny_llama.json"),
-                                      tokenizer_name_or_path=str(counting_data / "tokenizer")), tokenizer, seed=3)
+    model = load_model(
+        ModelArguments(
+            model_config=str(REPO / "recipes/configs/tiny_llama.json"),
+            tokenizer_name_or_path=str(counting_data / "tokenizer"),
+        ),
+        tokenizer,
+        seed=3,
+    )
     packed = DataCollatorWithFlattening()(features)
     padded = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)(features)
     assert packed["input_ids"].shape[0] == 1 and padded["input_ids"].shape[0] == len(features)
@@ -394,9 +544,17 @@ def test_per_example_attention_never_crosses_conversations(arithmetic_data):
 
     tokenizer, _, tokenized = _chat_batches(arithmetic_data, count=6)
     features = [{k: e[k] for k in ("input_ids", "labels")} for e in tokenized["train"]]
-    changed = [{**features[0], "input_ids": [(t + 5) % len(tokenizer) for t in features[0]["input_ids"]]}] + features[1:]
-    model = load_model(ModelArguments(model_config=str(REPO / "recipes/configs/tiny_llama.json"),
-                                      tokenizer_name_or_path=str(arithmetic_data / "tokenizer")), tokenizer, seed=3)
+    changed = [{**features[0], "input_ids": [(t + 5) % len(tokenizer) for t in features[0]["input_ids"]]}] + features[
+        1:
+    ]
+    model = load_model(
+        ModelArguments(
+            model_config=str(REPO / "recipes/configs/tiny_llama.json"),
+            tokenizer_name_or_path=str(arithmetic_data / "tokenizer"),
+        ),
+        tokenizer,
+        seed=3,
+    )
     use_per_example_attention(model)
     first = len(features[0]["input_ids"])
     with torch.no_grad():
@@ -409,27 +567,45 @@ def test_per_example_attention_never_crosses_conversations(arithmetic_data):
         assert (leaky[first:] - logits[1][first:]).abs().max() > 1e-4
 
 
-
-
 @pytest.mark.parametrize("family", ["mistral", "qwen2"])
 def test_per_example_attention_honours_sliding_windows(family):
     """Mistral-style (every layer) and Qwen2-style (some layers) sliding-window attention: a packed
     row under sdpa_varlen gives the padded batch's loss and gradients, windows shorter than the
     conversations included."""
-    from transformers import (DataCollatorWithFlattening, MistralConfig, MistralForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM)
+    from transformers import (
+        DataCollatorWithFlattening,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     from common.packing import use_per_example_attention
 
-    shape = dict(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, sliding_window=4, attn_implementation="sdpa", pad_token_id=0, use_cache=False)
+    shape = dict(
+        vocab_size=100,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=4,
+        attn_implementation="sdpa",
+        pad_token_id=0,
+        use_cache=False,
+    )
     torch.manual_seed(0)
-    model = MistralForCausalLM(MistralConfig(**shape)) if family == "mistral" else \
-        Qwen2ForCausalLM(Qwen2Config(**shape, use_sliding_window=True, max_window_layers=1))
+    model = (
+        MistralForCausalLM(MistralConfig(**shape))
+        if family == "mistral"
+        else Qwen2ForCausalLM(Qwen2Config(**shape, use_sliding_window=True, max_window_layers=1))
+    )
     lengths = (11, 7, 13, 5)
     features = [{"input_ids": ids, "labels": ids} for ids in (torch.randint(3, 100, (n,)).tolist() for n in lengths)]
-    padded = {key: torch.full((len(lengths), max(lengths)), fill) for key, fill in
-              (("input_ids", 0), ("labels", -100), ("attention_mask", 0))}
+    padded = {
+        key: torch.full((len(lengths), max(lengths)), fill)
+        for key, fill in (("input_ids", 0), ("labels", -100), ("attention_mask", 0))
+    }
     for row, feature in enumerate(features):
         n = len(feature["input_ids"])
         padded["input_ids"][row, :n] = padded["labels"][row, :n] = torch.tensor(feature["input_ids"])

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import causal_lm_args, load_script, read_metrics, read_run, run_in_process
 
 
@@ -26,13 +25,25 @@ def test_fp16_loss_scale_overflows_are_the_scalers_not_skipped_steps(optim, mark
 
     def with_grad_scaler(accelerator):
         accelerator.native_amp = True  # what accelerate sets for fp16 on a GPU, with its scaler
-        accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 24, growth_interval=2)
+        accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24, growth_interval=2)
         scalers.append(accelerator.scaler)
 
     out = tmp_path / "run"
-    run_in_process("recipes/causal_lm.py", causal_lm_args(
-        markov_data, out, max_steps=10, gradient_accumulation_steps=2, warmup_steps=0, optim=optim,
-        max_nonfinite_skips=0, save_steps=5), monkeypatch, with_grad_scaler)
+    run_in_process(
+        "recipes/causal_lm.py",
+        causal_lm_args(
+            markov_data,
+            out,
+            max_steps=10,
+            gradient_accumulation_steps=2,
+            warmup_steps=0,
+            optim=optim,
+            max_nonfinite_skips=0,
+            save_steps=5,
+        ),
+        monkeypatch,
+        with_grad_scaler,
+    )
 
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     overflows = [row["step"] for row in rows if row.get("event") == "loss_scale_overflow"]
@@ -44,7 +55,7 @@ def test_fp16_loss_scale_overflows_are_the_scalers_not_skipped_steps(optim, mark
     assert all(lrs[step] == lrs[step - 1] for step in overflows), (overflows, lrs)
     assert lrs[overflows[-1] + 1] < lrs[overflows[-1]], lrs
     assert train[-1]["loss"] < train[0]["loss"], train
-    assert scalers[0].get_scale() < 2.0 ** 24
+    assert scalers[0].get_scale() < 2.0**24
     assert (out / "checkpoints" / "step_10").is_dir() and (out / "final" / "model.safetensors").is_file()
 
 
@@ -53,22 +64,30 @@ def test_a_lost_peer_is_read_from_the_backends_error_not_from_the_word_timeout(m
 
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    gloo = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting "
-                        "3000ms for recv operation to complete")
-    closed = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
-                          "[10.77.1.2]:48875. This is typically caused by a remote worker crashing.")
+    gloo = RuntimeError(
+        "[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting "
+        "3000ms for recv operation to complete"
+    )
+    closed = RuntimeError(
+        "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+        "[10.77.1.2]:48875. This is typically caused by a remote worker crashing."
+    )
     nccl = torch.distributed.DistBackendError("NCCL communicator was aborted on rank 0: operation timed out")
     in_backward = RuntimeError("Application timeout caused pair closure")  # gloo's, through DDP's backward
     for error in (gloo, closed, nccl, in_backward):
         assert lost_peer_message(error, 60) is not None, error
     assert "10.77.1.2" in lost_peer_message(closed, 60)
-    for error in (RuntimeError("CUDA error: the launch timed out and was terminated"),
-                  RuntimeError("tokenizing timed out after 600 s"), TimeoutError("timed out")):
+    for error in (
+        RuntimeError("CUDA error: the launch timed out and was terminated"),
+        RuntimeError("tokenizing timed out after 600 s"),
+        TimeoutError("timed out"),
+    ):
         assert lost_peer_message(error, 60) is None, error
 
 
 def test_overwrite_clears_every_export_of_the_earlier_run_and_a_resume_from_an_earlier_step_sets_the_later_ones_aside(
-        markov_data, tmp_path, monkeypatch):
+    markov_data, tmp_path, monkeypatch
+):
     """Three short runs in one folder, one process each:
     A, with --overwrite_output_dir over an earlier run's exports (best/, *_merged/, exported/) and a file of
     the user's: checkpoints at steps 2, 4, 6 and 8; the exports go (each counted by the output-dir check
@@ -78,9 +97,10 @@ def test_overwrite_clears_every_export_of_the_earlier_run_and_a_resume_from_an_e
     step_3 and step_6 (by step number it kept A's 6 and 8, deleting B's step_3 as soon as written).
     C, resumed from 'latest' with B's arguments, must continue B: its final weights are B's (before, it
     resumed A's step_8 and ended at once with A's weights)."""
-    from common.run_dir import check_output_dir, list_checkpoints
-    from common.errors import UsageError
     from conftest import load_weights, max_weight_difference
+
+    from common.errors import UsageError
+    from common.run_dir import check_output_dir, list_checkpoints
 
     out = tmp_path / "run"
     for stale in ("best", "final_merged", "best_merged", "exported/step_4"):
@@ -93,17 +113,18 @@ def test_overwrite_clears_every_export_of_the_earlier_run_and_a_resume_from_an_e
     def recipe_args(**overrides):
         return causal_lm_args(markov_data, out, max_steps=8, gradient_accumulation_steps=2, **overrides)
 
-    run_in_process("recipes/causal_lm.py", recipe_args(save_steps=2, save_total_limit=10, overwrite_output_dir=True),
-                   monkeypatch)
-    assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "final", "metrics.jsonl", "notes.txt",
-                                                     "run.json"]
+    run_in_process(
+        "recipes/causal_lm.py", recipe_args(save_steps=2, save_total_limit=10, overwrite_output_dir=True), monkeypatch
+    )
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "final", "metrics.jsonl", "notes.txt", "run.json"]
     run_a = load_weights(out / "final")
     run_a_final = tmp_path / "run_a_final"
     shutil.copytree(out / "final", run_a_final)
 
     changed = dict(max_grad_norm=0.05, save_steps=3, save_total_limit=2)
-    run_in_process("recipes/causal_lm.py", recipe_args(resume_from_checkpoint=out / "checkpoints/step_2", **changed),
-                   monkeypatch)
+    run_in_process(
+        "recipes/causal_lm.py", recipe_args(resume_from_checkpoint=out / "checkpoints/step_2", **changed), monkeypatch
+    )
     assert [Path(p).name for p in list_checkpoints(str(out))] == ["step_3", "step_6"]
     aside = out / "checkpoints/abandoned_after_step_2"
     assert sorted(p.name for p in aside.iterdir()) == ["step_4", "step_6", "step_8"]
@@ -131,12 +152,19 @@ def test_fp16_overflowing_at_every_scale_stops_the_run_in_one_line(markov_data, 
 
     def with_grad_scaler(accelerator):
         accelerator.native_amp = True
-        accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 126)
+        accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**126)
 
-    with pytest.raises(RunStopped, match=r"step 31: the gradients overflowed 31 steps in a row while every loss was "
-                                         r"finite"):
-        run_in_process("recipes/causal_lm.py", causal_lm_args(markov_data, tmp_path / "run", max_steps=40,
-                                                              optim="adamw_torch"), monkeypatch, with_grad_scaler)
+    with pytest.raises(
+        RunStopped,
+        match=r"step 31: the gradients overflowed 31 steps in a row while every loss was "
+        r"finite",
+    ):
+        run_in_process(
+            "recipes/causal_lm.py",
+            causal_lm_args(markov_data, tmp_path / "run", max_steps=40, optim="adamw_torch"),
+            monkeypatch,
+            with_grad_scaler,
+        )
 
 
 def test_a_worker_restarted_before_any_checkpoint_starts_again_over_its_own_first_attempt(tmp_path, monkeypatch):
@@ -189,12 +217,13 @@ def test_after_a_resume_the_schedule_sets_the_rate_of_the_optimizer_accelerate_s
 
     model = torch.nn.Linear(4, 4)
     recipes = torch.optim.AdamW(model.parameters(), lr=1.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(recipes, lambda step: 0.5 ** step)
+    schedule = torch.optim.lr_scheduler.LambdaLR(recipes, lambda step: 0.5**step)
     swapped = torch.optim.Adam(recipes.param_groups)  # the same dicts, as accelerate builds DeepSpeedCPUAdam
     AcceleratorState._reset_state(True)
     try:
-        optimizer, scheduler = Accelerator(cpu=True, device_placement=False, step_scheduler_with_optimizer=False).prepare(
-            swapped, schedule)
+        optimizer, scheduler = Accelerator(
+            cpu=True, device_placement=False, step_scheduler_with_optimizer=False
+        ).prepare(swapped, schedule)
         scheduler.step()
         assert swapped.param_groups[0]["lr"] == 0.5  # before a load the dicts are shared: the schedule reaches it
         swapped.load_state_dict(swapped.state_dict())  # what a checkpoint load does: new group dicts

@@ -5,23 +5,27 @@ accumulation). Their GPU side is in tests/test_gpu.py."""
 
 import pytest
 import torch
+from conftest import REPO, causal_lm_args, launch, losses, read_run
 
 from common.arguments import TrainingArguments
 from common.errors import UsageError
-from conftest import REPO, causal_lm_args, launch, losses, read_run
+
 
 TINY = str(REPO / "recipes/configs/tiny_llama.json")
 
 
-@pytest.mark.parametrize("options, message", [
-    ({"use_liger_kernel": True}, "Liger's kernels are Triton GPU kernels"),
-    ({"attn_implementation": "flex_attention"}, "flex_attention has no backward on CPU"),
-    ({"attn_implementation": "flash_attention_2"}, "needs an NVIDIA GPU and the flash-attn package"),
-    ({"attn_implementation": "flash"}, "--attn_implementation must be one of auto, sdpa"),
-    ({"optim": "adamw_8bit"}, "--optim must be one of adamw_torch_fused, adamw_torch"),
-    ({"gradient_checkpointing_every_n_layers": 2}, "add --gradient_checkpointing true"),
-    ({"gradient_checkpointing": True, "gradient_checkpointing_every_n_layers": 0}, "must be at least 1"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"use_liger_kernel": True}, "Liger's kernels are Triton GPU kernels"),
+        ({"attn_implementation": "flex_attention"}, "flex_attention has no backward on CPU"),
+        ({"attn_implementation": "flash_attention_2"}, "needs an NVIDIA GPU and the flash-attn package"),
+        ({"attn_implementation": "flash"}, "--attn_implementation must be one of auto, sdpa"),
+        ({"optim": "adamw_8bit"}, "--optim must be one of adamw_torch_fused, adamw_torch"),
+        ({"gradient_checkpointing_every_n_layers": 2}, "add --gradient_checkpointing true"),
+        ({"gradient_checkpointing": True, "gradient_checkpointing_every_n_layers": 0}, "must be at least 1"),
+    ],
+)
 def test_an_option_this_host_cannot_run_is_refused_in_one_line(options, message):
     if torch.cuda.is_available() and "GPU" in message:
         pytest.skip("this host has a GPU, where the option runs (tests/test_gpu.py)")
@@ -54,15 +58,19 @@ def _saved_activation_bytes(every_n_layers: int | None) -> tuple[int, float]:
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY, vocab_size=64, num_hidden_layers=4))
-    speed = {} if every_n_layers is None else {"gradient_checkpointing": True,
-                                               "gradient_checkpointing_every_n_layers": every_n_layers}
+    speed = (
+        {}
+        if every_n_layers is None
+        else {"gradient_checkpointing": True, "gradient_checkpointing_every_n_layers": every_n_layers}
+    )
     prepare_model(model, TrainingArguments(**speed)).train()
     expected = [False] * 4 if every_n_layers is None else [i % every_n_layers == 0 for i in range(4)]
     assert checkpointed_layers(model) == expected
     saved = []
     tokens = torch.randint(0, 64, (4, 64), generator=torch.Generator().manual_seed(1))
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel() * t.element_size()) or t,
-                                                  lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(
+        lambda t: saved.append(t.numel() * t.element_size()) or t, lambda t: t
+    ):
         loss = model(input_ids=tokens, labels=tokens).loss
     loss.backward()
     return sum(saved), loss.item()
@@ -80,6 +88,7 @@ def test_checkpointing_every_other_layer_keeps_about_half_of_what_full_checkpoin
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive
 def test_regional_compile_foreach_adamw_and_partial_checkpointing_train_as_the_defaults(markov_data, tmp_path):
     """ddp.yaml, 2 processes, bf16, accumulation 2: --torch_compile true --optim adamw_torch
     --gradient_checkpointing true --gradient_checkpointing_every_n_layers 2 give the default run's losses (to
@@ -87,34 +96,57 @@ def test_regional_compile_foreach_adamw_and_partial_checkpointing_train_as_the_d
     common = dict(max_steps=8, gradient_accumulation_steps=2, per_device_train_batch_size=2, logging_steps=1)
     plain, fast = tmp_path / "plain", tmp_path / "fast"
     launch("ddp.yaml", "causal_lm.py", causal_lm_args(markov_data, plain, **common))
-    launch("ddp.yaml", "causal_lm.py", causal_lm_args(
-        markov_data, fast, torch_compile="true", optim="adamw_torch", gradient_checkpointing="true",
-        gradient_checkpointing_every_n_layers=2, **common))
+    launch(
+        "ddp.yaml",
+        "causal_lm.py",
+        causal_lm_args(
+            markov_data,
+            fast,
+            torch_compile="true",
+            optim="adamw_torch",
+            gradient_checkpointing="true",
+            gradient_checkpointing_every_n_layers=2,
+            **common,
+        ),
+    )
     for out in (plain, fast):
         assert read_run(out)["participating_processes"] == 2 and read_run(out)["mixed_precision"] == "bf16"
-    assert read_run(plain)["speed"] == {"attention": "sdpa", "torch_compile": "off", "optim": "adamw_torch_fused",
-                                        "checkpointed_layers": "0 of 2", "liger_kernel": False,
-                                        "float8_linear_layers": 0}
-    assert read_run(fast)["speed"] == {"attention": "sdpa", "torch_compile": "regional (inductor)",
-                                       "optim": "adamw_torch", "checkpointed_layers": "1 of 2", "liger_kernel": False,
-                                       "float8_linear_layers": 0}
+    assert read_run(plain)["speed"] == {
+        "attention": "sdpa",
+        "torch_compile": "off",
+        "optim": "adamw_torch_fused",
+        "checkpointed_layers": "0 of 2",
+        "liger_kernel": False,
+        "float8_linear_layers": 0,
+    }
+    assert read_run(fast)["speed"] == {
+        "attention": "sdpa",
+        "torch_compile": "regional (inductor)",
+        "optim": "adamw_torch",
+        "checkpointed_layers": "1 of 2",
+        "liger_kernel": False,
+        "float8_linear_layers": 0,
+    }
     gaps = [abs(a - b) for a, b in zip(losses(plain), losses(fast))]
     print(f"losses {losses(plain)} vs {losses(fast)}: largest gap {max(gaps):.2e}")
     assert len(gaps) == 8 and max(gaps) < 2e-3
     assert losses(fast)[-1] < losses(fast)[0]
 
 
-@pytest.mark.parametrize("capability, torchao, backend, strategy, ram_efficient, message", [
-    ((8, 0), True, "ao", "ddp", False, "this GPU's is 8.0 (accelerate would quietly train in fp16 instead)"),
-    ((9, 0), True, "te", "ddp", False, "fp8_backend te: these recipes train fp8 through torchao"),
-    ((9, 0), False, "ao", "ddp", False, "torchao, which is not installed: pip install torchao"),
-    ((9, 0), True, "ao", "deepspeed", False, "under DeepSpeed is not checked"),
-    ((9, 0), True, "ao", "fsdp", True, "launch with --fsdp_cpu_ram_efficient_loading false"),
-    ((9, 0), True, "ao", "tp", False, "under tensor parallelism (tp_size 2) does not run with torchao"),
-    ((9, 0), True, "ao", "fsdp x tp", False, "under tensor parallelism (tp_size 2) does not run with torchao"),
-    ((9, 0), True, "", "fsdp", False, None),  # an H100; no --fp8_backend: accelerate picks torchao
-    (None, True, "AO", "ddp", False, None),  # a CPU runs torchao's float8 matmuls too (the test below)
-])
+@pytest.mark.parametrize(
+    "capability, torchao, backend, strategy, ram_efficient, message",
+    [
+        ((8, 0), True, "ao", "ddp", False, "this GPU's is 8.0 (accelerate would quietly train in fp16 instead)"),
+        ((9, 0), True, "te", "ddp", False, "fp8_backend te: these recipes train fp8 through torchao"),
+        ((9, 0), False, "ao", "ddp", False, "torchao, which is not installed: pip install torchao"),
+        ((9, 0), True, "ao", "deepspeed", False, "under DeepSpeed is not checked"),
+        ((9, 0), True, "ao", "fsdp", True, "launch with --fsdp_cpu_ram_efficient_loading false"),
+        ((9, 0), True, "ao", "tp", False, "under tensor parallelism (tp_size 2) does not run with torchao"),
+        ((9, 0), True, "ao", "fsdp x tp", False, "under tensor parallelism (tp_size 2) does not run with torchao"),
+        ((9, 0), True, "", "fsdp", False, None),  # an H100; no --fp8_backend: accelerate picks torchao
+        (None, True, "AO", "ddp", False, None),  # a CPU runs torchao's float8 matmuls too (the test below)
+    ],
+)
 def test_fp8_where_it_cannot_run_is_one_line(capability, torchao, backend, strategy, ram_efficient, message):
     from common.speed import fp8_problem
 
@@ -130,8 +162,14 @@ def test_the_recipe_refuses_fp8_it_cannot_run_before_anything_starts(markov_data
     import sys
 
     env = {**os.environ, "ACCELERATE_MIXED_PRECISION": "fp8", "ACCELERATE_FP8_BACKEND": "te"}
-    result = subprocess.run([sys.executable, "recipes/causal_lm.py", *causal_lm_args(markov_data, tmp_path / "run")],
-                            cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "recipes/causal_lm.py", *causal_lm_args(markov_data, tmp_path / "run")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     lines = result.stderr.strip().splitlines()
     assert result.returncode != 0 and lines[-1].startswith("error: fp8_backend te: "), result.stderr[-2000:]
     assert not (tmp_path / "run").exists()
@@ -154,24 +192,47 @@ def test_fp8_through_torchao_trains_resumes_and_exports_on_two_processes(markov_
     fp8 = ["--mixed_precision", "fp8", "--fp8_backend", "ao"]
 
     def args(out, **overrides):
-        return pretrained_args(markov_data, bf16_checkpoint, out, **{
-            "max_steps": 6, "save_steps": 3, "gradient_accumulation_steps": 2, "per_device_train_batch_size": 2,
-            **overrides})
+        return pretrained_args(
+            markov_data,
+            bf16_checkpoint,
+            out,
+            **{
+                "max_steps": 6,
+                "save_steps": 3,
+                "gradient_accumulation_steps": 2,
+                "per_device_train_batch_size": 2,
+                **overrides,
+            },
+        )
 
     bf16 = tmp_path / "bf16"
     launch("ddp.yaml", "causal_lm.py", args(bf16), num_processes=2)
-    for config, launcher_args in (("ddp.yaml", fp8), ("fsdp.yaml", fp8 + ["--fsdp_cpu_ram_efficient_loading", "false"])):
+    for config, launcher_args in (
+        ("ddp.yaml", fp8),
+        ("fsdp.yaml", fp8 + ["--fsdp_cpu_ram_efficient_loading", "false"]),
+    ):
         out, stopped = tmp_path / config / "run", tmp_path / config / "stopped"
         launch(config, "causal_lm.py", args(out), num_processes=2, launcher_args=launcher_args)
         record = read_run(out)
         assert record["participating_processes"] == 2 and record["mixed_precision"] == "fp8"
         assert record["speed"]["float8_linear_layers"] == 7 * 2 - 1  # q, k, v, o, gate, up, down; not lm_head
         gaps = [abs(a - b) / b for a, b in zip(losses(out), losses(bf16))]
-        resume_elsewhere(out, stopped, 3, 2, config, "causal_lm.py", lambda **resume: args(stopped, **resume),
-                         accumulation=2, launcher_args=launcher_args)
+        resume_elsewhere(
+            out,
+            stopped,
+            3,
+            2,
+            config,
+            "causal_lm.py",
+            lambda **resume: args(stopped, **resume),
+            accumulation=2,
+            launcher_args=launcher_args,
+        )
         resumed = [abs(a - b) for a, b in zip(losses(out)[3:], losses(stopped))]
-        print(f"fp8 {config}: losses {losses(out)}, bf16 {losses(bf16)}; relative gaps {max(gaps):.2e} (largest), "
-              f"resumed at step 3: largest gap {max(resumed):.2e}")
+        print(
+            f"fp8 {config}: losses {losses(out)}, bf16 {losses(bf16)}; relative gaps {max(gaps):.2e} (largest), "
+            f"resumed at step 3: largest gap {max(resumed):.2e}"
+        )
         assert len(gaps) == 6 and 0 < max(gaps) < 0.05, (losses(out), losses(bf16))
         assert len(resumed) == 3 and max(resumed) < 1e-6
         final = out / "final"

@@ -29,10 +29,27 @@ import math
 
 import pytest
 import torch
+from conftest import (
+    CONFIGS,
+    FP32,
+    SAVE_AT,
+    STEPS,
+    assert_same_hf_folder,
+    causal_lm_args,
+    export_checkpoint,
+    launch,
+    load_weights,
+    losses,
+    max_weight_difference,
+    model_state_gaps,
+    optimizer_state_dtypes,
+    pretrained_args,
+    read_metrics,
+    read_run,
+    resume_elsewhere,
+    tiered,
+)
 
-from conftest import (CONFIGS, FP32, STEPS, SAVE_AT, assert_same_hf_folder, causal_lm_args, export_checkpoint, launch,
-                      load_weights, losses, max_weight_difference, model_state_gaps, optimizer_state_dtypes,
-                      pretrained_args, read_metrics, read_run, resume_elsewhere)
 
 # config -> (distributed type, parameters sharded?)
 STRATEGIES = {
@@ -57,19 +74,37 @@ BF16_UPDATE_TOLERANCE = 0.05  # seen: 0.005 (ddp) to 0.009 (fsdp, zero2, zero3)
 # bf16 copy is padded to the partition alignment, which matters at this size only)
 MODEL_STATE_TOLERANCE = 0.05
 # config -> processes its stopped run resumes on (the checkpoint was written by 2); the others resume on 2.
-RESUME_PROCESSES = {"ddp.yaml": 4, "fsdp.yaml": 4, "fsdp_offload.yaml": 1, "zero1.yaml": 1, "zero2.yaml": 1,
-                    "zero2_json.yaml": 1, "zero3.yaml": 4, "zero3_offload.yaml": 1}
+RESUME_PROCESSES = {
+    "ddp.yaml": 4,
+    "fsdp.yaml": 4,
+    "fsdp_offload.yaml": 1,
+    "zero1.yaml": 1,
+    "zero2.yaml": 1,
+    "zero2_json.yaml": 1,
+    "zero3.yaml": 4,
+    "zero3_offload.yaml": 1,
+}
 # config -> processes its bf16 run resumes on (from the step-6 checkpoint its 2 processes wrote)
 BF16_RESUME_PROCESSES = {"fsdp.yaml": 1, "zero2.yaml": 1, "zero3.yaml": 1}
-FSDP_FLAGS = {"fsdp.yaml": ("True", False, False), "fsdp_shard_grad_op.yaml": ("False", False, False),
-              "fsdp_offload.yaml": ("True", True, True)}
+# make test: these three in fp32 against one process (resumed on 4: DDP, FSDP2's DCP resharding, DeepSpeed's
+# universal checkpoint), and in bf16 zero2 (resumed on 1); make test-all: every config both ways.
+FP32_IN_MAKE_TEST = ["ddp.yaml", "fsdp.yaml", "zero3.yaml"]
+BF16_IN_MAKE_TEST = ["zero2.yaml"]
+FSDP_FLAGS = {
+    "fsdp.yaml": ("True", False, False),
+    "fsdp_shard_grad_op.yaml": ("False", False, False),
+    "fsdp_offload.yaml": ("True", True, True),
+}
 
 
 def deepspeed_json_config(tmp_path, name: str, ds: dict, zero3_init: bool = False):
     """zero2_json.yaml with its DeepSpeed JSON replaced by `ds` (tmp_path/name.json, .yaml)."""
     (tmp_path / f"{name}.json").write_text(json.dumps(ds))
-    yaml_text = (CONFIGS / "zero2_json.yaml").read_text().replace("accelerate_configs/deepspeed/zero2_auto.json",
-                                                                  str(tmp_path / f"{name}.json"))
+    yaml_text = (
+        (CONFIGS / "zero2_json.yaml")
+        .read_text()
+        .replace("accelerate_configs/deepspeed/zero2_auto.json", str(tmp_path / f"{name}.json"))
+    )
     if zero3_init:
         yaml_text = yaml_text.replace("zero3_init_flag: false", "zero3_init_flag: true")
     assert str(tmp_path) in yaml_text and ("zero3_init_flag: true" in yaml_text) == zero3_init
@@ -93,7 +128,7 @@ def assert_two_processes(record, config):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", list(STRATEGIES))
+@pytest.mark.parametrize("config", tiered(STRATEGIES, FP32_IN_MAKE_TEST))
 def test_strategy_matches_single_process(config, markov_data, reference, tmp_path):
     out = tmp_path / "run"
     args = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=STEPS, save_steps=SAVE_AT)
@@ -119,7 +154,9 @@ def test_strategy_matches_single_process(config, markov_data, reference, tmp_pat
     assert len(mine) == STEPS and loss_gap < FP32_TOLERANCE
     assert weight_gap < FP32_TOLERANCE  # same initial weights (ZeRO-3's zero.Init too) and the same training
     # The last checkpoint, exported without launching (scripts/export_checkpoint.py), is final/.
-    assert_same_hf_folder(export_checkpoint(out / "checkpoints" / f"step_{STEPS}", tmp_path / "exported"), out / "final")
+    assert_same_hf_folder(
+        export_checkpoint(out / "checkpoints" / f"step_{STEPS}", tmp_path / "exported"), out / "final"
+    )
 
     # Resume: a run that stopped after its step-6 checkpoint, its metrics logged on to step 8,
     # continues identically, and steps 7 and 8 are logged once (by the resumed run). On another
@@ -127,10 +164,18 @@ def test_strategy_matches_single_process(config, markov_data, reference, tmp_pat
     processes = RESUME_PROCESSES.get(config, 2)
     stopped = tmp_path / "stopped"
     checkpoint = stopped / "checkpoints" / f"step_{SAVE_AT}"
-    saved_files = sorted(p.relative_to(out / "checkpoints" / f"step_{SAVE_AT}")
-                         for p in (out / "checkpoints" / f"step_{SAVE_AT}").rglob("*"))
-    result = stop_and_resume(out, stopped, processes, config_file, precision,
-                             lambda **resume: causal_lm_args(markov_data, stopped, **dict(args, **resume)))
+    saved_files = sorted(
+        p.relative_to(out / "checkpoints" / f"step_{SAVE_AT}")
+        for p in (out / "checkpoints" / f"step_{SAVE_AT}").rglob("*")
+    )
+    result = stop_and_resume(
+        out,
+        stopped,
+        processes,
+        config_file,
+        precision,
+        lambda **resume: causal_lm_args(markov_data, stopped, **dict(args, **resume)),
+    )
     assert_model_state_as_estimated(stopped, CONFIGS / config_file)
     assert f"resumed from {checkpoint}" in result.stdout + result.stderr
     universal = checkpoint / "universal"
@@ -138,8 +183,12 @@ def test_strategy_matches_single_process(config, markov_data, reference, tmp_pat
         assert (universal / "pytorch_model" / "zero" / "optimizer_state.pt").is_file()
     else:
         assert not universal.exists()
-    assert sorted(p.relative_to(checkpoint) for p in checkpoint.rglob("*")
-                  if universal not in p.parents and p != universal) == saved_files
+    assert (
+        sorted(
+            p.relative_to(checkpoint) for p in checkpoint.rglob("*") if universal not in p.parents and p != universal
+        )
+        == saved_files
+    )
     rows = read_metrics(stopped)[0]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     resumed = rows[SAVE_AT:]
@@ -152,7 +201,7 @@ def test_strategy_matches_single_process(config, markov_data, reference, tmp_pat
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", list(STRATEGIES))
+@pytest.mark.parametrize("config", tiered(STRATEGIES, BF16_IN_MAKE_TEST))
 def test_bf16_fine_tuning_of_a_bf16_checkpoint(config, markov_data, bf16_checkpoint, bf16_reference, tmp_path):
     out = tmp_path / "run"
     args = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=STEPS, save_steps=SAVE_AT)
@@ -160,13 +209,19 @@ def test_bf16_fine_tuning_of_a_bf16_checkpoint(config, markov_data, bf16_checkpo
     record, reference_record = read_run(out), read_run(bf16_reference)
     assert_two_processes(record, config)
     for run in (record, reference_record):  # fp32 master weights from a bf16 file; bf16 compute
-        assert (run["compute_dtype"], run["master_weights_dtype"], run["optimizer_states_dtype"]) == \
-            ("bfloat16", "float32", "float32"), run
+        assert (run["compute_dtype"], run["master_weights_dtype"], run["optimizer_states_dtype"]) == (
+            "bfloat16",
+            "float32",
+            "float32",
+        ), run
     if config.startswith("zero3"):  # two layers' worth of live parameters, from the checkpoint's config (hidden 64)
         assert record["zero3_max_live_parameters"] == 24 * 64 * 64
     if config in FSDP_FLAGS:  # the YAML's FSDP settings reach the run (never silently DDP)
-        assert (record["fsdp_reshard_after_forward"], record["fsdp_offload_params"],
-                record["fsdp_activation_checkpointing"]) == FSDP_FLAGS[config]
+        assert (
+            record["fsdp_reshard_after_forward"],
+            record["fsdp_offload_params"],
+            record["fsdp_activation_checkpointing"],
+        ) == FSDP_FLAGS[config]
         assert record["sync_each_micro_batch"] is True  # gradients stay sharded while accumulating
 
     # The memory account (common.memory): each rank's parameter bytes are its share of the
@@ -190,9 +245,13 @@ def test_bf16_fine_tuning_of_a_bf16_checkpoint(config, markov_data, bf16_checkpo
         assert {t.dtype for t in weights.values()} == {torch.bfloat16}
         assert json.loads((run / "final" / "config.json").read_text())["dtype"] == "bfloat16"
     weight_gap = max_weight_difference(out / "final", bf16_reference / "final")
-    assert_same_hf_folder(export_checkpoint(out / "checkpoints" / f"step_{STEPS}", tmp_path / "exported"), out / "final")
-    print(f"{config}: bf16 max loss gap {loss_gap:.2e} (tolerance {BF16_LOSS_TOLERANCE}), exported bf16 weight gap "
-          f"{weight_gap:.2e}; reduce dtype {record['gradient_reduce_dtype']}")
+    assert_same_hf_folder(
+        export_checkpoint(out / "checkpoints" / f"step_{STEPS}", tmp_path / "exported"), out / "final"
+    )
+    print(
+        f"{config}: bf16 max loss gap {loss_gap:.2e} (tolerance {BF16_LOSS_TOLERANCE}), exported bf16 weight gap "
+        f"{weight_gap:.2e}; reduce dtype {record['gradient_reduce_dtype']}"
+    )
     assert loss_gap < BF16_LOSS_TOLERANCE
     update_gap = relative_update_difference(out / "final", bf16_reference / "final", bf16_checkpoint)
     print(f"{config}: bf16 weight updates differ from the reference's by {update_gap:.3f} of their size")
@@ -201,8 +260,14 @@ def test_bf16_fine_tuning_of_a_bf16_checkpoint(config, markov_data, bf16_checkpo
     # Resumed from its step-6 checkpoint on another world size (bf16 reductions in another order)
     if config in BF16_RESUME_PROCESSES:
         stopped, processes = tmp_path / "stopped", BF16_RESUME_PROCESSES[config]
-        stop_and_resume(out, stopped, processes, config, [],
-                        lambda **resume: pretrained_args(markov_data, bf16_checkpoint, stopped, **dict(args, **resume)))
+        stop_and_resume(
+            out,
+            stopped,
+            processes,
+            config,
+            [],
+            lambda **resume: pretrained_args(markov_data, bf16_checkpoint, stopped, **dict(args, **resume)),
+        )
         resumed = read_metrics(stopped)[0][SAVE_AT:]
         resume_gap = max(abs(a - r["loss"]) for a, r in zip(mine[SAVE_AT:], resumed))
         print(f"{config}: bf16 resumed on {processes} process(es): max loss gap {resume_gap:.2e} to the run on 2")
@@ -213,16 +278,28 @@ def test_bf16_fine_tuning_of_a_bf16_checkpoint(config, markov_data, bf16_checkpo
 def stop_and_resume(out, stopped, processes: int, config, launcher_args, recipe_args):
     """Resume the run's step-SAVE_AT checkpoint, with its metrics logged to step SAVE_AT + 2, on
     `processes`, the global batch kept at 8 (accumulation 8 / (2 x processes))."""
-    return resume_elsewhere(out, stopped, SAVE_AT, processes, config, "causal_lm.py", recipe_args,
-                            8 // (2 * processes), launcher_args, logged_rows=SAVE_AT + 2)
+    return resume_elsewhere(
+        out,
+        stopped,
+        SAVE_AT,
+        processes,
+        config,
+        "causal_lm.py",
+        recipe_args,
+        8 // (2 * processes),
+        launcher_args,
+        logged_rows=SAVE_AT + 2,
+    )
 
 
 def assert_model_state_as_estimated(out, config_file):
     record = read_run(out)
     gaps = model_state_gaps(out, config_file)
-    print(f"{config_file.name} on {record['participating_processes']}, {record['compute_dtype']}, accumulation "
-          f"{record['args']['gradient_accumulation_steps']}: model state vs estimate, largest gap per category "
-          + ", ".join(f"{k} {v:.4f}" for k, v in gaps.items()))
+    print(
+        f"{config_file.name} on {record['participating_processes']}, {record['compute_dtype']}, accumulation "
+        f"{record['args']['gradient_accumulation_steps']}: model state vs estimate, largest gap per category "
+        + ", ".join(f"{k} {v:.4f}" for k, v in gaps.items())
+    )
     assert max(gaps.values()) < MODEL_STATE_TOLERANCE, gaps
 
 
@@ -236,15 +313,21 @@ def relative_update_difference(final, reference_final, initial) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive
 def test_zero3_checkpoint_of_another_sub_group_size_resumes_through_its_universal_conversion(markov_data, tmp_path):
     """ZeRO-3's flat optimizer partitions are cut into sub-groups of sub_group_size elements, so a
     checkpoint from a run with another size (e.g. one written before common.accelerator set it)
     does not load as it is: it is converted, as for another world size, and continues exactly.
     The JSON leaves out stage3_gather_16bit_weights_on_model_save, as users' often do: the final
     export gathers the fp32 master weights itself and needs no 16-bit copy."""
-    ds = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-          "gradient_clipping": "auto", "bf16": {"enabled": False},
-          "zero_optimization": {"stage": 3, "sub_group_size": 1000}}
+    ds = {
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "bf16": {"enabled": False},
+        "zero_optimization": {"stage": 3, "sub_group_size": 1000},
+    }
     writer = deepspeed_json_config(tmp_path, "zero3_small_groups", ds, zero3_init=True)
     out, stopped, steps = tmp_path / "run", tmp_path / "stopped", 8
     args = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=steps, save_steps=4)
@@ -252,15 +335,28 @@ def test_zero3_checkpoint_of_another_sub_group_size_resumes_through_its_universa
     saved = json.loads((out / "checkpoints" / "step_4" / "trainer_state.json").read_text())
     assert read_run(out)["zero3_sub_group_size"] == saved["zero3_sub_group_size"] == 1000
     # its many small sub-groups export (DeepSpeed's zero_to_fp32) to the run's own final/
-    assert_same_hf_folder(export_checkpoint(out / "checkpoints" / f"step_{steps}", tmp_path / "exported"), out / "final")
+    assert_same_hf_folder(
+        export_checkpoint(out / "checkpoints" / f"step_{steps}", tmp_path / "exported"), out / "final"
+    )
 
-    result = resume_elsewhere(out, stopped, 4, 2, "zero3.yaml", "causal_lm.py",
-                              lambda **resume: causal_lm_args(markov_data, stopped, **dict(args, **resume)), 2, FP32,
-                              logged_rows=4)
+    result = resume_elsewhere(
+        out,
+        stopped,
+        4,
+        2,
+        "zero3.yaml",
+        "causal_lm.py",
+        lambda **resume: causal_lm_args(markov_data, stopped, **dict(args, **resume)),
+        2,
+        FP32,
+        logged_rows=4,
+    )
     assert "with ZeRO-3 sub_group_size 1000 (this run: 10000000)" in result.stdout + result.stderr
     # converted by rank 0 before the process group started (no collective waited on it)
     assert f"converting {stopped / 'checkpoints' / 'step_4'} for 2 processes" in result.stderr
-    assert (stopped / "checkpoints" / "step_4" / "universal" / "pytorch_model" / "zero" / "optimizer_state.pt").is_file()
+    assert (
+        stopped / "checkpoints" / "step_4" / "universal" / "pytorch_model" / "zero" / "optimizer_state.pt"
+    ).is_file()
     assert read_run(stopped)["zero3_sub_group_size"] == 10_000_000
     gap = max(abs(a - b) for a, b in zip(losses(out)[4:], losses(stopped)[4:]))
     print(f"zero3, sub_group_size 1000 -> 1e7 on 2 processes: max resumed-loss gap {gap:.2e}")

@@ -7,7 +7,6 @@ import shutil
 from types import SimpleNamespace
 
 import pytest
-
 from conftest import REPO, causal_lm_args, free_port, launch, losses, read_metrics, read_run, run
 
 
@@ -31,10 +30,15 @@ def packed_train_blocks(corpus, rank, world, streaming=True, block_size=32):
     from common.data import load_raw_datasets, tokenize_and_pack
 
     tokenizer = AutoTokenizer.from_pretrained(corpus / "tokenizer")
-    args = DataArguments(train_file=str(corpus / "train.jsonl"), validation_file=str(corpus / "validation.jsonl"),
-                         block_size=block_size, streaming=streaming)
-    accelerator = SimpleNamespace(process_index=rank, num_processes=world, is_main_process=rank == 0,
-                                  main_process_first=contextlib.nullcontext)
+    args = DataArguments(
+        train_file=str(corpus / "train.jsonl"),
+        validation_file=str(corpus / "validation.jsonl"),
+        block_size=block_size,
+        streaming=streaming,
+    )
+    accelerator = SimpleNamespace(
+        process_index=rank, num_processes=world, is_main_process=rank == 0, main_process_first=contextlib.nullcontext
+    )
     packed = tokenize_and_pack(load_raw_datasets(args, seed=0), tokenizer, "text", block_size, accelerator)
     return [row["input_ids"] for row in packed["train"]], tokenizer
 
@@ -53,8 +57,8 @@ def test_the_ranks_stream_the_map_style_blocks_dealt_in_turn(small_corpus):
 
 def test_streaming_is_refused_where_it_cannot_work():
     from common.arguments import DataArguments, TrainingArguments
-    from common.parsing import _check_together
     from common.errors import UsageError
+    from common.parsing import _check_together
     from common.streaming import check_resumable
 
     data = DataArguments(train_file=str(REPO / "README.md"), streaming=True)
@@ -78,18 +82,39 @@ def test_streaming_a_mixture_crosses_epochs_and_resumes_at_the_exact_block(small
     stopped at its checkpoint after the epoch boundary resumes to the same per-step losses."""
     lines = (small_corpus / "train.jsonl").read_text().splitlines()
     (tmp_path / "first.jsonl").write_text("\n".join(lines[:60]) + "\n")
-    (tmp_path / "second.jsonl").write_text("".join(json.dumps({"body": json.loads(line)["text"]}) + "\n"
-                                                   for line in lines[60:]))
-    mixture = {"datasets": [{"id": str(tmp_path / "first.jsonl"), "weight": 3},
-                            {"id": str(tmp_path / "second.jsonl"), "columns": {"body": "text"}}], "seed": 5}
-    args = dict(dataset_mixture=json.dumps(mixture), train_file="", validation_file=small_corpus / "validation.jsonl",
-                tokenizer_name_or_path=small_corpus / "tokenizer", per_device_train_batch_size=2,
-                gradient_accumulation_steps=2, max_steps=16, save_steps=12, streaming="true")
+    (tmp_path / "second.jsonl").write_text(
+        "".join(json.dumps({"body": json.loads(line)["text"]}) + "\n" for line in lines[60:])
+    )
+    mixture = {
+        "datasets": [
+            {"id": str(tmp_path / "first.jsonl"), "weight": 3},
+            {"id": str(tmp_path / "second.jsonl"), "columns": {"body": "text"}},
+        ],
+        "seed": 5,
+    }
+    args = dict(
+        dataset_mixture=json.dumps(mixture),
+        train_file="",
+        validation_file=small_corpus / "validation.jsonl",
+        tokenizer_name_or_path=small_corpus / "tokenizer",
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps=16,
+        save_steps=12,
+        streaming="true",
+    )
     out = tmp_path / "run"
     recipe_args = [str(a) for a in causal_lm_args(small_corpus, out, **args)]
     recipe_args = recipe_args[2:] if recipe_args[0] == "--config" else recipe_args  # make passes the demo's
-    run(["make", "causal_lm", "CONFIG=accelerate_configs/fsdp.yaml", f"LAUNCH_ARGS=--main_process_port {free_port()}",
-         f"ARGS={shlex.join(recipe_args)}"])
+    run(
+        [
+            "make",
+            "causal_lm",
+            "CONFIG=accelerate_configs/fsdp.yaml",
+            f"LAUNCH_ARGS=--main_process_port {free_port()}",
+            f"ARGS={shlex.join(recipe_args)}",
+        ]
+    )
     record = read_run(out)
     assert record["participating_processes"] == 2 and record["args"]["streaming"] is True
     assert record["distributed_type"] == "FSDP"

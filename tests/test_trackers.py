@@ -13,9 +13,13 @@ def test_report_to_mlflow_logs_the_runs_losses_into_output_dir(markov_data, tmp_
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     out = tmp_path / "run"
-    run_in_process("recipes/causal_lm.py", causal_lm_args(markov_data, out, max_steps=6, report_to="mlflow",
-                                                          run_name="trackers", gradient_accumulation_steps=2),
-                   monkeypatch)
+    run_in_process(
+        "recipes/causal_lm.py",
+        causal_lm_args(
+            markov_data, out, max_steps=6, report_to="mlflow", run_name="trackers", gradient_accumulation_steps=2
+        ),
+        monkeypatch,
+    )
     client = MlflowClient(f"sqlite:///{out / 'mlflow.db'}")
     [recorded] = client.search_runs([client.get_experiment_by_name("trackers").experiment_id])
     assert recorded.info.run_name == "run" and recorded.data.params["gradient_accumulation_steps"] == "2"
@@ -32,10 +36,16 @@ def test_report_to_trackio_logs_the_runs_losses_into_its_local_store(markov_data
     losses at their steps."""
     out, store = tmp_path / "run", tmp_path / "trackio"
     env = {"TRACKIO_DIR": str(store)}
-    launch("single.yaml", "causal_lm.py", causal_lm_args(markov_data, out, max_steps=4, report_to="trackio",
-                                                         run_name="trackers"), env=env)
-    read = ("import json; from trackio.sqlite_storage import SQLiteStorage as s; "
-            "print(json.dumps([s.get_runs('trackers'), s.get_logs('trackers', 'run')]))")
+    launch(
+        "single.yaml",
+        "causal_lm.py",
+        causal_lm_args(markov_data, out, max_steps=4, report_to="trackio", run_name="trackers"),
+        env=env,
+    )
+    read = (
+        "import json; from trackio.sqlite_storage import SQLiteStorage as s; "
+        "print(json.dumps([s.get_runs('trackers'), s.get_logs('trackers', 'run')]))"
+    )
     runs, logs = json.loads(run([BIN / "python", "-c", read], env=env).stdout.strip().splitlines()[-1])
     train, _ = read_metrics(out)
     assert runs == ["run"]

@@ -1,8 +1,8 @@
 """Optimizer groups, schedule scaling and checkpoint bookkeeping, without launching anything."""
 
 import os
-import shutil
 import re
+import shutil
 
 import pytest
 
@@ -15,8 +15,16 @@ from common.training import create_optimizer, create_scheduler, total_training_s
 def tiny_llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    return LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                        num_attention_heads=2, num_key_value_heads=2))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=32,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+        )
+    )
 
 
 def test_weight_decay_skips_norms_and_biases():
@@ -41,14 +49,22 @@ def test_schedule_horizon_is_the_runs_optimizer_steps():
         lrs.append(scheduler.get_last_lr()[0])
     assert lrs[:2] == pytest.approx([0.5, 1.0]) and lrs[-1] == pytest.approx(0.0)  # warmup is 2 optimizer steps
     two = Processes(2)
-    assert total_training_steps(TrainingArguments(num_train_epochs=3, gradient_accumulation_steps=2), range(20), two) == 15
-    assert total_training_steps(TrainingArguments(num_train_epochs=3, gradient_accumulation_steps=3), range(20), two) == 9
+    assert (
+        total_training_steps(TrainingArguments(num_train_epochs=3, gradient_accumulation_steps=2), range(20), two)
+        == 15
+    )
+    assert (
+        total_training_steps(TrainingArguments(num_train_epochs=3, gradient_accumulation_steps=3), range(20), two) == 9
+    )
     with pytest.raises(UsageError, match="fewer than gradient_accumulation_steps=4"):
         total_training_steps(TrainingArguments(gradient_accumulation_steps=4), range(6), two)
     assert total_training_steps(TrainingArguments(max_steps=7), None, two) == 7
     # a tensor-parallel pair trains on one batch at a time: the epoch's 20 batches are all its own
     pair = Processes(2, tp_size=2)
-    assert total_training_steps(TrainingArguments(num_train_epochs=3, gradient_accumulation_steps=2), range(20), pair) == 30
+    assert (
+        total_training_steps(TrainingArguments(num_train_epochs=3, gradient_accumulation_steps=2), range(20), pair)
+        == 30
+    )
 
 
 class Processes:
@@ -98,9 +114,17 @@ def test_model_flops_match_what_torch_counts(kind):
     if kind == "gpt2_tied":
         model = GPT2LMHeadModel(GPT2Config(vocab_size=96, n_embd=64, n_layer=2, n_head=4, n_positions=64))
     else:
-        model = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128,
-                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-                                             attn_implementation="eager"))  # counted as matmuls
+        model = LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=96,
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=4,
+                attn_implementation="eager",
+            )
+        )  # counted as matmuls
     if kind == "llama_lora":
         from peft import LoraConfig, get_peft_model
 
@@ -112,8 +136,13 @@ def test_model_flops_match_what_torch_counts(kind):
         # below needs one: the inputs of layer 0's q/k/v projections (and of its LoRA A matrices),
         # and layer 0's key gradient (its keys come from a frozen projection of a frozen input).
         attention = model.base_model.model.model.layers[0].self_attn
-        skipped = [attention.q_proj.base_layer, attention.k_proj, attention.v_proj.base_layer,
-                   attention.q_proj.lora_A["default"], attention.v_proj.lora_A["default"]]
+        skipped = [
+            attention.q_proj.base_layer,
+            attention.k_proj,
+            attention.v_proj.base_layer,
+            attention.q_proj.lora_A["default"],
+            attention.v_proj.lora_A["default"],
+        ]
         expected -= 2 * batch["input_ids"].numel() * sum(layer.weight.numel() for layer in skipped)
         expected -= 2 * batch["input_ids"].numel() * 64 * batch["input_ids"].shape[1]  # dK = dS^T Q
     counted = counted_training_flops(model, batch)
@@ -145,12 +174,17 @@ def test_long_work_on_the_main_process_reports_while_the_others_wait(capsys):
     with main_process_alone(main, "tokenizing", every=0.2):
         time.sleep(0.9)
     lines = capsys.readouterr().err.strip().splitlines()
-    progress = [line for line in lines if "s so far on the main process; the other ranks wait for it up to " \
-                "--ddp_timeout 1 s" in line]
+    progress = [
+        line
+        for line in lines
+        if "s so far on the main process; the other ranks wait for it up to --ddp_timeout 1 s" in line
+    ]
     assert len(progress) >= 3 and lines[-1].startswith("tokenizing: done in"), lines
     assert "raise --ddp_timeout" not in progress[0] and "raise --ddp_timeout" in progress[-1], progress
-    for accelerator, seconds in ((SimpleNamespace(is_main_process=True), 0.0),
-                                 (SimpleNamespace(is_main_process=False), 0.5)):
+    for accelerator, seconds in (
+        (SimpleNamespace(is_main_process=True), 0.0),
+        (SimpleNamespace(is_main_process=False), 0.5),
+    ):
         with main_process_alone(accelerator, "tokenizing", every=0.2):
             time.sleep(seconds)
         assert capsys.readouterr().err == ""
@@ -171,8 +205,15 @@ def test_the_data_position_is_the_same_sample_under_another_split_and_another_gl
         AcceleratorState._reset_state(True)
         accelerator = Accelerator(cpu=True)
         examples = [{"input_ids": torch.tensor([i])} for i in range(100)]
-        loader = accelerator.prepare(DataLoader(examples, batch_size=batch_size, shuffle=True, drop_last=True,
-                                                generator=torch.Generator().manual_seed(7)))
+        loader = accelerator.prepare(
+            DataLoader(
+                examples,
+                batch_size=batch_size,
+                shuffle=True,
+                drop_last=True,
+                generator=torch.Generator().manual_seed(7),
+            )
+        )
         batches = TrainBatches(accelerator, loader, accumulation, 6, resume_from=resume_from)
         return batches, iter(batches)
 
@@ -196,8 +237,9 @@ def test_the_data_position_is_the_same_sample_under_another_split_and_another_gl
 
 
 @pytest.mark.parametrize("emulate", ["false", "true"])
-def test_bf16_on_a_cpu_without_bf16_instructions_falls_back_to_fp32_unless_emulation_is_asked(emulate, monkeypatch,
-                                                                                                capsys):
+def test_bf16_on_a_cpu_without_bf16_instructions_falls_back_to_fp32_unless_emulation_is_asked(
+    emulate, monkeypatch, capsys
+):
     """Where the CPU has no bf16 instructions (stood in for by the probe answering no), a bf16
     launch trains in fp32 and says so once; RECIPES_EMULATE_BF16=true keeps bf16."""
     import torch
@@ -235,8 +277,9 @@ def test_every_scheduler_offered_trains_or_is_refused_before_start_up(kind):
         with pytest.raises(UsageError, match=f"pass its arguments, e.g. --lr_scheduler_kwargs '{re.escape(example)}'"):
             TrainingArguments(lr_scheduler_type=kind, max_steps=10)
         example = example.replace("100", "4")  # decay over the last 4 of 10 steps
-    args = TrainingArguments(lr_scheduler_type=kind, lr_scheduler_kwargs=example, warmup_steps=2, learning_rate=1.0,
-                             max_steps=10)
+    args = TrainingArguments(
+        lr_scheduler_type=kind, lr_scheduler_kwargs=example, warmup_steps=2, learning_rate=1.0, max_steps=10
+    )
     optimizer = create_optimizer(tiny_llama(), args)
     scheduler = create_scheduler(optimizer, args, max_steps=10)
     lrs = []
@@ -269,7 +312,9 @@ def test_a_checkpoint_that_does_not_load_says_whether_the_host_the_file_or_the_a
     weights.write_bytes(weights.read_bytes()[:20])  # a save cut short
     damaged = failure_of(lambda: load_file(str(weights)))
     assert isinstance(damaged, UsageError) and "step_2 is damaged" in str(damaged), damaged
-    other = failure_of(lambda: torch.nn.Linear(4, 8).load_state_dict({"weight": torch.zeros(4, 4), "bias": torch.zeros(4)}))
+    other = failure_of(
+        lambda: torch.nn.Linear(4, 8).load_state_dict({"weight": torch.zeros(4, 4), "bias": torch.zeros(4)})
+    )
     assert isinstance(other, UsageError) and "written with other model or strategy arguments" in str(other), other
     io = failure_of(lambda: (_ for _ in ()).throw(OSError(errno.EIO, "Input/output error", str(weights))))
     assert isinstance(io, RunStopped) and "an I/O error on this host" in str(io), io
@@ -304,6 +349,7 @@ def test_a_folder_swap_never_leaves_the_target_missing(tmp_path, monkeypatch):
             if not (target / "complete").exists():
                 gaps.append(name)
             return result
+
         return run
 
     monkeypatch.setattr(run_dir, "_exchange", watched("exchange", run_dir._exchange))
@@ -320,7 +366,8 @@ def test_a_folder_swap_never_leaves_the_target_missing(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("crash_after", [1, 2])
 def test_where_folders_cannot_be_exchanged_a_crash_mid_swap_leaves_the_old_folder_at_target_old(
-        crash_after, tmp_path, monkeypatch):
+    crash_after, tmp_path, monkeypatch
+):
     """The fallback (no renameat2 exchange: an older kernel, some network filesystems) renames the old
     folder to target.old, then the new one into place: a crash after either rename leaves a complete
     folder at the target or at target.old, nothing lost."""
@@ -343,5 +390,6 @@ def test_where_folders_cannot_be_exchanged_a_crash_mid_swap_leaves_the_old_folde
     with pytest.raises(KeyboardInterrupt):
         run_dir.swap_into_place(str(tmp), str(target))
     left = {path.name: (path / "complete").read_text() for path in tmp_path.iterdir() if (path / "complete").exists()}
-    assert left == ({"final.old": "old", "final.tmp": "new"} if crash_after == 1 else
-                    {"final.old": "old", "final": "new"}), left
+    assert left == (
+        {"final.old": "old", "final.tmp": "new"} if crash_after == 1 else {"final.old": "old", "final": "new"}
+    ), left

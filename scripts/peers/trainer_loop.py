@@ -43,18 +43,40 @@ def main():
     clock = StepClock(args.warmup)
     with tempfile.TemporaryDirectory() as output_dir:
         training = TrainingArguments(
-            output_dir=output_dir, per_device_train_batch_size=args.batch_size, max_steps=args.steps,
-            learning_rate=args.learning_rate, lr_scheduler_type="linear", warmup_steps=0, weight_decay=0.0,
-            max_grad_norm=1.0, bf16=bf16, logging_steps=args.steps, save_strategy="no", eval_strategy="no",
-            report_to="none", seed=0, dataloader_drop_last=True, disable_tqdm=True,
-            use_cpu=not torch.cuda.is_available())
-        trainer = Trainer(model=model, args=training, train_dataset=blocks["train"],
-                          data_collator=default_data_collator,
-                          callbacks=[clock])
+            output_dir=output_dir,
+            per_device_train_batch_size=args.batch_size,
+            max_steps=args.steps,
+            learning_rate=args.learning_rate,
+            lr_scheduler_type="linear",
+            warmup_steps=0,
+            weight_decay=0.0,
+            max_grad_norm=1.0,
+            bf16=bf16,
+            logging_steps=args.steps,
+            save_strategy="no",
+            eval_strategy="no",
+            report_to="none",
+            seed=0,
+            dataloader_drop_last=True,
+            disable_tqdm=True,
+            use_cpu=not torch.cuda.is_available(),
+        )
+        trainer = Trainer(
+            model=model,
+            args=training,
+            train_dataset=blocks["train"],
+            data_collator=default_data_collator,
+            callbacks=[clock],
+        )
         result = trainer.train()
     if state.is_main_process:
-        write_result(args, clock.times[args.steps] - clock.times[args.warmup], result.training_loss,
-                     training.world_size, optim=training.optim)
+        write_result(
+            args,
+            clock.times[args.steps] - clock.times[args.warmup],
+            result.training_loss,
+            training.world_size,
+            optim=training.optim,
+        )
     # Seen (torch 2.13, gloo): at the interpreter's exit, garbage-collecting DDP's reducer deadlocks in
     # ProcessGroupGloo's destructor (its worker thread waits for the GIL the exiting thread holds), even
     # with the process group destroyed first. The recipes skip that teardown the same way (common.errors.exit_now).

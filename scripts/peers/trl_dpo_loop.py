@@ -57,20 +57,51 @@ def main():
     clock, first = StepClock(args.warmup), FirstLoss()
     with tempfile.TemporaryDirectory() as output_dir:
         config = DPOConfig(
-            output_dir=output_dir, per_device_train_batch_size=args.batch_size, max_steps=args.steps,
-            learning_rate=args.learning_rate, lr_scheduler_type="linear", warmup_steps=0, weight_decay=0.0,
-            max_grad_norm=1.0, bf16=bf16, logging_steps=args.warmup, logging_first_step=True, save_strategy="no",
-            eval_strategy="no", report_to="none", seed=0, dataloader_drop_last=True, disable_tqdm=True,
-            use_cpu=not torch.cuda.is_available(), gradient_checkpointing=False, beta=args.beta, loss_type=["sigmoid"],
-            max_length=args.block_size)
-        trainer = DPOTrainer(model=model, ref_model=reference, args=config, train_dataset=pairs,
-                             processing_class=tokenizer, callbacks=[clock, first])
+            output_dir=output_dir,
+            per_device_train_batch_size=args.batch_size,
+            max_steps=args.steps,
+            learning_rate=args.learning_rate,
+            lr_scheduler_type="linear",
+            warmup_steps=0,
+            weight_decay=0.0,
+            max_grad_norm=1.0,
+            bf16=bf16,
+            logging_steps=args.warmup,
+            logging_first_step=True,
+            save_strategy="no",
+            eval_strategy="no",
+            report_to="none",
+            seed=0,
+            dataloader_drop_last=True,
+            disable_tqdm=True,
+            use_cpu=not torch.cuda.is_available(),
+            gradient_checkpointing=False,
+            beta=args.beta,
+            loss_type=["sigmoid"],
+            max_length=args.block_size,
+        )
+        trainer = DPOTrainer(
+            model=model,
+            ref_model=reference,
+            args=config,
+            train_dataset=pairs,
+            processing_class=tokenizer,
+            callbacks=[clock, first],
+        )
         trainer.train()
     if state.is_main_process:
         pairs_timed = (args.steps - args.warmup) * args.batch_size * config.world_size
         with open(args.out, "w") as handle:
-            json.dump({"seconds": clock.times[args.steps] - clock.times[args.warmup], "pairs": pairs_timed,
-                       "first_loss": first.loss, "processes": config.world_size, "optim": config.optim}, handle)
+            json.dump(
+                {
+                    "seconds": clock.times[args.steps] - clock.times[args.warmup],
+                    "pairs": pairs_timed,
+                    "first_loss": first.loss,
+                    "processes": config.world_size,
+                    "optim": config.optim,
+                },
+                handle,
+            )
     # As in trainer_loop.py: DDP's reducer can deadlock in gloo's destructor at exit (common.errors.exit_now).
     exit_now(0)
 

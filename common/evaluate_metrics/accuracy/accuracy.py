@@ -11,8 +11,9 @@ class Accuracy(evaluate.Metric):
             description="Fraction of predictions equal to the reference labels.",
             citation="",
             inputs_description="predictions and references: lists of integer labels",
-            features=datasets.Features({"predictions": datasets.Value("int64"),
-                                        "references": datasets.Value("int64")}),
+            features=datasets.Features(
+                {"predictions": datasets.Value("int64"), "references": datasets.Value("int64")}
+            ),
         )
 
     def _compute(self, predictions, references, sample_weight=None):

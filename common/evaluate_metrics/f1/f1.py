@@ -14,8 +14,9 @@ class F1(evaluate.Metric):
             description="Harmonic mean of precision and recall.",
             citation="",
             inputs_description="predictions and references: lists of integer labels",
-            features=datasets.Features({"predictions": datasets.Value("int64"),
-                                        "references": datasets.Value("int64")}),
+            features=datasets.Features(
+                {"predictions": datasets.Value("int64"), "references": datasets.Value("int64")}
+            ),
         )
 
     def _compute(self, predictions, references, average="binary", pos_label=1):
