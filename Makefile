@@ -227,7 +227,7 @@ quality: install-test
 	$(VENV)/bin/ruff format --check .
 
 # Runs killed (SIGKILL, every process) at 42 moments across ddp, fsdp, zero3, tp, zero3_ulysses and fsdp_cp, inside saves and
-# exports too, each resumed to the uninterrupted run's weights (make test runs 6 of them).
+# exports too, each resumed to the uninterrupted run's weights (make test-all runs 6 of them, make test 1).
 test-crashes: install-test
 	CRASH_TRIALS=42 $(PY) -m pytest tests/test_crashes.py $(ARGS)
 

@@ -1,6 +1,6 @@
 """Where the suite's time goes, from its own timing: a table per file written into docs/testing.md.
 
-    make test ARGS="--junitxml=outputs/junit.xml"          # the suite times itself (pytest's junit XML)
+    make test-all ARGS="--junitxml=outputs/junit.xml"      # the suite times itself (pytest's junit XML)
     python scripts/test_durations.py --label after --junit outputs/junit.xml --launch_cost
 
 Each test's seconds (setup, call and teardown, so a session fixture counts where it is first made),
@@ -47,11 +47,16 @@ spec.loader.exec_module(importlib.util.module_from_spec(spec))  # the recipe's i
 imported = time.time()
 from common.accelerator import build_accelerator, participating_processes
 from common.arguments import TrainingArguments
-accelerator, _ = build_accelerator(TrainingArguments(output_dir=tempfile.mkdtemp(), report_to="none"))
-processes = participating_processes(accelerator)
-if accelerator.is_main_process:
-    print("PROBE " + json.dumps({"started": started, "imported": imported, "grouped": time.time(),
-                                 "processes": processes}), flush=True)
+from common.run import run_recipe
+
+def main(args):
+    accelerator, _ = build_accelerator(args)
+    processes = participating_processes(accelerator)
+    if accelerator.is_main_process:
+        print("PROBE " + json.dumps({"started": started, "imported": imported, "grouped": time.time(),
+                                     "processes": processes}), flush=True)
+
+run_recipe(main, TrainingArguments, argv=["--output_dir", tempfile.mkdtemp(), "--report_to", "none"])  # and its exit
 """
 
 
@@ -244,7 +249,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     tree = os.path.abspath(args.tree)
     if args.junit and not os.path.isfile(args.junit):
-        sys.exit(f'error: --junit {args.junit} does not exist; run make test ARGS="--junitxml={args.junit}" first')
+        sys.exit(f'error: --junit {args.junit} does not exist; run make test-all ARGS="--junitxml={args.junit}" first')
     store = json.load(open(STORE)) if os.path.exists(STORE) else {}
     entry = store.setdefault(args.label, {})
     entry["date"] = datetime.date.today().isoformat()

@@ -8,9 +8,9 @@ resumes it with `--resume_from_checkpoint latest`. The resumed run must finish, 
 
 `make test-all` runs CRASH_TRIALS=6 trials (one per config: ddp killed inside a checkpoint save, fsdp inside
 the final export, zero3 at a random moment, tp: the tensor-parallel run inside a save, zero3_ulysses: the
-sequence-parallel run inside the export, fsdp_cp: the context-parallel run at random), `make test` the first
-three (one of each moment); `make test-crashes` runs 42 (seven per config). Two last tests kill a run while it converts a ZeRO-3 checkpoint for
-another world size, and while it rewrites a zero2 checkpoint for another config (common/portable.py).
+sequence-parallel run inside the export, fsdp_cp: the context-parallel run at random), `make test` the first;
+`make test-crashes` runs 42 (seven per config). Two last tests kill a run while it converts a ZeRO-3 checkpoint for
+another world size (make test), and while it rewrites a zero2 checkpoint for another config (common/portable.py).
 """
 
 import os

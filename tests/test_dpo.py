@@ -23,7 +23,6 @@ from conftest import (
     read_metrics,
     read_run,
     run,
-    tiered,
 )
 from conftest import OneProcess as CPU
 from datasets import Dataset, DatasetDict
@@ -553,7 +552,7 @@ def test_dropout_is_off_so_the_policy_scores_as_its_reference():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", tiered(["ddp.yaml", "fsdp.yaml"], ["fsdp.yaml"]))
+@pytest.mark.parametrize("config", ["ddp.yaml", "fsdp.yaml"])
 @pytest.mark.exhaustive
 def test_under_fp8_the_reference_scores_as_the_float8_policy(config, pairs, tmp_path):
     """`--mixed_precision fp8 --fp8_backend ao`, 2 processes, accumulation 2: accelerate's prepare turns the

@@ -241,6 +241,7 @@ def test_sharded_strategies_hold_less_than_ddp_in_fp32_on_4(measured):
     for account in fp32_record(measured, "zero3.yaml", 4)["memory_per_rank"]:  # no second fp32 copy on 4 either
         assert account["master_weights_mb"] == 0
         assert account["parameters_mb"] == pytest.approx(account["gradients_mb"], rel=0.01)
+        assert account["optimizer_states_mb"] == pytest.approx(2 * account["parameters_mb"], rel=0.01)
 
 
 def test_estimate_memory_refuses_a_missing_config(tmp_path):

@@ -66,12 +66,17 @@ def assert_split(record, config, groups=1):
     assert record["effective_batch_size"] == 8  # the group's batch counted once
 
 
-@pytest.fixture(scope="module", params=SPLITS)
+TRAINED = {}  # config -> its fp32 run, launched once for every test that reads it, in whatever order they run
+
+
+@pytest.fixture(params=SPLITS)
 def trained(request, markov_data, tmp_path_factory):
-    """The fp32 run: global batch 8 as 4 x accumulation 2, checkpoints every 3 steps."""
-    out = tmp_path_factory.mktemp(request.param.split(".")[0]) / "run"
-    launch(request.param, "causal_lm.py", causal_lm_args(markov_data, out, **RUN), launcher_args=FP32)
-    return request.param, out
+    """(config, the fp32 run: global batch 8 as 4 x accumulation 2, checkpoints every 3 steps)."""
+    if request.param not in TRAINED:
+        out = tmp_path_factory.mktemp(request.param.split(".")[0]) / "run"
+        launch(request.param, "causal_lm.py", causal_lm_args(markov_data, out, **RUN), launcher_args=FP32)
+        TRAINED[request.param] = out
+    return request.param, TRAINED[request.param]
 
 
 @pytest.mark.slow
