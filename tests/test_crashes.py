@@ -166,6 +166,7 @@ def test_a_run_killed_at_any_moment_resumes_to_the_same_weights(trial, uninterru
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive
 def test_a_run_killed_while_converting_a_checkpoint_for_another_world_size_resumes(markov_data, tmp_path):
     """A zero3 checkpoint of 2 processes resumed on 1: every process is killed while rank 0 converts
     it (DeepSpeed's universal format, written to universal.tmp), and the next resume converts it

@@ -320,8 +320,9 @@ def test_the_dpo_loop_is_the_same_loop_with_its_own_loss():
     rest of the loop (accumulation, clipping, the guard, the step, logging) is causal_lm.py's, line for line."""
     own = {
         'ref_log_probs = reference.log_probs(batch, "train")',
-        "losses, rewards = preference_loss(completion_log_probs(model, batch), ref_log_probs,",
-        "completion_lengths(batch), **objective)",
+        "losses, rewards = preference_loss(",
+        "completion_log_probs(model, batch), ref_log_probs, completion_lengths(batch), **objective",
+        ")",
         "metrics.record_values(rewards)",
     }
     dpo = [line for line in _loop("dpo.py") if line not in own]

@@ -340,10 +340,10 @@ def train_rows(out):
         pytest.param("ddp.yaml", {}, marks=pytest.mark.exhaustive),
         pytest.param("fsdp.yaml", {}, marks=pytest.mark.exhaustive),
         pytest.param("zero2.yaml", {}, marks=pytest.mark.exhaustive),
-        ("zero3.yaml", {}),  # make test: the reference held as ZeRO-3 shards the policy, LoRA, precomputed scores
+        ("zero3.yaml", {}),  # make test: the reference held as ZeRO-3 shards the policy, precomputed scores
         pytest.param("zero3_offload.yaml", {}, marks=pytest.mark.exhaustive),
         pytest.param("ddp.yaml", {"use_peft": True}, marks=pytest.mark.exhaustive),
-        ("zero3.yaml", {"use_peft": True}),
+        pytest.param("zero3.yaml", {"use_peft": True}, marks=pytest.mark.exhaustive),
         ("fsdp.yaml", {"precompute_ref_log_probs": True}),
     ],
 )

@@ -125,6 +125,7 @@ def test_steps_skipped_on_the_device_are_read_at_the_logging_steps(markov_data, 
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive
 def test_zero3_skips_the_same_steps_and_follows_the_ddp_run(markov_data, poisoned, skipping_run, tmp_path):
     """DeepSpeed steps inside backward; ZeRO-3 (bf16) discards the non-finite step itself, and the
     loop skips its schedule step: the same steps are skipped and the losses follow ddp's."""

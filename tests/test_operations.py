@@ -314,6 +314,7 @@ def test_auto_find_batch_size_halves_on_a_real_out_of_memory_and_keeps_the_globa
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive
 def test_max_restarts_without_a_fresh_rendezvous_store_is_refused_in_one_line(markov_data, tmp_path):
     """`accelerate launch --config_file ddp.yaml --max_restarts 1` as a user types it (no rendezvous
     flags, which make adds): restarted workers could hang, so the run is refused at once, with one

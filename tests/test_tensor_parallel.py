@@ -69,6 +69,7 @@ def trained(request, markov_data, tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("trained", tiered(LAYOUTS, ["tp.yaml"]), indirect=True)  # make test-all: fsdp_tp.yaml too
 def test_tensor_parallel_matches_single_process(trained, reference):
     config, tp_run = trained
     record = read_run(tp_run)
