@@ -262,9 +262,14 @@ def main(argv=None):
     if args.launch_cost:
         entry["launch_cost"] = launch_cost(tree, "ddp.yaml", args.repeats)
         print(json.dumps(entry["launch_cost"]))
-    with open(STORE, "w") as handle:
-        json.dump(store, handle, indent=1)
-        handle.write("\n")
+    with open(STORE, "w") as handle:  # one line per test, so a new measurement reads as a diff of its rows
+        handle.write(json.dumps(store, indent=1).split("\n", 1)[0] + "\n")
+        for index, (name, entry) in enumerate(store.items()):
+            fields = {key: value for key, value in entry.items() if key != "tests"}
+            rows = ",\n".join("  " + json.dumps(row) for row in entry.get("tests", []))
+            handle.write(f" {json.dumps(name)}: {json.dumps(fields)[:-1]}, \"tests\": [\n{rows}\n ]}}")
+            handle.write(",\n" if index < len(store) - 1 else "\n")
+        handle.write("}\n")
     page = open(PAGE).read()
     if BEGIN not in page:
         sys.exit(f"error: {PAGE} has no {BEGIN} ... {END} section to write into")
