@@ -267,7 +267,7 @@ def main(argv=None):
         for index, (name, entry) in enumerate(store.items()):
             fields = {key: value for key, value in entry.items() if key != "tests"}
             rows = ",\n".join("  " + json.dumps(row) for row in entry.get("tests", []))
-            handle.write(f" {json.dumps(name)}: {json.dumps(fields)[:-1]}, \"tests\": [\n{rows}\n ]}}")
+            handle.write(f' {json.dumps(name)}: {json.dumps(fields)[:-1]}, "tests": [\n{rows}\n ]}}')
             handle.write(",\n" if index < len(store) - 1 else "\n")
         handle.write("}\n")
     page = open(PAGE).read()
