@@ -231,7 +231,7 @@ quality: install-test
 test-crashes: install-test
 	CRASH_TRIALS=42 $(PY) -m pytest tests/test_crashes.py $(ARGS)
 
-# The quick loop while developing: everything not marked slow.
+# The quick loop while developing: everything neither slow nor exhaustive.
 test-fast: install-test
 	$(PY) -m pytest tests -m "not slow and not exhaustive" $(ARGS)
 

@@ -197,9 +197,10 @@ def render(store: dict) -> str:
             total = {tier: sum(c[tier] for c in by_file.values()) for tier in TIERS}
             lines.append(
                 f"{len(rows)} tests, {sum(r['launches'] for r in rows)} launches, "
-                f"{sum(r['make'] for r in rows)} make targets. Sum of test seconds: `make test-fast` "
-                f"{total['fast'] / 60:.1f} min, `make test` {(total['fast'] + total['test']) / 60:.1f} min, "
-                f"`make test-all` {sum(total.values()) / 60:.1f} min.\n"
+                f"{sum(r['make'] for r in rows)} make targets. Sum of the test seconds that ran: `make test-fast`'s "
+                f"{total['fast'] / 60:.1f} min, `make test`'s {(total['fast'] + total['test']) / 60:.1f} min, "
+                f"`make test-all`'s {sum(total.values()) / 60:.1f} min (where its own tests ran: "
+                f"{sum(r['tier'] == 'all' for r in rows)} of them).\n"
             )
             table = sorted(by_file.items(), key=lambda item: -sum(item[1][t] for t in TIERS))
             lines.append(
