@@ -28,7 +28,10 @@ import xml.etree.ElementTree as ElementTree
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
 from figures import machine, markdown_table  # noqa: E402
+
+from common.peers import free_port  # noqa: E402
 
 
 STORE = os.path.join(REPO, "docs", "testing-durations.json")
@@ -134,7 +137,7 @@ def launch_cost(tree: str, config: str, repeats: int) -> dict:
                     "--config_file",
                     os.path.join(tree, "accelerate_configs", config),
                     "--main_process_port",
-                    str(_free_port()),
+                    str(free_port()),
                     probe,
                     os.path.join(tree, "recipes", "causal_lm.py"),
                 ],
@@ -165,14 +168,6 @@ def launch_cost(tree: str, config: str, repeats: int) -> dict:
         "config": config,
         "repeats": repeats,
     }
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def render(store: dict) -> str:

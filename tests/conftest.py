@@ -96,6 +96,19 @@ def tiered(values, in_make_test) -> list:
     ]
 
 
+class LaunchedOnce(dict):
+    """A module's runs, each launched by `launch_run(key)` when a test first asks for it and kept for every later
+    test that reads it: a tier that selects fewer tests launches only the runs those read, in any order."""
+
+    def __init__(self, launch_run):
+        super().__init__()
+        self.launch_run = launch_run
+
+    def __missing__(self, key):
+        self[key] = self.launch_run(key)
+        return self[key]
+
+
 # Launcher flag for the runs that check bit-level fp32 parity; the shipped configs ask for bf16.
 FP32 = ["--mixed_precision", "no"]
 

@@ -25,6 +25,7 @@ import pytest
 from conftest import (
     FP32,
     OFFLINE_ENV,
+    LaunchedOnce,
     causal_lm_args,
     launch,
     launch_command,
@@ -132,18 +133,15 @@ def run_until_killed(command: list[str], out, when: str, seed: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(markov_data, tmp_path_factory):
-    """A config's uninterrupted run's final weights, run once for the trials that ask for it."""
-    runs = {}
+def uninterrupted(markov_data, tmp_path_factory) -> LaunchedOnce:
+    """Each config's uninterrupted run's final weights."""
 
     def final_weights(config: str) -> dict:
-        if config not in runs:
-            out = tmp_path_factory.mktemp(config.removesuffix(".yaml"))
-            launch(config, "causal_lm.py", causal_lm_args(markov_data, out / "run", **RUN), launcher_args=FP32)
-            runs[config] = load_weights(out / "run" / "final")
-        return runs[config]
+        out = tmp_path_factory.mktemp(config.removesuffix(".yaml"))
+        launch(config, "causal_lm.py", causal_lm_args(markov_data, out / "run", **RUN), launcher_args=FP32)
+        return load_weights(out / "run" / "final")
 
-    return final_weights
+    return LaunchedOnce(final_weights)
 
 
 @pytest.mark.slow
@@ -158,7 +156,7 @@ def test_a_run_killed_at_any_moment_resumes_to_the_same_weights(trial, uninterru
     )
     resumed = launch(config, "causal_lm.py", args + ["--resume_from_checkpoint", "latest"], launcher_args=FP32)
     assert resumed.returncode == 0
-    weights, reference = load_weights(out / "final"), uninterrupted(config)
+    weights, reference = load_weights(out / "final"), uninterrupted[config]
     assert weights.keys() == reference.keys()
     different = [key for key in weights if not bool((weights[key] == reference[key]).all())]
     print(f"{config}: killed {what}; resumed; {len(different)} of {len(weights)} tensors differ")

@@ -16,6 +16,7 @@ from conftest import (
     CONFIGS,
     FP32,
     REPO,
+    LaunchedOnce,
     causal_lm_args,
     drop_weights,
     estimate_for_run,
@@ -63,27 +64,23 @@ RUNS = {
 }
 
 
-class MemoryRuns(dict):
-    """Runs on a 101M-parameter Llama, launched when a test first asks for one (by its name in RUNS, or
-    (config, processes) in fp32), each kept for every test that reads it."""
+@pytest.fixture(scope="session")
+def measured(markov_data, tmp_path_factory) -> LaunchedOnce:
+    """Runs on a 101M-parameter Llama, by their name in RUNS (bf16) or as (config, processes) in fp32."""
 
-    def __init__(self, data, tmp_path_factory):
-        super().__init__()
-        self.data, self.tmp_path_factory = data, tmp_path_factory
-
-    def __missing__(self, name):
-        """In bf16 (RUNS): two steps of 2 micro-batches of 1 x 16 tokens (the account is taken at the first
-        optimizer step, the whole run's peak over both and the export: ZeRO-3's gathering settles from the second
-        step on; short blocks, because on a CPU without bf16 instructions the emulated bf16 runs at about 1
-        GFLOP/s). In fp32 ((config, processes)): the same steps, launched with --mixed_precision no."""
+    def launch_run(name):
+        """Two steps of 2 micro-batches of 1 x 16 tokens (the account is taken at the first optimizer step, the
+        whole run's peak over both and the export: ZeRO-3's gathering settles from the second step on; short
+        blocks, because on a CPU without bf16 instructions the emulated bf16 runs at about 1 GFLOP/s); in fp32
+        launched with --mixed_precision no."""
         fp32 = isinstance(name, tuple)
         config, processes, checkpointing = (*name, False) if fp32 else RUNS[name]
-        out = self.tmp_path_factory.mktemp(config.split(".")[0] + ("_fp32" if fp32 else "")) / "run"
+        out = tmp_path_factory.mktemp(config.split(".")[0] + ("_fp32" if fp32 else "")) / "run"
         launch(
             config,
             "causal_lm.py",
             causal_lm_args(
-                self.data,
+                markov_data,
                 out,
                 model_config=MODEL,
                 block_size=SEQ_LEN,
@@ -99,13 +96,22 @@ class MemoryRuns(dict):
             launcher_args=FP32 if fp32 else [],
         )
         drop_weights(out)  # the tests read run.json and final/config.json
-        self[name] = out
         return out
 
+    return LaunchedOnce(launch_run)
 
-@pytest.fixture(scope="session")
-def measured(markov_data, tmp_path_factory) -> MemoryRuns:
-    return MemoryRuns(markov_data, tmp_path_factory)
+
+def worst(measured, name, key) -> float:
+    """The largest of a run's per-rank account `key`."""
+    return max(account[key] for account in read_run(measured[name])["memory_per_rank"])
+
+
+def first_step_peak(measured, name) -> float:
+    return max(a["phases"]["first_step"]["peak_rss_mb"] for a in read_run(measured[name])["memory_per_rank"])
+
+
+def whole_run(measured, name) -> float:
+    return max(rank["peak_rss_mb"] for rank in read_run(measured[name])["peak_memory_whole_run"])
 
 
 @pytest.mark.slow
@@ -139,23 +145,14 @@ def test_estimate_matches_the_measured_account(name, measured):
 
 @pytest.mark.slow
 def test_sharded_strategies_hold_less_than_ddp(measured):
-    def worst(config, key):
-        return max(account[key] for account in read_run(measured[config])["memory_per_rank"])
-
-    def peak(config):
-        return max(a["phases"]["first_step"]["peak_rss_mb"] for a in read_run(measured[config])["memory_per_rank"])
-
-    def whole_run(config):
-        return max(rank["peak_rss_mb"] for rank in read_run(measured[config])["peak_memory_whole_run"])
-
-    ddp_state, ddp_peak = worst("ddp.yaml", "model_state_mb"), peak("ddp.yaml")
+    ddp_state, ddp_peak = worst(measured, "ddp.yaml", "model_state_mb"), first_step_peak(measured, "ddp.yaml")
     for config in ("fsdp.yaml", "zero3.yaml"):
         print(
-            f"{config}: model state {worst(config, 'model_state_mb') / ddp_state:.2f}x DDP's, "
-            f"peak RSS {peak(config) / ddp_peak:.2f}x, over the whole run "
-            f"{whole_run(config) / whole_run('ddp.yaml'):.2f}x ({whole_run(config):.0f} MB)"
+            f"{config}: model state {worst(measured, config, 'model_state_mb') / ddp_state:.2f}x DDP's, "
+            f"peak RSS {first_step_peak(measured, config) / ddp_peak:.2f}x, over the whole run "
+            f"{whole_run(measured, config) / whole_run(measured, 'ddp.yaml'):.2f}x ({whole_run(measured, config):.0f} MB)"
         )
-        assert worst(config, "model_state_mb") <= 0.65 * ddp_state
+        assert worst(measured, config, "model_state_mb") <= 0.65 * ddp_state
     # ZeRO-3 keeps a bf16 model and gradient partition beside its fp32 master weights, and makes the fp32
     # gradients one optimizer sub-group at a time (common.accelerator's sub_group_size); fused AdamW adds
     # no temporaries in the step. Over the whole run ZeRO-3 keeps two layers gathered at most (common.accelerator's
@@ -164,11 +161,11 @@ def test_sharded_strategies_hold_less_than_ddp(measured):
     # run, seen, DDP's gradients being views into its buckets); on 4 the shards halve again (a DDP rank holds the
     # same on any number of processes; zero3 on 4 also checkpoints activations, a few MB at these 16 tokens).
     for config in ("fsdp.yaml", "zero3.yaml"):
-        assert whole_run(config) <= 0.65 * whole_run("ddp.yaml")
+        assert whole_run(measured, config) <= 0.65 * whole_run(measured, "ddp.yaml")
     export = read_run(measured["zero3.yaml"])["final_export"]
     assert export["rss_peak_mb"] - export["rss_before_mb"] < 100  # the model in fp32 is 386 MB
     # Buckets sized to the model (h*h elements), not DeepSpeed's fixed 500M (1 GB in bf16)
-    assert worst("zero3.yaml", "communication_buffers_mb") < 10
+    assert worst(measured, "zero3.yaml", "communication_buffers_mb") < 10
     # FSDP: rank 1 builds its model on the meta device; rank 0's weights are broadcast into the shards
     phases = read_run(measured["fsdp.yaml"])["memory_per_rank"][1]["phases"]
     assert phases["model_built"]["rss_mb"] - phases["started"]["rss_mb"] < 100  # a whole model is 386 MB
@@ -179,26 +176,18 @@ def test_sharded_strategies_hold_less_than_ddp(measured):
 def test_sharded_strategies_on_4_hold_less_still(measured):
     """On 4 the shards halve again (a DDP rank holds the same on any number of processes); zero3 on 4 also
     checkpoints activations, each layer keeping its input only (the micro-batch is the same as on 2)."""
-
-    def worst(config, key):
-        return max(account[key] for account in read_run(measured[config])["memory_per_rank"])
-
-    def peak(config):
-        return max(a["phases"]["first_step"]["peak_rss_mb"] for a in read_run(measured[config])["memory_per_rank"])
-
-    def whole_run(config):
-        return max(rank["peak_rss_mb"] for rank in read_run(measured[config])["peak_memory_whole_run"])
-
     for config in ("fsdp.yaml on 4", "zero3.yaml on 4, checkpointing"):
         print(
-            f"{config}: peak RSS {peak(config) / peak('ddp.yaml'):.2f}x DDP's, over the whole run "
-            f"{whole_run(config) / whole_run('ddp.yaml'):.2f}x ({whole_run(config):.0f} MB)"
+            f"{config}: peak RSS {first_step_peak(measured, config) / first_step_peak(measured, 'ddp.yaml'):.2f}x DDP's, over the whole run "
+            f"{whole_run(measured, config) / whole_run(measured, 'ddp.yaml'):.2f}x ({whole_run(measured, config):.0f} MB)"
         )
-        assert peak(config) <= 0.6 * peak("ddp.yaml")
-        assert whole_run(config) <= 0.6 * whole_run("ddp.yaml")
-    checkpointed = worst("zero3.yaml on 4, checkpointing", "activations_mb")
-    print(f"activations per micro-batch: {worst('zero3.yaml', 'activations_mb')} MB, {checkpointed} MB checkpointed")
-    assert checkpointed < 0.2 * worst("zero3.yaml", "activations_mb")
+        assert first_step_peak(measured, config) <= 0.6 * first_step_peak(measured, "ddp.yaml")
+        assert whole_run(measured, config) <= 0.6 * whole_run(measured, "ddp.yaml")
+    checkpointed = worst(measured, "zero3.yaml on 4, checkpointing", "activations_mb")
+    print(
+        f"activations per micro-batch: {worst(measured, 'zero3.yaml', 'activations_mb')} MB, {checkpointed} MB checkpointed"
+    )
+    assert checkpointed < 0.2 * worst(measured, "zero3.yaml", "activations_mb")
 
 
 # fp32 (launched with --mixed_precision no). On 2, a sharded rank holds half of DDP's 16 bytes per parameter, plus
@@ -231,13 +220,13 @@ def test_ddp_holds_its_gradients_once_and_zero3_keeps_no_second_fp32_copy(measur
 @pytest.mark.slow
 @pytest.mark.exhaustive
 def test_sharded_strategies_hold_less_than_ddp_in_fp32_on_4(measured):
-    def whole_run(config, processes):
-        return max(rank["peak_rss_mb"] for rank in fp32_record(measured, config, processes)["peak_memory_whole_run"])
-
+    fp32_record(measured, "ddp.yaml", 2)  # each run's processes, precision and size checked
+    ddp = whole_run(measured, ("ddp.yaml", 2))
     for config in ("fsdp.yaml", "zero3.yaml"):
-        ratio = whole_run(config, 4) / whole_run("ddp.yaml", 2)
-        print(f"fp32 {config} on 4: whole run {whole_run(config, 4):.0f} MB, {ratio:.3f}x DDP's")
-        assert whole_run(config, 4) <= 0.6 * whole_run("ddp.yaml", 2)
+        fp32_record(measured, config, 4)
+        sharded = whole_run(measured, (config, 4))
+        print(f"fp32 {config} on 4: whole run {sharded:.0f} MB, {sharded / ddp:.3f}x DDP's")
+        assert sharded <= 0.6 * ddp
     for account in fp32_record(measured, "zero3.yaml", 4)["memory_per_rank"]:  # no second fp32 copy on 4 either
         assert account["master_weights_mb"] == 0
         assert account["parameters_mb"] == pytest.approx(account["gradients_mb"], rel=0.01)

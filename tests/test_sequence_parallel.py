@@ -24,6 +24,7 @@ from conftest import (
     FP32,
     REPO,
     STEPS,
+    LaunchedOnce,
     causal_lm_args,
     flags,
     launch,
@@ -66,17 +67,23 @@ def assert_split(record, config, groups=1):
     assert record["effective_batch_size"] == 8  # the group's batch counted once
 
 
-TRAINED = {}  # config -> its fp32 run, launched once for every test that reads it, in whatever order they run
+@pytest.fixture(scope="module")
+def trained_runs(markov_data, tmp_path_factory) -> LaunchedOnce:
+    """Each config's fp32 run: global batch 8 as 4 x accumulation 2, checkpoints every 3 steps."""
+
+    def trained_run(config):
+        out = tmp_path_factory.mktemp(config.split(".")[0]) / "run"
+        launch(config, "causal_lm.py", causal_lm_args(markov_data, out, **RUN), launcher_args=FP32)
+        return out
+
+    return LaunchedOnce(trained_run)
 
 
 @pytest.fixture(params=SPLITS)
-def trained(request, markov_data, tmp_path_factory):
-    """(config, the fp32 run: global batch 8 as 4 x accumulation 2, checkpoints every 3 steps)."""
-    if request.param not in TRAINED:
-        out = tmp_path_factory.mktemp(request.param.split(".")[0]) / "run"
-        launch(request.param, "causal_lm.py", causal_lm_args(markov_data, out, **RUN), launcher_args=FP32)
-        TRAINED[request.param] = out
-    return request.param, TRAINED[request.param]
+def trained(request, trained_runs):
+    """(config, its fp32 run), the run launched once for every test that reads it, in whatever order they run
+    (the resumes parametrize this fixture themselves)."""
+    return request.param, trained_runs[request.param]
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 
 import pytest
-from conftest import FP32, causal_lm_args, launch, losses, max_weight_difference, read_run, run, tiered
+from conftest import FP32, LaunchedOnce, causal_lm_args, launch, losses, max_weight_difference, read_run, run, tiered
 
 
 RUN = dict(
@@ -46,24 +46,22 @@ def fingerprint(folder) -> dict:
     }
 
 
-class SourceRuns(dict):
-    """One finished run per source config, fp32 on 2 processes, with its step_3 checkpoint: launched when a test
-    first asks for it. `rewritten`: the sources whose checkpoint has its rewrite."""
+@pytest.fixture(scope="module")
+def sources(markov_data, tmp_path_factory) -> LaunchedOnce:
+    """One finished run per source config, fp32 on 2 processes, with its step_3 checkpoint."""
 
-    def __init__(self, data, tmp_path_factory):
-        super().__init__()
-        self.data, self.tmp_path_factory, self.rewritten = data, tmp_path_factory, set()
-
-    def __missing__(self, config):
-        out = self.tmp_path_factory.mktemp(config.removesuffix(".yaml"))
-        launch(config, "causal_lm.py", causal_lm_args(self.data, out, **RUN), launcher_args=FP32)
-        self[config] = out
+    def source_run(config):
+        out = tmp_path_factory.mktemp(config.removesuffix(".yaml"))
+        launch(config, "causal_lm.py", causal_lm_args(markov_data, out, **RUN), launcher_args=FP32)
         return out
+
+    return LaunchedOnce(source_run)
 
 
 @pytest.fixture(scope="module")
-def sources(markov_data, tmp_path_factory) -> SourceRuns:
-    return SourceRuns(markov_data, tmp_path_factory)
+def rewritten() -> set:
+    """The source configs whose checkpoint has its rewrite for another strategy."""
+    return set()
 
 
 @pytest.mark.slow
@@ -71,7 +69,7 @@ def sources(markov_data, tmp_path_factory) -> SourceRuns:
     "source,target,processes", tiered(PAIRS, IN_MAKE_TEST), ids=[f"{s[:-5]}-to-{t[:-5]}-{n}p" for s, t, n in PAIRS]
 )
 def test_a_checkpoint_resumes_under_another_config_to_the_same_losses_and_weights(
-    sources, source, target, processes, markov_data, tmp_path
+    sources, rewritten, source, target, processes, markov_data, tmp_path
 ):
     """fp32: the resumed steps' losses within 1e-6 (relative) of the source run's, the final weights within
     1e-6; the Adam moments, step count, schedule, RNG and data position all come back (a moment or a
@@ -84,7 +82,7 @@ def test_a_checkpoint_resumes_under_another_config_to_the_same_losses_and_weight
             ["make", "-s", "convert-checkpoint", f"CHECKPOINT={checkpoint}", f"CONFIG=accelerate_configs/{target}"]
         )
         assert f"converted into {checkpoint}/portable" in converted.stdout, converted.stdout
-        sources.rewritten.add(source)
+        rewritten.add(source)
     batch = RUN["per_device_train_batch_size"] * 2 // processes  # the same global batch
     # regional compile (its copy of the model names the parameters otherwise) on one pair
     compiled = {"torch_compile": "true"} if (source, target) == ("zero2.yaml", "ddp.yaml") else {}
@@ -94,8 +92,8 @@ def test_a_checkpoint_resumes_under_another_config_to_the_same_losses_and_weight
     )
     output = result.stdout + result.stderr
     assert f"loading its rewrite {checkpoint}/portable" in output
-    assert ("rewriting" in output) == (source not in sources.rewritten)  # once: a second resume reuses it
-    sources.rewritten.add(source)
+    assert ("rewriting" in output) == (source not in rewritten)  # once: a second resume reuses it
+    rewritten.add(source)
     assert read_run(out)["participating_processes"] == processes
     resumed, original = losses(out), losses(sources[source])[3:]
     gap = max(abs(a - b) / b for a, b in zip(resumed, original))
