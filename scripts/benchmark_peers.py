@@ -144,9 +144,10 @@ def launch(
     recipe_args=(),
     name: str | None = None,
     launcher_args=(),
+    peer_args=(),
 ) -> dict:
-    """One launch of `contender` (the recipe with `recipe_args` added, under `accelerate launch` with
-    `launcher_args`); returns its seconds and tokens over the timed steps, or {"refused": the recipe's one-line
+    """One launch of `contender` (the recipe with `recipe_args` added, a peer with `peer_args`, under
+    `accelerate launch` with `launcher_args`); returns its seconds and tokens over the timed steps, or {"refused": the recipe's one-line
     error} when the recipe refused its arguments."""
     out = os.path.join(folder, f"{name or contender}_{round_}")
     job = ["--block_size", str(args.block_size), "--learning_rate", str(args.learning_rate)]
@@ -195,6 +196,7 @@ def launch(
             str(args.warmup),
             "--out",
             out + ".json",
+            *peer_args,
         ]
     result = accelerate_launch(script, args, launcher_args)
     refusal = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
@@ -390,6 +392,13 @@ def job_choices(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=["causal", "dpo"],
         help="the jobs to run (the page holds the ones run)",
     )
+    parser.add_argument(
+        "--torch_compile",
+        action="store_true",
+        help="the causal job with torch.compile in all three, as each one's users turn it on: the recipe's "
+        "--torch_compile (accelerate's regional compilation), the bare loop's Accelerator with the same "
+        "dynamo plugin, Trainer's torch_compile=True",
+    )
     return parser
 
 
@@ -443,30 +452,41 @@ def main(argv=None):
             "error: trl is not installed (the DPO job's peer); run `make benchmark-peers`, which installs it"
         )
     sections = [job_line(args)]
+    if args.torch_compile:
+        sections.append(
+            "All three compiled: the recipe with --torch_compile true (accelerate's regional compilation), the "
+            "bare loop's Accelerator with the same dynamo plugin, Trainer with torch_compile=True (its own: the "
+            "whole model). The compile happens in the warm-up steps, before the timed ones."
+        )
+    title, packages = (
+        "The recipes against a bare accelerate loop, Trainer and TRL",
+        ("trl",) if "dpo" in args.jobs else (),
+    )
+
+    def publish(more: list[str]) -> None:  # the page as it stands: a later launch cut short keeps the earlier ones
+        if args.docs:
+            write_page(args.docs, title, "\n\n".join(sections + more), packages=packages)
+
     with tempfile.TemporaryDirectory() as folder:
         config = model_config(args.hidden, args.layers, folder)
         if "causal" in args.jobs:
-            sections += causal_job(args, config, folder)
+            sections += causal_job(args, config, folder, publish)
         if "dpo" in args.jobs:
             dpo_table, dpo_section = dpo_job(args, config, folder)
             print(dpo_table)
             sections += ["## DPO: recipes/dpo.py against TRL's DPOTrainer", dpo_section]
-    if args.docs:
-        write_page(
-            args.docs,
-            "The recipes against a bare accelerate loop, Trainer and TRL",
-            "\n\n".join(sections),
-            packages=("trl",) if "dpo" in args.jobs else (),
-        )
+    publish([])
 
 
-def causal_job(args, config: str, folder: str) -> list[str]:
-    """The causal-LM recipe against the bare loop and Trainer, rounds interleaved: the page's paragraphs."""
+def causal_job(args, config: str, folder: str, publish) -> list[str]:
+    """The causal-LM recipe against the bare loop and Trainer, rounds interleaved: the page's paragraphs
+    (`publish` gets them after each launch, with the contenders timed so far)."""
     results, figures = {name: [] for name in CONTENDERS}, {}
+    compiled = ["--torch_compile", "true"] if args.torch_compile else []
     for round_ in range(args.rounds):
         order = CONTENDERS[round_ % 3 :] + CONTENDERS[: round_ % 3]
         for contender in order:
-            result = launch(contender, args, config, folder, round_)
+            result = launch(contender, args, config, folder, round_, recipe_args=compiled, peer_args=compiled)
             figures.setdefault(contender, result)
             results[contender].append(result["tokens"] / result["seconds"])
             print(
@@ -474,23 +494,29 @@ def causal_job(args, config: str, folder: str) -> list[str]:
                 f"(loss {result['loss']:.3f})",
                 flush=True,
             )
+            publish(causal_sections(args, results, figures, quiet=True))
+    return causal_sections(args, results, figures)
 
-    speed = {name: statistics.median(values) for name, values in results.items()}
+
+def causal_sections(args, results: dict, figures: dict, quiet=False) -> list[str]:
+    """The table, the ratios and MFU for the contenders timed so far (medians over their rounds)."""
+    timed = [name for name in CONTENDERS if results[name]]
+    speed = {name: statistics.median(results[name]) for name in timed}
     header = ["run", "tokens/s (median)", "recipe / this", "each round's tokens/s"]
     rows = [
         [
             name,
             f"{speed[name]:.0f}",
-            f"{speed['recipe'] / speed[name]:.2f}x",
+            f"{speed['recipe'] / speed[name]:.2f}x" if "recipe" in speed else "-",
             ", ".join(f"{v:.0f}" for v in results[name]),
         ]
-        for name in CONTENDERS
+        for name in timed
     ]
-    recipe = figures["recipe"]
+    recipe = figures.get("recipe")
     mfu_line = None
-    if recipe["peak_tflops"]:  # a GPU in common.flops' table: MFU from the recipe's FLOPs per token (the same job)
+    if recipe and recipe["peak_tflops"]:  # a GPU in common.flops' table: MFU from the recipe's FLOPs per token
         header.insert(2, "MFU")
-        for row, name in zip(rows, CONTENDERS):
+        for row, name in zip(rows, timed):
             row.insert(2, f"{mfu(speed[name], args, recipe):.1%}")
         mfu_line = (
             f"MFU: training FLOPs per token {recipe['flops_per_token'] / 1e9:.2f} G (common.flops: "
@@ -498,12 +524,19 @@ def causal_job(args, config: str, folder: str) -> list[str]:
             f"{recipe['peak_tflops']:.1f} TFLOP/s. The recipe's peak memory (CUDA allocator): "
             f"{recipe['peak_mb'] / 1024:.1f} GiB."
         )
-    print(markdown_table(header, rows))
-    ratios = (
-        f"recipe / bare loop: **{speed['recipe'] / speed['bare']:.3f}x**; recipe / Trainer: "
-        f"**{speed['recipe'] / speed['trainer']:.3f}x** (above 1: the recipe is faster)."
+    peers = {"bare": "bare loop", "trainer": "Trainer"}
+    ratios = "; ".join(
+        f"recipe / {label}: **{speed['recipe'] / speed[name]:.3f}x**"
+        for name, label in peers.items()
+        if name in speed and "recipe" in speed
     )
-    print(ratios.replace("**", ""))
+    ratios = ratios and ratios + " (above 1: the recipe is faster)."
+    missing = [name for name in CONTENDERS if name not in speed]
+    if missing:
+        ratios += f" Not timed (the run was cut short): {', '.join(missing)}."
+    if not quiet:
+        print(markdown_table(header, rows))
+        print(ratios.replace("**", ""))
     return [markdown_table(header, rows), ratios] + ([mfu_line] if mfu_line else []) + list(CAUSAL_NOTES)
 
 

@@ -8,7 +8,8 @@
 #
 #   OUT=/tmp/gpu BUDGET=540 bash scripts/gpu_checks.sh
 #
-# Knobs: SECTIONS (any of "tests mfu options", space-separated), TESTS_K (a pytest -k expression over the tests),
+# Knobs: SECTIONS (any of "tests mfu mfu_compiled options", space-separated; they run in that order), TESTS_K (a
+# pytest -k expression over the tests), TESTS_TIMEOUT (pytest's limit per test, under the section's own),
 # OPTIONS (benchmark_options.py's --options), MFU_BATCH (per-device batch at 1B: 24 fits an H200's 139 GiB,
 # 8 an H100's 80), GPU_DOCS (where the pages go: docs/gpu, or a folder per GPU model).
 # The tests section needs pytest-xdist and pytest-timeout (the GPU image has both).
@@ -83,8 +84,8 @@ AutoTokenizer.from_pretrained(source).save_pretrained(folder)" .gpu_model /tmp/c
     [ -f /tmp/chat_model/model.safetensors ] && export GPU_CHAT_MODEL=/tmp/chat_model
 fi
 case " $SECTIONS " in *" tests "*)
-    section "tests: internals and test_gpu.py" "${TESTS_LIMIT:-300}" python3 -m pytest -q -p no:cacheprovider \
-        --timeout 280 -rA -n "${TESTS_WORKERS:-4}" tests/test_internals.py tests/test_gpu.py ${TESTS_K:+-k "$TESTS_K"};;
+    section "tests: internals and test_gpu.py" "${TESTS_LIMIT:-300}" python3 -m pytest -v -p no:cacheprovider \
+        --timeout "${TESTS_TIMEOUT:-280}" -rA -n "${TESTS_WORKERS:-4}" tests/test_internals.py tests/test_gpu.py ${TESTS_K:+-k "$TESTS_K"};;
 esac
 # ~1B parameters (hidden 2048, 20 layers), 2048-token blocks, per-device batch 24 (estimate-memory: 95 GiB of
 # the H200's 139 at 24, 121 at 32)
@@ -93,6 +94,11 @@ JOB=(--config single.yaml --num_processes 1 --hidden 2048 --layers 20 --block_si
 case " $SECTIONS " in *" mfu "*)
     section "MFU at 1B" 200 python3 scripts/benchmark_peers.py --jobs causal "${JOB[@]}" \
         --docs "$GPU_DOCS/benchmark-peers.md";;
+esac
+# the same three with torch.compile in each, as each one's users turn it on (the recipe's best option at 1B)
+case " $SECTIONS " in *" mfu_compiled "*)
+    section "MFU at 1B, all three compiled" "${COMPILED_LIMIT:-200}" python3 scripts/benchmark_peers.py --jobs causal \
+        "${JOB[@]}" --torch_compile --docs "$GPU_DOCS/benchmark-peers-compiled.md";;
 esac
 # the options one at a time on the same job, most wanted first (the page is rewritten after each)
 case " $SECTIONS " in *" options "*)

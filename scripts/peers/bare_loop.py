@@ -13,7 +13,7 @@ import time
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import TorchDynamoPlugin, set_seed
 from job import packed_blocks_and_model, parse_job, write_result
 from transformers import get_scheduler
 
@@ -23,7 +23,12 @@ from common.errors import exit_now
 
 def main():
     args = parse_job()
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())  # a CPU host: gloo, as a user writes it there
+    # --torch_compile true: accelerate's regional compilation (each repeated layer once), as its docs advise
+    compiled = TorchDynamoPlugin(backend="inductor", use_regional_compilation=True)
+    accelerator = Accelerator(
+        cpu=not torch.cuda.is_available(),  # a CPU host: gloo, as a user writes it there
+        dynamo_plugin=compiled if args.torch_compile == "true" else None,
+    )
     set_seed(0)
     blocks, model = packed_blocks_and_model(args, accelerator)
     loader, _ = make_dataloaders(blocks, args.batch_size, args.batch_size, 0)

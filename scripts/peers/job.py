@@ -17,6 +17,7 @@ def job_parser() -> argparse.ArgumentParser:
     for name, default in (("block_size", 128), ("batch_size", 8), ("steps", 40), ("warmup", 10)):
         parser.add_argument(f"--{name}", type=int, default=default)
     parser.add_argument("--learning_rate", type=float, default=1e-3)
+    parser.add_argument("--torch_compile", choices=("true", "false"), default="false", help="torch.compile the model")
     return parser
 
 

@@ -60,6 +60,7 @@ def main():
             dataloader_drop_last=True,
             disable_tqdm=True,
             use_cpu=not torch.cuda.is_available(),
+            torch_compile=args.torch_compile == "true",  # Trainer's own: the whole model, inductor
         )
         trainer = Trainer(
             model=model,
