@@ -97,7 +97,11 @@ class DataArguments:
     )
     text_column: str = "text"
     block_size: Annotated[int, Range(low=2)] = field(
-        default=128, metadata={"help": "Tokens per packed training block."}
+        default=128,
+        metadata={
+            "help": "Tokens per training row: causal_lm.py's packed block; sft.py's longest example and dpo.py's "
+            "longest side of a pair (longer ones: --overlong)."
+        },
     )
     max_eval_samples: Annotated[int | None, Range(low=1, why="unset: all of them")] = None
     preprocessing_num_workers: Annotated[int | None, AT_LEAST_0] = field(
@@ -197,6 +201,13 @@ class TrainingArguments(SpeedArguments):  # + the speed options (common.speed)
     logging_steps: Annotated[int, AT_LEAST_1] = 10
     eval_steps: Annotated[int, AT_LEAST_0] = field(
         default=0, metadata={"help": "Evaluate every N steps; 0 evaluates at the end only."}
+    )
+    eval_on_start: bool = field(
+        default=False,
+        metadata={
+            "help": "Evaluate once before the first step too (the summary's 'before' figure; kept across a resume), "
+            "as Trainer's eval_on_start; off: no evaluation before training."
+        },
     )
     save_steps: Annotated[int, AT_LEAST_0] = field(
         default=0, metadata={"help": "Checkpoint every N steps; 0 saves no checkpoints."}

@@ -51,8 +51,8 @@ def _matmul_weights(model):
 
 
 class ModelFlops:
-    """`per_batch(batch)`: training FLOPs of one micro-batch, as a tensor on the batch's device or
-    a number (no synchronisation)."""
+    """`per_batch(batch)`: training FLOPs of one micro-batch (`forward_only`: of a forward pass over it), as a
+    tensor on the batch's device or a number (no synchronisation)."""
 
     def __init__(self, model, shards: int = 1):
         """`shards`: sp_size under sequence parallelism, where a batch holds each row's slice of 1/shards of
@@ -62,21 +62,24 @@ class ModelFlops:
         total = sum(full_numel(w) for w in weights)
         trainable = sum(full_numel(w) for w in weights if w.requires_grad)
         self.dense_per_token = 4 * total + 2 * trainable
+        self.forward_dense_per_token = 2 * total  # a forward pass alone (a frozen copy: DPO's reference model)
         config = getattr(model, "config", None)
         layers = getattr(config, "num_hidden_layers", 0) or 0
         heads = getattr(config, "num_attention_heads", 0) or 0
         head_dim = getattr(config, "head_dim", None) or (getattr(config, "hidden_size", 0) // max(heads, 1))
         self.attention_per_token_and_position = 12 * layers * heads * head_dim
 
-    def per_token(self, sequence_length: int) -> int:
+    def per_token(self, sequence_length: int, forward_only: bool = False) -> int:
+        if forward_only:  # the attention's share of a training step is its forward and twice that backward
+            return self.forward_dense_per_token + self.attention_per_token_and_position // 3 * sequence_length
         return self.dense_per_token + self.attention_per_token_and_position * sequence_length
 
-    def per_batch(self, batch: dict) -> torch.Tensor | float:
+    def per_batch(self, batch: dict, forward_only: bool = False) -> torch.Tensor | float:
         input_ids = batch["input_ids"]
         mask = batch.get("attention_mask")
         if mask is None:  # a number, not a new device tensor: copying one to a GPU waits for its stream
-            return float(input_ids.numel() * self.per_token(input_ids.shape[-1] * self.shards))
-        return mask.sum().double() * self.per_token(input_ids.shape[-1])
+            return float(input_ids.numel() * self.per_token(input_ids.shape[-1] * self.shards, forward_only))
+        return mask.sum().double() * self.per_token(input_ids.shape[-1], forward_only)
 
 
 def device_peak_tflops(device, compute_dtype: str | None, override: float | None) -> float | None:

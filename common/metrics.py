@@ -1,7 +1,8 @@
 """What a practitioner watches, computed and logged in one place.
 
-Train lines carry step, loss, lr, grad_norm, tokens/s (in total and per device),
-samples/s, achieved TFLOP/s per device and MFU (`common.flops`), the share of the time
+Train lines carry step, loss, lr, grad_norm, tokens/s (the input tokens, padding left out; in total and per
+device), label_tokens/s (those the loss is taken on), samples/s (examples: a packed row's each, DPO's pairs),
+achieved TFLOP/s per device and MFU (`common.flops`), the share of the time
 spent waiting for data, peak memory per rank (and, on a GPU, memory allocated and
 reserved) and elapsed time; eval lines carry eval_loss and friends. Each goes to
 `output_dir/metrics.jsonl` (appended, so a resumed run continues the file), to
@@ -50,8 +51,9 @@ class MetricsLogger:
         self.path = os.path.join(output_dir, "metrics.jsonl")
         self.start_time = time.perf_counter()
         self.window_start = self.start_time
-        # label tokens, samples and model FLOPs on this rank, summed over ranks in one reduce
-        self.window_sums = torch.zeros(3, dtype=torch.float64, device=accelerator.device)
+        self.shards = mesh.sequence_shards(accelerator)
+        # label tokens, samples, model FLOPs and input tokens on this rank, summed over ranks in one reduce
+        self.window_sums = torch.zeros(4, dtype=torch.float64, device=accelerator.device)
         self.window_loss, self.window_batches = 0.0, 0
         self.window_values = {}  # a recipe's own per-batch figures (`record_values`)
         if accelerator.is_main_process and os.path.exists(self.path):
@@ -78,13 +80,24 @@ class MetricsLogger:
                     kept.append(line if line.endswith("\n") else line + "\n")
         write_atomically(self.path, "".join(kept))
 
-    def record_batch(self, loss: torch.Tensor, batch: dict) -> None:
-        """Call on every micro-batch: counts tokens that carry a label, and the loss."""
-        labels = batch.get("labels", batch["input_ids"])
+    def record_batch(self, loss: torch.Tensor, batch: dict, examples=None, extra_forwards: int = 0) -> None:
+        """Call on every micro-batch: counts its input tokens (padding left out), the tokens that carry a label,
+        its examples (`examples` where a row is not one: DPO's pairs; else its rows, or a packed row's
+        examples), its FLOPs (with `extra_forwards` forward passes of a frozen copy of the model: DPO's
+        reference), and the loss."""
+        input_ids = batch["input_ids"]
+        labels = batch.get("labels", input_ids)
+        mask = batch.get("attention_mask")
         self.window_sums[0] += (labels != -100).sum()
-        self.window_sums[1] += labels.shape[0]
+        self.window_sums[3] += input_ids.numel() if mask is None else mask.sum()
+        if examples is None:
+            packed = "position_ids" in batch and input_ids.shape[0] == 1 and self.shards == 1
+            examples = (batch["position_ids"] == 0).sum() if packed else input_ids.shape[0] / self.shards
+        self.window_sums[1] += examples  # a split row's ranks each hold a share of its tokens, and of the row
         if self.flops is not None:
             self.window_sums[2] += self.flops.per_batch(batch)
+            for _ in range(extra_forwards):
+                self.window_sums[2] += self.flops.per_batch(batch, forward_only=True)
         self.window_loss += loss.detach().float()
         self.window_batches += 1
 
@@ -104,8 +117,7 @@ class MetricsLogger:
     def log_train(self, step: int, lr: float, grad_norm) -> dict:
         """Average the window over micro-batches and ranks; call on every rank."""
         device = self.accelerator.device
-        tokens, samples, flops = mesh.reduce_sum(self.accelerator, self.window_sums.clone()).tolist()
-        samples /= mesh.sequence_shards(self.accelerator)  # a split row's ranks each hold a share of its tokens
+        label_tokens, samples, flops, tokens = mesh.reduce_sum(self.accelerator, self.window_sums.clone()).tolist()
         mean_loss = self.accelerator.reduce(
             torch.as_tensor(self.window_loss / max(self.window_batches, 1), device=device), reduction="mean"
         )
@@ -127,6 +139,7 @@ class MetricsLogger:
             "grad_norm": None if grad_norm is None else float(grad_norm),
             **own,
             "tokens_per_s": tokens / seconds,
+            "label_tokens_per_s": label_tokens / seconds,
             "samples_per_s": samples / seconds,
             "tokens_per_s_per_device": tokens / seconds / self.accelerator.num_processes,
             "tflops_per_device": tflops,
@@ -184,6 +197,21 @@ class MetricsLogger:
                 " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items())
             )
         return row
+
+    def eval_at_start(self) -> dict | None:
+        """The evaluation logged at step 0 (--eval_on_start), this run's or, after a resume, the one of the run it
+        continues (metrics.jsonl keeps the rows up to the checkpoint): a summary's 'before'. Main process only."""
+        if not self.accelerator.is_main_process or not os.path.exists(self.path):
+            return None
+        with open(self.path) as handle:
+            for line in handle:
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    continue  # torn by a crash mid-write
+                if row.get("step") == 0 and any(key.startswith("eval_") for key in row):
+                    return row
+        return None
 
     def log_event(self, row: dict) -> None:
         """Something the run did besides training (a skipped step, ...): one metrics.jsonl row."""

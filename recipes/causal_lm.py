@@ -72,8 +72,8 @@ def main(model_args: ModelArguments, data_args: DataArguments, lora_args: LoraAr
         train_blocks=None if data_args.streaming else len(datasets["train"]),
     )
     step, metrics, nonfinite, profiler = state["step"], run.metrics, run.nonfinite, run.profiler
-    if step == 0 and model_args.model_name_or_path:
-        metrics.log_eval(step, evaluate_loss(model, eval_loader, accelerator))  # the pretrained model's loss
+    if step == 0 and args.eval_on_start:
+        metrics.log_eval(step, evaluate_loss(model, eval_loader, accelerator))  # the starting model's loss
 
     # Training loop: one optimizer step per gradient_accumulation_steps batches. Each batch
     # carries num_items_in_batch, so the loss is the mean over the global batch's label tokens.

@@ -84,11 +84,12 @@ class DPOArguments:
             "help": "Score every pair with the reference once before training (no reference model in memory after)."
         },
     )
-    generation_samples: Annotated[int, Range(low=0)] = field(
+    max_generation_samples: Annotated[int, Range(low=0)] = field(
         default=0,
         metadata={
-            "help": "Held-out prompts answered greedily at each evaluation, scored by exact match against the chosen "
-            "answer (where that is the right one: a task metric); 0: none."
+            "help": "Held-out prompts answered greedily at each evaluation (at most this many; sft.py's flag of the "
+            "same name), scored by exact match against the chosen answer (where that is the right one: a task "
+            "metric); 0: none."
         },
     )
     disable_dropout: bool = field(
@@ -129,7 +130,7 @@ def main(
     train_loader, eval_loader = make_dataloaders(
         datasets, args.per_device_train_batch_size, args.per_device_eval_batch_size, args.seed, collate_fn=collate
     )
-    references = chosen_references(raw["validation"], dpo_args.generation_samples)  # the task metric, if asked
+    references = chosen_references(raw["validation"], dpo_args.max_generation_samples)  # the task metric, if asked
     stop_ids = answer_end_ids(tokenizer, references)
     longest_answer = max(answer_token_counts(tokenizer, references), default=1)
     max_new_tokens = size_max_new_tokens(None, longest_answer, accelerator)
@@ -176,7 +177,8 @@ def main(
             )
         return metrics.log_eval(step, scores)
 
-    before = evaluate() if step == 0 else None
+    if step == 0 and args.eval_on_start:
+        evaluate()
 
     model.train()
     grad_norm = None
@@ -190,7 +192,10 @@ def main(
                 completion_log_probs(model, batch), ref_log_probs, completion_lengths(batch), **objective
             )
             loss = losses.mean()  # pairs per micro-batch are equal on every rank: the global batch's mean
-            metrics.record_batch(loss, batch)
+            # its examples are pairs (two rows each); the reference's forward counts in the FLOPs unless precomputed
+            metrics.record_batch(
+                loss, batch, examples=len(losses), extra_forwards=int(not dpo_args.precompute_ref_log_probs)
+            )
             metrics.record_values(rewards)
             nonfinite.record(loss)
             accelerator.backward(loss)
@@ -213,6 +218,7 @@ def main(
             run.save_checkpoint(step, {"data": batches.position})
 
     after = evaluate()
+    before = metrics.eval_at_start()  # --eval_on_start's figures, this run's or the resumed run's
     final_dir = run.finish()
     start = f"{before['eval_prefers_chosen']:.3f} before -> " if before else ""
     accelerator.print(
@@ -221,7 +227,7 @@ def main(
         f"{after['eval_loss']:.4f}); saved to {final_dir}"
     )
     if references:
-        start = f"{before['eval_exact_match']:.3f} before -> " if before else ""
+        start = f"{before['eval_exact_match']:.3f} before -> " if before and "eval_exact_match" in before else ""
         accelerator.print(
             f"greedy answers equal to the chosen one: {start}{after['eval_exact_match']:.3f} of "
             f"{after['eval_generated']}"

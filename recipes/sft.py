@@ -155,7 +155,8 @@ def main(
             },
         )
 
-    before = evaluate() if step == 0 else None
+    if step == 0 and args.eval_on_start:
+        evaluate()
 
     model.train()
     grad_norm = None
@@ -187,6 +188,7 @@ def main(
             run.save_checkpoint(step, {"data": batches.position})
 
     after = evaluate()
+    before = metrics.eval_at_start()  # --eval_on_start's figures, this run's or the resumed run's
     final_dir = run.finish()
     start = f"{before['eval_exact_match']:.3f} untrained -> " if before else ""
     cut = (

@@ -288,7 +288,7 @@ def launch_dpo(contender: str, args, config: str, folder: str, round_: int, step
     if contender == "trl":
         with open(out + ".json") as handle:
             return check_processes(f"DPO {contender}", json.load(handle), args)
-    window = args.warmup * args.batch_size * 2 * args.num_processes  # rows: a chosen and a rejected per pair
+    window = args.warmup * args.batch_size * args.num_processes  # pairs (the recipe's samples_per_s counts pairs)
     logged = recipe_windows(out, args, "samples_per_s", window)
     cut = logged["run"]["pairs_cut_or_dropped"]
     if any(cut.values()):
@@ -298,7 +298,7 @@ def launch_dpo(contender: str, args, config: str, folder: str, round_: int, step
         f"DPO {contender}",
         {
             "seconds": logged["seconds"],
-            "pairs": window // 2 * len(logged["timed"]),
+            "pairs": window * len(logged["timed"]),
             "first_loss": rows[0]["loss"] if rows[0]["step"] == 1 else None,
             "processes": logged["run"]["participating_processes"],
         },

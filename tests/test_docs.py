@@ -132,7 +132,7 @@ def test_make_demo_dpo_shortened_starts_teaching_the_real_model_the_asked_format
             "demo-dpo",
             f"LAUNCH_ARGS=--main_process_port {free_port()}",
             f"DPO_CHAT_OUT={out}",
-            "ARGS=--max_steps 20 --generation_samples 16",
+            "ARGS=--max_steps 20 --max_generation_samples 16",
         ]
     )
     match = re.search(r"prefers the chosen answer ([\d.]+) before -> ([\d.]+) of (\d+) held-out pairs", result.stdout)

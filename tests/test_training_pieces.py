@@ -5,6 +5,8 @@ import re
 import shutil
 
 import pytest
+import torch
+from conftest import REPO
 
 from common.arguments import TrainingArguments
 from common.errors import UsageError
@@ -393,3 +395,123 @@ def test_where_folders_cannot_be_exchanged_a_crash_mid_swap_leaves_the_old_folde
     assert left == (
         {"final.old": "old", "final.tmp": "new"} if crash_after == 1 else {"final.old": "old", "final": "new"}
     ), left
+
+
+# --- what the train lines count (common.metrics, common.flops) ---------------------------------------------
+
+
+def window_counts(batches, tmp_path, **record) -> dict:
+    """One logging window over `batches` on a one-process CPU Accelerator: the train row's rates, and their
+    common window seconds recovered from elapsed time (the rates' ratios are exact)."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    from common.metrics import MetricsLogger
+
+    AcceleratorState._reset_state(True)
+    try:
+        os.makedirs(tmp_path, exist_ok=True)
+        metrics = MetricsLogger(Accelerator(cpu=True), str(tmp_path), total_steps=1)
+        for batch in batches:
+            metrics.record_batch(torch.tensor(1.0), batch, **record)
+        return metrics.log_train(1, 0.0, None)
+    finally:
+        AcceleratorState._reset_state(True)
+
+
+def test_train_lines_count_input_tokens_label_tokens_and_examples_as_named(tmp_path):
+    """Before, tokens_per_s counted the label tokens alone, samples_per_s a packed row as one sample and DPO's
+    chosen and rejected rows apart. Now: tokens_per_s the input tokens without padding, label_tokens_per_s
+    the labelled ones, samples_per_s the examples (4 conversations in one packed row; pairs where the
+    recipe says so)."""
+    from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening
+
+    lengths, answers = [5, 9, 3, 7], [2, 4, 1, 3]
+    features = [
+        {"input_ids": list(range(1, n + 1)), "labels": [-100] * (n - a) + list(range(a))}
+        for n, a in zip(lengths, answers)
+    ]
+    packed = DataCollatorWithFlattening(return_tensors="pt")(features)
+    row = window_counts([packed], tmp_path / "packed")
+    assert row["tokens_per_s"] / row["samples_per_s"] == pytest.approx(sum(lengths) / 4, rel=1e-9)
+    assert row["label_tokens_per_s"] / row["samples_per_s"] == pytest.approx(sum(answers) / 4, rel=1e-9)
+
+    class Tokenizer:  # what DataCollatorForSeq2Seq reads of one
+        pad_token_id, padding_side = 0, "right"
+
+        def pad(self, features, **kwargs):
+            from transformers.tokenization_utils_base import BatchEncoding
+
+            longest = max(len(f["input_ids"]) for f in features)
+            return BatchEncoding(
+                {
+                    "input_ids": torch.tensor(
+                        [f["input_ids"] + [0] * (longest - len(f["input_ids"])) for f in features]
+                    ),
+                    "attention_mask": torch.tensor(
+                        [[1] * len(f["input_ids"]) + [0] * (longest - len(f["input_ids"])) for f in features]
+                    ),
+                }
+            )
+
+    padded = DataCollatorForSeq2Seq(Tokenizer(), padding=True, label_pad_token_id=-100)(
+        [{**f, "labels": list(f["labels"])} for f in features]
+    )
+    assert padded["input_ids"].numel() == 4 * 9  # 12 of the 36 positions are padding
+    row = window_counts([padded], tmp_path / "padded")
+    assert row["tokens_per_s"] / row["samples_per_s"] == pytest.approx(sum(lengths) / 4, rel=1e-9)
+    pairs = window_counts([padded], tmp_path / "pairs", examples=2)  # DPO: two pairs in these four rows
+    assert pairs["tokens_per_s"] / pairs["samples_per_s"] == pytest.approx(sum(lengths) / 2, rel=1e-9)
+
+
+def test_dpo_flops_count_the_reference_models_forward():
+    """A forward pass is a third of a training step's FLOPs with every weight trained (2N of 6N per token,
+    and the attention's 4 of 12); DPO's train lines add one forward of the reference per batch (before, its
+    FLOPs and MFU left it out)."""
+    from common.flops import ModelFlops
+
+    flops = ModelFlops(tiny_llama())
+    batch = {"input_ids": torch.ones(2, 24, dtype=torch.long), "attention_mask": torch.ones(2, 24, dtype=torch.long)}
+    batch["attention_mask"][1, 20:] = 0
+    assert float(flops.per_batch(batch, forward_only=True)) * 3 == float(flops.per_batch(batch))
+
+
+def test_evaluation_before_training_is_asked_for_and_its_figure_outlives_a_resume(
+    arithmetic_data, tmp_path, monkeypatch, capsys
+):
+    """--eval_on_start (Trainer's name; off by default, as there): before, every run evaluated at step 0
+    (68 s of an 11-minute SFT run), and a resumed run's summary lost its 'untrained ->' figure. SFT, one
+    process in this one, packed, accumulation 2."""
+    from conftest import flags, read_metrics, run_in_process
+
+    def sft(out, **overrides):
+        argv = flags(
+            config=REPO / "recipes/configs/sft_demo.yaml",
+            tokenizer_name_or_path=arithmetic_data / "tokenizer",
+            train_file=arithmetic_data / "train.jsonl",
+            validation_file=arithmetic_data / "validation.jsonl",
+            output_dir=out,
+            per_device_train_batch_size=4,
+            gradient_accumulation_steps=2,
+            max_steps=4,
+            logging_steps=2,
+            save_steps=2,
+            max_eval_samples=8,
+            max_generation_samples=2,
+            max_new_tokens=2,
+            **overrides,
+        )
+        return run_in_process("recipes/sft.py", argv, monkeypatch)
+
+    plain = tmp_path / "plain"
+    sft(plain, eval_on_start="false")
+    assert [row["step"] for row in read_metrics(plain)[1]] == [4]  # the end's evaluation alone
+
+    out = tmp_path / "run"
+    sft(out)  # the demo YAML turns it on
+    evals = read_metrics(out)[1]
+    assert [row["step"] for row in evals] == [0, 4]
+    capsys.readouterr()
+    sft(out, resume_from_checkpoint=out / "checkpoints/step_2")
+    assert f"exact match {evals[0]['eval_exact_match']:.3f} untrained -> " in capsys.readouterr().out
+    assert [row["step"] for row in read_metrics(out)[1]] == [0, 4]  # step 0's kept, not run again
