@@ -1,11 +1,20 @@
-"""Choose the accelerate config for a job: every shipped config ranked by estimated memory and step time.
+"""Choose the accelerate config for a job: the shipped configs ranked by estimated memory and step time.
+
+The configs it ranks: on one device single.yaml and the three offload configs; on one node ddp, fsdp,
+fsdp_shard_grad_op, fsdp_offload, zero1, zero2, zero2_offload, zero3, zero3_offload, and the row-splitting
+zero3_ulysses and fsdp_cp (single-node configs: not tried on several nodes; not for dpo.py, which refuses them);
+on several nodes the four multi_node_*.yaml without TP. Not ranked: tp.yaml, fsdp_tp.yaml and
+multi_node_hsdp_tp.yaml (tensor parallelism's per-layer all-reduces are not in its step-time model), and
+zero2_json.yaml (zero2.yaml's twin).
 
 For a model (a config.json, a model folder or a Hub name; read on the meta device), the devices
-(how many, on how many nodes, their memory) and the job (sequence length, global batch in
-sequences per optimizer step), each config is tried at every micro-batch that divides the
+(how many, on how many nodes, their memory) and the job (the recipe, --use_peft, sequence length, global batch
+in sequences (DPO: pairs) per optimizer step), each config is tried at every micro-batch that divides the
 per-device batch, with activation checkpointing off and on (zero3_ulysses.yaml also at every sp_size that
 divides the devices and the attention heads, fsdp_cp.yaml at every cp_size that divides the devices: rows
-split over that many devices, for sequences whose activations fit no device whole):
+split over that many devices, for sequences whose activations fit no device whole; a group of sp ranks trains
+one batch at a time, so the per-device batch is the global batch over processes / sp, and a rank computes
+the same tokens as under any other config):
 
 * memory per device: `make estimate-memory`'s peak from the second step on (checked against measured
   memory for every config in docs/benchmark.md), within --headroom of the device's memory; with
@@ -17,10 +26,15 @@ split over that many devices, for sequences whose activations fit no device whol
   each at its bus bandwidth: what `make doctor` reports as busbw, read from its --report with
   --doctor_report) + the optimizer step and autocast's weight casts (bytes through device memory)
   + offload traffic (the host link) and the CPU optimizer step (host memory); under sequence parallelism
-  ZeRO-3's traffic for sp_size x the micro-steps and Ulysses' all-to-alls, at all_gather's busbw (context
-  parallelism: FSDP2's for cp_size x the micro-steps and the ring's keys and values, the same way). On a GPU
+  ZeRO-3's traffic for each micro-step and Ulysses' all-to-alls, at all_gather's busbw (context
+  parallelism: FSDP2's for each micro-step and the ring's keys and values, the same way). On a GPU
   communication overlaps compute (NCCL runs on its own streams): the step is the larger of the two;
-  on a CPU host they share the cores: the sum. Ties (a compute-bound step) go to less traffic.
+  on a CPU host they share the cores: the sum. Steps within 2% of the fastest (TIE) are ties (a compute-bound
+  step): they go to the config that needs less CPU RAM per node (the RAM it assumes is printed: the preset's,
+  this host's available memory, or --host_memory_gb), then less traffic, then less device memory;
+* the job: --use_peft trains LoRA's adapters only (their gradients and AdamW state; the frozen weights' own
+  gradients not computed); --recipe dpo adds the frozen reference copy (none with --use_peft), two rows a pair
+  and the reference's forward.
 
 The fastest config that fits is written as a ready accelerate YAML (num_processes, num_machines,
 FSDP's activation checkpointing set; the recipe arguments it assumes in its header), and the
@@ -93,10 +107,16 @@ SINGLE_NODE = [
     "zero3_offload.yaml",
 ]
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
+# Step times within 2% of the fastest are a tie (well inside the estimate's own error, docs/choose-config.md): it
+# goes to the config that needs less CPU RAM per node, then less traffic, then less device memory.
+TIE = 0.02
 ONE_DEVICE = ["single.yaml", "fsdp_offload.yaml", "zero2_offload.yaml", "zero3_offload.yaml"]
 # rows split over sp_size (cp_size) devices: tried at every size that divides the devices (Ulysses: and the heads)
 SEQUENCE_PARALLEL = ["zero3_ulysses.yaml", "fsdp_cp.yaml"]
 MULTI_NODE = ["multi_node_ddp.yaml", "multi_node_fsdp.yaml", "multi_node_hsdp.yaml", "multi_node_zero3.yaml"]
+# not ranked: tensor parallelism's per-layer all-reduces of activations are not in the step-time model
+TENSOR_PARALLEL = ["tp.yaml", "fsdp_tp.yaml", "multi_node_hsdp_tp.yaml"]
+RECIPES = ("causal_lm", "sft", "dpo")
 
 
 def measure_host(compute_dtype, threads: int, model: dict, rows: int) -> dict:
@@ -120,45 +140,52 @@ def measure_host(compute_dtype, threads: int, model: dict, rows: int) -> dict:
     return {"tflops": max(rates), "memory_gbps": max(bandwidths)}
 
 
-def comm_and_memory_traffic(s: dict, model: dict, c: int, k: int, n_node: int, nodes: int) -> dict:
+def comm_and_memory_traffic(
+    s: dict, model: dict, c: int, k: int, n_node: int, nodes: int, trainable: int | None = None, dpo: bool = False
+) -> dict:
     """Bytes per device per optimizer step: over the links by collective (bus bytes, as busbw counts them:
     2(N-1)/N x size for an all_reduce, (N-1)/N x size for an all_gather or reduce_scatter), through
     device memory (optimizer step, autocast's casts) and over the host link (offload); and the CPU
-    optimizer's parameters. k micro-batches per step."""
+    optimizer's parameters. k micro-batches per step. `trainable`: LoRA's adapters, when only they train (their
+    gradients reduced, their optimizer stepped; the frozen weights still gathered where sharded). `dpo`: the
+    reference model's forward gathers its weights once more per micro-batch under ZeRO-3 and FSDP."""
     psi, n = model["parameters"], s["num_processes"]
+    t = psi if trainable is None else trainable
     f = (n - 1) / n
     kind, stage = s["strategy"], s["zero_stage"]
     where = "inter" if nodes > 1 else "intra"
     link = {}
     memory, host, cpu_optimizer = 0.0, 0.0, 0.0
+    reference = 1 if dpo else 0  # the reference's forward: one gather more per micro-batch where weights are sharded
     if kind == "ddp":
-        link[where, "all_reduce"] = 2 * f * 4 * psi  # fp32 gradients, once per step (no_sync in accumulation)
-        memory = 28 * psi + (k * (4 + c) * psi if c < 4 else 0)  # AdamW over all; autocast's weight casts
+        link[where, "all_reduce"] = 2 * f * 4 * t  # fp32 gradients, once per step (no_sync in accumulation)
+        memory = 28 * t + (k * (4 + c) * psi if c < 4 else 0)  # AdamW over the trained; autocast's weight casts
     elif kind == "fsdp":
         gathers = 2 if s["fsdp_reshard_after_forward"] else 1
         if s["replicas"] > 1:  # HSDP: shard within a node, all-reduce the shards across nodes
-            link["intra", "all_gather"] = k * gathers * c * psi * (n_node - 1) / n_node
-            link["intra", "reduce_scatter"] = k * c * psi * (n_node - 1) / n_node
-            link["inter", "all_reduce"] = k * 2 * (nodes - 1) / nodes * c * psi / n_node
+            link["intra", "all_gather"] = k * (gathers + reference) * c * psi * (n_node - 1) / n_node
+            link["intra", "reduce_scatter"] = k * c * t * (n_node - 1) / n_node
+            link["inter", "all_reduce"] = k * 2 * (nodes - 1) / nodes * c * t / n_node
         else:  # all-gathers, and a reduce-scatter per micro-batch (common.accelerator)
-            link[where, "all_gather"] = k * gathers * c * psi * f
-            link[where, "reduce_scatter"] = k * c * psi * f
-        shard = psi / (n_node if s["replicas"] > 1 else n)
-        memory = k * gathers * (4 + c) * shard  # each gather casts the fp32 shard
+            link[where, "all_gather"] = k * (gathers + reference) * c * psi * f
+            link[where, "reduce_scatter"] = k * c * t * f
+        over = n_node if s["replicas"] > 1 else n  # the ranks a shard is cut over
+        shard, trained = psi / over, t / over
+        memory = k * (gathers + reference) * (4 + c) * shard  # each gather casts the fp32 shard
         if s["offload_params"]:
-            host = k * (gathers * 4 + c) * shard  # shards to the device per gather, gradients back
-            cpu_optimizer = shard
+            host = k * ((gathers + reference) * 4 * shard + c * trained)  # shards to the device, gradients back
+            cpu_optimizer = trained
         else:
-            memory += 28 * shard
+            memory += 28 * trained
     else:
         # ZeRO-3 gathers per micro-batch, ZeRO-1/2 the updated weights once; ZeRO-1 reduces at the boundary only
-        link[where, "all_gather"] = (2 * k if stage == 3 else 1) * c * psi * f
-        link[where, "reduce_scatter"] = (1 if stage == 1 else k) * c * psi * f
+        link[where, "all_gather"] = (k * (2 + reference) * psi if stage == 3 else t) * c * f
+        link[where, "reduce_scatter"] = (1 if stage == 1 else k) * c * t * f
         if s["offload"]:
-            host = (k + 1) * c * psi / n + (2 * k * c * psi / n if s["offload_params"] else 0)
-            cpu_optimizer = psi / n
+            host = (k + 1) * c * t / n + ((2 + reference) * k * c * psi / n if s["offload_params"] else 0)
+            cpu_optimizer = t / n
         else:
-            memory = (28 + 8 + 2 * c) * psi / n  # AdamW, and the copies between fp32 and compute dtype
+            memory = (28 + 8 + 2 * c) * t / n  # AdamW, and the copies between fp32 and compute dtype
     return {"link": link, "memory": memory, "host": host, "cpu_optimizer": cpu_optimizer}
 
 
@@ -212,11 +239,29 @@ def process_baseline_bytes(deepspeed: bool) -> float:
 
 
 def candidates(args) -> list[str]:
-    """The shipped configs for this many devices and nodes (--configs: only those of them)."""
-    shipped = (
-        MULTI_NODE if args.num_nodes > 1 else ONE_DEVICE if args.num_devices == 1 else SINGLE_NODE + SEQUENCE_PARALLEL
-    )
+    """The shipped configs for this many devices and nodes and this recipe (--configs: only those of them): on one
+    device, single.yaml and the offload configs; on one node, SINGLE_NODE and (not for dpo.py) SEQUENCE_PARALLEL; on
+    several, MULTI_NODE. Never TENSOR_PARALLEL."""
+    splits = SEQUENCE_PARALLEL if args.recipe != "dpo" else []  # dpo.py refuses split rows (common.sequence_parallel)
+    shipped = MULTI_NODE if args.num_nodes > 1 else ONE_DEVICE if args.num_devices == 1 else SINGLE_NODE + splits
     unknown = [name for name in args.configs or [] if name not in shipped]
+    why = next(
+        (
+            f"choose-config does not rank the tensor-parallel configs ({', '.join(TENSOR_PARALLEL)}: their "
+            "per-layer all-reduces are not in its step-time model); size one with make estimate-memory "
+            f"CONFIG=accelerate_configs/{name}, or choose from"
+            if name in TENSOR_PARALLEL
+            else f"{name} is ranked on one node only (sequence and context parallelism ship as single-node configs); choose from"
+            if name in SEQUENCE_PARALLEL and args.num_nodes > 1
+            else f"recipes/dpo.py does not run under {name} (its pairs are not split over ranks); choose from"
+            if name in SEQUENCE_PARALLEL and args.recipe == "dpo"
+            else None
+            for name in unknown
+        ),
+        None,
+    )
+    if why:
+        raise SystemExit(f"error: --configs {' '.join(unknown)}: {why} {' '.join(shipped)}")
     if unknown:
         raise SystemExit(
             f"error: --configs {' '.join(unknown)}: not among the configs for {args.num_devices} "
@@ -227,13 +272,25 @@ def candidates(args) -> list[str]:
 
 def rank(args, model: dict, device: dict) -> list[dict]:
     """Each config at its fastest (micro-batch, checkpointing) that fits, or its smallest if none does; sorted
-    fastest first, steps within 0.5% of each other counted as ties that go to less traffic, then less memory."""
+    fastest first, steps within TIE of the fastest counted as ties that go to less CPU RAM per node, then less
+    traffic, then less device memory.
+
+    Under sequence (context) parallelism a group of sp (cp) ranks trains on one batch at a time (common.mesh's
+    data_parallel_size: processes / sp), so a rank's per-device batch is sp times the global batch over the devices,
+    each micro-step of it split over the group: a rank computes the same tokens per step as under any other config."""
     n, nodes = args.num_devices, args.num_nodes
     n_node = n // nodes
     on_gpu = args.device != "cpu"
     c = 2 if args.mixed_precision in ("bf16", "fp16") else 4
-    per_device = args.global_batch // n
-    flops_per_token = 6 * model["matmul_parameters"] + 12 * model["layers"] * model["hidden_size"] * args.seq_len
+    dpo, lora = args.recipe == "dpo", args.use_peft
+    rows_per_example = 2 if dpo else 1  # a DPO pair is two rows, chosen and rejected
+    trainable = model["lora_parameters"] if lora else None
+    # FLOPs per token: forward 2 per matmul weight plus attention's scores (4 L h s), backward twice the forward
+    # (LoRA: the frozen weights' own gradients skipped, 2 per weight less); activation checkpointing runs the forward
+    # again, and DPO's reference model (a frozen copy, or with LoRA the model without its adapters) once more
+    attention = 4 * model["layers"] * model["hidden_size"] * args.seq_len
+    forward = 2 * model["matmul_parameters"] + attention
+    backward = (2 if lora else 4) * model["matmul_parameters"] + 2 * attention
     device_limit, host_limit = device["memory_gb"] * GB * (1 - args.headroom), args.host_memory_gb * GB
     if not on_gpu:
         process_baseline_bytes(False)  # before DeepSpeed's import, which the DeepSpeed configs' figure adds
@@ -245,43 +302,51 @@ def rank(args, model: dict, device: dict) -> list[dict]:
         baseline = 0.0 if on_gpu else process_baseline_bytes(s["strategy"] == "deepspeed")
         options = []
         ring = s.get("cp_size", 1) > 1  # fsdp_cp.yaml's split, else zero3_ulysses.yaml's (1: rows whole)
+        heads = (model["attention_heads"], model["key_value_heads"])
         splits = (
-            [sp for sp in range(2, n + 1) if n % sp == 0 and (ring or model["attention_heads"] % sp == 0)]
+            [sp for sp in range(2, n + 1) if n % sp == 0 and (ring or all(h % sp == 0 for h in heads))]
             if s.get("sp_size", 1) > 1 or ring
             else [1]
         )
-        for sp, micro in [
-            (sp, m)
+        # the per-device batch: the global batch over the data-parallel ranks, n / sp of them
+        for sp, per_device, micro in [
+            (sp, args.global_batch * sp // n, m)
             for sp in splits
-            for m in range(per_device, 0, -1)
-            if per_device % m == 0 and args.micro_batch in (None, m)
+            for m in range(args.global_batch * sp // n, 0, -1)
+            if args.global_batch * sp // n % m == 0 and args.micro_batch in (None, m)
         ]:
             for checkpointing in {"auto": (False, True), "off": (False,), "on": (True,)}[
                 args.activation_checkpointing
             ]:
-                k = per_device // micro
+                k = per_device // micro  # micro-steps per optimizer step, each micro rows split over the sp ranks
                 s = dict(s, **{"cp_size" if ring else "sp_size": sp})
                 sharding = dict(s, num_processes=n_node) if s["replicas"] > 1 else s
-                est = estimate(model, sharding, micro, args.seq_len, checkpointing, k)
+                est = estimate(
+                    model,
+                    sharding,
+                    micro * rows_per_example,
+                    args.seq_len,
+                    checkpointing,
+                    k,
+                    dpo and not lora,
+                    trainable,
+                )
                 device_bytes, host_bytes = device_and_host_bytes(est, sharding, on_gpu)
                 device_bytes += baseline
-                # a group of sp ranks reads sp batches in turn (Ulysses), or one sp times as large (the ring; its
-                # per-device batch is the same): sp x k micro-steps either way
-                traffic = comm_and_memory_traffic(s, model, c, k * sp, n_node, nodes)
+                traffic = comm_and_memory_traffic(s, model, c, k, n_node, nodes, trainable, dpo)
                 if sp > 1:  # at all_gather's busbw
                     traffic["link"][where_of(nodes), "all_to_all"] = (
-                        ring_exchange_bytes(
-                            model, micro * args.seq_len, sp, c, k * sp, est["activation_checkpointing"]
-                        )
+                        ring_exchange_bytes(model, micro * args.seq_len, sp, c, k, est["activation_checkpointing"])
                         if ring
                         else sequence_exchange_bytes(
-                            model, micro * -(-args.seq_len // sp), sp, c, k * sp, est["activation_checkpointing"]
+                            model, micro * -(-args.seq_len // sp), sp, c, k, est["activation_checkpointing"]
                         )
                     )
-                recompute = 4 / 3 if est["activation_checkpointing"] else 1.0
-                compute = (
-                    per_device * args.seq_len * flops_per_token * recompute / (device["tflops"] * 1e12 * args.mfu)
+                flops_per_token = (
+                    forward * (2 if est["activation_checkpointing"] else 1) + backward + (forward if dpo else 0)
                 )
+                tokens = per_device * rows_per_example * args.seq_len / sp  # this rank's share of each row
+                compute = tokens * flops_per_token / (device["tflops"] * 1e12 * args.mfu)
                 comm = sum(
                     size
                     / (
@@ -337,7 +402,11 @@ def rank(args, model: dict, device: dict) -> list[dict]:
     rows.sort(
         key=lambda r: (
             not r["fits"],
-            ((1, r["step_s"], 0) if r["step_s"] > fastest * 1.005 else (0, r["comm_s"], r["device_gb"]))
+            (
+                (1, r["step_s"], 0, 0)
+                if r["step_s"] > fastest * (1 + TIE)
+                else (0, r["host_gb_per_node"], r["comm_s"], r["device_gb"])
+            )
             if r["fits"]
             else (r["device_gb"],),
         )
@@ -356,14 +425,18 @@ def rank(args, model: dict, device: dict) -> list[dict]:
             )
         elif r is chosen:
             r["verdict"] = "chosen"
-        elif r["step_s"] <= fastest * 1.005:  # a tie: the same step, more traffic or memory
-            r["verdict"] = (
-                "as fast, more communication"
-                if r["comm_s"] > chosen["comm_s"]
-                else "as fast, more memory"
-                if r["device_gb"] > chosen["device_gb"]
-                else "as fast"
-            )
+        elif r["step_s"] <= fastest * (1 + TIE):  # a tie: the same step, more CPU RAM, traffic or memory
+            more = [
+                what
+                for what, key in (
+                    ("CPU RAM", "host_gb_per_node"),
+                    ("communication", "comm_s"),
+                    ("memory", "device_gb"),
+                )
+                if r[key] > chosen[key] * (1 + 1e-9)
+            ]
+            listed = ", ".join(more[:-1]) + " and " + more[-1] if len(more) > 1 else "".join(more)
+            r["verdict"] = "as fast" + (f", more {listed}" if more else "")
         else:
             r["verdict"] = f"slower: {r['step_s'] / chosen['step_s']:.2f}x the chosen"
     return rows
@@ -435,9 +508,9 @@ def launch_line(choice: dict, args, path: str) -> str:
     )
     node = " --machine_rank NODE_RANK --main_process_ip NODE0_ADDRESS" if args.num_nodes > 1 else ""
     return (
-        f"accelerate launch --config_file {path}{node} recipes/causal_lm.py --per_device_train_batch_size "
+        f"accelerate launch --config_file {path}{node} recipes/{args.recipe}.py --per_device_train_batch_size "
         f"{choice['micro_batch']} --gradient_accumulation_steps {choice['accumulation']} --block_size "
-        f"{args.seq_len}{checkpointing} ..."
+        f"{args.seq_len}{checkpointing}{' --use_peft true' if args.use_peft else ''} ..."
     )
 
 
@@ -485,7 +558,25 @@ def parse(argv):
         help="CPU memory bandwidth per node, GB/s, for the CPU optimizer (default 100; on cpu: measured)",
     )
     parser.add_argument("--seq_len", type=int, default=2048)
-    parser.add_argument("--global_batch", type=int, required=True, help="sequences per optimizer step, all devices")
+    parser.add_argument(
+        "--global_batch",
+        type=int,
+        required=True,
+        help="sequences per optimizer step, all devices (dpo: pairs, two rows each)",
+    )
+    parser.add_argument(
+        "--recipe",
+        choices=RECIPES,
+        default="causal_lm",
+        help="the recipe the command launches (dpo: its frozen reference copy, two rows a pair and the reference's "
+        "forward are estimated, and the row-splitting configs are not ranked)",
+    )
+    parser.add_argument(
+        "--use_peft",
+        action="store_true",
+        help="LoRA at the recipes' defaults (rank 8, peft's modules): only the adapters have gradients and AdamW "
+        "moments (and DPO holds no reference copy)",
+    )
     parser.add_argument(
         "--micro_batch",
         type=int,
@@ -582,6 +673,13 @@ def resolve_device(args, model: dict) -> dict:
     args.host_memory_gbps = args.host_memory_gbps or 100.0
     args.mfu = args.mfu or (1.0 if args.device == "cpu" else 0.37)
     args.headroom = 0.1 if args.headroom is None else args.headroom
+    args.host_memory_source = (
+        "--host_memory_gb"
+        if args.host_memory_gb
+        else f"the {args.device} preset's; pass --host_memory_gb for yours"
+        if device.get("host_memory_gb")
+        else "this host's available memory; pass --host_memory_gb for yours"
+    )
     args.host_memory_gb = args.host_memory_gb or device.get("host_memory_gb") or available_memory_gb()
     return device
 
@@ -634,7 +732,9 @@ def main(argv=None) -> dict:
     print(
         f"{model['parameters']:,} parameters on {args.num_devices} x {args.device} in {args.num_nodes} node(s) "
         f"({device['memory_gb']:.1f} GB, {device['tflops']:.3g} TFLOP/s peak at {args.mfu:.2f}, {links}), "
-        f"{args.seq_len}-token sequences, global batch {args.global_batch}, {args.mixed_precision}"
+        f"{args.seq_len}-token sequences, global batch {args.global_batch}, {args.mixed_precision}; "
+        f"CPU RAM {args.host_memory_gb:.0f} GB per node ({args.host_memory_source}); recipes/{args.recipe}.py"
+        f"{' with LoRA (--use_peft)' if args.use_peft else ''}"
     )
     print(
         f"{'config':24} {'micro x acc':>11} {'AC':>3} {'GB/device':>9} {'CPU GB/node':>11} {'compute s':>9} "

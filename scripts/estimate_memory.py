@@ -24,7 +24,9 @@ fsdp_cp.yaml: FSDP2's model state over all N ranks; each rank's activations thos
 tokens, counted as Ulysses' are.)
 
 --dpo_reference adds recipes/dpo.py's frozen reference copy: 4Ψ on one process or DDP, 4Ψt under TP, 4Ψ/N under FSDP2,
-cΨ under ZeRO-1/2 and cΨ/N under ZeRO-3 (`reference_bytes`).
+cΨ under ZeRO-1/2 and cΨ/N under ZeRO-3 (`reference_bytes`). --use_peft: the model frozen, LoRA's adapters (rank 8
+on peft's default modules for the architecture, as the recipes' --use_peft) the only parameters with gradients,
+master weights and AdamW moments: the table's gradient, master and optimizer columns with the adapters' count for Ψ.
 
 (DeepSpeed keeps the model in the compute dtype and a separate fp32 master copy (ZeRO-3
 in fp32: none, the model's own partitions are the master weights, common.internals), and
@@ -67,6 +69,7 @@ import sys
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LORA_RANK = 8  # common.lora's default --lora_r
 MB = 2**20
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
@@ -156,12 +159,24 @@ def read_model(model: str, vocab_size: int | None = None) -> dict:
         (m for m in built.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == config.num_hidden_layers), []
     )
     total, largest_tensor = sum(p.numel() for p in parameters), max(p.numel() for p in parameters)
+    # --use_peft's adapters at the recipes' defaults (common.lora: rank 8 on peft's default modules for the
+    # architecture, all linear layers where peft has none): rank x (inputs + outputs) per adapted layer
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as LORA_TARGETS
+
+    targets = LORA_TARGETS.get(config.model_type)
+    adapted = [
+        m
+        for name, m in built.named_modules()
+        if isinstance(m, (torch.nn.Linear, Conv1D))
+        and (name.split(".")[-1] in targets if targets else m is not built.get_output_embeddings())
+    ]
     layer_sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]
     return {
         "parameters": total,
         "largest_tensor": largest_tensor,
         "largest_layer": max(layer_sizes, default=largest_tensor),
         "root_parameters": total - sum(layer_sizes),  # outside the decoder layers: FSDP2's root unit
+        "lora_parameters": sum(LORA_RANK * sum(m.weight.shape) for m in adapted),
         "tp_split_parameters": tp_split,
         # the weights a token multiplies (GPT-2's Conv1D too; experts stored as fused tensors are not counted)
         "matmul_parameters": sum(
@@ -172,6 +187,7 @@ def read_model(model: str, vocab_size: int | None = None) -> dict:
         "layers": config.num_hidden_layers,
         "vocab_size": config.vocab_size,
         "attention_heads": getattr(config, "num_attention_heads", 1),
+        "key_value_heads": getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", 1),
         # the key and value projections' width (grouped-query attention: fewer heads than the queries)
         "kv_hidden_size": (getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", 1))
         * (getattr(config, "head_dim", None) or config.hidden_size // getattr(config, "num_attention_heads", 1)),
@@ -222,34 +238,40 @@ def estimate(
     checkpointing: bool = False,
     accumulation: int = 1,
     dpo_reference: bool = False,
+    trainable: int | None = None,
 ) -> dict:
     """Bytes per rank by category (the memory account's), and the peak. Activation checkpointing
     is on when asked or when the config turns it on (fsdp_activation_checkpointing). With
-    `dpo_reference`, DPO's frozen reference copy (`reference_bytes`) joins the model state."""
+    `dpo_reference`, DPO's frozen reference copy (`reference_bytes`) joins the model state. `trainable`:
+    the parameters that train, when not all do (--use_peft: LoRA's adapters, beside the frozen model):
+    only they have gradients, master weights and AdamW moments, and the adapters' own weights join the model."""
     checkpointing = checkpointing or strategy.get("activation_checkpointing", False)
     psi, n, tp = model["parameters"], strategy["num_processes"], strategy.get("tp_size", 1)
+    # t: the trained parameters (all of psi, or LoRA's adapters, which then add to the frozen psi)
+    t = psi if trainable is None else trainable
+    frozen_psi, psi = psi, psi + (0 if trainable is None else trainable)
     # fp8 (torchao) computes in bf16 autocast: costed as bf16, an upper bound (its float8 casts take 1 byte)
     c = 2 if strategy["mixed_precision"] in ("bf16", "fp16", "fp8") else 4
     kind, stage = strategy["strategy"], strategy["zero_stage"]
     buckets, loading, step_transient = 0, 0, 0  # fused AdamW: no temporaries in the step
     if kind == "deepspeed":
         parameters = c * psi / n if stage == 3 else c * psi
-        master, gradients = 4 * psi / n, c * psi / n + 4 * psi / n
-        optimizer = 8 * psi / n
+        master, gradients = 4 * t / n, c * t / n + 4 * t / n
+        optimizer = 8 * t / n
         if stage == 3 and not strategy["offload"]:  # the fp32 gradients, one sub-group at a time in the step
-            gradients = c * psi / n
+            gradients = c * t / n
             if c == 4:  # an fp32 model's own partitions are the master weights (common.internals)
                 master = 0
-            sub_group = min(psi / n, strategy["zero3_sub_group_size"] + model["largest_tensor"] / n)
+            sub_group = min(t / n, strategy["zero3_sub_group_size"] + model["largest_tensor"] / n)
             step_transient = (4 + (c if c < 4 else 0)) * sub_group  # its flattened copy, then that in fp32
         # ZeRO-3's reduce bucket of h*h elements ("auto"); ZeRO-1/2's is empty again after the step
         buckets = c * model["hidden_size"] ** 2 if stage == 3 else 0
         if stage in (1, 2) and strategy["offload"]:  # DeepSpeed's CPU-offload buffers (see the docstring)
-            gradients = 4 * psi / n + 2 * c * model["largest_tensor"] + (c * psi / n if accumulation > 1 else 0)
-            buckets = c * psi / n
+            gradients = 4 * t / n + 2 * c * model["largest_tensor"] + (c * t / n if accumulation > 1 else 0)
+            buckets = c * t / n
     elif kind == "fsdp":  # with tp_size > 1 (fsdp_tp.yaml): a TP rank's part, sharded over the n / tp FSDP ranks
         local = (psi - model.get("tp_split_parameters", 0) * (tp - 1) / tp) * tp if tp > 1 else psi
-        parameters, master, gradients, optimizer = 4 * local / n, 0, 4 * local / n, 8 * local / n
+        parameters, master, gradients, optimizer = 4 * local / n, 0, 4 * local * t / psi / n, 8 * local * t / psi / n
         # a layer gathered whole and the next prefetched, and the root unit (embeddings, final norm, head:
         # FSDP2 keeps the root gathered from forward to backward); without resharding, the whole model
         step_transient = (
@@ -263,8 +285,12 @@ def estimate(
         # DDP's gradients are views into its all-reduce buckets (common.accelerator): no second copy. Tensor
         # parallelism: each rank holds 1/tp of the parameters its plan splits, and the rest (norms) whole
         local = psi - model.get("tp_split_parameters", 0) * (tp - 1) / tp if kind == "tp" else psi
-        parameters, master, gradients, optimizer = 4 * local, 0, 4 * local, 8 * local
-    reference = (parameters if kind == "tp" else reference_bytes(psi, strategy, c)) if dpo_reference else 0
+        parameters, master, gradients, optimizer = 4 * local, 0, 4 * local * t / psi, 8 * local * t / psi
+    reference = (
+        (4 * local * frozen_psi / psi if kind == "tp" else reference_bytes(frozen_psi, strategy, c))
+        if dpo_reference
+        else 0
+    )
     categories = {
         "parameters": parameters,
         "master_weights": master,
@@ -284,7 +310,7 @@ def estimate(
     # overlap_comm) keeps every gradient whole until the boundary's reduction (cΨ, not cΨ/N)
     later = 0
     if accumulation > 1 and n > 1:
-        later = 4 * psi if kind == "ddp" else c * psi * (n - 1) / n if kind == "deepspeed" and stage == 1 else 0
+        later = 4 * t if kind == "ddp" else c * t * (n - 1) / n if kind == "deepspeed" and stage == 1 else 0
     return {
         **{k: int(v) for k, v in categories.items()},
         "model_state": int(model_state),
@@ -337,6 +363,9 @@ def main(argv=None) -> dict:
         "--precompute_ref_log_probs, which hold none); a DPO micro-batch of B pairs is 2B rows: "
         "pass --batch_size 2B",
     )
+    parser.add_argument(
+        "--use_peft", action="store_true", help="LoRA at the recipes' defaults: only the adapters train"
+    )
     parser.add_argument("--json", help="also write the estimate here")
     args = parser.parse_args(argv)
     for path, what in ((args.config, "--config"),):
@@ -360,6 +389,7 @@ def main(argv=None) -> dict:
         args.gradient_checkpointing,
         args.gradient_accumulation_steps,
         args.dpo_reference,
+        model["lora_parameters"] if args.use_peft else None,
     )
     import torch
 
