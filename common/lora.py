@@ -59,9 +59,49 @@ class LoraArguments:
                 )
 
 
+def check_adapter_arguments(model_args, lora_args: LoraArguments | None) -> None:
+    """Before anything of the run (common.run.start_run): an adapter to start from, given as
+    --adapter_name_or_path or as --model_name_or_path (a --use_peft run's final/, which then reads as
+    its base model plus --adapter_name_or_path: common.model.resolve_adapter_folder), trains on with
+    --use_peft only; without it, one line that says what to pass (fine-tuning every weight needs the
+    merged model, which the run wrote to final_merged/ with --save_merged_model)."""
+    from common.model import adapter_base_model, is_adapter_folder, resolve_adapter_folder
+
+    given_as_model = is_adapter_folder(model_args.model_name_or_path)
+    if model_args.adapter_name_or_path and model_args.model_config:
+        raise UsageError(
+            f"--adapter_name_or_path {model_args.adapter_name_or_path} goes on the pretrained model it was "
+            "trained on (--model_name_or_path), not on one built from --model_config: pass that base model "
+            "as --model_name_or_path instead of --model_config"
+        )
+    if (given_as_model or model_args.adapter_name_or_path) and not (lora_args and lora_args.use_peft):
+        merged = "or fine-tune every weight from the merged model (its run's final_merged/, written with "
+        merged += "--save_merged_model) as --model_name_or_path"
+        if given_as_model:
+            folder = model_args.model_name_or_path
+            raise UsageError(
+                f"--model_name_or_path {folder} is a LoRA adapter (on base {adapter_base_model(folder)}), "
+                f"which trains only with --use_peft: add --use_peft to train it on (read as "
+                f"--adapter_name_or_path {folder} on its base), {merged}"
+            )
+        raise UsageError(
+            f"--adapter_name_or_path {model_args.adapter_name_or_path} is a LoRA adapter, which trains only "
+            f"with --use_peft: add --use_peft to train it on, {merged}"
+        )
+    resolve_adapter_folder(model_args)
+
+
 def apply_lora(model, args: LoraArguments):
     """`model` with LoRA adapters (peft) when --use_peft, else `model` unchanged. A sequence
-    classifier's new head trains too (peft's SEQ_CLS task keeps it as a module to save)."""
+    classifier's new head trains too (peft's SEQ_CLS task keeps it as a module to save). A model that
+    holds an adapter already (--adapter_name_or_path, loaded frozen by common.model.load_model) trains
+    that adapter on: base + adapter is where the run starts."""
+    from peft import PeftModel
+
+    if isinstance(model, PeftModel):
+        if not args.use_peft:  # refused at the start (check_adapter_arguments): never trained with nothing to train
+            raise UsageError("an adapter loaded with --adapter_name_or_path trains only with --use_peft; add it")
+        return _train_on(model, args)
     if not args.use_peft:
         return model
     base = model.config.name_or_path  # a folder or Hub name; built from --model_config: "" or the config file
@@ -88,6 +128,54 @@ def apply_lora(model, args: LoraArguments):
         raise UsageError(
             f"--lora_target_modules {targets}: {str(error).splitlines()[0]} (the model's linear layers: {names})"
         ) from None
+    _match_zero3_dtype(model)
+    return model
+
+
+# LoraArguments' fields that shape an adapter, by the name peft's LoraConfig gives them
+ADAPTER_SHAPE = {"lora_r": "r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout"}
+
+
+def _train_on(model, args: LoraArguments):
+    """The loaded adapter made trainable, as PeftModel.from_pretrained(..., is_trainable=True) makes it
+    (peft's own load_adapter does the same: inference_mode off, set_requires_grad). Its shape is the
+    saved one: a --lora_* value set otherwise is refused, not ignored. Its config then names the base
+    it trains on, so that final/ loads on it (and final_merged/ is built from it)."""
+    from peft.tuners.lora import LoraLayer
+
+    config = model.peft_config["default"]
+    defaults = {f.name: f.default for f in fields(LoraArguments)}
+    for name, saved_name in ADAPTER_SHAPE.items():
+        asked, saved = getattr(args, name), getattr(config, saved_name)
+        if asked != defaults[name] and asked != saved:
+            raise UsageError(
+                f"--{name} {asked} asks for another adapter shape, but the adapter loaded (--adapter_name_or_path) "
+                f"has {saved_name} {saved} and trains on as it is: set --{name} {saved}, or drop it"
+            )
+    targets, saved = args.lora_target_modules, config.target_modules
+    saved = {saved} if isinstance(saved, str) else set(saved or ())
+    if targets == ["all-linear"]:  # peft's: every linear layer but the output layer
+        base = model.get_base_model()
+        output = base.get_output_embeddings()
+        targets = sorted(
+            {
+                name.split(".")[-1]
+                for name, module in base.named_modules()
+                if isinstance(module, LoraLayer)
+                or isinstance(module, torch.nn.Linear)
+                and module is not output
+                and "lora_" not in name
+                and not name.endswith(".base_layer")
+            }
+        )
+    if targets is not None and set(targets) != saved:
+        raise UsageError(
+            f"--lora_target_modules {args.lora_target_modules} asks for another adapter shape, but the adapter "
+            f"loaded (--adapter_name_or_path) adapts {sorted(saved)} and trains on as it is: drop --lora_target_modules"
+        )
+    config.inference_mode = False
+    model.set_requires_grad("default")
+    config.base_model_name_or_path = model.get_base_model().config.name_or_path
     _match_zero3_dtype(model)
     return model
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
 import re
 import zlib
@@ -75,7 +76,54 @@ def one_line_load_errors(what: str, name: str, otherwise: str, refused=(OSError,
         raise
 
 
+ADAPTER_CONFIG = "adapter_config.json"  # what peft's save_pretrained writes beside an adapter's weights
+
+
+def is_adapter_folder(path: str | None) -> bool:
+    """A folder holding a PEFT adapter and no model of its own (a --use_peft run's final/)."""
+    return (
+        bool(path)
+        and os.path.isfile(os.path.join(path, ADAPTER_CONFIG))
+        and not os.path.isfile(os.path.join(path, "config.json"))
+    )
+
+
+def adapter_base_model(folder: str, flag: str = "--model_name_or_path") -> str:
+    """The base model an adapter folder's adapter_config.json names (base_model_name_or_path), or a
+    UsageError where it names none (`flag`: the option that gave `folder`)."""
+    with open(os.path.join(folder, ADAPTER_CONFIG)) as handle:
+        base = json.load(handle).get("base_model_name_or_path")
+    if not base:
+        raise UsageError(
+            f"{flag} {folder} is a LoRA adapter whose {ADAPTER_CONFIG} names no base model "
+            f"(base_model_name_or_path is {json.dumps(base)}): pass its base model as --model_name_or_path and "
+            f"{folder} as --adapter_name_or_path, or the merged model (its run's final_merged/) as --model_name_or_path"
+        )
+    return base
+
+
+def resolve_adapter_folder(args: ModelArguments) -> None:
+    """--model_name_or_path naming an adapter's folder (a --use_peft run's final/) loads as transformers
+    loads such a folder where peft is installed: the base model its adapter_config.json names, with the
+    adapter on top. `args` then says so: --model_name_or_path the base, --adapter_name_or_path the folder,
+    and the tokenizer the folder holds (the run saved it there, with its chat template) where no other is
+    given. What run.json records is then what loaded. Called again, it changes nothing."""
+    folder = args.model_name_or_path
+    if not is_adapter_folder(folder):
+        return
+    if args.adapter_name_or_path:
+        raise UsageError(
+            f"--model_name_or_path {folder} is a LoRA adapter, and --adapter_name_or_path "
+            f"{args.adapter_name_or_path} another: one adapter at a time; pass its base model "
+            f"({adapter_base_model(folder)}) or the merged model (its run's final_merged/) as --model_name_or_path"
+        )
+    args.model_name_or_path, args.adapter_name_or_path = adapter_base_model(folder), folder
+    if not args.tokenizer_name_or_path and os.path.isfile(os.path.join(folder, "tokenizer_config.json")):
+        args.tokenizer_name_or_path = folder
+
+
 def load_tokenizer(args: ModelArguments):
+    resolve_adapter_folder(args)
     name = args.tokenizer_name_or_path or args.model_name_or_path
     # tokenizers raises plain Exceptions (and KeyError, TypeError) for a tokenizer.json it cannot read
     with one_line_load_errors(
@@ -104,7 +152,10 @@ def load_model(
     Weights are loaded in `--torch_dtype` (float32 by default: fp32 master weights even
     from a checkpoint saved in bf16; the accelerate config's mixed precision sets the
     compute dtype). A model built from a config gets the same initial weights for the
-    same seed under every strategy (`initialise_weights`)."""
+    same seed under every strategy (`initialise_weights`). An adapter (--adapter_name_or_path, or an
+    adapter folder as --model_name_or_path: `resolve_adapter_folder`) loads frozen on top, as for an
+    evaluation; `common.lora.apply_lora` trains it on with --use_peft."""
+    resolve_adapter_folder(args)
     dtype = "auto" if args.torch_dtype == "auto" else getattr(torch, args.torch_dtype)
     if args.model_name_or_path:
         kind = f"{auto_class.__name__.replace('AutoModelFor', '')} model"

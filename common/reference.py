@@ -9,6 +9,8 @@ computed once before training:
     chosen, rejected = reference.log_probs(batch, "train")
 
 * `adapters_off` (--use_peft): the policy itself with its LoRA adapters disabled; no second copy.
+  With --adapter_name_or_path (the policy trains that adapter on: DPO after a LoRA SFT) the reference
+  is base + that adapter, frozen: a `model`.
 * `model`: a second model loaded as the policy was (same weights, same seed), frozen, with no
   optimizer state: sharded with FSDP2 under FSDP, partitioned by DeepSpeed ZeRO-3 (with the
   config's parameter offload) under ZeRO-3, whole on every rank otherwise (DDP, ZeRO-1/2: as the
@@ -183,8 +185,11 @@ def build_reference(model_args, tokenizer, args, use_peft: bool, precompute: boo
     is loaded now, the same way and with the same seed as the policy, so that it starts equal to it."""
     if precompute:
         return Reference("precomputed")
-    if use_peft:
+    if use_peft and not model_args.adapter_name_or_path:
         return Reference("adapters_off")
+    # without --use_peft, or with an adapter the policy trains on (DPO after a LoRA SFT): the reference is
+    # what the policy starts from, base + that adapter, frozen (load_model loads it so); its adapters off
+    # would be the bare base
     model = load_model(model_args, tokenizer, args.seed, args)
     model.requires_grad_(False)
     return Reference("model", model.eval())

@@ -33,7 +33,7 @@ from common.checkpoints import load_checkpoint, save_checkpoint
 from common.errors import UsageError, exit_now, one_line_errors
 from common.export import export_final
 from common.internals import share_zero3_fp32_partitions
-from common.lora import LoraArguments
+from common.lora import LoraArguments, check_adapter_arguments
 from common.metrics import MetricsLogger, start_trackers
 from common.model import check_block_size, count_parameters, export_dtype, model_hidden_size
 from common.nonfinite import NonFiniteGuard, nonfinite_check
@@ -203,6 +203,9 @@ def start_run(*arguments) -> Run:
     resume from (a DeepSpeed one saved on another layout is converted). Under `accelerate launch
     --max_restarts N`, a restarted worker resumes from the run's latest complete checkpoint."""
     args = next(a for a in arguments if isinstance(a, TrainingArguments))
+    model_args = next((a for a in arguments if isinstance(a, ModelArguments)), None)
+    if model_args is not None:  # an adapter to start from: trains on with --use_peft, else one line
+        check_adapter_arguments(model_args, next((a for a in arguments if isinstance(a, LoraArguments)), None))
     resume_after_restart(args)
     check_output_dir(args.output_dir, args.resume_from_checkpoint, args.overwrite_output_dir)
     refuse_unsupported_mesh()
@@ -216,7 +219,6 @@ def start_run(*arguments) -> Run:
         mark_launch_starting(args.output_dir)
     checkpoint = resolve_checkpoint(args.output_dir, args.resume_from_checkpoint)
     convert_before_start(checkpoint, args.ddp_timeout)  # a ZeRO checkpoint of another layout, before any collective
-    model_args = next((a for a in arguments if isinstance(a, ModelArguments)), None)
     sized = (
         model_args is not None and launched_strategy() == "deepspeed"
     )  # ZeRO-3's bounds: the config read there only

@@ -10,22 +10,27 @@ it names, with the adapter), or a base model with --adapter_name_or_path.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import common  # noqa: F401  (keeps torchao's import-time noise off the answer's output)
+from common.errors import UsageError
+from common.model import adapter_base_model, is_adapter_folder
 
 
 def answer(
     model_path: str, question: str, max_new_tokens: int = 32, adapter: str | None = None, system: str | None = None
 ) -> str:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    if os.path.isfile(os.path.join(model_path, "adapter_config.json")):  # an adapter: on the base it names
+    if is_adapter_folder(model_path):  # an adapter: on the base it names
         from peft import AutoPeftModelForCausalLM
 
+        try:
+            adapter_base_model(model_path)  # one that names none would be looked for on the Hub as "None"
+        except UsageError as error:
+            raise SystemExit(f"error: {error}") from None
         model = AutoPeftModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     else:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
