@@ -203,9 +203,10 @@ benchmark-packing: install
 	$(PY) scripts/benchmark_packing.py --docs docs/benchmark-packing.md $(ARGS)
 
 # make check-config CONFIG=accelerate_configs/zero3.yaml [RECIPE_CONFIG=recipes/configs/....yaml]
+# (or ARGS="--recipe_config recipes/configs/....yaml --num_processes 16": ARGS comes last, so it wins)
 RECIPE_CONFIG ?= recipes/configs/causal_lm_demo.yaml
 check-config: install
-	$(PY) scripts/check_config.py $(CONFIG) --recipe_config $(RECIPE_CONFIG)
+	$(PY) scripts/check_config.py $(CONFIG) --recipe_config $(RECIPE_CONFIG) $(ARGS)
 
 # The suite in three tiers (docs/testing.md says which claims each holds): make test is CI's, every claim with at
 # least one realistic case of it; make test-all adds the rest of each exhaustive check (every config x recipe x

@@ -222,6 +222,19 @@ def write_safetensors(path: str, layout: list, tensors) -> None:
         raise RuntimeError(f"export: wrote {len(written)} of {len(layout)} tensors, or out of order")
 
 
+def tensors_written(folder: str) -> int:
+    """How many tensors a Hugging Face folder's safetensors files hold (a LoRA export's: the adapter's only),
+    read from their headers."""
+    from safetensors import safe_open
+
+    count = 0
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(folder, name), "pt") as handle:
+                count += len(list(handle.keys()))
+    return count
+
+
 def read_checkpoint_weights(path: str) -> dict:
     """The model's full state dict from a checkpoint folder, whichever strategy wrote it, on
     CPU with no process group: fp32 master weights rebuilt from ZeRO-1/2/3 partitions

@@ -9,7 +9,9 @@
     # <folder>: what it is, base model, data, recipe and strategy, hyper-parameters, final metrics, command
 
 Everything comes from the run's own records (`run.json`, `metrics.jsonl`), written before the
-export, so the card says what ran rather than what was asked.
+export, so the card says what ran rather than what was asked, and what the folder holds: a
+checkpoint's export (step_N) shows the rows logged at or before step N and N trained steps,
+not the run's last; the LoRA options appear only where LoRA trained.
 """
 
 from __future__ import annotations
@@ -32,26 +34,33 @@ HYPERPARAMETERS = (
     "gradient_accumulation_steps",
     "block_size",
     "seed",
-    "lora_r",
-    "lora_alpha",
-    "lora_dropout",
-    "lora_target_modules",
 )
+LORA_HYPERPARAMETERS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")  # where LoRA trained
 
 
-def write_model_card(folder: str, output_dir: str, what: str) -> None:
+def write_model_card(
+    folder: str, output_dir: str, what: str, step: int | None = None, logged_until: int | None = None
+) -> None:
     """`folder`/README.md for the export `what` (final, best, final_merged, a checkpoint's step_N) of the
-    run in `output_dir`; peft's template README, where peft wrote one, is replaced."""
+    run in `output_dir`; peft's template README, where peft wrote one, is replaced. `step`: the training step
+    the folder's weights are at (a checkpoint's); None for the run's own exports, written as it reaches
+    them, whose step is the last one metrics.jsonl holds. `logged_until`: metrics.jsonl's rows after that
+    step are another continuation's (a checkpoint a resume set aside), so they are left out too."""
     from huggingface_hub import ModelCard, ModelCardData
 
     run = _read_json(os.path.join(output_dir, "run.json")) or {}
     args = run.get("args", {})
+    bounds = [bound for bound in (step, logged_until) if bound is not None]
+    rows = _logged_rows(output_dir, min(bounds) if bounds else None)
+    if step is None:
+        step = max((row["step"] for row in rows if isinstance(row.get("step"), int)), default=None)
     adapter = os.path.isfile(os.path.join(folder, "adapter_config.json"))
     base = args.get("model_name_or_path")
     on_hub = bool(base) and not os.path.exists(base)
     recipe = os.path.splitext(os.path.basename((run.get("command") or ["the recipe"])[0]))[0]
     strategy = run.get("launched_strategy", "?")
-    tags = ["accelerate-recipes", recipe, strategy] + (["lora"] if adapter or args.get("use_peft") else [])
+    lora = adapter or bool(args.get("use_peft"))
+    tags = ["accelerate-recipes", recipe, strategy] + (["lora"] if lora else [])
     data = ModelCardData(
         base_model=base if on_hub else None,
         library_name="peft" if adapter else "transformers",
@@ -63,10 +72,16 @@ def write_model_card(folder: str, output_dir: str, what: str) -> None:
             f"# {os.path.basename(os.path.normpath(output_dir))} / {what}",
             _what_it_is(adapter, base, args, what),
             "## Data\n\n" + _data(args, run),
-            "## Training\n\n" + _training(run, recipe),
+            "## Training\n\n" + _training(run, recipe, step),
             "## Hyper-parameters\n\n"
-            + _table({key: args[key] for key in HYPERPARAMETERS if args.get(key) is not None}),
-            "## Results\n\n" + _results(output_dir),
+            + _table(
+                {
+                    key: args[key]
+                    for key in HYPERPARAMETERS + (LORA_HYPERPARAMETERS if lora else ())
+                    if args.get(key) is not None
+                }
+            ),
+            "## Results\n\n" + _results(rows),
             "## Command\n\n" + _command(run),
         ]
     )
@@ -116,7 +131,7 @@ def _data(args: dict, run: dict) -> str:
     return _table({**{k: v for k, v in sources.items() if v}, **counts}) or "Not recorded."
 
 
-def _training(run: dict, recipe: str) -> str:
+def _training(run: dict, recipe: str, step: int | None) -> str:
     facts = {
         "recipe": f"recipes/{recipe}.py",
         "strategy": run.get("launched_strategy"),
@@ -127,25 +142,37 @@ def _training(run: dict, recipe: str) -> str:
         "master weights": run.get("master_weights_dtype"),
         "ZeRO stage": run.get("zero_stage"),
         "effective batch size": run.get("effective_batch_size"),
-        "trained steps": run.get("max_steps"),
+        "trained steps": step if step is not None else run.get("max_steps"),
     }
     versions = run.get("versions", {})
     facts["versions"] = ", ".join(f"{name} {version}" for name, version in versions.items() if version)
     return _table({key: value for key, value in facts.items() if value not in (None, "")})
 
 
-def _results(output_dir: str) -> str:
-    """The last evaluation and the last logged training step of metrics.jsonl."""
-    evaluation, train = {}, {}
+def _logged_rows(output_dir: str, until: int | None) -> list[dict]:
+    """metrics.jsonl's rows, those after step `until` left out (None: all of them)."""
+    rows = []
     path = os.path.join(output_dir, "metrics.jsonl")
     if os.path.isfile(path):
         with open(path) as handle:
             for line in handle:
-                row = json.loads(line)
-                if any(key.startswith("eval_") for key in row):
-                    evaluation = row
-                elif "loss" in row:
-                    train = row
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    continue  # a line a crash left half-written
+                if until is None or row.get("step", 0) <= until:
+                    rows.append(row)
+    return rows
+
+
+def _results(rows: list[dict]) -> str:
+    """The last evaluation and the last logged training step of `rows`."""
+    evaluation, train = {}, {}
+    for row in rows:
+        if any(key.startswith("eval_") for key in row):
+            evaluation = row
+        elif "loss" in row:
+            train = row
     shown = {f"eval at step {evaluation['step']}: {k}": v for k, v in evaluation.items() if k.startswith("eval_")}
     if train:
         shown[f"train loss at step {train['step']}"] = train["loss"]

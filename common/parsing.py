@@ -71,15 +71,44 @@ def _where_instead(keys) -> str:
     return f". {'; '.join(said)}" if said else ""
 
 
-def _yaml_to_argv(config: dict, parser: argparse.ArgumentParser, source: str) -> list[str]:
-    """Turn recipe-YAML keys into command-line tokens, so argparse checks their types."""
+def _unknown_keys(config: dict, parser: argparse.ArgumentParser) -> list[str]:
+    """The recipe YAML's keys that no option of the recipe takes."""
     actions = parser_actions(parser)
-    unknown = [key for key in config if key not in actions or key in ("help", "config")]
-    if unknown:  # every one at once, so that a file from elsewhere is fixed in one go
-        raise UsageError(
-            f"{source}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
-            f"run the recipe with --help to list the keys{_where_instead(unknown)}"
-        )
+    return [key for key in config if key not in actions or key in ("help", "config")]
+
+
+def _unknown_arguments(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """The command line's `--options` that the recipe does not take, each with the values that follow it
+    (what argparse would leave over once it had parsed, and type-checked, the rest)."""
+    known = {option for action in parser_actions(parser).values() for option in action.option_strings}
+    unknown, following_unknown = [], False
+    for token in argv:
+        if token == "--":
+            break
+        if token.startswith("--"):
+            following_unknown = token.split("=", 1)[0] not in known
+        if following_unknown:
+            unknown.append(token)
+    return unknown
+
+
+def _refuse_unknown(source: str | None, keys: list[str], arguments: list[str]) -> None:
+    """Every unknown YAML key and command-line argument in one message, before any value is checked,
+    so that a file or command from elsewhere is fixed in one go."""
+    if not keys and not arguments:
+        return
+    flags = [token[2:].split("=")[0].replace("-", "_") for token in arguments if token.startswith("--")]
+    said = []
+    if keys:
+        said.append(f"{source}: unknown key{'s' if len(keys) > 1 else ''} {', '.join(map(repr, keys))}")
+    if arguments:
+        said.append(f"unknown argument(s) {' '.join(arguments)}")
+    what = "the keys" if not arguments else "them"
+    raise UsageError(f"{'; '.join(said)}; run the recipe with --help to list {what}{_where_instead(keys + flags)}")
+
+
+def _yaml_to_argv(config: dict) -> list[str]:
+    """Turn recipe-YAML keys (all known: `_unknown_keys`) into command-line tokens, so argparse checks their types."""
     argv = []
     for key, value in config.items():
         if value is None:
@@ -125,7 +154,11 @@ def _parse(dataclass_types, argv):
                 raise UsageError(f"{config_path}: not valid YAML ({str(error).splitlines()[0]})")
         if not isinstance(config, dict):
             raise UsageError(f"{config_path}: expected a mapping of key: value")
-        yaml_argv = _yaml_to_argv(config, parser, config_path)
+    else:
+        config = {}
+    _refuse_unknown(config_path, _unknown_keys(config, parser), _unknown_arguments(argv, parser))
+    if config:
+        yaml_argv = _yaml_to_argv(config)
         try:  # type-check the YAML on its own, so an error names the file
             parser.parse_known_args(yaml_argv)
         except UsageError as error:
@@ -136,7 +169,7 @@ def _parse(dataclass_types, argv):
     if remaining:
         keys = [token[2:].split("=")[0].replace("-", "_") for token in remaining if token.startswith("--")]
         raise UsageError(
-            f"unknown argument(s) {' '.join(remaining)}; run with --help to list them{_where_instead(keys)}"
+            f"unknown argument(s) {' '.join(remaining)}; run the recipe with --help to list them{_where_instead(keys)}"
         )
     for arguments in parsed[: len(dataclass_types)]:  # a recipe's own dataclass too, whose __post_init__ may not
         check_ranges(arguments)

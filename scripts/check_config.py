@@ -7,7 +7,8 @@ Loads the YAML with accelerate's own loader, then checks what accelerate does
 not: keys inside fsdp_config/deepspeed_config that `accelerate launch` does not
 know, FSDP wrap class names the recipe's model does not have, DeepSpeed batch
 sizes and clipping that disagree with the recipe's arguments, and offload asked
-of a ZeRO stage that cannot do it. Exit status 1 if anything is wrong.
+of a ZeRO stage that cannot do it. Exit status 1 if anything is wrong; 2, with one
+`error:` line, if a file it was given does not exist.
 """
 
 from __future__ import annotations
@@ -284,6 +285,12 @@ def check_deepspeed(deepspeed: dict, raw: dict, recipe: dict, world: int, config
     return problems
 
 
+def refuse(message: str) -> int:
+    """Bad input to the checker itself: one line and exit status 2, as the recipes' (common.errors)."""
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config_file", help="accelerate config YAML")
@@ -291,11 +298,14 @@ def main(argv=None):
     parser.add_argument("--num_processes", type=int, help="world size, if not the YAML's num_processes")
     args = parser.parse_args(argv)
     if not os.path.isfile(args.config_file):
-        print(f"{args.config_file}: does not exist", file=sys.stderr)
-        return 1
+        return refuse(
+            f"{args.config_file} does not exist; pass an accelerate config such as accelerate_configs/ddp.yaml"
+        )
     if args.recipe_config and not os.path.isfile(args.recipe_config):
-        print(f"{args.recipe_config}: does not exist", file=sys.stderr)
-        return 1
+        return refuse(
+            f"--recipe_config {args.recipe_config} does not exist; pass a recipe YAML such as "
+            "recipes/configs/causal_lm_demo.yaml"
+        )
     problems = check(args.config_file, args.recipe_config, args.num_processes)
     for problem in problems:
         print(f"{args.config_file}: {problem}")

@@ -24,7 +24,7 @@ import os
 import shutil
 
 from common.errors import UsageError, exits_on_usage_error
-from common.export import read_checkpoint_weights, write_hf_folder
+from common.export import read_checkpoint_weights, tensors_written, write_hf_folder
 from common.internals import set_base_model_name
 from common.model_card import write_model_card
 from common.run_dir import ABANDONED, MODEL_FILES, STATE_FILE, write_folder
@@ -97,7 +97,9 @@ def main(argv=None) -> str:
             "--resume_from_checkpoint and save again, or export the run's final/ instead"
         )
     parent, name = os.path.dirname(checkpoint), os.path.basename(checkpoint)
+    logged_until = None  # metrics.jsonl's rows after it are not this checkpoint's history
     if os.path.basename(parent).startswith(ABANDONED):  # a continuation a resume set aside: exported/<that>/step_N
+        logged_until = int(os.path.basename(parent)[len(ABANDONED) :].split("_")[0])  # abandoned_after_step_N[_k]
         parent, name = os.path.dirname(parent), os.path.join(os.path.basename(parent), name)
     run_dir = os.path.dirname(parent)
     output_dir = args.output_dir or os.path.join(run_dir, "exported", name)
@@ -106,23 +108,29 @@ def main(argv=None) -> str:
             f"--output_dir {output_dir} already exists; it is left as it is: remove it or pass another --output_dir"
         )
 
+    with open(os.path.join(checkpoint, STATE_FILE)) as handle:
+        try:
+            step = int(json.load(handle)["step"])
+        except (ValueError, KeyError, TypeError) as error:
+            raise UsageError(
+                f"--checkpoint {checkpoint}: its {STATE_FILE} is damaged ({type(error).__name__}: {error}); "
+                "export another checkpoint of the run"
+            )
     model, dtype = build_model(model_files)
-    state_dict = read_checkpoint_weights(checkpoint)
-    load_weights(model, state_dict)
+    load_weights(model, read_checkpoint_weights(checkpoint))
 
     def write(folder):
         write_hf_folder(model, model.state_dict(), None, dtype, folder)
         for name in sorted(set(os.listdir(model_files)) - set(MODEL_CONFIGS)):  # the run's tokenizer files
             shutil.copy2(os.path.join(model_files, name), folder)
-        write_model_card(folder, run_dir, os.path.basename(checkpoint))
+        write_model_card(folder, run_dir, os.path.basename(checkpoint), step=step, logged_until=logged_until)
 
     os.makedirs(os.path.dirname(os.path.abspath(output_dir)), exist_ok=True)
     write_folder(output_dir, write)
-    with open(os.path.join(checkpoint, STATE_FILE)) as handle:
-        step = json.load(handle)["step"]
+    what = ", the LoRA adapter's" if hasattr(model, "peft_config") else ""
     print(
-        f"step {step} of {run_dir} ({len(state_dict)} tensors) exported in {str(dtype).replace('torch.', '')} "
-        f"to {output_dir}"
+        f"step {step} of {run_dir} ({tensors_written(output_dir)} tensors{what}) exported in "
+        f"{str(dtype).replace('torch.', '')} to {output_dir}"
     )
     return output_dir
 

@@ -76,6 +76,23 @@ def test_make_check_config_target():
     assert "accelerate_configs/zero3.yaml: ok" in result.stdout
 
 
+@pytest.mark.parametrize("spelling", ["ARGS=--recipe_config {}", "RECIPE_CONFIG={}"])
+def test_make_check_config_takes_the_recipe_config_both_ways(spelling, tmp_path):
+    """Issue 54, item 13: `make check-config ARGS="--recipe_config X"` was silently ignored (the demo's recipe
+    YAML checked instead, "ok"); now X is checked, and one that does not exist is one line, exit 2."""
+    missing = tmp_path / "no_such_recipe.yaml"
+    result = run(
+        ["make", "-s", "check-config", "CONFIG=accelerate_configs/zero3.yaml", spelling.format(missing)], check=False
+    )
+    assert result.returncode != 0 and ": ok" not in result.stdout, result.stdout + result.stderr
+    errors = [line for line in result.stderr.splitlines() if not line.startswith("make")]
+    assert errors == [
+        f"error: --recipe_config {missing} does not exist; pass a recipe YAML such as "
+        "recipes/configs/causal_lm_demo.yaml"
+    ], result.stderr
+    assert check(CONFIGS / "zero3.yaml", "--recipe_config", missing).returncode == 2
+
+
 def _set(path: str, value):
     def edit(config):
         *parents, leaf = path.split(".")

@@ -78,3 +78,13 @@ def test_the_streamed_safetensors_file_reads_back_as_written(tmp_path):
         write_safetensors(
             str(tmp_path / "short.safetensors"), [("absent", (1,), torch.float32)], iter(tensors.items())
         )
+
+
+def test_a_damaged_trainer_state_is_named_before_anything_is_written(tmp_path, capsys):
+    """A checkpoint whose trainer_state.json was cut short (its step unreadable): one line, nothing written;
+    before, a JSONDecodeError traceback after the export folder had been written."""
+    (tmp_path / "trainer_state.json").write_text('{"step": ')
+    (tmp_path / "model_files").mkdir()
+    (tmp_path / "model_files" / "config.json").write_text("{}")
+    assert "trainer_state.json is damaged" in error_of(capsys, tmp_path, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
