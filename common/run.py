@@ -13,13 +13,14 @@ checkpoint loaded): `begin` clears it then, under --overwrite_output_dir.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import sys
 
 from accelerate.utils import set_seed
 
-from common import memory, sequence_parallel, tensor_parallel
+from common import memory, mesh, sequence_parallel, tensor_parallel
 from common.accelerator import (
     build_accelerator,
     launched_mesh_size,
@@ -53,6 +54,7 @@ from common.run_dir import (
 )
 from common.run_info import data_sources, record_run, tracker_config
 from common.speed import refuse_fp8_where_it_cannot_run, speed_record
+from common.streaming import check_resumable
 from common.versions import outside_checked_range
 
 
@@ -66,9 +68,45 @@ def run_recipe(main, *argument_types, argv: list[str] | None = None):
         # The libraries' millions of import-time objects live as long as the process: out of the garbage
         # collector's full passes, each of which would walk them all (at a one-process run's exit: 1.1 s of 1.2).
         gc.freeze()
-    with one_line_errors(training.ddp_timeout):
+    with one_line_errors(training.ddp_timeout), no_mark_left_if_refused(training.output_dir):
         main(*parsed)
     exit_now(0)  # finished: exit 0 without the interpreter's teardown (common.errors.exit_now says why)
+
+
+@contextlib.contextmanager
+def no_mark_left_if_refused(output_dir: str):
+    """A launch refused at its start (bad input, a UsageError, before `begin` took over the folder)
+    leaves output_dir as it was: the LAUNCH_STARTING mark its start wrote goes with it. Where torchrun
+    may restart the worker (--max_restarts), the mark stays for the restart to read
+    (`resume_after_restart`): it starts as the first attempt did, and is refused again."""
+    marked_before = launch_starting(output_dir)
+    try:
+        yield
+    except UsageError:
+        restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+        if not marked_before and not restarts and _is_rank0():
+            launch_started(output_dir)  # removes the mark (`begin` removed it already once it took over)
+        raise
+
+
+def check_resume_position(accelerator, args, state: dict) -> None:
+    """A checkpoint's data position against this run, before `begin` writes anything: another global
+    batch (processes x batch x accumulation) would start elsewhere in the data and with other steps per
+    epoch (common.training.TrainBatches, which checks it again); a stream resumes on as many processes."""
+    position = state.get("data") or {}
+    saved = position.get("global_batch")
+    processes = mesh.data_parallel_size(accelerator)  # a tensor/context-parallel group shares one batch
+    global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * processes
+    if saved is not None and saved != global_batch:
+        kind = "processes" if processes == accelerator.num_processes else "data-parallel ranks"
+        raise UsageError(
+            f"the checkpoint was trained with a global batch of {saved} samples per step and this run's is "
+            f"{global_batch} ({processes} {kind} x {args.per_device_train_batch_size} per device x "
+            f"{args.gradient_accumulation_steps} accumulation): set --per_device_train_batch_size and "
+            f"--gradient_accumulation_steps so that {kind} x batch x accumulation = {saved}"
+        )
+    if "ranks" in position:  # a stream's state, one per process
+        check_resumable(position, accelerator)
 
 
 class Run:
@@ -95,7 +133,9 @@ class Run:
         accelerator, args = self.accelerator, self.args
         self.model, self.optimizer, self.scheduler, self.tokenizer = model, optimizer, scheduler, tokenizer
         share_zero3_fp32_partitions(optimizer)  # ZeRO-3 in fp32: no second fp32 copy (common.internals)
+        # the checks first: a resume refused here leaves output_dir exactly as it was
         state = load_checkpoint(accelerator, self.checkpoint, model, optimizer, scheduler)
+        check_resume_position(accelerator, args, state)
         # a checkpoint names the optimizer's parameters, so another strategy can read it (common.portable)
         self.optimizer_parameters = optimizer_parameter_names(unwrap(accelerator, model), optimizer)
         if self.clear_earlier and accelerator.is_main_process:
@@ -144,6 +184,7 @@ class Run:
             optimizer,
             scheduler,
             read_every=args.logging_steps,
+            skipped=state.get("nonfinite_skips", 0),  # --max_nonfinite_skips bounds the run's, resumes included
         )
         self.profiler = StepProfiler(
             accelerator, args.profile_steps, args.output_dir, args.profile_memory, start_step=state["step"]
@@ -154,6 +195,7 @@ class Run:
         """Every rank calls it: checkpoints/step_N with `state` (the data position, ...) beside
         accelerate's; the oldest pruned past --save_total_limit."""
         self.nonfinite.settle()  # a step skipped on the device is acted on before anything is written
+        state = {**state, "nonfinite_skips": self.nonfinite.skipped}  # a resume counts on from them
         if self.optimizer_parameters is not None:
             state = {**state, "optimizer_parameters": self.optimizer_parameters}
         return save_checkpoint(

@@ -234,3 +234,62 @@ def test_after_a_resume_the_schedule_sets_the_rate_of_the_optimizer_accelerate_s
         assert swapped.param_groups[0]["lr"] == 0.125 and schedule.get_last_lr() == [0.125]
     finally:
         AcceleratorState._reset_state(True)
+
+
+def refused_start(recipe: str, argv: list, monkeypatch) -> int:
+    """common.run.run_recipe as a launched worker runs it, in this process: its exit status (a refusal
+    prints its one line and exits)."""
+    import sys
+
+    from accelerate.state import AcceleratorState
+
+    from common.run import run_recipe
+
+    module = load_script(recipe)
+    types = [annotation for annotation in module.main.__annotations__.values() if isinstance(annotation, type)]
+    monkeypatch.setattr(sys, "argv", [recipe, *map(str, argv)])
+    AcceleratorState._reset_state(True)
+    try:
+        with pytest.raises(SystemExit) as ended:
+            run_recipe(module.main, *types, argv=[str(a) for a in argv])
+    finally:
+        AcceleratorState._reset_state(True)
+    return ended.value.code
+
+
+def folder_state(folder: Path) -> dict:
+    """Every file's bytes and every folder under `folder`, by relative path."""
+    return {
+        str(path.relative_to(folder)): path.read_bytes() if path.is_file() else None
+        for path in sorted(folder.rglob("*"))
+    }
+
+
+def test_a_refused_resume_leaves_the_output_folder_exactly_as_it_was(markov_data, tmp_path, monkeypatch, capsys):
+    """Refused for another global batch, run.json was already the refused command's (the record the model
+    card and the exports read), and a resume from step 1 had set step_2 aside; refused for a checkpoint
+    that does not load into the model (another --model_config), .launch_starting stayed behind."""
+    out = tmp_path / "run"
+    run_in_process("recipes/causal_lm.py", causal_lm_args(markov_data, out, max_steps=2, save_steps=1), monkeypatch)
+    before = folder_state(out)
+    assert "checkpoints/step_2/trainer_state.json" in before and "run.json" in before
+
+    resume = dict(max_steps=2, save_steps=1, resume_from_checkpoint=out / "checkpoints" / "step_1")
+    status = refused_start(
+        "recipes/causal_lm.py",
+        causal_lm_args(markov_data, out, per_device_train_batch_size=2, **resume),
+        monkeypatch,
+    )
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert status == 2 and error.startswith("error: the checkpoint was trained with a global batch of 4"), error
+    assert folder_state(out) == before
+
+    wider = tmp_path / "wider.json"
+    config = json.loads((Path(__file__).parents[1] / "recipes/configs/tiny_llama.json").read_text())
+    wider.write_text(json.dumps({**config, "hidden_size": 128}))
+    status = refused_start(
+        "recipes/causal_lm.py", causal_lm_args(markov_data, out, model_config=wider, **resume), monkeypatch
+    )
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert status == 2 and "does not load into this run" in error, error
+    assert folder_state(out) == before
