@@ -87,16 +87,19 @@ class NonFiniteGuard:
         optimizer=None,
         scheduler=None,
         read_every: int = 1,
+        skipped: int = 0,
     ):
         """With `optimizer` and `scheduler`, where `skips_on_device`: steps are decided on the device
-        and read every `read_every` steps (the logging steps), before a checkpoint and at the end."""
+        and read every `read_every` steps (the logging steps), before a checkpoint and at the end.
+        `skipped`: the steps the run skipped before (a resumed run's checkpoint holds them), which
+        count towards `max_skips` as this launch's do."""
         self.accelerator, self.model, self.metrics = accelerator, model, metrics
         self.policy, self.max_skips = policy, max_skips
         self.scaler = accelerator.scaler  # fp16 under accelerate: its GradScaler
         self.scales_loss = self.scaler is not None or bool(getattr(model, "fp16_enabled", lambda: False)())
         self.overflows = self.overflows_in_a_row = 0
         self.bad_losses = torch.zeros(1, device=accelerator.device)
-        self.skipped = 0
+        self.skipped = skipped
         self.inner, self.schedule = torch_optimizer_and_schedule(optimizer, scheduler)  # found once
         self.on_device = skips_on_device(accelerator, self.inner, self.schedule)
         self.read_every = max(read_every, 1)

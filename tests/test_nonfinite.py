@@ -153,3 +153,24 @@ def test_nonfinite_stop_ends_the_run_with_one_line_and_keeps_finite_checkpoints(
     saved = sorted(int(p.name.split("_")[1]) for p in (out / "checkpoints").glob("step_*"))
     assert saved == list(range(1, step)), saved  # nothing from the non-finite step on
     assert not (out / "final").exists()
+
+
+def test_max_nonfinite_skips_counts_the_skips_before_a_resume(markov_data, poisoned, tmp_path, monkeypatch):
+    """--max_nonfinite_skips bounds the run's skips, not each launch's: a resumed run went on counting
+    from 0, so a run resumed after each skip never stopped. In-process (one rank, fp32, global batch 16),
+    the recipe's own loop on the poisoned data: steps 5 and 8 are non-finite."""
+    from conftest import run_in_process
+
+    from common.errors import RunStopped
+
+    out, stopped = tmp_path / "run", tmp_path / "stopped"
+    steps = dict(per_device_train_batch_size=8, max_steps=8, save_steps=5)
+    run_in_process(
+        "recipes/causal_lm.py", run_args(markov_data, poisoned, out, max_nonfinite_skips=5, **steps), monkeypatch
+    )
+    assert [(row["step"], row["skipped_steps"]) for row in events(out)] == [(5, 1), (8, 2)], events(out)
+    shutil.copytree(out / "checkpoints" / "step_5", stopped / "checkpoints" / "step_5")  # a run stopped after step 5
+    resume = run_args(markov_data, poisoned, stopped, max_nonfinite_skips=1, resume_from_checkpoint="latest", **steps)
+    with pytest.raises(RunStopped, match=r"step 8: .*2 steps were non-finite, more than --max_nonfinite_skips 1"):
+        run_in_process("recipes/causal_lm.py", resume, monkeypatch)
+    assert [(row["step"], row["skipped_steps"], row["action"]) for row in events(stopped)] == [(8, 2, "stopped")]
