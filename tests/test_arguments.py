@@ -3,7 +3,7 @@ import json
 import re
 
 import pytest
-from conftest import REPO, launch, load_script
+from conftest import REPO, load_script
 
 from common.arguments import DataArguments, ModelArguments, TrainingArguments
 from common.errors import UsageError
@@ -138,23 +138,6 @@ def test_unknown_arguments_are_reported_first_and_all_at_once(recipe_yaml, yaml_
         _parse(TYPES, ["--config", str(recipe_yaml)] + argv)
     assert expected in str(error.value), str(error.value)
     assert "invalid" not in str(error.value) and "must be" not in str(error.value)
-
-
-def test_a_launched_runs_bad_argument_shows_what_operating_md_says(recipe_yaml):
-    """Issue 54, item 13: docs/operating.md promised exit status 2 and no traceback; launched as the make targets
-    launch (2 processes, ddp.yaml), the recipe's one line comes first, then torchrun's ChildFailedError block
-    naming the worker's exit code 2, and `accelerate launch` exits 1. The page now says so."""
-    result = launch("ddp.yaml", "causal_lm.py", ["--config", recipe_yaml, "--learning_rate", "fast"], check=False)
-    lines = result.stderr.splitlines()
-    errors = [index for index, line in enumerate(lines) if line.startswith("error:")]
-    assert result.returncode == 1 and len(errors) == 1, result.stderr[-3000:]
-    assert lines[errors[0]] == "error: argument --learning_rate/--learning-rate: invalid float value: 'fast'"
-    block = next(index for index, line in enumerate(lines) if "ChildFailedError" in line)
-    assert errors[0] < block and re.search(r"exitcode\s*: 2\b", result.stderr), result.stderr[-3000:]
-    page = " ".join((REPO / "docs/operating.md").read_text().split())
-    said = page.split("**Errors.**", 1)[1].split("**A lost peer", 1)[0]
-    for claim in ("`accelerate launch` exits 1", "`ChildFailedError` block", "`exitcode : 2`", "exits 2"):
-        assert claim in said, claim
 
 
 def test_a_recipes_own_options_have_their_declared_ranges_checked(recipe_yaml):

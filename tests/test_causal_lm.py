@@ -1,5 +1,6 @@
 """Real `accelerate launch` runs of recipes/causal_lm.py on CPU."""
 
+import re
 import shutil
 
 import pytest
@@ -83,14 +84,22 @@ def test_copied_recipe_runs_outside_the_repository_and_never_overwrites_a_run(ma
 
 def test_bad_input_is_one_line_and_nonzero_exit(markov_data, tmp_path):
     """Launched on 2 processes: one error line, not one per rank. The other bad arguments take
-    the same path and are checked in-process in test_arguments.py."""
+    the same path and are checked in-process in test_arguments.py. What follows the line is what
+    docs/operating.md says a user sees (issue 54, item 13: it promised exit status 2 and no traceback):
+    torchrun's ChildFailedError block naming the worker's exit code 2, and `accelerate launch` exiting 1."""
     override, message = {"config": "/nonexistent/recipe.yaml"}, "does not exist"
     result = launch("ddp.yaml", "causal_lm.py", causal_lm_args(markov_data, tmp_path / "bad", **override), check=False)
-    assert result.returncode != 0
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and message in errors[0], result.stderr[-2000:]
+    lines = result.stderr.splitlines()
+    errors = [index for index, line in enumerate(lines) if line.startswith("error:")]
+    assert len(errors) == 1 and message in lines[errors[0]], result.stderr[-2000:]
     assert 'causal_lm.py", line' not in result.stderr  # no traceback from the recipe (torchrun adds its own)
     assert not (tmp_path / "bad").exists()  # failed before anything was written
+    block = next(index for index, line in enumerate(lines) if "ChildFailedError" in line)
+    assert result.returncode == 1 and errors[0] < block and re.search(r"exitcode\s*: 2\b", result.stderr)
+    page = " ".join((REPO / "docs/operating.md").read_text().split())
+    said = page.split("**Errors.**", 1)[1].split("**A lost peer", 1)[0]
+    for claim in ("`accelerate launch` exits 1", "`ChildFailedError` block", "`exitcode : 2`", "exits 2"):
+        assert claim in said, claim
 
 
 @pytest.mark.slow
