@@ -42,7 +42,11 @@ class ModelArguments:
         default=None, metadata={"help": "Tokenizer; defaults to model_name_or_path."}
     )
     adapter_name_or_path: str | None = field(
-        default=None, metadata={"help": "A saved PEFT adapter to load on top of model_name_or_path."}
+        default=None,
+        metadata={
+            "help": "A saved PEFT adapter to load on top of model_name_or_path; the recipes train it on with "
+            "--use_peft (a LoRA run's final/ may also be given as --model_name_or_path)."
+        },
     )
     torch_dtype: str = field(
         default="float32",

@@ -20,7 +20,7 @@ import sys
 
 from accelerate.utils import set_seed
 
-from common import memory, mesh, sequence_parallel, tensor_parallel
+from common import memory, sequence_parallel, tensor_parallel
 from common.accelerator import (
     build_accelerator,
     launched_mesh_size,
@@ -55,6 +55,7 @@ from common.run_dir import (
 from common.run_info import data_sources, record_run, tracker_config
 from common.speed import refuse_fp8_where_it_cannot_run, speed_record
 from common.streaming import check_resumable
+from common.training import check_global_batch
 from common.versions import outside_checked_range
 
 
@@ -94,17 +95,9 @@ def check_resume_position(accelerator, args, state: dict) -> None:
     batch (processes x batch x accumulation) would start elsewhere in the data and with other steps per
     epoch (common.training.TrainBatches, which checks it again); a stream resumes on as many processes."""
     position = state.get("data") or {}
-    saved = position.get("global_batch")
-    processes = mesh.data_parallel_size(accelerator)  # a tensor/context-parallel group shares one batch
-    global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * processes
-    if saved is not None and saved != global_batch:
-        kind = "processes" if processes == accelerator.num_processes else "data-parallel ranks"
-        raise UsageError(
-            f"the checkpoint was trained with a global batch of {saved} samples per step and this run's is "
-            f"{global_batch} ({processes} {kind} x {args.per_device_train_batch_size} per device x "
-            f"{args.gradient_accumulation_steps} accumulation): set --per_device_train_batch_size and "
-            f"--gradient_accumulation_steps so that {kind} x batch x accumulation = {saved}"
-        )
+    check_global_batch(
+        accelerator, position.get("global_batch"), args.per_device_train_batch_size, args.gradient_accumulation_steps
+    )
     if "ranks" in position:  # a stream's state, one per process
         check_resumable(position, accelerator)
 

@@ -133,6 +133,21 @@ def _settled(pending):
     return count.float().clamp(min=1)
 
 
+def check_global_batch(accelerator, saved: int | None, per_device: int, accumulation: int) -> None:
+    """A checkpoint's global batch (`saved`) against this run's: another one would start elsewhere in the data
+    and with other steps per epoch. Checked by `common.run` before a resume writes anything, and here."""
+    processes = mesh.data_parallel_size(accelerator)  # a tensor/context-parallel group shares one batch
+    global_batch = per_device * accumulation * processes
+    if saved is not None and saved != global_batch:
+        kind = "processes" if processes == accelerator.num_processes else "data-parallel ranks"
+        raise UsageError(
+            f"the checkpoint was trained with a global batch of {saved} samples per step and this run's is "
+            f"{global_batch} ({processes} {kind} x {per_device} per device x {accumulation} accumulation): set "
+            f"--per_device_train_batch_size and --gradient_accumulation_steps so that {kind} x batch x "
+            f"accumulation = {saved}"
+        )
+
+
 class TrainBatches:
     """The loop's micro-batches, epoch after epoch until optimizer step `max_steps` (none when
     resumed there), one optimizer step's window of gradient_accumulation_steps batches at a time.
@@ -202,15 +217,9 @@ class TrainBatches:
         }
 
     def _check_global_batch(self, saved: int) -> None:
-        if saved != self.global_batch:
-            processes = mesh.data_parallel_size(self.accelerator)  # a tensor-parallel group shares one batch
-            kind = "processes" if processes == self.accelerator.num_processes else "data-parallel ranks"
-            raise UsageError(
-                f"the checkpoint was trained with a global batch of {saved} samples per step and this run's is "
-                f"{self.global_batch} ({processes} {kind} x {self.batch // processes} per device x "
-                f"{self.accumulation} accumulation): set --per_device_train_batch_size and "
-                f"--gradient_accumulation_steps so that {kind} x batch x accumulation = {saved}"
-            )
+        check_global_batch(
+            self.accelerator, saved, self.batch // mesh.data_parallel_size(self.accelerator), self.accumulation
+        )
 
     @property
     def position(self) -> dict:

@@ -6,7 +6,9 @@ the tokenizer's chat template or --chat_template; the log-probabilities cover th
 Each batch scores its chosen and rejected rows in one forward (common.preference).
 
 The reference model (common.reference) is, with --use_peft, the policy with its adapters off (no
-second copy); otherwise a frozen copy sharded by the same strategy (FSDP2 shards, a ZeRO-3
+second copy); with --adapter_name_or_path (or a LoRA run's final/ as --model_name_or_path: DPO after
+a LoRA SFT) the policy trains that adapter on and the reference is base + that adapter, frozen, a
+second copy; otherwise a frozen copy sharded by the same strategy (FSDP2 shards, a ZeRO-3
 partition), or with --precompute_ref_log_probs one pass over the data before training, kept in
 output_dir for a resume. The loss (common.dpo): --loss_type sigmoid (DPO, --beta,
 --label_smoothing), ipo or hinge, each with --rpo_alpha's NLL term if set; rewards/chosen,
