@@ -17,7 +17,7 @@ from common.arguments import DataArguments
 from common.errors import UsageError, describe, downloads_off, load_fault
 from common.mixture import announce, load_mixture, stream_mixture
 from common.peers import main_process_alone
-from common.sources import FILE_BUILDERS
+from common.sources import FILE_BUILDERS, TEXT_COLUMNS, load_local, refuse_dates_in_text
 from common.streaming import StreamLoader, load_train_stream, tokenize_and_pack_stream
 
 
@@ -25,8 +25,10 @@ STREAM_HELD_OUT = 1000  # validation rows taken from a stream that has no valida
 
 
 def load_raw_datasets(args: DataArguments, seed: int) -> DatasetDict:
-    """A DatasetDict with `train` and `validation` (split off train if none is given).
+    """A DatasetDict with `train` and `validation` (split off train if none is given), every column a
+    recipe reads as text as the text written (common.sources.load_local).
     With --streaming, `train` is an IterableDataset read as it is consumed (common.streaming)."""
+    text = text_columns(args)
     builder = data_files = None
     if not args.dataset_name:
         data_files = {"train": args.train_file} if args.train_file else {}
@@ -37,13 +39,15 @@ def load_raw_datasets(args: DataArguments, seed: int) -> DatasetDict:
             raise UsageError(f"data files must share one of {sorted(FILE_BUILDERS)}; got {sorted(extensions)}")
         builder = FILE_BUILDERS[extensions.pop()] if extensions else None
     if args.streaming:
-        return _load_streaming(args, builder, data_files, seed)
+        return _load_streaming(args, builder, data_files, seed, text)
     if args.mixture:
-        raw = _mixed(args, builder, seed)
+        raw = _mixed(args, builder, seed, text)
     elif args.dataset_name:
         raw = load_hub_dataset(args)
+        for split, dataset in raw.items():
+            refuse_dates_in_text(dataset, text, f"--dataset_name {args.dataset_name} split {split}")
     else:
-        raw = _load_files(builder, data_files)
+        raw = _load_files(builder, data_files, text)
     for split, dataset in raw.items():
         if len(dataset) == 0:
             raise UsageError(f"the {split} split has no rows{_files_of(args, split)}; give a file with data")
@@ -60,6 +64,11 @@ def load_raw_datasets(args: DataArguments, seed: int) -> DatasetDict:
     if args.max_eval_samples:
         raw["validation"] = raw["validation"].select(range(min(args.max_eval_samples, len(raw["validation"]))))
     return raw
+
+
+def text_columns(args: DataArguments) -> tuple:
+    """The columns a recipe reads as text: --text_column and common.sources.TEXT_COLUMNS."""
+    return (*TEXT_COLUMNS, args.text_column)
 
 
 def load_hub_dataset(args: DataArguments, **kwargs):
@@ -98,34 +107,40 @@ def _mixture_source(source, streaming: bool):
     )
 
 
-def _mixed(args: DataArguments, builder: str | None, seed: int) -> DatasetDict:
+def _mixed(args: DataArguments, builder: str | None, seed: int, text: tuple) -> DatasetDict:
     """--dataset_mixture: the mixed rows; validation from --validation_file, else held out of them."""
     size = None if args.validation_file else args.mixture.test_split_size or args.validation_split_percentage / 100
-    train, validation = load_mixture(args.mixture, seed, _mixture_source, size)
+    train, validation = load_mixture(args.mixture, seed, _mixture_source, size, text)
     if validation is None:
-        validation = _load_files(builder, {"validation": args.validation_file})["validation"]
+        validation = _load_files(builder, {"validation": args.validation_file}, text)["validation"]
     announce(args.mixture)
     return DatasetDict(train=train, validation=validation)
 
 
-def _load_streaming(args: DataArguments, builder: str | None, data_files: dict | None, seed: int) -> DatasetDict:
+def _load_streaming(
+    args: DataArguments, builder: str | None, data_files: dict | None, seed: int, text: tuple
+) -> DatasetDict:
     """--streaming: the train stream, and a validation split held in memory: the validation
     file or the Hub's validation split (its first --max_eval_samples rows, default
     STREAM_HELD_OUT), else the stream's first rows, which training then skips."""
     held_out = args.max_eval_samples or STREAM_HELD_OUT
     validation = None
     if args.mixture:  # each source holds out its share of the rows (common.mixture)
-        train, rows = stream_mixture(args.mixture, seed, _mixture_source, None if args.validation_file else held_out)
+        train, rows = stream_mixture(
+            args.mixture, seed, _mixture_source, None if args.validation_file else held_out, text
+        )
         validation = Dataset.from_list(rows) if rows else None
         announce(args.mixture)
     else:
         train = (
             load_hub_dataset(args, split="train", streaming=True)
             if args.dataset_name
-            else load_train_stream(builder, data_files)
+            else load_train_stream(builder, data_files, text)
         )
+        if args.dataset_name:
+            refuse_dates_in_text(train, text, f"--dataset_name {args.dataset_name} split train")
     if args.validation_file:
-        validation = _load_files(builder, {"validation": args.validation_file})["validation"]
+        validation = _load_files(builder, {"validation": args.validation_file}, text)["validation"]
     elif validation is None:
         if args.dataset_name:
             try:
@@ -149,25 +164,28 @@ def _files_of(args: DataArguments, split: str) -> str:
     return f" ({path})" if path else ""
 
 
-def _load_files(builder: str, data_files: dict) -> DatasetDict:
-    """load_dataset on local files; a file it cannot read is a one-line error naming it."""
+def _load_files(builder: str, data_files: dict, text: tuple) -> DatasetDict:
+    """Local files, each column in `text` as written (common.sources.load_local); a file it cannot read is a
+    one-line error naming it."""
     from datasets.exceptions import DatasetGenerationError
     from pyarrow import ArrowException
 
     # a row it cannot read; a file whose schema it cannot read before that (a parquet file cut short)
     unreadable = (DatasetGenerationError, ArrowException)
     try:
-        return load_dataset(builder, data_files=data_files)
+        raw = load_local(builder, data_files, text)
+        _same_columns({data_files[split]: dataset.column_names for split, dataset in raw.items()})
+        return raw
     except StopIteration:  # what datasets raises for an empty file
         empty = [path for path in data_files.values() if os.path.getsize(path) == 0] or list(data_files.values())
         raise UsageError(f"{', '.join(empty)}: no data in the file; give a file with rows") from None
     except unreadable as error:
         if load_fault(error) in ("memory", "io"):  # this host's fault, not the file's: as it is
             raise
-    columns = {}  # read each file alone to name the one at fault
+    alone = {}  # read each file alone to name the one at fault
     for split, path in data_files.items():
         try:
-            columns[path] = load_dataset(builder, data_files={split: path})[split].column_names
+            alone[path] = load_local(builder, {split: path}, text)[split]
         except unreadable as error:
             if load_fault(error) in ("memory", "io"):
                 raise
@@ -175,11 +193,22 @@ def _load_files(builder: str, data_files: dict) -> DatasetDict:
                 f"{path}: not readable as {builder} ({describe(error.__cause__ or error)}); fix the file "
                 "(rows count from 0)"
             ) from None
-    raise UsageError(
-        "the data files do not have the same columns ("
-        + "; ".join(f"{path}: {names}" for path, names in columns.items())
-        + "); give every split the same columns"
+    _same_columns({path: dataset.column_names for path, dataset in alone.items()})
+    raise UsageError(  # the same names, of kinds that do not go together
+        "the data files' columns differ in kind ("
+        + "; ".join(f"{path}: {dataset.features}" for path, dataset in alone.items())
+        + "); give every split's columns the same kinds"
     )
+
+
+def _same_columns(columns: dict) -> None:
+    """`columns`: each file's column names."""
+    if len({tuple(names) for names in columns.values()}) > 1:
+        raise UsageError(
+            "the data files do not have the same columns ("
+            + "; ".join(f"{path}: {names}" for path, names in columns.items())
+            + "); give every split the same columns"
+        )
 
 
 def check_text_column(raw: DatasetDict, column: str) -> None:
@@ -303,6 +332,31 @@ def _check_columns(raw: DatasetDict, *columns: str) -> None:
                 )
 
 
+def check_labels(raw: DatasetDict, label_column: str) -> list[str]:
+    """The label names (sorted, as text) a classifier learns from `label_column`: every row of every split has
+    one label (no null, no NaN: a CSV's empty cell; no list), and the train split at least two classes."""
+    for split, dataset in raw.items():
+        for row, label in enumerate(dataset[label_column]):
+            if label is None or label != label:  # NaN is not equal to itself
+                raise UsageError(
+                    f"row {row} of the {split} data has no label ({label!r} in column {label_column!r}); give every "
+                    "row a label or drop the row (rows count from 0)"
+                )
+            if isinstance(label, (list, dict)):
+                raise UsageError(
+                    f"row {row} of the {split} data has {str(label)[:60]} in column {label_column!r}, not one "
+                    "label; a row here has one class (rows count from 0)"
+                )
+    label_names = sorted({str(label) for label in raw["train"][label_column]})
+    if len(label_names) < 2:
+        raise UsageError(
+            f"the train data has one class (label {label_names[0]!r}) in column {label_column!r}: a classifier "
+            "learns nothing from it, and scores every row of that class right; give rows of at least two "
+            "classes, or set --label_column"
+        )
+    return label_names
+
+
 def tokenize_for_classification(
     raw: DatasetDict,
     tokenizer,
@@ -317,7 +371,7 @@ def tokenize_for_classification(
     Returns the datasets and the label names, sorted, as found in the train split."""
     _check_columns(raw, text_column, label_column)
     check_text_column(raw, text_column)
-    label_names = sorted({str(label) for label in raw["train"][label_column]})
+    label_names = check_labels(raw, label_column)
     unseen = {str(label) for label in raw["validation"][label_column]} - set(label_names)
     if unseen:
         raise UsageError(f"validation labels {sorted(unseen)} never occur in train; fix the split or the labels")

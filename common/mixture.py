@@ -4,8 +4,10 @@ The alignment-handbook's `dataset_mixture` (its recipe YAMLs run as they are), i
 on the command line (a YAML or JSON file, or the JSON itself); docs/data.md shows the format. Each
 source's rows are taken by a seeded shuffle, so the mixed set is the same on every rank and every
 resume. The held-out rows are taken from each source's distinct rows before any row is repeated (a
-weight above 1), so none is also trained on; the rows each source gave to both are logged and go
-to run.json (`data_sources`). Conversations in other shapes (ShareGPT turns, OpenAI text parts)
+weight above 1), so none is also trained on; a weight above 1 then repeats each row left for
+training weight times (2.0: each twice; 1.5: each once, half of them twice), a count (`samples`)
+fills its count. The rows each source gave to both, and how often its training rows repeat, are
+logged and go to run.json (`data_sources`: `train`, `held_out`, `repeats` {times: rows}). Conversations in other shapes (ShareGPT turns, OpenAI text parts)
 are read as role/content messages where the sources differ, so they mix; other columns must agree
 in name and kind. With --streaming the sources are interleaved, each document drawn from a source
 with the probability of its weight (or count) over their sum, until one ends the epoch.
@@ -17,26 +19,28 @@ import os
 import sys
 
 from common.errors import UsageError
-from common.sources import FILE_BUILDERS, Mixture, Source
+from common.sources import FILE_BUILDERS, Mixture, Source, load_local, refuse_dates_in_text
 from common.streaming import column_names
 
 
-def _load_source(source: Source, streaming: bool, load_hub):
+def _load_source(source: Source, streaming: bool, load_hub, text_columns):
+    """A source's rows, with its columns renamed by its `columns`; those a recipe reads as text
+    (`text_columns`, under their names in the source) as the text written (common.sources.load_local)."""
     from datasets import load_dataset
 
     from common.errors import describe, load_fault
 
+    if source.columns:
+        text_columns = [own for own, name in source.columns.items() if name in text_columns]
+    builder = FILE_BUILDERS.get(os.path.splitext(source.id)[1].lower()) if os.path.isfile(source.id) else None
     if source.on_hub:
         dataset = load_hub(source, streaming)
     else:
-        builder = FILE_BUILDERS.get(os.path.splitext(source.id)[1].lower()) if os.path.isfile(source.id) else None
         try:
-            dataset = load_dataset(
-                builder or source.id,
-                source.config,
-                split=source.split,
-                streaming=streaming,
-                data_files={"train": source.id} if builder else None,
+            dataset = (
+                load_local(builder, {"train": source.id}, text_columns, source.split, streaming)
+                if builder
+                else load_dataset(source.id, source.config, split=source.split, streaming=streaming)
             )
         except Exception as error:  # datasets' and pyarrow's errors for what a file holds (StopIteration: empty)
             if load_fault(error) in ("memory", "io"):
@@ -46,6 +50,8 @@ def _load_source(source: Source, streaming: bool, load_hub):
                 f"({describe(error.__cause__ or error) if str(error) else 'no data in it'}); fix the "
                 "file or its split (a local file's split is train, or a slice: train[:10%])"
             ) from None
+    if not builder:  # the Hub's, a folder's: read by datasets as it reads them
+        refuse_dates_in_text(dataset, text_columns, f"--dataset_mixture source {source.id} split {source.split}")
     columns = column_names(dataset)
     if source.columns:
         missing = [column for column in source.columns if column not in columns]
@@ -61,16 +67,16 @@ def _load_source(source: Source, streaming: bool, load_hub):
     return dataset
 
 
-def load_mixture(mixture: Mixture, seed: int, load_hub, held_out: float | None):
+def load_mixture(mixture: Mixture, seed: int, load_hub, held_out: float | None, text_columns=()):
     """(train, validation): the mixed rows, and `held_out` rows (or that fraction) of them held out
     (None: no validation split, the validation set comes from elsewhere). `load_hub(source,
-    streaming)` loads a Hub source."""
+    streaming)` loads a Hub source; `text_columns` are read as the text written."""
     from datasets import concatenate_datasets
 
     seed = mixture.seed_or(seed)
     parts = []
     for index, source in enumerate(mixture.sources):
-        dataset = _load_source(source, False, load_hub)
+        dataset = _load_source(source, False, load_hub, text_columns)
         if len(dataset) == 0:
             raise UsageError(
                 f"--dataset_mixture: source {source.id} (split {source.split}) has no rows; give it data "
@@ -95,7 +101,7 @@ def load_mixture(mixture: Mixture, seed: int, load_hub, held_out: float | None):
     parts = _alike(parts, mixture)
     held = [0] * len(parts) if held_out is None else _held_per_source(mixture, held_out, seed)
     train, validation = [], []
-    for part, count, rows in zip(parts, mixture.counts, held):
+    for part, count, rows, source in zip(parts, mixture.counts, held, mixture.sources):
         if rows >= count["available"]:
             raise UsageError(
                 f"--dataset_mixture: cannot hold out {rows} of the {count['available']} rows of "
@@ -103,10 +109,16 @@ def load_mixture(mixture: Mixture, seed: int, load_hub, held_out: float | None):
             )
         validation.append(part.select(range(rows)))
         rest = part.select(range(rows, len(part)))
-        whole, share = divmod(count["rows"] - rows, len(rest))  # beyond its size: every row again, then a share
+        # a weight above 1 repeats each row left for training weight times (2: each twice); a count (samples),
+        # or a weight up to 1, takes the rows it gives the mixture less those held out
+        taken = source.rows_from(len(rest)) if (source.weight or 0) > 1 else count["rows"] - rows
+        whole, share = divmod(taken, len(rest))  # beyond its size: every row again, then a share
         train.append(concatenate_datasets([rest] * whole + [rest.select(range(share))]))
+        count["rows"] = taken + rows
         if held_out is not None:
-            count.update(train=count["rows"] - rows, held_out=rows)
+            count.update(train=taken, held_out=rows)
+        if taken > len(rest):  # how many of its training rows come how many times
+            count["repeats"] = {str(times): n for times, n in ((whole, len(rest) - share), (whole + 1, share)) if n}
     held_rows = concatenate_datasets(validation).shuffle(seed=seed) if held_out is not None else None
     return concatenate_datasets(train), held_rows
 
@@ -196,13 +208,13 @@ def _held_per_source(mixture: Mixture, size: float, seed: int) -> list[int]:
     return np.bincount(np.searchsorted(ends, order[:held], side="right"), minlength=len(ends)).tolist()
 
 
-def stream_mixture(mixture: Mixture, seed: int, load_hub, held_out: int | None):
+def stream_mixture(mixture: Mixture, seed: int, load_hub, held_out: int | None, text_columns=()):
     """--streaming: (train stream, validation rows or None). The sources interleaved, drawn with their
     weights (or counts) as probabilities; `held_out` rows held out of the sources' first documents
     in those proportions (each source skipping its own, so no epoch's draws reach them)."""
     from datasets import interleave_datasets
 
-    streams = [_load_source(source, True, load_hub) for source in mixture.sources]
+    streams = [_load_source(source, True, load_hub, text_columns) for source in mixture.sources]
     _same_column_names([column_names(stream) for stream in streams], mixture)
     shares = [source.samples if source.samples is not None else (source.weight or 1.0) for source in mixture.sources]
     probabilities = [share / sum(shares) for share in shares]
@@ -243,7 +255,27 @@ def describe_counts(mixture: Mixture) -> str:
         if "probability" in count:  # --streaming: a weight is the chance a document comes from the source
             held = f", {count['held_out']} held out" if "held_out" in count else ""
             said.append(f"{count['source']}: drawn with probability {count['probability']:.3g}{held}")
+        elif "train" in count:
+            distinct = count["available"] - count["held_out"]
+            train = (
+                f"train {count['train']}: its other {distinct} rows{_repeats_said(count)}"
+                if "repeats" in count
+                else f"train {count['train']}"
+            )
+            said.append(
+                f"{count['source']}: {count['rows']} rows of its {count['available']} (held out {count['held_out']}; "
+                f"{train})"
+            )
         else:
-            split = f" (train {count['train']}, held out {count['held_out']})" if "train" in count else ""
-            said.append(f"{count['source']}: {count['rows']} rows of its {count['available']}{split}")
+            repeats = f" (its rows{_repeats_said(count)})" if "repeats" in count else ""
+            said.append(f"{count['source']}: {count['rows']} rows of its {count['available']}{repeats}")
     return f"data mixture of {len(mixture.counts)} sources: {'; '.join(said)}"
+
+
+def _repeats_said(count: dict) -> str:
+    """How often a source's training rows come: " 2 times each", ", 5 of them 2 times", " 2 times, 7 of them 3 times"."""
+    (low, _), *more = sorted((int(times), n) for times, n in count["repeats"].items())
+    if not more:
+        return f" {low} times each"
+    high, n = more[0]
+    return f"{',' if low == 1 else f' {low} times,'} {n} of them {high} times"

@@ -12,7 +12,8 @@ Messages may also be OpenAI text parts or ShareGPT turns (`common.chat.as_messag
 Labels cover the completion only (`common.chat.encode_example`, as SFT's prompt-completion rows).
 A prompt over --max_prompt_length tokens is cut from its start (counted); a prompt that leaves no
 room in --block_size is refused in one line; a pair whose longer side is over --block_size follows
---overlong: `drop` (counted) or `truncate` (the completion cut at the end, counted). Nothing is cut
+--overlong: `drop` (counted) or `truncate` (the completion cut at the end, counted; a pair whose two
+sides the cut makes the same is dropped, counted as `identical_once_cut`). Nothing is cut or dropped
 without a count in the log and run.json.
 
 `PairBatches` puts a batch's chosen rows first and its rejected rows after, padded into one
@@ -33,6 +34,7 @@ from common.peers import main_process_alone
 
 
 SIDES = ("chosen", "rejected")
+DROPPED = ("too_long", "identical_once_cut")  # a pair's statuses that leave it out (the others: kept, maybe cut)
 
 
 def check_pair_columns(columns: list[str]) -> None:
@@ -94,7 +96,7 @@ def encode_pair(
     """The row's two sides' input_ids and labels, its `status` (ok, too_long: dropped, or completion_cut)
     and whether its prompt was cut (`prompt_cut`)."""
     prompt, chosen, rejected = split_pair(example, row)
-    status, prompt_cut, out = "ok", False, {}
+    status, prompt_cut, out, uncut = "ok", False, {}, []
     for side, completion in zip(SIDES, (chosen, rejected)):
         ids, labels = encode_example(
             {"prompt": prompt, "completion": completion}, tokenizer, "prompt_completion", None
@@ -109,15 +111,18 @@ def encode_pair(
                 f"--block_size {block_size}; raise --block_size or set --max_prompt_length (prompts are "
                 "then cut from their start)"
             )
+        uncut.append(ids)
         if len(ids) > block_size:
             status = "too_long" if overlong == "drop" else "completion_cut"
             ids, labels = ids[:block_size], labels[:block_size]
         out[f"{side}_input_ids"], out[f"{side}_labels"] = ids, labels
-    if out["chosen_input_ids"] == out["rejected_input_ids"]:
+    if uncut[0] == uncut[1]:
         raise UsageError(
             f"row {row}: chosen and rejected are the same once tokenized ({str(chosen)[:60]!r}); a pair "
             "must differ: drop the row"
         )
+    if status == "completion_cut" and out["chosen_input_ids"] == out["rejected_input_ids"]:
+        status = "identical_once_cut"  # they differ past --block_size only: no signal left, dropped
     return {**out, "status": status, "prompt_cut": prompt_cut}
 
 
@@ -161,7 +166,7 @@ def tokenize_pairs(
         counts = Counter(dataset["status"]) + Counter(prompt_cut=sum(dataset["prompt_cut"]))
         counted[split] = {reason: count for reason, count in counts.items() if reason != "ok"}
         kept[split] = (
-            dataset.filter(lambda status: status != "too_long", input_columns="status")
+            dataset.filter(lambda status: status not in DROPPED, input_columns="status")
             .remove_columns(["status", "prompt_cut"])
             .flatten_indices()
         )  # kept rows only (their digest: common.reference)
@@ -175,7 +180,7 @@ def tokenize_pairs(
         if len(kept[split]) == 0:
             raise UsageError(
                 f"no {split} pair is left (dropped: {counted[split]}, --block_size {block_size}); raise "
-                "--block_size or pass --overlong truncate"
+                + ("--block_size or pass --overlong truncate" if overlong == "drop" else "--block_size")
             )
     return DatasetDict(kept), counted
 

@@ -28,18 +28,19 @@ from __future__ import annotations
 import torch
 from accelerate import PartialState
 from accelerate.utils import send_to_device
-from datasets import IterableDataset, load_dataset
+from datasets import IterableDataset
 from datasets.distributed import split_dataset_by_node
 from torch.utils.data import DataLoader
 from transformers import default_data_collator
 
 from common.errors import UsageError
+from common.sources import load_local
 
 
-def load_train_stream(builder: str, data_files: dict) -> IterableDataset:
-    """The training file as an IterableDataset (nothing read ahead); a Hub dataset's stream comes
-    from common.data.load_hub_dataset."""
-    return load_dataset(builder, data_files={"train": data_files["train"]}, split="train", streaming=True)
+def load_train_stream(builder: str, data_files: dict, text_columns) -> IterableDataset:
+    """The training file as an IterableDataset (nothing read ahead), its text columns as written
+    (common.sources.load_local); a Hub dataset's stream comes from common.data.load_hub_dataset."""
+    return load_local(builder, {"train": data_files["train"]}, text_columns, split="train", streaming=True)
 
 
 def column_names(dataset) -> list[str]:

@@ -420,3 +420,35 @@ def test_a_parquet_file_cut_short_is_one_line(tmp_path):
         UsageError, match=r"train.parquet: not readable as parquet \(ArrowInvalid: Parquet magic bytes"
     ):
         load_raw_datasets(args, seed=0)
+
+
+def test_a_classifier_on_one_class_stops_before_its_output_folder_changes(minilm, tmp_path, monkeypatch):
+    """Issue 54, item 8: sequence_classification.py on data with a single class trained without a word and
+    reported perfect accuracy. It now stops at its data, in one line, with an earlier run in --output_dir (which
+    --overwrite_output_dir would clear once training starts) as it was."""
+    from conftest import run_in_process
+
+    from common.errors import UsageError
+
+    rows = "".join(json.dumps({"text": f"a fine day number {i}", "label": "positive"}) + "\n" for i in range(40))
+    (tmp_path / "train.jsonl").write_text(rows)
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "run.json").write_text('{"earlier": true}')
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    before = snapshot(out)
+    args = flags(
+        config=REPO / "recipes/configs/sequence_classification_demo.yaml",
+        model_name_or_path=minilm,
+        train_file=tmp_path / "train.jsonl",
+        validation_file=tmp_path / "train.jsonl",
+        output_dir=out,
+        overwrite_output_dir=True,
+    )
+    with pytest.raises(UsageError) as refused:
+        run_in_process("recipes/sequence_classification.py", args, monkeypatch)
+    assert str(refused.value) == (
+        "the train data has one class (label 'positive') in column 'label': a classifier learns nothing from it, "
+        "and scores every row of that class right; give rows of at least two classes, or set --label_column"
+    )
+    assert snapshot(out) == before and sorted(p.name for p in out.iterdir()) == ["metrics.jsonl", "run.json"]

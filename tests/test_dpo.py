@@ -578,3 +578,60 @@ def test_under_fp8_the_reference_scores_as_the_float8_policy(config, pairs, tmp_
     print(f"fp8 {config}: step 1 {first}; losses {[round(r['loss'], 4) for r in rows]}")
     assert first["rewards/chosen"] == first["rewards/rejected"] == first["rewards/margins"] == 0, first
     assert abs(first["loss"] - LOG_2) < 1e-6 and len(rows) == 3
+
+
+@pytest.mark.parametrize("fmt, layout", [("jsonl", "text"), ("csv", "text"), ("jsonl", "chat")])
+def test_pairs_whose_answers_are_dates_train_on_the_text_written(chat_tokenizer, tmp_path, fmt, layout):
+    """Issue 54, item 3: pairs whose answers are all dates ("1971-05-08") were refused, read as timestamps
+    (jsonl), and pairs whose answers are numbers ("4", "007") or "NA" were refused, read as numbers or nulls
+    (csv): each side's labels are now the answer as written."""
+    from test_data import WRITTEN, write_written
+
+    from common.arguments import DataArguments
+    from common.data import load_raw_datasets
+
+    path = tmp_path / f"pairs.{fmt}"
+    write_written(path, layout)
+    raw = load_raw_datasets(DataArguments(train_file=str(path), validation_file=str(path)), seed=0)
+    datasets, counted = tokenize_pairs(raw, chat_tokenizer, 256, None, "drop", CPU())
+    end = "<|im_end|>" if layout == "chat" else chat_tokenizer.eos_token
+    for row, written in zip(datasets["train"], WRITTEN * 5):
+        assert labelled_text(chat_tokenizer, row["chosen_input_ids"], row["chosen_labels"]) == written["chosen"] + end
+        rejected = written["rejected"] or ("no" if layout == "chat" else "")
+        assert labelled_text(chat_tokenizer, row["rejected_input_ids"], row["rejected_labels"]) == rejected + end
+
+
+def test_a_pair_the_cut_makes_identical_is_dropped_and_counted(chat_tokenizer):
+    """Issue 54, item 5: --overlong truncate stopped the run ("row 1: chosen and rejected are the same once
+    tokenized ...") when the cut left a pair's two answers the same: such a pair carries no signal, so it is
+    dropped and counted, as --overlong drop drops it; a pair the same before any cut still stops the run."""
+    prompt = [{"role": "user", "content": "Count to ten."}]
+    counting = "one two three four five six seven eight nine"
+    pairs = [
+        {
+            "prompt": prompt,
+            "chosen": [{"role": "assistant", "content": "ten"}],
+            "rejected": [{"role": "assistant", "content": "eleven"}],
+        },
+        {
+            "prompt": prompt,
+            "chosen": [{"role": "assistant", "content": counting + " ten"}],
+            "rejected": [{"role": "assistant", "content": counting + " eleven"}],
+        },
+    ]
+    full, _, _ = tokenized(pairs, chat_tokenizer)
+    shared = next(
+        i for i, (a, b) in enumerate(zip(full[1]["chosen_input_ids"], full[1]["rejected_input_ids"])) if a != b
+    )  # the first token where the long answers differ: a block that ends before it cuts them the same
+    assert shared > len(full[0]["rejected_input_ids"])
+    kept, counted, printed = tokenized(pairs, chat_tokenizer, block_size=shared, overlong="truncate")
+    assert [row["index"] for row in kept] == [0] and counted == {"identical_once_cut": 1}
+    assert printed[0] == (
+        f"train pairs: 1 identical once cut (of 2; --block_size {shared}, --max_prompt_length None, --overlong truncate)"
+    )
+    dropped, counted, _ = tokenized(pairs, chat_tokenizer, block_size=shared, overlong="drop")
+    assert [row["index"] for row in dropped] == [0] and counted == {"too_long": 1}
+    with pytest.raises(UsageError, match="row 0: chosen and rejected are the same once tokenized"):
+        tokenized(
+            [{**pairs[0], "rejected": pairs[0]["chosen"]}], chat_tokenizer, block_size=shared, overlong="truncate"
+        )

@@ -5,6 +5,7 @@ rows of each recorded in run.json and the model card; a run resumed at the same 
 import json
 import shutil
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 from conftest import REPO, flags, launch, losses, read_metrics, read_run
@@ -303,3 +304,59 @@ def test_a_streamed_mixture_holds_out_each_sources_share_and_never_trains_on_it(
     block["datasets"][1]["columns"] = ["body"]
     with pytest.raises(UsageError, match=r"b.jsonl has columns \['body'\] and .*a.jsonl \['text'\]; map them"):
         load_raw_datasets(DataArguments(dataset_mixture=json.dumps(block), streaming=True), seed=0)
+
+
+def test_a_source_above_weight_1_repeats_each_row_it_trains_on_alike_and_says_so(tmp_path, capsys):
+    """Issue 54, item 7: 30 rows at weight 2.0 with test_split_size 0.1 held 7 out and filled 53 training rows
+    with the other 23, 16 of them twice and 7 three times, with no line saying so. Each row left for training
+    now comes weight times (twice here), and the log line and run.json's counts say what was taken."""
+    from common.mixture import describe_counts
+
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": f"a{i}"}) + "\n" for i in range(30)))
+    (tmp_path / "b.jsonl").write_text("".join(json.dumps({"text": f"b{i}"}) + "\n" for i in range(10)))
+    block = {
+        "datasets": [
+            {"id": str(tmp_path / "a.jsonl"), "weight": 2.0},
+            {"id": str(tmp_path / "b.jsonl"), "weight": 1.5},
+        ],
+        "test_split_size": 0.1,
+        "seed": 0,
+    }
+    raw, counts = load(block)
+    held = Counter(raw["validation"]["text"])
+    trained = Counter(raw["train"]["text"])
+    a, b = counts
+    assert not set(held) & set(trained) and set(held.values()) == {1}
+    assert Counter(n for row, n in trained.items() if row.startswith("a")) == {2: 30 - a["held_out"]}  # all twice
+    assert a["train"] == 2 * (30 - a["held_out"]) and a["rows"] == a["train"] + a["held_out"]
+    assert a["repeats"] == {"2": 30 - a["held_out"]}
+    once_more = b["train"] - (10 - b["held_out"])  # 1.5 times its rows: half of them twice
+    assert Counter(n for row, n in trained.items() if row.startswith("b")) == {
+        1: 10 - b["held_out"] - once_more,
+        2: once_more,
+    }
+    assert b["repeats"] == {"1": 10 - b["held_out"] - once_more, "2": once_more}
+    assert len(raw["train"]) == a["train"] + b["train"]
+    line = describe_counts(SimpleNamespace(counts=counts))
+    assert (
+        f"{a['source']}: {a['rows']} rows of its 30 (held out {a['held_out']}; train {a['train']}: its other {30 - a['held_out']} rows 2 times each)"
+        in line
+    )
+    assert f"train {b['train']}: its other {10 - b['held_out']} rows, {once_more} of them 2 times)" in line
+
+
+def test_a_folder_source_whose_answers_were_read_as_dates_is_one_line(tmp_path):
+    """Issue 54, item 3: a source datasets reads itself (a folder, the Hub) cannot be read again as written: its
+    text read as dates is refused in one line, where it was a refusal of the user's "conversation" that showed
+    datetime.datetime(1971, 5, 8, 0, 0)."""
+    folder = tmp_path / "pairs"
+    folder.mkdir()
+    rows = [{"prompt": "When?", "chosen": "1971-05-08", "rejected": "1972-05-08"}] * 10
+    (folder / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(UsageError) as refused:
+        load({"datasets": [{"id": str(folder)}]})
+    assert str(refused.value) == (
+        f"--dataset_mixture source {folder} split train: column 'chosen' was read as dates (Value('timestamp[s]')), "
+        "not as the text written; its reader (pyarrow's JSON) guesses types: save the data as a local .jsonl file "
+        "and pass that (local files are read as written)"
+    )
