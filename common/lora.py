@@ -173,6 +173,9 @@ def _train_on(model, args: LoraArguments):
             f"--lora_target_modules {args.lora_target_modules} asks for another adapter shape, but the adapter "
             f"loaded (--adapter_name_or_path) adapts {sorted(saved)} and trains on as it is: drop --lora_target_modules"
         )
+    # what trains is the saved shape: run.json and the model cards record it, not the flags' defaults
+    args.lora_r, args.lora_alpha, args.lora_dropout = config.r, config.lora_alpha, config.lora_dropout
+    args.lora_target_modules = sorted(saved)
     config.inference_mode = False
     model.set_requires_grad("default")
     config.base_model_name_or_path = model.get_base_model().config.name_or_path

@@ -102,6 +102,8 @@ def _what_it_is(adapter: bool, base, args: dict, what: str) -> str:
         if base
         else f"a model built from `{args.get('model_config')}` (trained from scratch)"
     )
+    if args.get("adapter_name_or_path"):  # an adapter trained on (DPO after a LoRA SFT, say)
+        start += f" with the LoRA adapter `{args['adapter_name_or_path']}`, trained on from its weights"
     kind = (
         "A LoRA adapter (load it with `peft.PeftModel.from_pretrained` on the base model)"
         if adapter

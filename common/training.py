@@ -140,6 +140,7 @@ def check_global_batch(accelerator, saved: int | None, per_device: int, accumula
     global_batch = per_device * accumulation * processes
     if saved is not None and saved != global_batch:
         kind = "processes" if processes == accelerator.num_processes else "data-parallel ranks"
+        kind = kind[:-1] if processes == 1 else kind  # "1 process"
         raise UsageError(
             f"the checkpoint was trained with a global batch of {saved} samples per step and this run's is "
             f"{global_batch} ({processes} {kind} x {per_device} per device x {accumulation} accumulation): set "

@@ -122,6 +122,11 @@ def main(
             run.export("best")
         return results
 
+    if step == 0 and args.eval_on_start:  # the starting model's scores (not a best model to keep)
+        metrics.log_eval(
+            step, evaluate_classification(model, eval_loader, accelerator, metric_modules, task_args.f1_average)
+        )
+
     # Training loop.
     model.train()
     grad_norm = None

@@ -33,8 +33,9 @@ the same tokens as under any other config):
   step): they go to the config that needs less CPU RAM per node (the RAM it assumes is printed: the preset's,
   this host's available memory, or --host_memory_gb), then less traffic, then less device memory;
 * the job: --use_peft trains LoRA's adapters only (their gradients and AdamW state; the frozen weights' own
-  gradients not computed); --recipe dpo adds the frozen reference copy (none with --use_peft), two rows a pair
-  and the reference's forward.
+  gradients not computed); --recipe dpo adds the frozen reference copy (none with --use_peft, unless the run
+  starts from an adapter, as DPO after a LoRA SFT does: its reference, base + that adapter, is a frozen copy
+  as without --use_peft), two rows a pair and the reference's forward.
 
 The fastest config that fits is written as a ready accelerate YAML (num_processes, num_machines,
 FSDP's activation checkpointing set; the recipe arguments it assumes in its header), and the
@@ -575,7 +576,7 @@ def parse(argv):
         "--use_peft",
         action="store_true",
         help="LoRA at the recipes' defaults (rank 8, peft's modules): only the adapters have gradients and AdamW "
-        "moments (and DPO holds no reference copy)",
+        "moments (and DPO holds no reference copy, unless it starts from an adapter: then a frozen copy)",
     )
     parser.add_argument(
         "--micro_batch",

@@ -118,6 +118,10 @@ def test_a_lora_runs_final_as_model_name_or_path_continues_base_plus_adapter(
     run_in_process("recipes/causal_lm.py", argv + ["--use_peft"], monkeypatch)
     args = read_run(out)["args"]
     assert (args["model_name_or_path"], args["adapter_name_or_path"]) == (str(bf16_checkpoint), str(adapter))
+    # the record and the card say the shape that trained (the adapter's r 4, alpha 8), not the flags' defaults
+    assert (args["lora_r"], args["lora_alpha"]) == (4, 8)
+    card = (out / "final" / "README.md").read_text()
+    assert "| lora_r | 4 |" in card and f"with the LoRA adapter `{adapter}`, trained on from its weights" in card
     saved = json.loads((out / "final" / "adapter_config.json").read_text())
     assert saved["base_model_name_or_path"] == str(bf16_checkpoint) and saved["r"] == 4
     before, after = (

@@ -103,6 +103,7 @@ def test_sequence_classification(config, sentiment_data, minilm, tmp_path):
                 "logging_steps": 4,
                 "per_device_train_batch_size": 8,
                 "early_stopping_patience": 3,
+                "eval_on_start": "true",  # the pretrained encoder's scores first (not a best model to keep)
                 **workers,
             }
         ),
@@ -112,9 +113,10 @@ def test_sequence_classification(config, sentiment_data, minilm, tmp_path):
     assert record["labels"] == ["negative", "positive"]
     first, last = first_and_last_loss(out)
     assert last < first
-    evals = read_metrics(out)[1]
+    start, *evals = read_metrics(out)[1]
+    assert start["step"] == 0 and [e["step"] for e in evals] == [8, 16]
     # Every held-out example counted exactly once, though 201 does not split evenly over 2 ranks.
-    assert all(e["eval_samples"] == 201 for e in evals)
+    assert all(e["eval_samples"] == 201 for e in [start, *evals])
     final = evals[-1]
     print(f"{config}: held-out accuracy {[round(e['eval_accuracy'], 4) for e in evals]}, f1 {final['eval_f1']:.4f}")
     if config in ("ddp.yaml", "zero3.yaml"):
