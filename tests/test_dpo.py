@@ -309,6 +309,8 @@ def dpo_args(data, out, **overrides) -> list[str]:
         "warmup_steps": 2,
         "save_steps": 6,
         "per_device_eval_batch_size": 8,
+        "eval_on_start": False,  # the tests read the losses and rewards: no evaluation before training
+        "max_generation_samples": 0,  # nor the demo's 100 greedy answers at each evaluation (make dpo's test does)
         **overrides,
     }
     return flags(**values)
@@ -635,3 +637,43 @@ def test_a_pair_the_cut_makes_identical_is_dropped_and_counted(chat_tokenizer):
         tokenized(
             [{**pairs[0], "rejected": pairs[0]["chosen"]}], chat_tokenizer, block_size=shared, overlong="truncate"
         )
+
+
+@pytest.mark.slow
+def test_dpo_after_a_lora_sft_under_zero3_trains_the_adapter_on_against_base_plus_it(pairs, tmp_path):
+    """DPO after a LoRA SFT, as the README's DPO row says it: the SFT run's final/ (an adapter, its B matrices
+    trained away from zero) as --model_name_or_path with --use_peft, under zero3.yaml on 2 processes. The
+    reference is base + that adapter, partitioned as the policy is: step 1's loss is log 2 and every reward
+    exactly 0 (before, the adapter was dropped: policy and reference the bare base). The adapter trains on:
+    final/ holds it, moved, with its own shape, on the base it names."""
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    base, sft_final, out = tmp_path / "base", tmp_path / "sft" / "final", tmp_path / "dpo"
+    tokenizer = AutoTokenizer.from_pretrained(pairs / "tokenizer")
+    config = AutoConfig.from_pretrained(REPO / "recipes/configs/tiny_llama.json", vocab_size=len(tokenizer))
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(base)  # saved in bf16, as on the Hub
+    tokenizer.save_pretrained(base)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    get_peft_model(model, lora).save_pretrained(sft_final)
+    tokenizer.save_pretrained(sft_final)
+
+    from_sft = {"model_config": "", "tokenizer_name_or_path": "", "model_name_or_path": sft_final, "use_peft": True}
+    args = dpo_args(pairs, out, max_steps=2, num_train_epochs=1, save_steps=0, **from_sft)
+    launch("zero3.yaml", "dpo.py", args, launcher_args=FP32)
+    record = read_run(out)
+    assert record["participating_processes"] == 2 and record["reference_model"]["kind"] == "model"
+    assert (record["args"]["model_name_or_path"], record["args"]["lora_r"]) == (str(base), 4)
+    first = train_rows(out)[0]
+    assert abs(first["loss"] - LOG_2) < 1e-6
+    assert [first[key] for key in ("rewards/chosen", "rewards/rejected", "rewards/margins")] == [0, 0, 0]
+    saved = json.loads((out / "final" / "adapter_config.json").read_text())
+    assert (saved["base_model_name_or_path"], saved["r"]) == (str(base), 4)
+    before, after = (
+        load_file(sft_final / "adapter_model.safetensors"),
+        load_file(out / "final/adapter_model.safetensors"),
+    )
+    assert before.keys() == after.keys() and any(not torch.equal(before[k], after[k]) for k in before)
