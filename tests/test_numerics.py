@@ -44,6 +44,7 @@ def sft_args(data, out, batch, accumulation, packing):
         learning_rate=3e-3,
         max_generation_samples=1,
         max_new_tokens=1,
+        eval_on_start="false",  # the test reads the train lines
         report_to="none",
     )
 
