@@ -103,7 +103,11 @@ USES = (
         "autotuning.autotuner's optional `import mlflow`, run as deepspeed is imported",
         "common/accelerator.py's import_deepspeed: 0.8 s of every process's start where mlflow is installed",
     ),
-    Use("python", "argparse.ArgumentParser._actions", "parser_actions: the keys a recipe YAML may set"),
+    Use(
+        "python",
+        "argparse.ArgumentParser._actions",
+        "parser_actions, parser_option_strings: the keys a recipe YAML may set, the options a command line may",
+    ),
 )
 
 
@@ -319,3 +323,8 @@ def close_progress_bars() -> None:
 def parser_actions(parser) -> dict:
     """dest -> action of every option an argparse parser knows."""
     return {action.dest: action for action in parser._actions}
+
+
+def parser_option_strings(parser) -> set:
+    """Every option string an argparse parser takes (a bool field's --x and --no_x share one dest)."""
+    return {option for action in parser._actions for option in action.option_strings}

@@ -18,7 +18,7 @@ from transformers import HfArgumentParser
 
 from common.arguments import DataArguments, TrainingArguments
 from common.errors import UsageError, exit_with_error
-from common.internals import parser_actions
+from common.internals import parser_actions, parser_option_strings
 from common.ranges import check_ranges
 
 
@@ -80,7 +80,7 @@ def _unknown_keys(config: dict, parser: argparse.ArgumentParser) -> list[str]:
 def _unknown_arguments(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
     """The command line's `--options` that the recipe does not take, each with the values that follow it
     (what argparse would leave over once it had parsed, and type-checked, the rest)."""
-    known = {option for action in parser_actions(parser).values() for option in action.option_strings}
+    known = parser_option_strings(parser)
     unknown, following_unknown = [], False
     for token in argv:
         if token == "--":

@@ -43,6 +43,11 @@ from common.run_dir import REFERENCE_TABLE
 class Reference:
     def __init__(self, kind: str, model=None):
         self.kind, self.model = kind, model
+
+    @property
+    def forwards_per_batch(self) -> int:
+        """Forward passes of a reference model over each training batch: the FLOPs the train lines add."""
+        return 0 if self.kind == "precomputed" else 1
         self.accelerator = self.policy = self.path = None
         self.loaders, self.tables, self.fingerprints, self.fsdp_units = {}, {}, {}, []
 

@@ -1,5 +1,6 @@
-"""Data sources: local files read as the user wrote them, and a --dataset_mixture's block (a recipe
-YAML's mapping, a file, or JSON) read and checked.
+"""Data sources: local files read as written, and a --dataset_mixture's block read and checked.
+
+A mixture's block is a recipe YAML's mapping, a file, or JSON.
 
 Local files (`load_local`): every column a recipe reads as text comes as the text written. The
 readers guess types where a file has none: pyarrow's JSON reader takes a column whose values all look

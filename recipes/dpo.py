@@ -194,10 +194,8 @@ def main(
                 completion_log_probs(model, batch), ref_log_probs, completion_lengths(batch), **objective
             )
             loss = losses.mean()  # pairs per micro-batch are equal on every rank: the global batch's mean
-            # its examples are pairs (two rows each); the reference's forward counts in the FLOPs unless precomputed
-            metrics.record_batch(
-                loss, batch, examples=len(losses), extra_forwards=int(not dpo_args.precompute_ref_log_probs)
-            )
+            # its examples are pairs (two rows each); the reference's forward counts in the FLOPs
+            metrics.record_batch(loss, batch, examples=len(losses), extra_forwards=reference.forwards_per_batch)
             metrics.record_values(rewards)
             nonfinite.record(loss)
             accelerator.backward(loss)

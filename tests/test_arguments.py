@@ -140,6 +140,19 @@ def test_unknown_arguments_are_reported_first_and_all_at_once(recipe_yaml, yaml_
     assert "invalid" not in str(error.value) and "must be" not in str(error.value)
 
 
+def test_a_bool_option_defaulting_to_true_is_taken_in_each_spelling(recipe_yaml):
+    """A bool that defaults to true has two options on one dest (--x and transformers' --no_x): the
+    unknown-arguments check took --x for unknown (seen: `--packing false` refused)."""
+
+    @dataclasses.dataclass
+    class RecipeArguments:
+        packing: bool = True
+
+    for argv, expected in ((["--packing", "false"], False), (["--no_packing"], False), (["--packing"], True)):
+        *_, own = _parse((*TYPES, RecipeArguments), ["--config", str(recipe_yaml), *argv])
+        assert own.packing is expected, argv
+
+
 def test_a_recipes_own_options_have_their_declared_ranges_checked(recipe_yaml):
     """A recipe's own dataclass declares a bound in the annotation, as common's do; parsing checks
     it, with no __post_init__ of its own."""

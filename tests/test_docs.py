@@ -316,16 +316,21 @@ def test_training_loops_do_not_drift(recipe):
 
 
 def test_the_dpo_loop_is_the_same_loop_with_its_own_loss():
-    """dpo.py's step computes its loss from the pairs and the reference and records its rewards; the
-    rest of the loop (accumulation, clipping, the guard, the step, logging) is causal_lm.py's, line for line."""
+    """dpo.py's step computes its loss from the pairs and the reference, records its rewards, and counts its
+    examples as pairs and the reference's forward in its FLOPs; the rest of the loop (accumulation, clipping,
+    the guard, the step, logging) is causal_lm.py's, line for line."""
     own = {
         'ref_log_probs = reference.log_probs(batch, "train")',
         "losses, rewards = preference_loss(",
         "completion_log_probs(model, batch), ref_log_probs, completion_lengths(batch), **objective",
         ")",
         "metrics.record_values(rewards)",
+        "# its examples are pairs (two rows each); the reference's forward counts in the FLOPs",
     }
-    dpo = [line for line in _loop("dpo.py") if line not in own]
+    pairs = "metrics.record_batch(loss, batch, examples=len(losses), extra_forwards=reference.forwards_per_batch)"
+    dpo = [
+        line if line != pairs else "metrics.record_batch(loss, batch)" for line in _loop("dpo.py") if line not in own
+    ]
     loss_line = dpo.index(next(line for line in dpo if line.startswith("loss = losses.mean()")))
     base = _loop("causal_lm.py")
     assert dpo[:loss_line] + dpo[loss_line + 1 :] == [line for line in base if line != "loss = model(**batch).loss"]
