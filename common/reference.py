@@ -43,13 +43,13 @@ from common.run_dir import REFERENCE_TABLE
 class Reference:
     def __init__(self, kind: str, model=None):
         self.kind, self.model = kind, model
+        self.accelerator = self.policy = self.path = None
+        self.loaders, self.tables, self.fingerprints, self.fsdp_units = {}, {}, {}, []
 
     @property
     def forwards_per_batch(self) -> int:
         """Forward passes of a reference model over each training batch: the FLOPs the train lines add."""
         return 0 if self.kind == "precomputed" else 1
-        self.accelerator = self.policy = self.path = None
-        self.loaders, self.tables, self.fingerprints, self.fsdp_units = {}, {}, {}, []
 
     def prepare(self, run, policy, datasets: dict, collate, batch_size: int) -> None:
         """After the policy's `accelerator.prepare` (`run`: common.run.Run): shard the copy like the
