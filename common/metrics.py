@@ -69,16 +69,20 @@ class MetricsLogger:
     def _drop_rows_after(self, step: int) -> None:
         """A resumed run repeats the steps after its checkpoint: drop the crashed run's copies,
         and a last line that a crash left half-written (the file is replaced whole)."""
-        kept = []
+        kept = [
+            line if line.endswith("\n") else line + "\n" for row, line in self._logged() if row.get("step", 0) <= step
+        ]
+        write_atomically(self.path, "".join(kept))
+
+    def _logged(self):
+        """metrics.jsonl's rows, each with its line; a line torn by a crash mid-write left out."""
         with open(self.path) as handle:
             for line in handle:
                 try:
                     row = json.loads(line)
                 except ValueError:
-                    continue  # torn by a crash mid-write
-                if row.get("step", 0) <= step:
-                    kept.append(line if line.endswith("\n") else line + "\n")
-        write_atomically(self.path, "".join(kept))
+                    continue
+                yield row, line
 
     def record_batch(self, loss: torch.Tensor, batch: dict, examples=None, extra_forwards: int = 0) -> None:
         """Call on every micro-batch: counts its input tokens (padding left out), the tokens that carry a label,
@@ -203,15 +207,10 @@ class MetricsLogger:
         continues (metrics.jsonl keeps the rows up to the checkpoint): a summary's 'before'. Main process only."""
         if not self.accelerator.is_main_process or not os.path.exists(self.path):
             return None
-        with open(self.path) as handle:
-            for line in handle:
-                try:
-                    row = json.loads(line)
-                except ValueError:
-                    continue  # torn by a crash mid-write
-                if row.get("step") == 0 and any(key.startswith("eval_") for key in row):
-                    return row
-        return None
+        return next(
+            (row for row, _ in self._logged() if row.get("step") == 0 and any(key.startswith("eval_") for key in row)),
+            None,
+        )
 
     def log_event(self, row: dict) -> None:
         """Something the run did besides training (a skipped step, ...): one metrics.jsonl row."""

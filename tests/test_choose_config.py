@@ -399,20 +399,7 @@ def test_the_chosen_yaml_launches_as_written_on_this_host(markov_data, tmp_path)
     row = table["rows"][0]
     assert row["verdict"] == "chosen" and f"wrote {chosen}" in result.stdout
     assert f"--per_device_train_batch_size {row['micro_batch']}" in result.stdout.splitlines()[-1]
-    out = tmp_path / "run"
-    launch(
-        str(chosen),
-        "causal_lm.py",
-        causal_lm_args(
-            markov_data,
-            out,
-            block_size=32,
-            max_steps=2,
-            per_device_train_batch_size=row["micro_batch"],
-            gradient_accumulation_steps=row["accumulation"],
-        ),
-    )
-    record = read_run(out)
+    record = launch_as_printed(chosen, row["micro_batch"], row["accumulation"], markov_data, tmp_path / "run")
     assert record["participating_processes"] == 2 and record["effective_batch_size"] == 8
     kind = yaml.safe_load((REPO / "accelerate_configs" / row["config"]).read_text())["distributed_type"]
     assert record["distributed_type"] == {"NO": "MULTI_CPU", "MULTI_GPU": "MULTI_CPU"}.get(kind, kind)
@@ -499,21 +486,22 @@ def test_the_chosen_context_parallel_command_trains_the_asked_global_batch(marko
     result, arguments, _ = printed_command(tmp_path, capsys, "--global_batch", 4, "--configs", "fsdp_cp.yaml")
     row = result["rows"][0]
     assert row["sp_size"] == 2
-    out = tmp_path / "run"
-    launch(
-        str(tmp_path / "chosen.yaml"),
-        "causal_lm.py",
-        causal_lm_args(
-            markov_data,
-            out,
-            block_size=32,
-            max_steps=2,
-            per_device_train_batch_size=arguments["--per_device_train_batch_size"],
-            gradient_accumulation_steps=arguments["--gradient_accumulation_steps"],
-        ),
+    record = launch_as_printed(
+        tmp_path / "chosen.yaml",
+        arguments["--per_device_train_batch_size"],
+        arguments["--gradient_accumulation_steps"],
+        markov_data,
+        tmp_path / "run",
     )
-    record = read_run(out)
     assert record["participating_processes"] == 2 and record["effective_batch_size"] == 4
+
+
+def launch_as_printed(config, per_device: int, accumulation: int, markov_data, out) -> dict:
+    """The written YAML launched with the printed batch arguments (a tiny model, 2 steps): its run.json."""
+    arguments = dict(block_size=32, max_steps=2)
+    arguments.update(per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation)
+    launch(str(config), "causal_lm.py", causal_lm_args(markov_data, out, **arguments))
+    return read_run(out)
 
 
 def llama3_8b_on_8_h100(tmp_path, *argv) -> dict:
