@@ -86,7 +86,7 @@ def test_make_demo_chat_shortened_starts_teaching_the_real_model_and_its_export_
             "demo-chat",
             f"LAUNCH_ARGS=--main_process_port {free_port()}",
             f"CHAT_OUT={REPO / 'outputs/sft_chat_demo_short'}",
-            "ARGS=--max_steps 8 --max_generation_samples 32 --max_eval_samples 32",
+            "ARGS=--max_steps 8 --max_generation_samples 32",
         ]
     )
     match = re.search(r"exact match ([\d.]+) untrained -> ([\d.]+) on (\d+) questions", result.stdout)
