@@ -149,14 +149,18 @@ class Reference:
                 )
             pair = pair.to(batch["input_ids"].device)
             return pair[:, 0], pair[:, 1]
+        return self.apply(completion_log_probs, batch)
+
+    def apply(self, function, batch: dict):
+        """`function(model, batch)` with the reference's weights, without gradients (GRPO's per-token log-probs)."""
         with torch.no_grad(), self.accelerator.autocast():
             if self.kind == "model":
-                scores = completion_log_probs(self.model, batch)
+                scores = function(self.model, batch)
                 for unit in self.fsdp_units:  # FSDP2 keeps its last group (norm, lm_head) gathered after a forward
                     unit.reshard()
                 return scores
             with self.peft_model.disable_adapter():
-                return completion_log_probs(self.policy, batch)
+                return function(self.policy, batch)
 
 
 def fingerprint(dataset) -> str:

@@ -261,6 +261,23 @@ def write_arithmetic_data(out_dir: str, train=3000, validation=101, seed=0, coun
     tokenizer.save_pretrained(os.path.join(out_dir, "tokenizer"))
 
 
+def prompt_examples(count: int, seed: int) -> list[dict]:
+    """GRPO's prompts: the arithmetic questions (`arithmetic_examples`, no counting) as a one-turn conversation in
+    TRL's format, with the right number in an `answer` column for the `accuracy` reward."""
+    rows = []
+    for row in arithmetic_examples(count, seed):
+        question, answer = row["messages"]
+        rows.append({"prompt": [question], "answer": answer["content"]})
+    return rows
+
+
+def write_prompt_data(out_dir: str, train=2000, validation=64, seed=0) -> None:
+    write_jsonl(os.path.join(out_dir, "train.jsonl"), prompt_examples(train, seed))
+    write_jsonl(os.path.join(out_dir, "validation.jsonl"), prompt_examples(validation, seed + 1))
+    tokenizer = build_word_tokenizer(ARITHMETIC_WORDS, chat_template=CHAT_TEMPLATE, extra_special=(USER, ASSISTANT))
+    tokenizer.save_pretrained(os.path.join(out_dir, "tokenizer"))
+
+
 def near_miss(answer: str, rng) -> str:
     """A plausible wrong answer: a sum or difference off by one, or a count that skips or drops a number."""
     numbers = answer.split()

@@ -6,6 +6,7 @@
     python scripts/make_demo_data.py --task arithmetic --out outputs/data/arithmetic
     python scripts/make_demo_data.py --task preference --out outputs/data/preference
     python scripts/make_demo_data.py --task format_preference --out outputs/data/format_preference
+    python scripts/make_demo_data.py --task prompts --out outputs/data/prompts
 
 markov: a word-level Markov corpus with a known entropy floor (source.json) and its
 tokenizer; another --seed gives a different chain over the same vocabulary.
@@ -13,7 +14,8 @@ sentiment: labelled sentences for classification. arithmetic: chat-formatted
 questions with checkable answers, with a tokenizer that has a chat template. preference:
 the same questions as pairs, the right answer chosen over a near miss (for DPO). format_preference:
 for a real chat model (no tokenizer written), a system turn asking for the number only, the bare
-right number chosen over the right number in a sentence.
+right number chosen over the right number in a sentence. prompts: the arithmetic questions as GRPO's prompts, the right number in an
+`answer` column (for the `accuracy` reward).
 """
 
 import argparse
@@ -25,6 +27,7 @@ from common.synthetic import (
     write_format_preference_data,
     write_markov_corpus,
     write_preference_data,
+    write_prompt_data,
     write_sentiment_data,
 )
 
@@ -35,6 +38,7 @@ WRITERS = {
     "arithmetic": write_arithmetic_data,
     "preference": write_preference_data,
     "format_preference": write_format_preference_data,
+    "prompts": write_prompt_data,
 }
 
 

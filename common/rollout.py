@@ -1,0 +1,427 @@
+"""GRPO's rollouts: which prompts each step samples, the completions, the weights they are sampled with,
+and the buffer a step trains on (saved in a checkpoint when a run stops inside --num_iterations).
+
+Rollouts are a function of (seed, rollout, prompt), not of the number of processes, the config or a restart:
+* the prompts: rollout r of an epoch takes the next `prompts per step` of the epoch's permutation (seeded by
+  (seed, epoch), over the whole data set); each data-parallel rank takes a contiguous share of them;
+* the completions: a prompt's G completions are sampled together, a batch of G copies of the same prompt (so
+  no padding, and the same shapes whatever else a rank holds), token by token by the inverse of the
+  distribution's CDF (in vocabulary order, after --temperature and --top_p) at uniforms drawn from a generator
+  seeded by (seed, rollout, the prompt's row): `InverseCdfSampler`;
+* the weights: every rank samples from a whole, unsharded model: its own where the strategy keeps the weights
+  whole (DDP, ZeRO-1/2, one process), else a copy gathered once per rollout (FSDP2, ZeRO-3, tensor parallelism:
+  one all-gather per parameter, then generation without collectives, so ranks that stop at different lengths
+  never wait on each other): `GenerationWeights`.
+So in fp32 the same prompt gets the same completions under every config and on any number of processes, as long
+as the weights are equal; where they differ by rounding (after steps trained under other strategies) a token can
+change only where the uniform falls within 1e-6 of a boundary of the CDF: each rollout counts those draws
+(`rollout/near_ties`), so a difference can be told from a fault.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import math
+from dataclasses import dataclass, field
+
+import torch
+from accelerate.utils import gather_object
+from transformers import GenerationConfig, LogitsProcessor
+
+from common import mesh
+from common.accelerator import unwrap
+from common.chat import as_messages
+from common.errors import UsageError
+from common.internals import is_zero3_parameter, without_zero3_init
+from common.peers import main_process_alone
+
+
+NEAR_TIE = 1e-6  # a draw this close (in probability) to a boundary of the CDF could flip under other rounding
+
+
+# ---- prompts ---------------------------------------------------------------------------------------------------
+def tokenize_prompts(raw, tokenizer, block_size: int, max_completion_length: int, accelerator, num_proc=None):
+    """Each split's rows with `prompt_ids` (a text prompt tokenized as text, BOS and all; a conversation rendered
+    with the chat template and its generation prompt) and `index` (the row), the other columns kept for the
+    rewards. Prompts longer than --block_size - --max_completion_length are dropped, counted. Returns the
+    datasets and the counts ({"train": {"prompt_too_long": 3}})."""
+    room = block_size - max_completion_length
+    if room < 1:
+        raise UsageError(
+            f"--max_completion_length {max_completion_length} leaves no room for a prompt in --block_size "
+            f"{block_size} (prompt + completion): raise --block_size or lower --max_completion_length"
+        )
+    for split, dataset in raw.items():
+        if "prompt" not in dataset.column_names:
+            raise UsageError(
+                f'GRPO data needs a "prompt" column (text, or a conversation as a list of messages); the {split} '
+                f"split has {dataset.column_names}: rename the column"
+            )
+    if not isinstance(raw["train"][0]["prompt"], str) and not tokenizer.chat_template:
+        raise UsageError("the prompts are conversations and the tokenizer has no chat_template; pass --chat_template")
+
+    def encode(example, row):
+        prompt = example["prompt"]
+        if isinstance(prompt, str):
+            ids = tokenizer(prompt)["input_ids"]
+        else:
+            text = tokenizer.apply_chat_template(as_messages(prompt), add_generation_prompt=True, tokenize=False)
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        return {"prompt_ids": ids, "index": row}
+
+    with accelerator.main_process_first(), main_process_alone(accelerator, "tokenizing"):
+        encoded = raw.map(encode, with_indices=True, num_proc=num_proc, desc="tokenizing prompts")
+    kept, counts = {}, {}
+    for split, dataset in encoded.items():
+        kept[split] = dataset.filter(lambda ids: len(ids) <= room, input_columns="prompt_ids").flatten_indices()
+        dropped = len(dataset) - len(kept[split])
+        counts[split] = {"prompt_too_long": dropped} if dropped else {}
+        if dropped:
+            accelerator.print(
+                f"{split} prompts: {dropped} of {len(dataset)} longer than {room} tokens (--block_size {block_size} "
+                f"- --max_completion_length {max_completion_length}) dropped"
+            )
+        if len(kept[split]) == 0:
+            raise UsageError(f"no {split} prompt fits in {room} tokens: raise --block_size")
+    return kept, counts
+
+
+@dataclass
+class PromptOrder:
+    """Which rows each rollout samples: `prompts` per rollout over all data-parallel ranks, this rank's share."""
+
+    rows: int
+    prompts: int
+    seed: int
+    rank: int
+    ranks: int
+
+    @property
+    def per_epoch(self) -> int:
+        return self.rows // self.prompts
+
+    def rollout(self, index: int) -> list[int]:
+        epoch, within = divmod(index, self.per_epoch)
+        order = torch.randperm(self.rows, generator=torch.Generator().manual_seed(self.seed + 7919 * epoch))
+        chosen = order[within * self.prompts : (within + 1) * self.prompts].tolist()
+        share = self.prompts // self.ranks
+        return chosen[self.rank * share : (self.rank + 1) * share]
+
+
+def prompt_order(accelerator, rows: int, prompts_per_rank: int, seed: int) -> PromptOrder:
+    group = mesh.replicas(accelerator)  # a tensor-parallel group samples the same prompts
+    ranks = accelerator.num_processes // group
+    order = PromptOrder(rows, prompts_per_rank * ranks, seed, accelerator.process_index // group, ranks)
+    if order.per_epoch < 1:
+        raise UsageError(
+            f"a step samples {order.prompts} prompts ({ranks} processes x {prompts_per_rank}) and the data has "
+            f"{rows}: use more prompts, or a smaller --per_device_train_batch_size x --gradient_accumulation_steps"
+        )
+    return order
+
+
+def row_seed(seed: int, rollout: int, row: int) -> int:
+    digest = hashlib.sha256(f"{seed}/{rollout}/{row}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+# ---- sampling --------------------------------------------------------------------------------------------------
+class InverseCdfSampler(LogitsProcessor):
+    """Picks each row's next token from its own uniforms (rows x max_new_tokens), then hands generate a score
+    that only that token has (generate runs greedy over it): the sample depends on the row's logits and its
+    uniform alone. Counts the draws within NEAR_TIE of a CDF boundary (`near_ties`)."""
+
+    def __init__(self, uniforms: torch.Tensor, prompt_length: int, temperature: float, top_p: float):
+        self.uniforms, self.prompt_length = uniforms, prompt_length
+        self.temperature, self.top_p = temperature, top_p
+        self.near_ties = 0
+
+    def __call__(self, input_ids, scores):
+        position = input_ids.shape[1] - self.prompt_length
+        logits = scores.double()
+        if self.temperature == 0:
+            top = logits.softmax(-1).topk(2, dim=-1).values
+            self.near_ties += int((top[:, 0] - top[:, 1] < NEAR_TIE).sum())
+            token = logits.argmax(-1)
+        else:
+            probs = (logits / self.temperature).softmax(-1)
+            if self.top_p < 1:
+                ordered, where = probs.sort(dim=-1, descending=True)
+                outside = ordered.cumsum(-1) - ordered > self.top_p  # the smallest set reaching top_p is kept
+                probs = probs.scatter(-1, where, ordered.masked_fill(outside, 0.0))
+            cdf = probs.cumsum(-1)
+            target = self.uniforms[:, position].to(cdf.device).unsqueeze(1) * cdf[:, -1:]
+            token = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=cdf.shape[1] - 1)
+            self.near_ties += int(((cdf - target).abs().min(-1).values < NEAR_TIE).sum())
+        chosen = torch.full_like(scores, -math.inf)
+        return chosen.scatter(-1, token.unsqueeze(1), 0.0)
+
+
+def stop_token_ids(tokenizer, model) -> list[int]:
+    """The tokens that end a completion: the tokenizer's EOS and the model's generation config's."""
+    ids = set()
+    for source in (tokenizer.eos_token_id, getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
+        ids.update(source if isinstance(source, list) else [source] if source is not None else [])
+    return sorted(ids)
+
+
+@torch.no_grad()
+def sample_group(model, prompt_ids: list[int], uniforms, settings: "SamplingSettings", accelerator):
+    """G completions of one prompt (G = uniforms' rows): (their token ids, each cut at its stop token, which is
+    kept; whether each was cut by max_new_tokens instead; near ties)."""
+    group, length = uniforms.shape
+    input_ids = torch.tensor([prompt_ids] * group, device=accelerator.device)
+    sampler = InverseCdfSampler(uniforms, len(prompt_ids), settings.temperature, settings.top_p)
+    config = GenerationConfig(
+        max_new_tokens=length,
+        do_sample=False,
+        eos_token_id=settings.stop_ids,
+        pad_token_id=settings.pad_id,
+        use_cache=True,
+    )
+    with accelerator.autocast():
+        output = model.generate(
+            input_ids=input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            generation_config=config,
+            logits_processor=[sampler],
+        )
+    completions, truncated = [], []
+    for row in output[:, len(prompt_ids) :].tolist():
+        end = next((i for i, token in enumerate(row) if token in settings.stop_ids), None)
+        completions.append(row if end is None else row[: end + 1])
+        truncated.append(end is None)
+    return completions, truncated, sampler.near_ties
+
+
+@dataclass
+class SamplingSettings:
+    temperature: float
+    top_p: float
+    max_completion_length: int
+    stop_ids: list[int]
+    pad_id: int
+
+
+class Sampler:
+    """This rank's rollouts: `rollout(index)` samples G completions of each of its prompts of that rollout."""
+
+    def __init__(
+        self,
+        weights: "GenerationWeights",
+        prompts,
+        order: PromptOrder,
+        group: int,
+        seed: int,
+        settings: SamplingSettings,
+        accelerator,
+    ):
+        self.weights, self.prompts, self.order, self.group, self.seed = weights, prompts, order, group, seed
+        self.settings, self.accelerator = settings, accelerator
+
+    def rollout(self, index: int, step: int) -> tuple[Rollout, dict]:
+        """Rollout `index` sampled from the policy of optimizer step `step` (gathered first where it is sharded:
+        every rank calls it), and its counts (near ties)."""
+        self.weights.refresh(step)
+        model, rows, near_ties = self.weights.model, [], 0
+        training, _ = model.training, model.eval()
+        for row in self.order.rollout(index):
+            prompt_ids = self.prompts[row]["prompt_ids"]
+            generator = torch.Generator().manual_seed(row_seed(self.seed, index, row))
+            uniforms = torch.rand(
+                self.group, self.settings.max_completion_length, generator=generator, dtype=torch.float64
+            )
+            completions, truncated, ties = sample_group(model, prompt_ids, uniforms, self.settings, self.accelerator)
+            near_ties += ties
+            rows += [
+                {"row": row, "prompt_ids": prompt_ids, "completion_ids": ids, "truncated": cut}
+                for ids, cut in zip(completions, truncated)
+            ]
+        model.train(training)
+        return Rollout(index, rows, torch.zeros(len(rows))), {"near_ties": near_ties}
+
+    @torch.no_grad()
+    def greedy(self, dataset, step: int, batch_size: int, limit: int | None) -> list[dict]:
+        """Greedy completions of the first `limit` prompts of `dataset` (held-out), this rank's share of them,
+        `batch_size` at a time, left-padded (every rank calls it: the copy is gathered first)."""
+        self.weights.refresh(step)
+        model = self.weights.model
+        training, _ = model.training, model.eval()
+        count = len(dataset) if limit is None else min(limit, len(dataset))
+        mine = mesh.data_parallel_share(self.accelerator, list(range(count)))
+        config = GenerationConfig(
+            max_new_tokens=self.settings.max_completion_length,
+            do_sample=False,
+            eos_token_id=self.settings.stop_ids,
+            pad_token_id=self.settings.pad_id,
+            use_cache=True,
+        )
+        rows = []
+        for start in range(0, len(mine), batch_size):
+            prompts = [dataset[i]["prompt_ids"] for i in mine[start : start + batch_size]]
+            width = max(len(p) for p in prompts)
+            input_ids = torch.tensor([[self.settings.pad_id] * (width - len(p)) + p for p in prompts])
+            attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+            with self.accelerator.autocast():
+                output = model.generate(
+                    input_ids=input_ids.to(self.accelerator.device),
+                    attention_mask=attention_mask.to(self.accelerator.device),
+                    generation_config=config,
+                )
+            for index, prompt, generated in zip(mine[start:], prompts, output[:, width:].tolist()):
+                end = next((i for i, token in enumerate(generated) if token in self.settings.stop_ids), None)
+                ids = generated if end is None else generated[: end + 1]
+                rows.append({"row": index, "prompt_ids": prompt, "completion_ids": ids, "truncated": end is None})
+        model.train(training)
+        return rows
+
+
+# ---- the weights sampled with ----------------------------------------------------------------------------------
+class GenerationWeights:
+    """The model the rollouts sample from, whole on every rank: the policy itself where the strategy keeps its
+    weights whole, else a copy (the policy's architecture, its LoRA adapters unmerged) filled by `refresh` with
+    the gathered weights, once per rollout. In the dtype the run computes in (bf16 under bf16 mixed precision)."""
+
+    def __init__(self, accelerator, model):
+        self.accelerator, self.prepared = accelerator, model
+        self.policy = unwrap(accelerator, model)
+        self.gathered = any(hasattr(p, "full_tensor") or is_zero3_parameter(p) for p in self.policy.parameters())
+        self.refreshed_at = None
+        self.model = self._copy() if self.gathered else self.policy
+
+    def _copy(self):
+        from accelerate import init_empty_weights
+        from transformers import AutoModelForCausalLM
+
+        peft_config = getattr(self.policy, "peft_config", None)
+        base = self.policy.get_base_model() if peft_config else self.policy
+        dtype = {"bf16": torch.bfloat16, "fp8": torch.bfloat16, "fp16": torch.float16}.get(
+            self.accelerator.mixed_precision, next(self.policy.parameters()).dtype
+        )
+        config = copy.deepcopy(base.config)
+        config.use_cache = True
+        with without_zero3_init(), init_empty_weights(include_buffers=False):
+            model = AutoModelForCausalLM.from_config(
+                config, dtype=dtype, attn_implementation=base.config._attn_implementation
+            )
+        buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
+        model.to_empty(device=self.accelerator.device)
+        for name, buffer in buffers.items():
+            model.get_buffer(name).copy_(buffer)
+        model.tie_weights()
+        if peft_config:
+            from peft import get_peft_model
+
+            model = get_peft_model(model, copy.deepcopy(peft_config["default"]))
+        model.requires_grad_(False)
+        return model.eval()
+
+    def record(self) -> dict:
+        held = sum(p.numel() * p.element_size() for p in self.model.parameters()) if self.gathered else 0
+        how = "a whole copy gathered once per rollout" if self.gathered else "the policy's own weights (whole here)"
+        return {"weights": how, "copy_bytes_per_rank": held}
+
+    @torch.no_grad()
+    def refresh(self, step: int) -> None:
+        """Every rank calls it (a collective where the copy is gathered): the copy takes the policy's weights of
+        optimizer step `step`, unless it already has them."""
+        if not self.gathered or self.refreshed_at == step:
+            return
+        if hasattr(self.prepared, "empty_partition_cache"):  # ZeRO-3: what its last forward left gathered
+            self.prepared.empty_partition_cache()
+        sources = dict(self.policy.named_parameters())
+        for name, target in self.model.named_parameters():
+            source = sources[name]
+            if is_zero3_parameter(source):
+                import deepspeed
+
+                with deepspeed.zero.GatheredParameters([source]):
+                    target.copy_(source.data)
+            elif hasattr(source, "full_tensor"):
+                target.copy_(source.to(self.accelerator.device).full_tensor())
+            else:
+                target.copy_(source)
+        self.refreshed_at = step
+
+
+# ---- the buffer a step trains on -------------------------------------------------------------------------------
+@dataclass
+class Rollout:
+    """One rollout on this rank: its completions (grouped by prompt, G each, in prompt order), their
+    advantages, and with --num_iterations > 1 the log-probabilities of the policy that sampled them."""
+
+    index: int
+    rows: list[dict]  # {"row", "prompt_ids", "completion_ids", "truncated"}
+    advantages: torch.Tensor
+    old_log_probs: list[list[float]] | None = None
+    counts: dict = field(default_factory=dict)
+
+    def batch(self, rows: list[dict], pad_id: int, mask_truncated: bool) -> dict:
+        """Right-padded prompt + completion rows: input_ids, attention_mask, labels (the completion's tokens),
+        `mask` (the tokens the loss counts: none of a truncated completion under --mask_truncated_completions)."""
+        width = max(len(r["prompt_ids"]) + len(r["completion_ids"]) for r in rows)
+        input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+        labels = torch.full((len(rows), width), -100, dtype=torch.long)
+        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, row in enumerate(rows):
+            prompt, completion = row["prompt_ids"], row["completion_ids"]
+            ids = prompt + completion
+            input_ids[i, : len(ids)] = torch.tensor(ids)
+            labels[i, len(prompt) : len(ids)] = torch.tensor(completion, dtype=torch.long)
+            attention_mask[i, : len(ids)] = 1
+        mask = labels[:, 1:] != -100
+        if mask_truncated:
+            mask &= ~torch.tensor([r["truncated"] for r in rows]).unsqueeze(1)
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels, "mask": mask}
+
+    def micro_batches(self, size: int, pad_id: int, mask_truncated: bool, device):
+        """This rank's micro-batches of `size` completions, each with its rows' advantages and old log-probs
+        ((rows, length - 1), at the completion's positions)."""
+        for start in range(0, len(self.rows), size):
+            rows = self.rows[start : start + size]
+            batch = self.batch(rows, pad_id, mask_truncated)
+            batch["advantages"] = self.advantages[start : start + size]
+            if self.old_log_probs is not None:
+                old = torch.zeros(batch["mask"].shape, dtype=torch.float32)
+                for i, row in enumerate(rows):
+                    begin = len(row["prompt_ids"]) - 1
+                    values = self.old_log_probs[start + i]
+                    old[i, begin : begin + len(values)] = torch.tensor(values, dtype=torch.float32)
+                batch["old_log_probs"] = old
+            yield {key: value.to(device) for key, value in batch.items()}
+
+    def state(self, accelerator, iteration: int) -> dict:
+        """Every rank calls it: the rollout over all data-parallel ranks (rank order), for a checkpoint taken
+        after `iteration` of its --num_iterations passes."""
+        mine = {
+            "rows": self.rows,
+            "advantages": self.advantages.tolist(),
+            "old_log_probs": self.old_log_probs,
+        }
+        group = mesh.replicas(accelerator)
+        shares = gather_object([mine])[::group]  # a tensor-parallel group's ranks hold the same one
+        return {
+            "index": self.index,
+            "iteration": iteration,
+            "shares": shares,
+        }
+
+    @classmethod
+    def from_state(cls, state: dict, accelerator) -> Rollout:
+        """This rank's share of a saved rollout, on any number of processes whose data-parallel ranks divide it."""
+        rows = [row for share in state["shares"] for row in share["rows"]]
+        advantages = [a for share in state["shares"] for a in share["advantages"]]
+        old = None
+        if state["shares"][0]["old_log_probs"] is not None:
+            old = [values for share in state["shares"] for values in share["old_log_probs"]]
+        group = mesh.replicas(accelerator)
+        ranks, rank = accelerator.num_processes // group, accelerator.process_index // group
+        per_rank = len(rows) // ranks
+        take = slice(rank * per_rank, (rank + 1) * per_rank)
+        return cls(
+            state["index"],
+            rows[take],
+            torch.tensor(advantages[take], dtype=torch.float32),
+            None if old is None else old[take],
+        )

@@ -1,0 +1,299 @@
+"""Online RL with GRPO (Group Relative Policy Optimization): the model learns from a reward it is given, not from
+answers to copy.
+
+Each step samples --num_generations (G) completions of each of its prompts (--temperature, --top_p,
+--max_completion_length), scores them with --reward_funcs (common.rewards: built-ins such as `accuracy`
+against an `answer` column, your own Python function, a reward model folder from recipes/reward_model.py),
+turns each group's rewards into advantages (--scale_rewards) and takes the clipped policy loss
+(--loss_type dapo, TRL's default, or grpo, dr_grpo, bnpo; --epsilon, --epsilon_high; common.grpo), reusing a
+rollout for --num_iterations steps. With --beta > 0 a KL term keeps the policy near the reference, held as
+DPO's is (adapters off under --use_peft, else a frozen copy sharded like the policy).
+
+The data: a `prompt` column, text or a conversation (rendered with the chat template); the other columns go to
+the reward functions. --per_device_train_batch_size counts completions, as TRL's: a step trains on processes x
+batch x accumulation completions, G per prompt.
+
+Rollouts (common.rollout) depend on (seed, step, prompt) only, not on the number of processes or the config,
+and sample from whole weights on every rank: under FSDP2, ZeRO-3 and tensor parallelism a copy gathered once
+per rollout, so decoding runs at the unsharded model's speed and ranks never wait on each other's lengths.
+
+    make grpo CONFIG=accelerate_configs/zero3.yaml
+    accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/grpo.py --config recipes/configs/grpo_demo.yaml
+
+The demo (`make grpo`) teaches a tiny Llama, from the reward alone, to answer "what is 3 plus 4 ?" with the
+number, and prints the held-out reward before -> after.
+"""
+
+import math
+from dataclasses import dataclass, field
+from typing import Annotated, Literal
+
+import torch
+
+from common.arguments import DataArguments, ModelArguments, TrainingArguments
+from common.chat_template import read_chat_template
+from common.data import load_raw_datasets
+from common.errors import UsageError
+from common.grpo import batch_std, count_global, group_advantages, policy_loss, rollout_log_probs, token_log_probs
+from common.internals import start_accumulation_window
+from common.lora import LoraArguments, apply_lora
+from common.model import load_model, load_tokenizer
+from common.ranges import Range
+from common.reference import build_reference, disable_dropout
+from common.rewards import Rewards, evaluate_rewards, load_rewards
+from common.rollout import (
+    GenerationWeights,
+    Rollout,
+    Sampler,
+    SamplingSettings,
+    prompt_order,
+    stop_token_ids,
+    tokenize_prompts,
+)
+from common.run import run_recipe, start_run
+from common.training import create_optimizer, create_scheduler
+
+
+@dataclass
+class GRPOArguments:
+    reads_data_in_memory = True  # not fields: --streaming and --auto_find_batch_size are refused (common.parsing)
+    no_auto_batch_size = "its trial step would not count the rollout's generation"
+    scores_whole_rows = (
+        "each completion's log-probabilities"  # sequence parallelism refused (common.sequence_parallel)
+    )
+    reward_funcs: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "accuracy (the last number against an `answer` column), format (--format_pattern), length "
+            "(shorter is better), path/to/file.py:function, module:function, or a reward model folder."
+        },
+    )
+    reward_weights: list[float] | None = field(default=None, metadata={"help": "One per function (1 each unset)."})
+    format_pattern: str = field(
+        default=r"-?\d+(?:\.\d+)?", metadata={"help": "The `format` reward's regular expression (the whole answer)."}
+    )
+    num_generations: Annotated[int, Range(low=2)] = field(default=8, metadata={"help": "Completions per prompt (G)."})
+    max_completion_length: Annotated[int, Range(low=1)] = 256
+    temperature: Annotated[float, Range(low=0)] = field(default=1.0, metadata={"help": "0: greedy."})
+    top_p: Annotated[float, Range(above=0, high=1)] = 1.0
+    loss_type: Literal["dapo", "grpo", "dr_grpo", "bnpo"] = field(
+        default="dapo", metadata={"help": "How the token losses are averaged (common.grpo)."}
+    )
+    scale_rewards: Literal["group", "batch", "none"] = field(
+        default="group", metadata={"help": "The advantages' divisor: the group's reward std, the batch's, or none."}
+    )
+    epsilon: Annotated[float, Range(above=0, below=1)] = 0.2
+    epsilon_high: Annotated[float | None, Range(above=0, why="unset: --epsilon")] = field(
+        default=None, metadata={"help": "The upper clip (DAPO suggests 0.28); unset: --epsilon."}
+    )
+    beta: Annotated[float, Range(low=0)] = field(
+        default=0.0, metadata={"help": "The KL term's weight; 0 (TRL's default): no reference model is held."}
+    )
+    num_iterations: Annotated[int, Range(low=1)] = field(
+        default=1, metadata={"help": "Optimizer steps per rollout (the sampling policy's log-probs kept)."}
+    )
+    mask_truncated_completions: bool = field(
+        default=False, metadata={"help": "Completions cut by --max_completion_length count for no loss."}
+    )
+    chat_template: str | None = field(
+        default=None, metadata={"help": "A chat template file or text; replaces the tokenizer's (and is saved)."}
+    )
+    disable_dropout: bool = True
+
+
+def main(
+    model_args: ModelArguments,
+    data_args: DataArguments,
+    grpo_args: GRPOArguments,
+    lora_args: LoraArguments,
+    args: TrainingArguments,
+):
+    run = start_run(model_args, data_args, grpo_args, lora_args, args)
+    accelerator = run.accelerator
+    group, accumulation = grpo_args.num_generations, args.gradient_accumulation_steps
+    if (args.per_device_train_batch_size * accumulation) % group:
+        raise UsageError(
+            f"a step trains --per_device_train_batch_size x --gradient_accumulation_steps = "
+            f"{args.per_device_train_batch_size * accumulation} completions per process, not a multiple of "
+            f"--num_generations {group}: each process samples whole groups"
+        )
+
+    # Data: prompts (with their other columns, for the rewards), the rewards.
+    tokenizer = load_tokenizer(model_args)
+    if grpo_args.chat_template:
+        tokenizer.chat_template = read_chat_template(grpo_args.chat_template)
+    raw = load_raw_datasets(data_args, args.seed)
+    prompts, dropped = tokenize_prompts(
+        raw,
+        tokenizer,
+        data_args.block_size,
+        grpo_args.max_completion_length,
+        accelerator,
+        data_args.preprocessing_num_workers,
+    )
+    functions, names, weights = load_rewards(
+        grpo_args.reward_funcs,
+        grpo_args.reward_weights,
+        grpo_args.format_pattern,
+        grpo_args.max_completion_length,
+        accelerator.device,
+        torch.float32,
+    )
+    rewards = Rewards(functions, names, weights, tokenizer)
+    per_rollout = args.per_device_train_batch_size * accumulation // group  # prompts per process
+    order = prompt_order(accelerator, len(prompts["train"]), per_rollout, args.seed)
+    max_steps = (
+        args.max_steps if args.max_steps > 0 else args.num_train_epochs * order.per_epoch * grpo_args.num_iterations
+    )
+
+    model = apply_lora(load_model(model_args, tokenizer, args.seed, args), lora_args)
+    if grpo_args.disable_dropout:
+        disable_dropout(model)
+    reference = build_reference(model_args, tokenizer, args, lora_args.use_peft, False) if grpo_args.beta else None
+    optimizer = create_optimizer(model, args)
+    scheduler = create_scheduler(optimizer, args, max_steps)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    if reference is not None:
+        reference.prepare(run, model, {}, None, args.per_device_eval_batch_size)
+    weights_for_rollouts = GenerationWeights(accelerator, model)
+    settings = SamplingSettings(
+        grpo_args.temperature,
+        grpo_args.top_p,
+        grpo_args.max_completion_length,
+        stop_token_ids(tokenizer, weights_for_rollouts.policy),
+        tokenizer.pad_token_id,
+    )
+    sampler = Sampler(weights_for_rollouts, prompts["train"], order, group, args.seed, settings, accelerator)
+
+    # Resume from the checkpoint (if any), write run.json, start the metrics. {"step": 0} for a fresh run.
+    state = run.begin(
+        model,
+        optimizer,
+        scheduler,
+        tokenizer,
+        max_steps,
+        prompts_dropped=dropped,
+        rollout=weights_for_rollouts.record(),
+        reward_funcs=names,
+        reward_weights=weights,
+        reference_model=reference.record() if reference is not None else None,
+    )
+    step, metrics, nonfinite, profiler = state["step"], run.metrics, run.nonfinite, run.profiler
+    saved = state.get("rollout")  # a run stopped inside --num_iterations: the rollout it was training on
+    objective = dict(
+        loss_type=grpo_args.loss_type,
+        epsilon=grpo_args.epsilon,
+        epsilon_high=grpo_args.epsilon_high or grpo_args.epsilon,
+        beta=grpo_args.beta,
+        max_completion_length=grpo_args.max_completion_length,
+    )
+
+    def evaluate():
+        return metrics.log_eval(
+            step,
+            evaluate_rewards(
+                sampler,
+                rewards,
+                prompts["validation"],
+                step,
+                args.per_device_eval_batch_size,
+                data_args.max_eval_samples,
+            ),
+        )
+
+    if step == 0 and args.eval_on_start:
+        evaluate()
+
+    model.train()
+    grad_norm = None
+    while step < max_steps:
+        index, first_iteration = divmod(step, grpo_args.num_iterations)
+        if saved is not None:  # resumed inside a rollout: the same completions, advantages and old log-probs
+            rollout, saved = Rollout.from_state(saved, accelerator), None
+        else:
+            # G completions of each of this rank's prompts, then their rewards (every rank together) and advantages
+            rollout, counts = sampler.rollout(index, step)
+            reward, table = rewards(rollout.rows, prompts["train"])
+            rollout.advantages, stds = group_advantages(
+                reward, group, grpo_args.scale_rewards, batch_std(accelerator, reward)
+            )
+            lengths = torch.tensor([float(len(r["completion_ids"])) for r in rollout.rows])
+            metrics.record_values(
+                {
+                    **rewards.values(reward, table),
+                    "reward_std": stds,
+                    "frac_reward_zero_std": (stds == 0).float(),
+                    "completions/mean_length": lengths,
+                    "completions/clipped_ratio": torch.tensor([float(r["truncated"]) for r in rollout.rows]),
+                    "rollout/near_ties": torch.tensor([float(counts["near_ties"])]),
+                }
+            )
+            if grpo_args.num_iterations > 1:  # the sampling policy's log-probs, for the later iterations' ratios
+                rollout.old_log_probs = rollout_log_probs(
+                    model, rollout, args.per_device_train_batch_size, tokenizer.pad_token_id, accelerator
+                )
+        normaliser = count_global(accelerator, rollout, accumulation, grpo_args.mask_truncated_completions)
+
+        for _ in range(first_iteration, grpo_args.num_iterations):  # each pass over the rollout: one optimizer step
+            start_accumulation_window(accelerator)  # the pass's last micro-batch syncs and steps
+            for batch in rollout.micro_batches(
+                args.per_device_train_batch_size,
+                tokenizer.pad_token_id,
+                grpo_args.mask_truncated_completions,
+                accelerator.device,
+            ):
+                with accelerator.accumulate(model):
+                    with accelerator.autocast():
+                        log_probs = token_log_probs(model, batch)
+                    ref_log_probs = reference.apply(token_log_probs, batch) if reference is not None else None
+                    loss, values = policy_loss(
+                        log_probs,
+                        batch.get("old_log_probs"),
+                        ref_log_probs,
+                        batch["advantages"],
+                        batch["mask"],
+                        normaliser,
+                        **objective,
+                    )
+                    metrics.record_batch(
+                        loss, batch, examples=len(batch["advantages"]), extra_forwards=int(reference is not None)
+                    )
+                    metrics.record_values(values)
+                    nonfinite.record(loss)
+                    accelerator.backward(loss)
+                    if accelerator.sync_gradients:
+                        grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
+                        if not nonfinite.skip_step(step + 1, grad_norm):  # every rank decides the same
+                            optimizer.step()
+                            scheduler.step()  # once per optimizer step
+                    optimizer.zero_grad()
+            step += 1
+            metrics.advance()
+            profiler.step()
+            if step % args.logging_steps == 0:
+                metrics.log_train(step, scheduler.get_last_lr()[0], grad_norm)
+            if args.eval_steps and step % args.eval_steps == 0 and step < max_steps:
+                evaluate()
+            if args.save_steps and step % args.save_steps == 0:
+                inside = step % grpo_args.num_iterations  # passes of this rollout done, if not all of them
+                position = {"rollout": index + (0 if inside else 1), "global_batch": order.prompts * group}
+                run.save_checkpoint(
+                    step, {"data": position, "rollout": rollout.state(accelerator, inside) if inside else None}
+                )
+            if step >= max_steps:
+                break
+
+    after = evaluate()
+    before = metrics.eval_at_start()  # --eval_on_start's figures, this run's or the resumed run's
+    final_dir = run.finish()
+    start = f"{before['eval_reward']:.3f} before -> " if before else ""
+    each = ", ".join(f"{name} {after['eval_rewards/' + name + '/mean']:.3f}" for name in names)
+    accelerator.print(
+        f"held-out reward {start}{after['eval_reward']:.3f} over {after['eval_prompts']} prompts ({each}); "
+        f"saved to {final_dir}"
+    )
+    return after
+
+
+if __name__ == "__main__":
+    run_recipe(main, ModelArguments, DataArguments, GRPOArguments, LoraArguments, TrainingArguments)
