@@ -246,6 +246,14 @@ def _quiet_deepspeed_collective_warnings() -> None:
     )
 
 
+def declare_micro_batch(accelerator: Accelerator, per_device: int) -> None:
+    """For a recipe that prepares no data loader (GRPO: its batches are its rollouts): DeepSpeed's engine needs the
+    micro-batch size, which accelerate otherwise reads from the prepared loader. A no-op for other strategies."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is not None and plugin.deepspeed_config.get("train_micro_batch_size_per_gpu") in (None, "auto"):
+        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = per_device
+
+
 def unwrap(accelerator: Accelerator, model):
     """The model itself, out of its DDP/DeepSpeed wrapper and uncompiled (same parameters). With
     --torch_compile under DDP, accelerate's own unwrap (keeping the compiled regions) returns the

@@ -14,15 +14,18 @@ Rollouts are a function of (seed, rollout, prompt), not of the number of process
   never wait on each other): `GenerationWeights`.
 So in fp32 the same prompt gets the same completions under every config and on any number of processes, as long
 as the weights are equal; where they differ by rounding (after steps trained under other strategies) a token can
-change only where the uniform falls within 1e-6 of a boundary of the CDF: each rollout counts those draws
-(`rollout/near_ties`), so a difference can be told from a fault.
+change only where the uniform falls near a boundary of the CDF: each completion counts its draws within 1e-4 (in
+probability) of one (`rollout/near_tie_ratio`: the share of completions with any; completions.jsonl has the
+counts), so a difference can be told from a fault.
 """
 
 from __future__ import annotations
 
 import copy
 import hashlib
+import json
 import math
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -35,9 +38,10 @@ from common.chat import as_messages
 from common.errors import UsageError
 from common.internals import is_zero3_parameter, without_zero3_init
 from common.peers import main_process_alone
+from common.run_dir import COMPLETIONS, write_atomically
 
 
-NEAR_TIE = 1e-6  # a draw this close (in probability) to a boundary of the CDF could flip under other rounding
+NEAR_TIE = 1e-4  # a draw this close (in probability) to a boundary of the CDF could flip under other rounding
 
 
 # ---- prompts ---------------------------------------------------------------------------------------------------
@@ -130,19 +134,23 @@ def row_seed(seed: int, rollout: int, row: int) -> int:
 class InverseCdfSampler(LogitsProcessor):
     """Picks each row's next token from its own uniforms (rows x max_new_tokens), then hands generate a score
     that only that token has (generate runs greedy over it): the sample depends on the row's logits and its
-    uniform alone. Counts the draws within NEAR_TIE of a CDF boundary (`near_ties`)."""
+    uniform alone. Counts each row's draws within NEAR_TIE of a CDF boundary (`near_ties`), until the row ends."""
 
-    def __init__(self, uniforms: torch.Tensor, prompt_length: int, temperature: float, top_p: float):
+    def __init__(self, uniforms: torch.Tensor, prompt_length: int, temperature: float, top_p: float, stop_ids):
         self.uniforms, self.prompt_length = uniforms, prompt_length
-        self.temperature, self.top_p = temperature, top_p
-        self.near_ties = 0
+        self.temperature, self.top_p, self.stop_ids = temperature, top_p, stop_ids
+        self.near_ties = torch.zeros(uniforms.shape[0], dtype=torch.long)  # per row, while it is unfinished
 
     def __call__(self, input_ids, scores):
         position = input_ids.shape[1] - self.prompt_length
+        unfinished = ~torch.isin(
+            input_ids[:, self.prompt_length :], torch.tensor(self.stop_ids, device=input_ids.device)
+        )
+        unfinished = unfinished.all(1).cpu()
         logits = scores.double()
         if self.temperature == 0:
             top = logits.softmax(-1).topk(2, dim=-1).values
-            self.near_ties += int((top[:, 0] - top[:, 1] < NEAR_TIE).sum())
+            self.near_ties += ((top[:, 0] - top[:, 1] < NEAR_TIE).cpu() & unfinished).long()
             token = logits.argmax(-1)
         else:
             probs = (logits / self.temperature).softmax(-1)
@@ -153,7 +161,7 @@ class InverseCdfSampler(LogitsProcessor):
             cdf = probs.cumsum(-1)
             target = self.uniforms[:, position].to(cdf.device).unsqueeze(1) * cdf[:, -1:]
             token = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=cdf.shape[1] - 1)
-            self.near_ties += int(((cdf - target).abs().min(-1).values < NEAR_TIE).sum())
+            self.near_ties += (((cdf - target).abs().min(-1).values < NEAR_TIE).cpu() & unfinished).long()
         chosen = torch.full_like(scores, -math.inf)
         return chosen.scatter(-1, token.unsqueeze(1), 0.0)
 
@@ -169,10 +177,10 @@ def stop_token_ids(tokenizer, model) -> list[int]:
 @torch.no_grad()
 def sample_group(model, prompt_ids: list[int], uniforms, settings: "SamplingSettings", accelerator):
     """G completions of one prompt (G = uniforms' rows): (their token ids, each cut at its stop token, which is
-    kept; whether each was cut by max_new_tokens instead; near ties)."""
+    kept; whether each was cut by max_new_tokens instead; each one's draws near a tie)."""
     group, length = uniforms.shape
     input_ids = torch.tensor([prompt_ids] * group, device=accelerator.device)
-    sampler = InverseCdfSampler(uniforms, len(prompt_ids), settings.temperature, settings.top_p)
+    sampler = InverseCdfSampler(uniforms, len(prompt_ids), settings.temperature, settings.top_p, settings.stop_ids)
     config = GenerationConfig(
         max_new_tokens=length,
         do_sample=False,
@@ -220,11 +228,11 @@ class Sampler:
         self.weights, self.prompts, self.order, self.group, self.seed = weights, prompts, order, group, seed
         self.settings, self.accelerator = settings, accelerator
 
-    def rollout(self, index: int, step: int) -> tuple[Rollout, dict]:
+    def rollout(self, index: int, step: int) -> Rollout:
         """Rollout `index` sampled from the policy of optimizer step `step` (gathered first where it is sharded:
-        every rank calls it), and its counts (near ties)."""
+        every rank calls it)."""
         self.weights.refresh(step)
-        model, rows, near_ties = self.weights.model, [], 0
+        model, rows = self.weights.model, []
         training, _ = model.training, model.eval()
         for row in self.order.rollout(index):
             prompt_ids = self.prompts[row]["prompt_ids"]
@@ -233,13 +241,12 @@ class Sampler:
                 self.group, self.settings.max_completion_length, generator=generator, dtype=torch.float64
             )
             completions, truncated, ties = sample_group(model, prompt_ids, uniforms, self.settings, self.accelerator)
-            near_ties += ties
             rows += [
-                {"row": row, "prompt_ids": prompt_ids, "completion_ids": ids, "truncated": cut}
-                for ids, cut in zip(completions, truncated)
+                {"row": row, "prompt_ids": prompt_ids, "completion_ids": ids, "truncated": cut, "near_ties": int(n)}
+                for ids, cut, n in zip(completions, truncated, ties)
             ]
         model.train(training)
-        return Rollout(index, rows, torch.zeros(len(rows))), {"near_ties": near_ties}
+        return Rollout(index, rows, torch.zeros(len(rows)))
 
     @torch.no_grad()
     def greedy(self, dataset, step: int, batch_size: int, limit: int | None) -> list[dict]:
@@ -425,3 +432,41 @@ class Rollout:
             torch.tensor(advantages[take], dtype=torch.float32),
             None if old is None else old[take],
         )
+
+
+class CompletionLog:
+    """--log_completions: every completion of each rollout (all ranks', in prompt order) appended to
+    output_dir/completions.jsonl: the rollout, the prompt's row, its token ids and text, its reward. A resumed
+    run first drops the rows of the rollouts it samples again."""
+
+    def __init__(self, accelerator, output_dir: str, tokenizer):
+        self.accelerator, self.tokenizer = accelerator, tokenizer
+        self.path = os.path.join(output_dir, COMPLETIONS)
+        self.trimmed = False
+
+    def __call__(self, rollout: Rollout, rewards: torch.Tensor) -> None:
+        texts = self.tokenizer.batch_decode([row["completion_ids"] for row in rollout.rows], skip_special_tokens=True)
+        mine = [
+            {
+                "rollout": rollout.index,
+                "row": row["row"],
+                "completion_ids": row["completion_ids"],
+                "completion": text,
+                "truncated": row["truncated"],
+                "near_ties": row.get("near_ties", 0),
+                "reward": float(reward),
+            }
+            for row, text, reward in zip(rollout.rows, texts, rewards)
+        ]
+        every = gather_object([mine])[:: mesh.replicas(self.accelerator)]
+        if not self.accelerator.is_main_process:
+            return
+        if not self.trimmed and os.path.exists(self.path):
+            with open(self.path) as handle:
+                kept = [line for line in handle if line.endswith("\n") and json.loads(line)["rollout"] < rollout.index]
+            write_atomically(self.path, "".join(kept))
+        self.trimmed = True
+        with open(self.path, "a") as handle:
+            for share in every:
+                for entry in share:
+                    handle.write(json.dumps(entry) + "\n")

@@ -27,7 +27,8 @@ MODEL_FILES = "model_files"  # inside step_N: config, generation config, tokeniz
 # (with a folder's leftovers of an interrupted swap, name.tmp and name.old). Other files there are the user's.
 RUN_FOLDERS = ("checkpoints", "final", "final_merged", "best", "best_merged", "exported", "logs", "profile")
 REFERENCE_TABLE = "reference_log_probs.pt"  # DPO's precomputed reference log-probs (common.reference)
-RUN_FILES = ("run.json", "metrics.jsonl", "mlflow.db", "curves.png", REFERENCE_TABLE)
+COMPLETIONS = "completions.jsonl"  # GRPO's --log_completions
+RUN_FILES = ("run.json", "metrics.jsonl", "mlflow.db", "curves.png", REFERENCE_TABLE, COMPLETIONS)
 # Written when a launch starts where checkpoints exist, removed once it has cleared them (--overwrite_output_dir)
 # or set aside those past its resume point: till then a restarted worker must not resume 'latest'.
 LAUNCH_STARTING = ".launch_starting"

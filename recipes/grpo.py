@@ -30,6 +30,7 @@ from typing import Annotated, Literal
 
 import torch
 
+from common.accelerator import declare_micro_batch
 from common.arguments import DataArguments, ModelArguments, TrainingArguments
 from common.chat_template import read_chat_template
 from common.data import load_raw_datasets
@@ -42,6 +43,7 @@ from common.ranges import Range
 from common.reference import build_reference, disable_dropout
 from common.rewards import Rewards, evaluate_rewards, load_rewards
 from common.rollout import (
+    CompletionLog,
     GenerationWeights,
     Rollout,
     Sampler,
@@ -99,6 +101,9 @@ class GRPOArguments:
         default=None, metadata={"help": "A chat template file or text; replaces the tokenizer's (and is saved)."}
     )
     disable_dropout: bool = True
+    log_completions: bool = field(
+        default=False, metadata={"help": "Append every rollout's completions and rewards to completions.jsonl."}
+    )
 
 
 def main(
@@ -152,6 +157,7 @@ def main(
     reference = build_reference(model_args, tokenizer, args, lora_args.use_peft, False) if grpo_args.beta else None
     optimizer = create_optimizer(model, args)
     scheduler = create_scheduler(optimizer, args, max_steps)
+    declare_micro_batch(accelerator, args.per_device_train_batch_size)  # no data loader to read it from
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     if reference is not None:
         reference.prepare(run, model, {}, None, args.per_device_eval_batch_size)
@@ -179,6 +185,7 @@ def main(
         reference_model=reference.record() if reference is not None else None,
     )
     step, metrics, nonfinite, profiler = state["step"], run.metrics, run.nonfinite, run.profiler
+    completion_log = CompletionLog(accelerator, args.output_dir, tokenizer) if grpo_args.log_completions else None
     saved = state.get("rollout")  # a run stopped inside --num_iterations: the rollout it was training on
     objective = dict(
         loss_type=grpo_args.loss_type,
@@ -212,11 +219,13 @@ def main(
             rollout, saved = Rollout.from_state(saved, accelerator), None
         else:
             # G completions of each of this rank's prompts, then their rewards (every rank together) and advantages
-            rollout, counts = sampler.rollout(index, step)
+            rollout = sampler.rollout(index, step)
             reward, table = rewards(rollout.rows, prompts["train"])
             rollout.advantages, stds = group_advantages(
                 reward, group, grpo_args.scale_rewards, batch_std(accelerator, reward)
             )
+            if completion_log is not None:
+                completion_log(rollout, reward)
             lengths = torch.tensor([float(len(r["completion_ids"])) for r in rollout.rows])
             metrics.record_values(
                 {
@@ -225,7 +234,7 @@ def main(
                     "frac_reward_zero_std": (stds == 0).float(),
                     "completions/mean_length": lengths,
                     "completions/clipped_ratio": torch.tensor([float(r["truncated"]) for r in rollout.rows]),
-                    "rollout/near_ties": torch.tensor([float(counts["near_ties"])]),
+                    "rollout/near_tie_ratio": torch.tensor([float(r["near_ties"] > 0) for r in rollout.rows]),
                 }
             )
             if grpo_args.num_iterations > 1:  # the sampling policy's log-probs, for the later iterations' ratios
