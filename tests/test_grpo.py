@@ -1,0 +1,396 @@
+"""GRPO (recipes/grpo.py): the objective against hand-written formulas, the rewards and their one-line failures,
+rollouts that depend on (seed, rollout, prompt) only, every config against one process in fp32, resume inside
+--num_iterations, `make grpo`, bad input."""
+
+import json
+import shutil
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import (
+    FP32,
+    REPO,
+    LaunchedOnce,
+    flags,
+    launch,
+    load_weights,
+    max_weight_difference,
+    read_metrics,
+    read_run,
+    run_in_process,
+    tiered,
+)
+
+from common.errors import UsageError
+from common.grpo import Normaliser, group_advantages, policy_loss
+from common.rewards import load_rewards, score
+from common.rollout import InverseCdfSampler, Rollout
+
+
+FP32_TOLERANCE = 1e-5
+
+
+# ---- the objective ---------------------------------------------------------------------------------------------
+def test_group_advantages_follow_each_scaling():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 2.0, 2.0, 2.0])
+    centred = torch.tensor([0.75, -0.25, -0.25, -0.25, 0.0, 0.0, 0.0, 0.0])
+    std = torch.tensor([0.5, 0.0])  # unbiased: sqrt(0.75 / 3)
+    advantages, stds = group_advantages(rewards, 4, "group")
+    assert torch.allclose(stds, std)
+    assert torch.allclose(advantages, centred / (std.repeat_interleave(4) + 1e-4))
+    assert torch.allclose(group_advantages(rewards, 4, "none")[0], centred)
+    batch_std = rewards.std()
+    assert torch.allclose(group_advantages(rewards, 4, "batch", batch_std)[0], centred / (batch_std + 1e-4))
+
+
+def hand_loss(log_probs, old, ref, advantages, mask, loss_type, eps_low, eps_high, beta, max_length, rows, tokens):
+    """The per-token GRPO loss written out element by element, then reduced as each loss type says."""
+    per_row = []
+    for i in range(log_probs.shape[0]):
+        terms = []
+        for t in range(log_probs.shape[1]):
+            if not mask[i, t]:
+                continue
+            ratio = torch.exp(log_probs[i, t] - old[i, t])
+            clipped = min(max(float(ratio), 1 - eps_low), 1 + eps_high)
+            term = -min(float(ratio) * float(advantages[i]), clipped * float(advantages[i]))
+            if beta:
+                gap = float(ref[i, t] - log_probs[i, t])
+                term += beta * (torch.exp(torch.tensor(gap)).item() - gap - 1)
+            terms.append(term)
+        per_row.append(terms)
+    if loss_type == "grpo":
+        return sum(sum(t) / len(t) for t in per_row) / rows
+    total = sum(sum(t) for t in per_row)
+    return {"dapo": total / tokens, "dr_grpo": total / (rows * max_length), "bnpo": total / tokens}[loss_type]
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "bnpo"])
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_each_loss_type_is_its_formula(loss_type, beta):
+    """One micro-batch holding the whole global batch (shares 1): the loss equals the hand-written sum, with the
+    ratio clipped on both sides (epsilon 0.2, epsilon_high 0.28) and the k3 KL term under beta."""
+    generator = torch.Generator().manual_seed(0)
+    log_probs = -torch.rand(3, 5, generator=generator) * 2
+    old = log_probs + (torch.rand(3, 5, generator=generator) - 0.5)  # ratios from 0.6 to 1.6: both clips hit
+    ref = log_probs + (torch.rand(3, 5, generator=generator) - 0.5)
+    advantages = torch.tensor([1.5, -0.7, 0.2])
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]], dtype=torch.bool)
+    tokens = int(mask.sum())
+    loss, values = policy_loss(
+        log_probs, old, ref if beta else None, advantages, mask, Normaliser(3.0, float(tokens), 1),
+        loss_type, 0.2, 0.28, beta, 8,
+    )  # fmt: skip
+    expected = hand_loss(log_probs, old, ref, advantages, mask, loss_type, 0.2, 0.28, beta, 8, 3, tokens)
+    assert abs(float(loss) - expected) < 1e-6, (float(loss), expected)
+    ratio = torch.exp(log_probs - old)[mask]
+    signs = advantages.unsqueeze(1).expand(3, 5)[mask]
+    low = ((ratio < 0.8) & (signs < 0)).float().mean()
+    high = ((ratio > 1.28) & (signs > 0)).float().mean()
+    assert float(values["clip_ratio/low_mean"].mean()) == pytest.approx(float(low))
+    assert float(values["clip_ratio/high_mean"].mean()) == pytest.approx(float(high))
+    assert ("kl" in values) == bool(beta)
+
+
+def test_the_loss_is_the_global_batchs_whatever_the_split():
+    """dapo, grpo and dr_grpo: a batch split into 2 ranks x 2 micro-batches, each share's loss averaged as
+    accelerate and the strategy average them, gives the loss of the batch taken whole (bnpo, TRL's local
+    normalisation, does not: it is documented as split-dependent)."""
+    generator = torch.Generator().manual_seed(1)
+    log_probs = -torch.rand(8, 6, generator=generator)
+    old = log_probs + (torch.rand(8, 6, generator=generator) - 0.5) * 0.2
+    advantages = torch.randn(8, generator=generator)
+    mask = torch.rand(8, 6, generator=generator) > 0.3
+    mask[:, 0] = True
+    whole = Normaliser(8.0, float(mask.sum()), 1)
+    split = Normaliser(8.0, float(mask.sum()), 4)
+    for loss_type in ("dapo", "grpo", "dr_grpo"):
+        args = (loss_type, 0.2, 0.2, 0.0, 6)
+        full, _ = policy_loss(log_probs, old, None, advantages, mask, whole, *args)
+        parts = [policy_loss(log_probs[i : i + 2], old[i : i + 2], None, advantages[i : i + 2], mask[i : i + 2],
+                             split, *args)[0] for i in range(0, 8, 2)]  # fmt: skip
+        assert abs(float(sum(parts) / 4) - float(full)) < 1e-6, loss_type
+
+
+# ---- rewards ---------------------------------------------------------------------------------------------------
+def test_the_built_in_rewards_and_their_weights():
+    functions, names, weights = load_rewards(["accuracy", "format", "length"], [1.0, 0.5, 0.1], r"-?\d+", 8, "cpu",
+                                             torch.float32)  # fmt: skip
+    completions = ["12", "the sum is 12.0", "13", "twelve"]
+    table, problem = score(functions, names, ["q"] * 4, completions, [[1], [1, 2, 3, 4], [1, 2], [1]],
+                           {"answer": ["12", "12", "12", "12"]}, [0, 1, 2, 3])  # fmt: skip
+    assert problem is None and names == ["accuracy", "format", "length"]
+    assert table[:, 0].tolist() == [1.0, 1.0, 0.0, 0.0]  # the last number, as numbers
+    assert table[:, 1].tolist() == [1.0, 0.0, 1.0, 0.0]  # the whole answer a bare number
+    assert table[:, 2].tolist() == [1 - 1 / 8, 1 - 4 / 8, 1 - 2 / 8, 1 - 1 / 8]
+    combined = (table * torch.tensor(weights, dtype=table.dtype)).sum(1)
+    assert combined[0] == pytest.approx(1 + 0.5 + 0.1 * 7 / 8)
+
+
+def user_rewards(tmp_path) -> Path:
+    path = tmp_path / "my_rewards.py"
+    path.write_text(
+        textwrap.dedent(
+            """
+            import math
+
+            def ends_with_answer(prompts, completions, answer, **kwargs):
+                return [1.0 if c[-1]["content"].strip().endswith(a) else None for c, a in zip(completions, answer)]
+
+            def raises(completions, **kwargs):
+                raise KeyError("score")
+
+            def one_short(completions, **kwargs):
+                return [0.0] * (len(completions) - 1)
+
+            def not_finite(completions, **kwargs):
+                return [0.0] * (len(completions) - 1) + [math.nan]
+            """
+        )
+    )
+    return path
+
+
+def test_a_users_function_takes_trls_signature_and_none_is_not_applicable(tmp_path):
+    path = user_rewards(tmp_path)
+    functions, names, _ = load_rewards([f"{path}:ends_with_answer"], None, "", 8, "cpu", torch.float32)
+    completions = [[{"role": "assistant", "content": "it is 7"}], [{"role": "assistant", "content": "8 !"}]]
+    table, problem = score(functions, names, [[], []], completions, [[1], [1]], {"answer": ["7", "8"]}, [4, 9])
+    assert problem is None and names == ["ends_with_answer"]
+    assert table[0, 0] == 1.0 and torch.isnan(table[1, 0])
+
+
+@pytest.mark.parametrize(
+    "name,said",
+    [
+        ("raises", r"reward function raises raised on a batch of rows \[4, 9\]: KeyError: 'score'"),
+        ("one_short", "reward function one_short returned 1 values for 2 completions"),
+        ("not_finite", r"reward function not_finite returned nan for row 9 \(completion 'b'\)"),
+    ],
+)
+def test_a_reward_that_fails_is_one_line_naming_it_and_the_row(tmp_path, name, said):
+    functions, names, _ = load_rewards([f"{user_rewards(tmp_path)}:{name}"], None, "", 8, "cpu", torch.float32)
+    _, problem = score(functions, names, ["p", "p"], ["a", "b"], [[1], [2]], {}, [4, 9])
+    assert problem is not None and "\n" not in problem
+    assert __import__("re").search(said, problem), problem
+
+
+def test_rewards_that_cannot_load_are_one_line(tmp_path):
+    for spec, said in [
+        (f"{tmp_path}/nothing.py:f", "cannot import 'f'"),
+        ("json:no_such_function", "cannot import 'no_such_function' from json"),
+        ("sparkle", "not a built-in"),
+        (str(tmp_path), "not a sequence-classification model folder"),
+    ]:
+        with pytest.raises(UsageError, match=said):
+            load_rewards([spec], None, "", 8, "cpu", torch.float32)
+    with pytest.raises(UsageError, match="--reward_weights has 2 values for 1 --reward_funcs"):
+        load_rewards(["accuracy"], [1.0, 2.0], "", 8, "cpu", torch.float32)
+
+
+# ---- rollouts --------------------------------------------------------------------------------------------------
+def test_a_draw_depends_on_its_own_logits_and_uniform_only():
+    """The inverse-CDF pick of a row is the same alone or beside other rows, and top_p keeps only the smallest
+    set of tokens reaching it; a draw within 1e-4 of a CDF boundary is counted as a near tie."""
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.1, 0.8]]))
+    uniforms = torch.tensor([[0.49], [0.95]], dtype=torch.float64)
+
+    def pick(rows, u, top_p=1.0):
+        sampler = InverseCdfSampler(u, 0, 1.0, top_p, [99])
+        scores = sampler(torch.zeros((rows.shape[0], 0), dtype=torch.long), rows)
+        return scores.argmax(-1).tolist(), sampler.near_ties.tolist()
+
+    assert pick(logits, uniforms)[0] == [0, 2]
+    assert pick(logits[1:], uniforms[1:])[0] == [2]  # alone: the same token
+    assert pick(logits[:1], torch.tensor([[0.55]], dtype=torch.float64))[0] == [1]
+    assert pick(logits[:1], torch.tensor([[0.55]], dtype=torch.float64), top_p=0.5)[0] == [0]  # 0.3 left out
+    assert pick(logits[:1], torch.tensor([[0.50001]], dtype=torch.float64))[1] == [1]  # near the 0.5 boundary
+
+
+def test_a_rollout_saved_on_two_ranks_is_taken_up_by_one(monkeypatch):
+    class Ranks:
+        num_processes, process_index, parallelism_config = 2, 0, None
+
+    rows = [{"row": r, "prompt_ids": [1, 2], "completion_ids": [3] * (r + 1), "truncated": False} for r in range(4)]
+    shares = [
+        {"rows": rows[:2], "advantages": [0.5, -0.5], "old_log_probs": [[-1.0], [-1.0, -2.0]]},
+        {"rows": rows[2:], "advantages": [0.25, -0.25], "old_log_probs": [[-1.0] * 3, [-2.0] * 4]},
+    ]
+    state = {"index": 3, "iteration": 1, "shares": shares}
+    one = Rollout.from_state(state, type("One", (), {"num_processes": 1, "process_index": 0})())
+    assert [r["row"] for r in one.rows] == [0, 1, 2, 3] and one.advantages.tolist() == [0.5, -0.5, 0.25, -0.25]
+    second = Rollout.from_state(state, type("Second", (Ranks,), {"process_index": 1})())
+    assert [r["row"] for r in second.rows] == [2, 3]
+    batch = next(second.micro_batches(2, 0, False, "cpu"))
+    assert batch["old_log_probs"][1, 1:5].tolist() == [-2.0] * 4 and batch["mask"].sum().item() == 7
+
+
+# ---- runs ------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory) -> Path:
+    """22 arithmetic prompts (conversations, the tiny word tokenizer's chat template) and 8 held out: 4 prompts
+    a step leave 2 over at each epoch's end."""
+    from common.synthetic import write_prompt_data
+
+    folder = tmp_path_factory.mktemp("prompts")
+    write_prompt_data(str(folder), train=22, validation=8)
+    return folder
+
+
+def grpo_args(data: Path, out: Path, **overrides) -> list[str]:
+    values = {
+        "model_config": REPO / "recipes/configs/tiny_llama.json",
+        "tokenizer_name_or_path": data / "tokenizer",
+        "train_file": data / "train.jsonl",
+        "validation_file": data / "validation.jsonl",
+        "block_size": 24,
+        "max_completion_length": 6,
+        "num_generations": 4,
+        "reward_funcs": "format",
+        "per_device_train_batch_size": 4,
+        "gradient_accumulation_steps": 2,
+        "per_device_eval_batch_size": 8,
+        "num_train_epochs": 2,
+        "num_iterations": 2,
+        "learning_rate": 0.003,
+        "logging_steps": 1,
+        "save_steps": 1,
+        "output_dir": out,
+        "report_to": "none",
+        "seed": 7,
+        **overrides,
+    }
+    argv = flags(**{k: v for k, v in values.items() if v is not True and v is not None})
+    return argv + [f"--{k}" for k, v in values.items() if v is True] + ["--log_completions", "--eval_on_start"]
+
+
+# the objective each config's run checks, with the one-process run it is compared with
+OBJECTIVES = {
+    "zero3.yaml": {"loss_type": "dapo", "mask_truncated_completions": True},
+    "fsdp.yaml": {"loss_type": "grpo", "beta": 0.04, "scale_rewards": "batch"},
+    "ddp.yaml": {"loss_type": "dr_grpo"},
+    "zero2.yaml": {"loss_type": "dapo"},
+    "zero3_offload.yaml": {"loss_type": "dapo"},
+    "tp.yaml": {"loss_type": "dapo"},
+}
+
+
+def run_grpo(key, prompts, tmp_path_factory):
+    config, extra = key[0], dict(key[1])
+    out = tmp_path_factory.mktemp("grpo") / "run"
+    if config == "one process":  # in this process (no launch): one rank, fp32, 2 x the batch of a rank of two
+        with pytest.MonkeyPatch.context() as patch:
+            run_in_process("recipes/grpo.py", grpo_args(prompts, out, per_device_train_batch_size=8, **extra), patch)
+    else:
+        launch(config, "grpo.py", grpo_args(prompts, out, **extra), num_processes=2, launcher_args=FP32)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(prompts, tmp_path_factory):
+    return LaunchedOnce(lambda key: run_grpo(key, prompts, tmp_path_factory))
+
+
+def completions(out) -> list[dict]:
+    return [json.loads(line) for line in (Path(out) / "completions.jsonl").read_text().splitlines()]
+
+
+CONFIGS = tiered(
+    [("zero3.yaml", {}), ("fsdp.yaml", {}), ("ddp.yaml", {}), ("zero2.yaml", {}), ("zero3_offload.yaml", {}),
+     ("tp.yaml", {}), ("ddp.yaml", {"use_peft": True}), ("zero3.yaml", {"use_peft": True})],
+    [("zero3.yaml", {}), ("fsdp.yaml", {})],
+)  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config,extra", CONFIGS)
+def test_each_config_samples_the_same_completions_and_trains_as_one_process(config, extra, runs):
+    """fp32, 2 processes x 4 completions x accumulation 2 (4 prompts a step, G = 4), 2 epochs of 22 prompts
+    (2 left over each), --num_iterations 2: every completion of every rollout is the one process's, token for
+    token (a difference is allowed only at a draw counted as a near tie), each step's loss within 1e-5 and the
+    final weights within 1e-5; the weights sampled from are gathered once per rollout where they are sharded."""
+    peft = {"use_peft": True, "lora_target_modules": "all-linear"} if extra.get("use_peft") else {}
+    key = tuple(sorted({**OBJECTIVES[config], **peft}.items()))
+    out, single = runs[(config, key)], runs[("one process", key)]
+    record = read_run(out)
+    assert record["world_size"] == 2 and record["participating_processes"] == 2
+    assert record["max_steps"] == 20  # 2 epochs x 5 rollouts x 2 iterations
+    sharded = config in ("zero3.yaml", "fsdp.yaml", "zero3_offload.yaml", "tp.yaml")
+    assert record["rollout"]["weights"].startswith("a whole copy" if sharded else "the policy's own")
+    ours, theirs = completions(out), completions(single)
+    assert [(c["rollout"], c["row"]) for c in ours] == [(c["rollout"], c["row"]) for c in theirs]
+    assert len({c["row"] for c in ours if c["rollout"] == 0}) == 4 and len(ours) == 10 * 16
+    differing = [(a, b) for a, b in zip(ours, theirs) if a["completion_ids"] != b["completion_ids"]]
+    near = sum(a["near_ties"] + b["near_ties"] > 0 for a, b in zip(ours, theirs))
+    print(f"{config} {extra}: {len(differing)} of {len(ours)} completions differ; {near} had a near tie")
+    assert all(a["near_ties"] or b["near_ties"] for a, b in differing)
+    assert not [a for a, _ in differing if a["rollout"] == 0]  # equal weights: equal completions
+    rows, one = read_metrics(out)[0], read_metrics(single)[0]
+    assert [r["step"] for r in rows] == list(range(1, 21)) == [r["step"] for r in one]
+    gaps = [abs(a["loss"] - b["loss"]) / max(abs(b["loss"]), 1e-3) for a, b in zip(rows, one)]
+    weight_gap = max_weight_difference(out / "final", single / "final")
+    print(f"{config} {extra}: loss gap {max(gaps):.2e} (relative), final weights {weight_gap:.2e}")
+    assert max(gaps) < FP32_TOLERANCE and weight_gap < FP32_TOLERANCE
+    assert any(r["loss"] != 0 for r in rows)  # advantages were not all zero: the test could fail
+    assert {"reward", "reward_std", "rewards/format/mean", "completions/mean_length", "completions/clipped_ratio",
+            "frac_reward_zero_std", "clip_ratio/region_mean"} <= set(rows[0])  # fmt: skip
+    assert ("kl" in rows[0]) == bool(OBJECTIVES[config].get("beta"))
+
+
+@pytest.mark.slow
+def test_a_run_resumed_inside_num_iterations_repeats_the_same_steps_bit_for_bit(runs, prompts, tmp_path, monkeypatch):
+    """The one-process run's checkpoint after step 3 (the second of rollout 1's two passes not yet taken): a run
+    resumed there trains on the saved rollout (not a new one from the updated weights) to the same losses and the
+    same final weights, bit for bit."""
+    key = tuple(sorted(OBJECTIVES["zero3.yaml"].items()))
+    done = runs[("one process", key)]
+    out = tmp_path / "resumed"
+    shutil.copytree(done, out)
+    shutil.rmtree(out / "final")
+    state = json.loads((out / "checkpoints/step_3/trainer_state.json").read_text())
+    assert state["rollout"]["index"] == 1 and state["rollout"]["iteration"] == 1
+    argv = grpo_args(prompts, out, per_device_train_batch_size=8, **dict(key))
+    run_in_process("recipes/grpo.py", argv + ["--resume_from_checkpoint", out / "checkpoints/step_3"], monkeypatch)
+    resumed = {r["step"]: r["loss"] for r in read_metrics(out)[0]}
+    original = {r["step"]: r["loss"] for r in read_metrics(done)[0]}
+    assert all(resumed[s] == original[s] for s in range(4, 21))
+    a, b = load_weights(out / "final"), load_weights(done / "final")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ---- bad input -------------------------------------------------------------------------------------------------
+def refused(prompts, tmp_path, monkeypatch, said: str, **overrides):
+    out = tmp_path / "run"
+    with pytest.raises(UsageError, match=said) as error:
+        run_in_process("recipes/grpo.py", grpo_args(prompts, out, max_steps=2, **overrides), monkeypatch)
+    assert "\n" not in str(error.value)
+    return out
+
+
+def test_bad_input_is_one_line(prompts, tmp_path, monkeypatch):
+    """No `prompt` column, completions that leave no room for a prompt in the block, a group that does not divide a
+    process's completions, a reward that cannot be imported: refused before anything is written. Sequence and
+    context parallelism refused as for DPO (the loss scores whole completions)."""
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text('{"question": "what is 1 plus 1 ?", "answer": "2"}\n' * 8)
+    refused(prompts, tmp_path, monkeypatch, 'GRPO data needs a "prompt" column', train_file=questions,
+            validation_file=questions)  # fmt: skip
+    refused(prompts, tmp_path, monkeypatch, "--max_completion_length 24 leaves no room for a prompt",
+            max_completion_length=24)  # fmt: skip
+    refused(prompts, tmp_path, monkeypatch, "not a multiple of --num_generations 3", num_generations=3)
+    out = refused(prompts, tmp_path, monkeypatch, "cannot import 'f'", reward_funcs=f"{tmp_path}/missing.py:f")
+    assert not out.exists()
+    from common.sequence_parallel import check_arguments
+
+    module = __import__("importlib").import_module("conftest").load_script("recipes/grpo.py")
+    with pytest.raises(UsageError, match="this recipe scores each completion's log-probabilities"):
+        check_arguments((module.GRPOArguments(),))
+
+
+def test_a_reward_that_raises_mid_run_stops_it_in_one_line(prompts, tmp_path, monkeypatch):
+    """The user's function raises at the first rollout: one line naming it and the rows; the run's folder stays."""
+    out = refused(prompts, tmp_path, monkeypatch, r"reward function raises raised on a batch of rows \[\d+",
+                  reward_funcs=f"{user_rewards(tmp_path)}:raises")  # fmt: skip
+    assert (out / "run.json").exists()
