@@ -5,6 +5,7 @@ weighted sum over the functions that score it (a function may return None for "n
 
 * `accuracy`: 1 if the completion's last number equals the row's `answer` column (as numbers: "12", "12.0"
   and "the sum is 12" all match 12), else 0.
+* `exact_match`: 1 if the whole completion (stripped) is the row's `answer` (stripped), else 0.
 * `format`: 1 if the whole completion (stripped) matches --format_pattern (default: a bare number), else 0.
 * `length`: 1 - completion tokens / --max_completion_length: the shorter the better (a tie-breaker for
   the others, with a small weight).
@@ -35,7 +36,7 @@ from accelerate.utils import gather_object
 from common.errors import UsageError, describe
 
 
-BUILT_IN = ("accuracy", "format", "length")
+BUILT_IN = ("accuracy", "exact_match", "format", "length")
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
@@ -55,6 +56,11 @@ def accuracy_reward(completions, answer, **_) -> list[float]:
         got, want = last_number(completion_text(completion)), last_number(str(expected))
         scores.append(float(got is not None and want is not None and math.isclose(got, want)))
     return scores
+
+
+def exact_match_reward(completions, answer, **_) -> list[float]:
+    """1 where the completion is the answer, nothing more."""
+    return [float(completion_text(c).strip() == str(a).strip()) for c, a in zip(completions, answer)]
 
 
 class FormatReward:
@@ -166,6 +172,8 @@ def load_rewards(
     for spec in specs:
         if spec == "accuracy":
             function = accuracy_reward
+        elif spec == "exact_match":
+            function = exact_match_reward
         elif spec == "format":
             function = FormatReward(format_pattern)
         elif spec == "length":

@@ -26,6 +26,7 @@ import hashlib
 import json
 import math
 import os
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -231,7 +232,9 @@ class Sampler:
     def rollout(self, index: int, step: int) -> Rollout:
         """Rollout `index` sampled from the policy of optimizer step `step` (gathered first where it is sharded:
         every rank calls it)."""
+        started = time.perf_counter()
         self.weights.refresh(step)
+        gathered = time.perf_counter()
         model, rows = self.weights.model, []
         training, _ = model.training, model.eval()
         for row in self.order.rollout(index):
@@ -246,7 +249,13 @@ class Sampler:
                 for ids, cut, n in zip(completions, truncated, ties)
             ]
         model.train(training)
-        return Rollout(index, rows, torch.zeros(len(rows)))
+        seconds = time.perf_counter() - gathered
+        timing = {
+            "gather_s": gathered - started,
+            "generate_s": seconds,
+            "tokens_per_s": sum(len(r["completion_ids"]) for r in rows) / max(seconds, 1e-9),
+        }
+        return Rollout(index, rows, torch.zeros(len(rows)), timing=timing)
 
     @torch.no_grad()
     def greedy(self, dataset, step: int, batch_size: int, limit: int | None) -> list[dict]:
@@ -362,7 +371,7 @@ class Rollout:
     rows: list[dict]  # {"row", "prompt_ids", "completion_ids", "truncated"}
     advantages: torch.Tensor
     old_log_probs: list[list[float]] | None = None
-    counts: dict = field(default_factory=dict)
+    timing: dict = field(default_factory=dict)  # this rank's: gather_s, generate_s, tokens_per_s (completion tokens)
 
     def batch(self, rows: list[dict], pad_id: int, mask_truncated: bool) -> dict:
         """Right-padded prompt + completion rows: input_ids, attention_mask, labels (the completion's tokens),

@@ -335,19 +335,39 @@ def format_pair(a: int, op: str, b: int, rng) -> dict:
     }
 
 
+def format_questions(held_out: int, rng) -> tuple[list, list]:
+    """The 155 questions (a plus b, a minus b >= 0, for a, b in 0..9) in a seeded order: (held out, the others)."""
+    questions = [(a, "plus", b) for a in range(10) for b in range(10)] + [
+        (a, "minus", b) for a in range(10) for b in range(a + 1)
+    ]
+    order = rng.permutation(len(questions))
+    return [questions[i] for i in order[:held_out]], [questions[i] for i in order[held_out:]]
+
+
+def write_format_prompt_data(out_dir: str, held_out=50, seed=0) -> None:
+    """GRPO's prompts for a real chat model: the format demo's questions under its system turn ("Answer with the
+    number only."), the right number in `answer`; the same `held_out` questions as `write_format_preference_data`
+    are validation only, the other 105 train."""
+    rng = np.random.default_rng(seed + 2000)
+    validation, train = format_questions(held_out, rng)
+
+    def row(a, op, b):
+        prompt = [{"role": "system", "content": NUMBER_ONLY}, {"role": "user", "content": f"what is {a} {op} {b} ?"}]
+        return {"prompt": prompt, "answer": str(a + b if op == "plus" else a - b)}
+
+    write_jsonl(os.path.join(out_dir, "train.jsonl"), [row(*q) for q in train])
+    write_jsonl(os.path.join(out_dir, "validation.jsonl"), [row(*q) for q in validation])
+
+
 def write_format_preference_data(out_dir: str, train=2000, held_out=50, seed=0) -> None:
     """Pairs for a model that brings its own tokenizer and chat template (the real-model demo). Of the 155
     questions (a plus b, a minus b >= 0, for a, b in 0..9), `held_out` are validation only, one pair each;
     the train pairs are drawn from the others."""
     rng = np.random.default_rng(seed + 2000)
-    questions = [(a, "plus", b) for a in range(10) for b in range(10)] + [
-        (a, "minus", b) for a in range(10) for b in range(a + 1)
-    ]
-    order = rng.permutation(len(questions))
-    validation = [format_pair(*questions[i], rng) for i in order[:held_out]]
-    seen = order[held_out:]
+    held, seen = format_questions(held_out, rng)
+    validation = [format_pair(*question, rng) for question in held]
     write_jsonl(
         os.path.join(out_dir, "train.jsonl"),
-        [format_pair(*questions[seen[i]], rng) for i in rng.integers(0, len(seen), size=train)],
+        [format_pair(*seen[i], rng) for i in rng.integers(0, len(seen), size=train)],
     )
     write_jsonl(os.path.join(out_dir, "validation.jsonl"), validation)

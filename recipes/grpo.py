@@ -235,6 +235,7 @@ def main(
                     "completions/mean_length": lengths,
                     "completions/clipped_ratio": torch.tensor([float(r["truncated"]) for r in rollout.rows]),
                     "rollout/near_tie_ratio": torch.tensor([float(r["near_ties"] > 0) for r in rollout.rows]),
+                    **{f"rollout/{k}_per_device": torch.tensor([v]) for k, v in rollout.timing.items()},
                 }
             )
             if grpo_args.num_iterations > 1:  # the sampling policy's log-probs, for the later iterations' ratios

@@ -7,6 +7,7 @@
     python scripts/make_demo_data.py --task preference --out outputs/data/preference
     python scripts/make_demo_data.py --task format_preference --out outputs/data/format_preference
     python scripts/make_demo_data.py --task prompts --out outputs/data/prompts
+    python scripts/make_demo_data.py --task format_prompts --out outputs/data/format_prompts
 
 markov: a word-level Markov corpus with a known entropy floor (source.json) and its
 tokenizer; another --seed gives a different chain over the same vocabulary.
@@ -15,7 +16,8 @@ questions with checkable answers, with a tokenizer that has a chat template. pre
 the same questions as pairs, the right answer chosen over a near miss (for DPO). format_preference:
 for a real chat model (no tokenizer written), a system turn asking for the number only, the bare
 right number chosen over the right number in a sentence. prompts: the arithmetic questions as GRPO's prompts, the right number in an
-`answer` column (for the `accuracy` reward).
+`answer` column (for the `accuracy` reward). format_prompts: format_preference's questions and system turn as
+GRPO's prompts for a real chat model, the same 50 held out.
 """
 
 import argparse
@@ -25,6 +27,7 @@ import os
 from common.synthetic import (
     write_arithmetic_data,
     write_format_preference_data,
+    write_format_prompt_data,
     write_markov_corpus,
     write_preference_data,
     write_prompt_data,
@@ -39,6 +42,7 @@ WRITERS = {
     "preference": write_preference_data,
     "format_preference": write_format_preference_data,
     "prompts": write_prompt_data,
+    "format_prompts": write_format_prompt_data,
 }
 
 

@@ -280,9 +280,12 @@ OBJECTIVES = {
 def run_grpo(key, prompts, tmp_path_factory):
     config, extra = key[0], dict(key[1])
     out = tmp_path_factory.mktemp("grpo") / "run"
-    if config == "one process":  # in this process (no launch): one rank, fp32, 2 x the batch of a rank of two
+    if config.startswith("one process"):  # in this process (no launch): one rank, fp32, the global batch of 2
+        batch = 4 if config.endswith("tp.yaml") else 8  # tp.yaml's 2 processes are one data-parallel rank
         with pytest.MonkeyPatch.context() as patch:
-            run_in_process("recipes/grpo.py", grpo_args(prompts, out, per_device_train_batch_size=8, **extra), patch)
+            run_in_process(
+                "recipes/grpo.py", grpo_args(prompts, out, per_device_train_batch_size=batch, **extra), patch
+            )
     else:
         launch(config, "grpo.py", grpo_args(prompts, out, **extra), num_processes=2, launcher_args=FP32)
     return out
@@ -307,28 +310,32 @@ CONFIGS = tiered(
 @pytest.mark.slow
 @pytest.mark.parametrize("config,extra", CONFIGS)
 def test_each_config_samples_the_same_completions_and_trains_as_one_process(config, extra, runs):
-    """fp32, 2 processes x 4 completions x accumulation 2 (4 prompts a step, G = 4), 2 epochs of 22 prompts
-    (2 left over each), --num_iterations 2: every completion of every rollout is the one process's, token for
+    """fp32, 2 processes x 4 completions x accumulation 2 (4 prompts a step, G = 4; tp.yaml's pair 2), 2 epochs
+    of 22 prompts (2 left over each), --num_iterations 2: every completion of every rollout is the one process's, token for
     token (a difference is allowed only at a draw counted as a near tie), each step's loss within 1e-5 and the
     final weights within 1e-5; the weights sampled from are gathered once per rollout where they are sharded."""
     peft = {"use_peft": True, "lora_target_modules": "all-linear"} if extra.get("use_peft") else {}
     key = tuple(sorted({**OBJECTIVES[config], **peft}.items()))
-    out, single = runs[(config, key)], runs[("one process", key)]
+    out = runs[(config, key)]
+    single = runs[("one process as tp.yaml" if config == "tp.yaml" else "one process", key)]
     record = read_run(out)
     assert record["world_size"] == 2 and record["participating_processes"] == 2
-    assert record["max_steps"] == 20  # 2 epochs x 5 rollouts x 2 iterations
+    prompts_per_step = 2 if config == "tp.yaml" else 4  # a tensor-parallel pair samples one rank's prompts
+    rollouts = 2 * (22 // prompts_per_step)  # 2 epochs, the remainder left over in each
+    assert record["max_steps"] == 2 * rollouts  # 2 iterations a rollout
     sharded = config in ("zero3.yaml", "fsdp.yaml", "zero3_offload.yaml", "tp.yaml")
     assert record["rollout"]["weights"].startswith("a whole copy" if sharded else "the policy's own")
     ours, theirs = completions(out), completions(single)
     assert [(c["rollout"], c["row"]) for c in ours] == [(c["rollout"], c["row"]) for c in theirs]
-    assert len({c["row"] for c in ours if c["rollout"] == 0}) == 4 and len(ours) == 10 * 16
+    assert len({c["row"] for c in ours if c["rollout"] == 0}) == prompts_per_step
+    assert len(ours) == rollouts * prompts_per_step * 4
     differing = [(a, b) for a, b in zip(ours, theirs) if a["completion_ids"] != b["completion_ids"]]
     near = sum(a["near_ties"] + b["near_ties"] > 0 for a, b in zip(ours, theirs))
     print(f"{config} {extra}: {len(differing)} of {len(ours)} completions differ; {near} had a near tie")
     assert all(a["near_ties"] or b["near_ties"] for a, b in differing)
     assert not [a for a, _ in differing if a["rollout"] == 0]  # equal weights: equal completions
     rows, one = read_metrics(out)[0], read_metrics(single)[0]
-    assert [r["step"] for r in rows] == list(range(1, 21)) == [r["step"] for r in one]
+    assert [r["step"] for r in rows] == list(range(1, 2 * rollouts + 1)) == [r["step"] for r in one]
     gaps = [abs(a["loss"] - b["loss"]) / max(abs(b["loss"]), 1e-3) for a, b in zip(rows, one)]
     weight_gap = max_weight_difference(out / "final", single / "final")
     print(f"{config} {extra}: loss gap {max(gaps):.2e} (relative), final weights {weight_gap:.2e}")

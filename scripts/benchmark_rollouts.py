@@ -1,0 +1,167 @@
+"""GRPO's rollouts under each config: generation speed per device against DDP's, the once-per-rollout gather of
+sharded weights, the update's speed and the peak memory, all in one invocation (compare rows, not machines).
+
+Runs recipes/grpo.py for --steps optimizer steps per config on --num_processes processes, on a model built from
+--model_config (llama_100m.json: 101M parameters with the demo tokenizer), reading each run's metrics: the
+rollout's completion tokens per second per device (`rollout/tokens_per_s_per_device`, generation only), the
+gather's seconds (`rollout/gather_s_per_device`: FSDP2's, ZeRO-3's and tensor parallelism's copy of the
+whole weights, once per rollout), the update's tokens/s, and each rank's peak memory over the whole run (which
+holds the rollout's copy and KV cache). The first step is left out (warm-up). With --docs the table goes to a
+page (make benchmark-rollouts writes docs/benchmark-rollouts.md).
+
+    python scripts/benchmark_rollouts.py --configs ddp.yaml zero3.yaml zero3_offload.yaml fsdp.yaml tp.yaml
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+from common.peers import free_port
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = ["ddp.yaml", "zero3.yaml", "zero3_offload.yaml", "fsdp.yaml", "tp.yaml"]
+
+
+def run_config(config: str, args, data: str, out: str) -> dict:
+    command = [
+        os.path.join(os.path.dirname(sys.executable), "accelerate"),
+        "launch",
+        "--config_file",
+        os.path.join(REPO, "accelerate_configs", config),
+        "--num_processes",
+        str(args.num_processes),
+        "--main_process_port",
+        str(free_port()),
+        os.path.join(REPO, "recipes/grpo.py"),
+        "--model_config",
+        args.model_config,
+        "--tokenizer_name_or_path",
+        os.path.join(data, "tokenizer"),
+        "--train_file",
+        os.path.join(data, "train.jsonl"),
+        "--validation_file",
+        os.path.join(data, "validation.jsonl"),
+        "--reward_funcs",
+        "format",
+        "--num_generations",
+        str(args.num_generations),
+        "--max_completion_length",
+        str(args.max_completion_length),
+        "--block_size",
+        str(args.max_completion_length + 16),
+        "--per_device_train_batch_size",
+        str(args.num_generations),
+        "--max_steps",
+        str(args.steps),
+        "--logging_steps",
+        "1",
+        "--max_eval_samples",
+        "2",
+        "--output_dir",
+        out,
+        "--overwrite_output_dir",
+        "--report_to",
+        "none",
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
+    if result.returncode != 0:
+        raise SystemExit(f"{config} failed:\n{result.stderr[-3000:]}")
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    train = [r for r in rows if "loss" in r][1:]  # the first step warms up
+    record = json.load(open(os.path.join(out, "run.json")))
+
+    def mean(key):
+        return sum(r[key] for r in train) / len(train)
+
+    return {
+        "config": config,
+        "weights": record["rollout"]["weights"],
+        "copy_mb": record["rollout"]["copy_bytes_per_rank"] / 2**20,
+        "generate_tokens_per_s": mean("rollout/tokens_per_s_per_device"),
+        "gather_s": mean("rollout/gather_s_per_device"),
+        "generate_s": mean("rollout/generate_s_per_device"),
+        "update_tokens_per_s": mean("tokens_per_s_per_device"),
+        "peak_mb": [
+            rank.get("peak_allocated_mb") or rank.get("peak_rss_mb") for rank in record["peak_memory_whole_run"]
+        ],
+        "parameters": record["total_parameters"],
+    }
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", nargs="+", default=CONFIGS)
+    parser.add_argument("--num_processes", type=int, default=2)
+    parser.add_argument("--model_config", default=os.path.join(REPO, "recipes/configs/llama_100m.json"))
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--num_generations", type=int, default=4)
+    parser.add_argument("--max_completion_length", type=int, default=32)
+    parser.add_argument("--docs", help="write the table to this markdown page")
+    args = parser.parse_args(argv)
+    from common.synthetic import write_prompt_data
+
+    with tempfile.TemporaryDirectory() as tmp:
+        data = os.path.join(tmp, "data")
+        write_prompt_data(data, train=64, validation=4)
+        results = [run_config(config, args, data, os.path.join(tmp, config)) for config in args.configs]
+    base = next((r for r in results if r["config"] == "ddp.yaml"), results[0])
+    for r in results:
+        r["versus"] = r["generate_tokens_per_s"] / base["generate_tokens_per_s"]
+        print(
+            f"{r['config']:<20} generate {r['generate_tokens_per_s']:8.1f} tokens/s per device "
+            f"({r['versus']:.2f}x {base['config']}), gather {r['gather_s']:.2f} s per rollout, update "
+            f"{r['update_tokens_per_s']:.0f} tokens/s, peak MB {', '.join(f'{m:.0f}' for m in r['peak_mb'])}"
+        )
+    if args.docs:
+        write_docs(args, results, base)
+    return results
+
+
+def write_docs(args, results, base) -> None:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from figures import markdown_table, write_page
+
+    table = markdown_table(
+        [
+            "config",
+            "weights sampled from",
+            "copy MB per rank",
+            "generation tokens/s per device",
+            f"vs {base['config']}",
+            "gather s per rollout",
+            "generation s per rollout",
+            "update tokens/s per device",
+            "peak MB per rank",
+        ],
+        [
+            [
+                f"`{r['config']}`",
+                r["weights"],
+                f"{r['copy_mb']:.0f}",
+                f"{r['generate_tokens_per_s']:.1f}",
+                f"{r['versus']:.2f}",
+                f"{r['gather_s']:.2f}",
+                f"{r['generate_s']:.2f}",
+                f"{r['update_tokens_per_s']:.0f}",
+                ", ".join(f"{m:.0f}" for m in r["peak_mb"]),
+            ]
+            for r in results
+        ],
+    )
+    write_page(
+        args.docs,
+        "GRPO rollouts: generation speed and memory per config",
+        f"{results[0]['parameters']:,} parameters, {args.num_processes} processes, the configs' mixed precision; "
+        f"{args.num_generations} completions of {args.max_completion_length} tokens at most per prompt, one prompt "
+        f"per process a step, {args.steps} steps (the first left out). Generation tokens/s counts the completions' "
+        "tokens per second of generation on each device (the gather of sharded weights apart, in its own column); "
+        "the peak is each rank's over the whole run (resident set on a CPU, the allocator's on a GPU).\n\n" + table,
+    )
+
+
+if __name__ == "__main__":
+    main()
