@@ -77,7 +77,24 @@ def run_config(config: str, args, data: str, out: str) -> dict:
     def mean(key):
         return sum(r[key] for r in train) / len(train)
 
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import estimate_memory
+    from transformers import AutoTokenizer
+
+    estimated = estimate_memory.main(
+        [
+            "--model", args.model_config,
+            "--vocab_size", str(len(AutoTokenizer.from_pretrained(os.path.join(data, "tokenizer")))),
+            "--config", os.path.join(REPO, "accelerate_configs", config),
+            "--num_processes", str(args.num_processes),
+            "--batch_size", str(args.num_generations),
+            "--seq_len", str(args.max_completion_length + 16),
+            "--grpo_generations", str(args.num_generations),
+        ]
+    )  # fmt: skip
     return {
+        "estimated_peak_mb": estimated["peak_mb"],
+        "estimated_copy_mb": estimated["rollout_weights"] / 2**20,
         "config": config,
         "weights": record["rollout"]["weights"],
         "copy_mb": record["rollout"]["copy_bytes_per_rank"] / 2**20,
@@ -129,25 +146,27 @@ def write_docs(args, results, base) -> None:
         [
             "config",
             "weights sampled from",
-            "copy MB per rank",
+            "copy MB per rank (estimated)",
             "generation tokens/s per device",
             f"vs {base['config']}",
             "gather s per rollout",
             "generation s per rollout",
             "update tokens/s per device",
             "peak MB per rank",
+            "estimated peak MB",
         ],
         [
             [
                 f"`{r['config']}`",
                 r["weights"],
-                f"{r['copy_mb']:.0f}",
+                f"{r['copy_mb']:.0f} ({r['estimated_copy_mb']:.0f})",
                 f"{r['generate_tokens_per_s']:.1f}",
                 f"{r['versus']:.2f}",
                 f"{r['gather_s']:.2f}",
                 f"{r['generate_s']:.2f}",
                 f"{r['update_tokens_per_s']:.0f}",
                 ", ".join(f"{m:.0f}" for m in r["peak_mb"]),
+                f"{r['estimated_peak_mb']:.0f}",
             ]
             for r in results
         ],
@@ -159,7 +178,8 @@ def write_docs(args, results, base) -> None:
         f"{args.num_generations} completions of {args.max_completion_length} tokens at most per prompt, one prompt "
         f"per process a step, {args.steps} steps (the first left out). Generation tokens/s counts the completions' "
         "tokens per second of generation on each device (the gather of sharded weights apart, in its own column); "
-        "the peak is each rank's over the whole run (resident set on a CPU, the allocator's on a GPU).\n\n" + table,
+        "the peak is each rank's over the whole run (resident set on a CPU, the allocator's on a GPU), beside "
+        "`make estimate-memory ... --grpo_generations G`'s.\n\n" + table,
     )
 
 

@@ -23,7 +23,10 @@ seq_len / sp_size tokens: after the exchange a rank attends for the whole row wi
 fsdp_cp.yaml: FSDP2's model state over all N ranks; each rank's activations those of its seq_len / cp_size
 tokens, counted as Ulysses' are.)
 
---dpo_reference adds recipes/dpo.py's frozen reference copy: 4Ψ on one process or DDP, 4Ψt under TP, 4Ψ/N under FSDP2,
+--grpo_generations G adds recipes/grpo.py's rollout: under FSDP2, ZeRO-3 and tensor parallelism the whole-weights
+copy it samples from (cΨ, the compute dtype: `rollout_bytes`; none where the weights are whole already), and, while
+it samples, the KV cache of G completions of --seq_len tokens (2 x layers x G x seq_len x the key/value width x c)
+and their fp32 logits. --dpo_reference adds recipes/dpo.py's frozen reference copy: 4Ψ on one process or DDP, 4Ψt under TP, 4Ψ/N under FSDP2,
 cΨ under ZeRO-1/2 and cΨ/N under ZeRO-3 (`reference_bytes`). --use_peft: the model frozen, LoRA's adapters (rank 8
 on peft's default modules for the architecture, as the recipes' --use_peft) the only parameters with gradients,
 master weights and AdamW moments: the table's gradient, master and optimizer columns with the adapters' count for Ψ.
@@ -230,6 +233,15 @@ def reference_bytes(psi: int, strategy: dict, c: int) -> float:
     return 4 * psi / n if strategy["strategy"] == "fsdp" else 4 * psi
 
 
+def rollout_bytes(psi: int, strategy: dict, c: int) -> float:
+    """GRPO's copy of the whole weights on a rank (common.rollout.GenerationWeights): the compute dtype's cΨ where
+    the strategy shards the weights (FSDP2, ZeRO-3, tensor parallelism), none where every rank holds them whole."""
+    sharded = strategy["strategy"] in ("fsdp", "tp") or (
+        strategy["strategy"] == "deepspeed" and strategy["zero_stage"] == 3
+    )
+    return c * psi if sharded else 0
+
+
 def estimate(
     model: dict,
     strategy: dict,
@@ -239,6 +251,7 @@ def estimate(
     accumulation: int = 1,
     dpo_reference: bool = False,
     trainable: int | None = None,
+    grpo_generations: int | None = None,
 ) -> dict:
     """Bytes per rank by category (the memory account's), and the peak. Activation checkpointing
     is on when asked or when the config turns it on (fsdp_activation_checkpointing). With
@@ -291,12 +304,20 @@ def estimate(
         if dpo_reference
         else 0
     )
+    rollout = rollout_bytes(psi, strategy, c) if grpo_generations else 0
+    # while sampling: the KV cache of G completions of seq_len tokens, and each step's logits in fp32
+    sampling = (
+        grpo_generations * seq_len * (2 * model["layers"] * model["kv_hidden_size"] * c + 8 * model["vocab_size"])
+        if grpo_generations
+        else 0
+    )
     categories = {
         "parameters": parameters,
         "master_weights": master,
         "gradients": gradients,
         "optimizer_states": optimizer,
         "reference_model": reference,
+        "rollout_weights": rollout,
         "communication_buffers": buckets,
     }
     # sequence (context) parallelism: a rank holds its share of each row, -(-L // sp) tokens once padded
@@ -304,7 +325,7 @@ def estimate(
     activations = activation_bytes(model, batch_size, -(-seq_len // sp), c, checkpointing, tp, sp)
     if kind in ("ddp", "tp") and c == 2:  # autocast's low-precision copy of each weight, saved for backward
         activations += c * parameters / 4
-    model_state = parameters + master + gradients + optimizer + reference
+    model_state = parameters + master + gradients + optimizer + reference + rollout
     # Under accumulation: DDP's no_sync micro-batches' gradients are autograd's own tensors beside its buckets
     # until the synchronising backward copies them in (from the second step on, measured: +4Ψ); ZeRO-1 (without
     # overlap_comm) keeps every gradient whole until the boundary's reduction (cΨ, not cΨ/N)
@@ -317,10 +338,13 @@ def estimate(
         "activations": int(activations),
         "activation_checkpointing": checkpointing,
         "step_transient": int(step_transient),
+        "sampling": int(sampling),
         "loading_peak": int(loading),
-        "tensors_peak": int(max(model_state + buckets + activations + step_transient, loading)),
+        "tensors_peak": int(max(model_state + buckets + max(activations + step_transient, sampling), loading)),
         "accumulation_transient": int(later),
-        "run_tensors_peak": int(max(model_state + buckets + activations + step_transient + later, loading)),
+        "run_tensors_peak": int(
+            max(model_state + buckets + max(activations + step_transient + later, sampling), loading)
+        ),
     }
 
 
@@ -366,6 +390,13 @@ def main(argv=None) -> dict:
     parser.add_argument(
         "--use_peft", action="store_true", help="LoRA at the recipes' defaults: only the adapters train"
     )
+    parser.add_argument(
+        "--grpo_generations",
+        type=int,
+        help="add recipes/grpo.py's rollout of this many completions per prompt (--num_generations): the copy of "
+        "the whole weights it samples from where the config shards them, and the KV cache of --seq_len tokens "
+        "(prompt + --max_completion_length)",
+    )
     parser.add_argument("--json", help="also write the estimate here")
     args = parser.parse_args(argv)
     for path, what in ((args.config, "--config"),):
@@ -390,6 +421,7 @@ def main(argv=None) -> dict:
         args.gradient_accumulation_steps,
         args.dpo_reference,
         model["lora_parameters"] if args.use_peft else None,
+        args.grpo_generations,
     )
     import torch
 
@@ -409,10 +441,12 @@ def main(argv=None) -> dict:
         "gradients",
         "optimizer_states",
         *(("reference_model",) if args.dpo_reference else ()),
+        *(("rollout_weights",) if args.grpo_generations else ()),
         "model_state",
         "communication_buffers",
         "activations",
         "step_transient",
+        *(("sampling",) if args.grpo_generations else ()),
         "loading_peak",
     ):
         print(f"  {key:22} {result[key] / MB:10.1f}")

@@ -15,6 +15,7 @@ from conftest import (
     LaunchedOnce,
     flags,
     launch,
+    load_script,
     load_weights,
     max_weight_difference,
     read_metrics,
@@ -325,6 +326,9 @@ def test_each_config_samples_the_same_completions_and_trains_as_one_process(conf
     assert record["max_steps"] == 2 * rollouts  # 2 iterations a rollout
     sharded = config in ("zero3.yaml", "fsdp.yaml", "zero3_offload.yaml", "tp.yaml")
     assert record["rollout"]["weights"].startswith("a whole copy" if sharded else "the policy's own")
+    estimate = load_script("scripts/estimate_memory.py")  # make estimate-memory --grpo_generations counts the copy
+    strategy = estimate.read_strategy(str(REPO / "accelerate_configs" / config), 2, "no")
+    assert record["rollout"]["copy_bytes_per_rank"] == estimate.rollout_bytes(record["total_parameters"], strategy, 4)
     ours, theirs = completions(out), completions(single)
     assert [(c["rollout"], c["row"]) for c in ours] == [(c["rollout"], c["row"]) for c in theirs]
     assert len({c["row"] for c in ours if c["rollout"] == 0}) == prompts_per_step
