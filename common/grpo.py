@@ -34,17 +34,19 @@ STD_EPSILON = 1e-4  # TRL's
 
 
 def group_advantages(rewards: torch.Tensor, group: int, scale: str, batch_std: torch.Tensor | None = None):
-    """(advantages, per-group std) for `rewards` of consecutive groups of `group` completions (one prompt each).
-    `batch_std`: the std over the whole global batch (every rank's rewards), for --scale_rewards batch."""
+    """(advantages, each group's std, the std the advantages were divided by, per group: TRL's reward_std) for
+    `rewards` of consecutive groups of `group` completions (one prompt each). `batch_std`: the std over the whole
+    global batch (every rank's rewards), for --scale_rewards batch; `none` divides by nothing (its figure: the
+    group's std)."""
     grouped = rewards.view(-1, group)
-    std = grouped.std(dim=1) if group > 1 else torch.zeros(grouped.shape[0], dtype=rewards.dtype)
+    std = grouped.std(dim=1)
     centred = (grouped - grouped.mean(dim=1, keepdim=True)).flatten()
     if scale == "group":
-        return centred / (std.repeat_interleave(group) + STD_EPSILON), std
+        return centred / (std.repeat_interleave(group) + STD_EPSILON), std, std
     if scale == "batch":
-        return centred / (batch_std + STD_EPSILON), std
+        return centred / (batch_std + STD_EPSILON), std, batch_std.expand(std.shape)
     if scale == "none":
-        return centred, std
+        return centred, std, std
     raise ValueError(f"scale_rewards {scale!r}: one of {SCALINGS}")
 
 
@@ -94,9 +96,9 @@ def rollout_log_probs(model, rollout, batch_size: int, pad_id: int, accelerator)
 
 @dataclass
 class Normaliser:
-    """What the global batch of one optimizer step holds: completions and completion tokens over every rank and
-    micro-batch (counted once per tensor-parallel group by dividing by `copies`), and the ranks x accumulation
-    steps a micro-batch's loss is averaged over."""
+    """What the global batch of one optimizer step holds: completions and completion tokens summed over every rank
+    and micro-batch, and `shares`, the processes x accumulation steps a micro-batch's loss is averaged over (a
+    tensor-parallel group's ranks each count the group's batch, and each is a share: the two cancel)."""
 
     completions: float
     tokens: float

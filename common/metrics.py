@@ -128,7 +128,8 @@ class MetricsLogger:
         own = {}
         if self.window_values:  # one reduce for all of them
             sums = self.accelerator.reduce(torch.stack(list(self.window_values.values())), reduction="sum").tolist()
-            own = {name: total / max(count, 1) for name, (total, count) in zip(self.window_values, sums)}
+            # a figure nothing recorded in the window (a reward that scored no completion) is None, not 0
+            own = {name: total / count if count else None for name, (total, count) in zip(self.window_values, sums)}
         # one row per rank: [data wait, peak memory (, allocated, reserved on a GPU)]
         per_rank = self.accelerator.gather(
             torch.tensor([[self.data_wait_s, *memory_mb(device)]], dtype=torch.float64, device=device)

@@ -29,6 +29,7 @@ import importlib.util
 import math
 import os
 import re
+import sys
 
 import torch
 from accelerate.utils import gather_object
@@ -154,10 +155,20 @@ def import_function(spec: str):
     return function
 
 
+NEEDS_ANSWER = ("accuracy", "exact_match")  # the built-ins that read an `answer` column
+
+
 def load_rewards(
-    specs: list[str], weights: list[float] | None, format_pattern: str, max_completion_length: int, device, dtype
+    specs: list[str],
+    weights: list[float] | None,
+    format_pattern: str,
+    max_completion_length: int,
+    device,
+    dtype,
+    columns: list[str] | None = None,
 ) -> tuple[list, list[str], list[float]]:
-    """(functions, their names as the metrics call them, weights) for --reward_funcs / --reward_weights."""
+    """(functions, their names as the metrics call them, weights) for --reward_funcs / --reward_weights; `columns`:
+    the training data's, checked against what the built-ins read."""
     if not specs:
         raise UsageError(
             f"--reward_funcs is empty: name at least one ({', '.join(BUILT_IN)}, file.py:function, "
@@ -170,6 +181,11 @@ def load_rewards(
         )
     functions, names = [], []
     for spec in specs:
+        if spec in NEEDS_ANSWER and columns is not None and "answer" not in columns:
+            raise UsageError(
+                f'--reward_funcs {spec} compares each completion with the row\'s "answer" column, which the data '
+                f"lacks (its columns: {columns}); add one, or map yours with dataset_mixture's columns"
+            )
         if spec == "accuracy":
             function = accuracy_reward
         elif spec == "exact_match":
@@ -248,8 +264,9 @@ class Rewards:
     """--reward_funcs with their weights, over completions of rows of `dataset` (the prompts' split, which
     holds each row's prompt and other columns)."""
 
-    def __init__(self, functions, names, weights, tokenizer):
+    def __init__(self, functions, names, weights, tokenizer, accelerator=None):
         self.functions, self.names, self.weights, self.tokenizer = functions, names, weights, tokenizer
+        self.accelerator, self.warned = accelerator, set()
 
     def __call__(self, rows: list[dict], dataset) -> tuple[torch.Tensor, torch.Tensor]:
         """(each completion's reward, the (completions x functions) table, NaN where a function returned None);
@@ -272,7 +289,21 @@ class Rewards:
             [row["row"] for row in rows],
         )
         check_everywhere(problem)
+        self.warn_if_none_scored(table)
         return combine(table, self.weights).float(), table.float()
+
+    def warn_if_none_scored(self, table: torch.Tensor) -> None:
+        """A function that returned None for every completion of a rollout (on this rank) is named once: it gives
+        no signal (its metric is then empty, not 0)."""
+        quiet = self.accelerator is not None and not self.accelerator.is_main_process
+        for column, name in enumerate(self.names):
+            if len(table) and table[:, column].isnan().all() and name not in self.warned and not quiet:
+                self.warned.add(name)
+                print(
+                    f"warning: reward function {name} returned None for every completion of a rollout: it scores "
+                    "nothing there (check what it reads), and the others decide the advantages",
+                    file=sys.stderr,
+                )
 
     def values(self, rewards: torch.Tensor, table: torch.Tensor, prefix: str = "") -> dict:
         """TRL's per-function metric (`rewards/<name>/mean`, over the completions it scored) and `reward`."""
@@ -303,5 +334,5 @@ def evaluate_rewards(sampler, rewards: Rewards, dataset, step: int, batch_size: 
     }
     for column, name in enumerate(rewards.names):
         scored = [scores[column] for _, scores, *_ in seen.values() if not math.isnan(scores[column])]
-        results[f"eval_rewards/{name}/mean"] = sum(scored) / max(len(scored), 1)
+        results[f"eval_rewards/{name}/mean"] = sum(scored) / len(scored) if scored else None  # None: nothing scored
     return results

@@ -232,7 +232,6 @@ class Sampler:
     def rollout(self, index: int, step: int) -> Rollout:
         """Rollout `index` sampled from the policy of optimizer step `step` (gathered first where it is sharded:
         every rank calls it)."""
-        started = time.perf_counter()
         self.weights.refresh(step)
         gathered = time.perf_counter()
         model, rows = self.weights.model, []
@@ -251,7 +250,7 @@ class Sampler:
         model.train(training)
         seconds = time.perf_counter() - gathered
         timing = {
-            "gather_s": gathered - started,
+            "gather_s": self.weights.gather_s,  # the gather of the weights sampled from
             "generate_s": seconds,
             "tokens_per_s": sum(len(r["completion_ids"]) for r in rows) / max(seconds, 1e-9),
         }
@@ -303,7 +302,7 @@ class GenerationWeights:
         self.accelerator, self.prepared = accelerator, model
         self.policy = unwrap(accelerator, model)
         self.gathered = any(hasattr(p, "full_tensor") or is_zero3_parameter(p) for p in self.policy.parameters())
-        self.refreshed_at = None
+        self.refreshed_at, self.gather_s = None, 0.0  # the last gather's seconds (an evaluation's, at the same step)
         self.model = self._copy() if self.gathered else self.policy
 
     def _copy(self):
@@ -344,6 +343,7 @@ class GenerationWeights:
         optimizer step `step`, unless it already has them."""
         if not self.gathered or self.refreshed_at == step:
             return
+        started = time.perf_counter()
         if hasattr(self.prepared, "empty_partition_cache"):  # ZeRO-3: what its last forward left gathered
             self.prepared.empty_partition_cache()
         sources = dict(self.policy.named_parameters())
@@ -358,7 +358,7 @@ class GenerationWeights:
                 target.copy_(source.to(self.accelerator.device).full_tensor())
             else:
                 target.copy_(source)
-        self.refreshed_at = step
+        self.refreshed_at, self.gather_s = step, time.perf_counter() - started
 
 
 # ---- the buffer a step trains on -------------------------------------------------------------------------------

@@ -76,7 +76,9 @@ class GRPOArguments:
     )
     num_generations: Annotated[int, Range(low=2)] = field(default=8, metadata={"help": "Completions per prompt (G)."})
     max_completion_length: Annotated[int, Range(low=1)] = 256
-    temperature: Annotated[float, Range(low=0)] = field(default=1.0, metadata={"help": "0: greedy."})
+    temperature: Annotated[float, Range(above=0, why="greedy completions of a prompt are all alike: no advantage")] = (
+        1.0
+    )
     top_p: Annotated[float, Range(above=0, high=1)] = 1.0
     loss_type: Literal["dapo", "grpo", "dr_grpo", "bnpo"] = field(
         default="dapo", metadata={"help": "How the token losses are averaged (common.grpo)."}
@@ -143,8 +145,9 @@ def main(
         grpo_args.max_completion_length,
         accelerator.device,
         torch.float32,
+        raw["train"].column_names,  # `answer` where the built-ins read it
     )
-    rewards = Rewards(functions, names, weights, tokenizer)
+    rewards = Rewards(functions, names, weights, tokenizer, accelerator)
     per_rollout = args.per_device_train_batch_size * accumulation // group  # prompts per process
     order = prompt_order(accelerator, len(prompts["train"]), per_rollout, args.seed)
     max_steps = (
@@ -221,7 +224,7 @@ def main(
             # G completions of each of this rank's prompts, then their rewards (every rank together) and advantages
             rollout = sampler.rollout(index, step)
             reward, table = rewards(rollout.rows, prompts["train"])
-            rollout.advantages, stds = group_advantages(
+            rollout.advantages, stds, divisors = group_advantages(
                 reward, group, grpo_args.scale_rewards, batch_std(accelerator, reward)
             )
             if completion_log is not None:
@@ -230,7 +233,7 @@ def main(
             metrics.record_values(
                 {
                     **rewards.values(reward, table),
-                    "reward_std": stds,
+                    "reward_std": divisors,
                     "frac_reward_zero_std": (stds == 0).float(),
                     "completions/mean_length": lengths,
                     "completions/clipped_ratio": torch.tensor([float(r["truncated"]) for r in rollout.rows]),
@@ -297,12 +300,16 @@ def main(
     before = metrics.eval_at_start()  # --eval_on_start's figures, this run's or the resumed run's
     final_dir = run.finish()
     start = f"{before['eval_reward']:.3f} before -> " if before else ""
-    each = ", ".join(f"{name} {after['eval_rewards/' + name + '/mean']:.3f}" for name in names)
+    each = ", ".join(f"{name} {format_figure(after['eval_rewards/' + name + '/mean'])}" for name in names)
     accelerator.print(
         f"held-out reward {start}{after['eval_reward']:.3f} over {after['eval_prompts']} prompts ({each}); "
         f"saved to {final_dir}"
     )
     return after
+
+
+def format_figure(value) -> str:
+    return "none scored" if value is None else f"{value:.3f}"
 
 
 if __name__ == "__main__":

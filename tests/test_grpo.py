@@ -38,12 +38,14 @@ def test_group_advantages_follow_each_scaling():
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 2.0, 2.0, 2.0])
     centred = torch.tensor([0.75, -0.25, -0.25, -0.25, 0.0, 0.0, 0.0, 0.0])
     std = torch.tensor([0.5, 0.0])  # unbiased: sqrt(0.75 / 3)
-    advantages, stds = group_advantages(rewards, 4, "group")
-    assert torch.allclose(stds, std)
+    advantages, stds, divisor = group_advantages(rewards, 4, "group")
+    assert torch.allclose(stds, std) and torch.allclose(divisor, std)
     assert torch.allclose(advantages, centred / (std.repeat_interleave(4) + 1e-4))
     assert torch.allclose(group_advantages(rewards, 4, "none")[0], centred)
     batch_std = rewards.std()
-    assert torch.allclose(group_advantages(rewards, 4, "batch", batch_std)[0], centred / (batch_std + 1e-4))
+    advantages, stds, divisor = group_advantages(rewards, 4, "batch", batch_std)
+    assert torch.allclose(advantages, centred / (batch_std + 1e-4))
+    assert torch.allclose(stds, std) and torch.allclose(divisor, batch_std.expand(2))  # reward_std: what divided
 
 
 def hand_loss(log_probs, old, ref, advantages, mask, loss_type, eps_low, eps_high, beta, max_length, rows, tokens):
@@ -405,3 +407,26 @@ def test_a_reward_that_raises_mid_run_stops_it_in_one_line(prompts, tmp_path, mo
     out = refused(prompts, tmp_path, monkeypatch, r"reward function raises raised on a batch of rows \[\d+",
                   reward_funcs=f"{user_rewards(tmp_path)}:raises")  # fmt: skip
     assert (out / "run.json").exists()
+
+
+def test_a_reward_that_scores_nothing_is_named_and_logs_none(prompts, tmp_path, monkeypatch, capsys):
+    """A function returning None for every completion: a warning naming it once, and its train and eval figures
+    None (nothing scored), not 0; `accuracy` without an `answer` column refused before anything is built."""
+    path = tmp_path / "none.py"
+    path.write_text("def nothing(completions, **kwargs):\n    return [None] * len(completions)\n")
+    out = tmp_path / "run"
+    argv = grpo_args(prompts, out, max_steps=2, save_steps=0, reward_funcs=None)
+    run_in_process("recipes/grpo.py", argv + ["--reward_funcs", f"{path}:nothing", "format"], monkeypatch)
+    assert capsys.readouterr().err.count("reward function nothing returned None for every completion") == 1
+    train, evaluations = read_metrics(out)[0], [r for r in read_metrics_all(out) if "eval_reward" in r]
+    rolled = [r for r in train if "reward" in r]  # a rollout's figures are on its first step's line
+    assert rolled and all(r["rewards/nothing/mean"] is None and r["rewards/format/mean"] is not None for r in rolled)
+    assert all(r["eval_rewards/nothing/mean"] is None for r in evaluations) and evaluations
+    questions = tmp_path / "no_answer.jsonl"
+    questions.write_text('{"prompt": "what is 1 plus 1 ?"}\n' * 8)
+    refused(prompts, tmp_path / "again", monkeypatch, r'accuracy compares each completion with the row\'s "answer" column',
+            train_file=questions, validation_file=questions, reward_funcs="accuracy")  # fmt: skip
+
+
+def read_metrics_all(out) -> list[dict]:
+    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
