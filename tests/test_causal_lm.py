@@ -12,6 +12,7 @@ from conftest import (
     causal_lm_args,
     evaluate_in_process,
     launch,
+    launch_one_process,
     losses,
     read_metrics,
     read_run,
@@ -107,8 +108,7 @@ def test_rotation_and_gradient_checkpointing(markov_data, reference, tmp_path):
     """save_total_limit keeps the newest checkpoints; gradient checkpointing leaves the losses
     unchanged (against the one-process reference run, which has it off)."""
     checkpointed = tmp_path / "ckpt"
-    launch(
-        "single.yaml",
+    launch_one_process(
         "causal_lm.py",
         causal_lm_args(
             markov_data,

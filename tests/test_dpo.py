@@ -17,6 +17,7 @@ from conftest import (
     REPO,
     flags,
     launch,
+    launch_one_process,
     load_script,
     load_weights,
     max_weight_difference,
@@ -324,9 +325,11 @@ def dpo_run(pairs, tmp_path_factory, config="ddp.yaml", processes=2, **overrides
     key = (config, processes, tuple(sorted(overrides.items())))
     if key not in RUNS:
         out = tmp_path_factory.mktemp("dpo") / "run"
-        if processes == 1:
-            overrides = {"per_device_train_batch_size": 4, **overrides}
-        launch(config, "dpo.py", dpo_args(pairs, out, **overrides), num_processes=processes, launcher_args=FP32)
+        if processes == 1:  # in this process, as single.yaml's launch runs it (conftest.launch_one_process)
+            assert config == "single.yaml"
+            launch_one_process("dpo.py", dpo_args(pairs, out, **{"per_device_train_batch_size": 4, **overrides}), FP32)
+        else:
+            launch(config, "dpo.py", dpo_args(pairs, out, **overrides), num_processes=processes, launcher_args=FP32)
         RUNS[key] = out
     return RUNS[key]
 

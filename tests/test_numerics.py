@@ -12,6 +12,7 @@ from conftest import (
     causal_lm_args,
     flags,
     launch,
+    launch_one_process,
     losses,
     max_weight_difference,
     read_metrics,
@@ -86,7 +87,11 @@ def test_sft_objective_is_the_same_however_the_batch_is_split(packing, counting_
         runs.update({"ulysses 1x4x2": ("zero3_ulysses.yaml", 4, 2), "ring 1x4x2": ("fsdp_cp.yaml", 4, 2)})
     for name, (config, batch, accumulation) in runs.items():
         out = tmp_path / name.replace(" ", "_")
-        launch(config, "sft.py", sft_args(counting_data, out, batch, accumulation, packing), launcher_args=FP32)
+        args = sft_args(counting_data, out, batch, accumulation, packing)
+        if config == "single.yaml":  # in this process, as its launch runs it (conftest.launch_one_process)
+            launch_one_process("sft.py", args, launcher_args=FP32)
+        else:
+            launch(config, "sft.py", args, launcher_args=FP32)
         assert read_run(out)["participating_processes"] == {"single.yaml": 1, "fsdp_tp.yaml": 4}.get(config, 2)
     base = tmp_path / "1x8"
     for name in list(runs)[1:]:

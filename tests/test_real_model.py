@@ -10,7 +10,18 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import CONFIGS, FP32, launch, load_weights, model_state_gaps, pretrained_args, read_run, run, tiered
+from conftest import (
+    CONFIGS,
+    FP32,
+    launch,
+    launch_one_process,
+    load_weights,
+    model_state_gaps,
+    pretrained_args,
+    read_run,
+    run,
+    tiered,
+)
 from datasets import Dataset, DatasetDict
 from test_chat import CPU, labelled_runs
 
@@ -130,8 +141,7 @@ def one_step_on_one_process(real_model, markov_data, tmp_path_factory) -> dict[s
     runs = {}
     for precision, launcher_args in PRECISIONS.items():
         runs[precision] = tmp_path_factory.mktemp(f"real_single_{precision}") / "run"
-        launch(
-            "single.yaml",
+        launch_one_process(  # in this process, as single.yaml's launch runs it
             "causal_lm.py",
             real_model_args(real_model, markov_data, runs[precision], per_device_train_batch_size=2),
             launcher_args=launcher_args,

@@ -32,6 +32,7 @@ from conftest import (
     export_checkpoint,
     flags,
     launch,
+    launch_one_process,
     load_weights,
     losses,
     max_weight_difference,
@@ -142,7 +143,10 @@ def resume(written_by, tp_run, config, processes, batch, markov_data, tmp_path):
         out,
         **{**RUN, "per_device_train_batch_size": batch, "save_steps": 0, "resume_from_checkpoint": tmp_path / "step"},
     )
-    launch(config, "causal_lm.py", args, launcher_args=FP32)
+    if config == "single.yaml":  # in this process, as its launch runs it (conftest.launch_one_process)
+        launch_one_process("causal_lm.py", args, launcher_args=FP32)
+    else:
+        launch(config, "causal_lm.py", args, launcher_args=FP32)
     assert read_run(out)["participating_processes"] == processes
     resumed, uninterrupted = losses(out), losses(tp_run)[SAVE_AT:]
     gap = max(abs(a - b) for a, b in zip(resumed, uninterrupted))
