@@ -23,7 +23,7 @@ LAUNCH_ARGS ?=
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE ?= 1
 RESTARTS = $(if $(findstring --max_restarts,$(LAUNCH_ARGS)),--rdzv_backend c10d)
 
-.PHONY: install install-test real-model demo demo-chat demo-dpo demo-data test test-fast test-all test-crashes style quality doctor causal_lm sequence_classification lora sft dpo evaluate plot benchmark benchmark-peers benchmark-options benchmark-packing benchmark-reshard benchmark-pipeline estimate-memory choose-config benchmark-choice export-checkpoint convert-checkpoint check-config clean
+.PHONY: install install-test real-model demo demo-chat demo-dpo demo-data test test-fast test-all test-crashes style quality doctor causal_lm sequence_classification lora sft dpo reward-model reward_model evaluate plot benchmark benchmark-peers benchmark-options benchmark-packing benchmark-reshard benchmark-pipeline estimate-memory choose-config benchmark-choice export-checkpoint convert-checkpoint check-config clean
 
 # torch first: the CPU wheel on hosts without an NVIDIA GPU (no CUDA download),
 # the normal CUDA build where nvidia-smi sees a GPU. Later `torch>=...` pins are then satisfied.
@@ -121,6 +121,14 @@ sft: install
 dpo: install
 	$(PY) scripts/make_demo_data.py --task preference --out outputs/data/preference
 	$(LAUNCH) --config_file $(CONFIG) recipes/dpo.py --config recipes/configs/dpo_demo.yaml $(DEMO_RUN) $(ARGS)
+
+# A reward model: a tiny Llama built from a config as a sequence classifier with one output learns to score the right
+# answer above a near miss (the DPO demo's pairs; held-out pair accuracy before -> after); final/ loads with
+# AutoModelForSequenceClassification, its logit the reward.
+reward-model: install
+	$(PY) scripts/make_demo_data.py --task preference --out outputs/data/preference
+	$(LAUNCH) --config_file $(CONFIG) recipes/reward_model.py --config recipes/configs/reward_model_demo.yaml $(DEMO_RUN) $(ARGS)
+reward_model: reward-model  # the recipe's own name, as each recipe's target is
 
 # make evaluate MODEL=outputs/causal_lm_demo/final
 MODEL ?= outputs/causal_lm_demo/final
