@@ -11,7 +11,8 @@ TORCH_RANGE := torch>=2.13.0,<2.14
 # The demos, benchmarks and tests read nothing from a hub (their models and data are made here or ship in a
 # package), so they run with downloads off; the recipe targets load your Hub models as the libraries do.
 OFFLINE_TARGETS := demo demo-data demo-chat demo-dpo real-model benchmark benchmark-peers benchmark-options \
-                   benchmark-packing benchmark-reshard benchmark-pipeline test test-fast test-all test-crashes
+                   benchmark-packing benchmark-reshard benchmark-pipeline benchmark-rollouts test test-fast test-all \
+                   test-crashes
 $(OFFLINE_TARGETS): export HF_HUB_OFFLINE ?= 1
 $(OFFLINE_TARGETS): export HF_DATASETS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
@@ -23,7 +24,7 @@ LAUNCH_ARGS ?=
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE ?= 1
 RESTARTS = $(if $(findstring --max_restarts,$(LAUNCH_ARGS)),--rdzv_backend c10d)
 
-.PHONY: install install-test real-model demo demo-chat demo-dpo demo-data test test-fast test-all test-crashes style quality doctor causal_lm sequence_classification lora sft dpo reward-model reward_model evaluate plot benchmark benchmark-peers benchmark-options benchmark-packing benchmark-reshard benchmark-pipeline estimate-memory choose-config benchmark-choice export-checkpoint convert-checkpoint check-config clean
+.PHONY: install install-test real-model demo demo-chat demo-dpo demo-data test test-fast test-all test-crashes style quality doctor causal_lm sequence_classification lora sft dpo reward-model reward_model grpo evaluate plot benchmark benchmark-peers benchmark-options benchmark-packing benchmark-reshard benchmark-pipeline benchmark-rollouts estimate-memory choose-config benchmark-choice export-checkpoint convert-checkpoint check-config clean
 
 # torch first: the CPU wheel on hosts without an NVIDIA GPU (no CUDA download),
 # the normal CUDA build where nvidia-smi sees a GPU. Later `torch>=...` pins are then satisfied.
@@ -130,6 +131,12 @@ reward-model: install
 	$(LAUNCH) --config_file $(CONFIG) recipes/reward_model.py --config recipes/configs/reward_model_demo.yaml $(DEMO_RUN) $(ARGS)
 reward_model: reward-model  # the recipe's own name, as each recipe's target is
 
+# GRPO: a tiny Llama built from a config learns from the reward alone to answer generated arithmetic questions with a
+# bare number (held-out reward before -> after); every config samples from whole weights (common.rollout).
+grpo: install
+	$(PY) scripts/make_demo_data.py --task prompts --out outputs/data/prompts
+	$(LAUNCH) --config_file $(CONFIG) recipes/grpo.py --config recipes/configs/grpo_demo.yaml $(DEMO_RUN) $(ARGS)
+
 # make evaluate MODEL=outputs/causal_lm_demo/final
 MODEL ?= outputs/causal_lm_demo/final
 evaluate: demo-data
@@ -190,6 +197,11 @@ benchmark-reshard: install
 # parity with one process and each stage's time and memory, written to docs/benchmark-pipeline.md.
 benchmark-pipeline: install
 	$(PY) scripts/benchmark_pipeline.py --docs docs/benchmark-pipeline.md $(ARGS)
+
+# GRPO's rollouts under ddp, zero3, zero3_offload, fsdp and tp at 101M parameters on 2 processes: generation
+# tokens/s per device against ddp's, the once-per-rollout gather, peak memory against the estimate.
+benchmark-rollouts: install
+	$(PY) scripts/benchmark_rollouts.py --docs docs/benchmark-rollouts.md $(ARGS)
 
 # The causal-LM recipe against the plainest accelerate loop and transformers' Trainer on one job, and the DPO
 # recipe against TRL's DPOTrainer (installed here for this benchmark only) on another (ddp.yaml, 2 processes,

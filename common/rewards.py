@@ -35,6 +35,7 @@ import torch
 from accelerate.utils import gather_object
 
 from common.errors import UsageError, describe
+from common.internals import without_zero3_init
 
 
 BUILT_IN = ("accuracy", "exact_match", "format", "length")
@@ -88,48 +89,28 @@ class LengthReward:
 
 
 class RewardModel:
-    """A sequence classifier with one output as a reward: its logit for the prompt + completion text."""
+    """A sequence classifier with one output as a reward (`common.reward_model`: its score at the last token of the
+    prompt and completion, rendered as its training rendered pairs), a whole copy on each rank."""
 
     def __init__(self, folder: str, device, dtype):
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-        from common.internals import without_zero3_init
+        from common.reward_model import load_reward_model
 
         self.__name__ = os.path.basename(os.path.normpath(folder))
         try:
             with without_zero3_init():  # a whole copy on each rank, outside the run's ZeRO-3 partitioning
-                self.model = AutoModelForSequenceClassification.from_pretrained(folder, dtype=dtype)
-            self.tokenizer = AutoTokenizer.from_pretrained(folder)
+                self.model, self.tokenizer = load_reward_model(folder, device, dtype)
+        except UsageError as error:
+            raise UsageError(f"--reward_funcs {folder}: {error}") from None
         except (OSError, ValueError) as error:
             raise UsageError(
                 f"--reward_funcs {folder}: not a sequence-classification model folder ({describe(error)}); pass a "
                 "reward model's final/ (make reward-model) or final_merged/"
             ) from None
-        if self.model.config.num_labels != 1:
-            raise UsageError(
-                f"--reward_funcs {folder}: a classifier with {self.model.config.num_labels} outputs; a reward "
-                "model has one (recipes/reward_model.py trains one)"
-            )
-        if self.tokenizer.pad_token is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.model.requires_grad_(False)
-        self.model.eval().to(device)
-        self.device = device
 
-    def text(self, prompt, completion) -> str:
-        if isinstance(prompt, str):
-            return prompt + completion_text(completion)
-        messages = prompt + [{"role": "assistant", "content": completion_text(completion)}]
-        return self.tokenizer.apply_chat_template(messages, tokenize=False)
-
-    @torch.no_grad()
     def __call__(self, prompts, completions, **_) -> list[float]:
-        texts = [self.text(p, c) for p, c in zip(prompts, completions)]
-        scores = []
-        for text in texts:  # one at a time: no padding, so the score is read at the last token whatever pad is
-            inputs = self.tokenizer(text, return_tensors="pt").to(self.device)
-            scores.append(float(self.model(**inputs).logits[0, 0].float()))
-        return scores
+        from common.reward_model import score as reward_scores
+
+        return reward_scores(self.model, self.tokenizer, prompts, completions).tolist()
 
 
 def import_function(spec: str):

@@ -1,5 +1,6 @@
-"""GRPO's rollouts: which prompts each step samples, the completions, the weights they are sampled with,
-and the buffer a step trains on (saved in a checkpoint when a run stops inside --num_iterations).
+"""GRPO's rollouts: the prompts each step samples, their completions, the weights sampled from, the buffer.
+
+The buffer is what a step trains on (saved in a checkpoint when a run stops inside --num_iterations).
 
 Rollouts are a function of (seed, rollout, prompt), not of the number of processes, the config or a restart:
 * the prompts: rollout r of an epoch takes the next `prompts per step` of the epoch's permutation (seeded by
@@ -37,7 +38,7 @@ from common import mesh
 from common.accelerator import unwrap
 from common.chat import as_messages
 from common.errors import UsageError
-from common.internals import is_zero3_parameter, without_zero3_init
+from common.internals import attention_implementation, is_zero3_parameter, without_zero3_init
 from common.peers import main_process_alone
 from common.run_dir import COMPLETIONS, write_atomically
 
@@ -318,7 +319,7 @@ class GenerationWeights:
         config.use_cache = True
         with without_zero3_init(), init_empty_weights(include_buffers=False):
             model = AutoModelForCausalLM.from_config(
-                config, dtype=dtype, attn_implementation=base.config._attn_implementation
+                config, dtype=dtype, attn_implementation=attention_implementation(base)
             )
         buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
         model.to_empty(device=self.accelerator.device)

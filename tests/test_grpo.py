@@ -3,6 +3,7 @@ rollouts that depend on (seed, rollout, prompt) only, every config against one p
 --num_iterations, `make grpo`, bad input."""
 
 import json
+import re
 import shutil
 import textwrap
 from pathlib import Path
@@ -14,12 +15,14 @@ from conftest import (
     REPO,
     LaunchedOnce,
     flags,
+    free_port,
     launch,
     load_script,
     load_weights,
     max_weight_difference,
     read_metrics,
     read_run,
+    run,
     run_in_process,
     tiered,
 )
@@ -430,3 +433,60 @@ def test_a_reward_that_scores_nothing_is_named_and_logs_none(prompts, tmp_path, 
 
 def read_metrics_all(out) -> list[dict]:
     return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_a_reward_model_trained_here_is_a_reward_grpo_takes(prompts, tmp_path, monkeypatch):
+    """recipes/reward_model.py's final/ (30 steps on the demo's kind of pairs, in this process) as --reward_funcs:
+    each completion's reward in completions.jsonl is the reward model's score of the prompt and completion
+    (common.reward_model.score, as its training rendered the pairs), and its metric is on the train lines."""
+    from common.reward_model import load_reward_model
+    from common.reward_model import score as reward_scores
+    from common.synthetic import write_preference_data
+
+    pairs, judge = tmp_path / "pairs", tmp_path / "judge"
+    write_preference_data(str(pairs), train=96, validation=8)
+    run_in_process(
+        "recipes/reward_model.py",
+        flags(
+            config=REPO / "recipes/configs/reward_model_demo.yaml",
+            tokenizer_name_or_path=pairs / "tokenizer",
+            train_file=pairs / "train.jsonl",
+            validation_file=pairs / "validation.jsonl",
+            output_dir=judge,
+            max_steps=30,
+            per_device_train_batch_size=8,
+            eval_on_start=False,
+        ),  # fmt: skip
+        monkeypatch,
+    )
+    out = tmp_path / "grpo"
+    argv = grpo_args(prompts, out, max_steps=2, save_steps=0, reward_funcs=judge / "final", num_iterations=1)
+    run_in_process("recipes/grpo.py", argv, monkeypatch)
+    logged = completions(out)
+    model, tokenizer = load_reward_model(str(judge / "final"))
+    rows = [json.loads(line) for line in (prompts / "train.jsonl").read_text().splitlines()]
+    expected = reward_scores(
+        model, tokenizer, [rows[c["row"]]["prompt"] for c in logged], [c["completion"] for c in logged]
+    )
+    assert torch.allclose(torch.tensor([c["reward"] for c in logged]), expected, atol=1e-5)
+    assert expected.std() > 0  # the rewards differ between completions: the test could fail
+    assert all("rewards/final/mean" in r for r in read_metrics(out)[0])
+
+
+@pytest.mark.slow
+def test_make_grpo_as_it_ships_learns_from_the_reward_alone(tmp_path):
+    """`make grpo` (ddp.yaml: 2 processes, bf16, 8 completions x accumulation 2 each, G = 8): the tiny Llama, built
+    from a config, never shown an answer, goes from about no held-out reward to answering every held-out question
+    with a bare number (the `format` reward), in 150 steps."""
+    out = tmp_path / "run"
+    result = run(["make", "grpo", f"ARGS=--output_dir {out}", f"LAUNCH_ARGS=--main_process_port {free_port()}"])
+    match = re.search(
+        r"held-out reward ([\d.]+) before -> ([\d.]+) over (\d+) prompts \(format ([\d.]+)", result.stdout
+    )
+    assert match, result.stdout[-2000:]
+    before, after, count, form = float(match[1]), float(match[2]), int(match[3]), float(match[4])
+    print(f"make grpo: held-out reward {before:.3f} -> {after:.3f} (format {form:.3f}) over {count} prompts")
+    record = read_run(out)
+    assert record["participating_processes"] == 2 and record["mixed_precision"] == "bf16" and count == 64
+    assert before < 0.2 and form >= 0.9 and after >= before + 0.7
