@@ -490,3 +490,22 @@ def test_make_grpo_as_it_ships_learns_from_the_reward_alone(tmp_path):
     record = read_run(out)
     assert record["participating_processes"] == 2 and record["mixed_precision"] == "bf16" and count == 64
     assert before < 0.2 and form >= 0.9 and after >= before + 0.7
+
+
+@pytest.mark.slow
+@pytest.mark.exhaustive
+def test_make_benchmark_rollouts_writes_its_page(tmp_path):
+    """`make benchmark-rollouts` on the tiny model under ddp and fsdp: each config's generation speed against ddp's,
+    the gather (none under ddp), the copy's bytes equal to the estimate's, and the page."""
+    page = tmp_path / "rollouts.md"
+    model = REPO / "recipes/configs/tiny_llama.json"
+    args = f"--configs ddp.yaml fsdp.yaml --model_config {model} --steps 2 --docs {page}"
+    result = run(["make", "-s", "benchmark-rollouts", f"ARGS={args}"])
+    text = page.read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
+    assert [row.split("|")[1].strip() for row in rows] == ["`ddp.yaml`", "`fsdp.yaml`"], text
+    ddp, fsdp = ([cell.strip() for cell in row.split("|")[1:-1]] for row in rows)
+    assert ddp[2] == "0 (0)" and ddp[4] == "1.00" and float(ddp[5]) == 0
+    copy, estimated = fsdp[2].split(" ")
+    assert copy == estimated.strip("()") and int(copy) >= 0 and float(fsdp[5]) > 0
+    assert "ddp.yaml" in result.stdout and "fsdp.yaml" in result.stdout
