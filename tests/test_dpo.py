@@ -394,14 +394,16 @@ def test_dpo_matches_one_process_and_starts_at_log_2(config, extra, pairs, tmp_p
 
 @pytest.mark.slow
 def test_the_loss_is_the_formula_over_the_two_models_log_probs(pairs, tmp_path_factory):
-    """The ddp run's last eval_loss, recomputed here from its exported policy and the reference (the
-    same model built again from its config and seed) with log_softmax over every held-out pair."""
+    """The zero3 run's last eval_loss (the reference a copy ZeRO-3 shards as it shards the policy; the run
+    test_dpo_matches_one_process_and_starts_at_log_2 compares with one process), recomputed here from its exported
+    policy and the reference (the same model built again from its config and seed) with log_softmax over every
+    held-out pair."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from common.arguments import ModelArguments
     from common.model import load_model
 
-    out = dpo_run(pairs, tmp_path_factory, "ddp.yaml")
+    out = dpo_run(pairs, tmp_path_factory, "zero3.yaml")
     tokenizer = AutoTokenizer.from_pretrained(pairs / "tokenizer")
     reference = load_model(
         ModelArguments(
