@@ -601,6 +601,20 @@ def trained_base(markov_data, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def copied_recipe_run(markov_data, tmp_path_factory) -> tuple[Path, Path]:
+    """(its folder, its output_dir): recipes/causal_lm.py copied into a folder of its own, as a user copies a
+    recipe, and launched from there under ddp.yaml (2 processes, bf16 as it ships), 4 steps with steps 2-3
+    profiled. One launch for test_causal_lm (the copy trains outside the repository) and test_operations (the
+    profile's traces), which each launched this run of the recipe for itself."""
+    work = tmp_path_factory.mktemp("copied") / "my_project"
+    work.mkdir()
+    shutil.copy(REPO / "recipes" / "causal_lm.py", work / "train.py")
+    out = work / "out"
+    launch("ddp.yaml", work / "train.py", causal_lm_args(markov_data, out, max_steps=4, profile_steps="2-3"), cwd=work)
+    return work, out
+
+
+@pytest.fixture(scope="session")
 def shifted_markov_data(tmp_path_factory) -> Path:
     """Another chain over the same words (same tokenizer): the data LoRA adapts to."""
     from common.synthetic import write_markov_corpus

@@ -1,11 +1,9 @@
 """Real `accelerate launch` runs of recipes/causal_lm.py on CPU."""
 
 import re
-import shutil
 
 import pytest
 from conftest import (
-    BIN,
     FP32,
     REPO,
     STEPS,
@@ -16,7 +14,6 @@ from conftest import (
     losses,
     read_metrics,
     read_run,
-    run,
 )
 
 
@@ -63,23 +60,42 @@ def test_ddp_two_processes_train_export_and_reload(markov_data, tmp_path):
     assert reloaded["eval_loss"] == pytest.approx(evals[-1]["eval_loss"], abs=1e-5)
 
 
-def test_copied_recipe_runs_outside_the_repository_and_never_overwrites_a_run(markov_data, tmp_path):
-    """A recipe copied into another folder trains there (it imports only `common`); started
-    again on the same output_dir, without --overwrite_output_dir, it refuses in one line and
-    leaves the earlier run as it was."""
-    work = tmp_path / "my_project"
-    work.mkdir()
-    shutil.copy(REPO / "recipes" / "causal_lm.py", work / "train.py")
-    out = work / "out"
-    launch("ddp.yaml", work / "train.py", causal_lm_args(markov_data, out, max_steps=4), cwd=work)
+def test_copied_recipe_runs_outside_the_repository_and_never_overwrites_a_run(copied_recipe_run, markov_data, capsys):
+    """A recipe copied into another folder trains there (it imports only `common`: launched from that folder,
+    conftest.copied_recipe_run); started again on the same output_dir, without --overwrite_output_dir, it
+    refuses in one line and leaves the earlier run as it was (the copy's command line, `python train.py ...`,
+    run in this process: the refusal comes before anything starts)."""
+    import importlib.util
+
+    from accelerate.state import AcceleratorState
+
+    from common.arguments import DataArguments, ModelArguments, TrainingArguments
+    from common.lora import LoraArguments
+    from common.run import run_recipe
+
+    work, out = copied_recipe_run
     assert read_run(out)["participating_processes"] == 2
     assert (out / "final" / "config.json").exists()
     before = (out / "final" / "model.safetensors").read_bytes()
-    result = run(
-        [BIN / "python", work / "train.py"] + causal_lm_args(markov_data, out, max_steps=2), cwd=work, check=False
-    )
-    assert result.returncode == 2
-    assert result.stderr.strip().startswith("error: output_dir") and result.stderr.count("\n") == 1
+    spec = importlib.util.spec_from_file_location("train", work / "train.py")
+    copy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(copy)  # defines main; runs nothing (__name__ is not "__main__")
+    capsys.readouterr()
+    try:
+        with pytest.raises(SystemExit) as refused:  # the copy's last line, as `python train.py` runs it
+            run_recipe(
+                copy.main,
+                ModelArguments,
+                DataArguments,
+                LoraArguments,
+                TrainingArguments,
+                argv=[str(a) for a in causal_lm_args(markov_data, out, max_steps=2)],
+            )
+    finally:
+        AcceleratorState._reset_state(True)
+    stderr = capsys.readouterr().err
+    assert refused.value.code == 2
+    assert stderr.strip().startswith("error: output_dir") and stderr.count("\n") == 1, stderr
     assert (out / "final" / "model.safetensors").read_bytes() == before
 
 

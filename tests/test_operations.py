@@ -25,9 +25,10 @@ from conftest import (
 )
 
 
-def test_profile_steps_write_one_trace_per_rank_with_the_models_ops(markov_data, tmp_path):
-    out = tmp_path / "run"
-    launch("ddp.yaml", "causal_lm.py", causal_lm_args(markov_data, out, max_steps=4, profile_steps="2-3"))
+def test_profile_steps_write_one_trace_per_rank_with_the_models_ops(copied_recipe_run):
+    """ddp.yaml (bf16), 4 steps, --profile_steps 2-3: the run of causal_lm.py that test_causal_lm launches from a
+    copy of the recipe (conftest.copied_recipe_run)."""
+    _, out = copied_recipe_run
     assert read_run(out)["participating_processes"] == 2
     traces = sorted((out / "profile").glob("*.pt.trace.json"))
     assert [t.name.split(".")[0] for t in traces] == ["rank0", "rank1"], traces
