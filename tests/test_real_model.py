@@ -15,11 +15,11 @@ from conftest import (
     FP32,
     launch,
     launch_one_process,
+    load_script,
     load_weights,
     model_state_gaps,
     pretrained_args,
     read_run,
-    run,
     tiered,
 )
 from datasets import Dataset, DatasetDict
@@ -111,25 +111,22 @@ def test_sequence_classification_from_it_pads_with_its_end_of_turn_token(real_mo
     assert (batch - alone).abs().max() < 1e-4, (batch, alone)
 
 
-def test_make_estimate_memory_counts_its_tied_weights_once(real_model):
+def test_make_estimate_memory_counts_its_tied_weights_once(real_model, capsys):
     """The estimate reads the folder on the meta device: its parameter count is the model's, with
-    the tied output layer counted once (134,515,008, not +28M for a separate lm_head)."""
+    the tied output layer counted once (134,515,008, not +28M for a separate lm_head). What `make
+    estimate-memory MODEL=<the folder> CONFIG=accelerate_configs/zero3.yaml ARGS="--num_processes 2"` runs,
+    scripts/estimate_memory.py's main(), in this process (the make target's own test: test_memory.py)."""
     from safetensors import safe_open
 
     with safe_open(str(real_model / "model.safetensors"), "pt") as handle:
         stored = sum(math.prod(handle.get_slice(key).get_shape()) for key in handle.keys())
-    result = run(
-        [
-            "make",
-            "-s",
-            "estimate-memory",
-            f"MODEL={real_model}",
-            "CONFIG=accelerate_configs/zero3.yaml",
-            "ARGS=--num_processes 2",
-        ]
+    capsys.readouterr()
+    load_script("scripts/estimate_memory.py").main(
+        ["--model", str(real_model), "--config", str(CONFIGS / "zero3.yaml"), "--num_processes", "2"]
     )
-    print(result.stdout[-1500:])
-    assert f"{stored:,}" in result.stdout, (stored, result.stdout[-2000:])
+    printed = capsys.readouterr().out
+    print(printed[-1500:])
+    assert f"{stored:,}" in printed, (stored, printed[-2000:])
 
 
 # precision -> launcher flags; bf16 is the configs' own mixed precision (fp32 master weights).
