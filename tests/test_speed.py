@@ -155,23 +155,15 @@ def test_fp8_where_it_cannot_run_is_one_line(capability, torchao, backend, strat
     assert problem == message if message is None else (message in problem and "\n" not in problem)
 
 
-def test_the_recipe_refuses_fp8_it_cannot_run_before_anything_starts(markov_data, tmp_path):
-    """A plain `python recipe.py` reads accelerate's launch settings from the environment, as a launched one does."""
-    import os
-    import subprocess
-    import sys
+def test_the_recipe_refuses_fp8_it_cannot_run_before_anything_starts(markov_data, tmp_path, monkeypatch, capsys):
+    """A plain `python recipe.py` reads accelerate's launch settings from the environment, as a launched one does:
+    its command line run in this process (test_bad_input.error_in_process: run_recipe, exit 2) with them set."""
+    from test_bad_input import error_in_process
 
-    env = {**os.environ, "ACCELERATE_MIXED_PRECISION": "fp8", "ACCELERATE_FP8_BACKEND": "te"}
-    result = subprocess.run(
-        [sys.executable, "recipes/causal_lm.py", *causal_lm_args(markov_data, tmp_path / "run")],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    lines = result.stderr.strip().splitlines()
-    assert result.returncode != 0 and lines[-1].startswith("error: fp8_backend te: "), result.stderr[-2000:]
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp8")
+    monkeypatch.setenv("ACCELERATE_FP8_BACKEND", "te")
+    line = error_in_process("causal_lm.py", causal_lm_args(markov_data, tmp_path / "run"), capsys)
+    assert line.startswith("error: fp8_backend te: "), line
     assert not (tmp_path / "run").exists()
 
 
