@@ -141,20 +141,34 @@ def test_a_hub_dataset_that_does_not_load_is_one_line(monkeypatch, streaming):
         load_raw_datasets(args, seed=0)
 
 
-@pytest.mark.slow
-def test_sft_data_in_no_known_format(arithmetic_data, tmp_path):
+def sft_data_in_no_known_format(arithmetic_data, tmp_path) -> list:
     files = data_files(tmp_path, '{"question": "q", "answer": "a"}\n' * 8, '{"question": "q", "answer": "a"}\n' * 2)
-    error = launch_bad(
-        flags(
-            config=REPO / "recipes/configs/sft_demo.yaml",
-            tokenizer_name_or_path=arithmetic_data / "tokenizer",
-            output_dir=tmp_path / "run",
-            max_steps=2,
-            **files,
-        ),
-        recipe="sft.py",
+    return flags(
+        config=REPO / "recipes/configs/sft_demo.yaml",
+        tokenizer_name_or_path=arithmetic_data / "tokenizer",
+        output_dir=tmp_path / "run",
+        max_steps=2,
+        **files,
     )
-    assert 'needs a \'messages\' column (conversations) or "prompt" and "completion" columns' in error
+
+
+SFT_FORMAT = 'needs a \'messages\' column (conversations) or "prompt" and "completion" columns'
+
+
+@pytest.mark.slow
+@pytest.mark.exhaustive
+def test_sft_data_in_no_known_format(arithmetic_data, tmp_path):
+    """Launched: a data error every rank meets after the start, the path test_bad_data_is_one_line's launch proves
+    in make test; make test checks this one's line in this process (below)."""
+    error = launch_bad(sft_data_in_no_known_format(arithmetic_data, tmp_path), recipe="sft.py")
+    assert SFT_FORMAT in error
+
+
+def test_sft_data_in_no_known_format_is_one_line(arithmetic_data, tmp_path, capsys):
+    """sft.py's command line in this process (error_in_process): the same line, exit 2, no traceback, nothing
+    written."""
+    error = error_in_process("sft.py", sft_data_in_no_known_format(arithmetic_data, tmp_path), capsys)
+    assert SFT_FORMAT in error and not (tmp_path / "run" / "run.json").exists()
 
 
 @pytest.mark.slow
