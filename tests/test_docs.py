@@ -4,6 +4,7 @@ import json
 import re
 import shlex
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from conftest import REPO, assert_same_hf_folder, free_port, read_metrics, read_run, run
@@ -68,10 +69,13 @@ def test_make_demo_meets_its_target_and_make_evaluate_reproduces_it(tmp_path):
     assert list((out / "logs").rglob("events.out.tfevents*")), "no TensorBoard events (--report_to tensorboard)"
     logged = read_metrics(out)[1][-1]["eval_loss"]
     assert logged == pytest.approx(loss, abs=1e-4)
-    evaluated = json.loads(run(["make", "-s", "evaluate"]).stdout.strip().splitlines()[-1])
-    assert evaluated["eval_loss"] == pytest.approx(logged, abs=1e-5)
     exported = tmp_path / "step_300"  # the demo's last checkpoint, exported without launching
-    assert "exported in float32" in run(["make", "-s", "export-checkpoint", f"OUT={exported}"]).stdout
+    with ThreadPoolExecutor(2) as pool:  # two commands that read the run, each mostly its start-up: side by side
+        evaluating = pool.submit(run, ["make", "-s", "evaluate"])
+        exporting = pool.submit(run, ["make", "-s", "export-checkpoint", f"OUT={exported}"])
+    evaluated = json.loads(evaluating.result().stdout.strip().splitlines()[-1])
+    assert evaluated["eval_loss"] == pytest.approx(logged, abs=1e-5)
+    assert "exported in float32" in exporting.result().stdout
     assert_same_hf_folder(exported, out / "final")
 
 
