@@ -194,13 +194,36 @@ def test_resume_with_another_model_config_changes_nothing(earlier_run, markov_da
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive
 def test_corrupt_checkpoint_changes_nothing(earlier_run, markov_data, tmp_path):
+    """Launched: a resume every rank refuses while it loads the checkpoint, the path
+    test_resume_with_another_model_config_changes_nothing's launch proves in make test; make test checks this
+    one's line in this process (test_a_corrupt_checkpoint_is_one_line_and_changes_nothing)."""
     out = tmp_path / "run"
     shutil.copytree(earlier_run, out)
     weights = next((out / "checkpoints" / "step_2").glob("model*.safetensors"))
     weights.write_bytes(weights.read_bytes()[:100])  # a save cut short
     before = snapshot(out)
     error = launch_bad(causal_lm_args(markov_data, out, max_steps=4, resume_from_checkpoint="latest"))
+    assert re.search(r"checkpoint .*step_2 is damaged \(\w+.*resume from an earlier one", error), error
+    assert snapshot(out) == before
+
+
+def test_a_corrupt_checkpoint_is_one_line_and_changes_nothing(markov_data, tmp_path, monkeypatch, capsys):
+    """The damaged checkpoint's line in this process: a one-process run (single.yaml's bf16, as
+    conftest.launch_one_process runs it) whose step-2 weights are cut short, resumed by causal_lm.py's command
+    line (error_in_process): the same line, exit 2, the run's files as they were."""
+    from conftest import launch_one_process
+
+    out = tmp_path / "run"
+    launch_one_process("causal_lm.py", causal_lm_args(markov_data, out, max_steps=2, save_steps=2))
+    weights = next((out / "checkpoints" / "step_2").glob("model*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:100])  # a save cut short
+    before = snapshot(out)
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")  # as the run was
+    resume = causal_lm_args(markov_data, out, max_steps=4, resume_from_checkpoint="latest")
+    error = error_in_process("causal_lm.py", resume, capsys)
+    print(error)
     assert re.search(r"checkpoint .*step_2 is damaged \(\w+.*resume from an earlier one", error), error
     assert snapshot(out) == before
 
