@@ -115,10 +115,16 @@ class PromptOrder:
         return chosen[self.rank * share : (self.rank + 1) * share]
 
 
+def data_parallel_position(accelerator) -> tuple[int, int]:
+    """(this rank's place, the number of places) among the ranks that sample different prompts: a tensor-parallel
+    group's ranks share one."""
+    group = mesh.replicas(accelerator)
+    return accelerator.process_index // group, accelerator.num_processes // group
+
+
 def prompt_order(accelerator, rows: int, prompts_per_rank: int, seed: int) -> PromptOrder:
-    group = mesh.replicas(accelerator)  # a tensor-parallel group samples the same prompts
-    ranks = accelerator.num_processes // group
-    order = PromptOrder(rows, prompts_per_rank * ranks, seed, accelerator.process_index // group, ranks)
+    rank, ranks = data_parallel_position(accelerator)
+    order = PromptOrder(rows, prompts_per_rank * ranks, seed, rank, ranks)
     if order.per_epoch < 1:
         raise UsageError(
             f"a step samples {order.prompts} prompts ({ranks} processes x {prompts_per_rank}) and the data has "
@@ -183,26 +189,15 @@ def sample_group(model, prompt_ids: list[int], uniforms, settings: "SamplingSett
     group, length = uniforms.shape
     input_ids = torch.tensor([prompt_ids] * group, device=accelerator.device)
     sampler = InverseCdfSampler(uniforms, len(prompt_ids), settings.temperature, settings.top_p, settings.stop_ids)
-    config = GenerationConfig(
-        max_new_tokens=length,
-        do_sample=False,
-        eos_token_id=settings.stop_ids,
-        pad_token_id=settings.pad_id,
-        use_cache=True,
-    )
     with accelerator.autocast():
         output = model.generate(
             input_ids=input_ids,
             attention_mask=torch.ones_like(input_ids),
-            generation_config=config,
+            generation_config=settings.greedy_config(length),
             logits_processor=[sampler],
         )
-    completions, truncated = [], []
-    for row in output[:, len(prompt_ids) :].tolist():
-        end = next((i for i, token in enumerate(row) if token in settings.stop_ids), None)
-        completions.append(row if end is None else row[: end + 1])
-        truncated.append(end is None)
-    return completions, truncated, sampler.near_ties
+    completions, truncated = zip(*(settings.cut(row) for row in output[:, len(prompt_ids) :].tolist()))
+    return list(completions), list(truncated), sampler.near_ties
 
 
 @dataclass
@@ -212,6 +207,21 @@ class SamplingSettings:
     max_completion_length: int
     stop_ids: list[int]
     pad_id: int
+
+    def greedy_config(self, max_new_tokens: int) -> GenerationConfig:
+        """generate's settings: the next token its top score (the sampler's pick, or greedy), ending at a stop."""
+        return GenerationConfig(
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=self.stop_ids,
+            pad_token_id=self.pad_id,
+            use_cache=True,
+        )
+
+    def cut(self, generated: list[int]) -> tuple[list[int], bool]:
+        """A generated row cut after its first stop token (kept), and whether it had none (cut by the length)."""
+        end = next((i for i, token in enumerate(generated) if token in self.stop_ids), None)
+        return (generated, True) if end is None else (generated[: end + 1], False)
 
 
 class Sampler:
@@ -266,13 +276,7 @@ class Sampler:
         training, _ = model.training, model.eval()
         count = len(dataset) if limit is None else min(limit, len(dataset))
         mine = mesh.data_parallel_share(self.accelerator, list(range(count)))
-        config = GenerationConfig(
-            max_new_tokens=self.settings.max_completion_length,
-            do_sample=False,
-            eos_token_id=self.settings.stop_ids,
-            pad_token_id=self.settings.pad_id,
-            use_cache=True,
-        )
+        config = self.settings.greedy_config(self.settings.max_completion_length)
         rows = []
         for start in range(0, len(mine), batch_size):
             prompts = [dataset[i]["prompt_ids"] for i in mine[start : start + batch_size]]
@@ -286,9 +290,8 @@ class Sampler:
                     generation_config=config,
                 )
             for index, prompt, generated in zip(mine[start:], prompts, output[:, width:].tolist()):
-                end = next((i for i, token in enumerate(generated) if token in self.settings.stop_ids), None)
-                ids = generated if end is None else generated[: end + 1]
-                rows.append({"row": index, "prompt_ids": prompt, "completion_ids": ids, "truncated": end is None})
+                ids, truncated = self.settings.cut(generated)
+                rows.append({"row": index, "prompt_ids": prompt, "completion_ids": ids, "truncated": truncated})
         model.train(training)
         return rows
 
@@ -432,8 +435,7 @@ class Rollout:
         old = None
         if state["shares"][0]["old_log_probs"] is not None:
             old = [values for share in state["shares"] for values in share["old_log_probs"]]
-        group = mesh.replicas(accelerator)
-        ranks, rank = accelerator.num_processes // group, accelerator.process_index // group
+        rank, ranks = data_parallel_position(accelerator)
         per_rank = len(rows) // ranks
         take = slice(rank * per_rank, (rank + 1) * per_rank)
         return cls(
