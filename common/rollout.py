@@ -22,6 +22,7 @@ counts), so a difference can be told from a fault.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
@@ -40,6 +41,7 @@ from common.chat import as_messages
 from common.errors import UsageError
 from common.internals import attention_implementation, is_zero3_parameter, without_zero3_init
 from common.peers import main_process_alone
+from common.rollout_stages import Stages, ring_generate
 from common.run_dir import COMPLETIONS, write_atomically
 
 
@@ -245,20 +247,21 @@ class Sampler:
         every rank calls it)."""
         self.weights.refresh(step)
         gathered = time.perf_counter()
-        model, rows = self.weights.model, []
-        training, _ = model.training, model.eval()
+        groups = []
         for row in self.order.rollout(index):
-            prompt_ids = self.prompts[row]["prompt_ids"]
             generator = torch.Generator().manual_seed(row_seed(self.seed, index, row))
             uniforms = torch.rand(
                 self.group, self.settings.max_completion_length, generator=generator, dtype=torch.float64
             )
-            completions, truncated, ties = sample_group(model, prompt_ids, uniforms, self.settings, self.accelerator)
+            groups.append((self.prompts[row]["prompt_ids"], uniforms))
+        rows = []
+        for (prompt_ids, _), (completions, truncated, ties), row in zip(
+            groups, self.weights.sample(groups, self.settings), self.order.rollout(index)
+        ):
             rows += [
                 {"row": row, "prompt_ids": prompt_ids, "completion_ids": ids, "truncated": cut, "near_ties": int(n)}
                 for ids, cut, n in zip(completions, truncated, ties)
             ]
-        model.train(training)
         seconds = time.perf_counter() - gathered
         timing = {
             "gather_s": self.weights.gather_s,  # the gather of the weights sampled from
@@ -272,97 +275,264 @@ class Sampler:
         """Greedy completions of the first `limit` prompts of `dataset` (held-out), this rank's share of them,
         `batch_size` at a time, left-padded (every rank calls it: the copy is gathered first)."""
         self.weights.refresh(step)
-        model = self.weights.model
-        training, _ = model.training, model.eval()
         count = len(dataset) if limit is None else min(limit, len(dataset))
         mine = mesh.data_parallel_share(self.accelerator, list(range(count)))
-        config = self.settings.greedy_config(self.settings.max_completion_length)
+        batches = [
+            [dataset[i]["prompt_ids"] for i in mine[start : start + batch_size]]
+            for start in range(0, len(mine), batch_size)
+        ]
         rows = []
-        for start in range(0, len(mine), batch_size):
-            prompts = [dataset[i]["prompt_ids"] for i in mine[start : start + batch_size]]
-            width = max(len(p) for p in prompts)
-            input_ids = torch.tensor([[self.settings.pad_id] * (width - len(p)) + p for p in prompts])
-            attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-            with self.accelerator.autocast():
-                output = model.generate(
-                    input_ids=input_ids.to(self.accelerator.device),
-                    attention_mask=attention_mask.to(self.accelerator.device),
-                    generation_config=config,
-                )
-            for index, prompt, generated in zip(mine[start:], prompts, output[:, width:].tolist()):
-                ids, truncated = self.settings.cut(generated)
-                rows.append({"row": index, "prompt_ids": prompt, "completion_ids": ids, "truncated": truncated})
-        model.train(training)
+        for index, prompt, generated in zip(
+            mine, [p for batch in batches for p in batch], self.weights.greedy(batches, self.settings)
+        ):
+            ids, truncated = self.settings.cut(generated)
+            rows.append({"row": index, "prompt_ids": prompt, "completion_ids": ids, "truncated": truncated})
         return rows
 
 
 # ---- the weights sampled with ----------------------------------------------------------------------------------
+ROLLOUT_WEIGHTS = ("auto", "copy", "stages")
+
+
 class GenerationWeights:
     """The model the rollouts sample from, whole on every rank: the policy itself where the strategy keeps its
     weights whole, else a copy (the policy's architecture, its LoRA adapters unmerged) filled by `refresh` with
-    the gathered weights, once per rollout. In the dtype the run computes in (bf16 under bf16 mixed precision)."""
+    the gathered weights, once per rollout; or, where that copy does not fit (`choice` "auto") or `choice` is
+    "stages", a slice of the layers per rank, the ranks generating together (`common.rollout_stages`). In the
+    dtype the run computes in (bf16 under bf16 mixed precision)."""
 
-    def __init__(self, accelerator, model):
+    def __init__(self, accelerator, model, choice: str = "auto", group: int = 8, max_length: int = 256):
         self.accelerator, self.prepared = accelerator, model
         self.policy = unwrap(accelerator, model)
         self.gathered = any(hasattr(p, "full_tensor") or is_zero3_parameter(p) for p in self.policy.parameters())
         self.refreshed_at, self.gather_s = None, 0.0  # the last gather's seconds (an evaluation's, at the same step)
-        self.model = self._copy() if self.gathered else self.policy
+        self.dtype = {"bf16": torch.bfloat16, "fp8": torch.bfloat16, "fp16": torch.float16}.get(
+            accelerator.mixed_precision, next(self.policy.parameters()).dtype
+        )
+        self.stages, self.reason = None, "the strategy keeps whole weights on every rank"
+        if not self.gathered:
+            if choice == "stages":
+                raise UsageError(
+                    "--rollout_weights stages: this config keeps whole weights on every process (ddp, ZeRO-1/2, one "
+                    "process), so the policy samples itself; drop the flag or use a sharded config"
+                )
+            self.model, self.targets = self.policy, {}
+            return
+        whole = sum(full_numel(p) for p in self.policy.parameters()) * torch.finfo(self.dtype).bits // 8
+        self.copy_bytes, self.cache_bytes = whole, kv_cache_bytes(self.policy, group, max_length, self.dtype)
+        if choice == "auto":
+            choice, self.reason = self._decide()
+        else:
+            self.reason = f"--rollout_weights {choice}"
+        model = self._meta_model()
+        if choice == "stages":
+            if mesh.data_parallel_size(accelerator) != accelerator.num_processes:
+                raise UsageError(
+                    "--rollout_weights stages: the processes must each hold their own prompts (this config shares "
+                    "one batch between processes, as tensor parallelism does); use --rollout_weights copy"
+                )
+            self.stages = Stages(model, accelerator.process_index, accelerator.num_processes, accelerator.device)
+            model = self.stages.model
+        else:
+            buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
+            model.to_empty(device=accelerator.device)
+            for name, buffer in buffers.items():
+                model.get_buffer(name).copy_(buffer)
+            model.tie_weights()
+        self.model = model.requires_grad_(False).eval()
+        self.targets = self._targets()
 
-    def _copy(self):
+    def _decide(self) -> tuple[str, str]:
+        """A whole copy where it and one group's KV cache fit in the memory free now, less what training has yet
+        to allocate (this rank's gradients and Adam's two moments, fp32: 12 bytes per local parameter) and a tenth
+        for activations; else a slice of the layers per rank."""
+        free = free_memory(self.accelerator.device)
+        later = 12 * sum(local_numel(p) for p in self.policy.parameters())
+        room = 0.9 * free - later
+        need = self.copy_bytes + self.cache_bytes
+        verdict = "fits" if need <= room else "does not fit"
+        reason = (
+            f"the copy and a group's KV cache ({need / 2**20:.0f} MB) {verdict} in the {max(room, 0) / 2**20:.0f} MB "
+            f"left of {free / 2**20:.0f} MB free after training's gradients and optimizer states"
+        )
+        return ("copy" if need <= room else "stages"), reason
+
+    def _meta_model(self):
         from accelerate import init_empty_weights
         from transformers import AutoModelForCausalLM
 
         peft_config = getattr(self.policy, "peft_config", None)
         base = self.policy.get_base_model() if peft_config else self.policy
-        dtype = {"bf16": torch.bfloat16, "fp8": torch.bfloat16, "fp16": torch.float16}.get(
-            self.accelerator.mixed_precision, next(self.policy.parameters()).dtype
-        )
         config = copy.deepcopy(base.config)
         config.use_cache = True
         with without_zero3_init(), init_empty_weights(include_buffers=False):
             model = AutoModelForCausalLM.from_config(
-                config, dtype=dtype, attn_implementation=attention_implementation(base)
+                config, dtype=self.dtype, attn_implementation=attention_implementation(base)
             )
-        buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
-        model.to_empty(device=self.accelerator.device)
-        for name, buffer in buffers.items():
-            model.get_buffer(name).copy_(buffer)
-        model.tie_weights()
-        if peft_config:
-            from peft import get_peft_model
+            if peft_config:
+                from peft import get_peft_model
 
-            model = get_peft_model(model, copy.deepcopy(peft_config["default"]))
-        model.requires_grad_(False)
-        return model.eval()
+                model = get_peft_model(model, copy.deepcopy(peft_config["default"]))
+        return model
+
+    def _targets(self) -> dict:
+        """The policy's parameter names (one per tensor, as named_parameters gives them) -> the tensors of
+        `self.model` each fills (tied weights: the lm_head a stage holds without the embeddings, the same tensor)."""
+        canonical, seen = {}, {}
+        for name, parameter in self.policy.named_parameters(remove_duplicate=False):
+            canonical[name] = seen.setdefault(id(parameter), name)
+        targets = {}
+        for name, parameter in self.model.named_parameters(remove_duplicate=False):
+            if name not in canonical:
+                raise RuntimeError(f"the rollouts' weights: {name} has no counterpart in the policy")
+            targets.setdefault(canonical[name], []).append(parameter)
+        return targets
 
     def record(self) -> dict:
         held = sum(p.numel() * p.element_size() for p in self.model.parameters()) if self.gathered else 0
-        how = "a whole copy gathered once per rollout" if self.gathered else "the policy's own weights (whole here)"
-        return {"weights": how, "copy_bytes_per_rank": held}
+        if self.stages is not None:
+            how = f"a slice of the layers per rank ({self.stages.layers_held()} here), generating as a ring"
+        elif self.gathered:
+            how = "a whole copy gathered once per rollout"
+        else:
+            how = "the policy's own weights (whole here)"
+        return {"weights": how, "copy_bytes_per_rank": held, "chosen": self.reason}
 
     @torch.no_grad()
     def refresh(self, step: int) -> None:
-        """Every rank calls it (a collective where the copy is gathered): the copy takes the policy's weights of
-        optimizer step `step`, unless it already has them."""
+        """Every rank calls it (a collective per parameter where the weights are sharded): what the rollouts sample
+        from takes the policy's weights of optimizer step `step`, unless it already has them."""
         if not self.gathered or self.refreshed_at == step:
             return
         started = time.perf_counter()
         if hasattr(self.prepared, "empty_partition_cache"):  # ZeRO-3: what its last forward left gathered
             self.prepared.empty_partition_cache()
-        sources = dict(self.policy.named_parameters())
-        for name, target in self.model.named_parameters():
-            source = sources[name]
+        for name, source in self.policy.named_parameters():
+            targets = self.targets.get(name, [])
             if is_zero3_parameter(source):
                 import deepspeed
 
                 with deepspeed.zero.GatheredParameters([source]):
-                    target.copy_(source.data)
-            elif hasattr(source, "full_tensor"):
-                target.copy_(source.to(self.accelerator.device).full_tensor())
+                    for target in targets:
+                        target.copy_(source.data)
             else:
-                target.copy_(source)
+                whole = source.to(self.accelerator.device).full_tensor() if hasattr(source, "full_tensor") else source
+                for target in targets:
+                    target.copy_(whole)
         self.refreshed_at, self.gather_s = step, time.perf_counter() - started
+
+    def sample(self, groups: list, settings: "SamplingSettings") -> list[tuple]:
+        """Each (prompt ids, uniforms) group's completions (cut), whether each was truncated, their near ties.
+        Every rank calls it when the weights are in stages."""
+        with evaluating(self.model):
+            if self.stages is None:
+                return [sample_group(self.model, p, u, settings, self.accelerator) for p, u in groups]
+            specs = [{"prompts": [p] * len(u), "uniforms": u} for p, u in groups]
+            results = ring_generate(
+                self.stages,
+                everyones(specs),
+                settings.max_completion_length,
+                settings,
+                self.accelerator.autocast,
+                lambda spec: Pick(spec["uniforms"], len(spec["prompts"][0]), settings),
+            )
+        out = []
+        for generated, ties in results:
+            completions, truncated = zip(*(settings.cut(row) for row in generated.tolist()))
+            out.append((list(completions), list(truncated), ties))
+        return out
+
+    def greedy(self, batches: list[list[list[int]]], settings: "SamplingSettings") -> list[list[int]]:
+        """The greedy continuation (uncut) of each prompt of `batches` (each batch left-padded to its longest)."""
+        with evaluating(self.model):
+            if self.stages is not None:
+                results = ring_generate(
+                    self.stages,
+                    everyones([{"prompts": batch} for batch in batches]),
+                    settings.max_completion_length,
+                    settings,
+                    self.accelerator.autocast,
+                    lambda spec: Pick(None, 0, settings),
+                )
+                return [row for generated, _ in results for row in generated.tolist()]
+            config, rows = settings.greedy_config(settings.max_completion_length), []
+            for prompts in batches:
+                width = max(len(p) for p in prompts)
+                input_ids = torch.tensor([[settings.pad_id] * (width - len(p)) + p for p in prompts])
+                attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+                with self.accelerator.autocast(), torch.no_grad():
+                    output = self.model.generate(
+                        input_ids=input_ids.to(self.accelerator.device),
+                        attention_mask=attention_mask.to(self.accelerator.device),
+                        generation_config=config,
+                    )
+                rows += output[:, width:].tolist()
+            return rows
+
+
+class Pick:
+    """The last stage's token picker in a ring: the sampler's pick from the row's uniforms, or greedy."""
+
+    def __init__(self, uniforms, prompt_length: int, settings: "SamplingSettings"):
+        self.sampler = (
+            None
+            if uniforms is None
+            else InverseCdfSampler(uniforms, prompt_length, settings.temperature, settings.top_p, settings.stop_ids)
+        )
+
+    @property
+    def near_ties(self):
+        return None if self.sampler is None else self.sampler.near_ties
+
+    def __call__(self, input_ids, logits):
+        scores = logits.float()  # as generate hands the processors the last position's logits
+        return (scores if self.sampler is None else self.sampler(input_ids, scores)).argmax(-1)
+
+
+@contextlib.contextmanager
+def evaluating(model):
+    training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(training)
+
+
+def everyones(items: list) -> list[list]:
+    """Every rank's `items`, by rank (every rank calls it)."""
+    import torch.distributed as dist
+
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, items)
+    return gathered
+
+
+def full_numel(parameter) -> int:
+    return parameter.ds_numel if is_zero3_parameter(parameter) else parameter.numel()  # a DTensor's is global
+
+
+def local_numel(parameter) -> int:
+    if is_zero3_parameter(parameter):
+        return parameter.ds_tensor.numel()
+    return parameter.to_local().numel() if hasattr(parameter, "to_local") else parameter.numel()
+
+
+def kv_cache_bytes(model, rows: int, length: int, dtype) -> int:
+    """The KV cache of `rows` sequences of `length` tokens."""
+    config = model.config.get_text_config()
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_hidden_layers * heads * head_dim * rows * length * torch.finfo(dtype).bits // 8
+
+
+def free_memory(device) -> int:
+    """Bytes free for tensors on `device`: the GPU's free memory, or on a CPU host MemAvailable."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as handle:
+        fields = dict(line.split(":", 1) for line in handle)
+    return int(fields["MemAvailable"].split()[0]) * 1024
 
 
 # ---- the buffer a step trains on -------------------------------------------------------------------------------

@@ -102,6 +102,14 @@ class GRPOArguments:
     chat_template: str | None = field(
         default=None, metadata={"help": "A chat template file or text; replaces the tokenizer's (and is saved)."}
     )
+    rollout_weights: Literal["auto", "copy", "stages"] = field(
+        default="auto",
+        metadata={
+            "help": "Where the config shards the weights (FSDP2, ZeRO-3, tensor parallel), what the rollouts sample "
+            "from: a whole copy gathered once per rollout, or a slice of the layers per process generating as a "
+            "ring (no copy); auto: the copy where it fits in free memory (run.json says what was chosen and why)."
+        },
+    )
     disable_dropout: bool = True
     log_completions: bool = field(
         default=False, metadata={"help": "Append every rollout's completions and rewards to completions.jsonl."}
@@ -164,7 +172,9 @@ def main(
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     if reference is not None:
         reference.prepare(run, model, {}, None, args.per_device_eval_batch_size)
-    weights_for_rollouts = GenerationWeights(accelerator, model)
+    weights_for_rollouts = GenerationWeights(
+        accelerator, model, grpo_args.rollout_weights, group, data_args.block_size or grpo_args.max_completion_length
+    )
     settings = SamplingSettings(
         grpo_args.temperature,
         grpo_args.top_p,

@@ -215,6 +215,15 @@ def test_a_draw_depends_on_its_own_logits_and_uniform_only():
     assert pick(logits[:1], torch.tensor([[0.50001]], dtype=torch.float64))[1] == [1]  # near the 0.5 boundary
 
 
+def test_the_rollout_stages_split_the_layers_with_the_embeddings_and_head_counted_as_layers():
+    from common.rollout_stages import stage_bounds
+
+    assert stage_bounds(30, 2) == [(0, 15), (15, 30)]  # SmolLM2-135M: 32 units, the embeddings and 15 layers each
+    assert stage_bounds(2, 2) == [(0, 1), (1, 2)]
+    assert stage_bounds(6, 4) == [(0, 1), (1, 3), (3, 5), (5, 6)]  # 8 units, 2 each
+    assert [end - start for start, end in stage_bounds(31, 3)] == [10, 11, 10]  # 33 units, 11 each
+
+
 def test_a_rollout_saved_on_two_ranks_is_taken_up_by_one(monkeypatch):
     class Ranks:
         num_processes, process_index, parallelism_config = 2, 0, None
@@ -308,8 +317,9 @@ def completions(out) -> list[dict]:
 
 CONFIGS = tiered(
     [("zero3.yaml", {}), ("fsdp.yaml", {}), ("ddp.yaml", {}), ("zero2.yaml", {}), ("zero3_offload.yaml", {}),
-     ("tp.yaml", {}), ("ddp.yaml", {"use_peft": True}), ("zero3.yaml", {"use_peft": True})],
-    [("zero3.yaml", {}), ("fsdp.yaml", {})],
+     ("tp.yaml", {}), ("ddp.yaml", {"use_peft": True}), ("zero3.yaml", {"use_peft": True}),
+     ("fsdp.yaml", {"rollout_weights": "stages"}), ("zero3.yaml", {"use_peft": True, "rollout_weights": "stages"})],
+    [("zero3.yaml", {}), ("fsdp.yaml", {"rollout_weights": "stages"})],
 )  # fmt: skip
 
 
@@ -319,10 +329,12 @@ def test_each_config_samples_the_same_completions_and_trains_as_one_process(conf
     """fp32, 2 processes x 4 completions x accumulation 2 (4 prompts a step, G = 4; tp.yaml's pair 2), 2 epochs
     of 22 prompts (2 left over each), --num_iterations 2: every completion of every rollout is the one process's, token for
     token (a difference is allowed only at a draw counted as a near tie), each step's loss within 1e-5 and the
-    final weights within 1e-5; the weights sampled from are gathered once per rollout where they are sharded."""
+    final weights within 1e-5; the weights sampled from are gathered once per rollout where they are sharded: a
+    whole copy, or with --rollout_weights stages a slice of the layers per process, generating as a ring."""
     peft = {"use_peft": True, "lora_target_modules": "all-linear"} if extra.get("use_peft") else {}
     key = tuple(sorted({**OBJECTIVES[config], **peft}.items()))
-    out = runs[(config, key)]
+    stages = extra.get("rollout_weights") == "stages"
+    out = runs[(config, tuple(sorted({**dict(key), "rollout_weights": "stages"}.items())) if stages else key)]
     single = runs[("one process as tp.yaml" if config == "tp.yaml" else "one process", key)]
     record = read_run(out)
     assert record["world_size"] == 2 and record["participating_processes"] == 2
@@ -330,10 +342,14 @@ def test_each_config_samples_the_same_completions_and_trains_as_one_process(conf
     rollouts = 2 * (22 // prompts_per_step)  # 2 epochs, the remainder left over in each
     assert record["max_steps"] == 2 * rollouts  # 2 iterations a rollout
     sharded = config in ("zero3.yaml", "fsdp.yaml", "zero3_offload.yaml", "tp.yaml")
-    assert record["rollout"]["weights"].startswith("a whole copy" if sharded else "the policy's own")
+    how = "a slice of the layers" if stages else "a whole copy" if sharded else "the policy's own"
+    assert record["rollout"]["weights"].startswith(how), record["rollout"]
     estimate = load_script("scripts/estimate_memory.py")  # make estimate-memory --grpo_generations counts the copy
     strategy = estimate.read_strategy(str(REPO / "accelerate_configs" / config), 2, "no")
-    assert record["rollout"]["copy_bytes_per_rank"] == estimate.rollout_bytes(record["total_parameters"], strategy, 4)
+    whole = estimate.rollout_bytes(record["total_parameters"], strategy, 4)
+    held = record["rollout"]["copy_bytes_per_rank"]  # rank 0's: the embeddings and its layers, no head
+    assert 0 < held < whole if stages else held == whole
+    assert (" fits in " in record["rollout"]["chosen"]) == (sharded and not stages), record["rollout"]
     ours, theirs = completions(out), completions(single)
     assert [(c["rollout"], c["row"]) for c in ours] == [(c["rollout"], c["row"]) for c in theirs]
     assert len({c["row"] for c in ours if c["rollout"] == 0}) == prompts_per_step
@@ -398,6 +414,8 @@ def test_bad_input_is_one_line(prompts, tmp_path, monkeypatch):
     refused(prompts, tmp_path, monkeypatch, "not a multiple of --num_generations 3", num_generations=3)
     out = refused(prompts, tmp_path, monkeypatch, "cannot import 'f'", reward_funcs=f"{tmp_path}/missing.py:f")
     assert not out.exists()
+    refused(prompts, tmp_path, monkeypatch, "--rollout_weights stages: this config keeps whole weights",
+            rollout_weights="stages")  # fmt: skip
     from common.sequence_parallel import check_arguments
 
     module = __import__("importlib").import_module("conftest").load_script("recipes/grpo.py")
