@@ -50,6 +50,8 @@ def launched_strategy() -> str:
         return "fsdp"
     if launched_mesh_size("tp") > 1:
         return "tp"
+    if launched_mesh_size("pp") > 1:
+        return "pp"
     return "ddp" if launched_world_size() > 1 else "single"
 
 
@@ -103,7 +105,7 @@ def refuse_more_processes_than_gpus() -> None:
 class Launch:
     """What was launched, beside what the Accelerator resolved it to (both go to run.json)."""
 
-    strategy: str  # single, ddp, tp, fsdp or deepspeed, as the accelerate config asked
+    strategy: str  # single, ddp, tp, pp, fsdp or deepspeed, as the accelerate config asked
     requested_mixed_precision: str
     sync_each_micro_batch: bool
 
@@ -151,7 +153,12 @@ def build_accelerator(args, hidden_size: int | None = None) -> tuple[Accelerator
     kwargs["kwargs_handlers"] = [process_group, DistributedDataParallelKwargs(gradient_as_bucket_view=True)]
     if strategy == "deepspeed":
         import_deepspeed()  # before accelerate imports it (common.internals)
-    accelerator = Accelerator(**kwargs)
+    if strategy == "pp":  # the pipeline's own Accelerator: stages, schedule, clipping over them (common.pipeline)
+        from common.pipeline import PipelineAccelerator, launched_settings
+
+        accelerator = PipelineAccelerator(launched_settings(), **kwargs)
+    else:
+        accelerator = Accelerator(**kwargs)
     if strategy == "deepspeed":
         if args.torch_compile and accelerator.state.deepspeed_plugin.zero_stage == 3:
             raise UsageError(

@@ -13,7 +13,7 @@ import json
 import os
 import shutil
 
-from common import portable, reshard, tensor_parallel
+from common import pipeline, portable, reshard, tensor_parallel
 from common.accelerator import unwrap
 from common.errors import RunStopped, UsageError, describe, load_fault
 from common.internals import innermost_optimizer, repair_zero3_universal_load
@@ -49,7 +49,9 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)  # leftover of a save that crashed
         os.makedirs(tmp, exist_ok=True)
     accelerator.wait_for_everyone()
-    if tensor_parallel.enabled(accelerator.state):
+    if pipeline.enabled(accelerator):  # DCP: each stage its share
+        pipeline.save_state(accelerator, model, optimizer, scheduler, tmp)
+    elif tensor_parallel.enabled(accelerator.state):
         tensor_parallel.save_state(accelerator, model, optimizer, scheduler, tmp)
     else:
         accelerator.save_state(tmp)
@@ -85,6 +87,8 @@ def load_checkpoint(accelerator, path: str | None, model, optimizer, scheduler) 
     try:
         if portable.is_portable(path):
             load_portable(accelerator, model, optimizer, scheduler, path)
+        elif pipeline.enabled(accelerator):
+            pipeline.load_state(accelerator, model, optimizer, scheduler, path)
         elif tensor_parallel.enabled(accelerator.state):
             tensor_parallel.load_state(accelerator, model, optimizer, scheduler, path)
         else:

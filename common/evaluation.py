@@ -9,8 +9,7 @@ import torch
 from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
-from common import mesh
-from common.accelerator import unwrap
+from common import mesh, pipeline
 from common.errors import UsageError
 
 
@@ -135,7 +134,7 @@ def evaluate_generation(
     named in a warning that, given `longest_answer` (see `size_max_new_tokens`), says whether
     the limit or the answer was too long."""
     model.eval()
-    unwrapped = unwrap(accelerator, model)
+    unwrapped = pipeline.whole_model(accelerator, model)  # pp.yaml: the stages gathered into one; else unwrapped
     stop_ids = stop_ids or [token for token in [tokenizer.eos_token_id] if token is not None]
     indexed = list(enumerate(references))
     scored = []

@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from common import pipeline
 from common.accelerator import unwrap
 from common.checkpoints import save_config
 from common.errors import UsageError
@@ -52,9 +53,13 @@ def export_final(
     set before and at its highest during the export."""
     target = os.path.join(output_dir, name)
     started, before = time.perf_counter(), current_memory(None)["rss_mb"]
-    unwrapped = unwrap(accelerator, model)
     highest = {"rss_mb": before}
-    tensors = _watching_memory(master_tensors(accelerator, model), highest)
+    if pipeline.enabled(accelerator):  # the stages' tensors gathered into one model on each rank of a pipeline
+        unwrapped = pipeline.whole_model(accelerator, model)
+        tensors = _watching_memory(iter(unwrapped.state_dict().items()), highest)
+    else:
+        unwrapped = unwrap(accelerator, model)
+        tensors = _watching_memory(master_tensors(accelerator, model), highest)
     if accelerator.is_main_process:
 
         def write(folder):

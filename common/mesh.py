@@ -18,7 +18,7 @@ import torch
 from accelerate.utils import recursively_apply
 
 
-DIMENSIONS = ("dp_replicate", "dp_shard", "tp", "cp", "sp")
+DIMENSIONS = ("dp_replicate", "dp_shard", "tp", "cp", "sp", "pp")  # pp: common.pipeline's, not accelerate's
 
 
 def mesh_problems(
@@ -56,6 +56,25 @@ def mesh_problems(
             "parallelism_config_sp_size beside parallelism_config_tp_size: these recipes run sequence "
             "parallelism over data-parallel ranks only; set tp_size 1 (zero3_ulysses.yaml)"
         )
+    pp = sizes.get("pp", 1)
+    if pp > 1:
+        others = [f"{name}_size" for name in DIMENSIONS if name != "pp" and sizes.get(name, 1) > 1]
+        if distributed_type != "MULTI_GPU":
+            problems.append(
+                f"parallelism_config_pp_size {pp}: pipeline parallelism runs under distributed_type MULTI_GPU "
+                f"(pp.yaml), not {distributed_type}"
+            )
+        elif others:
+            problems.append(
+                f"parallelism_config_pp_size beside {', '.join(others)}: these recipes run pipeline parallelism "
+                "with data-parallel replicas only (num_processes / pp_size of them); leave the other sizes at 1"
+            )
+        if world % pp:
+            problems.append(
+                f"parallelism_config_pp_size {pp} does not divide num_processes {world}: launch a multiple of "
+                f"{pp} processes (each {pp} of them one pipeline, num_processes / {pp} data-parallel replicas)"
+            )
+        return problems
     product = math.prod(sizes.get(name, 1) for name in DIMENSIONS)
     if product != world:
         named = " x ".join(f"{name}_size {sizes[name]}" for name in DIMENSIONS if sizes.get(name, 1) > 1) or "1"
@@ -95,6 +114,11 @@ def launched_mesh_size(dimension: str) -> int:
     """A parallelism_config dimension's size (tp, cp, sp, dp_shard, dp_replicate) as the launcher exported it."""
     if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true":
         return 1
+    if dimension == "pp":  # accelerate does not export it: read from the launched config (common.pipeline)
+        from common.pipeline import launched_settings
+
+        settings = launched_settings()
+        return settings.size if settings is not None else 1
     return int(os.environ.get(f"PARALLELISM_CONFIG_{dimension.upper()}_SIZE", "1"))
 
 
@@ -125,9 +149,17 @@ def context_shards(accelerator) -> int:
     return _size(accelerator, "cp")
 
 
+def pipeline_shards(accelerator) -> int:
+    """pp_size: the ranks of a pipeline, handed the same batch, each holding its stages of the model (common.pipeline)."""
+    from common.pipeline import pipeline_shards as shards
+
+    return shards(accelerator)
+
+
 def replicas(accelerator) -> int:
-    """How many ranks are handed each batch: tp_size x cp_size (a tensor- or context-parallel group), else 1."""
-    return tensor_shards(accelerator) * context_shards(accelerator)
+    """How many ranks are handed each batch: tp_size x cp_size (a tensor- or context-parallel group) or pp_size (a
+    pipeline), else 1."""
+    return tensor_shards(accelerator) * context_shards(accelerator) * pipeline_shards(accelerator)
 
 
 def data_parallel_size(accelerator) -> int:
@@ -151,7 +183,7 @@ def reduce_sum(accelerator, tensor: torch.Tensor) -> torch.Tensor:
     """The sum over the ranks of what each trained on (tokens, samples, FLOPs), a tensor-parallel group's counted once
     (a context-parallel group's ranks each hold their share of the tokens: common.metrics divides the samples)."""
     total = accelerator.reduce(tensor, reduction="sum")
-    group = tensor_shards(accelerator)
+    group = tensor_shards(accelerator) * pipeline_shards(accelerator)
     return total if group == 1 else total / group
 
 

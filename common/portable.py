@@ -31,11 +31,11 @@ OPTIMIZER_STATES = ("exp_avg", "exp_avg_sq")
 
 # a strategy (common.accelerator.launched_strategy, estimate_memory's read_strategy) -> the family whose files
 # it writes: one process and DDP write the same ones
-FAMILY = {"single": "torch", "ddp": "torch", "fsdp": "fsdp", "tp": "fsdp", "deepspeed": "deepspeed"}
+FAMILY = {"single": "torch", "ddp": "torch", "fsdp": "fsdp", "tp": "fsdp", "pp": "fsdp", "deepspeed": "deepspeed"}
 # what each family's checkpoint files are, in a resume's message (a tp.yaml run writes FSDP2's DCP folders)
 FILES = {
     "torch": "whole-model files (single.yaml, ddp.yaml)",
-    "fsdp": "DCP shards (fsdp, tp configs)",
+    "fsdp": "DCP shards (fsdp, tp, pp configs)",
     "deepspeed": "DeepSpeed ZeRO files",
     "portable": "a portable rewrite",
 }
@@ -44,10 +44,11 @@ FILES = {
 def family(accelerator) -> str:
     from accelerate.utils import DistributedType
 
-    from common import tensor_parallel
+    from common import pipeline, tensor_parallel
 
     kind = accelerator.distributed_type
-    if kind == DistributedType.FSDP or tensor_parallel.enabled(accelerator.state):  # both write DCP (tensor_parallel)
+    if kind == DistributedType.FSDP or tensor_parallel.enabled(accelerator.state) or pipeline.enabled(accelerator):
+        # all three write DCP (common.tensor_parallel's and common.pipeline's save_state)
         return "fsdp"
     return "deepspeed" if kind == DistributedType.DEEPSPEED else "torch"
 

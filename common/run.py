@@ -20,7 +20,7 @@ import sys
 
 from accelerate.utils import set_seed
 
-from common import memory, sequence_parallel, tensor_parallel
+from common import memory, pipeline, sequence_parallel, tensor_parallel
 from common.accelerator import (
     build_accelerator,
     launched_mesh_size,
@@ -250,6 +250,8 @@ def start_run(*arguments) -> Run:
         tensor_parallel.check_arguments(arguments)
     if launched_mesh_size("sp") > 1 or launched_mesh_size("cp") > 1:  # zero3_ulysses.yaml, fsdp_cp.yaml
         sequence_parallel.check_arguments(arguments)
+    if launched_mesh_size("pp") > 1:  # pp.yaml
+        pipeline.check_arguments(arguments)
     if _is_rank0() and not int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):
         mark_launch_starting(args.output_dir)
     checkpoint = resolve_checkpoint(args.output_dir, args.resume_from_checkpoint)

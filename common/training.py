@@ -9,7 +9,7 @@ import torch
 from accelerate.utils import gather_object
 from transformers import get_scheduler
 
-from common import mesh, sequence_parallel
+from common import mesh, pipeline, sequence_parallel
 from common.arguments import TrainingArguments
 from common.errors import UsageError
 from common.internals import start_accumulation_window
@@ -252,14 +252,12 @@ class TrainBatches:
                     {"sp_size": self.split.sp_world_size, "slice_tokens": int(window[0]["input_ids"].shape[1])},
                 )
             start_accumulation_window(self.accelerator)  # the window's last batch syncs
-            for batch in window:
-                if tokens is not None:
-                    batch = {
-                        **batch,
-                        "num_items_in_batch": tokens
-                        / (self.accelerator.num_processes * self.accumulation * mesh.context_shards(self.accelerator)),
-                    }
-                yield sequence_parallel.as_model_input(batch)
+            if tokens is not None:
+                count = self.accelerator.num_processes * self.accumulation * mesh.context_shards(self.accelerator)
+                window = [{**batch, "num_items_in_batch": tokens / count} for batch in window]
+            window = [sequence_parallel.as_model_input(batch) for batch in window]
+            pipeline.begin_window(self.accelerator, window, tokens)  # pp.yaml: its schedule runs the whole window
+            yield from window
             if self.stream is not None and step + 1 < steps:
                 upcoming = self._fetch(windows)
 

@@ -167,6 +167,8 @@ def check_mesh(mesh: dict, raw: dict, fsdp: dict, recipe: dict, world: int, keys
     )
     if sizes["tp"] > 1:
         problems += tensor_parallel_model_problems(recipe, sizes["tp"])
+    if sizes["pp"] > 1:
+        problems += pipeline_problems(mesh, recipe, keys)
     if sizes["sp"] > 1 or sizes["cp"] > 1:
         from common.sequence_parallel import recipe_problems, whole_rows_problem
 
@@ -208,6 +210,35 @@ def tensor_parallel_model_problems(recipe: dict, tp: int) -> list[str]:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     return [f"parallelism_config_{problem}" for problem in model_problems(model, tp)]
+
+
+def pipeline_problems(mesh: dict, recipe: dict, keys: set[str]) -> list[str]:
+    """parallelism_config_pp_*: the schedule, the recipe (common.pipeline.check_arguments, from its YAML) and its
+    model (built on the meta device: a Llama with enough layers for the stages, its head not tied)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from common import pipeline
+    from common.errors import UsageError
+
+    problems = pipeline.settings_problems(mesh)
+    if problems:
+        return problems
+    settings = pipeline.settings_in(mesh)
+    scores = whole_row_recipe(keys)
+    try:  # the recipe's YAML as its arguments (the whole-row recipe told by its keys)
+        pipeline.check_arguments((type("Recipe", (), {**recipe, "scores_whole_rows": scores})(),))
+    except UsageError as error:
+        problems.append(str(error))
+    source = recipe.get("model_config") or recipe.get("model_name_or_path")
+    try:
+        config = AutoConfig.from_pretrained(source) if source else None
+    except (OSError, ValueError):
+        config = None  # not reachable from here (e.g. a Hub name offline): skip the check
+    if config is not None:
+        with torch.device("meta"):
+            problems += pipeline.model_problems(AutoModelForCausalLM.from_config(config), settings)
+    return problems
 
 
 def check_deepspeed(deepspeed: dict, raw: dict, recipe: dict, world: int, config_path: str) -> list[str]:

@@ -1,0 +1,273 @@
+"""Pipeline parallelism from the config, launched for real over gloo: pp.yaml (2 processes, 2 stages).
+
+fp32 parity: the pipeline's window of micro-batches (its accumulation steps) against one process running the same
+micro-batches, from the same seeded model: per-step losses and gradient norms within FP32_TOLERANCE relative, the
+evaluation and the final weights as close; over epochs whose last batches do not fill a window (left out), every rank
+of the pipeline handed the same batches (checked in the run) and 2 processes taking part. causal_lm.py under 1F1B
+(make test); sft.py on padded chats of varying length under GPipe, causal_lm.py under Interleaved1F1B (two stages per
+rank on a 4-layer model), a resume from a per-stage (DCP) checkpoint under pp.yaml and under fsdp.yaml (make
+test-all). Bad input: the split, the schedule and the recipes pp cannot run, each one line.
+"""
+
+import json
+import re
+import shutil
+
+import pytest
+import torch
+import yaml
+from conftest import (
+    CONFIGS,
+    FP32,
+    REPO,
+    causal_lm_args,
+    flags,
+    launch,
+    launch_one_process,
+    load_weights,
+    losses,
+    max_weight_difference,
+    read_metrics,
+    read_run,
+)
+
+
+FP32_TOLERANCE = 1e-5
+
+
+def relative_gaps(run, reference, key="loss") -> float:
+    ours = [row[key] for row in read_metrics(run)[0]]
+    theirs = [row[key] for row in read_metrics(reference)[0]]
+    assert len(ours) == len(theirs) > 0, (ours, theirs)
+    return max(abs(a - b) / abs(b) for a, b in zip(ours, theirs))
+
+
+def pipeline_config(tmp_path, schedule: str) -> str:
+    """pp.yaml with another schedule (a copy beside the test's files)."""
+    config = yaml.safe_load((CONFIGS / "pp.yaml").read_text())
+    config["parallelism_config"]["parallelism_config_pp_schedule"] = schedule
+    path = tmp_path / f"pp_{schedule}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def small_markov(tmp_path_factory):
+    """A corpus of about 21 blocks of 32 tokens: 5 batches of 4 per epoch, so accumulation 2 leaves one out."""
+    from common.synthetic import write_markov_corpus
+
+    out = tmp_path_factory.mktemp("small_markov")
+    write_markov_corpus(str(out), train_docs=50, validation_docs=20, seed=0)
+    return out
+
+
+def epoch_args(data, out, **overrides):
+    values = dict(max_steps=-1, num_train_epochs=3, gradient_accumulation_steps=2, save_steps=3, eval_steps=0)
+    return causal_lm_args(data, out, **{**values, **overrides})
+
+
+@pytest.fixture(scope="session")
+def pipeline_run(small_markov, tmp_path_factory):
+    """causal_lm.py under pp.yaml (1F1B, fp32), and one process running the same micro-batches."""
+    root = tmp_path_factory.mktemp("pipeline")
+    launch("pp.yaml", "causal_lm.py", epoch_args(small_markov, root / "pp"), launcher_args=FP32)
+    launch_one_process("causal_lm.py", epoch_args(small_markov, root / "one"), launcher_args=FP32)
+    return root / "pp", root / "one"
+
+
+@pytest.mark.slow
+def test_pp_yaml_trains_causal_lm_as_one_process_and_checkpoints_each_stage(pipeline_run, small_markov):
+    ours, reference = pipeline_run
+    run = read_run(ours)
+    assert run["participating_processes"] == 2 and run["launched_strategy"] == "pp"
+    assert run["shared_batch_groups_checked"] == 1  # both stages were handed the same batches
+    per_epoch = run["train_blocks"] // 4  # batches of 4
+    assert per_epoch % 2 == 1 and run["max_steps"] == 3 * (per_epoch // 2)  # each epoch leaves a batch out
+    assert len(losses(ours)) == run["max_steps"]
+    assert relative_gaps(ours, reference) < FP32_TOLERANCE
+    assert relative_gaps(ours, reference, "grad_norm") < FP32_TOLERANCE
+    evaluation = [read_metrics(path)[1][-1] for path in (ours, reference)]
+    assert evaluation[0]["eval_tokens"] == evaluation[1]["eval_tokens"]
+    assert abs(evaluation[0]["eval_loss"] - evaluation[1]["eval_loss"]) < FP32_TOLERANCE * evaluation[1]["eval_loss"]
+    assert max_weight_difference(ours / "final", reference / "final") < FP32_TOLERANCE
+
+    # the checkpoint: each stage's share in torch's distributed checkpoint, under the whole model's names
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(str(ours / "checkpoints/step_3/pytorch_model_fsdp_0")).read_metadata()
+    names = {name.removeprefix("model.") for name in saved.state_dict_metadata}
+    assert names == set(load_weights(reference / "final")), sorted(names)
+    assert len(list((ours / "checkpoints/step_3/pytorch_model_fsdp_0").glob("*.distcp"))) == 2  # one per stage
+
+    # final/ is a Hugging Face folder: it gives the one process's logits
+    from transformers import AutoModelForCausalLM
+
+    batch = torch.randint(0, 40, (2, 16), generator=torch.Generator().manual_seed(0))
+    logits = [AutoModelForCausalLM.from_pretrained(path / "final")(batch).logits for path in (ours, reference)]
+    assert torch.allclose(logits[0], logits[1], atol=1e-5), (logits[0] - logits[1]).abs().max()
+
+
+@pytest.mark.slow
+@pytest.mark.exhaustive
+def test_a_pp_checkpoint_resumes_under_pp_and_under_fsdp(pipeline_run, small_markov, tmp_path):
+    """From step 3 (inside the second epoch) to the end: the uninterrupted run's losses, under pp.yaml and, the
+    same DCP files read by FSDP2, under fsdp.yaml (2 data-parallel ranks: batch 2 x accumulation 2)."""
+    ours, _ = pipeline_run
+    logged = [line for line in (ours / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+    for config, batch in (("pp.yaml", 4), ("fsdp.yaml", 2)):
+        stopped = tmp_path / config
+        shutil.copytree(ours / "checkpoints/step_3", stopped / "checkpoints/step_3")
+        (stopped / "metrics.jsonl").write_text("\n".join(logged[:3]) + "\n")
+        args = epoch_args(small_markov, stopped, resume_from_checkpoint="latest", per_device_train_batch_size=batch)
+        launch(config, "causal_lm.py", args, launcher_args=FP32)
+        assert read_run(stopped)["participating_processes"] == 2
+        assert relative_gaps(stopped, ours) < FP32_TOLERANCE, config
+        assert max_weight_difference(stopped / "final", ours / "final") < FP32_TOLERANCE, config
+
+
+@pytest.mark.slow
+@pytest.mark.exhaustive
+def test_sft_on_padded_chats_of_varying_length_trains_as_one_process_under_gpipe(counting_data, tmp_path):
+    """Each window's micro-batches are padded to its longest (labels -100, attention masked): the same losses."""
+    values = dict(
+        config=REPO / "recipes/configs/sft_demo.yaml",
+        tokenizer_name_or_path=counting_data / "tokenizer",
+        train_file=counting_data / "train.jsonl",
+        validation_file=counting_data / "validation.jsonl",
+        packing="false",
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        max_steps=6,
+        logging_steps=1,
+        eval_steps=0,
+        save_steps=0,
+        warmup_steps=0,
+        learning_rate=3e-3,
+        max_generation_samples=2,
+        max_new_tokens=2,
+        eval_on_start="false",
+        report_to="none",
+    )
+    launch(
+        pipeline_config(tmp_path, "GPipe"), "sft.py", flags(**values, output_dir=tmp_path / "pp"), launcher_args=FP32
+    )
+    launch_one_process("sft.py", flags(**values, output_dir=tmp_path / "one"), launcher_args=FP32)
+    assert read_run(tmp_path / "pp")["participating_processes"] == 2
+    assert relative_gaps(tmp_path / "pp", tmp_path / "one") < FP32_TOLERANCE
+    assert max_weight_difference(tmp_path / "pp" / "final", tmp_path / "one" / "final") < FP32_TOLERANCE
+    evaluation = [read_metrics(tmp_path / name)[1][-1] for name in ("pp", "one")]
+    assert evaluation[0]["eval_generated"] == evaluation[1]["eval_generated"] == 2
+    assert evaluation[0]["eval_exact_match"] == evaluation[1]["eval_exact_match"]
+
+
+@pytest.mark.slow
+@pytest.mark.exhaustive
+def test_interleaved_1f1b_runs_two_stages_per_rank_as_one_process(markov_data, tmp_path):
+    """4 stages of a 4-layer Llama on 2 ranks (stages 0 and 2 on rank 0), 4 micro-batches of 2 against one process."""
+    config = json.loads((REPO / "recipes/configs/tiny_llama.json").read_text())
+    (tmp_path / "llama4.json").write_text(json.dumps({**config, "num_hidden_layers": 4}))
+    values = dict(model_config=tmp_path / "llama4.json", per_device_train_batch_size=2, gradient_accumulation_steps=4)
+    schedule = pipeline_config(tmp_path, "Interleaved1F1B")
+    launch(
+        schedule,
+        "causal_lm.py",
+        causal_lm_args(markov_data, tmp_path / "pp", max_steps=4, **values),
+        launcher_args=FP32,
+    )
+    launch_one_process(
+        "causal_lm.py", causal_lm_args(markov_data, tmp_path / "one", max_steps=4, **values), launcher_args=FP32
+    )
+    assert read_run(tmp_path / "pp")["participating_processes"] == 2
+    assert relative_gaps(tmp_path / "pp", tmp_path / "one") < FP32_TOLERANCE
+    assert max_weight_difference(tmp_path / "pp" / "final", tmp_path / "one" / "final") < FP32_TOLERANCE
+
+
+def test_the_split_counts_the_embeddings_and_the_head_as_layers():
+    """torchtitan's rule: num_layers + 2 units dealt out evenly, the first stage's share holding the embeddings."""
+    from common.pipeline import stage_layers
+
+    assert stage_layers(8, 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert stage_layers(2, 2) == [[0], [1]]
+    assert stage_layers(6, 4) == [[0], [1, 2], [3, 4], [5]]
+    assert stage_layers(7, 3) == [[0, 1], [2, 3, 4], [5, 6]]
+    assert sorted(sum(stage_layers(30, 4), [])) == list(range(30))
+
+
+def test_the_launched_config_is_read_from_the_accelerate_launch_command(tmp_path):
+    from common.pipeline import PipelineSettings, config_file_of, settings_in
+
+    argv = ["/venv/bin/python", "/venv/bin/accelerate", "launch", "--config_file", "configs/pp.yaml", "train.py"]
+    assert config_file_of(argv, "/work") == "/work/configs/pp.yaml"
+    assert config_file_of(["python", "-m", "accelerate.commands.launch", "--config_file=/a.yaml", "x.py"], "/w") == (
+        "/a.yaml"
+    )
+    assert config_file_of(["/venv/bin/python", "-u", "recipes/causal_lm.py"], "/work") is None
+    block = yaml.safe_load((CONFIGS / "pp.yaml").read_text())["parallelism_config"]
+    assert settings_in(block) == PipelineSettings(2, "1F1B")
+
+
+@pytest.mark.parametrize(
+    "edit, line",
+    [
+        (
+            {"parallelism_config_pp_schedule": "ZeroBubble"},
+            "parallelism_config_pp_schedule: 'ZeroBubble' is not a schedule these recipes run",
+        ),
+        (
+            {"parallelism_config_pp_schedule": "Interleaved1F1B"},
+            "4 pipeline stages (2 ranks x 2 under Interleaved1F1B) but the model has 2 decoder layers",
+        ),
+        ({"parallelism_config_tp_size": 2}, "parallelism_config_pp_size beside tp_size"),
+    ],
+)
+def test_check_config_names_what_the_pipeline_cannot_run(tmp_path, edit, line):
+    from conftest import load_script
+
+    config = yaml.safe_load((CONFIGS / "pp.yaml").read_text())
+    config["parallelism_config"].update(edit)
+    path = tmp_path / "pp.yaml"
+    path.write_text(yaml.safe_dump(config))
+    problems = load_script("scripts/check_config.py").check(
+        str(path), str(REPO / "recipes/configs/causal_lm_demo.yaml")
+    )
+    assert len(problems) == 1 and line in problems[0], problems
+
+
+@pytest.mark.parametrize(
+    "recipe, line",
+    [
+        ("dpo.py", "while this recipe scores each answer's log-probability: use ddp.yaml"),
+        ("sft.py", "--packing under pipeline parallelism"),
+    ],
+)
+def test_a_recipe_pp_cannot_run_is_one_line(recipe, line, monkeypatch, capsys, tmp_path):
+    """As a launched rank of pp.yaml meets it at start-up (the config's pipeline as the launch read it)."""
+    from test_bad_input import error_in_process
+
+    import common.pipeline
+
+    monkeypatch.setattr(common.pipeline, "launched_settings", lambda: common.pipeline.PipelineSettings(2, "1F1B"))
+    monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    config = {"dpo.py": "dpo_demo.yaml", "sft.py": "sft_demo.yaml"}[recipe]
+    out = tmp_path / "out"
+    error = error_in_process(recipe, ["--config", REPO / "recipes/configs" / config, "--output_dir", out], capsys)
+    assert line in error, error
+    assert not out.exists() or not any(out.iterdir())
+
+
+@pytest.mark.slow
+@pytest.mark.exhaustive
+def test_an_unknown_schedule_stops_every_rank_in_one_line(markov_data, tmp_path):
+    result = launch(
+        pipeline_config(tmp_path, "ZeroBubble"),
+        "causal_lm.py",
+        causal_lm_args(markov_data, tmp_path / "out"),
+        check=False,
+    )
+    output = result.stdout + result.stderr
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert result.returncode != 0 and len(errors) == 1, output[-4000:]
+    assert "parallelism_config_pp_schedule: 'ZeroBubble' is not a schedule" in errors[0]
+    # torchrun reports the failed child with its own launcher traceback; none comes from our code.
+    assert not re.search(r'File "[^"]*/(recipes|common)/', output), output[-4000:]
