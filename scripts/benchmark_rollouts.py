@@ -9,7 +9,8 @@ whole weights, once per rollout), the update's tokens/s, and each rank's peak me
 holds the rollout's copy and KV cache). The first step is left out (warm-up). With --docs the table goes to a
 page (make benchmark-rollouts writes docs/benchmark-rollouts.md).
 
-    python scripts/benchmark_rollouts.py --configs ddp.yaml zero3.yaml zero3_offload.yaml fsdp.yaml tp.yaml
+    python scripts/benchmark_rollouts.py --configs ddp.yaml zero3.yaml zero3_offload.yaml fsdp.yaml tp.yaml \
+        zero3.yaml:stages fsdp.yaml:stages      # NAME:stages: with --rollout_weights stages (no whole copy)
 """
 
 import argparse
@@ -23,10 +24,19 @@ from common.peers import free_port
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIGS = ["ddp.yaml", "zero3.yaml", "zero3_offload.yaml", "fsdp.yaml", "tp.yaml"]
+CONFIGS = [
+    "ddp.yaml",
+    "zero3.yaml",
+    "zero3_offload.yaml",
+    "fsdp.yaml",
+    "tp.yaml",
+    "zero3.yaml:stages",
+    "fsdp.yaml:stages",
+]
 
 
-def run_config(config: str, args, data: str, out: str) -> dict:
+def run_config(entry: str, args, data: str, out: str) -> dict:
+    config, _, how = entry.partition(":")  # "fsdp.yaml:stages": with --rollout_weights stages
     command = [
         os.path.join(os.path.dirname(sys.executable), "accelerate"),
         "launch",
@@ -66,10 +76,11 @@ def run_config(config: str, args, data: str, out: str) -> dict:
         "--overwrite_output_dir",
         "--report_to",
         "none",
+        *(("--rollout_weights", how) if how else ()),
     ]
     result = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
     if result.returncode != 0:
-        raise SystemExit(f"{config} failed:\n{result.stderr[-3000:]}")
+        raise SystemExit(f"{entry} failed:\n{result.stderr[-3000:]}")
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     train = [r for r in rows if "loss" in r][1:]  # the first step warms up
     record = json.load(open(os.path.join(out, "run.json")))
@@ -90,12 +101,13 @@ def run_config(config: str, args, data: str, out: str) -> dict:
             "--batch_size", str(args.num_generations),
             "--seq_len", str(args.max_completion_length + 16),
             "--grpo_generations", str(args.num_generations),
+            *(("--rollout_stages",) if how == "stages" else ()),
         ]
     )  # fmt: skip
     return {
         "estimated_peak_mb": estimated["peak_mb"],
         "estimated_copy_mb": estimated["rollout_weights"] / 2**20,
-        "config": config,
+        "config": entry,
         "weights": record["rollout"]["weights"],
         "copy_mb": record["rollout"]["copy_bytes_per_rank"] / 2**20,
         "generate_tokens_per_s": mean("rollout/tokens_per_s_per_device"),

@@ -24,7 +24,8 @@ fsdp_cp.yaml: FSDP2's model state over all N ranks; each rank's activations thos
 tokens, counted as Ulysses' are.)
 
 --grpo_generations G adds recipes/grpo.py's rollout: under FSDP2, ZeRO-3 and tensor parallelism the whole-weights
-copy it samples from (cΨ, the compute dtype: `rollout_bytes`; none where the weights are whole already), and, while
+copy it samples from (cΨ, the compute dtype: `rollout_bytes`; none where the weights are whole already; with
+--rollout_stages the largest stage's slice of the layers and what lies outside them: `stage_bytes`), and, while
 it samples, the KV cache of G completions of --seq_len tokens (2 x layers x G x seq_len x the key/value width x c)
 and their fp32 logits. --dpo_reference adds recipes/dpo.py's frozen reference copy: 4Ψ on one process or DDP, 4Ψt under TP, 4Ψ/N under FSDP2,
 cΨ under ZeRO-1/2 and cΨ/N under ZeRO-3 (`reference_bytes`). --use_peft: the model frozen, LoRA's adapters (rank 8
@@ -242,6 +243,19 @@ def rollout_bytes(psi: int, strategy: dict, c: int) -> float:
     return c * psi if sharded else 0
 
 
+def stage_bytes(model: dict, strategy: dict, c: int) -> float:
+    """GRPO's weights with --rollout_weights stages (common.rollout_stages) on the rank holding the most, in the
+    compute dtype: the first stage's embeddings and layers, the last's layers, final norm and head (the embeddings
+    again where they are tied), those between their layers."""
+    from common.rollout_stages import stage_bounds
+
+    counts = [end - start for start, end in stage_bounds(model["layers"], strategy["num_processes"])]
+    embeddings = model["vocab_size"] * model["hidden_size"]
+    head = max(model["root_parameters"] - embeddings, embeddings)  # with the final norm; tied: the embeddings
+    ends = {0: embeddings, len(counts) - 1: head}
+    return c * max(count * model["largest_layer"] + ends.get(i, 0) for i, count in enumerate(counts))
+
+
 def estimate(
     model: dict,
     strategy: dict,
@@ -252,6 +266,7 @@ def estimate(
     dpo_reference: bool = False,
     trainable: int | None = None,
     grpo_generations: int | None = None,
+    grpo_stages: bool = False,
 ) -> dict:
     """Bytes per rank by category (the memory account's), and the peak. Activation checkpointing
     is on when asked or when the config turns it on (fsdp_activation_checkpointing). With
@@ -304,7 +319,11 @@ def estimate(
         if dpo_reference
         else 0
     )
-    rollout = rollout_bytes(psi, strategy, c) if grpo_generations else 0
+    rollout = (
+        (stage_bytes(model, strategy, c) if grpo_stages else rollout_bytes(psi, strategy, c))
+        if grpo_generations
+        else 0
+    )
     # while sampling: the KV cache of G completions of seq_len tokens, and each step's logits in fp32
     sampling = (
         grpo_generations * seq_len * (2 * model["layers"] * model["kv_hidden_size"] * c + 8 * model["vocab_size"])
@@ -397,6 +416,12 @@ def main(argv=None) -> dict:
         "the whole weights it samples from where the config shards them, and the KV cache of --seq_len tokens "
         "(prompt + --max_completion_length)",
     )
+    parser.add_argument(
+        "--rollout_stages",
+        action="store_true",
+        help="with --grpo_generations: the rollouts sample from a slice of the layers per process "
+        "(recipes/grpo.py --rollout_weights stages), not a whole copy",
+    )
     parser.add_argument("--json", help="also write the estimate here")
     args = parser.parse_args(argv)
     for path, what in ((args.config, "--config"),):
@@ -422,6 +447,7 @@ def main(argv=None) -> dict:
         args.dpo_reference,
         model["lora_parameters"] if args.use_peft else None,
         args.grpo_generations,
+        args.rollout_stages,
     )
     import torch
 
