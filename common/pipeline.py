@@ -165,11 +165,6 @@ def model_problems(model, settings: PipelineSettings) -> list[str]:
             f"pipeline parallelism splits a causal LM of the Llama architecture (its base_model_pp_plan: embed_tokens, "
             f"layers, norm) and {name} is not one; use ddp.yaml, fsdp.yaml or zero3.yaml"
         ]
-    if getattr(config, "tie_word_embeddings", False):
-        return [
-            f"pipeline parallelism: {name} ties its output head to its input embeddings (tie_word_embeddings), which "
-            "sit on the first and last stages; use fsdp.yaml or zero3.yaml"
-        ]
     if settings.num_stages > config.num_hidden_layers:
         return [
             f"{settings.num_stages} pipeline stages ({settings.size} ranks x {settings.stages_per_rank} under "
@@ -276,6 +271,8 @@ class PipelineModel(torch.nn.Module):
         self.module, self.accelerator, self.settings = module, accelerator, settings
         self.group, self.rank = accelerator.pipeline_group, accelerator.pipeline_rank
         layers = stage_layers(module.config.num_hidden_layers, settings.num_stages)
+        head, embeddings = module.get_output_embeddings(), module.get_input_embeddings()
+        self.tied = head.weight is embeddings.weight  # one weight on the first stage's rank and the last's
         self.stage_indices = [self.rank + settings.size * loop for loop in range(settings.stages_per_rank)]
         keep_stages(module, layers, self.stage_indices)
         self.stages = [
@@ -283,6 +280,16 @@ class PipelineModel(torch.nn.Module):
             for index in self.stage_indices
         ]
         self.last_rank = (settings.num_stages - 1) % settings.size  # holds the last stage
+        # tied embeddings: the first stage's copy and the last's each get the sum of both gradients (the same
+        # update on both), and the clipping norm counts the weight once, on the first stage
+        self.tied_group = accelerator.ends_group() if self.tied else None
+        ends = {0, self.last_rank}
+        self.tied_weight = (
+            (self.stages[0].embed_tokens or self.stages[-1].lm_head).weight
+            if self.tied and self.rank in ends
+            else None
+        )
+        self.counted_once = {id(self.tied_weight)} if self.tied and self.rank == self.last_rank else set()
         self.schedules = {}  # (rows, length) -> its schedule: a stage's buffers have one shape
         self.window, self.losses, self.tokens = None, None, None
 
@@ -351,6 +358,8 @@ class PipelineModel(torch.nn.Module):
         with self.accelerator.autocast():
             schedule.step(*([inputs] if first else []), target=labels, losses=losses, **kwargs)
         self.accelerator.sum_over_replicas(self.module)
+        if self.tied_weight is not None and self.tied_weight.grad is not None:
+            dist.all_reduce(self.tied_weight.grad, group=self.tied_group)
         # every rank records the micro-batches' losses as DDP's do (summed token loss / num_items_in_batch)
         reported = torch.zeros(len(window), device=self.accelerator.device)
         if self.rank == self.last_rank:
@@ -459,6 +468,15 @@ class PipelineAccelerator(Accelerator):
                 prepared.append(super().prepare(item) if item is not None else None)
         return prepared[0] if len(prepared) == 1 else tuple(prepared)
 
+    def ends_group(self):
+        """The process group of each pipeline's first rank and the rank of its last stage (every rank makes each)."""
+        last = (self.pipeline.num_stages - 1) % self.pipeline.size
+        mine = None
+        for replica in range(self.replicas):
+            group = dist.new_group([replica * self.pipeline.size, replica * self.pipeline.size + last])
+            mine = group if replica == self.replica_rank else mine
+        return mine
+
     def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
         """accelerate's prepared loader over the data-parallel replicas: every rank of a pipeline the same batches."""
         from accelerate.data_loader import prepare_data_loader
@@ -499,7 +517,8 @@ class PipelineAccelerator(Accelerator):
         from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
         parameters = [parameter for parameter in parameters if parameter.grad is not None]
-        grads = [parameter.grad for parameter in parameters]
+        once = self.pipeline_model.counted_once if self.pipeline_model is not None else set()
+        grads = [parameter.grad for parameter in parameters if id(parameter) not in once]
         local = get_total_norm(grads, norm_type) if grads else torch.zeros((), device=self.device)
         squared = local.float().pow(2).reshape(1)
         dist.all_reduce(squared, group=self.pipeline_group)
@@ -537,7 +556,8 @@ def whole_model(accelerator, model):
         mine = share.get(name) if owners[name] == model.rank else None
         state[name] = _broadcast(mine, model.group, owners[name], accelerator.device)
     whole.load_state_dict(state, assign=True)
-    whole.generation_config = model.module.generation_config
+    if model.tied:
+        whole.tie_weights()  # the head reads the embeddings' weight again, as in the model trained    whole.generation_config = model.module.generation_config
     return whole.to(accelerator.device).eval()
 
 

@@ -1,12 +1,14 @@
-"""Pipeline parallelism from the config, launched for real over gloo: pp.yaml (2 processes, 2 stages).
+"""Pipeline parallelism from the config, launched for real over gloo: pp.yaml (2 processes, 2 stages) and dp_pp.yaml
+(4 processes: 2 data-parallel replicas of a 2-stage pipeline).
 
 fp32 parity: the pipeline's window of micro-batches (its accumulation steps) against one process running the same
-micro-batches, from the same seeded model: per-step losses and gradient norms within FP32_TOLERANCE relative, the
+global batch, from the same seeded model: per-step losses and gradient norms within FP32_TOLERANCE relative, the
 evaluation and the final weights as close; over epochs whose last batches do not fill a window (left out), every rank
-of the pipeline handed the same batches (checked in the run) and 2 processes taking part. causal_lm.py under 1F1B
-(make test); sft.py on padded chats of varying length under GPipe, causal_lm.py under Interleaved1F1B (two stages per
-rank on a 4-layer model), a resume from a per-stage (DCP) checkpoint under pp.yaml and under fsdp.yaml (make
-test-all). Bad input: the split, the schedule and the recipes pp cannot run, each one line.
+of a pipeline handed the same batches (checked in the run) and the launched processes taking part. causal_lm.py under
+1F1B with a per-stage (DCP) checkpoint and final/'s logits (make test); in make test-all: sft.py on padded chats of
+varying length under GPipe, Interleaved1F1B (two stages per rank on a 4-layer model), dp_pp.yaml, SmolLM2-135M (its
+head tied to its embeddings across the first and last stage), bf16 fine-tuning of a bf16 checkpoint, and a resume from
+step 3 under pp.yaml and under fsdp.yaml. Bad input: the split, the schedule and the recipes pp cannot run, one line.
 """
 
 import json
@@ -20,6 +22,7 @@ from conftest import (
     CONFIGS,
     FP32,
     REPO,
+    STEPS,
     causal_lm_args,
     flags,
     launch,
@@ -27,6 +30,8 @@ from conftest import (
     load_weights,
     losses,
     max_weight_difference,
+    optimizer_state_dtypes,
+    pretrained_args,
     read_metrics,
     read_run,
 )
@@ -271,3 +276,54 @@ def test_an_unknown_schedule_stops_every_rank_in_one_line(markov_data, tmp_path)
     assert "parallelism_config_pp_schedule: 'ZeroBubble' is not a schedule" in errors[0]
     # torchrun reports the failed child with its own launcher traceback; none comes from our code.
     assert not re.search(r'File "[^"]*/(recipes|common)/', output), output[-4000:]
+
+
+@pytest.mark.slow
+@pytest.mark.exhaustive
+def test_dp_pp_yaml_trains_two_pipelines_as_one_process(small_markov, pipeline_run, tmp_path):
+    """4 processes: 2 data-parallel replicas of a 2-stage pipeline, each 2 x accumulation 2, against the one process's
+    4 x 2 (the same global batch of 8) over the same epochs."""
+    _, reference = pipeline_run
+    args = epoch_args(small_markov, tmp_path, per_device_train_batch_size=2)
+    launch("dp_pp.yaml", "causal_lm.py", args, launcher_args=FP32)
+    run = read_run(tmp_path)
+    assert run["participating_processes"] == 4 and run["effective_batch_size"] == 8
+    assert run["shared_batch_groups_checked"] == 2  # each pipeline's two ranks were handed the same batches
+    assert relative_gaps(tmp_path, reference) < FP32_TOLERANCE
+    assert max_weight_difference(tmp_path / "final", reference / "final") < FP32_TOLERANCE
+
+
+@pytest.mark.slow
+@pytest.mark.exhaustive
+def test_smollm2_ties_its_head_across_the_first_and_last_stage(real_model, markov_data, tmp_path):
+    """SmolLM2-135M's output head is its input embeddings' weight: one copy on each end stage, their gradients
+    summed, counted once in the clipping norm. Two steps against one process; final/ keeps the tie."""
+    values = dict(max_steps=2, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_eval_samples=8)
+    args = pretrained_args(markov_data, real_model, tmp_path / "pp", **values)
+    launch("pp.yaml", "causal_lm.py", args, launcher_args=FP32)
+    launch_one_process(
+        "causal_lm.py", pretrained_args(markov_data, real_model, tmp_path / "one", **values), launcher_args=FP32
+    )
+    assert read_run(tmp_path / "pp")["participating_processes"] == 2
+    assert relative_gaps(tmp_path / "pp", tmp_path / "one") < FP32_TOLERANCE
+    assert relative_gaps(tmp_path / "pp", tmp_path / "one", "grad_norm") < FP32_TOLERANCE
+    exported = load_weights(tmp_path / "pp" / "final")
+    assert "lm_head.weight" not in exported  # tied: stored once, as transformers stores it
+    assert max_weight_difference(tmp_path / "pp" / "final", tmp_path / "one" / "final") < 4e-3  # one bf16 step
+
+
+@pytest.mark.slow
+@pytest.mark.exhaustive
+def test_pp_yaml_bf16_fine_tuning_of_a_bf16_checkpoint(markov_data, bf16_checkpoint, bf16_reference, tmp_path):
+    """pp.yaml as it ships (bf16), 4 x accumulation 2, against one process in bf16 at 8 x 1."""
+    from test_strategies import BF16_LOSS_TOLERANCE
+
+    values = dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=STEPS, save_steps=STEPS)
+    launch("pp.yaml", "causal_lm.py", pretrained_args(markov_data, bf16_checkpoint, tmp_path, **values))
+    record = read_run(tmp_path)
+    assert record["compute_dtype"] == "bfloat16" and record["master_weights_dtype"] == "float32"
+    gap = max(abs(a - b) for a, b in zip(losses(tmp_path), losses(bf16_reference)))
+    print(f"pp.yaml bf16: max loss gap to one process in bf16 {gap:.2e}")
+    assert len(losses(tmp_path)) == STEPS and gap < BF16_LOSS_TOLERANCE
+    assert optimizer_state_dtypes(tmp_path / "checkpoints" / f"step_{STEPS}") == {torch.float32}
+    assert {t.dtype for t in load_weights(tmp_path / "final").values()} == {torch.bfloat16}
