@@ -75,9 +75,12 @@ def _load_torch(accelerator, model, optimizer, weights, moments, steps) -> None:
         set_optimizer_state_dict,
     )
 
+    from common import pipeline
+
     module, inner = _module(accelerator, model), _inner(optimizer)
-    several = accelerator.num_processes > 1
-    first = accelerator.process_index == 0
+    # pp.yaml: each rank holds other parameters (its stages), so each reads its own from the file
+    several = accelerator.num_processes > 1 and not pipeline.enabled(accelerator)
+    first = accelerator.process_index == 0 or pipeline.enabled(accelerator)
     options = StateDictOptions(full_state_dict=True, strict=False, broadcast_from_rank0=several)
     wanted = set(module.state_dict().keys()) & set(weights.keys())  # every trained parameter: `load` checked
     set_model_state_dict(

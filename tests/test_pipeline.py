@@ -114,14 +114,22 @@ def test_pp_yaml_trains_causal_lm_as_one_process_and_checkpoints_each_stage(pipe
 
 @pytest.mark.slow
 @pytest.mark.exhaustive
-def test_a_pp_checkpoint_resumes_under_pp_and_under_fsdp(pipeline_run, small_markov, tmp_path):
-    """From step 3 (inside the second epoch) to the end: the uninterrupted run's losses, under pp.yaml and, the
-    same DCP files read by FSDP2, under fsdp.yaml (2 data-parallel ranks: batch 2 x accumulation 2)."""
-    ours, _ = pipeline_run
+def test_a_pp_checkpoint_resumes_under_pp_fsdp_and_ddp_and_a_one_process_one_under_pp(
+    pipeline_run, small_markov, tmp_path
+):
+    """From step 3 (inside the second epoch) to the end: the uninterrupted run's losses, under pp.yaml; the same DCP
+    files read by FSDP2 under fsdp.yaml, and their portable rewrite under ddp.yaml (2 data-parallel ranks: batch 2 x
+    accumulation 2); and the one-process run's checkpoint (whole-model files) through its rewrite under pp.yaml."""
+    ours, reference = pipeline_run
     logged = [line for line in (ours / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
-    for config, batch in (("pp.yaml", 4), ("fsdp.yaml", 2)):
-        stopped = tmp_path / config
-        shutil.copytree(ours / "checkpoints/step_3", stopped / "checkpoints/step_3")
+    for config, batch, source in (
+        ("pp.yaml", 4, ours),
+        ("fsdp.yaml", 2, ours),
+        ("ddp.yaml", 2, ours),
+        ("pp.yaml", 4, reference),
+    ):
+        stopped = tmp_path / f"{config}_from_{source.name}"
+        shutil.copytree(source / "checkpoints/step_3", stopped / "checkpoints/step_3")
         (stopped / "metrics.jsonl").write_text("\n".join(logged[:3]) + "\n")
         args = epoch_args(small_markov, stopped, resume_from_checkpoint="latest", per_device_train_batch_size=batch)
         launch(config, "causal_lm.py", args, launcher_args=FP32)
