@@ -39,6 +39,7 @@ SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
 SIZE_KEY, SCHEDULE_KEY = "parallelism_config_pp_size", "parallelism_config_pp_schedule"
 # the model types whose decoder forward `StageModule` repeats (LlamaModel.forward in transformers 5.23)
 SPLITTABLE = ("llama",)
+KEPT_SCHEDULES = 8  # schedules kept, one per micro-batch shape (each stage's receive buffers are shaped once)
 
 
 @dataclass(frozen=True)
@@ -290,7 +291,7 @@ class PipelineModel(torch.nn.Module):
             else None
         )
         self.counted_once = {id(self.tied_weight)} if self.tied and self.rank == self.last_rank else set()
-        self.schedules = {}  # (rows, length) -> its schedule: a stage's buffers have one shape
+        self.schedules = {}  # (micro-batches, rows, length) -> its schedule: a stage's buffers have one shape
         self.window, self.losses, self.tokens = None, None, None
 
     def begin_window(self, batches: list, tokens) -> None:
@@ -316,8 +317,10 @@ class PipelineModel(torch.nn.Module):
     def _schedule(self, rows: int, length: int):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-        key = (rows, length)
+        key = (len(self.window), rows, length)
         if key not in self.schedules:
+            if len(self.schedules) >= KEPT_SCHEDULES:  # padded batches of many lengths: drop the oldest's buffers
+                self.schedules.pop(next(iter(self.schedules)))
             stages = [
                 PipelineStage(stage, index, self.settings.num_stages, self.accelerator.device, group=self.group)
                 for stage, index in zip(self.stages, self.stage_indices)
@@ -326,8 +329,10 @@ class PipelineModel(torch.nn.Module):
             if self.settings.schedule == "Interleaved1F1B":
                 self.schedules[key] = ScheduleInterleaved1F1B(stages, **kwargs)
             else:
-                kind = Schedule1F1B if self.settings.schedule == "1F1B" else ScheduleGPipe
-                self.schedules[key] = kind(stages[0], **kwargs)
+                # 1F1B with fewer micro-batches than stages has every forward in its warm-up: GPipe's order, which
+                # torch's 1F1B refuses to run
+                one_f_one_b = self.settings.schedule == "1F1B" and len(self.window) >= self.settings.size
+                self.schedules[key] = (Schedule1F1B if one_f_one_b else ScheduleGPipe)(stages[0], **kwargs)
         return self.schedules[key]
 
     def _loss(self, logits, labels):
