@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed
 from accelerate.utils import gather_object
 from transformers import GenerationConfig, LogitsProcessor
 
@@ -320,17 +321,15 @@ class GenerationWeights:
             return
         whole = sum(full_numel(p) for p in self.policy.parameters()) * torch.finfo(self.dtype).bits // 8
         self.copy_bytes, self.cache_bytes = whole, kv_cache_bytes(self.policy, group, max_length, self.dtype)
+        cannot = stages_impossible(accelerator, self.policy)
+        if choice == "stages" and cannot:
+            raise UsageError(f"--rollout_weights stages: {cannot}; use --rollout_weights copy")
         if choice == "auto":
-            choice, self.reason = self._decide()
+            choice, self.reason = self._decide(cannot)
         else:
             self.reason = f"--rollout_weights {choice}"
-        model = self._meta_model()
+        model = self._meta_model(sdpa=choice == "stages")
         if choice == "stages":
-            if mesh.data_parallel_size(accelerator) != accelerator.num_processes:
-                raise UsageError(
-                    "--rollout_weights stages: the processes must each hold their own prompts (this config shares "
-                    "one batch between processes, as tensor parallelism does); use --rollout_weights copy"
-                )
             self.stages = Stages(model, accelerator.process_index, accelerator.num_processes, accelerator.device)
             model = self.stages.model
         else:
@@ -341,23 +340,31 @@ class GenerationWeights:
             model.tie_weights()
         self.model = model.requires_grad_(False).eval()
         self.targets = self._targets()
+        held = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.held_per_rank = everyones(held)  # each rank's (the stages' slices differ)
 
-    def _decide(self) -> tuple[str, str]:
-        """A whole copy where it and one group's KV cache fit in the memory free now, less what training has yet
-        to allocate (this rank's gradients and Adam's two moments, fp32: 12 bytes per local parameter) and a tenth
-        for activations; else a slice of the layers per rank."""
+    def _decide(self, cannot: str | None) -> tuple[str, str]:
+        """A whole copy where, on every rank, it and one group's KV cache fit in the memory free now, less what
+        training has yet to allocate (the rank's trainable parameters' gradients and Adam's two moments, fp32: 12
+        bytes each) and a tenth for activations; else, where the ring can run, a slice of the layers per rank. Every
+        rank calls it and all take the same verdict (the least room of any rank)."""
         free = free_memory(self.accelerator.device)
-        later = 12 * sum(local_numel(p) for p in self.policy.parameters())
-        room = 0.9 * free - later
+        later = 12 * sum(local_numel(p) for p in self.policy.parameters() if p.requires_grad)
+        room = torch.tensor([0.9 * free - later], dtype=torch.float64, device=self.accelerator.device)
+        if self.accelerator.num_processes > 1:
+            torch.distributed.all_reduce(room, op=torch.distributed.ReduceOp.MIN)
+        room = float(room)
         need = self.copy_bytes + self.cache_bytes
-        verdict = "fits" if need <= room else "does not fit"
+        fits = need <= room
         reason = (
-            f"the copy and a group's KV cache ({need / 2**20:.0f} MB) {verdict} in the {max(room, 0) / 2**20:.0f} MB "
-            f"left of {free / 2**20:.0f} MB free after training's gradients and optimizer states"
+            f"the copy and a group's KV cache ({need / 2**20:.0f} MB) {'fit' if fits else 'do not fit'} in the "
+            f"{max(room, 0) / 2**20:.0f} MB left on the tightest rank after training's gradients and optimizer states"
         )
-        return ("copy" if need <= room else "stages"), reason
+        if fits or cannot:
+            return "copy", reason + (f"; the stages cannot run ({cannot})" if not fits else "")
+        return "stages", reason
 
-    def _meta_model(self):
+    def _meta_model(self, sdpa: bool = False):
         from accelerate import init_empty_weights
         from transformers import AutoModelForCausalLM
 
@@ -366,8 +373,8 @@ class GenerationWeights:
         config = copy.deepcopy(base.config)
         config.use_cache = True
         with without_zero3_init(), init_empty_weights(include_buffers=False):
-            model = AutoModelForCausalLM.from_config(
-                config, dtype=self.dtype, attn_implementation=attention_implementation(base)
+            model = AutoModelForCausalLM.from_config(  # the stages' masks are sdpa's (inference only: any kernel)
+                config, dtype=self.dtype, attn_implementation="sdpa" if sdpa else attention_implementation(base)
             )
             if peft_config:
                 from peft import get_peft_model
@@ -389,14 +396,17 @@ class GenerationWeights:
         return targets
 
     def record(self) -> dict:
-        held = sum(p.numel() * p.element_size() for p in self.model.parameters()) if self.gathered else 0
+        held = max(self.held_per_rank) if self.gathered else 0
         if self.stages is not None:
-            how = f"a slice of the layers per rank ({self.stages.layers_held()} here), generating as a ring"
+            how = "a slice of the layers per rank, generating as a ring"
         elif self.gathered:
             how = "a whole copy gathered once per rollout"
         else:
             how = "the policy's own weights (whole here)"
-        return {"weights": how, "copy_bytes_per_rank": held, "chosen": self.reason}
+        record = {"weights": how, "copy_bytes_per_rank": held, "chosen": self.reason}
+        if self.stages is not None:
+            record.update(bytes_per_rank=self.held_per_rank, layers_per_rank=self.stages.layers_per_rank)
+        return record
 
     @torch.no_grad()
     def refresh(self, step: int) -> None:
@@ -430,7 +440,7 @@ class GenerationWeights:
             specs = [{"prompts": [p] * len(u), "uniforms": u} for p, u in groups]
             results = ring_generate(
                 self.stages,
-                everyones(specs),
+                everyones(specs, self.stages.group),
                 settings.max_completion_length,
                 settings,
                 self.accelerator.autocast,
@@ -448,7 +458,7 @@ class GenerationWeights:
             if self.stages is not None:
                 results = ring_generate(
                     self.stages,
-                    everyones([{"prompts": batch} for batch in batches]),
+                    everyones([{"prompts": batch} for batch in batches], self.stages.group),
                     settings.max_completion_length,
                     settings,
                     self.accelerator.autocast,
@@ -499,13 +509,39 @@ def evaluating(model):
         model.train(training)
 
 
-def everyones(items: list) -> list[list]:
-    """Every rank's `items`, by rank (every rank calls it)."""
+def everyones(item, group=None) -> list:
+    """Every rank's `item`, by rank (every rank calls it)."""
     import torch.distributed as dist
 
+    if not dist.is_initialized():
+        return [item]
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, items)
+    dist.all_gather_object(gathered, item, group=group)
     return gathered
+
+
+STAGED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # embeddings -> layers -> norm -> head, nothing else
+STAGE_BLOCKERS = ("final_logit_softcapping", "logit_scale", "embedding_multiplier", "logits_scaling")
+
+
+def stages_impossible(accelerator, policy) -> str | None:
+    """Why the ring (`common.rollout_stages`) cannot run here, or None."""
+    config = policy.config.get_text_config()
+    processes, layers = accelerator.num_processes, config.num_hidden_layers
+    sliding = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
+    if processes < 2:
+        return "one process has nothing to pass round a ring"
+    if mesh.data_parallel_size(accelerator) != processes:
+        return (
+            "the processes must each hold their own prompts (this config shares a batch, as tensor parallelism does)"
+        )
+    if config.model_type not in STAGED_MODEL_TYPES or any(getattr(config, a, None) for a in STAGE_BLOCKERS):
+        return f"{config.model_type} models are not cut into stages here (only {', '.join(STAGED_MODEL_TYPES)})"
+    if sliding or any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or []):
+        return "sliding-window attention is not run by the stages"
+    if layers < processes:
+        return f"{layers} decoder layers cannot be cut into {processes} stages (one per process)"
+    return None
 
 
 def full_numel(parameter) -> int:

@@ -52,9 +52,9 @@ def decoder_parts(model) -> tuple[nn.Module, nn.Module]:
     needed = ("embed_tokens", "layers", "norm", "rotary_emb")
     if decoder is None or not all(hasattr(decoder, name) for name in needed) or not hasattr(top, "lm_head"):
         raise UsageError(
-            f"--rollout_weights stages: {type(top).__name__} is not cut into stages here (it needs model.embed_tokens, "
-            "model.layers, model.norm, model.rotary_emb and lm_head, as Llama-style models have); use "
-            "--rollout_weights copy"
+            f"--rollout_weights stages: {type(top).__name__} is not cut into stages here (it needs "
+            "model.embed_tokens, model.layers, model.norm, model.rotary_emb and lm_head, as Llama-style models "
+            "have); use --rollout_weights copy"
         )
     return decoder, top
 
@@ -73,7 +73,9 @@ class Stages:
             )
         self.rank, self.stages = rank, stages
         self.first, self.last = rank == 0, rank == stages - 1
-        start, end = stage_bounds(layers, stages)[rank]
+        bounds = stage_bounds(layers, stages)
+        self.layers_per_rank = [f"{start}-{end - 1}" if end > start else "none" for start, end in bounds]
+        start, end = bounds[rank]
         self.owned = list(range(start, end))
         for index in range(layers):
             if index not in self.owned:
@@ -89,9 +91,10 @@ class Stages:
         self.model, self.decoder, self.top, self.device = model, decoder, top, device
         self.dtype = next(model.parameters()).dtype
         self.hidden = model.config.get_text_config().hidden_size
-
-    def layers_held(self) -> str:
-        return f"layers {self.owned[0]}-{self.owned[-1]}" if self.owned else "no layers"
+        # The ring's messages go through gloo (CPU tensors) whatever the run's backend: its sends complete without
+        # waiting for the matching receive, which the ring's order relies on (NCCL's may wait: a deadlock).
+        self.group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+        self.message_device = torch.device("cpu")
 
     def forward(self, inputs, positions, mask, cache):
         """This stage's part of one forward: token ids (first stage) or hidden states in, hidden states out, or on
@@ -163,7 +166,7 @@ def ring_generate(stages: Stages, specs_per_rank: list[list[dict]], max_new_toke
             if stages.last
             else None
         ]
-        dist.broadcast_object_list(box, src=world - 1)
+        dist.broadcast_object_list(box, src=world - 1, group=stages.group)
         mine += [result for owner, result in zip(owners, box[0]) if owner == rank]
     return mine
 
@@ -172,15 +175,22 @@ def ring_generate(stages: Stages, specs_per_rank: list[list[dict]], max_new_toke
 def _run_wave(stages: Stages, slots: list[_Slot], max_new_tokens: int, stop_ids: list[int]) -> None:
     previous, following, last = stages.rank - 1, stages.rank + 1, stages.stages - 1
     stops = torch.tensor(stop_ids, device=stages.device)
-    sends = []  # (work, tensor): kept alive until sent
+    sending = {}  # per slot and peer: (step, [(work, tensor)]) of its last step's messages, kept alive until sent
 
-    def send(tensor, to, tag):
-        sends.append((dist.isend(tensor.contiguous(), dst=to, tag=tag), tensor))
+    def send(tensor, to, tag, k):
+        step, works = sending.get((tag, to), (k, []))
+        if step < k:  # the peer took the slot's earlier step before this rank got the slot's input for this one
+            for work, _ in works:
+                work.wait()
+            works = []
+        tensor = tensor.to(stages.message_device).contiguous()
+        works.append((dist.isend(tensor, dst=to, tag=tag, group=stages.group), tensor))
+        sending[(tag, to)] = (k, works)
 
     def receive(shape, dtype, source, tag):
-        tensor = torch.empty(shape, dtype=dtype, device=stages.device)
-        dist.recv(tensor, src=source, tag=tag)
-        return tensor
+        tensor = torch.empty(shape, dtype=dtype, device=stages.message_device)
+        dist.recv(tensor, src=source, tag=tag, group=stages.group)
+        return tensor.to(stages.device)
 
     for k in range(max_new_tokens):
         for tag, slot in enumerate(slots):
@@ -195,7 +205,7 @@ def _run_wave(stages: Stages, slots: list[_Slot], max_new_tokens: int, stop_ids:
                     message = receive((rows + 1,), torch.long, last, tag)
                     if message[-1]:
                         slot.done = True
-                        send(torch.tensor([1, 0, 0], device=stages.device), following, tag)
+                        send(torch.tensor([1, 0, 0]), following, tag, k)
                         continue
                     inputs = message[:rows, None]
             else:
@@ -203,19 +213,20 @@ def _run_wave(stages: Stages, slots: list[_Slot], max_new_tokens: int, stop_ids:
                 if header[0]:
                     slot.done = True
                     if not stages.last:
-                        send(header, following, tag)
+                        send(header, following, tag, k)
                     continue
                 inputs = receive((rows, int(header[2]), stages.hidden), stages.dtype, previous, tag)
             output = stages.forward(inputs, positions, mask, slot.cache)
             if not stages.last:
-                send(torch.tensor([0, rows, output.shape[1]], device=stages.device), following, tag)
-                send(output.to(stages.dtype), following, tag)
+                send(torch.tensor([0, rows, output.shape[1]]), following, tag, k)
+                send(output.to(stages.dtype), following, tag, k)
                 continue
             so_far = torch.cat([slot.ids, *[t[:, None] for t in slot.generated]], 1)
             token = slot.pick(so_far, output)
             slot.generated.append(token)
             finished = torch.isin(torch.stack(slot.generated, 1), stops).any(1).all()
             if k + 1 < max_new_tokens:
-                send(torch.cat([token, finished.long().view(1)]), 0, tag)
-    for work, _ in sends:
-        work.wait()
+                send(torch.cat([token, finished.long().view(1)]), 0, tag, k)
+    for _, works in sending.values():
+        for work, _ in works:
+            work.wait()

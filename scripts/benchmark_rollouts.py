@@ -6,8 +6,9 @@ Runs recipes/grpo.py for --steps optimizer steps per config on --num_processes p
 rollout's completion tokens per second per device (`rollout/tokens_per_s_per_device`, generation only), the
 gather's seconds (`rollout/gather_s_per_device`: FSDP2's, ZeRO-3's and tensor parallelism's copy of the
 whole weights, once per rollout), the update's tokens/s, and each rank's peak memory over the whole run (which
-holds the rollout's copy and KV cache). The first step is left out (warm-up). With --docs the table goes to a
-page (make benchmark-rollouts writes docs/benchmark-rollouts.md).
+holds the rollout's copy and KV cache). The first step is left out (warm-up). Each config runs --rounds times, the
+order rotated each round so that the configs share the host's slow and fast moments; the medians are shown. With
+--docs the table goes to a page (make benchmark-rollouts writes docs/benchmark-rollouts.md).
 
     python scripts/benchmark_rollouts.py --configs ddp.yaml zero3.yaml zero3_offload.yaml fsdp.yaml tp.yaml \
         zero3.yaml:stages fsdp.yaml:stages      # NAME:stages: with --rollout_weights stages (no whole copy)
@@ -16,6 +17,7 @@ page (make benchmark-rollouts writes docs/benchmark-rollouts.md).
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -121,6 +123,15 @@ def run_config(entry: str, args, data: str, out: str) -> dict:
     }
 
 
+def median_run(runs: list[dict]) -> dict:
+    """One config's rounds: the median of each speed and time, the highest peak."""
+    merged = dict(runs[-1])
+    for key in ("generate_tokens_per_s", "gather_s", "generate_s", "update_tokens_per_s"):
+        merged[key] = statistics.median(r[key] for r in runs)
+    merged["peak_mb"] = [max(peaks) for peaks in zip(*(r["peak_mb"] for r in runs))]
+    return merged
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", nargs="+", default=CONFIGS)
@@ -129,14 +140,22 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--num_generations", type=int, default=4)
     parser.add_argument("--max_completion_length", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3, help="runs per config, in a rotated order; medians shown")
     parser.add_argument("--docs", help="write the table to this markdown page")
     args = parser.parse_args(argv)
     from common.synthetic import write_prompt_data
 
+    args.load = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory() as tmp:
         data = os.path.join(tmp, "data")
         write_prompt_data(data, train=64, validation=4)
-        results = [run_config(config, args, data, os.path.join(tmp, config)) for config in args.configs]
+        runs = {config: [] for config in args.configs}
+        for round_ in range(args.rounds):  # each round in another order: the configs share the host's slow moments
+            shift = round_ % len(args.configs)
+            for config in args.configs[shift:] + args.configs[:shift]:
+                runs[config].append(run_config(config, args, data, os.path.join(tmp, f"{config}-{round_}")))
+        results = [median_run(runs[config]) for config in args.configs]
+    args.load.append(os.getloadavg()[0])
     base = next((r for r in results if r["config"] == "ddp.yaml"), results[0])
     for r in results:
         r["versus"] = r["generate_tokens_per_s"] / base["generate_tokens_per_s"]
@@ -188,7 +207,10 @@ def write_docs(args, results, base) -> None:
         "GRPO rollouts: generation speed and memory per config",
         f"{results[0]['parameters']:,} parameters, {args.num_processes} processes, the configs' mixed precision; "
         f"{args.num_generations} completions of {args.max_completion_length} tokens at most per prompt, one prompt "
-        f"per process a step, {args.steps} steps (the first left out). Generation tokens/s counts the completions' "
+        f"per process a step, {args.steps} steps (the first left out), {args.rounds} rounds in rotated order "
+        f"(medians; the peak the highest); the host's load average {args.load[0]:.1f} at the start, "
+        f"{args.load[1]:.1f} at the end (above its core count, other work shared it: compare with care). "
+        "Generation tokens/s counts the completions' "
         "tokens per second of generation on each device (the gather of sharded weights apart, in its own column); "
         "the peak is each rank's over the whole run (resident set on a CPU, the allocator's on a GPU), beside "
         "`make estimate-memory ... --grpo_generations G`'s.\n\n" + table,

@@ -224,6 +224,28 @@ def test_the_rollout_stages_split_the_layers_with_the_embeddings_and_head_counte
     assert [end - start for start, end in stage_bounds(31, 3)] == [10, 11, 10]  # 33 units, 11 each
 
 
+def test_the_stages_are_refused_where_the_ring_cannot_run():
+    """One process, processes sharing a batch, layers fewer than processes, models whose forward does more than
+    embeddings -> layers -> norm -> head (Gemma2's soft-capping), sliding-window attention: each named."""
+    from types import SimpleNamespace
+
+    from transformers import Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config
+
+    from common.rollout import stages_impossible
+
+    def why(config, processes=2, tp=1):
+        accelerator = SimpleNamespace(num_processes=processes, parallelism_config=SimpleNamespace(tp_size=tp))
+        return stages_impossible(accelerator, SimpleNamespace(config=config))
+
+    llama = LlamaConfig(num_hidden_layers=2)
+    assert why(llama) is None and why(Qwen2Config(num_hidden_layers=2)) is None
+    assert "one process" in why(llama, processes=1)
+    assert "shares a batch" in why(llama, processes=2, tp=2)
+    assert "2 decoder layers cannot be cut into 4 stages" in why(llama, processes=4)
+    assert "gemma2 models are not cut into stages" in why(Gemma2Config(num_hidden_layers=2))
+    assert "sliding-window" in why(MistralConfig(num_hidden_layers=2, sliding_window=4096))
+
+
 def test_a_rollout_saved_on_two_ranks_is_taken_up_by_one(monkeypatch):
     class Ranks:
         num_processes, process_index, parallelism_config = 2, 0, None
@@ -347,9 +369,12 @@ def test_each_config_samples_the_same_completions_and_trains_as_one_process(conf
     estimate = load_script("scripts/estimate_memory.py")  # make estimate-memory --grpo_generations counts the copy
     strategy = estimate.read_strategy(str(REPO / "accelerate_configs" / config), 2, "no")
     whole = estimate.rollout_bytes(record["total_parameters"], strategy, 4)
-    held = record["rollout"]["copy_bytes_per_rank"]  # rank 0's: the embeddings and its layers, no head
+    held = record["rollout"]["copy_bytes_per_rank"]  # the stages: the larger slice (embeddings or head, a layer)
     assert 0 < held < whole if stages else held == whole
-    assert (" fits in " in record["rollout"]["chosen"]) == (sharded and not stages), record["rollout"]
+    assert (" fit in the " in record["rollout"]["chosen"]) == (sharded and not stages), record["rollout"]
+    assert not stages or (
+        record["rollout"]["layers_per_rank"] == ["0-0", "1-1"] and max(record["rollout"]["bytes_per_rank"]) == held
+    )
     ours, theirs = completions(out), completions(single)
     assert [(c["rollout"], c["row"]) for c in ours] == [(c["rollout"], c["row"]) for c in theirs]
     assert len({c["row"] for c in ours if c["rollout"] == 0}) == prompts_per_step
@@ -556,7 +581,7 @@ def test_make_benchmark_rollouts_writes_its_page(tmp_path):
     the gather (none under ddp), the copy's bytes equal to the estimate's, and the page."""
     page = tmp_path / "rollouts.md"
     model = REPO / "recipes/configs/tiny_llama.json"
-    args = f"--configs ddp.yaml fsdp.yaml --model_config {model} --steps 2 --docs {page}"
+    args = f"--configs ddp.yaml fsdp.yaml --model_config {model} --steps 2 --rounds 1 --docs {page}"
     result = run(["make", "-s", "benchmark-rollouts", f"ARGS={args}"])
     text = page.read_text()
     rows = [line for line in text.splitlines() if line.startswith("| `")]
