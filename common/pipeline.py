@@ -539,6 +539,21 @@ def begin_window(accelerator, batches: list, tokens) -> None:
         accelerator.pipeline_model.begin_window(batches, tokens)
 
 
+def count_parameters(accelerator, model) -> dict:
+    """run.json's parameter counts: the whole model's under pp.yaml (the stages' summed over a pipeline, a tied
+    weight once), the model's own otherwise."""
+    from common.model import count_parameters as counted
+
+    if not isinstance(model, PipelineModel):
+        return counted(model)
+    mine = [p for p in model.module.parameters() if id(p) not in model.counted_once]
+    sums = torch.tensor(
+        [sum(p.numel() for p in mine), sum(p.numel() for p in mine if p.requires_grad)], device=accelerator.device
+    )
+    dist.all_reduce(sums, group=model.group)
+    return {"total_parameters": int(sums[0]), "trainable_parameters": int(sums[1])}
+
+
 def whole_model(accelerator, model):
     """The whole model on every rank of the pipeline (generation, the export): each parameter and buffer sent by
     the rank that holds it; the model itself under any other config (unwrapped)."""

@@ -36,7 +36,7 @@ from common.export import export_final
 from common.internals import share_zero3_fp32_partitions
 from common.lora import LoraArguments, check_adapter_arguments
 from common.metrics import MetricsLogger, start_trackers
-from common.model import check_block_size, count_parameters, export_dtype, model_hidden_size
+from common.model import check_block_size, export_dtype, model_hidden_size
 from common.nonfinite import NonFiniteGuard, nonfinite_check
 from common.parsing import parse_args, to_dict
 from common.portable import optimizer_parameter_names
@@ -153,7 +153,7 @@ class Run:
             args.output_dir,
             max_steps=max_steps,
             **record,
-            **count_parameters(model),
+            **pipeline.count_parameters(accelerator, model),  # pp.yaml: the whole model's
             **data_sources(self.arguments),
             nonfinite_check=nonfinite_check(accelerator, optimizer, scheduler),
             speed=speed_record(unwrap(accelerator, model), args),

@@ -87,6 +87,7 @@ def test_pp_yaml_trains_causal_lm_as_one_process_and_checkpoints_each_stage(pipe
     run = read_run(ours)
     assert run["participating_processes"] == 2 and run["launched_strategy"] == "pp"
     assert run["shared_batch_groups_checked"] == 1  # both stages were handed the same batches
+    assert run["total_parameters"] == read_run(reference)["total_parameters"]  # the stages' summed
     per_epoch = run["train_blocks"] // 4  # batches of 4
     assert per_epoch % 2 == 1 and run["max_steps"] == 3 * (per_epoch // 2)  # each epoch leaves a batch out
     assert len(losses(ours)) == run["max_steps"]
@@ -314,6 +315,8 @@ def test_smollm2_ties_its_head_across_the_first_and_last_stage(real_model, marko
         "causal_lm.py", pretrained_args(markov_data, real_model, tmp_path / "one", **values), launcher_args=FP32
     )
     assert read_run(tmp_path / "pp")["participating_processes"] == 2
+    counted = [read_run(tmp_path / name)["total_parameters"] for name in ("pp", "one")]
+    assert counted[0] == counted[1] == 134_515_008  # the tied weight once
     assert relative_gaps(tmp_path / "pp", tmp_path / "one") < FP32_TOLERANCE
     assert relative_gaps(tmp_path / "pp", tmp_path / "one", "grad_norm") < FP32_TOLERANCE
     exported = load_weights(tmp_path / "pp" / "final")
