@@ -7,8 +7,9 @@ evaluation and the final weights as close; over epochs whose last batches do not
 of a pipeline handed the same batches (checked in the run) and the launched processes taking part. causal_lm.py under
 1F1B with a per-stage (DCP) checkpoint and final/'s logits (make test); in make test-all: sft.py on padded chats of
 varying length under GPipe, Interleaved1F1B (two stages per rank on a 4-layer model), dp_pp.yaml, SmolLM2-135M (its
-head tied to its embeddings across the first and last stage), bf16 fine-tuning of a bf16 checkpoint, and a resume from
-step 3 under pp.yaml and under fsdp.yaml. Bad input: the split, the schedule and the recipes pp cannot run, one line.
+head tied to its embeddings across the first and last stage), bf16 fine-tuning of a bf16 checkpoint, resumes from
+step 3 under pp.yaml, fsdp.yaml and ddp.yaml and from one process's checkpoint, a kill -9 inside a save resumed bit for
+bit, and scripts/benchmark_bubble.py. Bad input: the split, the schedule and the recipes pp cannot run, one line.
 """
 
 import json
@@ -355,3 +356,22 @@ def test_benchmark_bubble_writes_step_times_beside_the_schedules_bubble(tmp_path
     assert [int(row[1]) for row in rows] == [2, 4]
     assert [float(row[5]) for row in rows] == [0.33, 0.2]  # (2 - 1) / (m + 2 - 1)
     assert float(rows[1][2]) > float(rows[0][2])  # four micro-batches' work takes longer than one's
+
+
+@pytest.mark.slow
+@pytest.mark.exhaustive
+def test_pp_yaml_killed_inside_a_checkpoint_save_resumes_bit_for_bit(markov_data, tmp_path):
+    """Every process of a pp.yaml run killed (SIGKILL) while a stage's checkpoint is being written, then the same
+    command resumed: its final weights equal the uninterrupted run's bit for bit (test_crashes.py's trial)."""
+    from conftest import launch_command
+    from test_crashes import RUN, run_until_killed
+
+    launch("pp.yaml", "causal_lm.py", causal_lm_args(markov_data, tmp_path / "full", **RUN), launcher_args=FP32)
+    out = tmp_path / "killed"
+    args = causal_lm_args(markov_data, out, **RUN)
+    what = run_until_killed(launch_command("pp.yaml", "causal_lm.py", args, FP32), out, "save", seed=0)
+    assert what.startswith("inside a checkpoint save"), what
+    launch("pp.yaml", "causal_lm.py", args + ["--resume_from_checkpoint", "latest"], launcher_args=FP32)
+    weights, reference = load_weights(out / "final"), load_weights(tmp_path / "full" / "final")
+    assert weights.keys() == reference.keys()
+    assert all(bool((weights[key] == reference[key]).all()) for key in weights), what
