@@ -213,14 +213,16 @@ benchmark-pipeline: install
 benchmark-rollouts: install
 	$(PY) scripts/benchmark_rollouts.py --docs docs/benchmark-rollouts.md $(ARGS)
 
-# The causal-LM recipe against the plainest accelerate loop and transformers' Trainer on one job, and the DPO
-# recipe against TRL's DPOTrainer (installed here for this benchmark only) on another (ddp.yaml, 2 processes,
-# bf16), rounds interleaved: tokens/s and ratios, written to docs/benchmark-peers.md.
+# The causal-LM recipe against the plainest accelerate loop and transformers' Trainer on one job, the DPO recipe
+# against TRL's DPOTrainer (installed here for this benchmark only) on another (ddp.yaml, 2 processes, bf16), and
+# the GRPO recipe against TRL's GRPOTrainer under ddp.yaml and zero3.yaml, rounds interleaved: tokens/s and
+# ratios, written to docs/benchmark-peers.md.
 $(VENV)/.installed-trl: $(VENV)/.installed
 	$(PY) -m pip install -q trl==1.16.0
 	touch $@
 benchmark-peers: demo-data $(VENV)/.installed-trl
 	$(PY) scripts/make_demo_data.py --task preference --out outputs/data/preference
+	$(PY) scripts/make_demo_data.py --task prompts --out outputs/data/prompts
 	$(PY) scripts/benchmark_peers.py --docs docs/benchmark-peers.md $(ARGS)
 
 # Each speed option (compile, AdamW kernel, checkpointing, attention kernel, Liger) against the recipe's defaults

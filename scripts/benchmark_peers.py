@@ -19,11 +19,25 @@ share the machine's slow and fast moments, and timed over the steps after --warm
 0, after the launch's start-up); tokens/s is the median over the rounds. The DPO job's pairs are
 counted as their tokens (prompt and answer, chosen and rejected side, unpadded, at the data's mean):
 the same pairs for both, so the ratio is that of pairs per second. Its loss at step 1, before any
-update, is log 2 for both (the recipe's from a one-step launch): the same loss type and no extra term,
-which is all that step can show, since the reference equals the policy there.
+update, is log 2 for both (the recipe's from a one-step launch, or from its timed launch at --warmup 1):
+the same loss type and no extra term, which is all that step can show, since the reference equals the
+policy there.
 
-    make benchmark-peers                                  # ddp.yaml: 2 processes, bf16
+and the GRPO job, on `make grpo`'s prompts, under each of --grpo_configs (ddp.yaml and zero3.yaml):
+
+  recipe    recipes/grpo.py, as users launch it (the `accuracy` reward, rollouts from common.rollout)
+  trl       scripts/peers/trl_grpo_loop.py: TRL's GRPOTrainer with plain `model.generate` (no vLLM), the
+            same reward as a Python function (common.rewards.accuracy_reward)
+
+the same G (--num_generations), --max_completion_length, temperature 1.0, loss type dapo, beta 0, one
+iteration a rollout, per-device batch (completions, in both), steps and learning rate, from the same
+initial weights. Its tokens/s counts the prompt and completion tokens of the completions trained on (padding
+left out), each step from its rollout to its optimizer step; the loss and the mean reward at step 1 are
+shown side by side (they differ by sampling: the page says why).
+
+    make benchmark-peers                                  # ddp.yaml: 2 processes, bf16; GRPO also zero3.yaml
     make benchmark-peers ARGS="--rounds 5 --steps 60"
+    make benchmark-peers ARGS="--jobs grpo --grpo_configs zero3.yaml"
 
 With --docs the table goes to docs/benchmark-peers.md (scripts/figures.py).
 """
@@ -38,6 +52,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -51,6 +66,11 @@ CONTENDERS = ("recipe", "bare", "trainer")
 PAIRS = os.path.join(REPO, "outputs", "data", "preference")
 DPO_CONTENDERS = ("recipe", "trl")
 DPO_BLOCK, DPO_BETA = 32, 0.1  # recipes/configs/dpo_demo.yaml's; no pair of the data is longer
+PROMPTS = os.path.join(REPO, "outputs", "data", "prompts")
+GRPO_CONTENDERS = ("recipe", "trl")
+GRPO_CONFIGS = ("ddp.yaml", "zero3.yaml")
+GRPO_PROMPT_ROOM = 16  # the recipe's --block_size less --max_completion_length: the prompts have 8 tokens at most
+JOBS = ("causal", "dpo", "grpo")
 
 
 def model_config(hidden: int, layers: int, folder: str) -> str:
@@ -95,13 +115,14 @@ RECIPE_JOB = [
 ]
 
 
-def accelerate_launch(script: list, args, launcher_args=()) -> subprocess.CompletedProcess:
-    """`script` under `accelerate launch` with the job's config and number of processes (and `launcher_args`)."""
+def accelerate_launch(script: list, args, launcher_args=(), config: str | None = None) -> subprocess.CompletedProcess:
+    """`script` under `accelerate launch` with `config` (the job's --config unless given) and the job's number of
+    processes (and `launcher_args`)."""
     command = [
         os.path.join(os.path.dirname(sys.executable), "accelerate"),
         "launch",
         "--config_file",
-        os.path.join(REPO, "accelerate_configs", args.config),
+        os.path.join(REPO, "accelerate_configs", config or args.config),
         "--num_processes",
         str(args.num_processes),
         *launcher_args,
@@ -147,8 +168,8 @@ def launch(
     peer_args=(),
 ) -> dict:
     """One launch of `contender` (the recipe with `recipe_args` added, a peer with `peer_args`, under
-    `accelerate launch` with `launcher_args`); returns its seconds and tokens over the timed steps, or {"refused": the recipe's one-line
-    error} when the recipe refused its arguments."""
+    `accelerate launch` with `launcher_args`); returns its seconds and tokens over the timed steps, or
+    {"refused": the recipe's one-line error} when the recipe refused its arguments."""
     out = os.path.join(folder, f"{name or contender}_{round_}")
     job = ["--block_size", str(args.block_size), "--learning_rate", str(args.learning_rate)]
     data = [
@@ -232,27 +253,67 @@ def mfu(tokens_per_s: float, args, figures: dict) -> float:
     return tokens_per_s / args.num_processes * figures["flops_per_token"] / 1e12 / figures["peak_tflops"]
 
 
-def launch_dpo(contender: str, args, config: str, folder: str, round_: int, steps=None) -> dict:
-    """One launch of the DPO job: seconds and pairs over the timed steps, the loss at step 1 (TRL's; the
-    recipe's when `steps` is 1, a one-step launch that logs it)."""
+@dataclass(frozen=True)
+class TrlJob:
+    """A recipe against its TRL trainer on one job: the two scripts, the data folder (train.jsonl,
+    validation.jsonl, tokenizer/), the arguments both take, the recipe's own, and the run.json entry that
+    counts what the recipe cut or dropped of the data (none allowed: both must train on the same rows)."""
+
+    name: str
+    recipe: str
+    peer: str
+    data: str
+    both: tuple
+    recipe_only: tuple
+    dropped: str
+
+
+def dpo_spec(args) -> TrlJob:
+    both = ("--block_size", str(DPO_BLOCK), "--learning_rate", str(args.learning_rate), "--beta", str(DPO_BETA))
+    return TrlJob("DPO", "dpo.py", "trl_dpo_loop.py", PAIRS, both, (), "pairs_cut_or_dropped")
+
+
+def grpo_spec(args) -> TrlJob:
+    both = (
+        "--block_size",
+        str(GRPO_PROMPT_ROOM + args.max_completion_length),
+        "--learning_rate",
+        str(args.learning_rate),
+        "--num_generations",
+        str(args.num_generations),
+        "--max_completion_length",
+        str(args.max_completion_length),
+    )
+    # what TRL's peer fixes in its GRPOConfig (the recipe's defaults, spelled out)
+    recipe_only = ("--reward_funcs", "accuracy", "--loss_type", "dapo", "--beta", "0", "--num_iterations", "1")
+    recipe_only += ("--temperature", "1.0", "--top_p", "1.0", "--scale_rewards", "group")
+    return TrlJob("GRPO", "grpo.py", "trl_grpo_loop.py", PROMPTS, both, recipe_only, "prompts_dropped")
+
+
+def launch_trl_job(
+    job: TrlJob, contender: str, args, config: str, folder: str, round_: int, accelerate_config=None, steps=None
+) -> dict:
+    """One launch of `job`'s recipe or TRL peer under `accelerate_config` (the job's --config unless given):
+    seconds, samples (pairs, completions) and, for the recipe, input tokens over the timed steps, and the
+    first logged line ("first": TRL's; the recipe's when `steps` is 1, a one-step launch that logs it)."""
     steps = steps or args.steps
-    out = os.path.join(folder, f"dpo_{contender}_{round_}_{steps}")
-    job = ["--block_size", str(DPO_BLOCK), "--learning_rate", str(args.learning_rate), "--beta", str(DPO_BETA)]
-    train = os.path.join(PAIRS, "train.jsonl")
+    accelerate_config = accelerate_config or args.config
+    stem = os.path.splitext(accelerate_config)[0]
+    out = os.path.join(folder, f"{job.name.lower()}_{contender}_{stem}_{round_}_{steps}")
+    data = ["--train_file", os.path.join(job.data, "train.jsonl")]
+    data += ["--validation_file", os.path.join(job.data, "validation.jsonl")]
     if contender == "recipe":
         script = [
-            os.path.join(REPO, "recipes", "dpo.py"),
+            os.path.join(REPO, "recipes", job.recipe),
             "--model_config",
             config,
             "--tokenizer_name_or_path",
-            os.path.join(PAIRS, "tokenizer"),
-            "--train_file",
-            train,
-            "--validation_file",
-            os.path.join(PAIRS, "validation.jsonl"),
+            os.path.join(job.data, "tokenizer"),
+            *data,
             "--max_eval_samples",
             "16",
-            *job,
+            *job.both,
+            *job.recipe_only,
             "--output_dir",
             out,
             "--per_device_train_batch_size",
@@ -265,16 +326,13 @@ def launch_dpo(contender: str, args, config: str, folder: str, round_: int, step
         ]
     else:
         script = [
-            os.path.join(REPO, "scripts", "peers", "trl_dpo_loop.py"),
+            os.path.join(REPO, "scripts", "peers", job.peer),
             "--model_config",
             config,
             "--tokenizer",
-            os.path.join(PAIRS, "tokenizer"),
-            "--train_file",
-            train,
-            "--validation_file",
-            os.path.join(PAIRS, "validation.jsonl"),
-            *job,
+            os.path.join(job.data, "tokenizer"),
+            *data,
+            *job.both,
             "--batch_size",
             str(args.batch_size),
             "--steps",
@@ -284,26 +342,54 @@ def launch_dpo(contender: str, args, config: str, folder: str, round_: int, step
             "--out",
             out + ".json",
         ]
-    check_ran(f"DPO {contender}", accelerate_launch(script, args))
+    what = f"{job.name} {contender} ({accelerate_config})"
+    check_ran(what, accelerate_launch(script, args, config=accelerate_config))
     if contender == "trl":
         with open(out + ".json") as handle:
-            return check_processes(f"DPO {contender}", json.load(handle), args)
-    window = args.warmup * args.batch_size * args.num_processes  # pairs (the recipe's samples_per_s counts pairs)
+            return check_processes(what, json.load(handle), args)
+    window = args.warmup * args.batch_size * args.num_processes  # samples: the recipe's samples_per_s counts them
     logged = recipe_windows(out, args, "samples_per_s", window)
-    cut = logged["run"]["pairs_cut_or_dropped"]
-    if any(cut.values()):
-        raise SystemExit(f"error: the recipe cut or dropped pairs ({cut}): the two would not train on the same pairs")
+    dropped = logged["run"][job.dropped]
+    if any(dropped.values()):
+        raise SystemExit(
+            f"error: the {job.name} recipe cut or dropped rows ({dropped}): the two would not train on the same data"
+        )
     rows = logged["rows"]
     return check_processes(
-        f"DPO {contender}",
+        what,
         {
             "seconds": logged["seconds"],
-            "pairs": window * len(logged["timed"]),
-            "first_loss": rows[0]["loss"] if rows[0]["step"] == 1 else None,
+            "samples": window * len(logged["timed"]),
+            # input tokens (padding left out): each window's tokens/s times its seconds
+            "tokens": sum(row["tokens_per_s"] * window / row["samples_per_s"] for row in logged["timed"]),
+            "first": rows[0] if rows[0]["step"] == 1 else None,
+            "distributed_type": logged["run"]["distributed_type"],
+            "run": logged["run"],
             "processes": logged["run"]["participating_processes"],
         },
         args,
     )
+
+
+def recipe_first_step(job: TrlJob, args, config: str, folder: str, timed: dict, accelerate_config=None) -> dict:
+    """The recipe's logged line at step 1: its timed launch's when that logged it (--warmup 1), else a one-step
+    launch's."""
+    return (
+        timed["first"] or launch_trl_job(job, "recipe", args, config, folder, 0, accelerate_config, steps=1)["first"]
+    )
+
+
+def interleaved(contenders: tuple, args, launch_one, tokens_per_s, label: str) -> dict:
+    """`launch_one(contender, round_)` for each contender, --rounds times, the order rotated each round so that
+    they share the machine's slow and fast moments: each one's results, in round order."""
+    results = {name: [] for name in contenders}
+    for round_ in range(args.rounds):
+        shift = round_ % len(contenders)
+        for contender in contenders[shift:] + contenders[:shift]:
+            results[contender].append(launch_one(contender, round_))
+            speed = tokens_per_s(results[contender][-1])
+            print(f"round {round_ + 1}: {label} {contender:6s} {speed:10.0f} tokens/s", flush=True)
+    return results
 
 
 def tokens_per_pair() -> float:
@@ -322,15 +408,20 @@ def tokens_per_pair() -> float:
 
 def dpo_job(args, config: str, folder: str) -> tuple[str, str]:
     """The recipe's DPO against TRL's DPOTrainer, rounds interleaved: the printed table and the page's section."""
-    speeds = {name: [] for name in DPO_CONTENDERS}
-    first = {"recipe": launch_dpo("recipe", args, config, folder, 0, steps=1)["first_loss"]}
-    per_pair = tokens_per_pair()
-    for round_ in range(args.rounds):
-        for contender in DPO_CONTENDERS[round_ % 2 :] + DPO_CONTENDERS[: round_ % 2]:
-            result = launch_dpo(contender, args, config, folder, round_)
-            first.setdefault(contender, result.get("first_loss"))
-            speeds[contender].append(result["pairs"] / result["seconds"] * per_pair)
-            print(f"round {round_ + 1}: dpo {contender:6s} {speeds[contender][-1]:10.0f} tokens/s", flush=True)
+    job, per_pair = dpo_spec(args), tokens_per_pair()
+    results = interleaved(
+        DPO_CONTENDERS,
+        args,
+        lambda contender, round_: launch_trl_job(job, contender, args, config, folder, round_),
+        lambda result: result["samples"] / result["seconds"] * per_pair,
+        "dpo",
+    )
+    check_same_strategy("DPO", results)
+    first = {
+        "recipe": recipe_first_step(job, args, config, folder, results["recipe"][0])["loss"],
+        "trl": results["trl"][0]["first_loss"],
+    }
+    speeds = {name: [r["samples"] / r["seconds"] * per_pair for r in runs] for name, runs in results.items()}
     speed = {name: statistics.median(values) for name, values in speeds.items()}
     header = ["DPO run", "tokens/s (median)", "pairs/s", "recipe / this", "loss at step 1", "each round's tokens/s"]
     rows = [
@@ -347,9 +438,9 @@ def dpo_job(args, config: str, folder: str) -> tuple[str, str]:
     ratio = f"recipe / TRL DPOTrainer: {speed['recipe'] / speed['trl']:.3f}x"
     return markdown_table(header, rows) + "\n" + ratio, "\n\n".join(
         [
-            f"`{args.config}` on {args.num_processes} processes; the same Llama; `make dpo`'s pairs ({per_pair:.1f} tokens "
-            f"a pair, both sides), per-device batch {args.batch_size} pairs, beta {DPO_BETA}, sigmoid loss; {args.steps} "
-            f"steps, timed after step {args.warmup}; {args.rounds} rounds, interleaved.",
+            f"`{args.config}` on {args.num_processes} processes; the same Llama; `make dpo`'s pairs ({per_pair:.1f} "
+            f"tokens a pair, both sides), per-device batch {args.batch_size} pairs, beta {DPO_BETA}, sigmoid loss; "
+            f"{args.steps} steps, timed after step {args.warmup}; {args.rounds} rounds, interleaved.",
             markdown_table(header, rows),
             f"**{ratio}** (above 1: the recipe is faster).",
             "Both score a pair's chosen and rejected side in one forward of the policy and one of a frozen copy "
@@ -362,6 +453,102 @@ def dpo_job(args, config: str, folder: str) -> tuple[str, str]:
             "so their later losses are not comparable step by step.",
         ]
     )
+
+
+def check_same_strategy(name: str, results: dict) -> None:
+    """Every launch of the contenders in `results` (lists of launch results) trained under one strategy."""
+    seen = {result["distributed_type"] for runs in results.values() for result in runs}
+    if len(seen) != 1:
+        raise SystemExit(f"error: the {name} runs trained under different strategies ({sorted(seen)})")
+
+
+def grpo_job(args, config: str, folder: str) -> tuple[str, list[str]]:
+    """The recipe's GRPO against TRL's GRPOTrainer under each of --grpo_configs, rounds interleaved: the printed
+    table and the page's paragraphs."""
+    job, speeds, firsts, weights = grpo_spec(args), {}, {}, []
+    for accelerate_config in args.grpo_configs:
+
+        def launch_one(contender: str, round_: int, accelerate_config=accelerate_config) -> dict:
+            return launch_trl_job(job, contender, args, config, folder, round_, accelerate_config)
+
+        results = interleaved(
+            GRPO_CONTENDERS,
+            args,
+            launch_one,
+            lambda result: result["tokens"] / result["seconds"],
+            f"grpo {accelerate_config}",
+        )
+        check_same_strategy(f"GRPO ({accelerate_config})", results)
+        recipe = recipe_first_step(job, args, config, folder, results["recipe"][0], accelerate_config)
+        trl = results["trl"][0]
+        weights.append(f"`{accelerate_config}` {results['recipe'][0]['run']['rollout']['weights']}")
+        firsts[accelerate_config] = {
+            "recipe": (recipe["loss"], recipe["reward"]),
+            "trl": (trl["first_loss"], trl["first_reward"]),
+        }
+        speeds[accelerate_config] = {
+            name: [(r["tokens"] / r["seconds"], r["samples"] / r["seconds"]) for r in runs]
+            for name, runs in results.items()
+        }
+    header = ["GRPO run", "config", "tokens/s (median)", "completions/s (median)", "recipe / this"]
+    header += ["loss at step 1", "reward at step 1", "each round's tokens/s"]
+    rows, ratios = [], []
+    for accelerate_config, runs in speeds.items():
+        median = {name: statistics.median(t for t, _ in values) for name, values in runs.items()}
+        for name in GRPO_CONTENDERS:
+            loss, reward = firsts[accelerate_config][name]
+            rows.append(
+                [
+                    name,
+                    f"`{accelerate_config}`",
+                    f"{median[name]:.0f}",
+                    f"{statistics.median(c for _, c in runs[name]):.1f}",
+                    f"{median['recipe'] / median[name]:.2f}x",
+                    f"{loss:.6f}",
+                    f"{reward:.4f}",
+                    ", ".join(f"{t:.0f}" for t, _ in runs[name]),
+                ]
+            )
+        ratios.append(f"{accelerate_config} {median['recipe'] / median['trl']:.3f}x")
+    ratio = f"recipe / TRL GRPOTrainer (tokens/s): {'; '.join(ratios)}"
+    configs = " and ".join(f"`{name}`" for name in args.grpo_configs)
+    return markdown_table(header, rows) + "\n" + ratio, [
+        f"{configs} on {args.num_processes} processes; the same Llama, from the same initial weights (both "
+        "initialised by common.model.initialise_weights, seed 0); `make grpo`'s prompts (arithmetic questions, "
+        f"the `accuracy` reward: 1 where the completion's last number is the answer); G = {args.num_generations} "
+        f"completions a prompt, at most {args.max_completion_length} tokens, temperature 1.0, loss type dapo, beta "
+        f"0, one iteration a rollout; per-device batch {args.batch_size} completions; {args.steps} steps, timed "
+        f"after step {args.warmup}; {args.rounds} rounds a config, interleaved.",
+        markdown_table(header, rows),
+        f"**{ratio}** (above 1: the recipe is faster).",
+        "What is counted: tokens/s is the prompt and completion tokens of the completions trained on (every "
+        "rank's, padding left out; the recipe's `tokens_per_s`, TRL's `num_tokens`) over the seconds of the steps "
+        "after the warm-up, on rank 0, each step from its rollout (generation and rewards) to its optimizer step; "
+        "completions/s counts the completions (processes x batch a step). The two sample different completions, "
+        "so their lengths, and the tokens a completion, differ; tokens/s charges each run for the tokens it "
+        "generated and trained on.",
+        "Loss and reward at step 1 (each one's first logged step; the recipe's from a one-step launch unless "
+        "--warmup is 1): the policies are the same there, yet the figures differ, because the samples do. The "
+        "recipe's rollouts are a function of (seed, step, prompt): its prompts the next of a permutation seeded by "
+        "(seed, epoch), each token the inverse of the CDF at a uniform drawn from a generator seeded by (seed, "
+        "rollout, the prompt's row) (common.rollout); TRL shuffles the prompts with its own sampler and samples "
+        f"with torch's global RNG in `generate`. Step 1's reward is the mean over {args.num_processes} x "
+        f"{args.batch_size} completions of different prompts: a noisy estimate of one policy's reward. Its loss, "
+        "with one iteration and beta 0, is minus the sum over completions of advantage x length, over the tokens: "
+        "0 where each group's rewards are all equal (no advantage) or its completions all equally long, else of a "
+        "sign and size that depend on which completions happened to be long.",
+        "What each does besides the job: the recipe samples each prompt's G completions as one batch of G copies "
+        "(no padding), choosing each token by its own logits processor (softmax, cumulative sum and a search, in "
+        "float64); TRL generates a rank's completions in one left-padded batch with transformers' sampling, "
+        "computes the logits of the completion tokens only (`logits_to_keep`) and, every step, their entropy for "
+        "its log, and wraps the model in DDP with find_unused_parameters=True (Trainer's default without "
+        "checkpointing). Under ZeRO-3 both sample from whole weights gathered once a rollout: TRL inside "
+        "`unwrap_model_for_generation` (ds3_gather_for_generation, its default: the sharded model gathered in "
+        "place, its hooks removed, for the rollout), the recipe into a separate whole copy "
+        "(common.rollout.GenerationWeights), after emptying ZeRO-3's partition cache through DeepSpeed's engine "
+        "(`empty_partition_cache`, which also runs a full `gc.collect()`). What the recipe's rollouts sampled from "
+        f"(its run.json): {'; '.join(weights)}.",
+    ]
 
 
 def job_parser(description: str) -> argparse.ArgumentParser:
@@ -388,9 +575,19 @@ def job_choices(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument(
         "--jobs",
         nargs="+",
-        choices=("causal", "dpo"),
-        default=["causal", "dpo"],
+        choices=JOBS,
+        default=list(JOBS),
         help="the jobs to run (the page holds the ones run)",
+    )
+    parser.add_argument(
+        "--grpo_configs",
+        nargs="+",
+        default=list(GRPO_CONFIGS),
+        help="the GRPO job's accelerate configs in accelerate_configs/ (each timed on its own)",
+    )
+    parser.add_argument("--num_generations", type=int, default=8, help="the GRPO job's completions a prompt (G)")
+    parser.add_argument(
+        "--max_completion_length", type=int, default=16, help="the GRPO job's longest completion, in tokens"
     )
     parser.add_argument(
         "--torch_compile",
@@ -437,31 +634,30 @@ CAUSAL_NOTES = (
     "so every forward is followed by a search of the autograd graph; the recipe and the bare loop "
     "take accelerate's default (False). The bare loop and Trainer keep the model's use_cache, so each "
     "training forward also fills a key/value cache nobody reads; the recipes turn it off "
-    "(common.model). The rounds' spread is a few percent on a shared 2-core host: compare ratios from "
-    "one run.",
+    "(common.model).",
 )
 
 
 def main(argv=None):
     args = job_choices(job_parser(__doc__)).parse_args(argv)
     check_job(args)
-    if "dpo" in args.jobs and not os.path.isfile(os.path.join(PAIRS, "train.jsonl")):
-        raise SystemExit(f"error: no preference pairs in {PAIRS}; run `make benchmark-peers` (it writes them)")
-    if "dpo" in args.jobs and importlib.util.find_spec("trl") is None:
+    for job, folder, what in (("dpo", PAIRS, "preference pairs"), ("grpo", PROMPTS, "GRPO prompts")):
+        if job in args.jobs and not os.path.isfile(os.path.join(folder, "train.jsonl")):
+            raise SystemExit(f"error: no {what} in {folder}; run `make benchmark-peers` (it writes them)")
+    trl_jobs = [job for job in ("dpo", "grpo") if job in args.jobs]
+    if trl_jobs and importlib.util.find_spec("trl") is None:
         raise SystemExit(
-            "error: trl is not installed (the DPO job's peer); run `make benchmark-peers`, which installs it"
+            f"error: trl is not installed (the {' and '.join(trl_jobs)} job's peer); run `make benchmark-peers`, "
+            "which installs it"
         )
-    sections = [job_line(args)]
+    sections, load_at_start = [job_line(args)], os.getloadavg()[0]
     if args.torch_compile:
         sections.append(
             "All three compiled: the recipe with --torch_compile true (accelerate's regional compilation), the "
             "bare loop's Accelerator with the same dynamo plugin, Trainer with torch_compile=True (its own: the "
             "whole model). The compile happens in the warm-up steps, before the timed ones."
         )
-    title, packages = (
-        "The recipes against a bare accelerate loop, Trainer and TRL",
-        ("trl",) if "dpo" in args.jobs else (),
-    )
+    title, packages = "The recipes against a bare accelerate loop, Trainer and TRL", ("trl",) if trl_jobs else ()
 
     def publish(more: list[str]) -> None:  # the page as it stands: a later launch cut short keeps the earlier ones
         if args.docs:
@@ -475,6 +671,15 @@ def main(argv=None):
             dpo_table, dpo_section = dpo_job(args, config, folder)
             print(dpo_table)
             sections += ["## DPO: recipes/dpo.py against TRL's DPOTrainer", dpo_section]
+            publish([])
+        if "grpo" in args.jobs:
+            grpo_table, grpo_sections = grpo_job(args, config, folder)
+            print(grpo_table)
+            sections += ["## GRPO: recipes/grpo.py against TRL's GRPOTrainer", *grpo_sections]
+    sections.append(
+        f"The host's load average (1 minute) was {load_at_start:.1f} when the run began and "
+        f"{os.getloadavg()[0]:.1f} when it ended: other work on the cores slows some rounds more than others."
+    )
     publish([])
 
 
@@ -537,7 +742,14 @@ def causal_sections(args, results: dict, figures: dict, quiet=False) -> list[str
     if not quiet:
         print(markdown_table(header, rows))
         print(ratios.replace("**", ""))
-    return [markdown_table(header, rows), ratios] + ([mfu_line] if mfu_line else []) + list(CAUSAL_NOTES)
+    notes = list(CAUSAL_NOTES)
+    spreads = [max(values) / min(values) - 1 for values in results.values() if len(values) > 1]
+    if spreads:
+        notes.append(
+            f"The rounds' spread here: up to {max(spreads):.0%} between one contender's fastest and slowest round "
+            "(the host is shared): compare ratios from one run."
+        )
+    return [markdown_table(header, rows), ratios] + ([mfu_line] if mfu_line else []) + notes
 
 
 if __name__ == "__main__":

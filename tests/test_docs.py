@@ -186,20 +186,30 @@ def test_make_demo_dpo_teaches_the_real_model_the_asked_format_and_its_merged_ex
     assert len(answers) == 2 and not answers[0].strip().isdigit() and answers[1].strip().isdigit(), answers
 
 
+def table_rows(text: str) -> dict:
+    """A printed markdown table's rows by their first cell (the header and the rule left out)."""
+    lines = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| ---")]
+    return {cells[0]: cells[1:] for cells in ([cell.strip() for cell in line.split("|")[1:-1]] for line in lines[1:])}
+
+
 @pytest.mark.slow
 def test_make_benchmark_peers_times_the_recipe_the_bare_loop_trainer_and_dpo_against_trl(tmp_path):
     """One short round of each, on 2 processes in ddp.yaml's bf16: three speeds and the ratios, then the DPO
-    recipe and TRL's DPOTrainer, both at log 2 at step 1 (the same objective, before any update); the page."""
+    recipe and TRL's DPOTrainer, both at log 2 at step 1 (the same objective, before any update), then the GRPO
+    recipe and TRL's GRPOTrainer (ddp.yaml only here), each with its step-1 loss and reward; the page. With
+    --warmup 1 the timed launches log step 1 themselves (no one-step launches of the recipes)."""
     page = tmp_path / "peers.md"
     result = run(
         [
             "make",
             "-s",
             "benchmark-peers",
-            f"ARGS=--rounds 1 --steps 4 --warmup 2 --hidden 64 --layers 2 --block_size 32 --docs {page}",
+            f"ARGS=--rounds 1 --steps 2 --warmup 1 --hidden 64 --layers 2 --block_size 32 --docs {page} "
+            "--grpo_configs ddp.yaml --num_generations 4 --max_completion_length 4",
         ]
     )
-    causal, dpo = result.stdout.split("| DPO run |")
+    causal, rest = result.stdout.split("| DPO run |")
+    dpo, grpo = ("| DPO run |" + rest).split("| GRPO run |")
     rows = {
         line.split("|")[1].strip(): line
         for line in causal.splitlines()
@@ -208,19 +218,26 @@ def test_make_benchmark_peers_times_the_recipe_the_bare_loop_trainer_and_dpo_aga
     assert list(rows) == ["recipe", "bare", "trainer"], result.stdout
     speeds = {name: float(line.split("|")[2]) for name, line in rows.items()}
     assert all(speed > 0 for speed in speeds.values())
-    assert "| recipe | " in page.read_text() and "1.00x" in rows["recipe"]
+    written = page.read_text()
+    assert "| recipe | " in written and "1.00x" in rows["recipe"]
     assert re.search(r"recipe / bare loop: [\d.]+x; recipe / Trainer: [\d.]+x", result.stdout)
-    dpo_rows = {
-        cells[0]: cells[1:]
-        for cells in (
-            [cell.strip() for cell in line.split("|")[1:-1]] for line in dpo.splitlines() if line.startswith("| ")
-        )
-    }
+    dpo_rows = table_rows(dpo)
     assert list(dpo_rows) == ["recipe", "trl"], dpo
     assert all(
         float(cells[0]) > 0 and float(cells[3]) == pytest.approx(0.693147, abs=1e-6) for cells in dpo_rows.values()
     ), dpo
-    assert re.search(r"recipe / TRL DPOTrainer: [\d.]+x", dpo) and "## DPO: recipes/dpo.py against" in page.read_text()
+    assert re.search(r"recipe / TRL DPOTrainer: [\d.]+x", dpo) and "## DPO: recipes/dpo.py against" in written
+    # GRPO: both launched on 2 processes under one strategy (benchmark_peers refuses otherwise), timed, with a
+    # step-1 loss and a reward in [0, 1] (the accuracy reward's range)
+    assert re.search(r"round 1: grpo ddp.yaml recipe +\d+ tokens/s", result.stdout), result.stdout
+    grpo_rows = table_rows("| GRPO run |" + grpo)
+    assert list(grpo_rows) == ["recipe", "trl"], grpo
+    for cells in grpo_rows.values():
+        assert cells[0] == "`ddp.yaml`" and float(cells[1]) > 0 and float(cells[2]) > 0, grpo
+        assert abs(float(cells[4])) < 10 and 0 <= float(cells[5]) <= 1, grpo
+    assert re.search(r"recipe / TRL GRPOTrainer \(tokens/s\): ddp.yaml [\d.]+x", grpo), grpo
+    assert "## GRPO: recipes/grpo.py against TRL's GRPOTrainer" in written
+    assert "| recipe | `ddp.yaml` |" in written and "| trl | `ddp.yaml` |" in written
 
 
 @pytest.mark.slow

@@ -23,16 +23,33 @@ from common.errors import exit_now
 
 
 class StepClock(TrainerCallback):
-    """The time at the end of step `warmup` and at the end of the last step."""
+    """The time at the end of step `warmup` and at the end of the last step, and the input tokens seen by then
+    (`seen`: Trainer's num_input_tokens_seen, which TRL's GRPOTrainer counts itself)."""
 
     def __init__(self, warmup: int):
-        self.warmup, self.times = warmup, {}
+        self.warmup, self.times, self.seen = warmup, {}, {}
 
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step in (self.warmup, state.max_steps):
             if torch.cuda.is_available():
                 torch.cuda.synchronize()  # the step's kernels done, not just queued
             self.times[state.global_step] = time.perf_counter()
+            self.seen[state.global_step] = state.num_input_tokens_seen
+
+    def timed(self, figure: dict) -> float:
+        """`figure` (`times` or `seen`) over the timed steps: those after the warm-up."""
+        return figure[max(figure)] - figure[self.warmup]
+
+
+class FirstLog(TrainerCallback):
+    """What Trainer logs at step 1 (logging_first_step): the loss and a trainer's own figures, before any update."""
+
+    def __init__(self):
+        self.logs = {}
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.global_step == 1 and logs and "loss" in logs:
+            self.logs = dict(logs)
 
 
 def main():
@@ -73,7 +90,7 @@ def main():
     if state.is_main_process:
         write_result(
             args,
-            clock.times[args.steps] - clock.times[args.warmup],
+            clock.timed(clock.times),
             result.training_loss,
             training.world_size,
             optim=training.optim,

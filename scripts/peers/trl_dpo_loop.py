@@ -14,31 +14,17 @@ trl is installed by `make benchmark-peers` only; the recipes do not use it.
 """
 
 import copy
-import json
-import os
 import tempfile
 
-import torch
-from accelerate import PartialState
 from accelerate.utils import set_seed
 from datasets import load_dataset
 from job import job_parser
-from trainer_loop import StepClock
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from trainer_loop import FirstLog, StepClock
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from trl import DPOConfig, DPOTrainer
+from trl_job import job_settings, write_result
 
 from common.errors import exit_now
-
-
-class FirstLoss(TrainerCallback):
-    """The loss Trainer logs at step 1 (logging_first_step), before any update."""
-
-    def __init__(self):
-        self.loss = None
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if state.global_step == 1 and logs and "loss" in logs:
-            self.loss = logs["loss"]
 
 
 def main():
@@ -46,36 +32,16 @@ def main():
     parser.add_argument("--beta", type=float, default=0.1)
     args = parser.parse_args()
 
-    state = PartialState()
     set_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     pairs = load_dataset("json", data_files=args.train_file, split="train")
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model_config, vocab_size=len(tokenizer)))
     model.config.use_cache = False
     reference = copy.deepcopy(model)
-    bf16 = os.environ.get("ACCELERATE_MIXED_PRECISION", "no") == "bf16"
-    clock, first = StepClock(args.warmup), FirstLoss()
+    clock, first = StepClock(args.warmup), FirstLog()
     with tempfile.TemporaryDirectory() as output_dir:
         config = DPOConfig(
-            output_dir=output_dir,
-            per_device_train_batch_size=args.batch_size,
-            max_steps=args.steps,
-            learning_rate=args.learning_rate,
-            lr_scheduler_type="linear",
-            warmup_steps=0,
-            weight_decay=0.0,
-            max_grad_norm=1.0,
-            bf16=bf16,
-            logging_steps=args.warmup,
-            logging_first_step=True,
-            save_strategy="no",
-            eval_strategy="no",
-            report_to="none",
-            seed=0,
-            dataloader_drop_last=True,
-            disable_tqdm=True,
-            use_cpu=not torch.cuda.is_available(),
-            gradient_checkpointing=False,
+            **job_settings(args, output_dir),
             beta=args.beta,
             loss_type=["sigmoid"],
             max_length=args.block_size,
@@ -89,19 +55,14 @@ def main():
             callbacks=[clock, first],
         )
         trainer.train()
-    if state.is_main_process:
-        pairs_timed = (args.steps - args.warmup) * args.batch_size * config.world_size
-        with open(args.out, "w") as handle:
-            json.dump(
-                {
-                    "seconds": clock.times[args.steps] - clock.times[args.warmup],
-                    "pairs": pairs_timed,
-                    "first_loss": first.loss,
-                    "processes": config.world_size,
-                    "optim": config.optim,
-                },
-                handle,
-            )
+    if trainer.accelerator.is_main_process:
+        write_result(
+            args.out,
+            clock,
+            trainer,
+            samples=(args.steps - args.warmup) * args.batch_size * config.world_size,  # pairs
+            first_loss=first.logs.get("loss"),
+        )
     # As in trainer_loop.py: DDP's reducer can deadlock in gloo's destructor at exit (common.errors.exit_now).
     exit_now(0)
 
