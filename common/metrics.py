@@ -19,8 +19,8 @@ import torch
 from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
-from common import mesh
-from common.accelerator import autocast_dtype, unwrap
+from common import mesh, pipeline
+from common.accelerator import autocast_dtype
 from common.flops import ModelFlops, device_peak_tflops
 from common.memory import MemoryAccount, current_memory
 from common.run_dir import write_atomically
@@ -43,7 +43,9 @@ class MetricsLogger:
         self.output_dir = output_dir
         self.memory = MemoryAccount(model, optimizer, accelerator.device) if optimizer is not None else None
         self.flops = (
-            ModelFlops(unwrap(accelerator, model), mesh.sequence_shards(accelerator)) if model is not None else None
+            ModelFlops(pipeline.whole_skeleton(accelerator, model), mesh.sequence_shards(accelerator))
+            if model is not None
+            else None
         )
         compute = autocast_dtype(accelerator.mixed_precision)
         self.peak_tflops = device_peak_tflops(accelerator.device, compute, peak_tflops)

@@ -554,6 +554,20 @@ def count_parameters(accelerator, model) -> dict:
     return {"total_parameters": int(sums[0]), "trainable_parameters": int(sums[1])}
 
 
+def whole_skeleton(accelerator, model):
+    """The whole model's modules on the meta device under pp.yaml (what each rank counts FLOPs by, as a
+    tensor-parallel rank counts the whole model's: the counts are summed over ranks, then divided by the ranks
+    that share a batch); the model itself otherwise (unwrapped)."""
+    if not isinstance(model, PipelineModel):
+        from common.accelerator import unwrap
+
+        return unwrap(accelerator, model)
+    from accelerate import init_empty_weights
+
+    with init_empty_weights():
+        return type(model.module)(model.module.config)
+
+
 def whole_model(accelerator, model):
     """The whole model on every rank of the pipeline (generation, the export): each parameter and buffer sent by
     the rank that holds it; the model itself under any other config (unwrapped)."""

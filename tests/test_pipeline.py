@@ -49,6 +49,13 @@ def relative_gaps(run, reference, key="loss") -> float:
     return max(abs(a - b) / abs(b) for a, b in zip(ours, theirs))
 
 
+def step_flops(run) -> list[float]:
+    """Each logged step's FLOPs over every process: TFLOP/s per device x processes x the step's seconds."""
+    rows, processes = read_metrics(run)[0], read_run(run)["participating_processes"]
+    seconds = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(rows, rows[1:])]
+    return [row["tflops_per_device"] * 1e12 * processes * s for row, s in zip(rows[1:], seconds)]
+
+
 def pipeline_config(tmp_path, schedule: str) -> str:
     """pp.yaml with another schedule (a copy beside the test's files)."""
     config = yaml.safe_load((CONFIGS / "pp.yaml").read_text())
@@ -94,6 +101,8 @@ def test_pp_yaml_trains_causal_lm_as_one_process_and_checkpoints_each_stage(pipe
     assert len(losses(ours)) == run["max_steps"]
     assert relative_gaps(ours, reference) < FP32_TOLERANCE
     assert relative_gaps(ours, reference, "grad_norm") < FP32_TOLERANCE
+    flops = [step_flops(path) for path in (ours, reference)]  # the logged TFLOP/s count the whole model's
+    assert all(abs(a - b) <= 1e-6 * b for a, b in zip(*flops)), flops
     evaluation = [read_metrics(path)[1][-1] for path in (ours, reference)]
     assert evaluation[0]["eval_tokens"] == evaluation[1]["eval_tokens"]
     assert abs(evaluation[0]["eval_loss"] - evaluation[1]["eval_loss"]) < FP32_TOLERANCE * evaluation[1]["eval_loss"]
