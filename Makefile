@@ -1,7 +1,7 @@
 # Every command in README.md is a target here, and tests/test_docs.py runs or checks each one.
 VENV    ?= .venv
 PY      := $(VENV)/bin/python
-LAUNCH   = $(strip $(VENV)/bin/accelerate launch $(RESTARTS) $(LAUNCH_ARGS))
+LAUNCH   = $(strip $(if $(ELASTIC),$(PY) -m common.elastic,$(VENV)/bin/accelerate launch) $(RESTARTS) $(LAUNCH_ARGS))
 CONFIG  ?= accelerate_configs/ddp.yaml
 ARGS    ?=
 # Extra pip arguments for torch on a host without a GPU, e.g. a CPU-only wheel index.
@@ -20,9 +20,12 @@ export TOKENIZERS_PARALLELISM ?= false
 LAUNCH_ARGS ?=
 # Restarted workers reconnect reliably only through torchrun's c10d rendezvous with a fresh store
 # per attempt (the configs' static rendezvous keeps the first attempt's addresses): with
-# --max_restarts, make adds both.
+# --max_restarts, make adds both. A node range (LAUNCH_ARGS="--nnodes 1:2 ...", docs/operating.md)
+# launches through common/elastic.py, with the c10d rendezvous and 3 restarts unless given.
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE ?= 1
-RESTARTS = $(if $(findstring --max_restarts,$(LAUNCH_ARGS)),--rdzv_backend c10d)
+ELASTIC  = $(findstring --nnodes,$(LAUNCH_ARGS))
+RESTARTS = $(if $(or $(ELASTIC),$(findstring --max_restarts,$(LAUNCH_ARGS))),--rdzv_backend c10d) \
+           $(if $(and $(ELASTIC),$(if $(findstring --max_restarts,$(LAUNCH_ARGS)),,x)),--max_restarts 3)
 
 .PHONY: install install-test real-model demo demo-chat demo-dpo demo-grpo demo-data test test-fast test-all test-crashes style quality doctor causal_lm sequence_classification lora sft dpo reward-model reward_model grpo evaluate plot benchmark benchmark-peers benchmark-options benchmark-packing benchmark-reshard benchmark-pipeline benchmark-rollouts estimate-memory choose-config benchmark-choice export-checkpoint convert-checkpoint check-config clean
 

@@ -104,6 +104,12 @@ USES = (
         "common/accelerator.py's import_deepspeed: 0.8 s of every process's start where mlflow is installed",
     ),
     Use(
+        "accelerate",
+        "multi_gpu_launcher / deepspeed_launcher (standard) hand torchrun's namespace to torch.distributed.run.run, "
+        "looked up when called, inside the launch's environment",
+        "torchrun_adjusted: common/elastic.py's --nnodes MIN:MAX, which accelerate's --num_machines cannot carry",
+    ),
+    Use(
         "python",
         "argparse.ArgumentParser._actions",
         "parser_actions, parser_option_strings: the keys a recipe YAML may set, the options a command line may",
@@ -120,6 +126,27 @@ def start_accumulation_window(accelerator) -> None:
 def present_cpu_group_as_multi_gpu(distributed_type) -> None:
     """PartialState is shared by every AcceleratorState: set the type in its shared dict."""
     PartialState._shared_state["distributed_type"] = distributed_type
+
+
+@contextlib.contextmanager
+def torchrun_adjusted(adjust):
+    """accelerate's launchers call torch.distributed.run.run(args) with torchrun's namespace, built from accelerate's
+    own flags, in the environment they export to the workers: `adjust(args)` changes it (and that environment) first.
+    Yields a list that holds True once torchrun was called."""
+    import torch.distributed.run as torchrun
+
+    original, called = torchrun.run, []
+
+    def run(args):
+        called.append(True)
+        adjust(args)
+        return original(args)
+
+    torchrun.run = run
+    try:
+        yield called
+    finally:
+        torchrun.run = original
 
 
 # ---- transformers ----------------------------------------------------------------------------

@@ -17,10 +17,11 @@ import contextlib
 import gc
 import os
 import sys
+import time
 
 from accelerate.utils import set_seed
 
-from common import memory, pipeline, sequence_parallel, tensor_parallel
+from common import elastic, memory, pipeline, sequence_parallel, tensor_parallel
 from common.accelerator import (
     build_accelerator,
     launched_mesh_size,
@@ -31,7 +32,7 @@ from common.accelerator import (
 )
 from common.arguments import DataArguments, ModelArguments, TrainingArguments
 from common.checkpoints import load_checkpoint, save_checkpoint
-from common.errors import UsageError, exit_now, one_line_errors
+from common.errors import UsageError, exit_now, exit_with_error, one_line_errors
 from common.export import export_final
 from common.internals import share_zero3_fp32_partitions
 from common.lora import LoraArguments, check_adapter_arguments
@@ -39,6 +40,7 @@ from common.metrics import MetricsLogger, start_trackers
 from common.model import check_block_size, export_dtype, model_hidden_size
 from common.nonfinite import NonFiniteGuard, nonfinite_check
 from common.parsing import parse_args, to_dict
+from common.peers import lost_peer_message
 from common.portable import optimizer_parameter_names
 from common.profiling import StepProfiler
 from common.reshard import convert_before_start, for_this_world_size
@@ -70,7 +72,8 @@ def run_recipe(main, *argument_types, argv: list[str] | None = None):
         # collector's full passes, each of which would walk them all (at a one-process run's exit: 1.1 s of 1.2).
         gc.freeze()
     with one_line_errors(training.ddp_timeout), no_mark_left_if_refused(training.output_dir):
-        main(*parsed)
+        with elastic_world_ends_on_lost_peer(training.ddp_timeout):
+            main(*parsed)
     exit_now(0)  # finished: exit 0 without the interpreter's teardown (common.errors.exit_now says why)
 
 
@@ -90,6 +93,23 @@ def no_mark_left_if_refused(output_dir: str):
         raise
 
 
+@contextlib.contextmanager
+def elastic_world_ends_on_lost_peer(ddp_timeout: float):
+    """Under an elastic launch (common.elastic), a lost peer ends this world at once, in one line, with the time
+    noted for the next world's account: the agents then form the next world with the nodes left. (Elsewhere
+    `one_line_errors` ends the run, after a grace for the peer's own line.)"""
+    launch = elastic.launched()
+    try:
+        yield
+    except RuntimeError as error:
+        message = lost_peer_message(error, ddp_timeout) if launch is not None else None
+        if message is None:
+            raise
+        message = message.split(". A process or node died")[0]
+        elastic.note_lost_peer(launch, message)
+        exit_with_error(f"{message}; elastic launch: the nodes left form a new world and resume", 1, every_node=True)
+
+
 def check_resume_position(accelerator, args, state: dict) -> None:
     """A checkpoint's data position against this run, before `begin` writes anything: another global
     batch (processes x batch x accumulation) would start elsewhere in the data and with other steps per
@@ -106,7 +126,7 @@ class Run:
     """The accelerator, the run's folder and resume point, and (after `begin`) the pieces the
     loop calls: `metrics`, `nonfinite`, `profiler`."""
 
-    def __init__(self, arguments: tuple, accelerator, launch, checkpoint: str | None, clear_earlier: bool):
+    def __init__(self, arguments: tuple, accelerator, launch, checkpoint: str | None, clear_earlier: bool, world=None):
         self.arguments = arguments
         self.args = next(a for a in arguments if isinstance(a, TrainingArguments))
         model_args = next(a for a in arguments if isinstance(a, ModelArguments))
@@ -118,6 +138,7 @@ class Run:
         self.model = self.optimizer = self.scheduler = self.tokenizer = None
         self.metrics = self.nonfinite = self.profiler = None
         self.optimizer_parameters = None
+        self.world = world  # an elastic launch's common.elastic.WorldWatch
 
     def begin(self, model, optimizer, scheduler, tokenizer, max_steps: int, **record) -> dict:
         """After `accelerator.prepare`: load the checkpoint to resume from (if any), write run.json
@@ -127,8 +148,11 @@ class Run:
         self.model, self.optimizer, self.scheduler, self.tokenizer = model, optimizer, scheduler, tokenizer
         share_zero3_fp32_partitions(optimizer)  # ZeRO-3 in fp32: no second fp32 copy (common.internals)
         # the checks first: a resume refused here leaves output_dir exactly as it was
+        loading = time.time()
         state = load_checkpoint(accelerator, self.checkpoint, model, optimizer, scheduler)
         check_resume_position(accelerator, args, state)
+        if self.world is not None:  # before metrics.jsonl drops the rows of the steps lost
+            self.world.begin(accelerator, args.output_dir, state["step"], (loading, time.time()))
         # a checkpoint names the optimizer's parameters, so another strategy can read it (common.portable)
         self.optimizer_parameters = optimizer_parameter_names(unwrap(accelerator, model), optimizer)
         if self.clear_earlier and accelerator.is_main_process:
@@ -168,6 +192,8 @@ class Run:
             optimizer=optimizer,
             peak_tflops=args.peak_tflops,
         )
+        if self.world is not None:
+            self.world.started(self.metrics, accelerator)
         self.nonfinite = NonFiniteGuard(
             accelerator,
             model,
@@ -189,6 +215,8 @@ class Run:
         accelerate's; the oldest pruned past --save_total_limit."""
         self.nonfinite.settle()  # a step skipped on the device is acted on before anything is written
         state = {**state, "nonfinite_skips": self.nonfinite.skipped}  # a resume counts on from them
+        if self.world is not None:
+            self.world.first_step(self.metrics, self.accelerator, self.args.output_dir)
         if self.optimizer_parameters is not None:
             state = {**state, "optimizer_parameters": self.optimizer_parameters}
         return save_checkpoint(
@@ -224,6 +252,8 @@ class Run:
         ("peak_memory_whole_run"), trackers and progress bar closed."""
         self.profiler.stop()
         self.nonfinite.settle()
+        if self.world is not None:
+            self.world.first_step(self.metrics, self.accelerator, self.args.output_dir)
         cost = {}
         final_dir = self.export(cost=cost)
         self.metrics.record_in_run_json("final_export", cost)
@@ -237,11 +267,17 @@ def start_run(*arguments) -> Run:
     process group starts), build the accelerator, seed everything, and find the checkpoint to
     resume from (a DeepSpeed one saved on another layout is converted). Under `accelerate launch
     --max_restarts N`, a restarted worker resumes from the run's latest complete checkpoint."""
+    started = time.time()
     args = next(a for a in arguments if isinstance(a, TrainingArguments))
     model_args = next((a for a in arguments if isinstance(a, ModelArguments)), None)
     if model_args is not None:  # an adapter to start from: trains on with --use_peft, else one line
         check_adapter_arguments(model_args, next((a for a in arguments if isinstance(a, LoraArguments)), None))
-    resume_after_restart(args)
+    launch_range = elastic.launched()
+    world = None
+    if launch_range is not None:  # --nnodes MIN:MAX: this world's accumulation keeps the global batch
+        world = elastic.WorldWatch(launch_range, elastic.keep_global_batch(launch_range, args), started)
+    underway = launch_range is not None and elastic.underway(launch_range)  # a node joining a run under way
+    resume_after_restart(args, underway)
     check_output_dir(args.output_dir, args.resume_from_checkpoint, args.overwrite_output_dir)
     refuse_unsupported_mesh()
     refuse_more_processes_than_gpus()
@@ -252,10 +288,12 @@ def start_run(*arguments) -> Run:
         sequence_parallel.check_arguments(arguments)
     if launched_mesh_size("pp") > 1:  # pp.yaml
         pipeline.check_arguments(arguments)
-    if _is_rank0() and not int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):
+    if _is_rank0() and not int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) and not underway:
         mark_launch_starting(args.output_dir)
     checkpoint = resolve_checkpoint(args.output_dir, args.resume_from_checkpoint)
+    converting = time.time()
     convert_before_start(checkpoint, args.ddp_timeout)  # a ZeRO checkpoint of another layout, before any collective
+    converted = time.time() - converting
     sized = (
         model_args is not None and launched_strategy() == "deepspeed"
     )  # ZeRO-3's bounds: the config read there only
@@ -270,17 +308,24 @@ def start_run(*arguments) -> Run:
             print(f"warning: {line}", file=sys.stderr)
     set_seed(args.seed)
     clear_earlier = checkpoint is None and args.overwrite_output_dir
-    return Run(arguments, accelerator, launch, for_this_world_size(accelerator, checkpoint), clear_earlier)
+    converting = time.time()
+    checkpoint = for_this_world_size(accelerator, checkpoint)
+    if world is not None:
+        world.timed("conversion", converted + time.time() - converting)
+    return Run(arguments, accelerator, launch, checkpoint, clear_earlier, world)
 
 
-def resume_after_restart(args) -> None:
+def resume_after_restart(args, joining: bool = False) -> None:
     """torchrun sets TORCHELASTIC_RESTART_COUNT in the workers it restarts after a failure. They
     were launched with the first attempt's arguments (--overwrite_output_dir included): once this
-    run has a complete checkpoint, continue from the latest one instead. Where the first attempt
+    run has a complete checkpoint, continue from the latest one instead. `joining`: this worker's node joins an
+    elastic launch already under way (common.elastic), its agent's first attempt: the same, as for a restart. Where the first attempt
     died before taking over the folder's checkpoints (`common.run_dir.launch_starting`: an earlier
     run's, not yet cleared or set aside), its arguments stand: start afresh or from its checkpoint again."""
     max_restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if max_restarts and not restart and joining:
+        restart = 1  # (its agent's count: a world that admits a node is no failure, torchrun counts it not)
     if max_restarts and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # Seen (torch 2.13, gloo): a rendezvous store kept across attempts (the configs' static rendezvous,
         # or c10d sharing the agent's store) hands restarted ranks a dead peer's address: they fail with
@@ -307,7 +352,8 @@ def resume_after_restart(args) -> None:
             if first_attempt_ended_early
             else "no checkpoint yet, starting again"
         )
-        print(f"restart {restart} of at most {max_restarts}: {what}", file=sys.stderr)
+        new_world = "a new world of an elastic launch" if joining else f"restart {restart} of at most {max_restarts}"
+        print(f"{new_world}: {what}", file=sys.stderr)
 
 
 def _is_rank0() -> bool:

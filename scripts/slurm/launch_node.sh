@@ -17,6 +17,15 @@ if grep -q '^parallelism_config:' "$config"; then
 fi
 
 echo "node $(hostname): machine_rank=$node_rank of $nodes, $gpus processes, main=$MAIN_PROCESS_IP:$MAIN_PROCESS_PORT" >&2
+# NNODES=MIN:MAX (train.sbatch passes it on): an elastic run (common/elastic.py) that goes on with MIN..MAX nodes.
+if [ -n "${NNODES:-}" ]; then
+    python="${PYTHON:-python}"
+    [ -x .venv/bin/python ] && [ -z "${PYTHON:-}" ] && python=.venv/bin/python
+    exec "$python" -m common.elastic --nnodes "$NNODES" --rdzv_backend c10d --max_restarts "${MAX_RESTARTS:-3}" \
+        --config_file "$config" --num_processes $((${NNODES#*:} * gpus)) --machine_rank "$node_rank" \
+        --main_process_ip "$MAIN_PROCESS_IP" --main_process_port "$MAIN_PROCESS_PORT" \
+        "$@"
+fi
 exec "$accelerate" launch --config_file "$config" \
     --num_machines "$nodes" --machine_rank "$node_rank" \
     --num_processes $((nodes * gpus)) "${mesh[@]}" \

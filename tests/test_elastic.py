@@ -1,0 +1,322 @@
+"""Elastic multi-node runs (common/elastic.py): two "nodes" on loopback lose one and go on, and the bad cases.
+
+Each node is its own `python -m common.elastic --nnodes 1:2 ...` (the command make builds from LAUNCH_ARGS), one
+process per node, fp32. Node 1 is killed whole (its agent and worker, a power cut) after step 6; node 0's worker
+fails its collective at once, its agent forms a world of one node, and the worker resumes from step_4 with twice the
+accumulation: every step, the ones trained again included, must match an uninterrupted run of the same global batch
+(losses within 1e-5 relative) and so must the final weights (1e-5). make test checks the launcher's and the batch's
+refusals in this process; the launches (ddp, fsdp, zero3, a node that comes back, the main node lost) are make
+test-all's: each takes 45 s or more, most of it the Python start-ups of three workers.
+"""
+
+import json
+import os
+import re
+import socket
+import subprocess
+import time
+from types import SimpleNamespace
+
+import pytest
+from conftest import (
+    BIN,
+    OFFLINE_ENV,
+    REPO,
+    causal_lm_args,
+    free_port,
+    launch,
+    load_weights,
+    read_metrics,
+    read_run,
+    run,
+)
+from test_crashes import kill_everything, logged_steps
+
+from common import elastic
+from common.errors import UsageError
+
+
+# each template's distributed type on one process (DDP's is none: one process trains alone)
+TEMPLATES = {"multi_node_ddp.yaml": "NO", "multi_node_fsdp.yaml": "FSDP", "multi_node_zero3.yaml": "DEEPSPEED"}
+# The rendezvous as make sets it, with a shorter wait for a node that will not come (the loss is the point here).
+RENDEZVOUS = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3"
+
+
+def node_command(config: str, port: int, machine_rank: int, args: list, launcher_args=()) -> list[str]:
+    """One node's launch, as `make <recipe> LAUNCH_ARGS="--nnodes 1:2 ..."` builds it (its flags, then the user's)."""
+    return [
+        str(BIN / "python"),
+        "-m",
+        "common.elastic",
+        "--rdzv_backend",
+        "c10d",
+        "--max_restarts",
+        "3",
+        "--nnodes",
+        "1:2",
+        "--rdzv_conf",
+        RENDEZVOUS,
+        *launcher_args,
+        "--config_file",
+        str(REPO / "accelerate_configs" / config),
+        "--num_processes",
+        "2",
+        "--machine_rank",
+        str(machine_rank),
+        "--main_process_ip",
+        "127.0.0.1",
+        "--main_process_port",
+        str(port),
+        "--mixed_precision",
+        "no",
+        str(REPO / "recipes" / "causal_lm.py"),
+        *args,
+    ]
+
+
+def start_node(command: list[str], log) -> subprocess.Popen:
+    return subprocess.Popen(
+        command,
+        cwd=REPO,
+        env={**os.environ, **OFFLINE_ENV},
+        stdout=open(log, "a"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # its own process group: killed whole, as a node is lost
+    )
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
+
+
+def start_two_nodes(config: str, args: list, tmp_path, launcher_args=()) -> tuple[list, int]:
+    """Node 0 first, so that its agent holds the rendezvous store (the main node's role), then node 1."""
+    port = free_port()
+    nodes = [start_node(node_command(config, port, 0, args, launcher_args), tmp_path / "node0.log")]
+    deadline = time.monotonic() + 120
+    while not listening(port) and time.monotonic() < deadline and nodes[0].poll() is None:
+        time.sleep(0.1)
+    assert listening(port), (tmp_path / "node0.log").read_text()[-3000:]
+    nodes.append(start_node(node_command(config, port, 1, args, launcher_args), tmp_path / "node1.log"))
+    return nodes, port
+
+
+def wait_for(condition, nodes, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        assert nodes[0].poll() is None, f"node 0 ended early ({nodes[0].returncode})"
+        time.sleep(0.01)
+
+
+def finish(process: subprocess.Popen, log, timeout: float = 600) -> str:
+    try:
+        process.wait(timeout=timeout)
+    finally:
+        if process.poll() is None:
+            kill_everything(process)
+    return log.read_text()
+
+
+def world_changes(out) -> list[dict]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [row["world_change"] for row in rows if "world_change" in row]
+
+
+def compare(out, reference, what: str) -> tuple[float, float]:
+    """The largest relative loss gap over every step, and the largest final-weight gap, to `reference`."""
+    rows, expected = read_metrics(out)[0], read_metrics(reference)[0]
+    assert [row["step"] for row in rows] == [row["step"] for row in expected], "a step missing or logged twice"
+    gap = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(rows, expected))
+    mine, theirs = load_weights(out / "final"), load_weights(reference / "final")
+    assert mine.keys() == theirs.keys()
+    weights = max(float((mine[k] - theirs[k]).abs().max()) for k in mine)
+    print(f"{what}: {len(rows)} steps, max relative loss gap {gap:.2e}, max weight gap {weights:.2e}")
+    return gap, weights
+
+
+# ---- the launcher and the batch, in this process (make test) ----------------------------------------------------
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--nnodes", "2:1", "x.py"], r"--nnodes 2:1: give the range of nodes .* as MIN:MAX"),
+        (["--nnodes", "1:x", "x.py"], r"--nnodes 1:x: give the range"),
+        (["--nnodes=1", "x.py"], r"MAX >= 2"),
+        (["--nnodes", "1:2", "--num_machines", "3", "x.py"], r"--num_machines 3 beside --nnodes 1:2"),
+    ],
+)
+def test_a_bad_node_range_is_one_line(argv, expected, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        elastic.main(argv)
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert exit_info.value.code == 2 and len(errors) == 1 and re.search(expected, errors[0]), errors
+
+
+@pytest.mark.parametrize(
+    "config, expected",
+    [
+        ("single.yaml", r"an elastic run is launched by torchrun"),
+        ("pdsh", r"DeepSpeed's own multi-node launcher \(pdsh\) has no node range"),
+        ("multi_node_hsdp.yaml", r"its mesh \(dp_replicate_size 2 x dp_shard_size 8\) is fixed to num_processes"),
+        ("multi_node_hsdp_tp.yaml", r"tp_size 2\) is fixed to num_processes"),
+        ("tp.yaml", r"its mesh \(tp_size 2\) is fixed"),
+        ("pp.yaml", r"its mesh \(pp_size 2\) is fixed"),
+    ],
+)
+def test_a_config_whose_world_cannot_change_is_refused_in_one_line(config, expected, tmp_path):
+    path = REPO / "accelerate_configs" / config
+    if config == "pdsh":  # multi_node_zero3.yaml with DeepSpeed's default multi-node launcher
+        path = tmp_path / "pdsh.yaml"
+        template = (REPO / "accelerate_configs/multi_node_zero3.yaml").read_text()
+        path.write_text(
+            template.replace("deepspeed_multinode_launcher: standard", "deepspeed_multinode_launcher: pdsh")
+        )
+    with pytest.raises(UsageError, match=expected):
+        elastic.check_config(str(path), (1, 2))
+    elastic.check_config(str(REPO / "accelerate_configs" / "multi_node_zero3.yaml"), (1, 2))  # the templates pass
+
+
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        ([], r"needs torchrun's c10d rendezvous.*the config's rdzv_backend: static"),
+        (["--rdzv_backend", "c10d"], r"without --max_restarts: a lost node would end the run"),
+    ],
+)
+def test_the_launcher_refuses_a_static_rendezvous_and_no_restarts_before_anything_starts(flags, expected, capsys):
+    """The checks on torchrun's arguments as accelerate builds them (the config's rendezvous, the restarts): one
+    line, exit status 2, no worker started (no output_dir)."""
+    out = REPO / "outputs" / f"elastic-refused-{os.getpid()}"
+    argv = ["--nnodes", "1:2", *flags, "--config_file", str(REPO / "accelerate_configs/multi_node_ddp.yaml")]
+    argv += ["--main_process_ip", "127.0.0.1", "--main_process_port", str(free_port()), "--machine_rank", "0"]
+    environment = dict(os.environ)
+    with pytest.raises(SystemExit) as exit_info:
+        elastic.main([*argv, str(REPO / "recipes/causal_lm.py"), "--output_dir", str(out)])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert exit_info.value.code == 2 and len(errors) == 1 and re.search(expected, errors[0]), errors
+    assert not out.exists() and dict(os.environ) == environment
+
+
+def test_the_global_batch_is_kept_on_every_world_of_the_range_or_refused(monkeypatch):
+    """--nnodes 1:2 x 2 processes, 4 per device, accumulation 1: 16 samples per step; on one node, accumulation 2.
+    1:3 cannot: 24 samples on 2 nodes (4 processes x 4) is no whole number of steps; accumulation 2 can."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    args = SimpleNamespace(per_device_train_batch_size=4, gradient_accumulation_steps=1)
+    kept = elastic.keep_global_batch(elastic.Elastic(1, 2, "127.0.0.1", 1), args)
+    assert kept == {"global_batch": 16, "accumulation": 2, "asked": 1} and args.gradient_accumulation_steps == 2
+    args.gradient_accumulation_steps = 1
+    with pytest.raises(UsageError, match=r"cannot keep the global batch of 24 samples .* on 2 nodes: 24 is not a "):
+        elastic.keep_global_batch(elastic.Elastic(1, 3, "127.0.0.1", 1), args)
+    with pytest.raises(UsageError, match=r"set --gradient_accumulation_steps to a multiple of 2"):
+        elastic.keep_global_batch(elastic.Elastic(1, 3, "127.0.0.1", 1), args)
+    args.gradient_accumulation_steps = 2
+    assert elastic.keep_global_batch(elastic.Elastic(1, 3, "127.0.0.1", 1), args)["accumulation"] == 6
+
+
+def test_make_launches_a_node_range_through_the_elastic_launcher():
+    command = run(
+        ["make", "-n", "causal_lm", "CONFIG=accelerate_configs/multi_node_ddp.yaml", "LAUNCH_ARGS=--nnodes 1:2"]
+    ).stdout.splitlines()[-1]
+    assert " -m common.elastic --rdzv_backend c10d --max_restarts 3 --nnodes 1:2 --config_file " in command, command
+
+
+# ---- launches (make test-all) ---------------------------------------------------------------------------------
+SHRINK = dict(per_device_train_batch_size=4, max_steps=12, save_steps=4, ddp_timeout=60)
+
+
+@pytest.mark.slow
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("config", sorted(TEMPLATES))
+def test_a_run_that_loses_a_node_goes_on_alone_with_the_same_losses(config, markov_data, reference, tmp_path):
+    """Node 1 killed after step 6: node 0 goes on alone from step_4 with accumulation 2 and ends where one process
+    of the same global batch (8) ends. The line, the metrics row and run.json say what happened, with the time from
+    the loss to the first step on one node and its parts."""
+    out = tmp_path / "run"
+    nodes, _ = start_two_nodes(config, causal_lm_args(markov_data, out, **SHRINK), tmp_path)
+    wait_for(lambda: logged_steps(out) >= 6, nodes)
+    killed_at = time.time()
+    assert kill_everything(nodes[1]) >= 2  # node 1's agent (the launcher) and its worker
+    log = finish(nodes[0], tmp_path / "node0.log")
+    assert nodes[0].returncode == 0, log[-6000:]
+    line = next((line for line in log.splitlines() if line.startswith("world 2 -> 1")), None)
+    assert line is not None, log[-6000:]
+    assert re.fullmatch(
+        r"world 2 -> 1 processes after rank 1 was lost at step (6|7|8); resumed from step 4, accumulation 1 -> 2, "
+        r"global batch 8 kept \((2|3|4) steps since the checkpoint to train again\)",
+        line,
+    ), line
+    record = read_run(out)
+    assert record["participating_processes"] == 1 and record["distributed_type"] == TEMPLATES[config]
+    assert record["args"]["gradient_accumulation_steps"] == 2 and len(record["world_changes"]) == 1
+    change = record["world_changes"][0]
+    assert world_changes(out) == [
+        {**change, "seconds": {k: v for k, v in change["seconds"].items() if "first" not in k}}
+    ]
+    assert change["lost_ranks"] == [1] and change["resumed_from_step"] == 4 and change["accumulation"] == [1, 2]
+    seconds = change["seconds"]
+    parts = ("detection", "restart_and_rendezvous", "start_up", "set_up", "conversion", "load", "first_step")
+    assert all(seconds[part] >= 0 for part in parts), seconds
+    assert abs(sum(seconds[part] for part in parts) - seconds["loss_to_first_step"]) < 0.5, seconds
+    since_kill = seconds["last_step_at"] + seconds["loss_to_first_step"] - killed_at
+    print(
+        f"{config}: {line}; from the kill to the first step on one node {since_kill:.1f} s, from the last step before "
+        f"it {seconds['loss_to_first_step']:.1f} s: " + ", ".join(f"{part} {seconds[part]:.1f}" for part in parts)
+    )
+    gap, weights = compare(out, reference, f"{config}, node 1 lost at step 6")
+    assert gap < 1e-5 and weights < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.exhaustive
+def test_a_node_that_comes_back_joins_and_the_world_grows_back(markov_data, tmp_path):
+    """Node 1 killed after step 6, started again with the same command once node 0 trains alone: node 0's agent
+    admits it, both resume from the latest checkpoint on two processes (accumulation 2 -> 1), and every step matches
+    an uninterrupted 2-process run (ddp.yaml) of the same global batch."""
+    grow = dict(SHRINK, max_steps=300, save_steps=10)
+    out, reference = tmp_path / "run", tmp_path / "reference"
+    launch(
+        "ddp.yaml",
+        "causal_lm.py",
+        causal_lm_args(markov_data, reference, **grow),
+        launcher_args=["--mixed_precision", "no"],
+    )
+    nodes, port = start_two_nodes("multi_node_ddp.yaml", causal_lm_args(markov_data, out, **grow), tmp_path)
+    wait_for(lambda: logged_steps(out) >= 6, nodes)
+    kill_everything(nodes[1])
+    wait_for(lambda: (out / "metrics.jsonl").exists() and len(world_changes(out)) == 1, nodes)
+    returning = start_node(
+        node_command("multi_node_ddp.yaml", port, 1, causal_lm_args(markov_data, out, **grow)), tmp_path / "node1.log"
+    )
+    log = finish(nodes[0], tmp_path / "node0.log")
+    returned = finish(returning, tmp_path / "node1.log")
+    assert nodes[0].returncode == 0 and returning.returncode == 0, (log[-4000:], returned[-4000:])
+    lines = [line for line in log.splitlines() if line.startswith("world ")]
+    assert len(lines) == 2 and lines[1].startswith("world 1 -> 2 processes after 1 process joined at step "), lines
+    record = read_run(out)
+    assert record["participating_processes"] == 2 and len(record["world_changes"]) == 2
+    assert record["world_changes"][1]["accumulation"] == [2, 1] and record["args"]["gradient_accumulation_steps"] == 1
+    print(f"grown back: {lines[1]}; its parts {record['world_changes'][1]['seconds']}")
+    gap, weights = compare(out, reference, "ddp, node 1 lost at step 6 and back")
+    assert gap < 1e-5 and weights < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.exhaustive
+def test_losing_the_main_node_ends_the_other_in_one_line(markov_data, tmp_path):
+    """The main node's agent holds the rendezvous: when it is lost, node 1 cannot form a world and ends with one
+    line that says so and how to go on, at once."""
+    out = tmp_path / "run"
+    nodes, _ = start_two_nodes("multi_node_ddp.yaml", causal_lm_args(markov_data, out, **SHRINK), tmp_path)
+    wait_for(lambda: logged_steps(out) >= 6, nodes)
+    killed_at = time.monotonic()
+    kill_everything(nodes[0])
+    log = finish(nodes[1], tmp_path / "node1.log", timeout=120)
+    errors = [line for line in log.splitlines() if line.startswith("error:")]
+    print(f"node 1 ended {time.monotonic() - killed_at:.1f} s after the main node was lost: {errors[-1:]}")
+    assert nodes[1].returncode == 1 and re.search(
+        r"error: the rendezvous at 127\.0\.0\.1:\d+ is gone .*the main node \(--main_process_ip\).*"
+        r"--resume_from_checkpoint latest",
+        errors[-1],
+    ), log[-4000:]
