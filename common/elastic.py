@@ -247,6 +247,18 @@ def underway(elastic: Elastic) -> bool:
     return elastic.store().check([KEY + "underway"])
 
 
+def note_refused(elastic: Elastic) -> None:
+    """Bad input met by a world of this launch (best effort): the later worlds end at once (`refused`)."""
+    try:
+        elastic.store(timeout_s=5).set(KEY + "refused", "1")
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def refused(elastic: Elastic) -> bool:
+    return elastic.store().check([KEY + "refused"])
+
+
 def _ranges(ranks: list[int]) -> str:
     spans, start = [], None
     for index, rank in enumerate(ranks):
@@ -386,7 +398,7 @@ def _parts(times: dict, last_at: float | None, detected: float | None, loaded_at
     parts = {
         "last_step_at": last_at,
         "detection": None if detected is None or last_at is None else detected - last_at,
-        "restart_and_rendezvous": None if detected is None else times["process"] - detected,
+        "restart_and_rendezvous": times["process"] - (detected or last_at) if (detected or last_at) else None,
         "start_up": times["start_run"] - times["process"],
         "set_up": loaded_at[0] - times["start_run"] - conversion,
         "conversion": conversion,

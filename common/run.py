@@ -72,7 +72,7 @@ def run_recipe(main, *argument_types, argv: list[str] | None = None):
         # collector's full passes, each of which would walk them all (at a one-process run's exit: 1.1 s of 1.2).
         gc.freeze()
     with one_line_errors(training.ddp_timeout), no_mark_left_if_refused(training.output_dir):
-        with elastic_world_ends_on_lost_peer(training.ddp_timeout):
+        with elastic_worlds(training.ddp_timeout):
             main(*parsed)
     exit_now(0)  # finished: exit 0 without the interpreter's teardown (common.errors.exit_now says why)
 
@@ -94,13 +94,21 @@ def no_mark_left_if_refused(output_dir: str):
 
 
 @contextlib.contextmanager
-def elastic_world_ends_on_lost_peer(ddp_timeout: float):
+def elastic_worlds(ddp_timeout: float):
     """Under an elastic launch (common.elastic), a lost peer ends this world at once, in one line, with the time
     noted for the next world's account: the agents then form the next world with the nodes left. (Elsewhere
-    `one_line_errors` ends the run, after a grace for the peer's own line.)"""
+    `one_line_errors` ends the run, after a grace for the peer's own line.) Bad input (a UsageError, met again by
+    every world: a checkpoint that does not convert, a range no accumulation fits) is noted too: its line is
+    printed once, and the workers of the worlds after it end at once, spending the restarts without repeating it."""
     launch = elastic.launched()
+    if launch is not None and elastic.refused(launch):
+        exit_now(2)  # the world that met it printed the line
     try:
         yield
+    except UsageError:
+        if launch is not None:
+            elastic.note_refused(launch)
+        raise
     except RuntimeError as error:
         message = lost_peer_message(error, ddp_timeout) if launch is not None else None
         if message is None:

@@ -42,7 +42,7 @@ TEMPLATES = {"multi_node_ddp.yaml": "NO", "multi_node_fsdp.yaml": "FSDP", "multi
 RENDEZVOUS = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3"
 
 
-def node_command(config: str, port: int, machine_rank: int, args: list, launcher_args=()) -> list[str]:
+def node_command(config: str, port: int, machine_rank: int, args: list, nodes: str = "1:2") -> list[str]:
     """One node's launch, as `make <recipe> LAUNCH_ARGS="--nnodes 1:2 ..."` builds it (its flags, then the user's)."""
     return [
         str(BIN / "python"),
@@ -53,14 +53,13 @@ def node_command(config: str, port: int, machine_rank: int, args: list, launcher
         "--max_restarts",
         "3",
         "--nnodes",
-        "1:2",
+        nodes,
         "--rdzv_conf",
         RENDEZVOUS,
-        *launcher_args,
         "--config_file",
         str(REPO / "accelerate_configs" / config),
         "--num_processes",
-        "2",
+        nodes.split(":")[1],  # one per node
         "--machine_rank",
         str(machine_rank),
         "--main_process_ip",
@@ -90,15 +89,15 @@ def listening(port: int) -> bool:
         return probe.connect_ex(("127.0.0.1", port)) == 0
 
 
-def start_two_nodes(config: str, args: list, tmp_path, launcher_args=()) -> tuple[list, int]:
+def start_two_nodes(config: str, args: list, tmp_path) -> tuple[list, int]:
     """Node 0 first, so that its agent holds the rendezvous store (the main node's role), then node 1."""
     port = free_port()
-    nodes = [start_node(node_command(config, port, 0, args, launcher_args), tmp_path / "node0.log")]
+    nodes = [start_node(node_command(config, port, 0, args), tmp_path / "node0.log")]
     deadline = time.monotonic() + 120
     while not listening(port) and time.monotonic() < deadline and nodes[0].poll() is None:
         time.sleep(0.1)
     assert listening(port), (tmp_path / "node0.log").read_text()[-3000:]
-    nodes.append(start_node(node_command(config, port, 1, args, launcher_args), tmp_path / "node1.log"))
+    nodes.append(start_node(node_command(config, port, 1, args), tmp_path / "node1.log"))
     return nodes, port
 
 
@@ -274,7 +273,7 @@ def test_a_node_that_comes_back_joins_and_the_world_grows_back(markov_data, tmp_
     """Node 1 killed after step 6, started again with the same command once node 0 trains alone: node 0's agent
     admits it, both resume from the latest checkpoint on two processes (accumulation 2 -> 1), and every step matches
     an uninterrupted 2-process run (ddp.yaml) of the same global batch."""
-    grow = dict(SHRINK, max_steps=300, save_steps=10)
+    grow = dict(SHRINK, max_steps=400, save_steps=10)  # node 1's start-up and rendezvous while node 0 trains alone
     out, reference = tmp_path / "run", tmp_path / "reference"
     launch(
         "ddp.yaml",
@@ -320,3 +319,20 @@ def test_losing_the_main_node_ends_the_other_in_one_line(markov_data, tmp_path):
         r"--resume_from_checkpoint latest",
         errors[-1],
     ), log[-4000:]
+
+
+@pytest.mark.slow
+@pytest.mark.exhaustive
+def test_bad_input_met_by_a_world_is_one_line_and_the_worlds_after_it_end_at_once(markov_data, tmp_path):
+    """--nnodes 1:3 of one process each, 4 per device, accumulation 1: 12 samples per step cannot be made on 2 nodes.
+    Node 0 alone forms a world whose worker refuses in one line; the worlds its restarts form end at once, without
+    repeating it, and the launch ends. (A checkpoint that cannot be converted for a new world takes the same path.)"""
+    started = time.monotonic()
+    command = node_command("multi_node_ddp.yaml", free_port(), 0, causal_lm_args(markov_data, tmp_path / "run"), "1:3")
+    log = finish(start_node(command, tmp_path / "node0.log"), tmp_path / "node0.log", timeout=300)
+    errors = [line for line in log.splitlines() if line.startswith("error:")]
+    print(f"ended in {time.monotonic() - started:.0f} s: {errors}")
+    assert len(errors) == 1 and re.search(
+        r"--nnodes 1:3 cannot keep the global batch of 12 samples .* on 2 nodes: .* multiple of 2", errors[0]
+    ), log[-4000:]
+    assert re.search(r"exitcode\s*: 2\b", log) and not (tmp_path / "run" / "checkpoints").exists()
