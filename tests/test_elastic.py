@@ -269,24 +269,25 @@ def test_a_run_that_loses_a_node_goes_on_alone_with_the_same_losses(config, mark
 
 @pytest.mark.slow
 @pytest.mark.exhaustive
-def test_a_node_that_comes_back_joins_and_the_world_grows_back(markov_data, tmp_path):
+@pytest.mark.parametrize("config, fixed", [("multi_node_ddp.yaml", "ddp.yaml"), ("multi_node_fsdp.yaml", "fsdp.yaml")])
+def test_a_node_that_comes_back_joins_and_the_world_grows_back(config, fixed, markov_data, tmp_path):
     """Node 1 killed after step 6, started again with the same command once node 0 trains alone: node 0's agent
     admits it, both resume from the latest checkpoint on two processes (accumulation 2 -> 1), and every step matches
-    an uninterrupted 2-process run (ddp.yaml) of the same global batch."""
+    an uninterrupted 2-process run of the config (`fixed`) with the same global batch."""
     grow = dict(SHRINK, max_steps=400, save_steps=10)  # node 1's start-up and rendezvous while node 0 trains alone
     out, reference = tmp_path / "run", tmp_path / "reference"
     launch(
-        "ddp.yaml",
+        fixed,
         "causal_lm.py",
         causal_lm_args(markov_data, reference, **grow),
         launcher_args=["--mixed_precision", "no"],
     )
-    nodes, port = start_two_nodes("multi_node_ddp.yaml", causal_lm_args(markov_data, out, **grow), tmp_path)
+    nodes, port = start_two_nodes(config, causal_lm_args(markov_data, out, **grow), tmp_path)
     wait_for(lambda: logged_steps(out) >= 6, nodes)
     kill_everything(nodes[1])
     wait_for(lambda: (out / "metrics.jsonl").exists() and len(world_changes(out)) == 1, nodes)
     returning = start_node(
-        node_command("multi_node_ddp.yaml", port, 1, causal_lm_args(markov_data, out, **grow)), tmp_path / "node1.log"
+        node_command(config, port, 1, causal_lm_args(markov_data, out, **grow)), tmp_path / "node1.log"
     )
     log = finish(nodes[0], tmp_path / "node0.log")
     returned = finish(returning, tmp_path / "node1.log")
@@ -296,8 +297,8 @@ def test_a_node_that_comes_back_joins_and_the_world_grows_back(markov_data, tmp_
     record = read_run(out)
     assert record["participating_processes"] == 2 and len(record["world_changes"]) == 2
     assert record["world_changes"][1]["accumulation"] == [2, 1] and record["args"]["gradient_accumulation_steps"] == 1
-    print(f"grown back: {lines[1]}; its parts {record['world_changes'][1]['seconds']}")
-    gap, weights = compare(out, reference, "ddp, node 1 lost at step 6 and back")
+    print(f"{config} grown back: {lines[1]}; its parts {record['world_changes'][1]['seconds']}")
+    gap, weights = compare(out, reference, f"{config}, node 1 lost at step 6 and back")
     assert gap < 1e-5 and weights < 1e-5
 
 
