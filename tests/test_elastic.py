@@ -42,7 +42,9 @@ TEMPLATES = {"multi_node_ddp.yaml": "NO", "multi_node_fsdp.yaml": "FSDP", "multi
 RENDEZVOUS = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3"
 
 
-def node_command(config: str, port: int, machine_rank: int, args: list, nodes: str = "1:2") -> list[str]:
+def node_command(
+    config: str, port: int, machine_rank: int, args: list, nodes: str = "1:2", main: str = "127.0.0.1"
+) -> list[str]:
     """One node's launch, as `make <recipe> LAUNCH_ARGS="--nnodes 1:2 ..."` builds it (its flags, then the user's)."""
     return [
         str(BIN / "python"),
@@ -63,7 +65,7 @@ def node_command(config: str, port: int, machine_rank: int, args: list, nodes: s
         "--machine_rank",
         str(machine_rank),
         "--main_process_ip",
-        "127.0.0.1",
+        main,
         "--main_process_port",
         str(port),
         "--mixed_precision",
@@ -299,6 +301,40 @@ def test_a_node_that_comes_back_joins_and_the_world_grows_back(config, fixed, ma
     assert record["world_changes"][1]["accumulation"] == [2, 1] and record["args"]["gradient_accumulation_steps"] == 1
     print(f"{config} grown back: {lines[1]}; its parts {record['world_changes'][1]['seconds']}")
     gap, weights = compare(out, reference, f"{config}, node 1 lost at step 6 and back")
+    assert gap < 1e-5 and weights < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.exhaustive
+def test_a_node_cut_off_the_network_is_left_behind_within_the_timeout(two_hosts, markov_data, reference, tmp_path):
+    """The nodes as two hosts (network namespaces over a veth pair, their own hostnames), --ddp_timeout 10: node 1's
+    link goes down for good after step 6. Node 0's collective ends within the timeout, its agent counts node 1 lost
+    once its heartbeats stop, and node 0 goes on alone to the one-process run's losses and weights."""
+    out, port = tmp_path / "run", free_port()
+    args = causal_lm_args(markov_data, out, **dict(SHRINK, ddp_timeout=10))
+    nodes = []
+    for host in (0, 1):
+        command, env = two_hosts.command(
+            host, node_command("multi_node_ddp.yaml", port, host, args, main=two_hosts.addresses[0]), own_hostname=True
+        )
+        log = open(tmp_path / f"node{host}.log", "a")
+        nodes.append(subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
+    try:
+        wait_for(lambda: logged_steps(out) >= 6, nodes)
+        two_hosts.set_link(1, "down")
+        cut = time.time()
+        log = finish(nodes[0], tmp_path / "node0.log")
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+    assert nodes[0].returncode == 0, log[-6000:]
+    line = next(line for line in log.splitlines() if line.startswith("world 2 -> 1"))
+    seconds = read_run(out)["world_changes"][0]["seconds"]
+    detected = seconds["last_step_at"] + seconds["detection"] - cut
+    print(f"link cut: {line}; node 0's collective failed {detected:.1f} s after the cut; parts {seconds}")
+    assert detected < 10 + 15 and re.search(r"after rank 1 was lost at step \d+; resumed from step 4", line)
+    gap, weights = compare(out, reference, "ddp, node 1 cut off after step 6")
     assert gap < 1e-5 and weights < 1e-5
 
 
