@@ -15,7 +15,6 @@ bit, and scripts/benchmark_bubble.py. Bad input: the split, the schedule and the
 import json
 import re
 import shutil
-import sys
 
 import pytest
 import torch
@@ -354,13 +353,12 @@ def test_pp_yaml_bf16_fine_tuning_of_a_bf16_checkpoint(markov_data, bf16_checkpo
 @pytest.mark.slow
 @pytest.mark.exhaustive
 def test_benchmark_bubble_writes_step_times_beside_the_schedules_bubble(tmp_path):
-    """scripts/benchmark_bubble.py at 2 and 4 micro-batches under 1F1B: a page with a row for each, the schedule's
+    """make benchmark-bubble at 2 and 4 micro-batches under 1F1B: a page with a row for each, the schedule's
     bubble (p - 1) / (m + p - 1) beside the measured fixed share, and more micro-batches taking longer per step."""
     from conftest import run
 
     page = tmp_path / "bubble.md"
-    command = ["scripts/benchmark_bubble.py", "--schedules", "1F1B", "--micro_batches", "2", "4", "--steps", "5"]
-    run([sys.executable, *command, "--docs", str(page)])
+    run(["make", "-s", "benchmark-bubble", f"ARGS=--schedules 1F1B --micro_batches 2 4 --steps 5 --docs {page}"])
     rows = [line.split("|")[1:-1] for line in page.read_text().splitlines() if line.startswith("| 1F1B |")]
     assert [int(row[1]) for row in rows] == [2, 4]
     assert [float(row[5]) for row in rows] == [0.33, 0.2]  # (2 - 1) / (m + 2 - 1)
