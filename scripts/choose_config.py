@@ -114,9 +114,21 @@ TIE = 0.02
 ONE_DEVICE = ["single.yaml", "fsdp_offload.yaml", "zero2_offload.yaml", "zero3_offload.yaml"]
 # rows split over sp_size (cp_size) devices: tried at every size that divides the devices (Ulysses: and the heads)
 SEQUENCE_PARALLEL = ["zero3_ulysses.yaml", "fsdp_cp.yaml"]
-MULTI_NODE = ["multi_node_ddp.yaml", "multi_node_fsdp.yaml", "multi_node_hsdp.yaml", "multi_node_zero3.yaml"]
-# not ranked: tensor parallelism's per-layer all-reduces of activations are not in the step-time model
-TENSOR_PARALLEL = ["tp.yaml", "fsdp_tp.yaml", "multi_node_hsdp_tp.yaml"]
+# tp.yaml: one group of tp_size = the devices; fsdp_tp.yaml: groups of every tp_size that divides them (dp_shard the
+# rest); multi_node_hsdp_tp.yaml: within a node. A group of tp ranks trains one batch; not with --use_peft
+TENSOR_PARALLEL = ["tp.yaml", "fsdp_tp.yaml"]
+MULTI_NODE = [
+    "multi_node_ddp.yaml",
+    "multi_node_fsdp.yaml",
+    "multi_node_hsdp.yaml",
+    "multi_node_zero3.yaml",
+    "multi_node_hsdp_tp.yaml",
+]
+# pp.yaml: one pipeline over the devices; dp_pp.yaml: pipelines of every pp_size that divides them, data-parallel
+# replicas beside. Each at 1F1B and Interleaved1F1B (GPipe: 1F1B's bubble with every micro-batch's activations held).
+# Only causal_lm.py and sft.py, without LoRA, on a Llama-architecture model (common.pipeline)
+PIPELINE = ["pp.yaml", "dp_pp.yaml"]
+PIPELINE_SCHEDULES = ("1F1B", "Interleaved1F1B")
 RECIPES = ("causal_lm", "sft", "dpo")
 
 
@@ -208,6 +220,174 @@ def ring_exchange_bytes(model: dict, tokens: int, cp: int, c: int, micro_steps: 
     return micro_steps * passes * model["layers"] * tokens * 2 * model["kv_hidden_size"] * c * (cp - 1) / cp
 
 
+def tensor_parallel_bytes(
+    model: dict, tokens: int, tp: int, c: int, micro_steps: int, checkpointing: bool, reference: bool = False
+) -> dict:
+    """Bus bytes per device per optimizer step of tensor parallelism's collectives inside the model, over a group of
+    tp ranks, as transformers' plan runs them (common.tensor_parallel; Llama's plan as resolved, common.internals):
+    per micro-step, forward an all-reduce of each layer's attention output (o_proj, rowwise) and MLP output
+    (down_proj), and of the embeddings' output (split by vocabulary rows); backward one of each colwise projection's
+    input gradient (q, k, v, gate and up: 5 a layer) and of the head's; activation checkpointing runs the layers'
+    forward 2 again, DPO's reference forward (`reference`) its 2 a layer and the embeddings' again; each 2(tp-1)/tp of
+    `tokens` x hidden. And the logits gathered (the head is colwise, its output gathered; the reference's too),
+    (tp-1)/tp of `tokens` x vocabulary. (Counted with torch's CommDebugMode on 2 processes, 2 layers: forward 5
+    all-reduces and 1 all-gather, backward 11.) No sequence parallelism: the norms' inputs stay whole, as the configs
+    run."""
+    h, layers = model["hidden_size"], model["layers"]
+    forwards = 1 + checkpointing + reference
+    reduces = layers * (2 * forwards + 5) + 1 + (1 + reference)
+    return {
+        "all_reduce": micro_steps * reduces * 2 * (tp - 1) / tp * tokens * h * c,
+        "all_gather": micro_steps * (1 + reference) * (tp - 1) / tp * tokens * model["vocab_size"] * c,
+    }
+
+
+def pipeline_ranks(model: dict, size: int, stages_per_rank: int) -> list[dict]:
+    """Each pipeline rank's share of the model: its stages' decoder layers (common.pipeline.stage_layers, the
+    embeddings and the head counted as a layer each), the embeddings on the first stage's rank, the final norm and
+    head on the last's (a tied head: the embeddings' weight again there); its parameters, the weights its tokens
+    multiply (the head's matmul; a layer's share of the model's), and the activations it sends a micro-batch
+    (forward from each stage but the last, their gradients back from each but the first)."""
+    from common.pipeline import stage_layers
+
+    num_stages = size * stages_per_rank
+    layers = stage_layers(model["layers"], num_stages)
+    embeddings = model["vocab_size"] * model["hidden_size"]
+    head = model["root_parameters"] - embeddings  # the final norm and an untied head (tied: the norm alone)
+    tied = head < embeddings
+    per_layer_matmul = (model["matmul_parameters"] - embeddings) / model["layers"]  # the head: vocab x hidden
+    ranks = []
+    for rank in range(size):
+        stages = [rank + size * loop for loop in range(stages_per_rank)]
+        count = sum(len(layers[stage]) for stage in stages)
+        first, last = 0 in stages, num_stages - 1 in stages
+        ranks.append(
+            {
+                "rank": rank,
+                "layers": count,
+                "last": last,
+                "parameters": count * model["largest_layer"]
+                + (embeddings if first else 0)
+                + (head + (embeddings if tied else 0) if last else 0),
+                "matmul_parameters": count * per_layer_matmul + (embeddings if last else 0),
+                "sends": sum((stage < num_stages - 1) + (stage > 0) for stage in stages),
+                "tied": tied,
+            }
+        )
+    return ranks
+
+
+def in_flight(rank: int, size: int, stages_per_rank: int, micro_batches: int) -> float:
+    """The micro-batches whose activations a pipeline rank holds at once under torch's schedule, in micro-batches of
+    its whole share: 1F1B's warm-up forwards (size - rank, at most the micro-batches: Schedule1F1B); interleaved
+    1F1B's warm-up (torch's _get_warmup_ops) and the steady state's first forward, each over one of its stages."""
+    if stages_per_rank == 1:
+        return min(micro_batches, size - rank)
+    per_round = micro_batches // max(1, micro_batches // size)
+    warmup = (stages_per_rank - 1) * per_round + 2 * (size - 1 - rank)
+    return min(warmup + 1, micro_batches * stages_per_rank) / stages_per_rank
+
+
+def pipeline_estimate(
+    model: dict, s: dict, micro: int, seq_len: int, checkpointing: bool, micro_batches: int
+) -> tuple[dict, dict]:
+    """make estimate-memory's categories for the pipeline rank that needs the most memory, and that rank's share:
+    its stages' parameters with their gradients and AdamW moments (one DDP process's 16 bytes each; nothing held
+    between micro-batches but the gradients themselves: the schedule runs them all in one window), autocast's copy
+    of its weights once (one autocast context for the window), and the activations of the micro-batches its schedule
+    keeps in flight (`in_flight`), each its layers' and, on the last stage's rank, the logits' (on the others, the
+    hidden state received or sent). Computed here from common.pipeline.stage_layers until make estimate-memory
+    estimates a stage itself: this is the one place to swap for it."""
+    from estimate_memory import activation_bytes
+
+    c = 2 if s["mixed_precision"] in ("bf16", "fp16") else 4
+    alone = dict(s, strategy="ddp", num_processes=1, tp_size=1, sp_size=1, cp_size=1, replicas=1)
+    worst = None
+    for share in pipeline_ranks(model, s["pp_size"], s["stages_per_rank"]):
+        shaped = dict(
+            model,
+            parameters=share["parameters"],
+            layers=share["layers"],
+            vocab_size=model["vocab_size"] if share["last"] else 0,
+        )
+        est = estimate(shaped, alone, micro, seq_len, checkpointing)
+        one = activation_bytes(shaped, micro, seq_len, c, est["activation_checkpointing"])
+        held = in_flight(share["rank"], s["pp_size"], s["stages_per_rank"], micro_batches)
+        est["activations"] += int((held - 1) * one)
+        peak = est["model_state"] + est["communication_buffers"] + est["activations"] + est["step_transient"]
+        est["tensors_peak"] = est["run_tensors_peak"] = int(max(peak, est["loading_peak"]))
+        if worst is None or est["run_tensors_peak"] > worst[0]["run_tensors_peak"]:
+            worst = (est, share)
+    return worst
+
+
+def tensor_parallel_traffic(
+    s: dict, model: dict, c: int, k: int, n_node: int, nodes: int, trainable, dpo: bool, tokens: int, est: dict
+) -> dict:
+    """comm_and_memory_traffic's bytes for the data-parallel side of a tensor-parallel config, on a TP rank's share of
+    the parameters (the plan's split 1/tp, the rest whole): none under tp.yaml (one group), FSDP2's over the
+    dp_shard ranks under fsdp_tp.yaml (and HSDP's across nodes); and under "serial" the group's own collectives
+    (tensor_parallel_bytes, with DPO's reference forward), which a layer waits for: on the critical path."""
+    tp = s["tp_size"]
+    local = int(model["parameters"] - model["tp_split_parameters"] * (tp - 1) / tp)
+    data = dict(s, strategy="ddp" if s["strategy"] == "tp" else s["strategy"], num_processes=s["num_processes"] // tp)
+    traffic = comm_and_memory_traffic(data, dict(model, parameters=local), c, k, n_node // tp, nodes, trainable, dpo)
+    group = tensor_parallel_bytes(model, tokens, tp, c, k, est["activation_checkpointing"], dpo)
+    traffic["serial"] = {("intra", op): size for op, size in group.items()}
+    return traffic
+
+
+def pipeline_traffic_and_compute(
+    model: dict, s: dict, micro: int, seq_len: int, micro_batches: int, n: int, c: int, checkpointing: bool
+) -> tuple[dict, float, float]:
+    """A pipeline rank's step (p ranks, v stages each, m micro-batches): its traffic, its FLOPs and the bubble.
+
+    FLOPs: the busiest rank's (its stages' matmul weights and attention: `pipeline_ranks`) for each micro-batch,
+    times m, stretched by the bubble: the schedule's step lasts (v m + p - 1) slots of a micro-batch's stage work,
+    (p - 1) / (v m + p - 1) of it idle. Over the links (overlapped with compute on a GPU: torch's schedules post
+    their sends and receives asynchronously): each stage boundary carries a micro-batch's hidden state forward and
+    its gradient back (micro x seq_len x hidden x c each), the busiest rank sending its share, at all_gather's busbw.
+    After the schedule (in "serial": on the critical path): with data-parallel replicas each stage's fp32 gradients
+    all-reduced over them (common.pipeline's sum_over_replicas), and a tied weight's gradient between the first and
+    the last stage's ranks. Through device memory: AdamW over the rank's parameters, and autocast's casts of its
+    weights once (the window runs in one autocast context)."""
+    p, v, m, h = s["pp_size"], s["stages_per_rank"], micro_batches, model["hidden_size"]
+    ranks = pipeline_ranks(model, p, v)
+
+    def flops_per_token(share: dict) -> float:
+        forward = 2 * share["matmul_parameters"] + 4 * share["layers"] * h * seq_len
+        return forward * (2 if checkpointing else 1) + 2 * forward
+
+    bubble = (p - 1) / (v * m + p - 1)
+    flops = m * micro * seq_len * max(flops_per_token(share) for share in ranks) / (1 - bubble)
+    largest = max(share["parameters"] for share in ranks)
+    link = {("intra", "p2p"): m * max(share["sends"] for share in ranks) * micro * seq_len * h * c}
+    serial, replicas = {("intra", "all_reduce"): 0.0}, n // p
+    if replicas > 1:
+        serial["intra", "all_reduce"] += 2 * (replicas - 1) / replicas * 4 * largest
+    if ranks[0]["tied"]:  # two ranks: 2 x 1/2 of the fp32 weight
+        serial["intra", "all_reduce"] += 4 * model["vocab_size"] * h
+    memory = 28 * largest + ((4 + c) * largest if c < 4 else 0)
+    traffic = {"link": link, "serial": serial, "memory": memory, "host": 0.0, "cpu_optimizer": 0.0}
+    return traffic, flops, bubble
+
+
+def link_seconds(link: dict, device: dict) -> float:
+    """Seconds of {(intra or inter, collective): bus bytes} at the device's busbw; all-to-alls and point-to-point
+    sends at all_gather's."""
+    return sum(
+        size
+        / (
+            device["link_gbps" if where == "intra" else "inter_node_gbps"][
+                "all_gather" if op in ("all_to_all", "p2p") else op
+            ]
+            * GB
+        )
+        for (where, op), size in link.items()
+        if size
+    )
+
+
 def device_and_host_bytes(est: dict, s: dict, on_gpu: bool) -> tuple[float, float]:
     """Bytes per device, and per process in CPU RAM. On a CPU host it is all one memory (the estimate's
     peak, FSDP's whole-model loading included). On a GPU, offload moves the master copy and the
@@ -239,23 +419,100 @@ def process_baseline_bytes(deepspeed: bool) -> float:
     return process_baseline_mb({"strategy": "deepspeed" if deepspeed else "ddp"}) * 2**20
 
 
-def candidates(args) -> list[str]:
-    """The shipped configs for this many devices and nodes and this recipe (--configs: only those of them): on one
-    device, single.yaml and the offload configs; on one node, SINGLE_NODE and (not for dpo.py) SEQUENCE_PARALLEL; on
-    several, MULTI_NODE. Never TENSOR_PARALLEL."""
+@functools.lru_cache(maxsize=4)
+def meta_model(name: str, vocab_size: int | None):
+    """The model built on the meta device (no weights), for the splitting rules of common.tensor_parallel and
+    common.pipeline."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(name, **({"vocab_size": vocab_size} if vocab_size else {}))
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def pipeline_size(name: str) -> int:
+    """A shipped config's parallelism_config_pp_size (1: no pipeline)."""
+    import yaml
+
+    with open(os.path.join(REPO, "accelerate_configs", name)) as handle:
+        block = (yaml.safe_load(handle) or {}).get("parallelism_config") or {}
+    return int(block.get("parallelism_config_pp_size", 1))
+
+
+def layouts(name: str, s: dict, args) -> list[dict] | str:
+    """How a config can lay the devices out for this job, each {"sp", "tp", "pp", "schedule"} (their product: the
+    ranks that train one batch together), or why it cannot run it (one line): sequence and context parallelism at
+    every size that divides the devices (Ulysses: and the heads); tensor parallelism at tp_size = the devices (tp.yaml)
+    or every size below that divides a node's devices (fsdp_tp.yaml, multi_node_hsdp_tp.yaml), where the model's plan
+    splits; a pipeline over the devices (pp.yaml) or at every pp_size below that divides them (dp_pp.yaml), at each
+    schedule of PIPELINE_SCHEDULES, where common.pipeline splits the model into that many stages."""
+    from common import pipeline, tensor_parallel
+
+    n, n_node = args.num_devices, args.num_devices // args.num_nodes
+    whole = {"sp": 1, "tp": 1, "pp": 1, "schedule": None}
+    if s.get("sp_size", 1) > 1 or s.get("cp_size", 1) > 1:
+        ring = s.get("cp_size", 1) > 1  # fsdp_cp.yaml's split, else zero3_ulysses.yaml's
+        built = meta_model(args.model, args.vocab_size).config
+        heads = (built.num_attention_heads, getattr(built, "num_key_value_heads", None) or built.num_attention_heads)
+        sizes = [sp for sp in range(2, n + 1) if n % sp == 0 and (ring or all(h % sp == 0 for h in heads))]
+        return [dict(whole, sp=sp) for sp in sizes] or f"no split of {n} devices divides the heads {heads}"
+    if s["tp_size"] > 1:
+        if args.use_peft:
+            return "--use_peft: LoRA's adapters would wrap projections the tensor-parallel plan splits (common.tensor_parallel)"
+        sizes = [n] if s["strategy"] == "tp" else [tp for tp in range(2, n_node) if n_node % tp == 0]
+        if not sizes:
+            return f"it needs 4 or more devices a node (tp_size and dp_shard_size of 2 or more; tp.yaml: one group of {n})"
+        built = meta_model(args.model, args.vocab_size)
+        problems = {tp: tensor_parallel.model_problems(built, tp) for tp in sizes}
+        return [dict(whole, tp=tp) for tp in sizes if not problems[tp]] or problems[sizes[-1]][0]
+    if pipeline_size(name) > 1:
+        if args.recipe == "dpo":
+            return "recipes/dpo.py scores whole rows, which pipeline parallelism does not run (common.pipeline)"
+        if args.use_peft:
+            return (
+                "--use_peft under pipeline parallelism: LoRA's frozen base and adapters are not split into stages here"
+            )
+        sizes = [n] if name == "pp.yaml" else [pp for pp in range(2, n) if n % pp == 0]
+        if not sizes:
+            return (
+                f"it needs 4 or more devices (pipelines of 2 or more stages, 2 or more of them; pp.yaml: one of {n})"
+            )
+        built = meta_model(args.model, args.vocab_size)
+        ways, problems = [], []
+        for pp in sizes:
+            for schedule in PIPELINE_SCHEDULES:
+                problem = pipeline.model_problems(built, pipeline.PipelineSettings(pp, schedule))
+                problems += problem
+                ways += [] if problem else [dict(whole, pp=pp, schedule=schedule)]
+        return ways or problems[0]
+    return [whole]
+
+
+def candidates(args) -> tuple[dict, dict]:
+    """The shipped configs for this many devices and nodes and this job, each with its layouts (--configs: only those
+    of them), and those that cannot run it with why: on one device, single.yaml and the offload configs; on one node,
+    SINGLE_NODE, SEQUENCE_PARALLEL (not for dpo.py), TENSOR_PARALLEL (not with --use_peft) and PIPELINE (causal_lm.py
+    and sft.py without LoRA); on several, MULTI_NODE (its TP template not with --use_peft). A config asked by
+    --configs that cannot run is refused in one line."""
     splits = SEQUENCE_PARALLEL if args.recipe != "dpo" else []  # dpo.py refuses split rows (common.sequence_parallel)
-    shipped = MULTI_NODE if args.num_nodes > 1 else ONE_DEVICE if args.num_devices == 1 else SINGLE_NODE + splits
+    shipped = (
+        MULTI_NODE
+        if args.num_nodes > 1
+        else ONE_DEVICE
+        if args.num_devices == 1
+        else SINGLE_NODE + splits + TENSOR_PARALLEL + PIPELINE
+    )
     unknown = [name for name in args.configs or [] if name not in shipped]
     why = next(
         (
-            f"choose-config does not rank the tensor-parallel configs ({', '.join(TENSOR_PARALLEL)}: their "
-            "per-layer all-reduces are not in its step-time model); size one with make estimate-memory "
-            f"CONFIG=accelerate_configs/{name}, or choose from"
-            if name in TENSOR_PARALLEL
-            else f"{name} is ranked on one node only (sequence and context parallelism ship as single-node configs); choose from"
+            f"{name} is ranked on one node only (sequence and context parallelism ship as single-node configs); choose from"
             if name in SEQUENCE_PARALLEL and args.num_nodes > 1
             else f"recipes/dpo.py does not run under {name} (its pairs are not split over ranks); choose from"
             if name in SEQUENCE_PARALLEL and args.recipe == "dpo"
+            else f"{name} is ranked on one node only (a node's devices make its groups; several nodes: "
+            "multi_node_hsdp_tp.yaml); choose from"
+            if name in TENSOR_PARALLEL + PIPELINE and args.num_nodes > 1
             else None
             for name in unknown
         ),
@@ -268,17 +525,30 @@ def candidates(args) -> list[str]:
             f"error: --configs {' '.join(unknown)}: not among the configs for {args.num_devices} "
             f"device(s) on {args.num_nodes} node(s); choose from {' '.join(shipped)}"
         )
-    return [name for name in shipped if name in (args.configs or shipped)]
+    ranked, not_ranked = {}, {}
+    for name in (name for name in shipped if name in (args.configs or shipped)):
+        s = read_strategy(os.path.join(REPO, "accelerate_configs", name), args.num_devices, args.mixed_precision)
+        ways = layouts(name, s, args)
+        if isinstance(ways, str):
+            not_ranked[name] = ways
+        else:
+            ranked[name] = ways
+    if args.configs and not_ranked:
+        name, why = next(iter(not_ranked.items()))
+        raise SystemExit(f"error: --configs {name}: it cannot run this job: {why}")
+    return ranked, not_ranked
 
 
-def rank(args, model: dict, device: dict) -> list[dict]:
-    """Each config at its fastest (micro-batch, checkpointing) that fits, or its smallest if none does; sorted
-    fastest first, steps within TIE of the fastest counted as ties that go to less CPU RAM per node, then less
-    traffic, then less device memory.
+def rank(args, model: dict, device: dict, configs: dict) -> list[dict]:
+    """Each config (`configs`: its layouts) at its fastest (layout, micro-batch, checkpointing) that fits, or its
+    smallest if none does; sorted fastest first, steps within TIE of the fastest counted as ties that go to less CPU
+    RAM per node, then less traffic, then less device memory.
 
-    Under sequence (context) parallelism a group of sp (cp) ranks trains on one batch at a time (common.mesh's
-    data_parallel_size: processes / sp), so a rank's per-device batch is sp times the global batch over the devices,
-    each micro-step of it split over the group: a rank computes the same tokens per step as under any other config."""
+    A group of ranks that trains one batch together (sp ranks under sequence parallelism, cp under context
+    parallelism, tp under tensor parallelism, a pipeline's pp: common.mesh's data_parallel_size is processes / the
+    group) reads the global batch over the devices times the group per step, so a rank computes the same tokens per
+    step as under any other config; a pipeline's ranks each compute their stages' share of them, stretched by the
+    bubble."""
     n, nodes = args.num_devices, args.num_nodes
     n_node = n // nodes
     on_gpu = args.device != "cpu"
@@ -286,106 +556,133 @@ def rank(args, model: dict, device: dict) -> list[dict]:
     dpo, lora = args.recipe == "dpo", args.use_peft
     rows_per_example = 2 if dpo else 1  # a DPO pair is two rows, chosen and rejected
     trainable = model["lora_parameters"] if lora else None
+    h = model["hidden_size"]
     # FLOPs per token: forward 2 per matmul weight plus attention's scores (4 L h s), backward twice the forward
     # (LoRA: the frozen weights' own gradients skipped, 2 per weight less); activation checkpointing runs the forward
     # again, and DPO's reference model (a frozen copy, or with LoRA the model without its adapters) once more
-    attention = 4 * model["layers"] * model["hidden_size"] * args.seq_len
+    attention = 4 * model["layers"] * h * args.seq_len
     forward = 2 * model["matmul_parameters"] + attention
     backward = (2 if lora else 4) * model["matmul_parameters"] + 2 * attention
     device_limit, host_limit = device["memory_gb"] * GB * (1 - args.headroom), args.host_memory_gb * GB
     if not on_gpu:
         process_baseline_bytes(False)  # before DeepSpeed's import, which the DeepSpeed configs' figure adds
     rows = []
-    for name in candidates(args):
+    for name, ways in configs.items():
         s = read_strategy(os.path.join(REPO, "accelerate_configs", name), n, args.mixed_precision)
         if s["replicas"] > 1:
             s["replicas"] = nodes
         baseline = 0.0 if on_gpu else process_baseline_bytes(s["strategy"] == "deepspeed")
         options = []
         ring = s.get("cp_size", 1) > 1  # fsdp_cp.yaml's split, else zero3_ulysses.yaml's (1: rows whole)
-        heads = (model["attention_heads"], model["key_value_heads"])
-        splits = (
-            [sp for sp in range(2, n + 1) if n % sp == 0 and (ring or all(h % sp == 0 for h in heads))]
-            if s.get("sp_size", 1) > 1 or ring
-            else [1]
-        )
-        # the per-device batch: the global batch over the data-parallel ranks, n / sp of them
-        for sp, per_device, micro in [
-            (sp, args.global_batch * sp // n, m)
-            for sp in splits
-            for m in range(args.global_batch * sp // n, 0, -1)
-            if args.global_batch * sp // n % m == 0 and args.micro_batch in (None, m)
-        ]:
-            for checkpointing in {"auto": (False, True), "off": (False,), "on": (True,)}[
-                args.activation_checkpointing
+        for way in ways:
+            sp, tp, pp = way["sp"], way["tp"], way["pp"]
+            stages_per_rank = 2 if way["schedule"] == "Interleaved1F1B" else 1
+            group = sp * tp * pp
+            per_device = args.global_batch * group // n  # the global batch over the data-parallel ranks, n / group
+            for micro in [
+                m for m in range(per_device, 0, -1) if per_device % m == 0 and args.micro_batch in (None, m)
             ]:
-                k = per_device // micro  # micro-steps per optimizer step, each micro rows split over the sp ranks
-                s = dict(s, **{"cp_size" if ring else "sp_size": sp})
-                sharding = dict(s, num_processes=n_node) if s["replicas"] > 1 else s
-                est = estimate(
-                    model,
-                    sharding,
-                    micro * rows_per_example,
-                    args.seq_len,
-                    checkpointing,
-                    k,
-                    dpo and not lora,
-                    trainable,
-                )
-                device_bytes, host_bytes = device_and_host_bytes(est, sharding, on_gpu)
-                device_bytes += baseline
-                traffic = comm_and_memory_traffic(s, model, c, k, n_node, nodes, trainable, dpo)
-                if sp > 1:  # at all_gather's busbw
-                    traffic["link"][where_of(nodes), "all_to_all"] = (
-                        ring_exchange_bytes(model, micro * args.seq_len, sp, c, k, est["activation_checkpointing"])
-                        if ring
-                        else sequence_exchange_bytes(
-                            model, micro * -(-args.seq_len // sp), sp, c, k, est["activation_checkpointing"]
+                k = per_device // micro  # micro-steps per optimizer step (under a pipeline: its micro-batches)
+                if stages_per_rank > 1 and k % max(1, k // pp):  # torch's interleaved schedule needs whole rounds
+                    continue
+                for checkpointing in {"auto": (False, True), "off": (False,), "on": (True,)}[
+                    args.activation_checkpointing
+                ]:
+                    s = dict(s, **{"cp_size" if ring else "sp_size": sp})
+                    s.update(tp_size=tp, pp_size=pp, stages_per_rank=stages_per_rank)
+                    sharding = dict(s, num_processes=n_node) if s["replicas"] > 1 else s
+                    serial = {}  # bus bytes on the critical path: not overlapped with compute on a GPU either
+                    if pp > 1:
+                        est, _ = pipeline_estimate(model, s, micro, args.seq_len, checkpointing, k)
+                        traffic, flops, bubble = pipeline_traffic_and_compute(
+                            model, s, micro, args.seq_len, k, n, c, est["activation_checkpointing"]
                         )
+                        serial = traffic.pop("serial")
+                        compute = flops / (device["tflops"] * 1e12 * args.mfu)
+                    else:
+                        est = estimate(
+                            model,
+                            sharding,
+                            micro * rows_per_example,
+                            args.seq_len,
+                            checkpointing,
+                            k,
+                            dpo and not lora,
+                            trainable,
+                        )
+                        traffic = (
+                            tensor_parallel_traffic(
+                                s,
+                                model,
+                                c,
+                                k,
+                                n_node,
+                                nodes,
+                                trainable,
+                                dpo,
+                                micro * rows_per_example * args.seq_len,
+                                est,
+                            )
+                            if tp > 1
+                            else comm_and_memory_traffic(s, model, c, k, n_node, nodes, trainable, dpo)
+                        )
+                        if tp > 1:
+                            serial = traffic.pop("serial")
+                        if sp > 1:  # at all_gather's busbw
+                            traffic["link"][where_of(nodes), "all_to_all"] = (
+                                ring_exchange_bytes(
+                                    model, micro * args.seq_len, sp, c, k, est["activation_checkpointing"]
+                                )
+                                if ring
+                                else sequence_exchange_bytes(
+                                    model, micro * -(-args.seq_len // sp), sp, c, k, est["activation_checkpointing"]
+                                )
+                            )
+                        flops_per_token = (
+                            forward * (2 if est["activation_checkpointing"] else 1)
+                            + backward
+                            + (forward if dpo else 0)
+                        )
+                        tokens = per_device * rows_per_example * args.seq_len / group  # this rank's share
+                        compute = tokens * flops_per_token / (device["tflops"] * 1e12 * args.mfu)
+                        bubble = 0.0
+                    device_bytes, host_bytes = device_and_host_bytes(est, sharding, on_gpu)
+                    device_bytes += baseline
+                    comm, serial_s = link_seconds(traffic["link"], device), link_seconds(serial, device)
+                    other = (
+                        traffic["memory"] / (device["memory_gbps"] * GB)
+                        + traffic["host"] / (device["host_link_gbps"] * GB)
+                        + 28 * traffic["cpu_optimizer"] * n_node / (args.host_memory_gbps * GB)
                     )
-                flops_per_token = (
-                    forward * (2 if est["activation_checkpointing"] else 1) + backward + (forward if dpo else 0)
-                )
-                tokens = per_device * rows_per_example * args.seq_len / sp  # this rank's share of each row
-                compute = tokens * flops_per_token / (device["tflops"] * 1e12 * args.mfu)
-                comm = sum(
-                    size
-                    / (
-                        device["link_gbps" if where == "intra" else "inter_node_gbps"][
-                            "all_gather" if op == "all_to_all" else op
-                        ]
-                        * GB
+                    step = (max(compute, comm) if on_gpu else compute + comm) + serial_s + other
+                    host_bytes *= n_node
+                    if on_gpu:  # the build comes before training's offloaded state, except FSDP2's rank 0 sharding it
+                        load = loading_bytes(est, s, model, n_node)
+                        host_bytes = host_bytes + load if s["strategy"] == "fsdp" else max(host_bytes, load)
+                    options.append(
+                        {
+                            "config": name,
+                            "micro_batch": micro,
+                            "accumulation": k,
+                            "group": group,
+                            "sp_size": sp,
+                            "tp_size": tp,
+                            "pp_size": pp,
+                            "schedule": way["schedule"],
+                            "bubble": bubble,
+                            "activation_checkpointing": est["activation_checkpointing"],
+                            "fits": device_bytes <= device_limit and host_bytes <= host_limit,
+                            "device_gb": device_bytes / GB,
+                            "host_gb_per_node": host_bytes / GB,
+                            "compute_s": compute,
+                            "comm_s": comm + serial_s,
+                            "other_s": other,
+                            "step_s": step,
+                            "strategy": s,
+                        }
                     )
-                    for (where, op), size in traffic["link"].items()
-                    if size
-                )
-                other = (
-                    traffic["memory"] / (device["memory_gbps"] * GB)
-                    + traffic["host"] / (device["host_link_gbps"] * GB)
-                    + 28 * traffic["cpu_optimizer"] * n_node / (args.host_memory_gbps * GB)
-                )
-                step = (max(compute, comm) if on_gpu else compute + comm) + other
-                host_bytes *= n_node
-                if on_gpu:  # the build comes before training's offloaded state, except FSDP2's rank 0 sharding it
-                    load = loading_bytes(est, s, model, n_node)
-                    host_bytes = host_bytes + load if s["strategy"] == "fsdp" else max(host_bytes, load)
-                options.append(
-                    {
-                        "config": name,
-                        "micro_batch": micro,
-                        "accumulation": k,
-                        "sp_size": sp,
-                        "activation_checkpointing": est["activation_checkpointing"],
-                        "fits": device_bytes <= device_limit and host_bytes <= host_limit,
-                        "device_gb": device_bytes / GB,
-                        "host_gb_per_node": host_bytes / GB,
-                        "compute_s": compute,
-                        "comm_s": comm,
-                        "other_s": other,
-                        "step_s": step,
-                        "strategy": s,
-                    }
-                )
+        if not options:  # (every micro-batch ruled out by --micro_batch for this layout)
+            continue
         fitting = [o for o in options if o["fits"]]
         rows.append(
             min(fitting, key=lambda o: o["step_s"])
@@ -443,15 +740,30 @@ def rank(args, model: dict, device: dict) -> list[dict]:
     return rows
 
 
+def layout_name(r: dict) -> str:
+    """The config and the layout it was ranked at: its sp, cp, tp or pp size (and the pipeline's schedule)."""
+    sizes = [
+        f"{key} {r[size]}"
+        for key, size in (
+            ("cp" if r["config"] == "fsdp_cp.yaml" else "sp", "sp_size"),
+            ("tp", "tp_size"),
+            ("pp", "pp_size"),
+        )
+        if r[size] > 1
+    ]
+    return " ".join([r["config"], *sizes, *([r["schedule"]] if r["schedule"] else [])])
+
+
 def where_of(nodes: int) -> str:
     return "inter" if nodes > 1 else "intra"
 
 
 def loading_bytes(est: dict, s: dict, model: dict, n_node: int) -> float:
     """CPU RAM per node while the model is built, on a GPU host: FSDP2's whole model on rank 0 (the estimate's
-    loading peak); under DDP and ZeRO-1/2 every rank builds it whole in fp32 before moving it to its device
+    loading peak); under DDP, ZeRO-1/2, tensor parallelism, a pipeline and FSDP2 without its CPU-RAM-efficient
+    loading (fsdp_tp.yaml) every rank builds it whole in fp32 before moving it to its device or keeping its share
     (common.model); ZeRO-3 builds it partitioned (zero.Init)."""
-    if s["strategy"] == "fsdp":
+    if s["strategy"] == "fsdp" and s.get("fsdp_cpu_ram_efficient_loading"):
         return est["loading_peak"]
     return 0.0 if s["strategy"] == "deepspeed" and s["zero_stage"] == 3 else n_node * 4.0 * model["parameters"]
 
@@ -481,6 +793,24 @@ def write_yaml(choice: dict, args, path: str) -> None:
             rf"(?m)^  parallelism_config_{key}_size: .*$",
             f"  parallelism_config_{key}_size: "
             f"{choice['sp_size']}" + (f"\n  parallelism_config_dp_shard_size: {shard}" if shard > 1 else ""),
+            text,
+        )
+    if choice["tp_size"] > 1:  # the chosen groups, and FSDP2's shards of a node beside them (fsdp_tp.yaml)
+        text = re.sub(
+            r"(?m)^  parallelism_config_tp_size: .*$", f"  parallelism_config_tp_size: {choice['tp_size']}", text
+        )
+        text = re.sub(
+            r"(?m)^  parallelism_config_dp_shard_size: .*$",
+            f"  parallelism_config_dp_shard_size: {args.num_devices // args.num_nodes // choice['tp_size']}",
+            text,
+        )
+    if choice["pp_size"] > 1:  # the chosen pipeline and schedule (num_processes / pp_size replicas beside)
+        text = re.sub(
+            r"(?m)^  parallelism_config_pp_size: .*$", f"  parallelism_config_pp_size: {choice['pp_size']}", text
+        )
+        text = re.sub(
+            r"(?m)^  parallelism_config_pp_schedule: .*$",
+            f"  parallelism_config_pp_schedule: {choice['schedule']}",
             text,
         )
     if choice["strategy"]["strategy"] == "fsdp":
@@ -723,8 +1053,9 @@ def main(argv=None) -> dict:
             f"error: --model {args.model} gives no model config ({str(error).splitlines()[0]}); "
             "pass a config.json, a model folder or a Hub name reachable from here"
         )
+    configs, not_ranked = candidates(args)
     device = resolve_device(args, model)
-    rows = rank(args, model, device)
+    rows = rank(args, model, device, configs)
     links = "; ".join(
         f"{where} " + ", ".join(f"{op} {bw:.3g}" for op, bw in device[key].items())
         for where, key in (("link busbw GB/s:", "link_gbps"), ("between nodes:", "inter_node_gbps"))
@@ -738,21 +1069,24 @@ def main(argv=None) -> dict:
         f"{' with LoRA (--use_peft)' if args.use_peft else ''}"
     )
     print(
-        f"{'config':24} {'micro x acc':>11} {'AC':>3} {'GB/device':>9} {'CPU GB/node':>11} {'compute s':>9} "
-        f"{'comm s':>7} {'other s':>7} {'step s':>7}  verdict"
+        f"{'config':34} {'micro x acc':>11} {'AC':>3} {'GB/device':>9} {'CPU GB/node':>11} {'compute s':>9} "
+        f"{'comm s':>7} {'other s':>7} {'bubble':>6} {'step s':>7}  verdict"
     )
     for r in rows:
-        split = "cp" if r["config"] == "fsdp_cp.yaml" else "sp"
-        name = r["config"] + (f" {split} {r['sp_size']}" if r["sp_size"] > 1 else "")
+        bubble = f"{r['bubble']:.2f}" if r["pp_size"] > 1 else "-"
         print(
-            f"{name:24} {r['micro_batch']:>6} x {r['accumulation']:<3} {'on' if r['activation_checkpointing'] else 'off':>3} "
-            f"{r['device_gb']:9.2f} {r['host_gb_per_node']:11.1f} {r['compute_s']:9.3g} {r['comm_s']:7.3g} "
-            f"{r['other_s']:7.3g} {r['step_s']:7.3g}  {r['verdict']}"
+            f"{layout_name(r):34} {r['micro_batch']:>6} x {r['accumulation']:<3} "
+            f"{'on' if r['activation_checkpointing'] else 'off':>3} {r['device_gb']:9.2f} {r['host_gb_per_node']:11.1f} "
+            f"{r['compute_s']:9.3g} {r['comm_s']:7.3g} {r['other_s']:7.3g} "
+            f"{bubble:>6} {r['step_s']:7.3g}  {r['verdict']}"
         )
+    for name, why in not_ranked.items():
+        print(f"not ranked: {name}: {why}")
     result = {
         "device": device,
         "model": model,
         "rows": [{k: v for k, v in r.items() if k != "strategy"} for r in rows],
+        "not_ranked": not_ranked,
     }
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

@@ -34,7 +34,7 @@ def test_llama3_8b_on_8_h100_gets_a_config_that_fits_and_its_yaml(tmp_path):
     for row in result["rows"]:
         assert row["fits"] == (row["device_gb"] <= limit and row["host_gb_per_node"] <= 2048), row
         assert row["step_s"] >= chosen[0]["step_s"] or not row["fits"]
-        assert row["micro_batch"] * row["accumulation"] == 64 // 8 * row["sp_size"]  # a group trains one batch
+        assert row["micro_batch"] * row["accumulation"] == 64 // 8 * row["group"]  # a group trains one batch
     assert not rows["ddp.yaml"]["fits"]  # 16 bytes per parameter: 128 GB of model state per device
     assert rows["ddp.yaml"]["verdict"].startswith("does not fit: needs")
     written = (tmp_path / "chosen.yaml").read_text()
@@ -357,7 +357,10 @@ def test_one_cpu_device_is_ranked_without_a_link(tmp_path):
         (["--num_devices", 2, "--device", "cpu"], "pass --doctor_report"),
         (["--num_devices", 8, "--configs", "multi_node_ddp.yaml"], "not among the configs for 8 device(s)"),
         (["--num_devices", 8, "--model", "no/such/model"], "gives no model config"),
-        (["--num_devices", 8, "--configs", "fsdp_tp.yaml"], "does not rank the tensor-parallel configs"),
+        (["--num_devices", 8, "--recipe", "dpo", "--configs", "pp.yaml"], "recipes/dpo.py scores whole rows"),
+        (["--num_devices", 2, "--configs", "dp_pp.yaml"], "it needs 4 or more devices"),
+        (["--num_devices", 2, "--configs", "fsdp_tp.yaml"], "it needs 4 or more devices a node"),
+        (["--num_devices", 16, "--num_nodes", 2, "--configs", "tp.yaml"], "ranked on one node only"),
         (["--num_devices", 16, "--num_nodes", 2, "--configs", "fsdp_cp.yaml"], "ranked on one node only"),
         (["--num_devices", 8, "--recipe", "dpo", "--configs", "zero3_ulysses.yaml"], "dpo.py does not run under"),
     ],
@@ -457,9 +460,11 @@ def effective_batch(arguments: dict, config: dict) -> int:
         for key, value in (config.get("parallelism_config") or {}).items()
         if key.endswith("_size")
     }
+    # pp_size is common.pipeline's, not accelerate's (its pipeline_shards asks the PipelineAccelerator a run builds)
+    pipeline = sizes.pop("pp_size", 1)
     mesh = SimpleNamespace(num_processes=config["num_processes"], parallelism_config=ParallelismConfig(**sizes))
     per_device = int(arguments["--per_device_train_batch_size"])
-    return per_device * int(arguments["--gradient_accumulation_steps"]) * data_parallel_size(mesh)
+    return per_device * int(arguments["--gradient_accumulation_steps"]) * data_parallel_size(mesh) // pipeline
 
 
 def test_every_config_it_can_choose_here_trains_the_asked_global_batch(tmp_path, capsys):
@@ -467,7 +472,7 @@ def test_every_config_it_can_choose_here_trains_the_asked_global_batch(tmp_path,
     batches per micro-step. The printed per-device batch x accumulation x that must be the asked global batch, and
     the step's compute the tokens each rank then trains on: the same for every config (global batch x sequence over
     the devices), whatever the split."""
-    shipped = choose_config.SINGLE_NODE + choose_config.SEQUENCE_PARALLEL
+    shipped = choose_config.SINGLE_NODE + choose_config.SEQUENCE_PARALLEL + ["tp.yaml", "pp.yaml"]
     computes = {}  # by activation checkpointing, which a config may turn on itself
     for name in shipped:
         result, arguments, config = printed_command(
@@ -475,7 +480,8 @@ def test_every_config_it_can_choose_here_trains_the_asked_global_batch(tmp_path,
         )
         assert effective_batch(arguments, config) == 4, (name, arguments, config.get("parallelism_config"))
         row = result["rows"][0]
-        computes.setdefault(row["activation_checkpointing"], set()).add(round(row["compute_s"], 12))
+        if row["pp_size"] == 1:  # a pipeline's rank computes its stages' share, stretched by the bubble
+            computes.setdefault(row["activation_checkpointing"], set()).add(round(row["compute_s"], 12))
     assert all(len(seconds) == 1 for seconds in computes.values()), computes
 
 
@@ -563,3 +569,114 @@ def test_lora_and_dpos_reference_model_reach_the_estimate_and_the_command(tmp_pa
     llama3_8b_on_8_h100(tmp_path / "dpo_lora", "--configs", "zero3.yaml", "--recipe", "dpo", "--use_peft")
     command = capsys.readouterr().out.splitlines()[-1]
     assert "recipes/dpo.py" in command and "--use_peft true" in command
+
+
+def llama3_8b_on_2_h200(tmp_path, *argv) -> dict:
+    """Llama-3-8B on 2 H200s: 16 bytes a parameter (128 GB) do not fit one device; half of them per stage do."""
+    return choose(
+        tmp_path,
+        "--model",
+        LLAMA3_8B,
+        "--device",
+        "h200",
+        "--num_devices",
+        2,
+        "--seq_len",
+        4096,
+        "--global_batch",
+        16,
+        *argv,
+    )
+
+
+def test_a_model_that_fits_no_device_is_pipelined_over_slow_links_and_the_yaml_carries_the_pipeline(tmp_path):
+    """Over a 1 GB/s link, ZeRO's and FSDP's per-step gathers and reductions of 8B parameters cost seconds each, while
+    a pipeline passes a micro-batch's hidden state between its 2 stages: pp.yaml is chosen, its written YAML keeps
+    pp_size 2 with the chosen schedule and the command the micro-batches (the accumulation). Over NVLink's 360 GB/s
+    the same job goes to a data-parallel config, which has no bubble."""
+    slow = llama3_8b_on_2_h200(tmp_path / "slow", "--link_gbps", 1)
+    rows = {r["config"]: r for r in slow["rows"]}
+    chosen = slow["rows"][0]
+    assert not rows["ddp.yaml"]["fits"] and rows["ddp.yaml"]["device_gb"] > 141
+    assert chosen["config"] == "pp.yaml" and chosen["verdict"] == "chosen" and chosen["pp_size"] == 2
+    assert chosen["device_gb"] < 0.9 * 141 and chosen["bubble"] > 0
+    written = (tmp_path / "slow" / "chosen.yaml").read_text()
+    block = yaml.safe_load(written)["parallelism_config"]
+    assert block == {"parallelism_config_pp_size": 2, "parallelism_config_pp_schedule": chosen["schedule"]}
+    assert f"--gradient_accumulation_steps {chosen['accumulation']} " in written.splitlines()[1]
+    fast = llama3_8b_on_2_h200(tmp_path / "fast", "--link_gbps", 360)
+    assert fast["rows"][0]["pp_size"] == 1 and fast["rows"][0]["step_s"] < chosen["step_s"]
+
+
+def test_the_bubble_shrinks_with_more_micro_batches_in_the_printed_step_time(tmp_path, capsys):
+    """pp.yaml at micro-batch 8 (2 micro-batches a step) and 1 (16), checkpointed both: the printed bubble is the
+    schedule's (p - 1) / (v m + p - 1), and the step's compute is the same work stretched by it: m micro-batches take
+    v m + p - 1 slots of a stage's work on a micro-batch."""
+    steps = {}
+    for micro in (8, 1):
+        asked = ["--configs", "pp.yaml", "--micro_batch", micro, "--activation_checkpointing", "on"]
+        row = llama3_8b_on_2_h200(tmp_path / str(micro), *asked)["rows"][0]
+        printed = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("pp.yaml"))
+        v, m = (2 if row["schedule"] == "Interleaved1F1B" else 1), 16 // micro
+        assert row["accumulation"] == m and row["bubble"] == pytest.approx(1 / (v * m + 1))
+        assert f"{1 / (v * m + 1):.2f} {row['step_s']:7.3g}" in printed
+        steps[m] = row
+    work = {m: row["compute_s"] * (1 - row["bubble"]) for m, row in steps.items()}
+    assert work[2] == pytest.approx(work[16], rel=1e-9)  # the same tokens through the same stages
+    assert steps[16]["bubble"] < steps[2]["bubble"] and steps[16]["compute_s"] < steps[2]["compute_s"]
+
+
+def test_jobs_a_pipeline_cannot_run_get_no_pipeline_and_say_why(tmp_path, capsys):
+    """DPO scores whole rows and LoRA's adapters are not split into stages (common.pipeline); a pipeline needs a stage
+    of at least one layer each (tiny_llama: 2 layers, so not 4 stages on 4 devices, nor interleaved 1F1B's 2 stages a
+    rank on 2); a model that is not a Llama has no stages. Their rows are left out and the reason printed."""
+    for extra, why in (
+        (["--recipe", "dpo"], "recipes/dpo.py scores whole rows"),
+        (["--use_peft"], "LoRA's frozen base and adapters are not split"),
+    ):
+        result = llama3_8b_on_2_h200(tmp_path / extra[0], *extra)
+        assert not any(r["pp_size"] > 1 for r in result["rows"])
+        assert why in result["not_ranked"]["pp.yaml"]
+        assert f"not ranked: pp.yaml: {result['not_ranked']['pp.yaml']}" in capsys.readouterr().out
+    four = choose(tmp_path / "tiny", "--model", TINY_LLAMA, "--num_devices", 4, *ON_THIS_HOST, "--global_batch", 8)
+    assert "pp.yaml" in four["not_ranked"] and "every stage needs at least one" in four["not_ranked"]["pp.yaml"]
+    pipelines = [r for r in four["rows"] if r["pp_size"] > 1]
+    assert [(r["config"], r["pp_size"], r["schedule"]) for r in pipelines] == [("dp_pp.yaml", 2, "1F1B")]
+    gpt2 = tmp_path / "gpt2.json"
+    gpt2.write_text(json.dumps({"model_type": "gpt2", "n_layer": 4, "n_embd": 64, "n_head": 4, "vocab_size": 256}))
+    other = choose(tmp_path / "gpt2", "--model", gpt2, "--num_devices", 2, *ON_THIS_HOST, "--global_batch", 4)
+    assert "not one" in other["not_ranked"]["pp.yaml"] and not any(r["pp_size"] > 1 for r in other["rows"])
+
+
+def test_tensor_parallel_traffic_is_fsdps_over_the_shards_and_the_groups_per_layer_all_reduces(tmp_path):
+    """fsdp_tp.yaml on 8 devices at each tp_size that divides them (2, 4): FSDP2's gathers and reduction of a TP
+    rank's share of the parameters over the 8 / tp shards, overlapped with compute; and inside each group, per
+    micro-batch, 2 all-reduces of each layer's activations forward, 5 backward (the colwise q, k, v, gate and up
+    inputs' gradients), the embeddings' and the head's, and the logits gathered, which the layers wait for: added to
+    the step. tp.yaml (one group of 8): the group's collectives alone."""
+    options = ["--link_gbps", 100, "--device_memory_gb", 1000, "--activation_checkpointing", "off", "--micro_batch", 1]
+    options += ["--model", LLAMA3_8B, "--device", "h100", "--num_devices", 8, "--seq_len", 1024, "--global_batch", 32]
+    result = choose(tmp_path / "fsdp_tp", *options, "--configs", "fsdp_tp.yaml")
+    row, model = result["rows"][0], result["model"]
+    tp, tokens, h, layers = row["tp_size"], 1024, 4096, 32
+    k = 32 * tp // 8  # a group of tp ranks trains one batch
+    assert tp in (2, 4) and row["accumulation"] == k
+    share = model["parameters"] - model["tp_split_parameters"] * (tp - 1) / tp
+    shards = 8 // tp
+    fsdp = k * 3 * 2 * share * (shards - 1) / shards  # two gathers and a reduce-scatter a micro-batch, bf16
+    group = k * ((7 * layers + 2) * 2 * tokens * h * 2 * (tp - 1) / tp + tokens * 128256 * 2 * (tp - 1) / tp)
+    assert row["comm_s"] * 100e9 == pytest.approx(fsdp + group, rel=1e-6)
+    assert row["step_s"] == pytest.approx(max(row["compute_s"], fsdp / 100e9) + group / 100e9 + row["other_s"])
+    whole = choose(tmp_path / "tp", *options, "--configs", "tp.yaml")["rows"][0]
+    k = 32  # one group of 8: the whole global batch
+    group = k * ((7 * layers + 2) * 2 * tokens * h * 2 * 7 / 8 + tokens * 128256 * 2 * 7 / 8)
+    assert whole["tp_size"] == 8 and whole["comm_s"] * 100e9 == pytest.approx(group, rel=1e-6)
+
+
+def test_tensor_parallelism_is_not_ranked_with_lora(tmp_path):
+    result = llama3_8b_on_8_h100(tmp_path, "--use_peft")
+    assert not any(r["tp_size"] > 1 for r in result["rows"])
+    assert set(result["not_ranked"]) >= {"tp.yaml", "fsdp_tp.yaml"} and "--use_peft" in result["not_ranked"]["tp.yaml"]
+    with pytest.raises(SystemExit) as refused:
+        llama3_8b_on_8_h100(tmp_path / "asked", "--use_peft", "--configs", "tp.yaml")
+    assert "LoRA's adapters" in str(refused.value) and "\n" not in str(refused.value)
