@@ -3,8 +3,8 @@ beside the fastest config measured to fit.
 
 One invocation: `make doctor`'s bus bandwidths on 2 processes (all_reduce, all_gather, reduce_scatter:
 the link choose-config is told about, --doctor_report), `make benchmark`'s runs of every config choose-config ranks for 2
-devices (101M parameters, bf16, batch 1 x 64 tokens, accumulation 2; or their --json from an earlier
-run with --benchmark_json), this host's compute and memory bandwidth measured once, then
+devices (101M parameters, bf16, batch 1 x 64 tokens, accumulation 2; tp.yaml and pp.yaml, whose 2 ranks train
+one batch, at accumulation 4: the same global batch; or their --json from an earlier run with --benchmark_json), this host's compute and memory bandwidth measured once, then
 choose-config for the same job at a cap just above each measured peak. Written to --docs.
 
     python scripts/benchmark_choice.py --docs docs/choose-config.md
@@ -28,6 +28,9 @@ from estimate_memory import REPO, read_model  # noqa: E402
 
 
 JOB = {"num_devices": 2, "micro_batch": 1, "accumulation": 2, "seq_len": 64}
+# tp.yaml's group and pp.yaml's pipeline span both devices and train one batch: run at accumulation x 2 (the same
+# global batch, as choose-config's command for them says)
+GROUPED = ["tp.yaml", "pp.yaml"]
 # Published setups: choose-config's advice beside what their authors used (as read in their files).
 SETUPS = [
     (
@@ -116,34 +119,44 @@ def measure(args, tmp: str) -> tuple[str, list[dict]]:
     if args.benchmark_json:
         with open(args.benchmark_json) as handle:
             return report, json.load(handle)
-    results = os.path.join(tmp, "benchmark.json")
-    subprocess.run(
-        [
-            sys.executable,
-            os.path.join(REPO, "scripts", "benchmark_strategies.py"),
-            "--model_config",
-            args.model_config,
-            "--steps",
-            str(args.steps),
-            "--batch_size",
-            str(JOB["micro_batch"]),
-            "--block_size",
-            str(JOB["seq_len"]),
-            "--accumulation",
-            str(JOB["accumulation"]),
-            "--configs",
-            *args.configs,
-            "--json",
-            results,
-            "--chart",
-            "",
-        ],
-        cwd=REPO,
-        check=True,
-        env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"},
-    )
-    with open(results) as handle:
-        return report, json.load(handle)
+    measured = []
+    # a TP group or a pipeline (2 ranks) trains one batch: twice the accumulation makes the same global batch
+    grouped = [c for c in args.configs if c in GROUPED]
+    for configs, accumulation in (
+        ([c for c in args.configs if c not in GROUPED], JOB["accumulation"]),
+        (grouped, JOB["accumulation"] * JOB["num_devices"]),
+    ):
+        if not configs:
+            continue
+        results = os.path.join(tmp, "benchmark.json")
+        subprocess.run(
+            [
+                sys.executable,
+                os.path.join(REPO, "scripts", "benchmark_strategies.py"),
+                "--model_config",
+                args.model_config,
+                "--steps",
+                str(args.steps),
+                "--batch_size",
+                str(JOB["micro_batch"]),
+                "--block_size",
+                str(JOB["seq_len"]),
+                "--accumulation",
+                str(accumulation),
+                "--configs",
+                *configs,
+                "--json",
+                results,
+                "--chart",
+                "",
+            ],
+            cwd=REPO,
+            check=True,
+            env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"},
+        )
+        with open(results) as handle:
+            measured += json.load(handle)
+    return report, measured
 
 
 def choose(args, report: str, host: dict, cap_mb: float, vocab_size: int, tmp: str) -> dict:
@@ -166,6 +179,8 @@ def choose(args, report: str, host: dict, cap_mb: float, vocab_size: int, tmp: s
         str(JOB["micro_batch"]),
         "--activation_checkpointing",
         "off",
+        "--pp_schedules",
+        "1F1B",  # pp.yaml's, as measured
         "--configs",
         *args.configs,
         "--device_memory_gb",
@@ -193,7 +208,9 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model_config", default=os.path.join(REPO, "recipes/configs/llama_100m.json"))
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--configs", nargs="+", default=choose_config.SINGLE_NODE, help="measure and rank these")
+    parser.add_argument(
+        "--configs", nargs="+", default=choose_config.SINGLE_NODE + GROUPED, help="measure and rank these"
+    )
     parser.add_argument("--benchmark_json", help="make benchmark's --json from a run of this job (skips the runs)")
     parser.add_argument("--docs", help="write the tables to this markdown page")
     args = parser.parse_args(argv)
@@ -374,7 +391,9 @@ def write_docs(args, rows: list, measured: dict, host: dict, report: str, advice
         "Choosing a config: make choose-config against measurement",
         (
             f"The job: {os.path.basename(args.model_config)} ({rows[0]['parameters']:,} parameters), bf16, 2 processes, batch "
-            f"{JOB['micro_batch']} x {JOB['seq_len']} tokens, accumulation {JOB['accumulation']}. Measured by "
+            f"{JOB['micro_batch']} x {JOB['seq_len']} tokens, accumulation {JOB['accumulation']} (tp.yaml and pp.yaml, "
+            f"whose 2 ranks train one batch: {JOB['accumulation'] * JOB['num_devices']}, the same global batch; "
+            "pp.yaml's micro-batches a step). Measured by "
             f"`make benchmark`'s runs ({args.steps} steps each, all in this invocation; peak = the highest rank's "
             "peak resident set over the run), and by `make doctor` (busbw at 256 MB: "
             f"{links}). This host measured by choose-config: "

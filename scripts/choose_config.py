@@ -1,25 +1,34 @@
 """Choose the accelerate config for a job: the shipped configs ranked by estimated memory and step time.
 
 The configs it ranks: on one device single.yaml and the three offload configs; on one node ddp, fsdp,
-fsdp_shard_grad_op, fsdp_offload, zero1, zero2, zero2_offload, zero3, zero3_offload, and the row-splitting
-zero3_ulysses and fsdp_cp (single-node configs: not tried on several nodes; not for dpo.py, which refuses them);
-on several nodes the four multi_node_*.yaml without TP. Not ranked: tp.yaml, fsdp_tp.yaml and
-multi_node_hsdp_tp.yaml (tensor parallelism's per-layer all-reduces are not in its step-time model), and
-zero2_json.yaml (zero2.yaml's twin).
+fsdp_shard_grad_op, fsdp_offload, zero1, zero2, zero2_offload, zero3, zero3_offload, the row-splitting
+zero3_ulysses and fsdp_cp (not for dpo.py, which refuses them), the tensor-parallel tp and fsdp_tp (not with
+--use_peft, which they refuse) and the pipelines pp and dp_pp (causal_lm.py and sft.py only, without LoRA, on a
+model common.pipeline splits: a Llama with a layer for every stage); on several nodes the five multi_node_*.yaml
+(its TP template not with --use_peft). A config that cannot run the job is listed under the table with why; asked
+for by --configs, it is refused in one line. Not ranked: zero2_json.yaml (zero2.yaml's twin).
 
 For a model (a config.json, a model folder or a Hub name; read on the meta device), the devices
 (how many, on how many nodes, their memory) and the job (the recipe, --use_peft, sequence length, global batch
 in sequences (DPO: pairs) per optimizer step), each config is tried at every micro-batch that divides the
-per-device batch, with activation checkpointing off and on (zero3_ulysses.yaml also at every sp_size that
-divides the devices and the attention heads, fsdp_cp.yaml at every cp_size that divides the devices: rows
-split over that many devices, for sequences whose activations fit no device whole; a group of sp ranks trains
-one batch at a time, so the per-device batch is the global batch over processes / sp, and a rank computes
-the same tokens as under any other config):
+per-device batch, with activation checkpointing off and on, and at each of its layouts: zero3_ulysses.yaml at
+every sp_size that divides the devices and the attention heads, fsdp_cp.yaml at every cp_size that divides the
+devices (rows split over that many devices, for sequences whose activations fit no device whole); tp.yaml at
+tp_size = the devices, fsdp_tp.yaml (multi_node_hsdp_tp.yaml) at every smaller tp_size that divides a node's
+devices, where the heads divide by it; pp.yaml as one pipeline over the devices, dp_pp.yaml at every smaller
+pp_size that divides them, each under 1F1B and Interleaved1F1B (GPipe: 1F1B's bubble, every micro-batch's
+activations held). A group of ranks that trains one batch together (sp, cp, tp, or a pipeline's pp) reads the
+global batch over processes / the group per step, so a rank computes the same tokens as under any other config
+(a pipeline's rank: its stages' share of them); under a pipeline the micro-batches of a step are the accumulation:
 
 * memory per device: `make estimate-memory`'s peak from the second step on (checked against measured
-  memory for every config in docs/benchmark.md), within --headroom of the device's memory; with
-  offload on a GPU, what lives in CPU RAM counts against the node's RAM (--host_memory_gb), as does
-  FSDP's loading of the whole model on rank 0;
+  memory for every config in docs/benchmark.md; under TP a rank's share of the plan's split and its split
+  activations), within --headroom of the device's memory; with offload on a GPU, what lives in CPU RAM counts
+  against the node's RAM (--host_memory_gb), as does the model's build (FSDP's on rank 0; every rank's whole
+  fp32 copy under DDP, ZeRO-1/2, TP and pipelines). Under a pipeline, its largest rank's: its stages' layers (the
+  split of common.pipeline.stage_layers, the embeddings and the head counted as a layer each) with their
+  gradients and AdamW moments, and the activations of the micro-batches its schedule keeps in flight (1F1B: as
+  many as the stages from it to the last; interleaved: torch's warm-up);
 * step time: compute (the model's training FLOPs, 6 per matmul weight per token plus attention's,
   4/3 of that with activation checkpointing, at --mfu of the device's peak) + communication (the
   bytes each config's all_reduce, all_gather and reduce_scatter move per step, ring algorithms,
@@ -29,7 +38,15 @@ the same tokens as under any other config):
   ZeRO-3's traffic for each micro-step and Ulysses' all-to-alls, at all_gather's busbw (context
   parallelism: FSDP2's for each micro-step and the ring's keys and values, the same way). On a GPU
   communication overlaps compute (NCCL runs on its own streams): the step is the larger of the two;
-  on a CPU host they share the cores: the sum. Steps within 2% of the fastest (TIE) are ties (a compute-bound
+  on a CPU host they share the cores: the sum. What a step waits for is added on a GPU too: tensor
+  parallelism's collectives inside the model (per layer and micro-batch 2 all-reduces of the activations
+  forward, 5 backward, the embeddings' and the head's, and the logits gathered, over the tp group:
+  `tensor_parallel_bytes`; FSDP2's over the shards beside them overlaps as above), and after a pipeline's
+  schedule dp_pp's all-reduce of each stage's gradients over its replicas. A pipeline's compute is its busiest
+  rank's stages' for the step's m micro-batches, stretched by the bubble: (v m + p - 1) / (v m) of it, the bubble
+  (p - 1) / (v m + p - 1) of the step printed (p ranks, v stages a rank: 2 under Interleaved1F1B); each stage
+  boundary passes a micro-batch's hidden state forward and its gradient back (micro-batch x sequence x hidden x
+  bytes), overlapped, at all_gather's busbw. Steps within 2% of the fastest (TIE) are ties (a compute-bound
   step): they go to the config that needs less CPU RAM per node (the RAM it assumes is printed: the preset's,
   this host's available memory, or --host_memory_gb), then less traffic, then less device memory;
 * the job: --use_peft trains LoRA's adapters only (their gradients and AdamW state; the frozen weights' own
@@ -37,8 +54,8 @@ the same tokens as under any other config):
   starts from an adapter, as DPO after a LoRA SFT does: its reference, base + that adapter, is a frozen copy
   as without --use_peft), two rows a pair and the reference's forward.
 
-The fastest config that fits is written as a ready accelerate YAML (num_processes, num_machines,
-FSDP's activation checkpointing set; the recipe arguments it assumes in its header), and the
+The fastest config that fits is written as a ready accelerate YAML (num_processes, num_machines, the layout's
+sizes and schedule, FSDP's activation checkpointing set; the recipe arguments it assumes in its header), and the
 command to launch it is printed; an existing file is kept unless --overwrite. A device preset's
 figures are data-sheet peaks and typical links: pass your own (--peak_tflops, --link_gbps, ...) or
 `make doctor`'s measurement. With --device cpu (the default without a GPU) this host's matmul
@@ -440,13 +457,24 @@ def pipeline_size(name: str) -> int:
     return int(block.get("parallelism_config_pp_size", 1))
 
 
+def config_strategy(name: str, args) -> dict:
+    """read_strategy of a shipped config over --num_devices processes (a pipeline's read at its own world size, which
+    its pp_size divides: layouts() picks the sizes that divide the devices)."""
+    path = os.path.join(REPO, "accelerate_configs", name)
+    pipeline = pipeline_size(name) > 1
+    return dict(
+        read_strategy(path, None if pipeline else args.num_devices, args.mixed_precision),
+        num_processes=args.num_devices,
+    )
+
+
 def layouts(name: str, s: dict, args) -> list[dict] | str:
     """How a config can lay the devices out for this job, each {"sp", "tp", "pp", "schedule"} (their product: the
     ranks that train one batch together), or why it cannot run it (one line): sequence and context parallelism at
     every size that divides the devices (Ulysses: and the heads); tensor parallelism at tp_size = the devices (tp.yaml)
     or every size below that divides a node's devices (fsdp_tp.yaml, multi_node_hsdp_tp.yaml), where the model's plan
     splits; a pipeline over the devices (pp.yaml) or at every pp_size below that divides them (dp_pp.yaml), at each
-    schedule of PIPELINE_SCHEDULES, where common.pipeline splits the model into that many stages."""
+    schedule of --pp_schedules, where common.pipeline splits the model into that many stages."""
     from common import pipeline, tensor_parallel
 
     n, n_node = args.num_devices, args.num_devices // args.num_nodes
@@ -481,7 +509,7 @@ def layouts(name: str, s: dict, args) -> list[dict] | str:
         built = meta_model(args.model, args.vocab_size)
         ways, problems = [], []
         for pp in sizes:
-            for schedule in PIPELINE_SCHEDULES:
+            for schedule in args.pp_schedules:
                 problem = pipeline.model_problems(built, pipeline.PipelineSettings(pp, schedule))
                 problems += problem
                 ways += [] if problem else [dict(whole, pp=pp, schedule=schedule)]
@@ -527,8 +555,7 @@ def candidates(args) -> tuple[dict, dict]:
         )
     ranked, not_ranked = {}, {}
     for name in (name for name in shipped if name in (args.configs or shipped)):
-        s = read_strategy(os.path.join(REPO, "accelerate_configs", name), args.num_devices, args.mixed_precision)
-        ways = layouts(name, s, args)
+        ways = layouts(name, config_strategy(name, args), args)
         if isinstance(ways, str):
             not_ranked[name] = ways
         else:
@@ -568,7 +595,7 @@ def rank(args, model: dict, device: dict, configs: dict) -> list[dict]:
         process_baseline_bytes(False)  # before DeepSpeed's import, which the DeepSpeed configs' figure adds
     rows = []
     for name, ways in configs.items():
-        s = read_strategy(os.path.join(REPO, "accelerate_configs", name), n, args.mixed_precision)
+        s = config_strategy(name, args)
         if s["replicas"] > 1:
             s["replicas"] = nodes
         baseline = 0.0 if on_gpu else process_baseline_bytes(s["strategy"] == "deepspeed")
@@ -589,7 +616,7 @@ def rank(args, model: dict, device: dict, configs: dict) -> list[dict]:
                     args.activation_checkpointing
                 ]:
                     s = dict(s, **{"cp_size" if ring else "sp_size": sp})
-                    s.update(tp_size=tp, pp_size=pp, stages_per_rank=stages_per_rank)
+                    s.update(tp_size=tp, pp_size=pp, pp_schedule=way["schedule"], stages_per_rank=stages_per_rank)
                     sharding = dict(s, num_processes=n_node) if s["replicas"] > 1 else s
                     serial = {}  # bus bytes on the critical path: not overlapped with compute on a GPU either
                     if pp > 1:
@@ -930,6 +957,13 @@ def parse(argv):
         "context and fragmentation too)",
     )
     parser.add_argument("--configs", nargs="+", help="rank only these shipped configs (names in accelerate_configs/)")
+    parser.add_argument(
+        "--pp_schedules",
+        nargs="+",
+        choices=PIPELINE_SCHEDULES,
+        default=list(PIPELINE_SCHEDULES),
+        help="the pipeline schedules to try (GPipe: 1F1B's bubble with every micro-batch's activations held)",
+    )
     parser.add_argument("--output", default=os.path.join("outputs", "chosen_config.yaml"))
     parser.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
     parser.add_argument("--json", help="also write the table here")

@@ -680,3 +680,23 @@ def test_tensor_parallelism_is_not_ranked_with_lora(tmp_path):
     with pytest.raises(SystemExit) as refused:
         llama3_8b_on_8_h100(tmp_path / "asked", "--use_peft", "--configs", "tp.yaml")
     assert "LoRA's adapters" in str(refused.value) and "\n" not in str(refused.value)
+
+
+@pytest.mark.slow
+@pytest.mark.exhaustive
+def test_the_chosen_pipeline_command_trains_the_asked_global_batch(markov_data, tmp_path, capsys):
+    """pp.yaml chosen for a global batch of 4 on 2 processes (tiny_llama's 2 layers: 2 stages under 1F1B), then
+    launched as printed: both ranks take part and run.json's effective batch is the asked one (the pipeline's 2 ranks
+    read one batch: 1 x 4 micro-batches)."""
+    result, arguments, config = printed_command(tmp_path, capsys, "--global_batch", 4, "--configs", "pp.yaml")
+    row = result["rows"][0]
+    assert (row["pp_size"], row["schedule"], row["accumulation"]) == (2, "1F1B", 4 // row["micro_batch"])
+    assert config["parallelism_config"]["parallelism_config_pp_schedule"] == "1F1B"
+    record = launch_as_printed(
+        tmp_path / "chosen.yaml",
+        arguments["--per_device_train_batch_size"],
+        arguments["--gradient_accumulation_steps"],
+        markov_data,
+        tmp_path / "run",
+    )
+    assert record["participating_processes"] == 2 and record["effective_batch_size"] == 4
