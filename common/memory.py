@@ -17,7 +17,11 @@ this rank can reach is counted once, by its storage, into the first category tha
 
 `activations` are the tensors the first micro-batch's forward saves for backward (a
 saved-tensors hook; parameters excluded, autocast's low-precision weight copies
-included), counted at the end of that forward. Beside them: the process's resident set
+included), counted at the end of that forward. Not under pp.yaml (None there): the model's
+first call runs the whole window's schedule, forward and backward, so the hook would keep every
+micro-batch's saved tensors to the window's end, and the tensors it holds would keep alive the
+graph of the first stage's shape-inference forward, which no backward frees (seen at 101M: 104 MB
+more on the first stage's rank at the first step, held for the whole run). Beside them: the process's resident set
 now and its peak (what the OS charges on CPU), and on a GPU torch's allocator figures.
 The account goes to run.json ("memory_per_rank") and to a metrics.jsonl row.
 """
@@ -133,17 +137,18 @@ def current_memory(device) -> dict:
 class MemoryAccount:
     """Counts this rank's memory once, at its first optimizer step (see the module docstring)."""
 
-    def __init__(self, model, optimizer, device):
+    def __init__(self, model, optimizer, device, count_activations: bool = True):
         self.model, self.optimizer, self.device = model, optimizer, device
         self.report: dict | None = None
         self.activation_bytes: int | None = None
         self._saved: list = []
         self._saving = None
-        self._hooks = [
-            innermost_optimizer(optimizer).register_step_post_hook(self._after_step),
-            model.register_forward_pre_hook(self._start_saving),
-            model.register_forward_hook(self._stop_saving),
-        ]
+        self._hooks = [innermost_optimizer(optimizer).register_step_post_hook(self._after_step)]
+        if count_activations:
+            self._hooks += [
+                model.register_forward_pre_hook(self._start_saving),
+                model.register_forward_hook(self._stop_saving),
+            ]
 
     def _start_saving(self, module, args):
         if self.activation_bytes is None and self._saving is None and module.training:

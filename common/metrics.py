@@ -41,7 +41,11 @@ class MetricsLogger:
         memory account (`common.memory`); `peak_tflops` overrides the device table."""
         self.accelerator = accelerator
         self.output_dir = output_dir
-        self.memory = MemoryAccount(model, optimizer, accelerator.device) if optimizer is not None else None
+        self.memory = (
+            MemoryAccount(model, optimizer, accelerator.device, count_activations=not pipeline.enabled(accelerator))
+            if optimizer is not None
+            else None
+        )
         self.flops = (
             ModelFlops(pipeline.whole_skeleton(accelerator, model), mesh.sequence_shards(accelerator))
             if model is not None

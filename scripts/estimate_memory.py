@@ -127,6 +127,7 @@ def read_strategy(config_file: str, num_processes: int | None, mixed_precision: 
     fsdp = config.get("fsdp_config", {})
     offload_params = offload_params or str(fsdp.get("fsdp_offload_params", False)).lower() == "true"
     replicas = int(parallelism.get("parallelism_config_dp_replicate_size", 1))
+    pipeline = read_pipeline(config_file, parallelism, processes)
     return {
         "strategy": strategy,
         "zero_stage": stage,
@@ -142,6 +143,32 @@ def read_strategy(config_file: str, num_processes: int | None, mixed_precision: 
         "fsdp_reshard_after_forward": str(fsdp.get("fsdp_reshard_after_forward", True)).lower() == "true",
         "activation_checkpointing": str(fsdp.get("fsdp_activation_checkpointing", False)).lower() == "true",
         "fsdp_cpu_ram_efficient_loading": str(fsdp.get("fsdp_cpu_ram_efficient_loading", False)).lower() == "true",
+        **pipeline,
+    }
+
+
+def read_pipeline(config_file: str, parallelism: dict, processes: int) -> dict:
+    """pp.yaml's and dp_pp.yaml's keys, read as common.pipeline reads them (its settings_in): strategy "pp",
+    pp_size, pp_schedule, stages_per_rank; nothing for a config without a pipeline. Bad values: one line."""
+    from common.errors import UsageError
+    from common.pipeline import settings_in
+
+    try:
+        settings = settings_in(parallelism)
+    except UsageError as error:
+        raise SystemExit(f"error: {config_file}: {error}")
+    if settings is None:
+        return {}
+    if processes % settings.size:
+        raise SystemExit(
+            f"error: {config_file}: parallelism_config_pp_size {settings.size} does not divide {processes} processes; "
+            "pass --num_processes a multiple of it"
+        )
+    return {
+        "strategy": "pp",
+        "pp_size": settings.size,
+        "pp_schedule": settings.schedule,
+        "stages_per_rank": settings.stages_per_rank,
     }
 
 
@@ -175,7 +202,14 @@ def read_model(model: str, vocab_size: int | None = None) -> dict:
         and (name.split(".")[-1] in targets if targets else m is not built.get_output_embeddings())
     ]
     layer_sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    embeddings, head = built.get_input_embeddings(), built.get_output_embeddings()
     return {
+        "model_type": config.model_type,
+        # a pipeline's ends (common.pipeline): the embeddings on the first stage; the final norm and the head on the
+        # last (a tied head is the embeddings' weight, held again there)
+        "embedding_parameters": embeddings.weight.numel(),
+        "head_parameters": 0 if head is None else head.weight.numel(),
+        "tied_embeddings": head is not None and head.weight is embeddings.weight,
         "parameters": total,
         "largest_tensor": largest_tensor,
         "largest_layer": max(layer_sizes, default=largest_tensor),
@@ -199,7 +233,14 @@ def read_model(model: str, vocab_size: int | None = None) -> dict:
 
 
 def activation_bytes(
-    model: dict, batch_size: int, seq_len: int, compute_bytes: int, checkpointing: bool, tp: int = 1, sp: int = 1
+    model: dict,
+    batch_size: int,
+    seq_len: int,
+    compute_bytes: int,
+    checkpointing: bool,
+    tp: int = 1,
+    sp: int = 1,
+    head: bool = True,
 ) -> int:
     """Tensors one micro-batch's forward saves for backward, for a Llama-style decoder.
 
@@ -212,13 +253,14 @@ def activation_bytes(
     output, gate, up and activation), while the normed inputs and the gathered logits stay whole. Under
     sequence parallelism (`sp` ranks, `seq_len` the rank's slice) the attention output is kept twice: for the
     whole row with the rank's heads (attention's own) and, exchanged back, for the slice with every head
-    (the o projection's input), one c·h more per token and layer (measured at 101M: 4 MB of 97)."""
+    (the o projection's input), one c·h more per token and layer (measured at 101M: 4 MB of 97). `head=False`:
+    the layers alone (a pipeline stage before the last)."""
     h, i, vocab, layers = model["hidden_size"], model["intermediate_size"], model["vocab_size"], model["layers"]
     tokens = batch_size * seq_len
     per_layer = (
         8 * h + compute_bytes * h + compute_bytes * (h + i + 4 * h + 3 * i) / tp + (compute_bytes * h if sp > 1 else 0)
     )
-    logits = 8 * vocab + compute_bytes * h
+    logits = 8 * vocab + compute_bytes * h if head else 0
     if checkpointing:
         return tokens * (layers * 4 * h + per_layer + logits)
     return tokens * (layers * per_layer + logits)
@@ -256,6 +298,139 @@ def stage_bytes(model: dict, strategy: dict, c: int) -> float:
     return c * max(count * model["largest_layer"] + ends.get(i, 0) for i, count in enumerate(counts))
 
 
+def schedule_actions(rank: int, size: int, schedule: str, micro_batches: int) -> list[tuple[str, int]]:
+    """The order in which pipeline rank `rank` of `size` runs one window's forwards ("F") and backwards ("B"), each
+    with the rank's local stage it runs on (0; under Interleaved1F1B 0 or 1: stages rank and rank + size), as torch
+    2.13's schedules order them (torch.distributed.pipelining.schedules) and common.pipeline runs them."""
+    m = micro_batches
+    if schedule == "GPipe" or (schedule == "1F1B" and m < size):  # common.pipeline runs GPipe's order there
+        return [("F", 0)] * m + [("B", 0)] * m
+    if schedule == "1F1B":  # Schedule1F1B: min(m, size - rank) warm-up forwards, then a backward before each forward
+        warmup = min(m, size - rank)
+        return [("F", 0)] * warmup + [("B", 0), ("F", 0)] * (m - warmup) + [("B", 0)] * warmup
+    # ScheduleInterleaved1F1B, two stages per rank: _get_warmup_ops' warm-up, then _get_1f1b_rank_ops' forward and
+    # backward per step, stages taken in rounds of m // max(1, m // size) micro-batches
+    v, rounds = 2, max(1, m // size)
+    if m % rounds:
+        raise ValueError(
+            f"Interleaved1F1B on {size} ranks runs {m} micro-batches (the accumulation) only in whole rounds of "
+            f"{m // rounds}; pass a --gradient_accumulation_steps that {rounds} divides"
+        )
+    per_round = m // rounds
+    warmup = min((v - 1) * per_round + 2 * (size - 1 - rank), m * v)
+
+    def forward(op):
+        return (op // per_round) % v
+
+    def backward(op):
+        return v - 1 - ((op - warmup) // per_round) % v
+
+    actions = [("F", forward(op)) for op in range(warmup)]
+    for op in range(warmup, m * v):
+        actions += [("F", forward(op)), ("B", backward(op))]
+    return actions + [("B", backward(op)) for op in range(m * v, m * v + warmup)]
+
+
+def estimate_stages(
+    model: dict, strategy: dict, batch_size: int, seq_len: int, checkpointing: bool = False, accumulation: int = 1
+) -> list[dict]:
+    """Each rank of one pipeline (pp.yaml, dp_pp.yaml: read_strategy's pp_size, pp_schedule and stages_per_rank),
+    rank 0 first, in estimate()'s keys, with its `stage_indices`, their decoder `layers` and the micro-batches it holds
+    `in_flight` at most. The window's micro-batches are the accumulation steps. A rank holds (common.pipeline):
+
+    * its stages' parameters (common.pipeline.stage_layers: the embeddings on the first stage, the final norm and
+      head on the last; a tied head is the embeddings' weight, held again on the last stage's rank), their fp32
+      gradients and AdamW's two moments: 16 bytes each, as one DDP process (a data-parallel replica of a pipeline,
+      dp_pp.yaml, holds the same: its gradients are summed over the replicas in place, no buckets);
+    * the activations of the micro-batches its schedule has run forward and not yet backward (`schedule_actions`:
+      GPipe all m; 1F1B min(m, p - rank); Interleaved1F1B its warm-up + 1, over its two stages), each its layers'
+      (`activation_bytes`), on a stage before the last the hidden state it sent (kept for its backward), on the last
+      the loss's log-softmax in fp32; and there the schedule keeps every micro-batch's logits to the window's end,
+      then merges them into one more copy; autocast's low-precision copy of its weights, once (one autocast context
+      runs the window), and with more than one micro-batch their gradients in that precision, held to the end of each
+      backward after the first (`step_transient`: autograd runs the casts' backward, older nodes, last; measured at
+      101M, 2 micro-batches, one process: 93 MB of the 97 predicted);
+    * torch's receive buffers, made for every micro-batch of the window: the hidden state (fp32, b x s x h) into
+      each stage but the first, its gradient into each but the last (`communication_buffers`);
+    * while it starts, the whole model in fp32: each rank builds it, then keeps its stages (`loading_peak`)."""
+    from common.pipeline import SPLITTABLE, stage_layers
+
+    if model.get("model_type") not in SPLITTABLE:
+        raise ValueError(
+            f"pipeline parallelism splits a causal LM of the Llama architecture and this model is "
+            f"{model.get('model_type')!r}; estimate it under ddp.yaml, fsdp.yaml or zero3.yaml"
+        )
+    checkpointing = checkpointing or strategy.get("activation_checkpointing", False)
+    size, per_rank, m = strategy["pp_size"], strategy["stages_per_rank"], accumulation
+    num_stages = size * per_rank
+    layers = stage_layers(model["layers"], num_stages)
+    c = 2 if strategy["mixed_precision"] in ("bf16", "fp16", "fp8") else 4
+    h, vocab, tokens = model["hidden_size"], model["vocab_size"], batch_size * seq_len
+    embeddings, head = model["embedding_parameters"], model["head_parameters"]
+    final_norm = model["root_parameters"] - embeddings - (0 if model["tied_embeddings"] else head)
+    boundary = 4 * tokens * h  # the residual stream between stages stays in the fp32 weights' dtype under autocast
+    ranks = []
+    for rank in range(size):
+        stages = [rank + size * local for local in range(per_rank)]
+        parameters, buffers, one, held_outputs = 0, 0, [], 0
+        for index in stages:
+            first, last = index == 0, index == num_stages - 1
+            count = len(layers[index])
+            parameters += (
+                count * model["largest_layer"] + (embeddings if first else 0) + (final_norm + head if last else 0)
+            )
+            shaped = dict(model, layers=count)
+            # one micro-batch's tensors held for its backward: its layers', and the hidden state sent on (kept in
+            # the schedule's forward cache) or, on the last stage, the log-softmax (fp32) and the head's input
+            one.append(
+                activation_bytes(shaped, batch_size, seq_len, c, checkpointing, head=False)
+                + (tokens * (4 * vocab + c * h) if last else boundary)
+            )
+            held_outputs += m * tokens * c * vocab if last else 0  # each micro-batch's logits, to the window's end
+            buffers += (0 if first else m * boundary) + (0 if last else m * boundary)
+        outstanding, in_flight, peak = [0] * per_rank, 0, 0
+        for kind, local in schedule_actions(rank, size, strategy["pp_schedule"], m):
+            outstanding[local] += 1 if kind == "F" else -1
+            in_flight = max(in_flight, sum(outstanding))
+            peak = max(peak, sum(n * b for n, b in zip(outstanding, one)))
+        activations = max(peak + held_outputs, 2 * held_outputs)  # the merge: every logit once more, none in flight
+        transient = 0
+        if c == 2:  # autocast's low-precision copy of each weight, saved for backward
+            activations += c * parameters
+            # the copies are cast once, in the first micro-batch's forward, so autograd runs their backward (older
+            # nodes) last in every later micro-batch's: each weight's low-precision gradient waits to its end
+            transient = c * parameters if m > 1 else 0
+        state = 16 * parameters
+        loading = 4 * model["parameters"]
+        tensors_peak = int(max(state + buffers + activations + transient, loading))
+        ranks.append(
+            {
+                "rank": rank,
+                "stage_indices": stages,
+                "layers": [layers[index] for index in stages],
+                "stage_parameters": parameters,
+                "in_flight": in_flight,
+                "parameters": 4 * parameters,
+                "master_weights": 0,
+                "gradients": 4 * parameters,
+                "optimizer_states": 8 * parameters,
+                "reference_model": 0,
+                "rollout_weights": 0,
+                "communication_buffers": buffers,
+                "model_state": state,
+                "activations": int(activations),
+                "activation_checkpointing": checkpointing,
+                "step_transient": transient,
+                "sampling": 0,
+                "loading_peak": loading,
+                "tensors_peak": tensors_peak,
+                "accumulation_transient": 0,
+                "run_tensors_peak": tensors_peak,
+            }
+        )
+    return ranks
+
+
 def estimate(
     model: dict,
     strategy: dict,
@@ -272,7 +447,17 @@ def estimate(
     is on when asked or when the config turns it on (fsdp_activation_checkpointing). With
     `dpo_reference`, DPO's frozen reference copy (`reference_bytes`) joins the model state. `trainable`:
     the parameters that train, when not all do (--use_peft: LoRA's adapters, beside the frozen model):
-    only they have gradients, master weights and AdamW moments, and the adapters' own weights join the model."""
+    only they have gradients, master weights and AdamW moments, and the adapters' own weights join the model.
+    Under a pipeline (strategy "pp"): the rank that needs the most (`estimate_stages`), with every rank's in
+    `stages`."""
+    if strategy["strategy"] == "pp":
+        if dpo_reference or trainable is not None or grpo_generations:
+            raise ValueError(
+                "pipeline parallelism runs causal_lm.py and sft.py without LoRA (common.pipeline refuses DPO, GRPO "
+                "and --use_peft): estimate those under ddp.yaml, fsdp.yaml or zero3.yaml"
+            )
+        stages = estimate_stages(model, strategy, batch_size, seq_len, checkpointing, accumulation)
+        return {**max(stages, key=lambda rank: rank["run_tensors_peak"]), "stages": stages}
     checkpointing = checkpointing or strategy.get("activation_checkpointing", False)
     psi, n, tp = model["parameters"], strategy["num_processes"], strategy.get("tp_size", 1)
     # t: the trained parameters (all of psi, or LoRA's adapters, which then add to the frozen psi)
@@ -437,30 +622,89 @@ def main(argv=None) -> dict:
             f"error: --model {args.model} gives no model config ({str(error).splitlines()[0]}); "
             "pass a config.json, a model folder or a Hub name reachable from here"
         )
-    result = estimate(
-        model,
-        strategy,
-        args.batch_size,
-        args.seq_len,
-        args.gradient_checkpointing,
-        args.gradient_accumulation_steps,
-        args.dpo_reference,
-        model["lora_parameters"] if args.use_peft else None,
-        args.grpo_generations,
-        args.rollout_stages,
-    )
+    from common.errors import UsageError
+
+    try:
+        result = estimate(
+            model,
+            strategy,
+            args.batch_size,
+            args.seq_len,
+            args.gradient_checkpointing,
+            args.gradient_accumulation_steps,
+            args.dpo_reference,
+            model["lora_parameters"] if args.use_peft else None,
+            args.grpo_generations,
+            args.rollout_stages,
+        )
+    except (UsageError, ValueError) as error:  # what a pipeline cannot run
+        raise SystemExit(f"error: {args.config}: {error}")
     import torch
 
     baseline = 0.0 if torch.cuda.is_available() else process_baseline_mb(strategy)
     result["process_baseline_mb"] = round(baseline, 1)
     result["peak_mb"] = round(result["tensors_peak"] / MB + baseline, 1)
     result["run_peak_mb"] = round(result["run_tensors_peak"] / MB + baseline, 1)
+    for rank in result.get("stages", []):
+        rank["peak_mb"] = round(rank["tensors_peak"] / MB + baseline, 1)
     print(
         f"{model['parameters']:,} parameters; {os.path.basename(args.config)} on {strategy['num_processes']} "
         f"process(es), {strategy['mixed_precision']}, batch {args.batch_size} x {args.seq_len} tokens"
         f"{f', accumulation {args.gradient_accumulation_steps}' if args.gradient_accumulation_steps > 1 else ''}"
         f"{', activation checkpointing' if result['activation_checkpointing'] else ''}; MB per rank:"
     )
+    if "stages" in result:
+        print_stages(result, strategy, args.gradient_accumulation_steps, baseline)
+    else:
+        print_categories(result, args, baseline)
+    result.update(strategy=strategy, model=model)
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(result, handle, indent=2)
+    return result
+
+
+def print_stages(result: dict, strategy: dict, micro_batches: int, baseline: float) -> None:
+    """One row per pipeline rank (its stages), the largest peak the per-device one."""
+    size, replicas = strategy["pp_size"], strategy["num_processes"] // strategy["pp_size"]
+    print(
+        f"  {strategy['pp_schedule']} over {size * strategy['stages_per_rank']} stages, {micro_batches} micro-batch(es) "
+        f"per step, {replicas} pipeline(s) (rank r holds what rank r mod {size} does)"
+    )
+    columns = {
+        "parameters": "parameters",
+        "gradients": "gradients",
+        "optimizer_states": "optimizer",
+        "communication_buffers": "buffers",
+        "activations": "activations",
+        "step_transient": "transient",
+    }
+    names = " ".join(f"{name:>11}" for name in columns.values())
+    print(f"  {'rank: stages (layers)':30} {names}  in flight      peak")
+    last = len(result["stages"]) * strategy["stages_per_rank"] - 1
+    for rank in result["stages"]:
+        parts = []
+        for index, layers in zip(rank["stage_indices"], rank["layers"]):
+            ends = (
+                (["embeddings"] if index == 0 else [])
+                + [f"{layers[0]}-{layers[-1]}"]
+                + (["head"] if index == last else [])
+            )
+            parts.append(f"{index} ({', '.join(ends)})")
+        print(
+            f"  {str(rank['rank']) + ': ' + '; '.join(parts):30} "
+            + " ".join(f"{rank[key] / MB:11.1f}" for key in columns)
+            + f"  {rank['in_flight']:9d}  {rank['peak_mb']:8.1f}"
+        )
+    print(
+        f"  {'loading_peak':22} {result['loading_peak'] / MB:10.1f}  (each rank builds the whole model, then keeps its stages)"
+    )
+    if baseline:
+        print(f"  {'process (start-up)':22} {baseline:10.1f}  (in each peak)")
+    print(f"  {'peak':22} {result['peak_mb']:10.1f}  (rank {result['rank']})")
+
+
+def print_categories(result: dict, args, baseline: float) -> None:
     for key in (
         "parameters",
         "master_weights",
@@ -481,11 +725,6 @@ def main(argv=None) -> dict:
     print(f"  {'peak':22} {result['peak_mb']:10.1f}")
     if result["accumulation_transient"]:
         print(f"  {'peak from step 2':22} {result['run_peak_mb']:10.1f}  (gradients held whole between micro-batches)")
-    result.update(strategy=strategy, model=model)
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(result, handle, indent=2)
-    return result
 
 
 if __name__ == "__main__":
