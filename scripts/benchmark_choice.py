@@ -375,7 +375,7 @@ def write_docs(args, rows: list, measured: dict, host: dict, report: str, advice
                 ],
                 [
                     [
-                        f"`{r['config']}`",
+                        f"`{choose_config.layout_name(r)}`",
                         f"{r['micro_batch']} x {r['accumulation']}",
                         "on" if r["activation_checkpointing"] else "off",
                         f"{r['device_gb']:.1f}",
@@ -408,7 +408,10 @@ def write_docs(args, rows: list, measured: dict, host: dict, report: str, advice
             + "\n\n"
             + summary
             + "\n\n## Published setups\n\nchoose-config's advice from its device presets (data-sheet peaks, "
-            "typical links; nothing measured there), beside what the setups' authors used.\n\n" + "\n\n".join(sections)
+            "typical links; nothing measured there), beside what the setups' authors used. A config is shown at the "
+            "layout it was ranked at: `sp`, `cp` or `tp` and the size of a group that trains one batch, `pp` and the "
+            "stages of a pipeline with its schedule (its step stretched by the bubble, (p - 1) / (v m + p - 1) of it "
+            "idle, v stages a rank, m micro-batches: the accumulation).\n\n" + "\n\n".join(sections)
         ),
     )
 

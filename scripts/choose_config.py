@@ -25,10 +25,9 @@ global batch over processes / the group per step, so a rank computes the same to
   memory for every config in docs/benchmark.md; under TP a rank's share of the plan's split and its split
   activations), within --headroom of the device's memory; with offload on a GPU, what lives in CPU RAM counts
   against the node's RAM (--host_memory_gb), as does the model's build (FSDP's on rank 0; every rank's whole
-  fp32 copy under DDP, ZeRO-1/2, TP and pipelines). Under a pipeline, its largest rank's: its stages' layers (the
-  split of common.pipeline.stage_layers, the embeddings and the head counted as a layer each) with their
-  gradients and AdamW moments, and the activations of the micro-batches its schedule keeps in flight (1F1B: as
-  many as the stages from it to the last; interleaved: torch's warm-up);
+  fp32 copy under DDP, ZeRO-1/2, TP and pipelines). Under a pipeline, estimate-memory's rank that needs the most
+  (estimate_stages: its stages' layers, the split of common.pipeline.stage_layers, with their gradients and AdamW
+  moments, the receive buffers, and the activations of the micro-batches its schedule keeps in flight);
 * step time: compute (the model's training FLOPs, 6 per matmul weight per token plus attention's,
   4/3 of that with activation checkpointing, at --mfu of the device's peak) + communication (the
   bytes each config's all_reduce, all_gather and reduce_scatter move per step, ring algorithms,
@@ -260,19 +259,18 @@ def tensor_parallel_bytes(
 
 
 def pipeline_ranks(model: dict, size: int, stages_per_rank: int) -> list[dict]:
-    """Each pipeline rank's share of the model: its stages' decoder layers (common.pipeline.stage_layers, the
-    embeddings and the head counted as a layer each), the embeddings on the first stage's rank, the final norm and
-    head on the last's (a tied head: the embeddings' weight again there); its parameters, the weights its tokens
-    multiply (the head's matmul; a layer's share of the model's), and the activations it sends a micro-batch
-    (forward from each stage but the last, their gradients back from each but the first)."""
+    """Each pipeline rank's share of the work: its stages' decoder layers (common.pipeline.stage_layers, the
+    embeddings and the head counted as a layer each, as make estimate-memory's estimate_stages splits them), the
+    weights its tokens multiply (its layers' share of the model's, and the head's on the last stage's rank), its
+    parameters, and the activations it sends a micro-batch (forward from each stage but the last, their gradients
+    back from each but the first)."""
     from common.pipeline import stage_layers
 
     num_stages = size * stages_per_rank
     layers = stage_layers(model["layers"], num_stages)
-    embeddings = model["vocab_size"] * model["hidden_size"]
-    head = model["root_parameters"] - embeddings  # the final norm and an untied head (tied: the norm alone)
-    tied = head < embeddings
-    per_layer_matmul = (model["matmul_parameters"] - embeddings) / model["layers"]  # the head: vocab x hidden
+    embeddings, head = model["embedding_parameters"], model["head_parameters"]
+    final_norm = model["root_parameters"] - embeddings - (0 if model["tied_embeddings"] else head)
+    per_layer_matmul = (model["matmul_parameters"] - head) / model["layers"]  # the head: a vocab x hidden matmul
     ranks = []
     for rank in range(size):
         stages = [rank + size * loop for loop in range(stages_per_rank)]
@@ -280,62 +278,15 @@ def pipeline_ranks(model: dict, size: int, stages_per_rank: int) -> list[dict]:
         first, last = 0 in stages, num_stages - 1 in stages
         ranks.append(
             {
-                "rank": rank,
                 "layers": count,
-                "last": last,
                 "parameters": count * model["largest_layer"]
                 + (embeddings if first else 0)
-                + (head + (embeddings if tied else 0) if last else 0),
-                "matmul_parameters": count * per_layer_matmul + (embeddings if last else 0),
+                + (final_norm + head if last else 0),
+                "matmul_parameters": count * per_layer_matmul + (head if last else 0),
                 "sends": sum((stage < num_stages - 1) + (stage > 0) for stage in stages),
-                "tied": tied,
             }
         )
     return ranks
-
-
-def in_flight(rank: int, size: int, stages_per_rank: int, micro_batches: int) -> float:
-    """The micro-batches whose activations a pipeline rank holds at once under torch's schedule, in micro-batches of
-    its whole share: 1F1B's warm-up forwards (size - rank, at most the micro-batches: Schedule1F1B); interleaved
-    1F1B's warm-up (torch's _get_warmup_ops) and the steady state's first forward, each over one of its stages."""
-    if stages_per_rank == 1:
-        return min(micro_batches, size - rank)
-    per_round = micro_batches // max(1, micro_batches // size)
-    warmup = (stages_per_rank - 1) * per_round + 2 * (size - 1 - rank)
-    return min(warmup + 1, micro_batches * stages_per_rank) / stages_per_rank
-
-
-def pipeline_estimate(
-    model: dict, s: dict, micro: int, seq_len: int, checkpointing: bool, micro_batches: int
-) -> tuple[dict, dict]:
-    """make estimate-memory's categories for the pipeline rank that needs the most memory, and that rank's share:
-    its stages' parameters with their gradients and AdamW moments (one DDP process's 16 bytes each; nothing held
-    between micro-batches but the gradients themselves: the schedule runs them all in one window), autocast's copy
-    of its weights once (one autocast context for the window), and the activations of the micro-batches its schedule
-    keeps in flight (`in_flight`), each its layers' and, on the last stage's rank, the logits' (on the others, the
-    hidden state received or sent). Computed here from common.pipeline.stage_layers until make estimate-memory
-    estimates a stage itself: this is the one place to swap for it."""
-    from estimate_memory import activation_bytes
-
-    c = 2 if s["mixed_precision"] in ("bf16", "fp16") else 4
-    alone = dict(s, strategy="ddp", num_processes=1, tp_size=1, sp_size=1, cp_size=1, replicas=1)
-    worst = None
-    for share in pipeline_ranks(model, s["pp_size"], s["stages_per_rank"]):
-        shaped = dict(
-            model,
-            parameters=share["parameters"],
-            layers=share["layers"],
-            vocab_size=model["vocab_size"] if share["last"] else 0,
-        )
-        est = estimate(shaped, alone, micro, seq_len, checkpointing)
-        one = activation_bytes(shaped, micro, seq_len, c, est["activation_checkpointing"])
-        held = in_flight(share["rank"], s["pp_size"], s["stages_per_rank"], micro_batches)
-        est["activations"] += int((held - 1) * one)
-        peak = est["model_state"] + est["communication_buffers"] + est["activations"] + est["step_transient"]
-        est["tensors_peak"] = est["run_tensors_peak"] = int(max(peak, est["loading_peak"]))
-        if worst is None or est["run_tensors_peak"] > worst[0]["run_tensors_peak"]:
-            worst = (est, share)
-    return worst
 
 
 def tensor_parallel_traffic(
@@ -382,8 +333,8 @@ def pipeline_traffic_and_compute(
     serial, replicas = {("intra", "all_reduce"): 0.0}, n // p
     if replicas > 1:
         serial["intra", "all_reduce"] += 2 * (replicas - 1) / replicas * 4 * largest
-    if ranks[0]["tied"]:  # two ranks: 2 x 1/2 of the fp32 weight
-        serial["intra", "all_reduce"] += 4 * model["vocab_size"] * h
+    if model["tied_embeddings"]:  # two ranks: 2 x 1/2 of the fp32 weight
+        serial["intra", "all_reduce"] += 4 * model["embedding_parameters"]
     memory = 28 * largest + ((4 + c) * largest if c < 4 else 0)
     traffic = {"link": link, "serial": serial, "memory": memory, "host": 0.0, "cpu_optimizer": 0.0}
     return traffic, flops, bubble
@@ -619,8 +570,8 @@ def rank(args, model: dict, device: dict, configs: dict) -> list[dict]:
                     s.update(tp_size=tp, pp_size=pp, pp_schedule=way["schedule"], stages_per_rank=stages_per_rank)
                     sharding = dict(s, num_processes=n_node) if s["replicas"] > 1 else s
                     serial = {}  # bus bytes on the critical path: not overlapped with compute on a GPU either
-                    if pp > 1:
-                        est, _ = pipeline_estimate(model, s, micro, args.seq_len, checkpointing, k)
+                    if pp > 1:  # make estimate-memory's rank of the pipeline that needs the most (estimate_stages)
+                        est = estimate(model, s, micro, args.seq_len, checkpointing, k)
                         traffic, flops, bubble = pipeline_traffic_and_compute(
                             model, s, micro, args.seq_len, k, n, c, est["activation_checkpointing"]
                         )
