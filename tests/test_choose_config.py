@@ -571,7 +571,7 @@ def test_lora_and_dpos_reference_model_reach_the_estimate_and_the_command(tmp_pa
     assert "recipes/dpo.py" in command and "--use_peft true" in command
 
 
-def llama3_8b_on_2_h200(tmp_path, *argv) -> dict:
+def llama3_8b_on_2_h200(tmp_path, *argv, global_batch: int = 16) -> dict:
     """Llama-3-8B on 2 H200s: 16 bytes a parameter (128 GB) do not fit one device; half of them per stage do."""
     return choose(
         tmp_path,
@@ -584,7 +584,7 @@ def llama3_8b_on_2_h200(tmp_path, *argv) -> dict:
         "--seq_len",
         4096,
         "--global_batch",
-        16,
+        global_batch,
         *argv,
     )
 
@@ -594,7 +594,7 @@ def test_a_model_that_fits_no_device_is_pipelined_over_slow_links_and_the_yaml_c
     a pipeline passes a micro-batch's hidden state between its 2 stages: pp.yaml is chosen, its written YAML keeps
     pp_size 2 with the chosen schedule and the command the micro-batches (the accumulation). Over NVLink's 360 GB/s
     the same job goes to a data-parallel config, which has no bubble."""
-    slow = llama3_8b_on_2_h200(tmp_path / "slow", "--link_gbps", 1)
+    slow = llama3_8b_on_2_h200(tmp_path / "slow", "--link_gbps", 1, global_batch=8)
     rows = {r["config"]: r for r in slow["rows"]}
     chosen = slow["rows"][0]
     assert not rows["ddp.yaml"]["fits"] and rows["ddp.yaml"]["device_gb"] > 141
@@ -604,7 +604,7 @@ def test_a_model_that_fits_no_device_is_pipelined_over_slow_links_and_the_yaml_c
     block = yaml.safe_load(written)["parallelism_config"]
     assert block == {"parallelism_config_pp_size": 2, "parallelism_config_pp_schedule": chosen["schedule"]}
     assert f"--gradient_accumulation_steps {chosen['accumulation']} " in written.splitlines()[1]
-    fast = llama3_8b_on_2_h200(tmp_path / "fast", "--link_gbps", 360)
+    fast = llama3_8b_on_2_h200(tmp_path / "fast", "--link_gbps", 360, global_batch=8)
     assert fast["rows"][0]["pp_size"] == 1 and fast["rows"][0]["step_s"] < chosen["step_s"]
 
 
