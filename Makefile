@@ -11,8 +11,8 @@ TORCH_RANGE := torch>=2.13.0,<2.14
 # The demos, benchmarks and tests read nothing from a hub (their models and data are made here or ship in a
 # package), so they run with downloads off; the recipe targets load your Hub models as the libraries do.
 OFFLINE_TARGETS := demo demo-data demo-chat demo-dpo demo-grpo real-model benchmark benchmark-peers benchmark-options \
-                   benchmark-packing benchmark-reshard benchmark-pipeline benchmark-bubble benchmark-rollouts test \
-                   test-fast test-all test-crashes
+                   benchmark-packing benchmark-reshard benchmark-pipeline benchmark-bubble benchmark-pipeline-memory \
+                   benchmark-rollouts test test-fast test-all test-crashes
 $(OFFLINE_TARGETS): export HF_HUB_OFFLINE ?= 1
 $(OFFLINE_TARGETS): export HF_DATASETS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
@@ -27,7 +27,7 @@ ELASTIC  = $(findstring --nnodes,$(LAUNCH_ARGS))
 RESTARTS = $(if $(or $(ELASTIC),$(findstring --max_restarts,$(LAUNCH_ARGS))),--rdzv_backend c10d) \
            $(if $(and $(ELASTIC),$(if $(findstring --max_restarts,$(LAUNCH_ARGS)),,x)),--max_restarts 3)
 
-.PHONY: install install-test real-model demo demo-chat demo-dpo demo-grpo demo-data test test-fast test-all test-crashes style quality doctor causal_lm sequence_classification lora sft dpo reward-model reward_model grpo evaluate plot benchmark benchmark-peers benchmark-options benchmark-packing benchmark-reshard benchmark-pipeline benchmark-bubble benchmark-rollouts estimate-memory choose-config benchmark-choice export-checkpoint convert-checkpoint check-config clean
+.PHONY: install install-test real-model demo demo-chat demo-dpo demo-grpo demo-data test test-fast test-all test-crashes style quality doctor causal_lm sequence_classification lora sft dpo reward-model reward_model grpo evaluate plot benchmark benchmark-peers benchmark-options benchmark-packing benchmark-reshard benchmark-pipeline benchmark-bubble benchmark-pipeline-memory benchmark-rollouts estimate-memory choose-config benchmark-choice export-checkpoint convert-checkpoint check-config clean
 
 # torch first: the CPU wheel on hosts without an NVIDIA GPU (no CUDA download),
 # the normal CUDA build where nvidia-smi sees a GPU. Later `torch>=...` pins are then satisfied.
@@ -215,6 +215,11 @@ benchmark-pipeline: install
 # the schedule's (p - 1) / (m + p - 1), written to docs/benchmark-bubble.md.
 benchmark-bubble: install
 	$(PY) scripts/benchmark_bubble.py --docs docs/benchmark-bubble.md $(ARGS)
+
+# pp.yaml's (each schedule) and dp_pp.yaml's memory per stage at 101M against make estimate-memory's row for each
+# stage: model state and peak resident set per rank, written to docs/benchmark-pipeline-memory.md.
+benchmark-pipeline-memory: install
+	$(PY) scripts/benchmark_pipeline_memory.py --docs docs/benchmark-pipeline-memory.md $(ARGS)
 
 # GRPO's rollouts under ddp, zero3, zero3_offload, fsdp and tp at 101M parameters on 2 processes: generation
 # tokens/s per device against ddp's, the once-per-rollout gather, peak memory against the estimate.

@@ -5,7 +5,7 @@ zero2_json on 2 processes (single.yaml on 1), and on 4 one config of each framew
 shards by the number of processes through the same estimate. (The whole matrix, every config
 on 2 and on 4, is `make benchmark`'s table, written to docs/benchmark.md; tests/test_strategies.py
 checks the model-state categories of every config's runs on 1, 2 and 4 processes at the tiny
-size.)"""
+size. In make test-all, pp.yaml and dp_pp.yaml per stage: each rank against make estimate-memory's row for it.)"""
 
 import json
 import subprocess
@@ -381,3 +381,32 @@ def test_the_account_counts_torchao_float8_weights_by_the_tensor_they_wrap():
     assert report["bytes_by_category"]["optimizer_states"] == {"float32": 2 * weights + 3 * 4}
     # saved for backward: each layer's input cast to float8 (1 byte an element) and scales, at least
     assert account.activation_bytes >= 3 * 32 * 128
+
+
+@pytest.mark.slow
+@pytest.mark.exhaustive
+def test_each_pipeline_stage_at_101m_holds_what_make_estimate_memory_says(tmp_path):
+    """make benchmark-pipeline-memory at 101M parameters, bf16, 1F1B, 2 micro-batches of 1 x 64 tokens per step, 2
+    steps: pp.yaml on 2 processes and dp_pp.yaml on 4 (2 pipelines of 2 stages), each rank's model state within 5%
+    and its peak resident set through the last step (glibc returning freed blocks) within 15% of make
+    estimate-memory's row for its stage; the page has a row for each rank."""
+    from conftest import run
+
+    results, page = tmp_path / "results.json", tmp_path / "page.md"
+    runs = "--runs pp.yaml:1F1B dp_pp.yaml:1F1B --block_size 64 --accumulation 2 --steps 2"
+    run(["make", "-s", "benchmark-pipeline-memory", f"ARGS={runs} --json {results} --docs {page}"])
+    measured = json.loads(results.read_text())
+    assert [result["processes"] for result in measured] == [2, 4]
+    for result in measured:
+        assert result["parameters"] >= 100_000_000 and result["compute_dtype"] == "bfloat16" and result["steps"] == 2
+        assert [rank["rank"] for rank in result["ranks"]] == list(range(result["processes"]))
+        for rank in result["ranks"]:
+            print(
+                f"{result['run']} rank {rank['rank']} (stages {rank['stage_indices']}): model state "
+                f"{rank['model_state_mb']:.0f} MB (estimated {rank['estimated_model_state_mb']:.0f}), peak "
+                f"{rank['peak_mb']:.0f} MB (estimated {rank['estimated_peak_mb']:.0f}), by the first step "
+                f"{rank['first_step_peak_mb']:.0f}"
+            )
+            assert rank["model_state_mb"] == pytest.approx(rank["estimated_model_state_mb"], rel=0.05)
+            assert rank["peak_mb"] == pytest.approx(rank["estimated_peak_mb"], rel=0.15)
+    assert len([line for line in page.read_text().splitlines() if line.startswith("| `")]) == 6

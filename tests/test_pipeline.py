@@ -5,7 +5,8 @@ fp32 parity: the pipeline's window of micro-batches (its accumulation steps) aga
 global batch, from the same seeded model: per-step losses and gradient norms within FP32_TOLERANCE relative, the
 evaluation and the final weights as close; over epochs whose last batches do not fill a window (left out), every rank
 of a pipeline handed the same batches (checked in the run) and the launched processes taking part. causal_lm.py under
-1F1B with a per-stage (DCP) checkpoint and final/'s logits (make test); in make test-all: sft.py on padded chats of
+1F1B with a per-stage (DCP) checkpoint, final/'s logits and each stage's memory against make estimate-memory's
+row for it (make test); in make test-all: sft.py on padded chats of
 varying length under GPipe, Interleaved1F1B (two stages per rank on a 4-layer model), dp_pp.yaml, SmolLM2-135M (its
 head tied to its embeddings across the first and last stage), bf16 fine-tuning of a bf16 checkpoint, resumes from
 step 3 under pp.yaml, fsdp.yaml and ddp.yaml and from one process's checkpoint, a kill -9 inside a save resumed bit for
@@ -25,6 +26,7 @@ from conftest import (
     REPO,
     STEPS,
     causal_lm_args,
+    estimate_for_run,
     flags,
     launch,
     launch_one_process,
@@ -121,6 +123,65 @@ def test_pp_yaml_trains_causal_lm_as_one_process_and_checkpoints_each_stage(pipe
     batch = torch.randint(0, 40, (2, 16), generator=torch.Generator().manual_seed(0))
     logits = [AutoModelForCausalLM.from_pretrained(path / "final")(batch).logits for path in (ours, reference)]
     assert torch.allclose(logits[0], logits[1], atol=1e-5), (logits[0] - logits[1]).abs().max()
+
+
+@pytest.mark.slow
+def test_each_stage_holds_what_make_estimate_memory_says(pipeline_run):
+    """The memory account of each rank of that run (fp32, 1F1B, 2 micro-batches of 4 x 32 tokens) against make
+    estimate-memory's row for its stage: parameters and gradients to the byte (the split, the embeddings on the first
+    stage, the norm and head on the last), AdamW's moments within 0.1% (their step counters), no activations counted
+    (the account's hook would hold the window's), and the peak resident set through the last step within 15% (at this
+    size mostly the process's own start-up: at 101M, test_memory.py's check in make test-all)."""
+    ours, _ = pipeline_run
+    predicted = estimate_for_run(ours, CONFIGS / "pp.yaml")
+    stages = predicted["stages"]
+    assert [rank["stage_indices"] for rank in stages] == [[0], [1]]
+    assert stages[0]["parameters"] != stages[1]["parameters"]  # the embeddings, against the norm and the head
+    peaks = [row["peak_memory_mb_per_rank"] for row in read_metrics(ours)[0]][-1]
+    for rank, (account, stage) in enumerate(zip(read_run(ours)["memory_per_rank"], stages, strict=True)):
+        counted = {key: sum(account["bytes_by_category"][key].values()) for key in ("parameters", "gradients")}
+        adam = sum(account["bytes_by_category"]["optimizer_states"].values())
+        peak = stage["tensors_peak"] / 2**20 + predicted["process_baseline_mb"]
+        print(
+            f"rank {rank}: {counted}, AdamW {adam} bytes, peak {peaks[rank]:.0f} MB; estimated {stage}, {peak:.0f} MB"
+        )
+        assert counted == {key: stage[key] for key in counted}
+        assert adam == pytest.approx(stage["optimizer_states"], rel=1e-3)
+        assert account["activations_mb"] is None
+        assert peaks[rank] == pytest.approx(peak, rel=0.15)
+
+
+@pytest.mark.parametrize("size, micro_batches", [(2, 1), (2, 2), (2, 3), (2, 4), (2, 8), (3, 6), (4, 4), (4, 8)])
+def test_estimate_memory_runs_interleaved_1f1b_in_torchs_order(size, micro_batches):
+    """make estimate-memory's order of each rank's forwards and backwards (which micro-batches it holds in flight)
+    against the one torch's ScheduleInterleaved1F1B computes, built on stand-ins for its stages (it reads their
+    ranks and indices only): a torch release that reorders its schedule fails here."""
+    from types import SimpleNamespace
+
+    from conftest import load_script
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
+
+    stages = 2 * size
+
+    def stage(rank, index):
+        return SimpleNamespace(
+            group_size=size,
+            group_rank=rank,
+            stage_index=index,
+            num_stages=stages,
+            is_first=index == 0,
+            is_last=index == stages - 1,
+            has_backward=False,
+            stage_index_to_group_rank={i: i % size for i in range(stages)},
+        )
+
+    order = ScheduleInterleaved1F1B(
+        [stage(0, 0), stage(0, size)], micro_batches, loss_fn=lambda a, b: a
+    ).pipeline_order
+    schedule_actions = load_script("scripts/estimate_memory.py").schedule_actions
+    for rank in range(size):
+        torchs = [(action.computation_type.value, action.stage_index // size) for action in order[rank] if action]
+        assert torchs == schedule_actions(rank, size, "Interleaved1F1B", micro_batches), rank
 
 
 @pytest.mark.slow
