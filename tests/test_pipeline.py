@@ -387,6 +387,11 @@ def test_smollm2_ties_its_head_across_the_first_and_last_stage(real_model, marko
     assert read_run(tmp_path / "pp")["participating_processes"] == 2
     counted = [read_run(tmp_path / name)["total_parameters"] for name in ("pp", "one")]
     assert counted[0] == counted[1] == 134_515_008  # the tied weight once
+    # each end's rank holds the tied weight, as make estimate-memory's row for its stage says, to the byte
+    stages = estimate_for_run(tmp_path / "pp", CONFIGS / "pp.yaml")["stages"]
+    for account, stage in zip(read_run(tmp_path / "pp")["memory_per_rank"], stages, strict=True):
+        assert sum(account["bytes_by_category"]["parameters"].values()) == stage["parameters"], stage
+    assert sum(stage["stage_parameters"] for stage in stages) == 134_515_008 + 49152 * 576
     assert relative_gaps(tmp_path / "pp", tmp_path / "one") < FP32_TOLERANCE
     assert relative_gaps(tmp_path / "pp", tmp_path / "one", "grad_norm") < FP32_TOLERANCE
     exported = load_weights(tmp_path / "pp" / "final")
