@@ -11,6 +11,8 @@ model) against the estimate's peak for its stages, the process start-up included
 
     python scripts/benchmark_pipeline_memory.py --docs docs/benchmark-pipeline-memory.md     # about 5 minutes
     python scripts/benchmark_pipeline_memory.py --runs pp.yaml:1F1B --block_size 64 --accumulation 2
+    python scripts/benchmark_pipeline_memory.py --model_name_or_path outputs/models/SmolLM2-135M-Instruct \
+        --runs pp.yaml:1F1B --block_size 512      # a vocabulary of 49,152: the last stage's logits count
 """
 
 import argparse
@@ -54,7 +56,11 @@ def measure(entry: str, args, tmp: str, data: str) -> dict:
         *("--config_file", config, "--main_process_port", str(free_port())),
         os.path.join(REPO, "recipes/causal_lm.py"),
         *("--config", os.path.join(REPO, "recipes/configs/causal_lm_demo.yaml")),
-        *("--model_config", args.model_config, "--tokenizer_name_or_path", os.path.join(data, "tokenizer")),
+        *(
+            ("--model_name_or_path", args.model_name_or_path, "--model_config", "", "--tokenizer_name_or_path", "")
+            if args.model_name_or_path
+            else ("--model_config", args.model_config, "--tokenizer_name_or_path", os.path.join(data, "tokenizer"))
+        ),
         *(
             "--train_file",
             os.path.join(data, "train.jsonl"),
@@ -80,7 +86,7 @@ def measure(entry: str, args, tmp: str, data: str) -> dict:
         [
             sys.executable,
             os.path.join(REPO, "scripts/estimate_memory.py"),
-            *("--model", args.model_config, "--vocab_size", str(vocab), "--config", config),
+            *("--model", args.model_name_or_path or args.model_config, "--vocab_size", str(vocab), "--config", config),
             *("--num_processes", str(run["participating_processes"]), "--batch_size", str(args.batch_size)),
             *("--seq_len", str(args.block_size), "--gradient_accumulation_steps", str(args.accumulation)),
             *("--json", estimate),
@@ -171,8 +177,13 @@ def write_docs(path: str, results: list, args, seconds: float, loads: list) -> N
     write_page(
         path,
         "Pipeline parallelism: memory per stage, measured and estimated",
-        f"{first['parameters']:,} parameters (`{os.path.relpath(args.model_config, REPO)}`, the demo tokenizer's "
-        f"vocabulary), {first['compute_dtype']}, each micro-batch {args.batch_size} x {args.block_size} tokens, "
+        f"{first['parameters']:,} parameters ("
+        + (
+            f"`{args.model_name_or_path}` with its own tokenizer"
+            if args.model_name_or_path
+            else f"`{os.path.relpath(args.model_config, REPO)}`, the demo tokenizer's vocabulary"
+        )
+        + f"), {first['compute_dtype']}, each micro-batch {args.batch_size} x {args.block_size} tokens, "
         f"{args.accumulation} micro-batches per step (the accumulation), {args.steps} steps per run; "
         "`recipes/causal_lm.py` under `pp.yaml` with each schedule and under `dp_pp.yaml` (2 pipelines of 2 stages). "
         f"Run with MALLOC_MMAP_THRESHOLD_=131072, so a rank's resident set is its live memory. The whole script took "
@@ -192,6 +203,11 @@ def main(argv=None) -> list:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", nargs="+", default=RUNS, help="CONFIG:SCHEDULE, the config's pipeline configs")
     parser.add_argument("--model_config", default=os.path.join(REPO, "recipes/configs/llama_100m.json"))
+    parser.add_argument(
+        "--model_name_or_path",
+        help="a pretrained Llama folder (its own tokenizer and vocabulary) instead of --model_config, e.g. make "
+        "real-model's SmolLM2-135M-Instruct (its head tied to its embeddings)",
+    )
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--batch_size", type=int, default=1)
     parser.add_argument("--block_size", type=int, default=256)

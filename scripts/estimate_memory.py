@@ -349,7 +349,8 @@ def estimate_stages(
       then merges them into one more copy; autocast's low-precision copy of its weights, once (one autocast context
       runs the window), and with more than one micro-batch their gradients in that precision, held to the end of each
       backward after the first (`step_transient`: autograd runs the casts' backward, older nodes, last; measured at
-      101M, 2 micro-batches, one process: 93 MB of the 97 predicted);
+      101M, 2 micro-batches, one process: 93 MB of the 97 predicted), and on the last stage the loss's fp32 copy of
+      a micro-batch's logits and their gradient (`step_transient` too);
     * torch's receive buffers, made for every micro-batch of the window: the hidden state (fp32, b x s x h) into
       each stage but the first, its gradient into each but the last (`communication_buffers`);
     * while it starts, the whole model in fp32: each rank builds it, then keeps its stages (`loading_peak`)."""
@@ -400,6 +401,8 @@ def estimate_stages(
             # the copies are cast once, in the first micro-batch's forward, so autograd runs their backward (older
             # nodes) last in every later micro-batch's: each weight's low-precision gradient waits to its end
             transient = c * parameters if m > 1 else 0
+        if num_stages - 1 in stages:  # the loss: the fp32 copy of a micro-batch's logits, then their gradient
+            transient += 8 * tokens * vocab
         state = 16 * parameters
         loading = 4 * model["parameters"]
         tensors_peak = int(max(state + buffers + activations + transient, loading))

@@ -410,3 +410,32 @@ def test_each_pipeline_stage_at_101m_holds_what_make_estimate_memory_says(tmp_pa
             assert rank["model_state_mb"] == pytest.approx(rank["estimated_model_state_mb"], rel=0.05)
             assert rank["peak_mb"] == pytest.approx(rank["estimated_peak_mb"], rel=0.15)
     assert len([line for line in page.read_text().splitlines() if line.startswith("| `")]) == 6
+
+
+@pytest.mark.slow
+@pytest.mark.exhaustive
+def test_the_last_stage_of_a_large_vocabulary_holds_what_make_estimate_memory_says(real_model, tmp_path):
+    """SmolLM2-135M (a vocabulary of 49,152, its head tied to its embeddings) under pp.yaml, bf16, 1F1B, 4
+    micro-batches of 1 x 512 tokens: the last stage's rank also holds every micro-batch's logits to the window's end
+    and the loss's fp32 copies. Each rank within 15% of its stage's row (model state within 5%), and the last stage's
+    rank above the first's by the estimated difference within 25% (the logits' share: without it the rows differ by a
+    third as much)."""
+    from conftest import run
+
+    results = tmp_path / "results.json"
+    args = f"--model_name_or_path {real_model} --runs pp.yaml:1F1B --block_size 512 --accumulation 4 --steps 2"
+    run(["make", "-s", "benchmark-pipeline-memory", f"ARGS={args} --json {results}"])
+    (result,) = json.loads(results.read_text())
+    assert result["processes"] == 2 and result["parameters"] == 134_515_008 and result["compute_dtype"] == "bfloat16"
+    first, last = result["ranks"]
+    for rank in (first, last):
+        print(
+            f"SmolLM2 rank {rank['rank']}: model state {rank['model_state_mb']:.0f} MB (estimated "
+            f"{rank['estimated_model_state_mb']:.0f}), peak {rank['peak_mb']:.0f} MB (estimated "
+            f"{rank['estimated_peak_mb']:.0f})"
+        )
+        assert rank["model_state_mb"] == pytest.approx(rank["estimated_model_state_mb"], rel=0.05)
+        assert rank["peak_mb"] == pytest.approx(rank["estimated_peak_mb"], rel=0.15)
+    measured, estimated = last["peak_mb"] - first["peak_mb"], last["estimated_peak_mb"] - first["estimated_peak_mb"]
+    print(f"the last stage's rank above the first's: {measured:.0f} MB (estimated {estimated:.0f})")
+    assert measured == pytest.approx(estimated, rel=0.25)
