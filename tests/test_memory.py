@@ -392,7 +392,7 @@ def test_each_pipeline_stage_at_101m_holds_what_make_estimate_memory_says(tmp_pa
     estimate-memory's row for its stage; the page has a row for each rank."""
     from conftest import run
 
-    results, page = tmp_path / "results.json", tmp_path / "page.md"
+    results, page = tmp_path / "results.json", tmp_path / "page.md"  # the page: not make's docs/ one
     runs = "--runs pp.yaml:1F1B dp_pp.yaml:1F1B --block_size 64 --accumulation 2 --steps 2"
     run(["make", "-s", "benchmark-pipeline-memory", f"ARGS={runs} --json {results} --docs {page}"])
     measured = json.loads(results.read_text())
@@ -422,9 +422,9 @@ def test_the_last_stage_of_a_large_vocabulary_holds_what_make_estimate_memory_sa
     third as much)."""
     from conftest import run
 
-    results = tmp_path / "results.json"
+    results, page = tmp_path / "results.json", tmp_path / "page.md"  # the page: not make's docs/ one
     args = f"--model_name_or_path {real_model} --runs pp.yaml:1F1B --block_size 512 --accumulation 4 --steps 2"
-    run(["make", "-s", "benchmark-pipeline-memory", f"ARGS={args} --json {results}"])
+    run(["make", "-s", "benchmark-pipeline-memory", f"ARGS={args} --json {results} --docs {page}"])
     (result,) = json.loads(results.read_text())
     assert result["processes"] == 2 and result["parameters"] == 134_515_008 and result["compute_dtype"] == "bfloat16"
     first, last = result["ranks"]
