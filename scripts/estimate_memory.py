@@ -21,7 +21,9 @@ c bytes per element in the compute dtype (2 in bf16, 4 in fp32):
 zero3_ulysses.yaml: ZeRO-3's model state over all N ranks; each rank's activations are those of its
 seq_len / sp_size tokens: after the exchange a rank attends for the whole row with 1/sp_size of the heads.
 fsdp_cp.yaml: FSDP2's model state over all N ranks; each rank's activations those of its seq_len / cp_size
-tokens, counted as Ulysses' are.)
+tokens, counted as Ulysses' are. pp.yaml, dp_pp.yaml: one row per rank of a pipeline, 16 bytes for each parameter of
+its stages and the activations of the micro-batches (--gradient_accumulation_steps) its schedule holds in flight:
+`estimate_stages`; the largest row is the per-device peak.)
 
 --grpo_generations G adds recipes/grpo.py's rollout: under FSDP2, ZeRO-3 and tensor parallelism the whole-weights
 copy it samples from (cΨ, the compute dtype: `rollout_bytes`; none where the weights are whole already; with
