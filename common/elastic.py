@@ -83,10 +83,11 @@ def split_launch_args(argv: list[str]) -> tuple[tuple[int, int], list[str]]:
     return (low, high), ["--num_machines", str(high), *rest]
 
 
-def check_config(config_file: str | None, nodes: tuple[int, int]) -> None:
+def check_config(config_file: str | None, nodes: tuple[int, int], launch_args=None) -> None:
     """What in the accelerate config cannot change its world, before anything starts: a launcher that is not
-    torchrun (one process, use_cpu, DeepSpeed's pdsh), or a mesh (parallelism_config) whose sizes multiply to
-    num_processes. The rendezvous and restarts are checked on torchrun's arguments (`_adjust`)."""
+    torchrun (one process, use_cpu, DeepSpeed's pdsh), or a mesh (parallelism_config, in the file or given on the
+    command line as --parallelism_config_*_size: `launch_args`) whose sizes multiply to num_processes. The
+    rendezvous and restarts are checked on torchrun's arguments (`_adjust`)."""
     from accelerate.commands.config.config_args import default_config_file, load_config_from_file
 
     config = load_config_from_file(config_file or default_config_file)
@@ -104,7 +105,13 @@ def check_config(config_file: str | None, nodes: tuple[int, int]) -> None:
             f"({deepspeed.get('deepspeed_multinode_launcher', 'pdsh')}) has no node range; set "
             "deepspeed_multinode_launcher: standard (torchrun on each node), as multi_node_zero3.yaml does"
         )
-    mesh = getattr(config, "parallelism_config", None) or {}
+    mesh = dict(getattr(config, "parallelism_config", None) or {})
+    given = {
+        k: v
+        for k, v in (vars(launch_args) if launch_args is not None else {}).items()
+        if k.startswith("parallelism_config_")
+    }
+    mesh.update({k: v for k, v in given.items() if k.endswith("_size") and v is not None and int(v) > 1})
     sizes = {k: v for k, v in mesh.items() if k.endswith("_size") and int(v) > 1}
     if sizes:
         named = " x ".join(f"{k.removeprefix('parallelism_config_')} {v}" for k, v in sizes.items())
@@ -155,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         nodes, rest = split_launch_args(list(sys.argv[1:] if argv is None else argv))
         args = launch_command_parser().parse_args(rest)
-        check_config(args.config_file, nodes)
+        check_config(args.config_file, nodes, args)
         with torchrun_adjusted(_adjust(nodes)) as called:
             launch_command(args)
         if not called:
@@ -267,6 +274,19 @@ def _ranges(ranks: list[int]) -> str:
             spans.append(f"{start}" if start == rank else f"{start}-{rank}")
             start = None
     return ", ".join(spans)
+
+
+def after_a_loss(elastic: Elastic) -> str:
+    """What a survivor's line says comes next: a new world of the nodes left, or, where this world had MIN nodes
+    (so a loss leaves fewer), a wait for a node to come back (its agent ends the launch in one line without one)."""
+    nodes = elastic.world // max(elastic.per_node, 1)
+    if nodes > elastic.min_nodes:
+        return "elastic launch: the nodes left form a new world and resume"
+    return (
+        f"elastic launch: this world had {nodes} node{'s' * (nodes > 1)}, the least --nnodes "
+        f"{elastic.min_nodes}:{elastic.max_nodes} trains on, so it goes on only if a lost node comes back within the "
+        "rendezvous' join_timeout"
+    )
 
 
 def note_lost_peer(elastic: Elastic, message: str) -> None:

@@ -115,7 +115,7 @@ def elastic_worlds(ddp_timeout: float):
             raise
         message = message.split(". A process or node died")[0]
         elastic.note_lost_peer(launch, message)
-        exit_with_error(f"{message}; elastic launch: the nodes left form a new world and resume", 1, every_node=True)
+        exit_with_error(f"{message}; {elastic.after_a_loss(launch)}", 1, every_node=True)
 
 
 def check_resume_position(accelerator, args, state: dict) -> None:

@@ -43,7 +43,13 @@ RENDEZVOUS = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3
 
 
 def node_command(
-    config: str, port: int, machine_rank: int, args: list, nodes: str = "1:2", main: str = "127.0.0.1"
+    config: str,
+    port: int,
+    machine_rank: int,
+    args: list,
+    nodes: str = "1:2",
+    main: str = "127.0.0.1",
+    rendezvous: str = RENDEZVOUS,
 ) -> list[str]:
     """One node's launch, as `make <recipe> LAUNCH_ARGS="--nnodes 1:2 ..."` builds it (its flags, then the user's)."""
     return [
@@ -57,7 +63,7 @@ def node_command(
         "--nnodes",
         nodes,
         "--rdzv_conf",
-        RENDEZVOUS,
+        rendezvous,
         "--config_file",
         str(REPO / "accelerate_configs" / config),
         "--num_processes",
@@ -91,15 +97,16 @@ def listening(port: int) -> bool:
         return probe.connect_ex(("127.0.0.1", port)) == 0
 
 
-def start_two_nodes(config: str, args: list, tmp_path) -> tuple[list, int]:
-    """Node 0 first, so that its agent holds the rendezvous store (the main node's role), then node 1."""
+def start_two_nodes(config: str, args: list, tmp_path, **node) -> tuple[list, int]:
+    """Node 0 first, so that its agent holds the rendezvous store (the main node's role), then node 1. `node`:
+    node_command's node range and rendezvous settings."""
     port = free_port()
-    nodes = [start_node(node_command(config, port, 0, args), tmp_path / "node0.log")]
+    nodes = [start_node(node_command(config, port, 0, args, **node), tmp_path / "node0.log")]
     deadline = time.monotonic() + 120
     while not listening(port) and time.monotonic() < deadline and nodes[0].poll() is None:
         time.sleep(0.1)
     assert listening(port), (tmp_path / "node0.log").read_text()[-3000:]
-    nodes.append(start_node(node_command(config, port, 1, args), tmp_path / "node1.log"))
+    nodes.append(start_node(node_command(config, port, 1, args, **node), tmp_path / "node1.log"))
     return nodes, port
 
 
@@ -118,6 +125,10 @@ def finish(process: subprocess.Popen, log, timeout: float = 600) -> str:
         if process.poll() is None:
             kill_everything(process)
     return log.read_text()
+
+
+def error_lines(log: str) -> list[str]:
+    return [line for line in log.splitlines() if line.startswith("error:")]
 
 
 def world_changes(out) -> list[dict]:
@@ -162,7 +173,11 @@ def test_a_bad_node_range_is_one_line(argv, expected, capsys):
         ("multi_node_hsdp.yaml", r"its mesh \(dp_replicate_size 2 x dp_shard_size 8\) is fixed to num_processes"),
         ("multi_node_hsdp_tp.yaml", r"tp_size 2\) is fixed to num_processes"),
         ("tp.yaml", r"its mesh \(tp_size 2\) is fixed"),
+        ("fsdp_tp.yaml", r"its mesh \(dp_shard_size 2 x tp_size 2\) is fixed"),
         ("pp.yaml", r"its mesh \(pp_size 2\) is fixed"),
+        ("dp_pp.yaml", r"its mesh \(pp_size 2\) is fixed"),
+        ("fsdp_cp.yaml", r"its mesh \(cp_size 2\) is fixed"),
+        ("zero3_ulysses.yaml", r"its mesh \(sp_size 2\) is fixed"),
     ],
 )
 def test_a_config_whose_world_cannot_change_is_refused_in_one_line(config, expected, tmp_path):
@@ -176,6 +191,18 @@ def test_a_config_whose_world_cannot_change_is_refused_in_one_line(config, expec
     with pytest.raises(UsageError, match=expected):
         elastic.check_config(str(path), (1, 2))
     elastic.check_config(str(REPO / "accelerate_configs" / "multi_node_zero3.yaml"), (1, 2))  # the templates pass
+
+
+@pytest.mark.parametrize("flag", ["--parallelism_config_tp_size", "--parallelism_config_dp_shard_size"])
+def test_a_mesh_given_on_the_command_line_is_refused_in_one_line_before_anything_starts(flag, capsys):
+    """multi_node_fsdp.yaml has no mesh, but accelerate launch takes one as flags: refused as in a config."""
+    argv = ["--nnodes", "1:2", "--config_file", str(REPO / "accelerate_configs/multi_node_fsdp.yaml"), flag, "2"]
+    with pytest.raises(SystemExit) as exit_info:
+        elastic.main([*argv, "--use_parallelism_config", str(REPO / "recipes/causal_lm.py")])
+    errors = error_lines(capsys.readouterr().err)
+    size = flag.removeprefix("--parallelism_config_")
+    assert exit_info.value.code == 2 and len(errors) == 1, errors
+    assert re.search(rf"multi_node_fsdp.yaml: its mesh \({size} 2\) is fixed to num_processes", errors[0]), errors
 
 
 @pytest.mark.parametrize(
@@ -271,7 +298,14 @@ def test_a_run_that_loses_a_node_goes_on_alone_with_the_same_losses(config, mark
 
 @pytest.mark.slow
 @pytest.mark.exhaustive
-@pytest.mark.parametrize("config, fixed", [("multi_node_ddp.yaml", "ddp.yaml"), ("multi_node_fsdp.yaml", "fsdp.yaml")])
+@pytest.mark.parametrize(
+    "config, fixed",
+    [
+        ("multi_node_ddp.yaml", "ddp.yaml"),
+        ("multi_node_fsdp.yaml", "fsdp.yaml"),
+        ("multi_node_zero3.yaml", "zero3.yaml"),
+    ],
+)
 def test_a_node_that_comes_back_joins_and_the_world_grows_back(config, fixed, markov_data, tmp_path):
     """Node 1 killed after step 6, started again with the same command once node 0 trains alone: node 0's agent
     admits it, both resume from the latest checkpoint on two processes (accumulation 2 -> 1), and every step matches
@@ -297,7 +331,11 @@ def test_a_node_that_comes_back_joins_and_the_world_grows_back(config, fixed, ma
     lines = [line for line in log.splitlines() if line.startswith("world ")]
     assert len(lines) == 2 and lines[1].startswith("world 1 -> 2 processes after 1 process joined at step "), lines
     record = read_run(out)
-    assert record["participating_processes"] == 2 and len(record["world_changes"]) == 2
+    said = [line for line in (log + returned).splitlines() if re.match(r"(world|error:|a new world|restart \d)", line)]
+    assert record["participating_processes"] == 2 and len(record["world_changes"]) == 2, (
+        record["world_changes"],
+        said,
+    )
     assert record["world_changes"][1]["accumulation"] == [2, 1] and record["args"]["gradient_accumulation_steps"] == 1
     print(f"{config} grown back: {lines[1]}; its parts {record['world_changes'][1]['seconds']}")
     gap, weights = compare(out, reference, f"{config}, node 1 lost at step 6 and back")
@@ -356,6 +394,65 @@ def test_losing_the_main_node_ends_the_other_in_one_line(markov_data, tmp_path):
         r"--resume_from_checkpoint latest",
         errors[-1],
     ), log[-4000:]
+
+
+@pytest.mark.slow
+@pytest.mark.exhaustive
+def test_a_loss_that_leaves_fewer_than_min_nodes_ends_the_run_in_one_line(markov_data, tmp_path):
+    """--nnodes 2:2 (the last node that may be lost already trains): node 1 killed after step 6. Node 0's worker
+    says in its one line that the run goes on only if a node comes back; its agent waits the rendezvous'
+    join_timeout (15 s here, 600 s by default) for one, then ends the launch with one line. No world forms."""
+    out = tmp_path / "run"
+    rendezvous = RENDEZVOUS + ",join_timeout=15"
+    args = causal_lm_args(markov_data, out, **SHRINK)
+    nodes, _ = start_two_nodes("multi_node_ddp.yaml", args, tmp_path, nodes="2:2", rendezvous=rendezvous)
+    wait_for(lambda: logged_steps(out) >= 6, nodes)
+    killed_at = time.monotonic()
+    kill_everything(nodes[1])
+    log = finish(nodes[0], tmp_path / "node0.log", timeout=180)
+    errors = error_lines(log)
+    print(f"node 0 ended {time.monotonic() - killed_at:.1f} s after node 1 was lost: {errors}")
+    assert nodes[0].returncode == 1 and len(errors) == 2, log[-4000:]
+    assert re.search(
+        r"lost contact with rank 1 .*; elastic launch: this world had 2 nodes, the least --nnodes 2:2 trains on, so "
+        r"it goes on only if a lost node comes back within the rendezvous' join_timeout$",
+        errors[0],
+    ), errors
+    assert re.search(
+        r"^error: fewer than 2 nodes \(--nnodes 2:2\) joined the rendezvous at 127\.0\.0\.1:\d+ within its "
+        r"join_timeout: start the missing nodes .*--resume_from_checkpoint latest$",
+        errors[1],
+    ), errors
+    assert not any(line.startswith("world ") for line in log.splitlines()) and len(world_changes(out)) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.exhaustive
+def test_a_checkpoint_that_cannot_be_converted_for_the_new_world_ends_the_run_in_one_line(markov_data, tmp_path):
+    """multi_node_zero3.yaml, node 1 killed after step 6; once node 0's worker has ended (its lost-contact line),
+    the ZeRO optimizer shards of every checkpoint are deleted. The world of one node must convert the latest (written
+    by 2 processes) to DeepSpeed's universal format: the conversion fails, its line is printed once, and the worlds
+    the remaining restarts form end at once."""
+    out = tmp_path / "run"
+    nodes, _ = start_two_nodes("multi_node_zero3.yaml", causal_lm_args(markov_data, out, **SHRINK), tmp_path)
+    wait_for(lambda: logged_steps(out) >= 6, nodes)
+    kill_everything(nodes[1])
+    wait_for(lambda: "error: lost contact" in (tmp_path / "node0.log").read_text(), nodes, timeout=120)
+    shards = list((out / "checkpoints").glob("step_*/pytorch_model/*optim_states.pt"))
+    assert shards
+    for shard in shards:
+        shard.unlink()
+    log = finish(nodes[0], tmp_path / "node0.log")
+    errors = error_lines(log)
+    print(f"{len(shards)} shards deleted: {errors}")
+    assert nodes[0].returncode != 0 and len(errors) == 2, log[-6000:]
+    assert re.search(r"lost contact with rank 1 .*; elastic launch: the nodes left form a new world", errors[0])
+    assert re.search(
+        r"^error: checkpoint \S+/step_\d+ could not be converted for another number of processes "
+        r"\(deepspeed\.checkpoint\.ds_to_universal: .*\); resume it on the number of processes that wrote it",
+        errors[1],
+    ), errors
+    assert re.search(r"exitcode\s*: 2\b", log) and len(world_changes(out)) == 0
 
 
 @pytest.mark.slow
