@@ -326,7 +326,14 @@ class WorldWatch:
             return
         store = self.elastic.store()
         previous = json.loads(store.get(KEY + "world")) if store.check([KEY + "world"]) else None
-        earlier = _read_json(os.path.join(output_dir, "run.json")).get("world_changes", [])
+        # this launch's changes from the store: run.json is rewritten whole (common.run_info.record_run) before
+        # `started` adds them back, so a world that fails in between would drop them there; a launch resuming an
+        # earlier one's run (a new store) reads them from run.json
+        earlier = (
+            json.loads(store.get(KEY + "changes"))
+            if store.check([KEY + "changes"])
+            else _read_json(os.path.join(output_dir, "run.json")).get("world_changes", [])
+        )
         self.changes = earlier if resumed_step else []
         notes = []  # read and cleared at every world: a restart on the same nodes leaves none for a later change
         if store.check([KEY + "lost"]):
@@ -378,6 +385,7 @@ class WorldWatch:
             self.changes = [*self.changes, self.change]
         metrics.record_in_run_json("world_changes", self.changes)
         store = self.elastic.store()
+        store.set(KEY + "changes", json.dumps(self.changes))
         world = {"members": self.members, "accumulation": self.batch["accumulation"], "metrics_clock": clock}
         store.set(KEY + "world", json.dumps(world))
         store.set(KEY + "underway", "1")
@@ -399,6 +407,7 @@ class WorldWatch:
         seconds["first_step_logged"] = row["step"]
         self.changes[-1] = self.change
         metrics.record_in_run_json("world_changes", self.changes)
+        self.elastic.store().set(KEY + "changes", json.dumps(self.changes))
         print(
             "world change: "
             + ", ".join(f"{k} {v:.1f} s" for k, v in seconds.items() if isinstance(v, float) and k != "last_step_at"),

@@ -243,6 +243,53 @@ def test_the_global_batch_is_kept_on_every_world_of_the_range_or_refused(monkeyp
     assert elastic.keep_global_batch(elastic.Elastic(1, 3, "127.0.0.1", 1), args)["accumulation"] == 6
 
 
+class RunRecords:
+    """common.metrics.MetricsLogger's part the world's account uses: run.json's fields, its clock."""
+
+    def __init__(self, out):
+        self.path, self.start_time = out / "run.json", time.perf_counter()
+
+    def record_in_run_json(self, key: str, value) -> None:
+        self.path.write_text(json.dumps({**json.loads(self.path.read_text()), key: value}))
+
+    def log_event(self, row: dict) -> None:
+        pass
+
+
+def test_a_world_that_fails_as_it_starts_leaves_the_next_one_the_launchs_world_changes(tmp_path, monkeypatch):
+    """run.json is written afresh as each world starts (common.run_info.record_run) and its world_changes added
+    back once the world trains: a world that fails in between must not cost the next one the launch's earlier
+    changes (seen once under zero3's grow: run.json kept the grow only). Worlds of (host, agent) members: 2 -> 1
+    (node 1 lost), then 1 -> 2 twice, the first of them failing after run.json was rewritten."""
+    import accelerate.utils
+    import torch.distributed
+
+    port = free_port()
+    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # the agent's
+    launch, out = elastic.Elastic(1, 2, "127.0.0.1", port), tmp_path
+    (out / "metrics.jsonl").write_text(json.dumps({"step": 6, "loss": 1.0, "elapsed_s": 1.0}) + "\n")
+    main = SimpleNamespace(is_main_process=True)
+
+    def world(members: list, resumed_step: int, accumulation: int, fails: bool = False) -> None:
+        monkeypatch.setattr(accelerate.utils, "gather_object", lambda _: members)
+        watch = elastic.WorldWatch(launch, {"accumulation": accumulation, "global_batch": 8}, time.time())
+        watch.begin(main, str(out), resumed_step, (time.time(), time.time()))
+        (out / "run.json").write_text(json.dumps({"args": {}}))  # record_run
+        if not fails:
+            watch.started(RunRecords(out), main)
+
+    world([["host", 10], ["host", 11]], 0, 1)
+    world([["host", 10]], 4, 2)
+    world([["host", 10], ["host", 12]], 10, 1, fails=True)
+    world([["host", 10], ["host", 12]], 10, 1)
+    changes = json.loads((out / "run.json").read_text())["world_changes"]
+    assert [(c["from_processes"], c["to_processes"], c["resumed_from_step"]) for c in changes] == [
+        (2, 1, 4),
+        (1, 2, 10),
+    ]
+    del store
+
+
 def test_make_launches_a_node_range_through_the_elastic_launcher():
     command = run(
         ["make", "-n", "causal_lm", "CONFIG=accelerate_configs/multi_node_ddp.yaml", "LAUNCH_ARGS=--nnodes 1:2"]
