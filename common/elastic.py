@@ -326,15 +326,15 @@ class WorldWatch:
             return
         store = self.elastic.store()
         previous = json.loads(store.get(KEY + "world")) if store.check([KEY + "world"]) else None
-        # this launch's changes from the store: run.json is rewritten whole (common.run_info.record_run) before
-        # `started` adds them back, so a world that fails in between would drop them there; a launch resuming an
-        # earlier one's run (a new store) reads them from run.json
-        earlier = (
-            json.loads(store.get(KEY + "changes"))
-            if store.check([KEY + "changes"])
-            else _read_json(os.path.join(output_dir, "run.json")).get("world_changes", [])
-        )
-        self.changes = earlier if resumed_step else []
+        # This launch's changes, from the store: every one of them, also where this world starts afresh (a loss
+        # before the first checkpoint); and run.json is rewritten whole (common.run_info.record_run) before `started`
+        # adds them back, so a world that fails in between would drop them there. A launch that resumes an earlier
+        # one's run (a new store) reads that run's from run.json.
+        if store.check([KEY + "changes"]):
+            self.changes = json.loads(store.get(KEY + "changes"))
+        else:
+            earlier = _read_json(os.path.join(output_dir, "run.json")).get("world_changes", [])
+            self.changes = earlier if resumed_step else []
         notes = []  # read and cleared at every world: a restart on the same nodes leaves none for a later change
         if store.check([KEY + "lost"]):
             notes = [json.loads(line) for line in store.get(KEY + "lost").decode().splitlines() if line]

@@ -256,11 +256,17 @@ class RunRecords:
         pass
 
 
-def test_a_world_that_fails_as_it_starts_leaves_the_next_one_the_launchs_world_changes(tmp_path, monkeypatch):
-    """run.json is written afresh as each world starts (common.run_info.record_run) and its world_changes added
-    back once the world trains: a world that fails in between must not cost the next one the launch's earlier
-    changes (seen once under zero3's grow: run.json kept the grow only). Worlds of (host, agent) members: 2 -> 1
-    (node 1 lost), then 1 -> 2 twice, the first of them failing after run.json was rewritten."""
+@pytest.mark.parametrize(
+    "shrink_from, grow_from, grow_fails",
+    [(4, 10, True), (0, 0, False)],
+    ids=["a world failing after run.json was rewritten", "no checkpoint yet at either change"],
+)
+def test_every_world_of_a_launch_counts_its_world_changes(shrink_from, grow_from, grow_fails, tmp_path, monkeypatch):
+    """Worlds of (host, agent) members: 2 -> 1 (node 1 lost), then 1 -> 2 (it came back); run.json's world_changes
+    must hold both. run.json is written afresh as each world starts (common.run_info.record_run) and the changes
+    added back once the world trains: a world that fails in between must not cost the next one the launch's earlier
+    changes; nor may a world that starts afresh (no checkpoint yet: seen in make test-all's zero3 grow, node 1
+    admitted at step 3 of a world started from step 0, run.json kept the grow only)."""
     import accelerate.utils
     import torch.distributed
 
@@ -279,13 +285,14 @@ def test_a_world_that_fails_as_it_starts_leaves_the_next_one_the_launchs_world_c
             watch.started(RunRecords(out), main)
 
     world([["host", 10], ["host", 11]], 0, 1)
-    world([["host", 10]], 4, 2)
-    world([["host", 10], ["host", 12]], 10, 1, fails=True)
-    world([["host", 10], ["host", 12]], 10, 1)
+    world([["host", 10]], shrink_from, 2)
+    if grow_fails:
+        world([["host", 10], ["host", 12]], grow_from, 1, fails=True)
+    world([["host", 10], ["host", 12]], grow_from, 1)
     changes = json.loads((out / "run.json").read_text())["world_changes"]
     assert [(c["from_processes"], c["to_processes"], c["resumed_from_step"]) for c in changes] == [
-        (2, 1, 4),
-        (1, 2, 10),
+        (2, 1, shrink_from),
+        (1, 2, grow_from),
     ]
     del store
 
@@ -354,9 +361,11 @@ def test_a_run_that_loses_a_node_goes_on_alone_with_the_same_losses(config, mark
     ],
 )
 def test_a_node_that_comes_back_joins_and_the_world_grows_back(config, fixed, markov_data, tmp_path):
-    """Node 1 killed after step 6, started again with the same command once node 0 trains alone: node 0's agent
-    admits it, both resume from the latest checkpoint on two processes (accumulation 2 -> 1), and every step matches
-    an uninterrupted 2-process run of the config (`fixed`) with the same global batch."""
+    """Node 1 killed after step 12 (step_10 saved by two processes); node 0 resumes from step_10 alone and, once it has
+    saved a checkpoint of its own (step_20), node 1 is started again with the same command: node 0's agent admits
+    it, both resume from node 0's latest checkpoint on two processes (accumulation 2 -> 1; under zero3 its universal
+    conversion from 1 process to 2), and every step matches an uninterrupted 2-process run of the config (`fixed`)
+    with the same global batch."""
     grow = dict(SHRINK, max_steps=400, save_steps=10)  # node 1's start-up and rendezvous while node 0 trains alone
     out, reference = tmp_path / "run", tmp_path / "reference"
     launch(
@@ -366,16 +375,16 @@ def test_a_node_that_comes_back_joins_and_the_world_grows_back(config, fixed, ma
         launcher_args=["--mixed_precision", "no"],
     )
     nodes, port = start_two_nodes(config, causal_lm_args(markov_data, out, **grow), tmp_path)
-    wait_for(lambda: logged_steps(out) >= 6, nodes)
+    wait_for(lambda: logged_steps(out) >= 12, nodes)
     kill_everything(nodes[1])
-    wait_for(lambda: (out / "metrics.jsonl").exists() and len(world_changes(out)) == 1, nodes)
+    wait_for(lambda: (out / "checkpoints" / "step_20").exists() and len(world_changes(out)) == 1, nodes)
     returning = start_node(
         node_command(config, port, 1, causal_lm_args(markov_data, out, **grow)), tmp_path / "node1.log"
     )
     log = finish(nodes[0], tmp_path / "node0.log")
     returned = finish(returning, tmp_path / "node1.log")
     assert nodes[0].returncode == 0 and returning.returncode == 0, (log[-4000:], returned[-4000:])
-    lines = [line for line in log.splitlines() if line.startswith("world ")]
+    lines = re.findall(r"world \d+ -> \d+ processes [^\r\n]*", log)  # (a killed world's progress bar ends no line)
     assert len(lines) == 2 and lines[1].startswith("world 1 -> 2 processes after 1 process joined at step "), lines
     record = read_run(out)
     said = [line for line in (log + returned).splitlines() if re.match(r"(world|error:|a new world|restart \d)", line)]
@@ -383,9 +392,12 @@ def test_a_node_that_comes_back_joins_and_the_world_grows_back(config, fixed, ma
         record["world_changes"],
         said,
     )
-    assert record["world_changes"][1]["accumulation"] == [2, 1] and record["args"]["gradient_accumulation_steps"] == 1
-    print(f"{config} grown back: {lines[1]}; its parts {record['world_changes'][1]['seconds']}")
-    gap, weights = compare(out, reference, f"{config}, node 1 lost at step 6 and back")
+    shrink, grown = record["world_changes"]
+    assert shrink["resumed_from_step"] == 10 and grown["resumed_from_step"] >= 20, record["world_changes"]
+    assert grown["accumulation"] == [2, 1] and record["args"]["gradient_accumulation_steps"] == 1
+    assert (grown["seconds"]["conversion"] > 0.1) == (config == "multi_node_zero3.yaml"), grown["seconds"]
+    print(f"{config} grown back: {lines[1]}; its parts {grown['seconds']}")
+    gap, weights = compare(out, reference, f"{config}, node 1 lost at step 12 and back")
     assert gap < 1e-5 and weights < 1e-5
 
 
