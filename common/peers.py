@@ -47,7 +47,9 @@ def lost_peer_message(error: BaseException, timeout: float | None) -> str | None
     if not (from_the_backend(error) and LOST_PEER.search(text)):
         return None
     reason = next((line.strip() for line in text.splitlines() if LOST_PEER.search(line)), text.splitlines()[0])
-    reason = re.sub(r"^\[[^\]]*\.(cc|cpp):\d+\]\s*", "", reason)[:200]  # drop the backend's source location
+    reason = re.sub(r"^\[[^\]]*\.(cc|cpp):\d+\]\s*", "", reason)  # drop the backend's source location
+    if len(reason) > 200:  # the backend's first line can run on: cut at a word, and say so
+        reason = reason[:200].rsplit(" ", 1)[0].rstrip(",;:") + " ..."
     addresses = sorted({address for address, _ in ADDRESS.findall(text)})
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     others = [r for r in range(world) if r != rank]

@@ -135,6 +135,18 @@ def launched_settings() -> PipelineSettings | None:
     return None
 
 
+@functools.cache
+def schedule_keeps_outputs() -> bool:
+    """Whether torch's schedules keep the last stage's logits of every micro-batch to the window's end and merge
+    them into one more copy: torch before `step(return_outputs=False)`, which common.pipeline passes (it reads only
+    the losses, computed inside the schedule)."""
+    import inspect
+
+    from torch.distributed.pipelining import ScheduleGPipe
+
+    return "return_outputs" not in inspect.signature(ScheduleGPipe.step).parameters
+
+
 def stage_layers(num_layers: int, num_stages: int) -> list[list[int]]:
     """Decoder layer indices of each stage, torchtitan's rule: the embeddings and the final norm with the head
     each weigh one layer, and the num_layers + 2 units are dealt out as evenly as they go (the first stages one
@@ -360,6 +372,8 @@ class PipelineModel(torch.nn.Module):
         schedule = self._schedule(rows.pop(), length)
         losses = []
         first = 0 in self.stage_indices
+        if not schedule_keeps_outputs():  # the loss runs inside the schedule: its logits are not needed after it
+            kwargs["return_outputs"] = False
         with self.accelerator.autocast():
             schedule.step(*([inputs] if first else []), target=labels, losses=losses, **kwargs)
         self.accelerator.sum_over_replicas(self.module)

@@ -2,15 +2,13 @@
 
 Launches recipes/causal_lm.py under accelerate_configs/pp.yaml (2 stages, fp32) once per schedule and number of
 micro-batches m (its --gradient_accumulation_steps, each micro-batch the same size), and reads each run's step
-times from its metrics.jsonl (the median after the first steps). Under a schedule, a step of m micro-batches on p
-stages takes about (m + p - 1) slots of one micro-batch's forward and backward on one stage (Interleaved1F1B's
-slots are half a stage's, with v = 2 stages per rank: v m + p - 1 of them): a fixed part a and a part s per
-micro-batch. The script fits t(m) = a + s m to each schedule's step times (least squares) and reports the share of
-each step that is not the micro-batches' own work, a / t(m) = 1 - s m / t(m), beside the schedule's bubble,
-(p - 1) / (m + p - 1) (Interleaved1F1B: (p - 1) / (v m + p - 1)). The measured share also holds the optimizer
-step, clipping and logging, which run once per step whatever m is.
+times from its metrics.jsonl (the median after the first steps). Beside them, the same steps on one process with
+one thread (single.yaml, OMP_NUM_THREADS=1: one stage's core doing every stage's work), t1(m). A pipeline of p
+stages that wasted nothing would take t1(m) / p a step; the measured idle share of a step is 1 - t1(m) / (p t(m)):
+the bubble, the stages' messages and any imbalance between the stages, beside the schedule's bubble
+(p - 1) / (m + p - 1) (Interleaved1F1B, v = 2 stages per rank: (p - 1) / (v m + p - 1)).
 
-    python scripts/benchmark_bubble.py                          # writes docs/benchmark-bubble.md (about 4 minutes)
+    python scripts/benchmark_bubble.py                          # writes docs/benchmark-bubble.md (about 6 minutes)
     python scripts/benchmark_bubble.py --micro_batches 1 4 --schedules 1F1B --docs /tmp/bubble.md
 """
 
@@ -39,7 +37,10 @@ MODEL = {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 8, "
 
 
 def predicted(schedule: str, micro_batches: int, stages: int = 2) -> float:
-    slots = (2 if schedule == "Interleaved1F1B" else 1) * micro_batches
+    """The schedule's bubble. Interleaved1F1B's (p - 1) / (2m + p - 1) holds from m = p micro-batches; one
+    micro-batch passes the ranks' stages in turn, each rank idle while the others work: (p - 1) / p."""
+    interleaved = schedule == "Interleaved1F1B" and micro_batches > 1
+    slots = (2 if interleaved else 1) * micro_batches
     return (stages - 1) / (slots + stages - 1)
 
 
@@ -49,14 +50,17 @@ def step_times(metrics: str, skip: int) -> list[float]:
     return [b - a for a, b in zip(elapsed, elapsed[1:])][skip:]
 
 
-def run(schedule: str, micro_batches: int, args, tmp: str, data: str, model: str) -> float:
-    """The median step time of one launch (s)."""
-    config = yaml.safe_load(open(os.path.join(REPO, "accelerate_configs/pp.yaml")))
-    config["parallelism_config"]["parallelism_config_pp_schedule"] = schedule
-    path = os.path.join(tmp, f"{schedule}.yaml")
-    with open(path, "w") as handle:
-        yaml.safe_dump(config, handle)
-    out = os.path.join(tmp, f"{schedule}_{micro_batches}")
+def run(schedule: str | None, micro_batches: int, args, tmp: str, data: str, model: str) -> float:
+    """The median step time of one launch (s): pp.yaml under `schedule`, or one process with one thread (None)."""
+    if schedule is None:
+        path = os.path.join(REPO, "accelerate_configs/single.yaml")
+    else:
+        config = yaml.safe_load(open(os.path.join(REPO, "accelerate_configs/pp.yaml")))
+        config["parallelism_config"]["parallelism_config_pp_schedule"] = schedule
+        path = os.path.join(tmp, f"{schedule}.yaml")
+        with open(path, "w") as handle:
+            yaml.safe_dump(config, handle)
+    out = os.path.join(tmp, f"{schedule or 'single'}_{micro_batches}")
     command = [
         os.path.join(os.path.dirname(sys.executable), "accelerate"),
         "launch",
@@ -78,21 +82,22 @@ def run(schedule: str, micro_batches: int, args, tmp: str, data: str, model: str
         *("--report_to", "none"),
     ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if schedule is None:
+        env["OMP_NUM_THREADS"] = "1"  # one stage's share of the host: pp.yaml's 2 processes get a core each
     result = subprocess.run(command, env=env, capture_output=True, text=True)
     if result.returncode:
-        raise SystemExit(f"error: {schedule} at {micro_batches} micro-batches failed:\n{result.stderr[-3000:]}")
+        raise SystemExit(
+            f"error: {schedule or 'one process'} at {micro_batches} micro-batches failed:\n{result.stderr[-3000:]}"
+        )
     return statistics.median(step_times(os.path.join(out, "metrics.jsonl"), skip=2))
 
 
-def fit(points: dict) -> tuple[float, float]:
-    """(a, s) of t(m) = a + s m, least squares over {m: t}."""
-    xs, ys = list(points), list(points.values())
-    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
-    return mean_y - slope * mean_x, slope
+def idle_share(step: float, single: float, stages: int = 2) -> float:
+    """The share of a pipelined step not spent on its stage's part of one process's work: 1 - t1 / (p t)."""
+    return 1 - single / (stages * step)
 
 
-def write_page(times: dict, args, seconds: float, loads: list, doc: str) -> None:
+def write_page(times: dict, single: dict, args, seconds: float, loads: list, doc: str) -> None:
     import torch
     import transformers
 
@@ -113,22 +118,28 @@ def write_page(times: dict, args, seconds: float, loads: list, doc: str) -> None
         f"first two. The whole script took {seconds:.0f} s; the host's 1-minute load average was {loads[0]:.1f} at "
         f"its start and {loads[1]:.1f} at its end (its own 2 processes make about 2).",
         "",
-        "Fixed share: a / t(m) from the fit t(m) = a + s m over the schedule's runs, the part of a step that is not "
-        "its micro-batches' work (the bubble, and the optimizer step, clipping and logging). Bubble: the schedule's "
-        "(p - 1) / (m + p - 1), p = 2 (Interleaved1F1B: (p - 1) / (2m + p - 1)).",
+        "One process: the same steps on single.yaml with one thread, t1(m), one core doing every stage's work. "
+        "Idle share (measured): 1 - t1(m) / (p t(m)), p = 2, the part of each stage's step not spent on its half of "
+        "that work (the bubble, the stages' messages, imbalance between the stages). Bubble: the schedule's "
+        "(p - 1) / (m + p - 1) (Interleaved1F1B: (p - 1) / (2m + p - 1), but (p - 1) / p at m = 1, where the one "
+        "micro-batch passes the ranks' stages in turn).",
         "",
-        "| schedule | micro-batches m | step time, s | per micro-batch, s | fixed share (measured) | bubble (schedule) |",
-        "|---|---|---|---|---|---|",
+        "| schedule | micro-batches m | step time, s | per micro-batch, s | one process, s | idle share (measured) "
+        "| bubble (schedule) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for schedule, points in times.items():
-        a, s = fit(points) if len(points) > 1 else (float("nan"), float("nan"))
         for m, t in points.items():
-            lines.append(f"| {schedule} | {m} | {t:.3f} | {t / m:.3f} | {a / t:.2f} | {predicted(schedule, m):.2f} |")
+            lines.append(
+                f"| {schedule} | {m} | {t:.3f} | {t / m:.3f} | {single[m]:.3f} | {idle_share(t, single[m]):.2f} "
+                f"| {predicted(schedule, m):.2f} |"
+            )
     lines += [
         "",
         "1F1B with fewer micro-batches than stages (m = 1) has every forward in its warm-up, GPipe's order, and "
-        "runs as GPipe (torch's 1F1B refuses it). On this 2-core host each stage has one core and the stages' messages go through gloo's loopback, so a "
-        "slot holds a stage's compute and its send; on GPUs the balance differs. The figures are these runs only.",
+        "runs as GPipe (torch's 1F1B refuses it). On this host each stage has one core and the stages' messages go "
+        "through gloo's loopback, so a slot holds a stage's compute and its send; on GPUs the balance differs. The "
+        "figures are these runs only.",
         "",
     ]
     with open(doc, "w") as page:
@@ -154,12 +165,15 @@ def main(argv=None):
         config = json.load(open(os.path.join(REPO, "recipes/configs/tiny_llama.json")))
         with open(model, "w") as handle:
             json.dump({**config, **MODEL}, handle)
-        for schedule in args.schedules:
-            times[schedule] = {}
-            for m in args.micro_batches:
-                times[schedule][m] = run(schedule, m, args, tmp, data, model)
-                print(f"{schedule} m={m}: {times[schedule][m]:.3f} s per step", flush=True)
-    write_page(times, args, time.perf_counter() - began, [load, os.getloadavg()[0]], args.docs)
+        single = {}
+        for m in args.micro_batches:  # each m's one-process run beside its schedules', so they share the host's load
+            single[m] = run(None, m, args, tmp, data, model)
+            print(f"one process m={m}: {single[m]:.3f} s per step", flush=True)
+            for schedule in args.schedules:
+                times.setdefault(schedule, {})[m] = run(schedule, m, args, tmp, data, model)
+                share = idle_share(times[schedule][m], single[m])
+                print(f"{schedule} m={m}: {times[schedule][m]:.3f} s per step, idle share {share:.2f}", flush=True)
+    write_page(times, single, args, time.perf_counter() - began, [load, os.getloadavg()[0]], args.docs)
     print("figures:", args.docs)
 
 

@@ -5,8 +5,9 @@ Runs recipes/grpo.py for --steps optimizer steps per config on --num_processes p
 --model_config (llama_100m.json: 101M parameters with the demo tokenizer), reading each run's metrics: the
 rollout's completion tokens per second per device (`rollout/tokens_per_s_per_device`, generation only), the
 gather's seconds (`rollout/gather_s_per_device`: FSDP2's, ZeRO-3's and tensor parallelism's copy of the
-whole weights, once per rollout), the update's tokens/s, and each rank's peak memory over the whole run (which
-holds the rollout's copy and KV cache). The first step is left out (warm-up). Each config runs --rounds times, the
+whole weights, once per rollout), the update's tokens/s, and each rank's peak memory through the last training
+step (which holds the rollout's copy and KV cache; the export after it gathers the whole model and is left out).
+The first step is left out (warm-up). Each config runs --rounds times, the
 order rotated each round so that the configs share the host's slow and fast moments; the medians are shown. With
 --docs the table goes to a page (make benchmark-rollouts writes docs/benchmark-rollouts.md).
 
@@ -80,7 +81,11 @@ def run_config(entry: str, args, data: str, out: str) -> dict:
         "none",
         *(("--rollout_weights", how) if how else ()),
     ]
-    result = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
+    # glibc's heap otherwise keeps what set-up freed (the model built whole, then sharded) in the resident set:
+    # about 500 MB per rank at 101M under zero3.yaml, not tensors the run holds. Large blocks mapped and unmapped
+    # each time let the resident set show what the estimate counts.
+    env = {"MALLOC_MMAP_THRESHOLD_": "65536", **os.environ}
+    result = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env)
     if result.returncode != 0:
         raise SystemExit(f"{entry} failed:\n{result.stderr[-3000:]}")
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
@@ -116,7 +121,9 @@ def run_config(entry: str, args, data: str, out: str) -> dict:
         "gather_s": mean("rollout/gather_s_per_device"),
         "generate_s": mean("rollout/generate_s_per_device"),
         "update_tokens_per_s": mean("tokens_per_s_per_device"),
-        "peak_mb": [
+        # through the last training step, before the export gathers the whole model to write final/
+        "peak_mb": [row["peak_memory_mb_per_rank"] for row in rows if "peak_memory_mb_per_rank" in row][-1],
+        "whole_run_peak_mb": [
             rank.get("peak_allocated_mb") or rank.get("peak_rss_mb") for rank in record["peak_memory_whole_run"]
         ],
         "parameters": record["total_parameters"],
@@ -209,10 +216,14 @@ def write_docs(args, results, base) -> None:
         f"{args.num_generations} completions of {args.max_completion_length} tokens at most per prompt, one prompt "
         f"per process a step, {args.steps} steps (the first left out), {args.rounds} rounds in rotated order "
         f"(medians; the peak the highest); the host's load average {args.load[0]:.1f} at the start, "
-        f"{args.load[1]:.1f} at the end (above its core count, other work shared it: compare with care). "
+        f"{args.load[1]:.1f} at the end"
+        f"{' (above its core count, other work shared it: compare with care)' if max(args.load) > os.cpu_count() else ''}. "
         "Generation tokens/s counts the completions' "
         "tokens per second of generation on each device (the gather of sharded weights apart, in its own column); "
-        "the peak is each rank's over the whole run (resident set on a CPU, the allocator's on a GPU), beside "
+        "the peak is each rank's through the last training step (the export that follows gathers the whole model "
+        "and is left out; the allocator's peak on a GPU; on a CPU the resident set, with glibc's "
+        "MALLOC_MMAP_THRESHOLD_=65536, so that memory freed during set-up, which glibc's default keeps, leaves it), "
+        "beside "
         "`make estimate-memory ... --grpo_generations G`'s.\n\n" + table,
     )
 

@@ -347,8 +347,8 @@ def estimate_stages(
     * the activations of the micro-batches its schedule has run forward and not yet backward (`schedule_actions`:
       GPipe all m; 1F1B min(m, p - rank); Interleaved1F1B its warm-up + 1, over its two stages), each its layers'
       (`activation_bytes`), on a stage before the last the hidden state it sent (kept for its backward), on the last
-      the loss's log-softmax in fp32; and there the schedule keeps every micro-batch's logits to the window's end,
-      then merges them into one more copy; autocast's low-precision copy of its weights, once (one autocast context
+      the loss's log-softmax in fp32 (a torch whose schedules lack `step(return_outputs=False)` also keeps every
+      micro-batch's logits there to the window's end, then merges them into one more copy); autocast's low-precision copy of its weights, once (one autocast context
       runs the window), and with more than one micro-batch their gradients in that precision, held to the end of each
       backward after the first (`step_transient`: autograd runs the casts' backward, older nodes, last; measured at
       101M, 2 micro-batches, one process: 93 MB of the 97 predicted), and on the last stage the loss's fp32 copy of
@@ -356,7 +356,7 @@ def estimate_stages(
     * torch's receive buffers, made for every micro-batch of the window: the hidden state (fp32, b x s x h) into
       each stage but the first, its gradient into each but the last (`communication_buffers`);
     * while it starts, the whole model in fp32: each rank builds it, then keeps its stages (`loading_peak`)."""
-    from common.pipeline import SPLITTABLE, stage_layers
+    from common.pipeline import SPLITTABLE, schedule_keeps_outputs, stage_layers
 
     if model.get("model_type") not in SPLITTABLE:
         raise ValueError(
@@ -389,7 +389,8 @@ def estimate_stages(
                 activation_bytes(shaped, batch_size, seq_len, c, checkpointing, head=False)
                 + (tokens * (4 * vocab + c * h) if last else boundary)
             )
-            held_outputs += m * tokens * c * vocab if last else 0  # each micro-batch's logits, to the window's end
+            if last and schedule_keeps_outputs():  # each micro-batch's logits, to the window's end
+                held_outputs += m * tokens * c * vocab
             buffers += (0 if first else m * boundary) + (0 if last else m * boundary)
         outstanding, in_flight, peak = [0] * per_rank, 0, 0
         for kind, local in schedule_actions(rank, size, strategy["pp_schedule"], m):

@@ -420,15 +420,19 @@ def test_pp_yaml_bf16_fine_tuning_of_a_bf16_checkpoint(markov_data, bf16_checkpo
 @pytest.mark.exhaustive
 def test_benchmark_bubble_writes_step_times_beside_the_schedules_bubble(tmp_path):
     """make benchmark-bubble at 2 and 4 micro-batches under 1F1B: a page with a row for each, the schedule's
-    bubble (p - 1) / (m + p - 1) beside the measured fixed share, and more micro-batches taking longer per step."""
+    bubble (p - 1) / (m + p - 1) beside the measured idle share against one process's time for the same steps, and
+    more micro-batches taking longer per step."""
     from conftest import run
 
     page = tmp_path / "bubble.md"
     run(["make", "-s", "benchmark-bubble", f"ARGS=--schedules 1F1B --micro_batches 2 4 --steps 5 --docs {page}"])
     rows = [line.split("|")[1:-1] for line in page.read_text().splitlines() if line.startswith("| 1F1B |")]
     assert [int(row[1]) for row in rows] == [2, 4]
-    assert [float(row[5]) for row in rows] == [0.33, 0.2]  # (2 - 1) / (m + 2 - 1)
+    assert [float(row[6]) for row in rows] == [0.33, 0.2]  # (2 - 1) / (m + 2 - 1)
     assert float(rows[1][2]) > float(rows[0][2])  # four micro-batches' work takes longer than one's
+    assert float(rows[1][4]) > float(rows[0][4]) > 0  # and one process's too
+    for row in rows:  # 1 - t1 / (2 t), from the row's own times
+        assert float(row[5]) == pytest.approx(1 - float(row[4]) / (2 * float(row[2])), abs=0.011)
 
 
 @pytest.mark.slow

@@ -77,6 +77,10 @@ def test_a_lost_peer_is_read_from_the_backends_error_not_from_the_word_timeout(m
     for error in (gloo, closed, nccl, in_backward):
         assert lost_peer_message(error, 60) is not None, error
     assert "10.77.1.2" in lost_peer_message(closed, 60)
+    text = "Connection closed by peer [10.77.1.2]:48875. " + "the backend goes on at length " * 12
+    reason = lost_peer_message(RuntimeError(text), 60).split(": ", 1)[1].split(". A process", 1)[0]
+    kept = reason.removesuffix(" ...")  # cut at a word, not mid-word, and said to be cut
+    assert len(reason) <= 204 and kept != reason and text.startswith(kept + " "), reason
     for error in (
         RuntimeError("CUDA error: the launch timed out and was terminated"),
         RuntimeError("tokenizing timed out after 600 s"),
