@@ -30,8 +30,8 @@ from estimate_memory import REPO, read_model  # noqa: E402
 
 JOB = {"num_devices": 2, "micro_batch": 1, "accumulation": 2, "seq_len": 64}
 # tp.yaml's group (and pp.yaml's pipeline) span both devices and train one batch: run at accumulation x 2 (the same
-# global batch, as choose-config's command for them says). pp.yaml is not measured by default: make benchmark's
-# memory account of its run has a category with no figure (benchmark_strategies.measured_by_category fails on it)
+# global batch, as choose-config's command for them says). pp.yaml is measured when asked (--configs), not by
+# default: its run's account counts no activations, so its memory row is not the others' like for like
 GROUPED = ["tp.yaml", "pp.yaml"]
 # Published setups: choose-config's advice beside what their authors used (as read in their files).
 SETUPS = [

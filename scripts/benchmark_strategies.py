@@ -158,9 +158,10 @@ CATEGORIES = ("parameters", "master_weights", "gradients", "optimizer_states", "
 
 def measured_by_category(run: dict) -> dict:
     """The memory account of the rank with the highest peak: MB by category, the rest of the
-    first step's peak resident set as `process and transients`."""
+    first step's peak resident set as `process and transients` (with the activations under pp.yaml, whose
+    account does not count them: common.memory hooks no saved tensors there)."""
     account = max(run["memory_per_rank"], key=lambda a: a["phases"]["first_step"]["peak_rss_mb"])
-    mb = {key: account[f"{key}_mb"] for key in CATEGORIES}
+    mb = {key: account[f"{key}_mb"] or 0.0 for key in CATEGORIES}
     peak = account["phases"]["first_step"]["peak_rss_mb"]
     return {**mb, "process and transients": max(peak - sum(mb.values()), 0.0), "peak": peak}
 
