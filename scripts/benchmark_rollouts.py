@@ -84,7 +84,7 @@ def run_config(entry: str, args, data: str, out: str) -> dict:
     # glibc's heap otherwise keeps what set-up freed (the model built whole, then sharded) in the resident set:
     # about 500 MB per rank at 101M under zero3.yaml, not tensors the run holds. Large blocks mapped and unmapped
     # each time let the resident set show what the estimate counts.
-    env = {"MALLOC_MMAP_THRESHOLD_": "65536", **os.environ}
+    env = {"MALLOC_MMAP_THRESHOLD_": "131072", **os.environ}
     result = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env)
     if result.returncode != 0:
         raise SystemExit(f"{entry} failed:\n{result.stderr[-3000:]}")
@@ -222,7 +222,7 @@ def write_docs(args, results, base) -> None:
         "tokens per second of generation on each device (the gather of sharded weights apart, in its own column); "
         "the peak is each rank's through the last training step (the export that follows gathers the whole model "
         "and is left out; the allocator's peak on a GPU; on a CPU the resident set, with glibc's "
-        "MALLOC_MMAP_THRESHOLD_=65536, so that memory freed during set-up, which glibc's default keeps, leaves it), "
+        "MALLOC_MMAP_THRESHOLD_=131072, so that memory freed during set-up, which glibc's default keeps, leaves it), "
         "beside "
         "`make estimate-memory ... --grpo_generations G`'s.\n\n" + table,
     )
