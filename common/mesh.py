@@ -82,7 +82,8 @@ def mesh_problems(
             f"parallelism_config: {named} = {product} processes but num_processes is {world}; make the "
             "sizes multiply to num_processes (HSDP: dp_replicate_size = nodes, dp_shard_size = GPUs per "
             "node; tp.yaml: tp_size = num_processes; zero3_ulysses.yaml: dp_shard_size = num_processes / "
-            "sp_size; fsdp_cp.yaml: dp_shard_size = num_processes / cp_size)"
+            "sp_size; fsdp_cp.yaml: dp_shard_size = num_processes / cp_size; pp.yaml: its pipeline size is read "
+            "from the config file of the `accelerate launch --config_file ...` that started the run)"
         )
     ulysses = distributed_type == "DEEPSPEED" and sizes.get("sp", 1) > 1  # its dp_shard: the other ranks' ZeRO
     if (sizes.get("dp_replicate", 1) > 1 or sizes.get("dp_shard", 1) > 1 and not ulysses) and not fsdp2:

@@ -39,7 +39,9 @@ SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
 SIZE_KEY, SCHEDULE_KEY = "parallelism_config_pp_size", "parallelism_config_pp_schedule"
 # the model types whose decoder forward `StageModule` repeats (LlamaModel.forward in transformers 5.23)
 SPLITTABLE = ("llama",)
-KEPT_SCHEDULES = 8  # schedules kept, one per micro-batch shape (each stage's receive buffers are shaped once)
+# schedules kept, one per micro-batch shape: each keeps its stages' receive buffers, shaped once, so padded batches
+# of many lengths would hold a set for each; one set, as make estimate-memory counts (a new shape builds anew)
+KEPT_SCHEDULES = 1
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,11 @@ def settings_problems(block: dict) -> list[str]:
             f"{SCHEDULE_KEY}: {schedule!r} is not a schedule these recipes run; use {', '.join(SCHEDULES)}"
         )
     return problems
+
+
+def whole_rounds(micro_batches: int, size: int) -> bool:
+    """Whether torch's Interleaved1F1B runs this many micro-batches on `size` ranks: whole rounds of them."""
+    return micro_batches % max(1, micro_batches // size) == 0
 
 
 def settings_in(block: dict) -> PipelineSettings | None:
@@ -101,7 +108,8 @@ def config_file_of(argv: list[str], cwd: str) -> str | None:
     """The accelerate config an `accelerate launch` command line uses (accelerate's default file when it names
     none), or None when `argv` is not one."""
     names = [os.path.basename(arg) for arg in argv]
-    if not (("accelerate" in names and "launch" in names) or "accelerate.commands.launch" in argv):
+    launcher = ("accelerate" in names and "launch" in names) or "accelerate-launch" in names
+    if not (launcher or "accelerate.commands.launch" in argv):
         return None
     for index, arg in enumerate(argv):
         if arg == "--config_file" and index + 1 < len(argv):
@@ -207,6 +215,22 @@ def check_arguments(arguments: tuple) -> None:
             value = getattr(args, flag, None)
             if value not in (None, False, "", "false"):
                 raise UsageError(f"--{flag} under pipeline parallelism: {why}")
+    if os.environ.get("ACCELERATE_MIXED_PRECISION") == "fp16":
+        raise UsageError(
+            "mixed_precision fp16 under pipeline parallelism: torch's schedule runs the backward, where "
+            "accelerate's loss scaling does not reach; use bf16 (or no)"
+        )
+    settings = launched_settings()
+    m = next(
+        (args.gradient_accumulation_steps for args in arguments if hasattr(args, "gradient_accumulation_steps")), 1
+    )
+    if settings and settings.schedule == "Interleaved1F1B" and not whole_rounds(m, settings.size):
+        runs = [n for n in range(max(1, m - settings.size), m + settings.size + 1) if whole_rounds(n, settings.size)]
+        raise UsageError(
+            f"--gradient_accumulation_steps {m} under Interleaved1F1B on {settings.size} stages: torch's schedule "
+            f"runs whole rounds of micro-batches (a multiple of max(1, m // {settings.size})); use one of "
+            f"{', '.join(map(str, runs))}, or the 1F1B schedule"
+        )
 
 
 def enabled(accelerator) -> bool:
@@ -326,10 +350,10 @@ class PipelineModel(torch.nn.Module):
             self._run_window()
         return CausalLMOutputWithPast(loss=self.losses[index])
 
-    def _schedule(self, rows: int, length: int):
+    def _schedule(self, count: int, rows: int, length: int):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-        key = (len(self.window), rows, length)
+        key = (count, rows, length)
         if key not in self.schedules:
             if len(self.schedules) >= KEPT_SCHEDULES:  # padded batches of many lengths: drop the oldest's buffers
                 self.schedules.pop(next(iter(self.schedules)))
@@ -337,13 +361,13 @@ class PipelineModel(torch.nn.Module):
                 PipelineStage(stage, index, self.settings.num_stages, self.accelerator.device, group=self.group)
                 for stage, index in zip(self.stages, self.stage_indices)
             ]
-            kwargs = dict(n_microbatches=len(self.window), loss_fn=self._loss, scale_grads=False)
+            kwargs = dict(n_microbatches=count, loss_fn=self._loss, scale_grads=False)
             if self.settings.schedule == "Interleaved1F1B":
                 self.schedules[key] = ScheduleInterleaved1F1B(stages, **kwargs)
             else:
                 # 1F1B with fewer micro-batches than stages has every forward in its warm-up: GPipe's order, which
                 # torch's 1F1B refuses to run
-                one_f_one_b = self.settings.schedule == "1F1B" and len(self.window) >= self.settings.size
+                one_f_one_b = self.settings.schedule == "1F1B" and count >= self.settings.size
                 self.schedules[key] = (Schedule1F1B if one_f_one_b else ScheduleGPipe)(stages[0], **kwargs)
         return self.schedules[key]
 
@@ -369,7 +393,17 @@ class PipelineModel(torch.nn.Module):
             kwargs["attention_mask"] = torch.cat(
                 [_pad(batch.get("attention_mask", torch.ones_like(batch["input_ids"])), length, 0) for batch in window]
             )
-        schedule = self._schedule(rows.pop(), length)
+        count = len(window)
+        if self.settings.schedule == "Interleaved1F1B":  # an epoch's last window may hold a count torch refuses:
+            while not whole_rounds(count, self.settings.size):  # add micro-batches with no label (no loss or
+                count += 1  # gradient: every term exactly 0) up to the next count it runs
+            filler = count - len(window)
+            inputs = torch.cat([inputs, inputs[-rows_of(window) :].repeat(filler, 1)]) if filler else inputs
+            labels = torch.cat([labels, torch.full_like(labels[: rows_of(window) * filler], -100)])
+            if filler and "attention_mask" in kwargs:
+                mask = kwargs["attention_mask"]
+                kwargs["attention_mask"] = torch.cat([mask, mask[-rows_of(window) :].repeat(filler, 1)])
+        schedule = self._schedule(count, rows.pop(), length)
         losses = []
         first = 0 in self.stage_indices
         if not schedule_keeps_outputs():  # the loss runs inside the schedule: its logits are not needed after it
@@ -382,7 +416,7 @@ class PipelineModel(torch.nn.Module):
         # every rank records the micro-batches' losses as DDP's do (summed token loss / num_items_in_batch)
         reported = torch.zeros(len(window), device=self.accelerator.device)
         if self.rank == self.last_rank:
-            reported = torch.stack([loss.detach().float() for loss in losses]) * self.tokens
+            reported = torch.stack([loss.detach().float() for loss in losses[: len(window)]]) * self.tokens
             reported = reported / torch.stack([torch.as_tensor(b["num_items_in_batch"]).float() for b in window]).to(
                 reported.device
             )
@@ -409,6 +443,10 @@ class PipelineModel(torch.nn.Module):
         return _broadcast(
             hidden if self.rank == self.last_rank else None, self.group, self.last_rank, self.accelerator.device
         )
+
+
+def rows_of(window: list) -> int:
+    return window[0]["input_ids"].shape[0]
 
 
 def _pad(tensor: torch.Tensor, length: int, value) -> torch.Tensor:
@@ -604,9 +642,33 @@ def whole_model(accelerator, model):
         mine = share.get(name) if owners[name] == model.rank else None
         state[name] = _broadcast(mine, model.group, owners[name], accelerator.device)
     whole.load_state_dict(state, assign=True)
+    whole.generation_config = model.module.generation_config
     if model.tied:
-        whole.tie_weights()  # the head reads the embeddings' weight again, as in the model trained    whole.generation_config = model.module.generation_config
+        whole.tie_weights()  # the head reads the embeddings' weight again, as in the model trained
     return whole.to(accelerator.device).eval()
+
+
+TIED_HEAD, EMBEDDINGS = "lm_head.weight", "model.embed_tokens.weight"
+
+
+def tied_head_alias(model) -> dict:
+    """{the stage's name: one process's} for the last stage's copy of tied embeddings. One process and FSDP2 keep
+    the one tensor's Adam state under the embeddings' name (and one process's whole-model files its weight too),
+    where the last stage knows its copy as the head's: it saves and reads them under that name."""
+    if isinstance(model, PipelineModel) and model.tied and model.rank == model.last_rank and model.rank != 0:
+        return {TIED_HEAD: EMBEDDINGS}
+    return {}
+
+
+def _renamed(moments: dict, names: dict) -> dict:
+    """An optimizer state dict (torch's, by parameter name) with parameters renamed."""
+    return {
+        "state": {names.get(name, name): value for name, value in moments["state"].items()},
+        "param_groups": [
+            {**group, "params": [names.get(name, name) for name in group["params"]]}
+            for group in moments["param_groups"]
+        ],
+    }
 
 
 def save_state(accelerator, model, optimizer, scheduler, folder: str) -> None:
@@ -621,6 +683,7 @@ def save_state(accelerator, model, optimizer, scheduler, folder: str) -> None:
     from common.internals import innermost_optimizer
 
     weights, moments = get_state_dict(model.module, innermost_optimizer(optimizer))
+    moments = _renamed(moments, tied_head_alias(model))  # a tied head's Adam state under the embeddings' name
     names = gather_object([[group["params"] for group in moments["param_groups"]]])
     for index, group in enumerate(moments["param_groups"]):
         group["params"] = list(dict.fromkeys(name for rank in names for name in rank[index]))
@@ -642,10 +705,20 @@ def load_state(accelerator, model, optimizer, scheduler, folder: str) -> None:
 
     inner = innermost_optimizer(optimizer)
     weights, moments = get_state_dict(model.module, inner)
+    aliases = tied_head_alias(model)
+    optimizer_folder = os.path.join(folder, "optimizer_0")
+    if (
+        aliases
+        and f"optimizer.state.{TIED_HEAD}.step"
+        in dcp.FileSystemReader(optimizer_folder).read_metadata().state_dict_metadata
+    ):
+        aliases = {}  # written by an earlier pipeline run, under the head's name
+    moments = _renamed(moments, aliases)
     mine = [list(group["params"]) for group in moments["param_groups"]]
     dcp.load({"model": weights}, checkpoint_id=os.path.join(folder, "pytorch_model_fsdp_0"))
-    dcp.load({"optimizer": moments}, checkpoint_id=os.path.join(folder, "optimizer_0"))
+    dcp.load({"optimizer": moments}, checkpoint_id=optimizer_folder)
     for group, names in zip(moments["param_groups"], mine):
         group["params"] = names
+    moments = _renamed(moments, {checkpoint: name for name, checkpoint in aliases.items()})
     set_state_dict(model.module, inner, model_state_dict=weights, optim_state_dict=moments)
     load_accelerator_state(folder, [], [], [scheduler], [], accelerator.process_index, scaler=accelerator.scaler)

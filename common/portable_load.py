@@ -15,6 +15,7 @@ import os
 
 import torch
 
+from common import pipeline
 from common.errors import UsageError
 from common.portable import OPTIMIZER_STATES, family
 
@@ -31,8 +32,9 @@ def load(accelerator, model, optimizer, scheduler, path: str) -> None:
         safe_open(os.path.join(path, "optimizer.safetensors"), "pt") as moments,
     ):
         # frozen parameters (LoRA's base model) come from the base model; DeepSpeed's checkpoints leave them out
+        aliases = pipeline.tied_head_alias(model)
         trainable = [name for name, parameter in _named_parameters(accelerator, model) if parameter.requires_grad]
-        missing = sorted(set(trainable) - set(weights.keys()))
+        missing = sorted(name for name in trainable if _entry(name, weights.keys(), aliases) not in weights.keys())
         if missing:
             raise UsageError(
                 f"checkpoint {path} holds no weight for {len(missing)} of this model's trained "
@@ -42,10 +44,16 @@ def load(accelerator, model, optimizer, scheduler, path: str) -> None:
         if family(accelerator) == "deepspeed":
             _load_deepspeed(accelerator, model, optimizer, weights, moments, steps)
         else:
-            _load_torch(accelerator, model, optimizer, weights, moments, steps)
+            _load_torch(accelerator, model, optimizer, weights, moments, steps, aliases)
     load_accelerator_state(path, [], [], [scheduler], [], accelerator.process_index)
     for group, lr in zip(_inner(optimizer).param_groups, scheduler.get_last_lr()):
         group["lr"] = lr  # what the schedule had set for the next step
+
+
+def _entry(name: str, saved, aliases: dict) -> str:
+    """The file's entry for this model's parameter: its own name, else its alias (a pipeline's last stage reads
+    its copy of tied embeddings, its head, from the embeddings' entry where the file holds the tensor once)."""
+    return name if name in saved else aliases.get(name, name)
 
 
 def _named_parameters(accelerator, model):
@@ -66,7 +74,7 @@ def _inner(optimizer):
     return innermost_optimizer(optimizer)
 
 
-def _load_torch(accelerator, model, optimizer, weights, moments, steps) -> None:
+def _load_torch(accelerator, model, optimizer, weights, moments, steps, aliases: dict) -> None:
     """One process, DDP, FSDP2: the full state read on the first process only and sent to the others (torch's
     broadcast_from_rank0; FSDP2 keeps each rank's shard of it)."""
     from torch.distributed.checkpoint.state_dict import (
@@ -75,16 +83,16 @@ def _load_torch(accelerator, model, optimizer, weights, moments, steps) -> None:
         set_optimizer_state_dict,
     )
 
-    from common import pipeline
-
     module, inner = _module(accelerator, model), _inner(optimizer)
     # pp.yaml: each rank holds other parameters (its stages), so each reads its own from the file
     several = accelerator.num_processes > 1 and not pipeline.enabled(accelerator)
     first = accelerator.process_index == 0 or pipeline.enabled(accelerator)
     options = StateDictOptions(full_state_dict=True, strict=False, broadcast_from_rank0=several)
-    wanted = set(module.state_dict().keys()) & set(weights.keys())  # every trained parameter: `load` checked
+    saved = set(weights.keys())
+    entries = {name: _entry(name, saved, aliases) for name in module.state_dict()}
+    wanted = {name: entry for name, entry in entries.items() if entry in saved}  # `load` checked the trained ones
     set_model_state_dict(
-        module, {name: weights.get_tensor(name) for name in sorted(wanted)} if first else {}, options=options
+        module, {name: weights.get_tensor(wanted[name]) for name in sorted(wanted)} if first else {}, options=options
     )
     names = {id(parameter): name for name, parameter in module.named_parameters()}
     groups = [
@@ -94,12 +102,13 @@ def _load_torch(accelerator, model, optimizer, weights, moments, steps) -> None:
     state = (
         {
             name: {
-                "step": torch.tensor(steps[name], dtype=torch.float32),
-                **{key: moments.get_tensor(f"{name}.{key}") for key in OPTIMIZER_STATES},
+                "step": torch.tensor(steps[entry], dtype=torch.float32),
+                **{key: moments.get_tensor(f"{entry}.{key}") for key in OPTIMIZER_STATES},
             }
             for group in groups
             for name in group["params"]
-            if name in steps
+            for entry in [_entry(name, steps, aliases)]
+            if entry in steps
         }
         if first
         else {}

@@ -816,10 +816,12 @@ def launch_line(choice: dict, args, path: str) -> str:
         else ""
     )
     node = " --machine_rank NODE_RANK --main_process_ip NODE0_ADDRESS" if args.num_nodes > 1 else ""
+    # sft.py packs by default; a pipeline carries no packed row's per-example attention between stages
+    unpacked = " --packing false" if args.recipe == "sft" and choice["strategy"].get("pp_size", 1) > 1 else ""
     return (
         f"accelerate launch --config_file {path}{node} recipes/{args.recipe}.py --per_device_train_batch_size "
         f"{choice['micro_batch']} --gradient_accumulation_steps {choice['accumulation']} --block_size "
-        f"{args.seq_len}{checkpointing}{' --use_peft true' if args.use_peft else ''} ..."
+        f"{args.seq_len}{checkpointing}{' --use_peft true' if args.use_peft else ''}{unpacked} ..."
     )
 
 

@@ -604,6 +604,11 @@ def test_a_model_that_fits_no_device_is_pipelined_over_slow_links_and_the_yaml_c
     block = yaml.safe_load(written)["parallelism_config"]
     assert block == {"parallelism_config_pp_size": 2, "parallelism_config_pp_schedule": chosen["schedule"]}
     assert f"--gradient_accumulation_steps {chosen['accumulation']} " in written.splitlines()[1]
+    assert "--packing" not in written.splitlines()[1]
+    # sft.py packs by default, which a pipeline refuses: its command says --packing false
+    sft = llama3_8b_on_2_h200(tmp_path / "sft", "--link_gbps", 1, "--recipe", "sft", global_batch=8)
+    assert sft["rows"][0]["config"] == "pp.yaml"
+    assert " --packing false " in (tmp_path / "sft" / "chosen.yaml").read_text().splitlines()[1]
     fast = llama3_8b_on_2_h200(tmp_path / "fast", "--link_gbps", 360, global_batch=8)
     assert fast["rows"][0]["pp_size"] == 1 and fast["rows"][0]["step_s"] < chosen["step_s"]
 

@@ -123,6 +123,8 @@ def test_pp_yaml_trains_causal_lm_as_one_process_and_checkpoints_each_stage(pipe
     batch = torch.randint(0, 40, (2, 16), generator=torch.Generator().manual_seed(0))
     logits = [AutoModelForCausalLM.from_pretrained(path / "final")(batch).logits for path in (ours, reference)]
     assert torch.allclose(logits[0], logits[1], atol=1e-5), (logits[0] - logits[1]).abs().max()
+    generation = [json.loads((path / "final" / "generation_config.json").read_text()) for path in (ours, reference)]
+    assert {**generation[0], "transformers_version": None} == {**generation[1], "transformers_version": None}
 
 
 @pytest.mark.slow
@@ -212,6 +214,49 @@ def test_a_pp_checkpoint_resumes_under_pp_fsdp_and_ddp_and_a_one_process_one_und
 
 @pytest.mark.slow
 @pytest.mark.exhaustive
+def test_tied_embeddings_resume_between_pp_one_process_and_fsdp(small_markov, tmp_path):
+    """A Llama whose head is its embeddings (SmolLM2's, Llama 3.2's): one process and FSDP2 keep the one tensor's
+    Adam state under the embeddings' name, the last stage under its head's. Step 3's checkpoint of each resumed under
+    pp.yaml (and pp.yaml's under fsdp.yaml) continues to the uninterrupted run's losses and weights."""
+    config = json.loads((REPO / "recipes/configs/tiny_llama.json").read_text())
+    (tmp_path / "tied.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    runs = {}
+    for config, batch in (("pp.yaml", 4), ("single.yaml", 4), ("fsdp.yaml", 2)):
+        runs[config] = tmp_path / config
+        args = epoch_args(
+            small_markov, runs[config], model_config=tmp_path / "tied.json", per_device_train_batch_size=batch
+        )
+        if config == "single.yaml":
+            launch_one_process("causal_lm.py", args, launcher_args=FP32)
+        else:
+            launch(config, "causal_lm.py", args, launcher_args=FP32)
+    full = runs["pp.yaml"]
+    assert relative_gaps(full, runs["single.yaml"]) < FP32_TOLERANCE
+    logged = [line for line in (full / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+    for config, batch, source in (
+        ("pp.yaml", 4, "pp.yaml"),
+        ("pp.yaml", 4, "single.yaml"),
+        ("pp.yaml", 4, "fsdp.yaml"),
+        ("fsdp.yaml", 2, "pp.yaml"),
+    ):
+        stopped = tmp_path / f"{config}_from_{source}"
+        shutil.copytree(runs[source] / "checkpoints/step_3", stopped / "checkpoints/step_3")
+        (stopped / "metrics.jsonl").write_text("\n".join(logged[:3]) + "\n")
+        args = epoch_args(
+            small_markov,
+            stopped,
+            model_config=tmp_path / "tied.json",
+            resume_from_checkpoint="latest",
+            per_device_train_batch_size=batch,
+        )
+        launch(config, "causal_lm.py", args, launcher_args=FP32)
+        assert read_run(stopped)["participating_processes"] == 2
+        assert relative_gaps(stopped, full) < FP32_TOLERANCE, (config, source)
+        assert max_weight_difference(stopped / "final", full / "final") < FP32_TOLERANCE, (config, source)
+
+
+@pytest.mark.slow
+@pytest.mark.exhaustive
 def test_sft_on_padded_chats_of_varying_length_trains_as_one_process_under_gpipe(counting_data, tmp_path):
     """Each window's micro-batches are padded to its longest (labels -100, attention masked): the same losses."""
     values = dict(
@@ -247,22 +292,24 @@ def test_sft_on_padded_chats_of_varying_length_trains_as_one_process_under_gpipe
 
 @pytest.mark.slow
 @pytest.mark.exhaustive
-def test_interleaved_1f1b_runs_two_stages_per_rank_as_one_process(markov_data, tmp_path):
-    """4 stages of a 4-layer Llama on 2 ranks (stages 0 and 2 on rank 0), 4 micro-batches of 2 against one process."""
+def test_interleaved_1f1b_runs_two_stages_per_rank_as_one_process(small_markov, tmp_path):
+    """4 stages of a 4-layer Llama on 2 ranks (stages 0 and 2 on rank 0), 8 micro-batches of 1 against one process,
+    over an epoch whose last window holds 5, a count torch's schedule refuses: run as 6, one with no labels."""
     config = json.loads((REPO / "recipes/configs/tiny_llama.json").read_text())
     (tmp_path / "llama4.json").write_text(json.dumps({**config, "num_hidden_layers": 4}))
-    values = dict(model_config=tmp_path / "llama4.json", per_device_train_batch_size=2, gradient_accumulation_steps=4)
+    values = dict(
+        model_config=tmp_path / "llama4.json",
+        per_device_train_batch_size=1,
+        gradient_accumulation_steps=8,
+        max_steps=-1,
+        num_train_epochs=1,
+        eval_steps=0,
+    )
     schedule = pipeline_config(tmp_path, "Interleaved1F1B")
-    launch(
-        schedule,
-        "causal_lm.py",
-        causal_lm_args(markov_data, tmp_path / "pp", max_steps=4, **values),
-        launcher_args=FP32,
-    )
-    launch_one_process(
-        "causal_lm.py", causal_lm_args(markov_data, tmp_path / "one", max_steps=4, **values), launcher_args=FP32
-    )
-    assert read_run(tmp_path / "pp")["participating_processes"] == 2
+    launch(schedule, "causal_lm.py", causal_lm_args(small_markov, tmp_path / "pp", **values), launcher_args=FP32)
+    launch_one_process("causal_lm.py", causal_lm_args(small_markov, tmp_path / "one", **values), launcher_args=FP32)
+    run = read_run(tmp_path / "pp")
+    assert run["participating_processes"] == 2 and run["train_blocks"] % 8 == 5, run["train_blocks"]
     assert relative_gaps(tmp_path / "pp", tmp_path / "one") < FP32_TOLERANCE
     assert max_weight_difference(tmp_path / "pp" / "final", tmp_path / "one" / "final") < FP32_TOLERANCE
 
@@ -287,6 +334,8 @@ def test_the_launched_config_is_read_from_the_accelerate_launch_command(tmp_path
         "/a.yaml"
     )
     assert config_file_of(["/venv/bin/python", "-u", "recipes/causal_lm.py"], "/work") is None
+    console = ["/venv/bin/python", "/venv/bin/accelerate-launch", "--config_file", "pp.yaml", "x.py"]
+    assert config_file_of(console, "/w") == "/w/pp.yaml"  # accelerate's other console script
     block = yaml.safe_load((CONFIGS / "pp.yaml").read_text())["parallelism_config"]
     assert settings_in(block) == PipelineSettings(2, "1F1B")
 
@@ -339,6 +388,43 @@ def test_a_recipe_pp_cannot_run_is_one_line(recipe, line, monkeypatch, capsys, t
     error = error_in_process(recipe, ["--config", REPO / "recipes/configs" / config, "--output_dir", out], capsys)
     assert line in error, error
     assert not out.exists() or not any(out.iterdir())
+
+
+def test_fp16_and_a_count_interleaved_1f1b_cannot_run_are_one_line_before_anything_is_built(monkeypatch):
+    """fp16 (the schedule's backward takes no loss scaling) and an accumulation torch's ScheduleInterleaved1F1B
+    refuses, told in one line by check_arguments; whole_rounds agrees with torch's own check on every count."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
+
+    import common.pipeline
+    from common.errors import UsageError
+
+    for size in (2, 3, 4):
+        for m in range(1, 17):
+            stages = [
+                SimpleNamespace(group_size=size, group_rank=0, stage_index=i, num_stages=2 * size) for i in (0, size)
+            ]
+            try:
+                ScheduleInterleaved1F1B(stages, m, loss_fn=lambda a, b: a)
+                torchs = True
+            except ValueError as error:
+                assert "multiple of the number of rounds" in str(error), error
+                torchs = False
+            assert common.pipeline.whole_rounds(m, size) == torchs, (size, m)
+    args = SimpleNamespace(gradient_accumulation_steps=5)
+    monkeypatch.setattr(common.pipeline, "launched_settings", lambda: common.pipeline.PipelineSettings(2, "1F1B"))
+    common.pipeline.check_arguments((args,))  # 1F1B runs any count
+    interleaved = common.pipeline.PipelineSettings(2, "Interleaved1F1B")
+    monkeypatch.setattr(common.pipeline, "launched_settings", lambda: interleaved)
+    with pytest.raises(
+        UsageError, match=r"--gradient_accumulation_steps 5 under Interleaved1F1B .* use one of 3, 4, 6,"
+    ):
+        common.pipeline.check_arguments((args,))
+    common.pipeline.check_arguments((SimpleNamespace(gradient_accumulation_steps=6),))
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
+    with pytest.raises(UsageError, match="mixed_precision fp16 under pipeline parallelism: .* use bf16"):
+        common.pipeline.check_arguments((SimpleNamespace(gradient_accumulation_steps=6),))
 
 
 @pytest.mark.slow
