@@ -54,9 +54,9 @@ def export_final(
     target = os.path.join(output_dir, name)
     started, before = time.perf_counter(), current_memory(None)["rss_mb"]
     highest = {"rss_mb": before}
-    if pipeline.enabled(accelerator):  # the stages' tensors gathered into one model on each rank of a pipeline
-        unwrapped = pipeline.whole_model(accelerator, model)
-        tensors = _watching_memory(iter(unwrapped.state_dict().items()), highest)
+    if pipeline.enabled(accelerator):  # the stages' tensors sent one at a time to each rank of a pipeline
+        unwrapped, tensors = pipeline.export_view(accelerator, model)
+        tensors = _watching_memory(tensors, highest)
     else:
         unwrapped = unwrap(accelerator, model)
         tensors = _watching_memory(master_tensors(accelerator, model), highest)

@@ -620,14 +620,22 @@ def whole_skeleton(accelerator, model):
         return type(model.module)(model.module.config)
 
 
-def whole_model(accelerator, model):
-    """The whole model on every rank of the pipeline (generation, the export): each parameter and buffer sent by
-    the rank that holds it; the model itself under any other config (unwrapped)."""
-    if not isinstance(model, PipelineModel):
-        from common.accelerator import unwrap
-
-        return unwrap(accelerator, model)
+def _whole_on_meta(model):
+    """The whole model's modules, its parameters on the meta device, with the run's generation config."""
     from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        whole = type(model.module)(model.module.config)
+    whole.generation_config = model.module.generation_config
+    if model.tied:
+        whole.tie_weights()  # one tensor under both names: exported once, as one process's model writes it
+    return whole
+
+
+def whole_tensors(accelerator, model, whole=None, device=None):
+    """(name, tensor) of the whole model's state dict, in its order, on every rank of the pipeline: each sent by the
+    rank that holds it, one at a time (the export holds one beside its training state). `device`: where each lands
+    (the accelerator's by default)."""
     from accelerate.utils import gather_object
 
     share = model.module.state_dict()
@@ -635,14 +643,28 @@ def whole_model(accelerator, model):
     for rank, names in enumerate(gather_object([list(share)])):
         for name in names:
             owners.setdefault(name, rank % model.settings.size)
-    with init_empty_weights(include_buffers=False):
-        whole = type(model.module)(model.module.config)
-    state = {}
-    for name, reference in whole.state_dict().items():
+    for name in (whole or _whole_on_meta(model)).state_dict():
         mine = share.get(name) if owners[name] == model.rank else None
-        state[name] = _broadcast(mine, model.group, owners[name], accelerator.device)
-    whole.load_state_dict(state, assign=True)
-    whole.generation_config = model.module.generation_config
+        tensor = _broadcast(mine, model.group, owners[name], accelerator.device)
+        yield name, tensor if device is None else tensor.to(device)
+
+
+def export_view(accelerator, model):
+    """For the export under pp.yaml: the whole model on the meta device (its config, generation config and layout)
+    and its tensors sent one at a time to the CPU, never the whole model on a device."""
+    whole = _whole_on_meta(model)
+    return whole, whole_tensors(accelerator, model, whole, device="cpu")
+
+
+def whole_model(accelerator, model):
+    """The whole model on every rank of the pipeline, on its device (sft.py's generation): each parameter and buffer
+    sent by the rank that holds it; the model itself under any other config (unwrapped)."""
+    if not isinstance(model, PipelineModel):
+        from common.accelerator import unwrap
+
+        return unwrap(accelerator, model)
+    whole = _whole_on_meta(model)
+    whole.load_state_dict(dict(whole_tensors(accelerator, model, whole)), assign=True)
     if model.tied:
         whole.tie_weights()  # the head reads the embeddings' weight again, as in the model trained
     return whole.to(accelerator.device).eval()
