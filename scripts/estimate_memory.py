@@ -347,12 +347,14 @@ def estimate_stages(
     * the activations of the micro-batches its schedule has run forward and not yet backward (`schedule_actions`:
       GPipe all m; 1F1B min(m, p - rank); Interleaved1F1B its warm-up + 1, over its two stages), each its layers'
       (`activation_bytes`), on a stage before the last the hidden state it sent (kept for its backward), on the last
-      the loss's log-softmax in fp32 (a torch whose schedules lack `step(return_outputs=False)` also keeps every
-      micro-batch's logits there to the window's end, then merges them into one more copy); autocast's low-precision copy of its weights, once (one autocast context
-      runs the window), and with more than one micro-batch their gradients in that precision, held to the end of each
-      backward after the first (`step_transient`: autograd runs the casts' backward, older nodes, last; measured at
-      101M, 2 micro-batches, one process: 93 MB of the 97 predicted), and on the last stage the loss's fp32 copy of
-      a micro-batch's logits and their gradient (`step_transient` too);
+      the loss's log-softmax in fp32 and the logits, which the schedule's forward cache keeps to the micro-batch's
+      backward (a torch whose schedules lack `step(return_outputs=False)` also keeps every micro-batch's logits
+      there to the window's end, then merges them into one more copy); autocast's low-precision copy of its
+      weights, once (one autocast context runs the window), and with more than one micro-batch their gradients in
+      that precision, held to the end of each backward after the first (`step_transient`: autograd runs the
+      casts' backward, older nodes, last; measured at 101M, 2 micro-batches, one process: 93 MB of the 97
+      predicted), and on the last stage the loss's fp32 copy of a micro-batch's logits and their gradient
+      (`step_transient` too);
     * torch's receive buffers, made for every micro-batch of the window: the hidden state (fp32, b x s x h) into
       each stage but the first, its gradient into each but the last (`communication_buffers`);
     * while it starts, the whole model in fp32: each rank builds it, then keeps its stages (`loading_peak`)."""
@@ -384,10 +386,11 @@ def estimate_stages(
             )
             shaped = dict(model, layers=count)
             # one micro-batch's tensors held for its backward: its layers', and the hidden state sent on (kept in
-            # the schedule's forward cache) or, on the last stage, the log-softmax (fp32) and the head's input
+            # the schedule's forward cache) or, on the last stage, the log-softmax (fp32), the head's input and the
+            # logits themselves (the schedule's forward cache keeps the stage's output to the micro-batch's backward)
             one.append(
                 activation_bytes(shaped, batch_size, seq_len, c, checkpointing, head=False)
-                + (tokens * (4 * vocab + c * h) if last else boundary)
+                + (tokens * (4 * vocab + c * vocab + c * h) if last else boundary)
             )
             if last and schedule_keeps_outputs():  # each micro-batch's logits, to the window's end
                 held_outputs += m * tokens * c * vocab

@@ -416,8 +416,8 @@ def test_each_pipeline_stage_at_101m_holds_what_make_estimate_memory_says(tmp_pa
 @pytest.mark.exhaustive
 def test_the_last_stage_of_a_large_vocabulary_holds_what_make_estimate_memory_says(real_model, tmp_path):
     """SmolLM2-135M (a vocabulary of 49,152, its head tied to its embeddings) under pp.yaml, bf16, 1F1B, 4
-    micro-batches of 1 x 512 tokens: the last stage's rank also holds every micro-batch's logits to the window's end
-    and the loss's fp32 copies. Each rank within 15% of its stage's row (model state within 5%), and the last stage's
+    micro-batches of 1 x 512 tokens: the last stage's rank also holds the logits of each micro-batch in flight (to
+    its backward) and the loss's fp32 copies. Each rank within 15% of its stage's row (model state within 5%), and the last stage's
     rank above the first's by the estimated difference within 25% (the logits' share: without it the rows differ by a
     third as much)."""
     from conftest import run
