@@ -63,7 +63,7 @@ def parse_range(text: str) -> tuple[int, int]:
 
 
 def split_launch_args(argv: list[str]) -> tuple[tuple[int, int], list[str]]:
-    """(the node range, accelerate launch's arguments with --num_machines MAX in place of --nnodes)."""
+    """(the node range, accelerate launch's arguments without --nnodes)."""
     for index, token in enumerate(argv):
         if token == "--nnodes" or token.startswith("--nnodes="):
             value = token.split("=", 1)[1] if "=" in token else (argv[index + 1] if index + 1 < len(argv) else "")
@@ -71,23 +71,27 @@ def split_launch_args(argv: list[str]) -> tuple[tuple[int, int], list[str]]:
             break
     else:
         raise UsageError("python -m common.elastic needs --nnodes MIN:MAX (otherwise use accelerate launch)")
-    low, high = parse_range(value)
-    if "--num_machines" in rest:
-        given = rest[rest.index("--num_machines") + 1]
-        if given != str(high):
-            raise UsageError(
-                f"--num_machines {given} beside --nnodes {value}: the range says the nodes (at most {high}); "
-                "drop --num_machines"
-            )
-        return (low, high), rest
-    return (low, high), ["--num_machines", str(high), *rest]
+    return parse_range(value), rest
+
+
+def set_machines(args, nodes: tuple[int, int]) -> None:
+    """accelerate launch's parsed arguments (`--num_machines N` and `--num_machines=N` alike): the machines are the
+    range's MAX, as torchrun's workers and the config's num_processes count them; another number given is one line."""
+    low, high = nodes
+    if args.num_machines is not None and args.num_machines != high:
+        raise UsageError(
+            f"--num_machines {args.num_machines} beside --nnodes {low}:{high}: the range says the nodes (at most "
+            f"{high}); drop --num_machines"
+        )
+    args.num_machines = high
 
 
 def check_config(config_file: str | None, nodes: tuple[int, int], launch_args=None) -> None:
     """What in the accelerate config cannot change its world, before anything starts: a launcher that is not
     torchrun (one process, use_cpu, DeepSpeed's pdsh), or a mesh (parallelism_config, in the file or given on the
-    command line as --parallelism_config_*_size: `launch_args`) whose sizes multiply to num_processes. The
-    rendezvous and restarts are checked on torchrun's arguments (`_adjust`)."""
+    command line as --parallelism_config_*_size: `launch_args`) whose sizes multiply to num_processes; and
+    num_processes (given or the config's), which counts MAX nodes' processes, not a multiple of MAX (accelerate would
+    floor the processes per node). The rendezvous and restarts are checked on torchrun's arguments (`_adjust`)."""
     from accelerate.commands.config.config_args import default_config_file, load_config_from_file
 
     config = load_config_from_file(config_file or default_config_file)
@@ -120,6 +124,14 @@ def check_config(config_file: str | None, nodes: tuple[int, int], launch_args=No
             "cannot follow a world that loses or gains nodes (tensor-, pipeline-, context-parallel and hybrid-shard "
             "sizes); launch it on a fixed set of nodes, or elastically with multi_node_fsdp.yaml or "
             "multi_node_zero3.yaml, which shard over whatever world forms"
+        )
+    given_processes = getattr(launch_args, "num_processes", None)
+    processes = given_processes or getattr(config, "num_processes", None)
+    if processes and processes % nodes[1]:
+        where = f"--num_processes {processes}" if given_processes else f"{config_file}'s num_processes {processes}"
+        raise UsageError(
+            f"{where} with --nnodes {nodes[0]}:{nodes[1]}: it counts the processes of {nodes[1]} nodes, the same "
+            f"number on each, so it must be a multiple of {nodes[1]} (e.g. {nodes[1]} x the GPUs of a node)"
         )
 
 
@@ -162,6 +174,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         nodes, rest = split_launch_args(list(sys.argv[1:] if argv is None else argv))
         args = launch_command_parser().parse_args(rest)
+        set_machines(args, nodes)
         check_config(args.config_file, nodes, args)
         with torchrun_adjusted(_adjust(nodes)) as called:
             launch_command(args)

@@ -156,6 +156,23 @@ def compare(out, reference, what: str) -> tuple[float, float]:
         (["--nnodes", "1:x", "x.py"], r"--nnodes 1:x: give the range"),
         (["--nnodes=1", "x.py"], r"MAX >= 2"),
         (["--nnodes", "1:2", "--num_machines", "3", "x.py"], r"--num_machines 3 beside --nnodes 1:2"),
+        (["--nnodes", "1:2", "--num_machines=3", "x.py"], r"--num_machines 3 beside --nnodes 1:2"),
+        (["--num_machines=1", "--nnodes=1:2", "x.py"], r"--num_machines 1 beside --nnodes 1:2"),
+        (
+            [
+                "--nnodes",
+                "1:2",
+                "--num_processes=3",
+                "--config_file",
+                str(REPO / "accelerate_configs/multi_node_ddp.yaml"),
+                "x.py",
+            ],
+            r"--num_processes 3 with --nnodes 1:2: it counts the processes of 2 nodes.* a multiple of 2",
+        ),  # fmt: skip
+        (
+            ["--nnodes", "1:3", "--config_file", str(REPO / "accelerate_configs/multi_node_ddp.yaml"), "x.py"],
+            r"multi_node_ddp.yaml's num_processes 16 with --nnodes 1:3: .* a multiple of 3",
+        ),
     ],
 )
 def test_a_bad_node_range_is_one_line(argv, expected, capsys):
