@@ -246,19 +246,34 @@ def keep_global_batch(elastic: Elastic, args) -> dict:
     of the range: this world's accumulation set to make it up. A range where some number of nodes cannot make it
     with a whole number of accumulation steps is refused in one line, at the start."""
     per_device, typed = args.per_device_train_batch_size, args.gradient_accumulation_steps
-    per_node = elastic.per_node * per_device
-    global_batch = elastic.max_nodes * per_node * typed
-    short = [n for n in range(elastic.min_nodes, elastic.max_nodes + 1) if global_batch % (n * per_node)]
+    global_batch = elastic.max_nodes * elastic.per_node * per_device * typed
+    short = [nodes for nodes, accumulation in accumulations(elastic, typed).items() if accumulation is None]
     if short:
-        multiple = math.lcm(*(n // math.gcd(n, elastic.max_nodes * typed) for n in short)) * typed
+        per_world = short[0] * elastic.per_node * per_device
         raise UsageError(
             f"--nnodes {elastic.min_nodes}:{elastic.max_nodes} cannot keep the global batch of {global_batch} samples "
             f"({elastic.max_nodes} nodes x {elastic.per_node} processes x {per_device} per device x {typed} "
             f"accumulation) on {short[0]} node{'s' * (short[0] > 1)}: {global_batch} is not a multiple of "
-            f"{short[0] * per_node}; set --gradient_accumulation_steps to a multiple of {multiple}, or narrow the range"
+            f"{per_world}; set --gradient_accumulation_steps to a multiple of {whole_on_every_world(elastic)}, the "
+            "smallest whose global batch every number of nodes of the range makes whole, or narrow the range"
         )
     args.gradient_accumulation_steps = global_batch // (elastic.world * per_device)
     return {"global_batch": global_batch, "accumulation": args.gradient_accumulation_steps, "asked": typed}
+
+
+def accumulations(elastic: Elastic, typed: int) -> dict[int, int | None]:
+    """Each number of nodes of the range -> the accumulation steps that keep the global batch of MAX nodes with
+    `typed` (MAX x typed / nodes: the processes per node and the per-device batch cancel out); None where that is
+    no whole number."""
+    span = range(elastic.min_nodes, elastic.max_nodes + 1)
+    return {n: None if elastic.max_nodes * typed % n else elastic.max_nodes * typed // n for n in span}
+
+
+def whole_on_every_world(elastic: Elastic) -> int:
+    """The smallest --gradient_accumulation_steps whose global batch every number of nodes of the range makes whole:
+    each n divides MAX x it, so it is a multiple of n / gcd(n, MAX) for every n (and those multiples all work)."""
+    span = range(elastic.min_nodes, elastic.max_nodes + 1)
+    return math.lcm(*(n // math.gcd(n, elastic.max_nodes) for n in span))
 
 
 def underway(elastic: Elastic) -> bool:

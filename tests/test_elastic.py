@@ -9,6 +9,7 @@ refusals in this process; the launches (ddp, fsdp, zero3, a node that comes back
 test-all's: each takes 45 s or more, most of it the Python start-ups of three workers.
 """
 
+import itertools
 import json
 import os
 import re
@@ -258,6 +259,42 @@ def test_the_global_batch_is_kept_on_every_world_of_the_range_or_refused(monkeyp
         elastic.keep_global_batch(elastic.Elastic(1, 3, "127.0.0.1", 1), args)
     args.gradient_accumulation_steps = 2
     assert elastic.keep_global_batch(elastic.Elastic(1, 3, "127.0.0.1", 1), args)["accumulation"] == 6
+
+
+def keeps_every_world(low: int, high: int, per_node: int, per_device: int, accumulation: int) -> bool:
+    global_batch = high * per_node * per_device * accumulation
+    return all(global_batch % (n * per_node * per_device) == 0 for n in range(low, high + 1))
+
+
+def test_the_refusal_names_the_smallest_accumulation_that_keeps_every_world(monkeypatch):
+    """--nnodes 3:4, 8 processes per node, 4 per device, accumulation 2: 256 samples, no whole step on 3 nodes. The
+    line named 6 (a multiple of what was typed); 3 is the smallest that works. Then every range of up to 8 nodes, 1, 2
+    or 8 processes per node, 1 or 4 per device and accumulation 1-6: the accumulation the line names makes every
+    number of nodes of the range whole, and no smaller one does."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setenv("WORLD_SIZE", "32")
+    args = SimpleNamespace(per_device_train_batch_size=4, gradient_accumulation_steps=2)
+    with pytest.raises(UsageError, match=r"on 3 nodes: 256 is not a multiple of 96; set --gradient_accumulation_st"
+                       r"eps to a multiple of 3, the smallest"):  # fmt: skip
+        elastic.keep_global_batch(elastic.Elastic(3, 4, "127.0.0.1", 1), args)
+    refused = 0
+    for low, high, per_node, per_device, typed in itertools.product(
+        range(1, 9), range(2, 9), (1, 2, 8), (1, 4), range(1, 7)
+    ):
+        if low > high:
+            continue
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(per_node))
+        monkeypatch.setenv("WORLD_SIZE", str(per_node * high))
+        args = SimpleNamespace(per_device_train_batch_size=per_device, gradient_accumulation_steps=typed)
+        try:
+            elastic.keep_global_batch(elastic.Elastic(low, high, "127.0.0.1", 1), args)
+            assert keeps_every_world(low, high, per_node, per_device, typed)
+        except UsageError as error:
+            refused += 1
+            named = int(re.search(r"a multiple of (\d+), the smallest", str(error)).group(1))
+            works = [a for a in range(1, named + 1) if keeps_every_world(low, high, per_node, per_device, a)]
+            assert works == [named], (low, high, per_node, per_device, typed, str(error))
+    assert refused > 100
 
 
 class RunRecords:
