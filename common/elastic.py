@@ -276,6 +276,37 @@ def whole_on_every_world(elastic: Elastic) -> int:
     return math.lcm(*(n // math.gcd(n, elastic.max_nodes) for n in span))
 
 
+def check_every_world(elastic: Elastic, typed: int, rule) -> None:
+    """A recipe's own rule on a step's accumulation (`rule(accumulation)`: what is wrong, or None; GRPO's whole
+    groups), for each number of nodes of the range with the accumulation `keep_global_batch` gives it, at the start
+    rather than in the world that meets it. One line naming the first that breaks it, with the smallest
+    --gradient_accumulation_steps that keeps every world whole and within the rule (among its first 1000 candidates)."""
+    for nodes, accumulation in accumulations(elastic, typed).items():
+        problem = rule(accumulation)
+        if problem is None:
+            continue
+        step = whole_on_every_world(elastic)
+        fits = next(
+            (
+                candidate
+                for candidate in range(step, 1000 * step + 1, step)
+                if all(rule(a) is None for a in accumulations(elastic, candidate).values())
+            ),
+            None,
+        )
+        advice = (
+            f"set --gradient_accumulation_steps to {fits} (every world of the range keeps it), or narrow the range"
+            if fits is not None
+            else "no --gradient_accumulation_steps fits every world of the range: change what the rule names, or "
+            "narrow the range"
+        )
+        raise UsageError(
+            f"--nnodes {elastic.min_nodes}:{elastic.max_nodes} on {nodes} node{'s' * (nodes > 1)} trains with "
+            f"{accumulation} accumulation steps (the global batch of {elastic.max_nodes} nodes kept): {problem}; "
+            f"{advice}"
+        )
+
+
 def underway(elastic: Elastic) -> bool:
     """Whether a world of this launch has started training (its checkpoints are this launch's): a node that joins
     later, whose agent has not restarted, resumes then as the others do."""

@@ -33,6 +33,22 @@ SCALINGS = ("group", "batch", "none")
 STD_EPSILON = 1e-4  # TRL's
 
 
+def whole_groups(per_device: int, group: int):
+    """GRPO's rule on a step's accumulation steps, for `common.run.Run.check_accumulation`: each process samples
+    whole groups, so G divides its completions per step (per device x accumulation)."""
+
+    def rule(accumulation: int) -> str | None:
+        completions = per_device * accumulation
+        if completions % group == 0:
+            return None
+        return (
+            f"a step trains --per_device_train_batch_size x --gradient_accumulation_steps = {completions} completions "
+            f"per process, not a multiple of --num_generations {group}: each process samples whole groups"
+        )
+
+    return rule
+
+
 def group_advantages(rewards: torch.Tensor, group: int, scale: str, batch_std: torch.Tensor | None = None):
     """(advantages, each group's std, the std the advantages were divided by, per group: TRL's reward_std) for
     `rewards` of consecutive groups of `group` completions (one prompt each). `batch_std`: the std over the whole

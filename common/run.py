@@ -218,6 +218,16 @@ class Run:
         )
         return state
 
+    def check_accumulation(self, rule) -> None:
+        """A recipe's own rule on a step's accumulation steps (`rule(accumulation)`: what is wrong in one line, or
+        None; GRPO's whole groups per process), for every world this launch may train on: this one, and under a node
+        range (common.elastic) each number of nodes of it, with the accumulation that keeps the global batch there."""
+        if self.world is not None:
+            elastic.check_every_world(self.world.elastic, self.world.batch["asked"], rule)
+        problem = rule(self.args.gradient_accumulation_steps)
+        if problem is not None:
+            raise UsageError(problem)
+
     def save_checkpoint(self, step: int, state: dict) -> str:
         """Every rank calls it: checkpoints/step_N with `state` (the data position, ...) beside
         accelerate's; the oldest pruned past --save_total_limit."""

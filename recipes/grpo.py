@@ -34,8 +34,15 @@ from common.accelerator import declare_micro_batch
 from common.arguments import DataArguments, ModelArguments, TrainingArguments
 from common.chat_template import read_chat_template
 from common.data import load_raw_datasets
-from common.errors import UsageError
-from common.grpo import batch_std, count_global, group_advantages, policy_loss, rollout_log_probs, token_log_probs
+from common.grpo import (
+    batch_std,
+    count_global,
+    group_advantages,
+    policy_loss,
+    rollout_log_probs,
+    token_log_probs,
+    whole_groups,
+)
 from common.internals import start_accumulation_window
 from common.lora import LoraArguments, apply_lora
 from common.model import load_model, load_tokenizer
@@ -126,12 +133,7 @@ def main(
     run = start_run(model_args, data_args, grpo_args, lora_args, args)
     accelerator = run.accelerator
     group, accumulation = grpo_args.num_generations, args.gradient_accumulation_steps
-    if (args.per_device_train_batch_size * accumulation) % group:
-        raise UsageError(
-            f"a step trains --per_device_train_batch_size x --gradient_accumulation_steps = "
-            f"{args.per_device_train_batch_size * accumulation} completions per process, not a multiple of "
-            f"--num_generations {group}: each process samples whole groups"
-        )
+    run.check_accumulation(whole_groups(args.per_device_train_batch_size, group))  # on every world the launch allows
 
     # Data: prompts (with their other columns, for the rewards), the rewards.
     tokenizer = load_tokenizer(model_args)

@@ -297,6 +297,42 @@ def test_the_refusal_names_the_smallest_accumulation_that_keeps_every_world(monk
     assert refused > 100
 
 
+def test_a_recipes_rule_on_the_accumulation_is_checked_for_every_world_of_the_range(monkeypatch):
+    """GRPO's whole groups (common.grpo.whole_groups): --nnodes 1:3 of one process, 1 completion per device,
+    accumulation 4, 4 generations. On 3 nodes 4 completions per process, on 1 node 12, but on 2 nodes 6: refused at
+    the start (Run.check_accumulation, whichever world starts), naming 2 nodes and the accumulation that fits every
+    world (8: 8, 12 and 24 completions). Without a range, the world's own accumulation only."""
+    from common.grpo import whole_groups
+    from common.run import Run
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    rule = whole_groups(1, 4)
+    for world in (1, 3):
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+        args = SimpleNamespace(per_device_train_batch_size=1, gradient_accumulation_steps=4)
+        launch = elastic.Elastic(1, 3, "127.0.0.1", 1)
+        run = SimpleNamespace(
+            args=args, world=SimpleNamespace(elastic=launch, batch=elastic.keep_global_batch(launch, args))
+        )
+        with pytest.raises(UsageError) as error:
+            Run.check_accumulation(run, rule)
+        assert re.fullmatch(
+            r"--nnodes 1:3 on 2 nodes trains with 6 accumulation steps \(the global batch of 3 nodes kept\): a step "
+            r"trains --per_device_train_batch_size x --gradient_accumulation_steps = 6 completions per process, not a "
+            r"multiple of --num_generations 4: each process samples whole groups; set --gradient_accumulation_steps "
+            r"to 8 \(every world of the range keeps it\), or narrow the range",
+            str(error.value),
+        ), str(error.value)
+    elastic.check_every_world(elastic.Elastic(1, 3, "127.0.0.1", 1), 8, rule)  # the advice holds on every world
+    with pytest.raises(
+        UsageError, match=r"on 1 node trains with 12 .*: above 1; no --gradient_accumulation_steps fits"
+    ):
+        elastic.check_every_world(elastic.Elastic(1, 3, "127.0.0.1", 1), 4, lambda a: "above 1" if a > 1 else None)
+    Run.check_accumulation(SimpleNamespace(args=SimpleNamespace(gradient_accumulation_steps=4), world=None), rule)
+    with pytest.raises(UsageError, match=r"= 6 completions per process, not a multiple of --num_generations 4: each"):
+        Run.check_accumulation(SimpleNamespace(args=SimpleNamespace(gradient_accumulation_steps=6), world=None), rule)
+
+
 class RunRecords:
     """common.metrics.MetricsLogger's part the world's account uses: run.json's fields, its clock."""
 
