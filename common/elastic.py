@@ -307,6 +307,18 @@ def check_every_world(elastic: Elastic, typed: int, rule) -> None:
         )
 
 
+def check_streaming(elastic: Elastic, streaming: bool) -> None:
+    """--streaming on a range that can change the number of processes: a stream's checkpoint holds each process's
+    place in it and resumes only on as many processes (common.streaming.check_resumable), so the first loss would
+    spend the restarts on worlds that refuse it. One line at the start instead."""
+    if streaming and elastic.min_nodes < elastic.max_nodes:
+        raise UsageError(
+            f"--streaming with --nnodes {elastic.min_nodes}:{elastic.max_nodes}: a stream's checkpoint resumes only on "
+            "the number of processes that wrote it, and a node range changes that number; train on a map-style "
+            f"dataset (drop --streaming), or launch on a fixed number of nodes (--nnodes {elastic.max_nodes})"
+        )
+
+
 def underway(elastic: Elastic) -> bool:
     """Whether a world of this launch has started training (its checkpoints are this launch's): a node that joins
     later, whose agent has not restarted, resumes then as the others do."""

@@ -288,11 +288,13 @@ def start_run(*arguments) -> Run:
     started = time.time()
     args = next(a for a in arguments if isinstance(a, TrainingArguments))
     model_args = next((a for a in arguments if isinstance(a, ModelArguments)), None)
+    data_args = next((a for a in arguments if isinstance(a, DataArguments)), None)
     if model_args is not None:  # an adapter to start from: trains on with --use_peft, else one line
         check_adapter_arguments(model_args, next((a for a in arguments if isinstance(a, LoraArguments)), None))
     launch_range = elastic.launched()
     world = None
     if launch_range is not None:  # --nnodes MIN:MAX: this world's accumulation keeps the global batch
+        elastic.check_streaming(launch_range, bool(data_args and data_args.streaming))
         world = elastic.WorldWatch(launch_range, elastic.keep_global_batch(launch_range, args), started)
     underway = launch_range is not None and elastic.underway(launch_range)  # a node joining a run under way
     resume_after_restart(args, underway)
@@ -317,7 +319,6 @@ def start_run(*arguments) -> Run:
     )  # ZeRO-3's bounds: the config read there only
     accelerator, launch = build_accelerator(args, model_hidden_size(model_args) if sized else None)
     memory.mark("started")
-    data_args = next((a for a in arguments if isinstance(a, DataArguments)), None)
     warnings = outside_checked_range() + (
         [check_block_size(model_args, data_args.block_size)] if data_args and model_args else []
     )

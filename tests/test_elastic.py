@@ -333,6 +333,28 @@ def test_a_recipes_rule_on_the_accumulation_is_checked_for_every_world_of_the_ra
         Run.check_accumulation(SimpleNamespace(args=SimpleNamespace(gradient_accumulation_steps=6), world=None), rule)
 
 
+def test_streaming_on_a_node_range_is_refused_at_the_start(tmp_path, monkeypatch):
+    """A stream's checkpoint resumes on as many processes as wrote it: on a range (1:2) the first loss would refuse
+    every world after it, so start_run refuses it at once, in one line; a fixed number of nodes (2:2) keeps it."""
+    from common.arguments import DataArguments, TrainingArguments
+    from common.run import start_run
+
+    monkeypatch.setenv(elastic.ENV, "1:2:127.0.0.1:1")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    (tmp_path / "train.jsonl").write_text('{"text": "a"}\n')
+    data = DataArguments(train_file=str(tmp_path / "train.jsonl"), streaming=True)
+    with pytest.raises(UsageError) as error:
+        start_run(data, TrainingArguments(output_dir=str(tmp_path / "run"), max_steps=4))
+    assert re.fullmatch(
+        r"--streaming with --nnodes 1:2: a stream's checkpoint resumes only on the number of processes that wrote "
+        r"it, .*; train on a map-style dataset \(drop --streaming\), or launch on a fixed number of nodes "
+        r"\(--nnodes 2\)",
+        str(error.value),
+    ), str(error.value)
+    elastic.check_streaming(elastic.Elastic(2, 2, "127.0.0.1", 1), True)
+    elastic.check_streaming(elastic.Elastic(1, 2, "127.0.0.1", 1), False)
+
+
 class RunRecords:
     """common.metrics.MetricsLogger's part the world's account uses: run.json's fields, its clock."""
 
