@@ -383,6 +383,8 @@ class WorldWatch:
         self.times = {"process": process_started_at(), "start_run": started_at}
         self.change: dict | None = None  # this world's change, until its first step is timed
         self.changes: list = []
+        self.step_store = None  # rank 0's client, for `stepped`
+        self.first_step_at: float | None = None
 
     def timed(self, name: str, seconds: float) -> None:
         self.times[name] = self.times.get(name, 0.0) + seconds
@@ -393,6 +395,7 @@ class WorldWatch:
         from accelerate.utils import gather_object
 
         members = gather_object([[socket.gethostname(), os.getppid()]])  # a node: its host and its agent
+        self.resumed_step = resumed_step
         if not accelerator.is_main_process:
             return
         store = self.elastic.store()
@@ -413,9 +416,7 @@ class WorldWatch:
         if previous is not None and previous["members"] != members:
             lost = [rank for rank, member in enumerate(previous["members"]) if member not in members]
             joined = sum(member not in previous["members"] for member in members)
-            last = _last_train_row(os.path.join(output_dir, "metrics.jsonl"))
-            last_step = last["step"] if last else resumed_step
-            last_at = previous["metrics_clock"] + last["elapsed_s"] if last else None
+            last_step, last_at = _last_step(store, previous, os.path.join(output_dir, "metrics.jsonl"))
             detected = min((note["time"] for note in notes), default=None)
             what = (
                 f"after rank{'s' * (len(lost) > 1)} {_ranges(lost)} {'were' if len(lost) > 1 else 'was'} lost"
@@ -457,25 +458,41 @@ class WorldWatch:
         metrics.record_in_run_json("world_changes", self.changes)
         store = self.elastic.store()
         store.set(KEY + "changes", json.dumps(self.changes))
-        world = {"members": self.members, "accumulation": self.batch["accumulation"], "metrics_clock": clock}
+        world = {
+            "members": self.members,
+            "accumulation": self.batch["accumulation"],
+            "metrics_clock": clock,
+            "resumed_from_step": self.resumed_step,
+        }
+        store.delete_key(KEY + "step")  # the last world's last step, read by `begin`: this world's from here on
         store.set(KEY + "world", json.dumps(world))
         store.set(KEY + "underway", "1")
-        self.clock = clock
+        self.clock, self.step_store = clock, store
+
+    def stepped(self, step: int) -> None:
+        """Rank 0, at each optimizer step (common.metrics.MetricsLogger.advance): the step and its time in the store,
+        where the next world reads how far this one got (metrics.jsonl's rows come every --logging_steps only). One
+        write to the main node's agent (about 12 us on loopback); best effort, as the store may go with the run."""
+        now = time.time()
+        if self.first_step_at is None:
+            self.first_step_at = now
+        if self.step_store is None:
+            return
+        try:
+            self.step_store.set(KEY + "step", json.dumps({"step": step, "time": now}))
+        except Exception:  # noqa: BLE001
+            self.step_store = None
 
     def first_step(self, metrics, accelerator, output_dir: str) -> None:
-        """Rank 0, at a checkpoint or the end: the time from the loss to the first step on this world, from
-        metrics.jsonl's first train row after the resume (logged at --logging_steps), into run.json."""
-        if self.change is None or not accelerator.is_main_process:
-            return
-        row = _first_train_row_after(os.path.join(output_dir, "metrics.jsonl"), self.change["resumed_from_step"])
-        if row is None:
+        """Rank 0, at a checkpoint or the end: the time from the loss to the first step on this world (`stepped`),
+        into run.json."""
+        if self.change is None or not accelerator.is_main_process or self.first_step_at is None:
             return
         seconds = self.change["seconds"]
-        first_at = self.clock + row["elapsed_s"]
+        first_at = self.first_step_at
         seconds["first_step"] = round(first_at - self.times["loaded"], 3)
         if seconds.get("last_step_at") is not None:
             seconds["loss_to_first_step"] = round(first_at - seconds["last_step_at"], 3)
-        seconds["first_step_logged"] = row["step"]
         self.changes[-1] = self.change
         metrics.record_in_run_json("world_changes", self.changes)
         self.elastic.store().set(KEY + "changes", json.dumps(self.changes))
@@ -530,13 +547,19 @@ def _train_rows(path: str):
             yield row
 
 
-def _last_train_row(path: str) -> dict | None:
-    rows = list(_train_rows(path))
-    return rows[-1] if rows else None
-
-
-def _first_train_row_after(path: str, step: int) -> dict | None:
-    return next((row for row in _train_rows(path) if row["step"] > step), None)
+def _last_step(store, previous: dict, metrics_path: str) -> tuple[int, float | None]:
+    """The last optimizer step the previous world completed, and when (time.time()): what its rank 0 wrote at each
+    step (`WorldWatch.stepped`); without it, its last train row in metrics.jsonl, logged every --logging_steps
+    (the rows up to its resume point are an earlier world's, their elapsed_s on another clock: left out); without
+    one, its resume point, untimed."""
+    if store.check([KEY + "step"]):
+        last = json.loads(store.get(KEY + "step"))
+        return last["step"], last["time"]
+    resumed = previous.get("resumed_from_step", 0)
+    rows = [row for row in _train_rows(metrics_path) if row["step"] > resumed]
+    if rows:
+        return rows[-1]["step"], previous["metrics_clock"] + rows[-1]["elapsed_s"]
+    return resumed, None
 
 
 if __name__ == "__main__":

@@ -36,10 +36,14 @@ class MetricsLogger:
         model=None,
         optimizer=None,
         peak_tflops: float | None = None,
+        on_step=None,
     ):
         """`model` (prepared) gives the FLOPs per token, and with `optimizer` (prepared) the
-        memory account (`common.memory`); `peak_tflops` overrides the device table."""
+        memory account (`common.memory`); `peak_tflops` overrides the device table. `on_step(step)`:
+        called at each optimizer step (`advance`), every rank (an elastic launch's account of how far
+        each world got, `common.elastic.WorldWatch.stepped`)."""
         self.accelerator = accelerator
+        self.step, self.on_step = start_step, on_step
         self.output_dir = output_dir
         self.memory = (
             MemoryAccount(model, optimizer, accelerator.device, count_activations=not pipeline.enabled(accelerator))
@@ -224,7 +228,11 @@ class MetricsLogger:
         self._write({**row, "elapsed_s": time.perf_counter() - self.start_time})
 
     def advance(self) -> None:
+        """Every rank, once per optimizer step (the loop's step count goes up by one)."""
+        self.step += 1
         self.progress.update(1)
+        if self.on_step is not None:
+            self.on_step(self.step)
 
     def close(self) -> None:
         self.progress.close()

@@ -199,6 +199,7 @@ class Run:
             model=model,
             optimizer=optimizer,
             peak_tflops=args.peak_tflops,
+            on_step=self.world.stepped if self.world is not None else None,
         )
         if self.world is not None:
             self.world.started(self.metrics, accelerator)

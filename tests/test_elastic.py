@@ -137,6 +137,18 @@ def world_changes(out) -> list[dict]:
     return [row["world_change"] for row in rows if "world_change" in row]
 
 
+def last_logged_step(out) -> int:
+    """metrics.jsonl's last train row's step, while a run writes it (a line half-written left out)."""
+    steps = [0]
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        steps += [row["step"]] if "loss" in row else []
+    return max(steps)
+
+
 def compare(out, reference, what: str) -> tuple[float, float]:
     """The largest relative loss gap over every step, and the largest final-weight gap, to `reference`."""
     rows, expected = read_metrics(out)[0], read_metrics(reference)[0]
@@ -409,6 +421,65 @@ def test_every_world_of_a_launch_counts_its_world_changes(shrink_from, grow_from
     del store
 
 
+@pytest.mark.parametrize("stepped", [True, False], ids=["each step in the store", "metrics.jsonl alone"])
+def test_a_world_change_counts_from_the_last_step_trained_not_the_last_row_logged(stepped, tmp_path, monkeypatch):
+    """--logging_steps 3, checkpoints at step 4: world A (3 processes) logs steps 3 and 6 and trains to step 7; h2
+    lost, world B (2) resumes from step 4 and trains step 5 (no row: the next is due at 6); h1 lost, world C (1)
+    resumes from step 4 again. metrics.jsonl's last row is then world A's step 6, its elapsed_s on world A's clock
+    (what the account took: "at step 6", 2 steps lost). With each step in the store (MetricsLogger.advance's
+    on_step, WorldWatch.stepped) the changes say steps 7 and 5 and time every part from them; with metrics.jsonl
+    alone, world A's rows are left out of world B's account: B got no further than its resume point (step 4)."""
+    import accelerate.utils
+    import torch.distributed
+
+    port = free_port()
+    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # the agent's
+    launch, out, main = elastic.Elastic(1, 3, "127.0.0.1", port), tmp_path, SimpleNamespace(is_main_process=True)
+    monkeypatch.setenv("RANK", "0")
+    metrics_path = out / "metrics.jsonl"
+
+    def world(members: list, resumed_step: int, accumulation: int, steps: range) -> elastic.WorldWatch:
+        time.sleep(0.05)  # the workers of the next world start after the last one's end
+        monkeypatch.setattr(accelerate.utils, "gather_object", lambda _: members)
+        monkeypatch.setattr(elastic, "process_started_at", time.time)
+        watch = elastic.WorldWatch(launch, {"accumulation": accumulation, "global_batch": 12}, time.time())
+        watch.begin(main, str(out), resumed_step, (time.time(), time.time()))
+        rows = metrics_path.read_text().splitlines() if metrics_path.exists() else []  # MetricsLogger's resume:
+        metrics_path.write_text("".join(f"{r}\n" for r in rows if json.loads(r)["step"] <= resumed_step))
+        (out / "run.json").write_text(json.dumps({"args": {}}))  # record_run
+        records = RunRecords(out)
+        watch.started(records, main)
+        if not stepped:
+            watch.step_store = None  # as after a write that failed
+        for step in steps:
+            time.sleep(0.01)
+            watch.stepped(step)
+            if step % 3 == 0:
+                row = {"step": step, "loss": 1.0, "elapsed_s": time.perf_counter() - records.start_time}
+                with open(metrics_path, "a") as handle:
+                    handle.write(json.dumps(row) + "\n")
+        if steps:
+            watch.first_step(records, main, str(out))
+        time.sleep(0.02)
+        elastic.note_lost_peer(launch, "lost contact with rank 2")  # a survivor's failed collective
+        return watch
+
+    world([["h0", 1], ["h1", 2], ["h2", 3]], 0, 1, range(1, 8))
+    world([["h0", 1], ["h1", 2]], 4, 1, range(5, 6))  # (accumulation 1.5 in truth: the figure plays no part)
+    world([["h0", 1]], 4, 3, range(5, 9))
+    changes = json.loads((out / "run.json").read_text())["world_changes"]
+    said = [(c["at_step"], c["resumed_from_step"], c["steps_lost"]) for c in changes]
+    assert said == ([(7, 4, 3), (5, 4, 1)] if stepped else [(6, 4, 2), (4, 4, 0)]), said
+    for change in changes[: 2 if stepped else 1]:  # timed from the last step (untimed: world B's, from the file)
+        seconds = change["seconds"]
+        parts = ("detection", "restart_and_rendezvous", "start_up", "set_up", "conversion", "load", "first_step")
+        assert all(seconds[part] >= 0 for part in parts), seconds
+        assert abs(sum(seconds[part] for part in parts) - seconds["loss_to_first_step"]) < 0.01, seconds
+    if not stepped:
+        assert changes[1]["seconds"]["detection"] is None and changes[1]["seconds"]["restart_and_rendezvous"] >= 0
+    del store
+
+
 def test_make_launches_a_node_range_through_the_elastic_launcher():
     command = run(
         ["make", "-n", "causal_lm", "CONFIG=accelerate_configs/multi_node_ddp.yaml", "LAUNCH_ARGS=--nnodes 1:2"]
@@ -477,8 +548,9 @@ def test_a_node_that_comes_back_joins_and_the_world_grows_back(config, fixed, ma
     saved a checkpoint of its own (step_20), node 1 is started again with the same command: node 0's agent admits
     it, both resume from node 0's latest checkpoint on two processes (accumulation 2 -> 1; under zero3 its universal
     conversion from 1 process to 2), and every step matches an uninterrupted 2-process run of the config (`fixed`)
-    with the same global batch."""
-    grow = dict(SHRINK, max_steps=400, save_steps=10)  # node 1's start-up and rendezvous while node 0 trains alone
+    with the same global batch. Rows every 2 steps (--logging_steps 2): each change says the last step trained, not
+    the last row logged, and times its parts from it."""
+    grow = dict(SHRINK, max_steps=400, save_steps=10, logging_steps=2)  # node 1 starts while node 0 trains alone
     out, reference = tmp_path / "run", tmp_path / "reference"
     launch(
         fixed,
@@ -487,9 +559,10 @@ def test_a_node_that_comes_back_joins_and_the_world_grows_back(config, fixed, ma
         launcher_args=["--mixed_precision", "no"],
     )
     nodes, port = start_two_nodes(config, causal_lm_args(markov_data, out, **grow), tmp_path)
-    wait_for(lambda: logged_steps(out) >= 12, nodes)
+    wait_for(lambda: logged_steps(out) >= 6, nodes)  # step 12
     kill_everything(nodes[1])
     wait_for(lambda: (out / "checkpoints" / "step_20").exists() and len(world_changes(out)) == 1, nodes)
+    trained = last_logged_step(out)  # by the one-node world, at least
     returning = start_node(
         node_command(config, port, 1, causal_lm_args(markov_data, out, **grow)), tmp_path / "node1.log"
     )
@@ -507,6 +580,11 @@ def test_a_node_that_comes_back_joins_and_the_world_grows_back(config, fixed, ma
     shrink, grown = record["world_changes"]
     assert shrink["resumed_from_step"] == 10 and grown["resumed_from_step"] >= 20, record["world_changes"]
     assert grown["accumulation"] == [2, 1] and record["args"]["gradient_accumulation_steps"] == 1
+    assert shrink["at_step"] >= 12 and grown["at_step"] >= max(trained, grown["resumed_from_step"]), (shrink, grown)
+    parts = ("restart_and_rendezvous", "start_up", "set_up", "conversion", "load", "first_step")
+    for change in (shrink, grown):
+        assert change["steps_lost"] == change["at_step"] - change["resumed_from_step"], change
+        assert all(change["seconds"][part] >= 0 for part in parts), change["seconds"]
     assert (grown["seconds"]["conversion"] > 0.1) == (config == "multi_node_zero3.yaml"), grown["seconds"]
     print(f"{config} grown back: {lines[1]}; its parts {grown['seconds']}")
     gap, weights = compare(out, reference, f"{config}, node 1 lost at step 12 and back")
