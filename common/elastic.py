@@ -17,9 +17,9 @@ the accumulation steps making up for the processes missing (`keep_global_batch`)
 
 The workers share what the world was through the rendezvous store, which lives as long as the main node's agent (the
 launch): whether the run is underway (a node that joins later resumes rather than starts afresh), the last world's
-members, accumulation and clock, and the survivors' notes of the loss. `WorldWatch` turns them into one line per
-change of world, a `world_change` row in metrics.jsonl and run.json's `world_changes`, with the time from the loss
-to the first step on the new world and its parts.
+members, accumulation and clock, the last step it trained (rank 0 writes it at each step), and the survivors'
+notes of the loss. `WorldWatch` turns them into one line per change of world, a `world_change` row in metrics.jsonl
+and run.json's `world_changes`, with the time from the loss to the first step on the new world and its parts.
 """
 
 from __future__ import annotations
