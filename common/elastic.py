@@ -280,7 +280,7 @@ def check_every_world(elastic: Elastic, typed: int, rule) -> None:
     """A recipe's own rule on a step's accumulation (`rule(accumulation)`: what is wrong, or None; GRPO's whole
     groups), for each number of nodes of the range with the accumulation `keep_global_batch` gives it, at the start
     rather than in the world that meets it. One line naming the first that breaks it, with the smallest
-    --gradient_accumulation_steps that keeps every world whole and within the rule (among its first 1000 candidates)."""
+    --gradient_accumulation_steps that keeps every world whole and within the rule (of its first 1000 candidates)."""
     for nodes, accumulation in accumulations(elastic, typed).items():
         problem = rule(accumulation)
         if problem is None:
@@ -313,8 +313,8 @@ def check_streaming(elastic: Elastic, streaming: bool) -> None:
     spend the restarts on worlds that refuse it. One line at the start instead."""
     if streaming and elastic.min_nodes < elastic.max_nodes:
         raise UsageError(
-            f"--streaming with --nnodes {elastic.min_nodes}:{elastic.max_nodes}: a stream's checkpoint resumes only on "
-            "the number of processes that wrote it, and a node range changes that number; train on a map-style "
+            f"--streaming with --nnodes {elastic.min_nodes}:{elastic.max_nodes}: a stream's checkpoint resumes only "
+            "on the number of processes that wrote it, and a node range changes that number; train on a map-style "
             f"dataset (drop --streaming), or launch on a fixed number of nodes (--nnodes {elastic.max_nodes})"
         )
 
