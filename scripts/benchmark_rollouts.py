@@ -38,7 +38,7 @@ CONFIGS = [
 ]
 
 
-def run_config(entry: str, args, data: str, out: str) -> dict:
+def run_config(entry: str, args, data: str, out: str, live_memory: bool = False) -> dict:
     config, _, how = entry.partition(":")  # "fsdp.yaml:stages": with --rollout_weights stages
     command = [
         os.path.join(os.path.dirname(sys.executable), "accelerate"),
@@ -81,10 +81,13 @@ def run_config(entry: str, args, data: str, out: str) -> dict:
         "none",
         *(("--rollout_weights", how) if how else ()),
     ]
-    # glibc's heap otherwise keeps what set-up freed (the model built whole, then sharded) in the resident set:
-    # about 500 MB per rank at 101M under zero3.yaml, not tensors the run holds. Large blocks mapped and unmapped
-    # each time let the resident set show what the estimate counts.
-    env = {"MALLOC_MMAP_THRESHOLD_": "131072", **os.environ}
+    # live_memory: glibc's heap otherwise keeps what set-up freed (the model built whole, then sharded) in the
+    # resident set: about 500 MB per rank at 101M under zero3.yaml, not tensors the run holds. Large blocks mapped
+    # and unmapped each time let the resident set show what the estimate counts, but every such block then costs
+    # page faults again (autocast's bf16 copies of ddp's fp32 weights at each decoded token among them): seen at
+    # 101M, ddp.yaml's generation 0.84-0.92x and its update 0.78-0.84x of glibc's default, zero3.yaml's generation
+    # 0.97-1.03x. So the speeds come from runs with glibc's default, as users run.
+    env = {**os.environ, **({"MALLOC_MMAP_THRESHOLD_": "131072"} if live_memory else {})}
     result = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env)
     if result.returncode != 0:
         raise SystemExit(f"{entry} failed:\n{result.stderr[-3000:]}")
@@ -130,12 +133,14 @@ def run_config(entry: str, args, data: str, out: str) -> dict:
     }
 
 
-def median_run(runs: list[dict]) -> dict:
-    """One config's rounds: the median of each speed and time, the highest peak."""
+def median_run(runs: list[dict], live: dict) -> dict:
+    """One config's rounds: the median of each speed and time, the highest resident peak under glibc's default, and
+    the live peak of its run with large blocks unmapped when freed."""
     merged = dict(runs[-1])
     for key in ("generate_tokens_per_s", "gather_s", "generate_s", "update_tokens_per_s"):
         merged[key] = statistics.median(r[key] for r in runs)
-    merged["peak_mb"] = [max(peaks) for peaks in zip(*(r["peak_mb"] for r in runs))]
+    merged["default_peak_mb"] = [max(peaks) for peaks in zip(*(r["peak_mb"] for r in runs))]
+    merged["peak_mb"] = live["peak_mb"]
     return merged
 
 
@@ -161,7 +166,8 @@ def main(argv=None):
             shift = round_ % len(args.configs)
             for config in args.configs[shift:] + args.configs[:shift]:
                 runs[config].append(run_config(config, args, data, os.path.join(tmp, f"{config}-{round_}")))
-        results = [median_run(runs[config]) for config in args.configs]
+        live = {c: run_config(c, args, data, os.path.join(tmp, f"{c}-live"), live_memory=True) for c in args.configs}
+        results = [median_run(runs[config], live[config]) for config in args.configs]
     args.load.append(os.getloadavg()[0])
     base = next((r for r in results if r["config"] == "ddp.yaml"), results[0])
     for r in results:
@@ -169,7 +175,8 @@ def main(argv=None):
         print(
             f"{r['config']:<20} generate {r['generate_tokens_per_s']:8.1f} tokens/s per device "
             f"({r['versus']:.2f}x {base['config']}), gather {r['gather_s']:.2f} s per rollout, update "
-            f"{r['update_tokens_per_s']:.0f} tokens/s, peak MB {', '.join(f'{m:.0f}' for m in r['peak_mb'])}"
+            f"{r['update_tokens_per_s']:.0f} tokens/s, peak MB {', '.join(f'{m:.0f}' for m in r['peak_mb'])} "
+            f"(glibc's default: {', '.join(f'{m:.0f}' for m in r['default_peak_mb'])})"
         )
     if args.docs:
         write_docs(args, results, base)
@@ -192,6 +199,7 @@ def write_docs(args, results, base) -> None:
             "update tokens/s per device",
             "peak MB per rank",
             "estimated peak MB",
+            "resident peak MB, glibc's default",
         ],
         [
             [
@@ -205,6 +213,7 @@ def write_docs(args, results, base) -> None:
                 f"{r['update_tokens_per_s']:.0f}",
                 ", ".join(f"{m:.0f}" for m in r["peak_mb"]),
                 f"{r['estimated_peak_mb']:.0f}",
+                ", ".join(f"{m:.0f}" for m in r["default_peak_mb"]),
             ]
             for r in results
         ],
@@ -215,16 +224,19 @@ def write_docs(args, results, base) -> None:
         f"{results[0]['parameters']:,} parameters, {args.num_processes} processes, the configs' mixed precision; "
         f"{args.num_generations} completions of {args.max_completion_length} tokens at most per prompt, one prompt "
         f"per process a step, {args.steps} steps (the first left out), {args.rounds} rounds in rotated order "
-        f"(medians; the peak the highest); the host's load average {args.load[0]:.1f} at the start, "
+        f"(medians), then one run each for the peak; the host's load average {args.load[0]:.1f} at the start, "
         f"{args.load[1]:.1f} at the end"
         f"{' (above its core count, other work shared it: compare with care)' if max(args.load) > os.cpu_count() else ''}. "
         "Generation tokens/s counts the completions' "
         "tokens per second of generation on each device (the gather of sharded weights apart, in its own column); "
         "the peak is each rank's through the last training step (the export that follows gathers the whole model "
-        "and is left out; the allocator's peak on a GPU; on a CPU the resident set, with glibc's "
+        "and is left out; the allocator's peak on a GPU; on a CPU the resident set of a run with glibc's "
         "MALLOC_MMAP_THRESHOLD_=131072, so that memory freed during set-up, which glibc's default keeps, leaves it), "
-        "beside "
-        "`make estimate-memory ... --grpo_generations G`'s.\n\n" + table,
+        "beside `make estimate-memory ... --grpo_generations G`'s. The speeds come from runs with glibc's default, "
+        "as users run: with the threshold every large block freed is unmapped and mapped again a page fault at a "
+        "time, which slowed ddp.yaml's decoding (its autocast makes bf16 copies of the fp32 weights at each token) "
+        "by 8-16% in a paired run here and the sharded configs' by less; the last column is those runs' highest "
+        "resident peak.\n\n" + table,
     )
 
 
