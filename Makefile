@@ -1,12 +1,12 @@
 # Every command in README.md is a target here, and tests/test_docs.py runs or checks each one.
 VENV    ?= .venv
 PY      := $(VENV)/bin/python
-LAUNCH   = $(strip $(if $(ELASTIC),$(PY) -m common.elastic,$(VENV)/bin/accelerate launch) $(RESTARTS) $(LAUNCH_ARGS))
+LAUNCH   = $(strip $(if $(ELASTIC),$(PY) -m common.launch.elastic,$(VENV)/bin/accelerate launch) $(RESTARTS) $(LAUNCH_ARGS))
 CONFIG  ?= accelerate_configs/ddp.yaml
 ARGS    ?=
 # Extra pip arguments for torch on a host without a GPU, e.g. a CPU-only wheel index.
 TORCH_INDEX ?=
-# The torch releases common/internals.py was checked on (its CHECKED["torch"]; a test keeps them equal).
+# The torch releases common/launch/internals.py was checked on (its CHECKED["torch"]; a test keeps them equal).
 TORCH_RANGE := torch>=2.13.0,<2.14
 # The demos, benchmarks and tests read nothing from a hub (their models and data are made here or ship in a
 # package), so they run with downloads off; the recipe targets load your Hub models as the libraries do.
@@ -21,7 +21,7 @@ LAUNCH_ARGS ?=
 # Restarted workers reconnect reliably only through torchrun's c10d rendezvous with a fresh store
 # per attempt (the configs' static rendezvous keeps the first attempt's addresses): with
 # --max_restarts, make adds both. A node range (LAUNCH_ARGS="--nnodes 1:2 ...", docs/operating.md)
-# launches through common/elastic.py, with the c10d rendezvous and 3 restarts unless given.
+# launches through common/launch/elastic.py, with the c10d rendezvous and 3 restarts unless given.
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE ?= 1
 ELASTIC  = $(findstring --nnodes,$(LAUNCH_ARGS))
 RESTARTS = $(if $(or $(ELASTIC),$(findstring --max_restarts,$(LAUNCH_ARGS))),--rdzv_backend c10d) \
@@ -145,7 +145,7 @@ reward-model: install
 reward_model: reward-model  # the recipe's own name, as each recipe's target is
 
 # GRPO: a tiny Llama built from a config learns from the reward alone to answer generated arithmetic questions with a
-# bare number (held-out reward before -> after); every config samples from whole weights (common.rollout).
+# bare number (held-out reward before -> after); every config samples from whole weights (common.objectives.rollout).
 grpo: install
 	$(PY) scripts/make_demo_data.py --task prompts --out outputs/data/prompts
 	$(LAUNCH) --config_file $(CONFIG) recipes/grpo.py --config recipes/configs/grpo_demo.yaml $(DEMO_RUN) $(ARGS)
@@ -182,7 +182,7 @@ doctor: install
 # Steps/s and peak memory per rank of every CPU-runnable config, in one run (ratios vs DDP).
 # Writes its tables to docs/benchmark.md and its chart to docs/benchmark.png.
 benchmark: install
-	$(PY) scripts/benchmark_strategies.py --docs docs/benchmark.md --chart docs/benchmark.png $(ARGS)
+	$(PY) benchmarks/benchmark_strategies.py --docs docs/benchmark.md --chart docs/benchmark.png $(ARGS)
 
 # Memory per rank by category for a model under a config, before launching:
 #   make estimate-memory MODEL=recipes/configs/llama_100m.json CONFIG=accelerate_configs/zero3.yaml ARGS="--seq_len 2048"
@@ -199,32 +199,32 @@ choose-config: install
 # choose-config against measurement on this host (make doctor, make benchmark's runs at 101M under memory caps),
 # and its advice for published setups: written to docs/choose-config.md.
 benchmark-choice: install
-	$(PY) scripts/benchmark_choice.py --docs docs/choose-config.md $(ARGS)
+	$(PY) benchmarks/benchmark_choice.py --docs docs/choose-config.md $(ARGS)
 
 # A ZeRO-3 checkpoint's conversion for another world size and the final export's gather, at 101M:
 # time and host memory, written to docs/benchmark-reshard.md.
 benchmark-reshard: install
-	$(PY) scripts/benchmark_reshard.py --docs docs/benchmark-reshard.md $(ARGS)
+	$(PY) benchmarks/benchmark_reshard.py --docs docs/benchmark-reshard.md $(ARGS)
 
 # The first pipeline prototype (torch.distributed.pipelining, 2 stages over gloo), kept for its figures: parity with
 # one process and each stage's time and memory, written to docs/benchmark-pipeline.md. pp.yaml is the config.
 benchmark-pipeline: install
-	$(PY) scripts/benchmark_pipeline.py --docs docs/benchmark-pipeline.md $(ARGS)
+	$(PY) benchmarks/benchmark_pipeline.py --docs docs/benchmark-pipeline.md $(ARGS)
 
 # pp.yaml's bubble: step time at 1, 2, 4 and 8 micro-batches per schedule (GPipe, 1F1B, Interleaved1F1B) beside
 # the schedule's (p - 1) / (m + p - 1), written to docs/benchmark-bubble.md.
 benchmark-bubble: install
-	$(PY) scripts/benchmark_bubble.py --docs docs/benchmark-bubble.md $(ARGS)
+	$(PY) benchmarks/benchmark_bubble.py --docs docs/benchmark-bubble.md $(ARGS)
 
 # pp.yaml's (each schedule) and dp_pp.yaml's memory per stage at 101M against make estimate-memory's row for each
 # stage: model state and peak resident set per rank, written to docs/benchmark-pipeline-memory.md.
 benchmark-pipeline-memory: install
-	$(PY) scripts/benchmark_pipeline_memory.py --docs docs/benchmark-pipeline-memory.md $(ARGS)
+	$(PY) benchmarks/benchmark_pipeline_memory.py --docs docs/benchmark-pipeline-memory.md $(ARGS)
 
 # GRPO's rollouts under ddp, zero3, zero3_offload, fsdp and tp at 101M parameters on 2 processes: generation
 # tokens/s per device against ddp's, the once-per-rollout gather, peak memory against the estimate.
 benchmark-rollouts: install
-	$(PY) scripts/benchmark_rollouts.py --docs docs/benchmark-rollouts.md $(ARGS)
+	$(PY) benchmarks/benchmark_rollouts.py --docs docs/benchmark-rollouts.md $(ARGS)
 
 # The causal-LM recipe against the plainest accelerate loop and transformers' Trainer on one job, the DPO recipe
 # against TRL's DPOTrainer (installed here for this benchmark only) on another (ddp.yaml, 2 processes, bf16), and
@@ -236,16 +236,16 @@ $(VENV)/.installed-trl: $(VENV)/.installed
 benchmark-peers: demo-data $(VENV)/.installed-trl
 	$(PY) scripts/make_demo_data.py --task preference --out outputs/data/preference
 	$(PY) scripts/make_demo_data.py --task prompts --out outputs/data/prompts
-	$(PY) scripts/benchmark_peers.py --docs docs/benchmark-peers.md $(ARGS)
+	$(PY) benchmarks/benchmark_peers.py --docs docs/benchmark-peers.md $(ARGS)
 
 # Each speed option (compile, AdamW kernel, checkpointing, attention kernel, Liger) against the recipe's defaults
 # on the peers' job, rounds interleaved; those this host cannot run are listed with their refusal.
 benchmark-options: demo-data
-	$(PY) scripts/benchmark_options.py --docs docs/benchmark-options.md $(ARGS)
+	$(PY) benchmarks/benchmark_options.py --docs docs/benchmark-options.md $(ARGS)
 
 # Packed vs padded SFT batches (one process), written to docs/benchmark-packing.md: make benchmark-packing ARGS="--steps 20"
 benchmark-packing: install
-	$(PY) scripts/benchmark_packing.py --docs docs/benchmark-packing.md $(ARGS)
+	$(PY) benchmarks/benchmark_packing.py --docs docs/benchmark-packing.md $(ARGS)
 
 # make check-config CONFIG=accelerate_configs/zero3.yaml [RECIPE_CONFIG=recipes/configs/....yaml]
 # (or ARGS="--recipe_config recipes/configs/....yaml --num_processes 16": ARGS comes last, so it wins)

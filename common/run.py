@@ -21,8 +21,9 @@ import time
 
 from accelerate.utils import set_seed
 
-from common import elastic, memory, pipeline, sequence_parallel, tensor_parallel
-from common.accelerator import (
+from common.data.streaming import check_resumable
+from common.launch import elastic
+from common.launch.accelerator import (
     build_accelerator,
     launched_mesh_size,
     launched_strategy,
@@ -30,21 +31,20 @@ from common.accelerator import (
     refuse_unsupported_mesh,
     unwrap,
 )
-from common.arguments import DataArguments, ModelArguments, TrainingArguments
-from common.checkpoints import load_checkpoint, save_checkpoint
-from common.errors import UsageError, exit_now, exit_with_error, one_line_errors
-from common.export import export_final
-from common.internals import share_zero3_fp32_partitions
-from common.lora import LoraArguments, check_adapter_arguments
-from common.metrics import MetricsLogger, start_trackers
-from common.model import check_block_size, export_dtype, model_hidden_size
-from common.nonfinite import NonFiniteGuard, nonfinite_check
-from common.parsing import parse_args, to_dict
-from common.peers import lost_peer_message
-from common.portable import optimizer_parameter_names
-from common.profiling import StepProfiler
-from common.reshard import convert_before_start, for_this_world_size
-from common.run_dir import (
+from common.launch.errors import UsageError, exit_now, exit_with_error, one_line_errors
+from common.launch.internals import share_zero3_fp32_partitions
+from common.launch.peers import lost_peer_message
+from common.launch.versions import outside_checked_range
+from common.models.loading import check_block_size, export_dtype, model_hidden_size
+from common.models.lora import LoraArguments, check_adapter_arguments
+from common.options.arguments import DataArguments, ModelArguments, TrainingArguments
+from common.options.parsing import parse_args, to_dict
+from common.outputs.checkpoints import load_checkpoint, save_checkpoint
+from common.outputs.export import export_final
+from common.outputs.metrics import MetricsLogger, start_trackers
+from common.outputs.portable import optimizer_parameter_names
+from common.outputs.reshard import convert_before_start, for_this_world_size
+from common.outputs.run_dir import (
     check_output_dir,
     clear_earlier_run,
     launch_started,
@@ -54,17 +54,19 @@ from common.run_dir import (
     resolve_checkpoint,
     set_aside_later_checkpoints,
 )
-from common.run_info import data_sources, record_run, tracker_config
-from common.speed import refuse_fp8_where_it_cannot_run, speed_record
-from common.streaming import check_resumable
-from common.training import check_global_batch
-from common.versions import outside_checked_range
+from common.outputs.run_info import data_sources, record_run, tracker_config
+from common.parallel import pipeline, sequence_parallel, tensor_parallel
+from common.training import memory
+from common.training.loop import check_global_batch
+from common.training.nonfinite import NonFiniteGuard, nonfinite_check
+from common.training.profiling import StepProfiler
+from common.training.speed import refuse_fp8_where_it_cannot_run, speed_record
 
 
 def run_recipe(main, *argument_types, argv: list[str] | None = None):
     """Parse the command line (and --config YAML) into `argument_types`, call main with them, and
     end the process: status 0 once main returns, one line and a non-zero status on an error
-    (`common.errors.one_line_errors`)."""
+    (`common.launch.errors.one_line_errors`)."""
     parsed = parse_args(argument_types, argv)
     training = next(p for p in parsed if isinstance(p, TrainingArguments))
     if argv is None:  # a process of its own (not a recipe's main() called in another program)
@@ -74,7 +76,7 @@ def run_recipe(main, *argument_types, argv: list[str] | None = None):
     with one_line_errors(training.ddp_timeout), no_mark_left_if_refused(training.output_dir):
         with elastic_worlds(training.ddp_timeout):
             main(*parsed)
-    exit_now(0)  # finished: exit 0 without the interpreter's teardown (common.errors.exit_now says why)
+    exit_now(0)  # finished: exit 0 without the interpreter's teardown (common.launch.errors.exit_now says why)
 
 
 @contextlib.contextmanager
@@ -95,7 +97,7 @@ def no_mark_left_if_refused(output_dir: str):
 
 @contextlib.contextmanager
 def elastic_worlds(ddp_timeout: float):
-    """Under an elastic launch (common.elastic), a lost peer ends this world at once, in one line, with the time
+    """Under an elastic launch (common.launch.elastic), a lost peer ends this world at once, in one line, with the time
     noted for the next world's account: the agents then form the next world with the nodes left. (Elsewhere
     `one_line_errors` ends the run, after a grace for the peer's own line.) Bad input (a UsageError, met again by
     every world: a checkpoint that does not convert, a range no accumulation fits) is noted too: its line is
@@ -121,7 +123,7 @@ def elastic_worlds(ddp_timeout: float):
 def check_resume_position(accelerator, args, state: dict) -> None:
     """A checkpoint's data position against this run, before `begin` writes anything: another global
     batch (processes x batch x accumulation) would start elsewhere in the data and with other steps per
-    epoch (common.training.TrainBatches, which checks it again); a stream resumes on as many processes."""
+    epoch (common.training.loop.TrainBatches, which checks it again); a stream resumes on as many processes."""
     position = state.get("data") or {}
     check_global_batch(
         accelerator, position.get("global_batch"), args.per_device_train_batch_size, args.gradient_accumulation_steps
@@ -146,7 +148,7 @@ class Run:
         self.model = self.optimizer = self.scheduler = self.tokenizer = None
         self.metrics = self.nonfinite = self.profiler = None
         self.optimizer_parameters = None
-        self.world = world  # an elastic launch's common.elastic.WorldWatch
+        self.world = world  # an elastic launch's common.launch.elastic.WorldWatch
 
     def begin(self, model, optimizer, scheduler, tokenizer, max_steps: int, **record) -> dict:
         """After `accelerator.prepare`: load the checkpoint to resume from (if any), write run.json
@@ -154,14 +156,14 @@ class Run:
         Returns the saved trainer state ({"step": 0} for a fresh run)."""
         accelerator, args = self.accelerator, self.args
         self.model, self.optimizer, self.scheduler, self.tokenizer = model, optimizer, scheduler, tokenizer
-        share_zero3_fp32_partitions(optimizer)  # ZeRO-3 in fp32: no second fp32 copy (common.internals)
+        share_zero3_fp32_partitions(optimizer)  # ZeRO-3 in fp32: no second fp32 copy (common.launch.internals)
         # the checks first: a resume refused here leaves output_dir exactly as it was
         loading = time.time()
         state = load_checkpoint(accelerator, self.checkpoint, model, optimizer, scheduler)
         check_resume_position(accelerator, args, state)
         if self.world is not None:  # before metrics.jsonl drops the rows of the steps lost
             self.world.begin(accelerator, args.output_dir, state["step"], (loading, time.time()))
-        # a checkpoint names the optimizer's parameters, so another strategy can read it (common.portable)
+        # a checkpoint names the optimizer's parameters, so another strategy can read it (common.outputs.portable)
         self.optimizer_parameters = optimizer_parameter_names(unwrap(accelerator, model), optimizer)
         if self.clear_earlier and accelerator.is_main_process:
             clear_earlier_run(args.output_dir)
@@ -222,7 +224,8 @@ class Run:
     def check_accumulation(self, rule) -> None:
         """A recipe's own rule on a step's accumulation steps (`rule(accumulation)`: what is wrong in one line, or
         None; GRPO's whole groups per process), for every world this launch may train on: this one, and under a node
-        range (common.elastic) each number of nodes of it, with the accumulation that keeps the global batch there."""
+        range (common.launch.elastic) each number of nodes of it, with the accumulation that keeps the global batch
+        there."""
         if self.world is not None:
             elastic.check_every_world(self.world.elastic, self.world.batch["asked"], rule)
         problem = rule(self.args.gradient_accumulation_steps)
@@ -318,7 +321,9 @@ def start_run(*arguments) -> Run:
     sized = (
         model_args is not None and launched_strategy() == "deepspeed"
     )  # ZeRO-3's bounds: the config read there only
-    accelerator, launch = build_accelerator(args, model_hidden_size(model_args) if sized else None)
+    accelerator, launch = build_accelerator(
+        args, model_hidden_size(model_args) if sized else None, {"pp": pipeline.PipelineAccelerator}
+    )
     memory.mark("started")
     warnings = outside_checked_range() + (
         [check_block_size(model_args, data_args.block_size)] if data_args and model_args else []
@@ -339,8 +344,9 @@ def resume_after_restart(args, joining: bool = False) -> None:
     """torchrun sets TORCHELASTIC_RESTART_COUNT in the workers it restarts after a failure. They
     were launched with the first attempt's arguments (--overwrite_output_dir included): once this
     run has a complete checkpoint, continue from the latest one instead. `joining`: this worker's node joins an
-    elastic launch already under way (common.elastic), its agent's first attempt: the same, as for a restart. Where the first attempt
-    died before taking over the folder's checkpoints (`common.run_dir.launch_starting`: an earlier
+    elastic launch already under way (common.launch.elastic), its agent's first attempt: the same, as for a restart.
+    Where the first attempt
+    died before taking over the folder's checkpoints (`common.outputs.run_dir.launch_starting`: an earlier
     run's, not yet cleared or set aside), its arguments stand: start afresh or from its checkpoint again."""
     max_restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))

@@ -28,14 +28,14 @@ modules from --lora_* or the recipe YAML) and saves the adapter to output_dir/fi
 
 import math
 
-from common.arguments import DataArguments, ModelArguments, TrainingArguments
-from common.batch_size import fit_batch_size
-from common.data import load_raw_datasets, make_dataloaders, tokenize_and_pack
-from common.lora import LoraArguments, apply_lora
-from common.model import load_model, load_tokenizer
+from common.data.loading import load_raw_datasets, make_dataloaders, tokenize_and_pack
+from common.models.loading import load_model, load_tokenizer
+from common.models.lora import LoraArguments, apply_lora
+from common.options.arguments import DataArguments, ModelArguments, TrainingArguments
+from common.parallel.sequence_parallel import context_parallel
 from common.run import run_recipe, start_run
-from common.sequence_parallel import context_parallel
-from common.training import TrainBatches, create_optimizer, create_scheduler, evaluate_loss, total_training_steps
+from common.training.batch_size import fit_batch_size
+from common.training.loop import TrainBatches, create_optimizer, create_scheduler, evaluate_loss, total_training_steps
 
 
 def main(model_args: ModelArguments, data_args: DataArguments, lora_args: LoraArguments, args: TrainingArguments):

@@ -3,14 +3,14 @@
 The data are pairs: a prompt, a chosen and a rejected answer, as text or as conversations (TRL's
 conversational format, or UltraFeedback's whole chats that share their prompt turns), rendered with
 the tokenizer's chat template or --chat_template; the log-probabilities cover the answers only.
-Each batch scores its chosen and rejected rows in one forward (common.preference).
+Each batch scores its chosen and rejected rows in one forward (common.data.preference).
 
-The reference model (common.reference) is, with --use_peft, the policy with its adapters off (no
+The reference model (common.objectives.reference) is, with --use_peft, the policy with its adapters off (no
 second copy); with --adapter_name_or_path (or a LoRA run's final/ as --model_name_or_path: DPO after
 a LoRA SFT) the policy trains that adapter on and the reference is base + that adapter, frozen, a
 second copy; otherwise a frozen copy sharded by the same strategy (FSDP2 shards, a ZeRO-3
 partition), or with --precompute_ref_log_probs one pass over the data before training, kept in
-output_dir for a resume. The loss (common.dpo): --loss_type sigmoid (DPO, --beta,
+output_dir for a resume. The loss (common.objectives.dpo): --loss_type sigmoid (DPO, --beta,
 --label_smoothing), ipo or hinge, each with --rpo_alpha's NLL term if set; rewards/chosen,
 rewards/rejected, rewards/accuracies and rewards/margins are logged on train and eval lines, as
 TRL names them.
@@ -27,28 +27,32 @@ import math
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
-from common.arguments import DataArguments, ModelArguments, TrainingArguments
-from common.chat import answer_token_counts
-from common.chat_template import read_chat_template
-from common.data import load_raw_datasets, make_dataloaders
-from common.dpo import completion_lengths, completion_log_probs, evaluate_preferences, preference_loss
-from common.errors import UsageError
-from common.evaluation import evaluate_generation, size_max_new_tokens
-from common.lora import LoraArguments, apply_lora
-from common.model import load_model, load_tokenizer
-from common.preference import PairBatches, answer_end_ids, chosen_references, tokenize_pairs
-from common.ranges import Range
-from common.reference import build_reference, disable_dropout
+from common.data.chat import answer_token_counts
+from common.data.chat_template import read_chat_template
+from common.data.loading import load_raw_datasets, make_dataloaders
+from common.data.preference import PairBatches, answer_end_ids, chosen_references, tokenize_pairs
+from common.launch.errors import UsageError
+from common.models.loading import load_model, load_tokenizer
+from common.models.lora import LoraArguments, apply_lora
+from common.objectives.dpo import completion_lengths, completion_log_probs, evaluate_preferences, preference_loss
+from common.objectives.reference import build_reference, disable_dropout
+from common.options.arguments import DataArguments, ModelArguments, TrainingArguments
+from common.options.ranges import Range
+from common.parallel.sequence_parallel import context_parallel
 from common.run import run_recipe, start_run
-from common.sequence_parallel import context_parallel
-from common.training import TrainBatches, create_optimizer, create_scheduler, total_training_steps
+from common.training.evaluation import evaluate_generation, size_max_new_tokens
+from common.training.loop import TrainBatches, create_optimizer, create_scheduler, total_training_steps
 
 
 @dataclass
 class DPOArguments:
-    reads_data_in_memory = True  # not fields: --streaming and --auto_find_batch_size are refused (common.parsing)
+    reads_data_in_memory = (
+        True  # not fields: --streaming and --auto_find_batch_size are refused (common.options.parsing)
+    )
     no_auto_batch_size = "its trial step would not count the reference model nor score pairs"
-    scores_whole_rows = "each answer's log-probability"  # sequence parallelism refused (common.sequence_parallel)
+    scores_whole_rows = (
+        "each answer's log-probability"  # sequence parallelism refused (common.parallel.sequence_parallel)
+    )
     chat_template: str | None = field(
         default=None,
         metadata={"help": "A chat template file or text; replaces the tokenizer's (and is saved with it)."},

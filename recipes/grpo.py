@@ -2,10 +2,10 @@
 answers to copy.
 
 Each step samples --num_generations (G) completions of each of its prompts (--temperature, --top_p,
---max_completion_length), scores them with --reward_funcs (common.rewards: built-ins such as `accuracy`
+--max_completion_length), scores them with --reward_funcs (common.objectives.rewards: built-ins such as `accuracy`
 against an `answer` column, your own Python function, a reward model folder from recipes/reward_model.py),
 turns each group's rewards into advantages (--scale_rewards) and takes the clipped policy loss
-(--loss_type dapo, TRL's default, or grpo, dr_grpo, bnpo; --epsilon, --epsilon_high; common.grpo), reusing a
+(--loss_type dapo, TRL's default, or grpo, dr_grpo, bnpo; --epsilon, --epsilon_high; common.objectives.grpo), reusing a
 rollout for --num_iterations steps. With --beta > 0 a KL term keeps the policy near the reference, held as
 DPO's is (adapters off under --use_peft, else a frozen copy sharded like the policy).
 
@@ -13,7 +13,7 @@ The data: a `prompt` column, text or a conversation (rendered with the chat temp
 the reward functions. --per_device_train_batch_size counts completions, as TRL's: a step trains on processes x
 batch x accumulation completions, G per prompt.
 
-Rollouts (common.rollout) depend on (seed, step, prompt) only, not on the number of processes or the config,
+Rollouts (common.objectives.rollout) depend on (seed, step, prompt) only, not on the number of processes or the config,
 and sample from whole weights on every rank: under FSDP2, ZeRO-3 and tensor parallelism a copy gathered once
 per rollout, so decoding runs at the unsharded model's speed and ranks never wait on each other's lengths.
 
@@ -30,11 +30,13 @@ from typing import Annotated, Literal
 
 import torch
 
-from common.accelerator import declare_micro_batch
-from common.arguments import DataArguments, ModelArguments, TrainingArguments
-from common.chat_template import read_chat_template
-from common.data import load_raw_datasets
-from common.grpo import (
+from common.data.chat_template import read_chat_template
+from common.data.loading import load_raw_datasets
+from common.launch.accelerator import declare_micro_batch
+from common.launch.internals import start_accumulation_window
+from common.models.loading import load_model, load_tokenizer
+from common.models.lora import LoraArguments, apply_lora
+from common.objectives.grpo import (
     batch_std,
     count_global,
     group_advantages,
@@ -43,13 +45,9 @@ from common.grpo import (
     token_log_probs,
     whole_groups,
 )
-from common.internals import start_accumulation_window
-from common.lora import LoraArguments, apply_lora
-from common.model import load_model, load_tokenizer
-from common.ranges import Range
-from common.reference import build_reference, disable_dropout
-from common.rewards import Rewards, evaluate_rewards, load_rewards
-from common.rollout import (
+from common.objectives.reference import build_reference, disable_dropout
+from common.objectives.rewards import Rewards, evaluate_rewards, load_rewards
+from common.objectives.rollout import (
     CompletionLog,
     GenerationWeights,
     Rollout,
@@ -59,16 +57,20 @@ from common.rollout import (
     stop_token_ids,
     tokenize_prompts,
 )
+from common.options.arguments import DataArguments, ModelArguments, TrainingArguments
+from common.options.ranges import Range
 from common.run import run_recipe, start_run
-from common.training import create_optimizer, create_scheduler
+from common.training.loop import create_optimizer, create_scheduler
 
 
 @dataclass
 class GRPOArguments:
-    reads_data_in_memory = True  # not fields: --streaming and --auto_find_batch_size are refused (common.parsing)
+    reads_data_in_memory = (
+        True  # not fields: --streaming and --auto_find_batch_size are refused (common.options.parsing)
+    )
     no_auto_batch_size = "its trial step would not count the rollout's generation"
     scores_whole_rows = (
-        "each completion's log-probabilities"  # sequence parallelism refused (common.sequence_parallel)
+        "each completion's log-probabilities"  # sequence parallelism refused (common.parallel.sequence_parallel)
     )
     reward_funcs: list[str] = field(
         default_factory=list,
@@ -88,7 +90,7 @@ class GRPOArguments:
     )
     top_p: Annotated[float, Range(above=0, high=1)] = 1.0
     loss_type: Literal["dapo", "grpo", "dr_grpo", "bnpo"] = field(
-        default="dapo", metadata={"help": "How the token losses are averaged (common.grpo)."}
+        default="dapo", metadata={"help": "How the token losses are averaged (common.objectives.grpo)."}
     )
     scale_rewards: Literal["group", "batch", "none"] = field(
         default="group", metadata={"help": "The advantages' divisor: the group's reward std, the batch's, or none."}

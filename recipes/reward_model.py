@@ -1,11 +1,11 @@
 """Train a reward model on preference pairs: a sequence classifier with one output that scores the chosen
 answer above the rejected one (TRL's RewardTrainer).
 
-The pairs are DPO's (common.preference): a prompt, a chosen and a rejected answer as text or as
+The pairs are DPO's (common.data.preference): a prompt, a chosen and a rejected answer as text or as
 conversations (TRL's conversational format, or UltraFeedback's whole chats), rendered with the tokenizer's
 chat template or --chat_template; an optional `margin` column (a number per pair) asks the chosen reward to
 exceed the rejected one by that much. Each batch scores its chosen and rejected rows in one forward. A row's
-reward is the score at its last token, also where the pad token is EOS (common.reward_model). The loss is
+reward is the score at its last token, also where the pad token is EOS (common.objectives.reward_model). The loss is
 -log sigmoid(r_chosen - r_rejected - margin), plus --center_rewards_coefficient x (r_chosen + r_rejected)^2;
 accuracy, margin, mean_reward, min_reward and max_reward are logged on train and eval lines, as TRL names them.
 
@@ -15,7 +15,7 @@ accuracy, margin, mean_reward, min_reward and max_reward are logged on train and
 
 final/ is a Hugging Face sequence classifier with one output (its logit is the reward), which
 AutoModelForSequenceClassification loads; with --use_peft the adapter with the score head saved beside it,
-and with --save_merged_model also final_merged/. common.reward_model.load_reward_model and score read it as
+and with --save_merged_model also final_merged/. common.objectives.reward_model.load_reward_model and score read it as
 training scored (GRPO's reward). The demo (`make reward-model`) trains a tiny Llama, built from a config, to
 score the right sum above a near miss ("what is 7 plus 5 ?": "12" over "13"), and prints the held-out pair
 accuracy before -> after.
@@ -27,15 +27,13 @@ from typing import Annotated, Literal
 
 from transformers import AutoModelForSequenceClassification
 
-from common.arguments import DataArguments, ModelArguments, TrainingArguments
-from common.chat_template import read_chat_template
-from common.data import load_raw_datasets, make_dataloaders
-from common.lora import LoraArguments, apply_lora
-from common.model import load_model, load_tokenizer
-from common.preference import tokenize_pairs
-from common.ranges import Range
-from common.reference import disable_dropout
-from common.reward_model import (
+from common.data.chat_template import read_chat_template
+from common.data.loading import load_raw_datasets, make_dataloaders
+from common.data.preference import tokenize_pairs
+from common.models.loading import load_model, load_tokenizer
+from common.models.lora import LoraArguments, apply_lora
+from common.objectives.reference import disable_dropout
+from common.objectives.reward_model import (
     RewardBatches,
     attach_margins,
     check_reward_model_start,
@@ -43,16 +41,20 @@ from common.reward_model import (
     pair_rewards,
     reward_loss,
 )
+from common.options.arguments import DataArguments, ModelArguments, TrainingArguments
+from common.options.ranges import Range
+from common.parallel.sequence_parallel import context_parallel
 from common.run import run_recipe, start_run
-from common.sequence_parallel import context_parallel
-from common.training import TrainBatches, create_optimizer, create_scheduler, total_training_steps
+from common.training.loop import TrainBatches, create_optimizer, create_scheduler, total_training_steps
 
 
 @dataclass
 class RewardArguments:
-    reads_data_in_memory = True  # not fields: --streaming and --auto_find_batch_size are refused (common.parsing)
+    reads_data_in_memory = (
+        True  # not fields: --streaming and --auto_find_batch_size are refused (common.options.parsing)
+    )
     no_auto_batch_size = "its trial step runs the model's own loss, not a pair's"
-    scores_whole_rows = "one reward per row"  # sequence parallelism refused (common.sequence_parallel)
+    scores_whole_rows = "one reward per row"  # sequence parallelism refused (common.parallel.sequence_parallel)
     chat_template: str | None = field(
         default=None,
         metadata={"help": "A chat template file or text; replaces the tokenizer's (and is saved with it)."},

@@ -22,22 +22,22 @@ from typing import Annotated, Literal
 
 from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding
 
-from common.arguments import DataArguments, ModelArguments, TrainingArguments
-from common.batch_size import fit_batch_size
-from common.data import load_raw_datasets, make_dataloaders, tokenize_for_classification
-from common.evaluation import BestModelTracker, evaluate_classification, load_metric
-from common.lora import LoraArguments, apply_lora
-from common.model import load_model, load_tokenizer
-from common.ranges import Range
+from common.data.loading import load_raw_datasets, make_dataloaders, tokenize_for_classification
+from common.models.loading import load_model, load_tokenizer
+from common.models.lora import LoraArguments, apply_lora
+from common.options.arguments import DataArguments, ModelArguments, TrainingArguments
+from common.options.ranges import Range
+from common.parallel.sequence_parallel import context_parallel
 from common.run import run_recipe, start_run
-from common.sequence_parallel import context_parallel
-from common.training import TrainBatches, create_optimizer, create_scheduler, total_training_steps
+from common.training.batch_size import fit_batch_size
+from common.training.evaluation import BestModelTracker, evaluate_classification, load_metric
+from common.training.loop import TrainBatches, create_optimizer, create_scheduler, total_training_steps
 
 
 @dataclass
 class ClassificationArguments:
-    reads_data_in_memory = True  # not a field: --streaming is refused here (common.parsing)
-    scores_whole_rows = "one class per example"  # sequence parallelism refused (common.sequence_parallel)
+    reads_data_in_memory = True  # not a field: --streaming is refused here (common.options.parsing)
+    scores_whole_rows = "one class per example"  # sequence parallelism refused (common.parallel.sequence_parallel)
     label_column: str = "label"
     metrics: list[str] = field(default_factory=lambda: ["accuracy", "f1"])
     f1_average: Literal["binary", "macro", "micro", "weighted"] = "macro"

@@ -7,8 +7,8 @@ columns, text or lists of messages) learns the completion only.
 
 With --packing (default) a batch's conversations are concatenated into one row with
 per-conversation position ids, so no compute goes to padding (a batch that would waste at
-most 20% on padding stays padded: faster there, common.packing.PackOrPad), and attention runs per
-conversation (common.packing's sdpa_varlen: no conversation attends to another, and
+most 20% on padding stays padded: faster there, common.data.packing.PackOrPad), and attention runs per
+conversation (common.data.packing's sdpa_varlen: no conversation attends to another, and
 conversations of similar length share an attention call); --packing false pads instead.
 Evaluates loss and the exact-match accuracy of greedy answers.
 
@@ -29,25 +29,25 @@ from typing import Annotated
 
 from transformers import DataCollatorForSeq2Seq
 
-from common.arguments import DataArguments, ModelArguments, TrainingArguments
-from common.batch_size import fit_batch_size
-from common.chat import OVERLONG, answer_token_counts, end_of_turn_ids, generation_references, tokenize_sft
-from common.chat_template import read_chat_template
-from common.data import load_raw_datasets, make_dataloaders
-from common.evaluation import evaluate_generation, size_max_new_tokens
-from common.internals import attention_implementation
-from common.lora import LoraArguments, apply_lora
-from common.model import load_model, load_tokenizer
-from common.packing import PackOrPad
-from common.ranges import Range
+from common.data.chat import OVERLONG, answer_token_counts, end_of_turn_ids, generation_references, tokenize_sft
+from common.data.chat_template import read_chat_template
+from common.data.loading import load_raw_datasets, make_dataloaders
+from common.data.packing import PackOrPad
+from common.launch.internals import attention_implementation
+from common.models.loading import load_model, load_tokenizer
+from common.models.lora import LoraArguments, apply_lora
+from common.options.arguments import DataArguments, ModelArguments, TrainingArguments
+from common.options.ranges import Range
+from common.parallel.sequence_parallel import context_parallel
 from common.run import run_recipe, start_run
-from common.sequence_parallel import context_parallel
-from common.training import TrainBatches, create_optimizer, create_scheduler, evaluate_loss, total_training_steps
+from common.training.batch_size import fit_batch_size
+from common.training.evaluation import evaluate_generation, size_max_new_tokens
+from common.training.loop import TrainBatches, create_optimizer, create_scheduler, evaluate_loss, total_training_steps
 
 
 @dataclass
 class SFTArguments:
-    reads_data_in_memory = True  # not a field: --streaming is refused here (common.parsing)
+    reads_data_in_memory = True  # not a field: --streaming is refused here (common.options.parsing)
     messages_column: str = "messages"
     chat_template: str | None = field(
         default=None,

@@ -16,8 +16,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import common  # noqa: F401  (keeps torchao's import-time noise off the answer's output)
-from common.errors import UsageError
-from common.model import adapter_base_model, is_adapter_folder
+from common.launch.errors import UsageError
+from common.models.loading import adapter_base_model, is_adapter_folder
 
 
 def answer(

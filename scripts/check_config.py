@@ -29,7 +29,7 @@ ZERO_STAGES = (0, 1, 2, 3)
 def launch_keys() -> set[str]:
     from accelerate.commands.launch import launch_command_parser
 
-    from common.internals import parser_actions
+    from common.launch.internals import parser_actions
 
     return set(parser_actions(launch_command_parser()))
 
@@ -38,7 +38,7 @@ def recipe_values(recipe_config: str | None) -> dict:
     """The recipe YAML's values over TrainingArguments' defaults."""
     import dataclasses
 
-    from common.arguments import TrainingArguments
+    from common.options.arguments import TrainingArguments
 
     values = {f.name: f.default for f in dataclasses.fields(TrainingArguments)}
     if recipe_config:
@@ -153,10 +153,10 @@ def whole_row_recipe(keys: set[str]) -> str | None:
 
 
 def check_mesh(mesh: dict, raw: dict, fsdp: dict, recipe: dict, world: int, keys: set[str] = frozenset()) -> list[str]:
-    """parallelism_config: its sizes against the world size and what each dimension needs (common.mesh's rules,
+    """parallelism_config: its sizes against the world size and what each dimension needs (common.launch.mesh's rules,
     which a launched run applies too), and whether the recipe's model can be split by tensor parallelism; `keys`:
     those the recipe YAML sets (which recipe it is)."""
-    from common.mesh import DIMENSIONS, mesh_problems
+    from common.launch.mesh import DIMENSIONS, mesh_problems
 
     sizes = {name: int(mesh.get(f"parallelism_config_{name}_size", 1)) for name in DIMENSIONS}
     fsdp2 = raw.get("distributed_type") == "FSDP" and str(fsdp.get("fsdp_version")) == "2"
@@ -170,7 +170,7 @@ def check_mesh(mesh: dict, raw: dict, fsdp: dict, recipe: dict, world: int, keys
     if sizes["pp"] > 1:
         problems += pipeline_problems(mesh, recipe, keys)
     if sizes["sp"] > 1 or sizes["cp"] > 1:
-        from common.sequence_parallel import recipe_problems, whole_rows_problem
+        from common.parallel.sequence_parallel import recipe_problems, whole_rows_problem
 
         scores = whole_row_recipe(keys)
         problems += recipe_problems(recipe) + ([whole_rows_problem(scores)] if scores else [])
@@ -178,9 +178,10 @@ def check_mesh(mesh: dict, raw: dict, fsdp: dict, recipe: dict, world: int, keys
 
 
 def check_fp8(raw: dict, fsdp: dict, mesh: dict) -> list[str]:
-    """mixed_precision: fp8 against what a launched run refuses (common.speed.fp8_problem: the backend, torchao
+    """mixed_precision: fp8 against what a launched run refuses (common.training.speed.fp8_problem: the backend,
+    torchao
     on this host, DeepSpeed, tensor parallelism, FSDP2's efficient loading; the GPU where this host has one)."""
-    from common.speed import fp8_host, fp8_problem
+    from common.training.speed import fp8_host, fp8_problem
 
     strategy = {"DEEPSPEED": "deepspeed", "FSDP": "fsdp"}.get(str(raw.get("distributed_type")), "ddp")
     problem = fp8_problem(
@@ -198,7 +199,7 @@ def tensor_parallel_model_problems(recipe: dict, tp: int) -> list[str]:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from common.tensor_parallel import model_problems
+    from common.parallel.tensor_parallel import model_problems
 
     source = recipe.get("model_config") or recipe.get("model_name_or_path")
     try:
@@ -213,18 +214,20 @@ def tensor_parallel_model_problems(recipe: dict, tp: int) -> list[str]:
 
 
 def pipeline_problems(mesh: dict, recipe: dict, keys: set[str]) -> list[str]:
-    """parallelism_config_pp_*: the schedule, the recipe (common.pipeline.check_arguments, from its YAML) and its
+    """parallelism_config_pp_*: the schedule, the recipe (common.parallel.pipeline.check_arguments, from its YAML) and
+    its
     model (built on the meta device: a Llama with enough layers for the stages, its head not tied)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from common import pipeline
-    from common.errors import UsageError
+    from common.launch.errors import UsageError
+    from common.launch.mesh import pipeline_settings_in, pipeline_settings_problems
+    from common.parallel import pipeline
 
-    problems = pipeline.settings_problems(mesh)
+    problems = pipeline_settings_problems(mesh)
     if problems:
         return problems
-    settings = pipeline.settings_in(mesh)
+    settings = pipeline_settings_in(mesh)
     scores = whole_row_recipe(keys)
     try:  # the recipe's YAML as its arguments (the whole-row recipe told by its keys)
         pipeline.check_arguments((type("Recipe", (), {**recipe, "scores_whole_rows": scores})(),))
@@ -321,7 +324,7 @@ def check_deepspeed(deepspeed: dict, raw: dict, recipe: dict, world: int, config
 
 
 def refuse(message: str) -> int:
-    """Bad input to the checker itself: one line and exit status 2, as the recipes' (common.errors)."""
+    """Bad input to the checker itself: one line and exit status 2, as the recipes' (common.launch.errors)."""
     print(f"error: {message}", file=sys.stderr)
     return 2
 

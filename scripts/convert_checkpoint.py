@@ -3,8 +3,8 @@
 What a resume under that config does before training, done here in one CPU process: a checkpoint
 of another strategy family (DDP or one process, FSDP2, DeepSpeed ZeRO) is rewritten into
 `step_N/portable`, every parameter's fp32 master weight and Adam moments by name
-(common/portable.py); a ZeRO checkpoint for another number of processes becomes DeepSpeed's
-universal form in `step_N/universal` (common/reshard.py). The checkpoint's own files are left as
+(common/outputs/portable.py); a ZeRO checkpoint for another number of processes becomes DeepSpeed's
+universal form in `step_N/universal` (common/outputs/reshard.py). The checkpoint's own files are left as
 they are, and the resume finds the conversion done.
 
     python scripts/convert_checkpoint.py --checkpoint outputs/run/checkpoints/step_200 \
@@ -17,12 +17,11 @@ from __future__ import annotations
 import argparse
 import os
 
-from estimate_memory import read_strategy
-
-from common.errors import UsageError, exits_on_usage_error
-from common.portable import FAMILY
-from common.reshard import conversion_needed, convert
-from common.run_dir import STATE_FILE
+from common.launch.errors import UsageError, exits_on_usage_error
+from common.outputs.portable import FAMILY
+from common.outputs.reshard import conversion_needed, convert
+from common.outputs.run_dir import STATE_FILE
+from common.planning.memory import read_strategy
 
 
 @exits_on_usage_error

@@ -260,9 +260,9 @@ def worker(args) -> None:
     import torch
     import torch.distributed as dist
 
-    from common.accelerator import more_processes_than_gpus
-    from common.peers import free_port
-    from common.run_info import package_versions
+    from common.launch.accelerator import more_processes_than_gpus
+    from common.launch.peers import free_port
+    from common.outputs.run_info import package_versions
 
     if "RANK" not in os.environ:  # a one-process config: accelerate starts the script without torchrun
         os.environ.update(
@@ -312,7 +312,7 @@ def worker(args) -> None:
             for op in ("all_gather", "reduce_scatter")
         }
     except Exception as error:  # every failure inside the process group gets its cause named
-        from common.peers import lost_peer_message
+        from common.launch.peers import lost_peer_message
 
         fail(
             lost_peer_message(error, args.timeout)

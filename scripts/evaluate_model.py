@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 
 from accelerate import Accelerator
 
-from common.arguments import DataArguments, ModelArguments, TrainingArguments
-from common.data import load_raw_datasets, make_dataloaders, tokenize_and_pack
-from common.model import load_model, load_tokenizer
-from common.parsing import parse_args
-from common.training import evaluate_loss
+from common.data.loading import load_raw_datasets, make_dataloaders, tokenize_and_pack
+from common.models.loading import load_model, load_tokenizer
+from common.options.arguments import DataArguments, ModelArguments, TrainingArguments
+from common.options.parsing import parse_args
+from common.training.loop import evaluate_loss
 
 
 @dataclass

@@ -23,11 +23,11 @@ import json
 import os
 import shutil
 
-from common.errors import UsageError, exits_on_usage_error
-from common.export import read_checkpoint_weights, tensors_written, write_hf_folder
-from common.internals import set_base_model_name
-from common.model_card import write_model_card
-from common.run_dir import ABANDONED, MODEL_FILES, STATE_FILE, write_folder
+from common.launch.errors import UsageError, exits_on_usage_error
+from common.launch.internals import set_base_model_name
+from common.outputs.export import read_checkpoint_weights, tensors_written, write_hf_folder
+from common.outputs.model_card import write_model_card
+from common.outputs.run_dir import ABANDONED, MODEL_FILES, STATE_FILE, write_folder
 
 
 MODEL_CONFIGS = ("config.json", "generation_config.json", "adapter_config.json")

@@ -24,7 +24,7 @@ import argparse
 import json
 import os
 
-from common.synthetic import (
+from common.data.synthetic import (
     write_arithmetic_data,
     write_format_preference_data,
     write_format_prompt_data,

@@ -18,7 +18,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from common.errors import UsageError, exits_on_usage_error  # noqa: E402
+from common.launch.errors import UsageError, exits_on_usage_error  # noqa: E402
 
 
 def read_rows(run: str) -> tuple[list[dict], list[dict]]:

@@ -15,14 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from common.peers import free_port  # noqa: F401 (tests import it from here)
+from common.launch.peers import free_port  # noqa: F401 (tests import it from here)
 
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 CONFIGS = REPO / "accelerate_configs"
 RECIPES = REPO / "recipes"
-# bf16 as the configs ask, on any CPU: emulated where it has no bf16 instructions (common/cpu_host.py)
+# bf16 as the configs ask, on any CPU: emulated where it has no bf16 instructions (common/launch/cpu_host.py)
 OFFLINE_ENV = {
     "HF_HUB_OFFLINE": "1",
     "HF_DATASETS_OFFLINE": "1",
@@ -135,7 +135,7 @@ _popen_init = subprocess.Popen.__init__
 
 def _counted_popen_init(self, args, *rest, **kwargs):
     """Every subprocess a test starts goes through here: `accelerate launch` and `make` commands are
-    recorded in the running test's junit properties (scripts/test_durations.py counts them)."""
+    recorded in the running test's junit properties (benchmarks/test_durations.py counts them)."""
     words = [str(a) for a in (args if isinstance(args, (list, tuple)) else [args])]
     names = [os.path.basename(w) for w in words]
     kind = (
@@ -198,7 +198,7 @@ def losses(output_dir) -> list[float]:
 
 @pytest.fixture(scope="session")
 def markov_data(tmp_path_factory) -> Path:
-    from common.synthetic import write_markov_corpus
+    from common.data.synthetic import write_markov_corpus
 
     out = tmp_path_factory.mktemp("markov")
     write_markov_corpus(str(out), train_docs=3000, validation_docs=203, seed=0)
@@ -233,8 +233,8 @@ def bf16_checkpoint(markov_data, tmp_path_factory) -> Path:
     """A seeded random tiny Llama saved in bf16, as Hub checkpoints are."""
     import torch
 
-    from common.arguments import ModelArguments
-    from common.model import load_model, load_tokenizer
+    from common.models.loading import load_model, load_tokenizer
+    from common.options.arguments import ModelArguments
 
     out = tmp_path_factory.mktemp("bf16_checkpoint")
     args = ModelArguments(
@@ -522,7 +522,7 @@ def flags(**values) -> list[str]:
 
 @pytest.fixture(scope="session")
 def sentiment_data(tmp_path_factory) -> Path:
-    from common.synthetic import write_sentiment_data
+    from common.data.synthetic import write_sentiment_data
 
     out = tmp_path_factory.mktemp("sentiment")
     write_sentiment_data(str(out), train=600, validation=201)  # 201: not divisible by 2 ranks
@@ -570,7 +570,7 @@ def decoder_classifier(sentiment_data, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def arithmetic_data(tmp_path_factory) -> Path:
-    from common.synthetic import write_arithmetic_data
+    from common.data.synthetic import write_arithmetic_data
 
     out = tmp_path_factory.mktemp("arithmetic")
     write_arithmetic_data(str(out), train=3000, validation=101)
@@ -580,7 +580,7 @@ def arithmetic_data(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def counting_data(tmp_path_factory) -> Path:
     """Chats whose answers are 1 to 12 tokens long ('count from 3 to 9 ?' among the sums)."""
-    from common.synthetic import write_arithmetic_data
+    from common.data.synthetic import write_arithmetic_data
 
     out = tmp_path_factory.mktemp("counting")
     write_arithmetic_data(str(out), train=400, validation=21, counting=True)
@@ -628,7 +628,7 @@ def copied_recipe_run(markov_data, tmp_path_factory) -> tuple[Path, Path]:
 @pytest.fixture(scope="session")
 def shifted_markov_data(tmp_path_factory) -> Path:
     """Another chain over the same words (same tokenizer): the data LoRA adapts to."""
-    from common.synthetic import write_markov_corpus
+    from common.data.synthetic import write_markov_corpus
 
     out = tmp_path_factory.mktemp("markov_shift")
     write_markov_corpus(str(out), seed=1, train_docs=3000, validation_docs=203)
@@ -719,7 +719,7 @@ def run_in_process(recipe: str, argv: list, monkeypatch, accelerator_hook=None):
     from accelerate.state import AcceleratorState
 
     import common.run
-    from common.parsing import parse_args
+    from common.options.parsing import parse_args
 
     module = load_script(recipe)
     build = common.run.build_accelerator

@@ -48,9 +48,9 @@ def test_an_adapter_with_use_peft_trains_on_from_its_own_weights(bf16_checkpoint
     """The policy is base + X with X's parameters the trainable ones, as PeftModel.from_pretrained(...,
     is_trainable=True) makes it; it was base + a fresh adapter on top (peft's "modify a model with PEFT
     for a second time"), X dropped."""
-    from common.arguments import ModelArguments
-    from common.lora import LoraArguments, apply_lora
-    from common.model import load_model, load_tokenizer
+    from common.models.loading import load_model, load_tokenizer
+    from common.models.lora import LoraArguments, apply_lora
+    from common.options.arguments import ModelArguments
 
     args = ModelArguments(model_name_or_path=str(bf16_checkpoint), adapter_name_or_path=str(adapter))
     model = apply_lora(load_model(args, load_tokenizer(args), seed=0), LoraArguments(use_peft=True))
@@ -64,10 +64,10 @@ def test_an_adapter_with_use_peft_trains_on_from_its_own_weights(bf16_checkpoint
 
 
 def test_an_adapter_given_other_lora_shapes_is_refused_in_one_line(bf16_checkpoint, adapter):
-    from common.arguments import ModelArguments
-    from common.errors import UsageError
-    from common.lora import LoraArguments, apply_lora
-    from common.model import load_model, load_tokenizer
+    from common.launch.errors import UsageError
+    from common.models.loading import load_model, load_tokenizer
+    from common.models.lora import LoraArguments, apply_lora
+    from common.options.arguments import ModelArguments
 
     args = ModelArguments(model_name_or_path=str(bf16_checkpoint), adapter_name_or_path=str(adapter))
     model = load_model(args, load_tokenizer(args), seed=0)
@@ -79,9 +79,9 @@ def test_an_adapter_given_other_lora_shapes_is_refused_in_one_line(bf16_checkpoi
 def test_dpo_with_an_adapter_scores_the_reference_as_base_plus_the_adapter(bf16_checkpoint, adapter, tmp_path):
     """DPO after a LoRA SFT: the reference is base + X, frozen (it was the policy with its adapters
     off: the bare base)."""
-    from common.arguments import ModelArguments, TrainingArguments
-    from common.model import load_tokenizer
-    from common.reference import build_reference
+    from common.models.loading import load_tokenizer
+    from common.objectives.reference import build_reference
+    from common.options.arguments import ModelArguments, TrainingArguments
 
     args = ModelArguments(model_name_or_path=str(bf16_checkpoint), adapter_name_or_path=str(adapter))
     reference = build_reference(
@@ -96,7 +96,7 @@ def test_an_adapter_without_use_peft_is_refused_in_one_line_before_anything_is_w
     markov_data, bf16_checkpoint, adapter, tmp_path, monkeypatch
 ):
     """It ended in a traceback after the data and the model loaded ("optimizer got an empty parameter list")."""
-    from common.errors import UsageError
+    from common.launch.errors import UsageError
 
     out = tmp_path / "run"
     argv = pretrained_args(markov_data, bf16_checkpoint, out, max_steps=2) + ["--adapter_name_or_path", adapter]
@@ -137,7 +137,7 @@ def test_a_lora_runs_final_as_model_name_or_path_continues_base_plus_adapter(
 def test_a_lora_runs_final_as_model_without_use_peft_names_final_merged_in_one_line(
     markov_data, adapter, tmp_path, monkeypatch
 ):
-    from common.errors import UsageError
+    from common.launch.errors import UsageError
 
     out = tmp_path / "run"
     with pytest.raises(UsageError, match=r"final_merged.*--adapter_name_or_path|--adapter_name_or_path.*final_merged"):
@@ -156,9 +156,9 @@ def baseless(adapter, tmp_path):
 
 
 def test_an_adapter_folder_naming_no_base_is_one_line(baseless):
-    from common.arguments import ModelArguments
-    from common.errors import UsageError
-    from common.model import load_model, load_tokenizer
+    from common.launch.errors import UsageError
+    from common.models.loading import load_model, load_tokenizer
+    from common.options.arguments import ModelArguments
 
     args = ModelArguments(model_name_or_path=str(baseless))
     with pytest.raises(UsageError, match=r"names no base model .* --adapter_name_or_path"):

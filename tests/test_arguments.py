@@ -5,10 +5,10 @@ import re
 import pytest
 from conftest import REPO, load_script
 
-from common.arguments import DataArguments, ModelArguments, TrainingArguments
-from common.errors import UsageError
-from common.lora import LoraArguments, apply_lora
-from common.parsing import _parse, parse_args
+from common.launch.errors import UsageError
+from common.models.lora import LoraArguments, apply_lora
+from common.options.arguments import DataArguments, ModelArguments, TrainingArguments
+from common.options.parsing import _parse, parse_args
 
 
 TYPES = (ModelArguments, DataArguments, TrainingArguments)
@@ -97,7 +97,7 @@ def test_trainer_options_set_elsewhere_say_where(recipe_yaml):
             ["--model_config", "", "--model_name_or_path", "/no/such/model"],
             "model_name_or_path /no/such/model does not exist",
         ),
-        # ranges declared beside each option (common.arguments.Range), checked before anything else
+        # ranges declared beside each option (common.options.arguments.Range), checked before anything else
         (["--seed", "-1"], re.escape("--seed must be in [0, 4294967295] (numpy's seeds are 32-bit), got -1")),
         (["--seed", str(2**32)], r"--seed must be in \[0, 4294967295\]"),
         (["--learning_rate", "inf"], "--learning_rate must be a finite number, got inf"),
@@ -158,7 +158,7 @@ def test_a_recipes_own_options_have_their_declared_ranges_checked(recipe_yaml):
     it, with no __post_init__ of its own."""
     from typing import Annotated, Optional
 
-    from common.ranges import Range
+    from common.options.ranges import Range
 
     @dataclasses.dataclass
     class RecipeArguments:
@@ -306,7 +306,8 @@ def test_a_merged_export_needs_a_pretrained_base():
         apply_lora(model, LoraArguments(use_peft=True, save_merged_model=True))
     from transformers import AutoConfig
 
-    # as common.model.load_model builds from --model_config: transformers names the config file in name_or_path
+    # as common.models.loading.load_model builds from --model_config: transformers names the config file in
+    # name_or_path
     built = LlamaForCausalLM(AutoConfig.from_pretrained(REPO / "recipes/configs/tiny_llama.json", vocab_size=32))
     assert built.config.name_or_path.endswith("tiny_llama.json")
     with pytest.raises(UsageError, match="--save_merged_model reloads the base model from --model_name_or_path"):
@@ -468,7 +469,7 @@ def test_the_handbook_dpo_recipe_yaml_names_its_keys_in_one_message_and_then_run
     import yaml
     from conftest import run_in_process
 
-    from common.synthetic import preference_examples
+    from common.data.synthetic import preference_examples
 
     message, named = handbook_message("dpo.py", HANDBOOK_DPO)
     assert named == sorted(HANDBOOK_DPO_REPLACED)

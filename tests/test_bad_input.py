@@ -78,9 +78,9 @@ def test_model_config_that_builds_no_model_overwrites_nothing(earlier_run, marko
 def test_folders_without_a_model_or_a_tokenizer(markov_data, tmp_path):
     """Raised while loading, on every rank alike: checked in-process (the launches above prove
     that such an error reaches the user as one line)."""
-    from common.arguments import ModelArguments
-    from common.errors import UsageError
-    from common.model import load_model, load_tokenizer
+    from common.launch.errors import UsageError
+    from common.models.loading import load_model, load_tokenizer
+    from common.options.arguments import ModelArguments
 
     (tmp_path / "empty").mkdir()
     config = str(REPO / "recipes/configs/tiny_llama.json")
@@ -104,9 +104,9 @@ def test_a_hub_model_with_downloads_off_says_how_to_turn_them_on(monkeypatch):
     and tests): the first read of the model, the run's export dtype in start_run, is one line."""
     import huggingface_hub
 
-    from common.arguments import ModelArguments
-    from common.errors import UsageError
-    from common.model import export_dtype, load_tokenizer
+    from common.launch.errors import UsageError
+    from common.models.loading import export_dtype, load_tokenizer
+    from common.options.arguments import ModelArguments
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read by the Hub client at import
@@ -123,9 +123,9 @@ def test_a_hub_dataset_that_does_not_load_is_one_line(monkeypatch, streaming):
     import datasets
     import huggingface_hub
 
-    from common.arguments import DataArguments
-    from common.data import load_raw_datasets
-    from common.errors import UsageError
+    from common.data.loading import load_raw_datasets
+    from common.launch.errors import UsageError
+    from common.options.arguments import DataArguments
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -236,8 +236,8 @@ def test_an_error_only_rank_1_meets_is_one_line_naming_the_rank_and_every_rank_e
 
     recipe = tmp_path / "my_recipe.py"
     recipe.write_text(
-        "from common.arguments import DataArguments, ModelArguments, TrainingArguments\n"
-        "from common.errors import UsageError\n"
+        "from common.options.arguments import DataArguments, ModelArguments, TrainingArguments\n"
+        "from common.launch.errors import UsageError\n"
         "from common.run import run_recipe, start_run\n\n\n"
         "def main(model_args, data_args, args):\n"
         "    run = start_run(model_args, data_args, args)\n"
@@ -256,9 +256,9 @@ def test_block_size_past_the_models_positions(bf16_checkpoint, markov_data, tmp_
     """A learned position table (GPT-2's n_positions) refuses a longer --block_size in one line (it
     was an IndexError mid-step); a pretrained rotary model runs past its max_position_embeddings
     with a warning; a rotary model built from a config trains at any length."""
-    from common.arguments import ModelArguments
-    from common.errors import UsageError
-    from common.model import check_block_size
+    from common.launch.errors import UsageError
+    from common.models.loading import check_block_size
+    from common.options.arguments import ModelArguments
 
     (tmp_path / "gpt2.json").write_text(
         json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 2, "n_positions": 64})
@@ -292,8 +292,8 @@ def error_in_process(recipe: str, argv: list, capsys) -> str:
     spec = importlib.util.spec_from_file_location(f"recipe_{recipe[:-3]}", REPO / "recipes" / recipe)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # defines main; runs nothing (__name__ is not "__main__")
-    from common.arguments import DataArguments, ModelArguments, TrainingArguments
-    from common.lora import LoraArguments
+    from common.models.lora import LoraArguments
+    from common.options.arguments import DataArguments, ModelArguments, TrainingArguments
     from common.run import run_recipe
 
     own = [
@@ -365,9 +365,9 @@ def test_damaged_model_tokenizer_and_adapter_folders(bf16_checkpoint, tmp_path):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from common.arguments import ModelArguments
-    from common.errors import UsageError
-    from common.model import load_model, load_tokenizer
+    from common.launch.errors import UsageError
+    from common.models.loading import load_model, load_tokenizer
+    from common.options.arguments import ModelArguments
 
     tokenizer = load_tokenizer(ModelArguments(model_name_or_path=str(bf16_checkpoint)))
     base = AutoModelForCausalLM.from_pretrained(bf16_checkpoint, dtype=torch.float32)
@@ -417,8 +417,8 @@ def test_a_chat_template_that_raises_on_the_data_is_one_line(arithmetic_data):
     system turn) is one line showing the conversation, not jinja2's traceback from inside the map."""
     from transformers import AutoTokenizer
 
-    from common.chat import assistant_spans
-    from common.errors import UsageError
+    from common.data.chat import assistant_spans
+    from common.launch.errors import UsageError
 
     tokenizer = AutoTokenizer.from_pretrained(arithmetic_data / "tokenizer")
     tokenizer.chat_template = (
@@ -444,9 +444,9 @@ def test_a_parquet_file_cut_short_is_one_line(tmp_path):
     there, outside the errors datasets wraps (ArrowInvalid's traceback)."""
     from datasets import Dataset
 
-    from common.arguments import DataArguments
-    from common.data import load_raw_datasets
-    from common.errors import UsageError
+    from common.data.loading import load_raw_datasets
+    from common.launch.errors import UsageError
+    from common.options.arguments import DataArguments
 
     Dataset.from_dict({"text": ["a b c d"] * 50}).to_parquet(tmp_path / "train.parquet")
     Dataset.from_dict({"text": ["a b c d"] * 5}).to_parquet(tmp_path / "validation.parquet")
@@ -465,7 +465,7 @@ def test_a_classifier_on_one_class_stops_before_its_output_folder_changes(minilm
     --overwrite_output_dir would clear once training starts) as it was."""
     from conftest import run_in_process
 
-    from common.errors import UsageError
+    from common.launch.errors import UsageError
 
     rows = "".join(json.dumps({"text": f"a fine day number {i}", "label": "positive"}) + "\n" for i in range(40))
     (tmp_path / "train.jsonl").write_text(rows)

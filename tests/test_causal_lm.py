@@ -32,10 +32,10 @@ def test_ddp_two_processes_train_export_and_reload(markov_data, tmp_path):
     for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "samples_per_s", "elapsed_s"):
         assert key in train[-1]
     assert train[-1]["tokens_per_s"] > 0 and evals[-1]["step"] == 30
-    # Achieved FLOP/s: the model's FLOPs per token (common.flops) times the tokens it ran; no MFU on CPU.
+    # Achieved FLOP/s: the model's FLOPs per token (common.training.flops) times the tokens it ran; no MFU on CPU.
     from transformers import AutoModelForCausalLM
 
-    from common.flops import ModelFlops
+    from common.training.flops import ModelFlops
 
     per_token = ModelFlops(AutoModelForCausalLM.from_pretrained(out / "final")).per_token(32)
     for row in train:
@@ -69,8 +69,8 @@ def test_copied_recipe_runs_outside_the_repository_and_never_overwrites_a_run(co
 
     from accelerate.state import AcceleratorState
 
-    from common.arguments import DataArguments, ModelArguments, TrainingArguments
-    from common.lora import LoraArguments
+    from common.models.lora import LoraArguments
+    from common.options.arguments import DataArguments, ModelArguments, TrainingArguments
     from common.run import run_recipe
 
     work, out = copied_recipe_run

@@ -9,7 +9,7 @@ import pytest
 from conftest import OneProcess as CPU
 from datasets import Dataset, DatasetDict
 
-from common.chat import (
+from common.data.chat import (
     GENERATION_MARKER,
     answer_token_counts,
     assistant_spans,
@@ -17,8 +17,8 @@ from common.chat import (
     generation_references,
     tokenize_sft,
 )
-from common.chat_template import read_chat_template
-from common.errors import UsageError
+from common.data.chat_template import read_chat_template
+from common.launch.errors import UsageError
 
 
 TEMPLATES = Path(__file__).parent / "data" / "chat_templates"

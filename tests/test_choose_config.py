@@ -10,6 +10,10 @@ from conftest import REPO, causal_lm_args, launch, load_script, read_run, run
 
 
 choose_config = load_script("scripts/choose_config.py")
+
+from common.planning import step_time  # noqa: E402
+
+
 LLAMA3_8B = str(REPO / "recipes/configs/llama3_8b.json")
 LLAMA3_70B = str(REPO / "recipes/configs/llama3_70b.json")
 
@@ -108,7 +112,7 @@ def test_multi_node_choice_is_a_filled_multi_node_template(tmp_path):
         "--global_batch",
         64,
     )
-    assert {r["config"] for r in result["rows"]} == set(choose_config.MULTI_NODE)
+    assert {r["config"] for r in result["rows"]} == set(step_time.MULTI_NODE)
     config = yaml.safe_load((tmp_path / "chosen.yaml").read_text())
     assert config["num_processes"] == 64 and config["num_machines"] == 8
     assert config["main_process_ip"].startswith("FILL")  # the template's field for the user's cluster
@@ -342,7 +346,7 @@ def test_one_cpu_device_is_ranked_without_a_link(tmp_path):
         "--global_batch",
         4,
     )
-    assert {r["config"] for r in result["rows"]} == set(choose_config.ONE_DEVICE)
+    assert {r["config"] for r in result["rows"]} == set(step_time.ONE_DEVICE)
     assert result["rows"][0]["verdict"] == "chosen" and all(r["comm_s"] == 0 for r in result["rows"])
 
 
@@ -447,20 +451,23 @@ def printed_command(tmp_path, capsys, *argv) -> tuple[dict, dict, dict]:
 
 
 def effective_batch(arguments: dict, config: dict) -> int:
-    """What run.json's effective_batch_size says for this command: the recipe's own rule (common.run_info, through
-    common.mesh.data_parallel_size) over the written YAML's processes and mesh."""
+    """What run.json's effective_batch_size says for this command: the recipe's own rule (common.outputs.run_info,
+    through
+    common.launch.mesh.data_parallel_size) over the written YAML's processes and mesh."""
     from types import SimpleNamespace
 
     from accelerate.parallelism_config import ParallelismConfig
 
-    from common.mesh import data_parallel_size
+    from common.launch.mesh import data_parallel_size
 
     sizes = {
         key.removeprefix("parallelism_config_"): value
         for key, value in (config.get("parallelism_config") or {}).items()
         if key.endswith("_size")
     }
-    # pp_size is common.pipeline's, not accelerate's (its pipeline_shards asks the PipelineAccelerator a run builds)
+    # pp_size is common.parallel.pipeline's, not accelerate's (common.launch.mesh.pipeline_shards asks the
+    # PipelineAccelerator a
+    # run builds)
     pipeline = sizes.pop("pp_size", 1)
     mesh = SimpleNamespace(num_processes=config["num_processes"], parallelism_config=ParallelismConfig(**sizes))
     per_device = int(arguments["--per_device_train_batch_size"])
@@ -472,7 +479,7 @@ def test_every_config_it_can_choose_here_trains_the_asked_global_batch(tmp_path,
     batches per micro-step. The printed per-device batch x accumulation x that must be the asked global batch, and
     the step's compute the tokens each rank then trains on: the same for every config (global batch x sequence over
     the devices), whatever the split."""
-    shipped = choose_config.SINGLE_NODE + choose_config.SEQUENCE_PARALLEL + ["tp.yaml", "pp.yaml"]
+    shipped = step_time.SINGLE_NODE + step_time.SEQUENCE_PARALLEL + ["tp.yaml", "pp.yaml"]
     computes = {}  # by activation checkpointing, which a config may turn on itself
     for name in shipped:
         result, arguments, config = printed_command(
@@ -534,7 +541,7 @@ def test_the_cpu_ram_it_assumes_is_printed_and_ties_go_to_less_of_it(tmp_path, c
     header = capsys.readouterr().out.splitlines()[0]
     assert "CPU RAM 2048 GB per node (the h100 preset's; pass --host_memory_gb for yours)" in header
     chosen = result["rows"][0]
-    ties = [r for r in result["rows"] if r["fits"] and r["step_s"] <= chosen["step_s"] * (1 + choose_config.TIE)]
+    ties = [r for r in result["rows"] if r["fits"] and r["step_s"] <= chosen["step_s"] * (1 + step_time.TIE)]
     assert chosen["host_gb_per_node"] == min(r["host_gb_per_node"] for r in ties)
     rows = {r["config"]: r for r in result["rows"]}
     assert rows["zero2.yaml"] in ties and rows["zero2.yaml"]["host_gb_per_node"] > 250
@@ -633,7 +640,8 @@ def test_the_bubble_shrinks_with_more_micro_batches_in_the_printed_step_time(tmp
 
 
 def test_jobs_a_pipeline_cannot_run_get_no_pipeline_and_say_why(tmp_path, capsys):
-    """DPO scores whole rows and LoRA's adapters are not split into stages (common.pipeline); a pipeline needs a stage
+    """DPO scores whole rows and LoRA's adapters are not split into stages (common.parallel.pipeline); a pipeline needs
+    a stage
     of at least one layer each (tiny_llama: 2 layers, so not 4 stages on 4 devices, nor interleaved 1F1B's 2 stages a
     rank on 2); a model that is not a Llama has no stages. Their rows are left out and the reason printed."""
     for extra, why in (

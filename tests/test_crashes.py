@@ -10,7 +10,8 @@ resumes it with `--resume_from_checkpoint latest`. The resumed run must finish, 
 the final export, zero3 at a random moment, tp: the tensor-parallel run inside a save, zero3_ulysses: the
 sequence-parallel run inside the export, fsdp_cp: the context-parallel run at random), `make test` the first;
 `make test-crashes` runs 42 (seven per config). Two last tests kill a run while it converts a ZeRO-3 checkpoint for
-another world size (make test), and while it rewrites a zero2 checkpoint for another config (common/portable.py).
+another world size (make test), and while it rewrites a zero2 checkpoint for another config
+(common/outputs/portable.py).
 """
 
 import os
@@ -210,7 +211,7 @@ def test_a_run_killed_while_converting_a_checkpoint_for_another_world_size_resum
 @pytest.mark.exhaustive
 def test_a_run_killed_while_rewriting_a_checkpoint_for_another_config_resumes(markov_data, tmp_path):
     """A zero2 checkpoint resumed under ddp.yaml: every process is killed while rank 0 rewrites it into the
-    portable form (common/portable.py, written to portable.tmp; DeepSpeed's own per-parameter conversion
+    portable form (common/outputs/portable.py, written to portable.tmp; DeepSpeed's own per-parameter conversion
     runs inside it); the checkpoint's own files are left as they were, and the next resume rewrites it
     again and ends where the uninterrupted zero2 run ended."""
     full, stopped = tmp_path / "full", tmp_path / "stopped"

@@ -7,9 +7,9 @@ import pytest
 from accelerate import PartialState
 from datasets import Dataset, DatasetDict
 
-from common.data import pack_sequences, tokenize_and_pack
-from common.errors import UsageError
-from common.synthetic import MarkovSource, build_word_tokenizer
+from common.data.loading import pack_sequences, tokenize_and_pack
+from common.data.synthetic import MarkovSource, build_word_tokenizer
+from common.launch.errors import UsageError
 
 
 EOS = 2
@@ -62,9 +62,9 @@ def test_entropy_formula_matches_an_empirical_estimate():
 
 
 def test_too_few_rows_to_split_off_validation_is_one_line(tmp_path):
-    from common.arguments import DataArguments
-    from common.data import load_raw_datasets
-    from common.errors import UsageError
+    from common.data.loading import load_raw_datasets
+    from common.launch.errors import UsageError
+    from common.options.arguments import DataArguments
 
     (tmp_path / "train.jsonl").write_text('{"text": "a b"}\n')
     with pytest.raises(UsageError, match="cannot split 1 training rows at --validation_split_percentage 5"):
@@ -89,8 +89,8 @@ GOOD = '{"text": "a b c d e f g h"}\n' * 40
 )
 def test_bad_data_files_are_one_line(tmp_path, train, validation, expected):
     """What a recipe's start-up does with the files (a launched run of a bad file is in test_bad_input.py)."""
-    from common.arguments import DataArguments
-    from common.data import check_text_column, load_raw_datasets
+    from common.data.loading import check_text_column, load_raw_datasets
+    from common.options.arguments import DataArguments
 
     (tmp_path / "train.jsonl").write_text(train)
     (tmp_path / "validation.jsonl").write_text(validation)
@@ -153,8 +153,8 @@ def test_text_that_looks_like_dates_or_numbers_loads_as_written(tmp_path, fmt, l
     """pyarrow's JSON reader took answers such as "1971-05-08" for timestamps, and pandas' CSV reader "4" and
     "007" for numbers and "NA" or "None" for a missing value: each column a recipe reads as text comes as the
     text the user wrote, read from files, streamed, and in a mixture (whose `columns` rename them)."""
-    from common.arguments import DataArguments
-    from common.data import load_raw_datasets
+    from common.data.loading import load_raw_datasets
+    from common.options.arguments import DataArguments
 
     path = tmp_path / f"pairs.{fmt}"
     rows = write_written(path, layout)
@@ -189,9 +189,9 @@ def test_chats_whose_answers_are_dates_train_on_the_text_written(real_model, tmp
     from conftest import OneProcess
     from transformers import AutoTokenizer
 
-    from common.arguments import DataArguments
-    from common.chat import tokenize_sft
-    from common.data import load_raw_datasets
+    from common.data.chat import tokenize_sft
+    from common.data.loading import load_raw_datasets
+    from common.options.arguments import DataArguments
 
     rows = [
         {
@@ -229,7 +229,7 @@ def test_a_label_set_a_classifier_cannot_learn_from_is_one_line(minilm, train_la
     from conftest import OneProcess
     from transformers import AutoTokenizer
 
-    from common.data import tokenize_for_classification
+    from common.data.loading import tokenize_for_classification
 
     def split(labels):
         return Dataset.from_dict({"text": [f"row {i}" for i in range(len(labels))], "label": labels})
@@ -243,8 +243,8 @@ def test_a_label_set_a_classifier_cannot_learn_from_is_one_line(minilm, train_la
 def test_csv_splits_whose_columns_differ_in_kind_are_one_line(tmp_path):
     """Labels as numbers in one CSV file and as words in the other: the same column names, so the line that said
     the files "do not have the same columns" named two identical lists; it now names the kinds."""
-    from common.arguments import DataArguments
-    from common.data import load_raw_datasets
+    from common.data.loading import load_raw_datasets
+    from common.options.arguments import DataArguments
 
     (tmp_path / "train.csv").write_text("label,text\n1,a\n2,b\n")
     (tmp_path / "validation.csv").write_text("label,text\nx,a\ny,b\n")

@@ -296,7 +296,7 @@ def test_make_benchmark_prints_ratios_and_draws_the_chart(tmp_path):
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and chart.stat().st_size > 10_000
     assert f"chart: {chart}" in result.stdout
     written = page.read_text()  # the figures' page: the command, the machine, the tables, the chart
-    assert "Written by `scripts/benchmark_strategies.py --docs docs/benchmark.md" in written
+    assert "Written by `benchmarks/benchmark_strategies.py --docs docs/benchmark.md" in written
     assert f"| `ddp.yaml` | 2 | MULTI_CPU | bfloat16 | 1 | on | {speed[0][6]} | 1.00 |" in written
     assert "![memory by category and steps/s](benchmark.png)" in written
 
@@ -362,17 +362,18 @@ def test_readme_is_a_front_door():
     assert len(README.splitlines()) <= 250, "README.md is for users: depth and figures go to docs/"
 
 
-def test_readme_layout_names_every_common_module_and_each_opens_with_its_one_job():
+def test_readme_layout_names_every_common_package_each_lists_its_modules_and_each_opens_with_its_one_job():
     layout = README.split("## Layout", 1)[1].split("\n## ", 1)[0]
-    listed = {
-        name.strip()
-        for line in layout.splitlines()
-        if line.startswith("  ") and not line.startswith("   ")
-        for name in line.split("  ")[1].split(",")
-    }
-    modules = {path.stem for path in (REPO / "common").glob("*.py") if path.stem != "__init__"}
-    assert modules <= listed, f"common/ modules missing from the README's layout: {sorted(modules - listed)}"
-    for path in (REPO / "common").glob("*.py"):
+    block = layout.split("```")[1]
+    assert len(block.strip().splitlines()) <= 15, "the Layout shows the tree in at most 15 lines"
+    listed = {word for line in block.splitlines() if line.startswith("  ") for word in line.split("  ")[1].split()}
+    packages = sorted(path.parent for path in (REPO / "common").glob("*/__init__.py"))
+    assert {f"{package.name}/" for package in packages} | {"run.py"} <= listed, listed
+    for package in packages:
+        modules = {path.stem for path in package.glob("*.py") if path.stem != "__init__"}
+        named = set(re.findall(r"^ *(\w+) {2,}\S", (package / "__init__.py").read_text(), flags=re.MULTILINE))
+        assert modules == named, f"common/{package.name}/__init__.py lists {sorted(named)}, not {sorted(modules)}"
+    for path in [*(REPO / "common").glob("*/*.py"), REPO / "common/run.py"]:
         if path.stem == "__init__":
             continue
         first = path.read_text().splitlines()[0]

@@ -18,7 +18,6 @@ from conftest import (
     flags,
     launch,
     launch_one_process,
-    load_script,
     load_weights,
     max_weight_difference,
     read_metrics,
@@ -28,9 +27,9 @@ from conftest import (
 from conftest import OneProcess as CPU
 from datasets import Dataset, DatasetDict
 
-from common.dpo import preference_loss
-from common.errors import UsageError
-from common.preference import PairBatches, tokenize_pairs
+from common.data.preference import PairBatches, tokenize_pairs
+from common.launch.errors import UsageError
+from common.objectives.dpo import preference_loss
 
 
 FP32_TOLERANCE = 1e-5
@@ -287,7 +286,7 @@ def test_bad_pairs_end_the_run_in_one_line(case, real_model, tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory):
-    from common.synthetic import write_preference_data
+    from common.data.synthetic import write_preference_data
 
     out = tmp_path_factory.mktemp("pairs")
     write_preference_data(str(out), train=100, validation=40)
@@ -365,9 +364,10 @@ def test_dpo_matches_one_process_and_starts_at_log_2(config, extra, pairs, tmp_p
     kind = "precomputed" if extra.get("precompute_ref_log_probs") else "adapters_off" if peft else "model"
     assert record["reference_model"]["kind"] == kind
     if kind == "model":  # its weights on each rank: whole, or sharded as the policy is, as estimate-memory says
-        script = load_script("scripts/estimate_memory.py")
-        strategy = script.read_strategy(str(REPO / "accelerate_configs" / config), 2, "no")
-        expected = script.reference_bytes(script.read_model(str(out / "final"))["parameters"], strategy, 4)
+        from common.planning import memory
+
+        strategy = memory.read_strategy(str(REPO / "accelerate_configs" / config), 2, "no")
+        expected = memory.reference_bytes(memory.read_model(str(out / "final"))["parameters"], strategy, 4)
         held = record["reference_model"]["parameter_bytes_per_rank"]
         print(f"{config}: the reference holds {held} bytes per rank, estimated {expected:.0f}")
         assert all(abs(b - expected) <= 0.02 * expected for b in held)
@@ -400,8 +400,8 @@ def test_the_loss_is_the_formula_over_the_two_models_log_probs(pairs, tmp_path_f
     held-out pair."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from common.arguments import ModelArguments
-    from common.model import load_model
+    from common.models.loading import load_model
+    from common.options.arguments import ModelArguments
 
     out = dpo_run(pairs, tmp_path_factory, "zero3.yaml")
     tokenizer = AutoTokenizer.from_pretrained(pairs / "tokenizer")
@@ -537,7 +537,7 @@ def test_dropout_is_off_so_the_policy_scores_as_its_reference():
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from common.reference import disable_dropout
+    from common.objectives.reference import disable_dropout
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(
@@ -563,7 +563,8 @@ def test_dropout_is_off_so_the_policy_scores_as_its_reference():
 @pytest.mark.exhaustive
 def test_under_fp8_the_reference_scores_as_the_float8_policy(config, pairs, tmp_path):
     """`--mixed_precision fp8 --fp8_backend ao`, 2 processes, accumulation 2: accelerate's prepare turns the
-    policy's linear layers into torchao's float8 ones, and the reference copy gets the same (common.reference):
+    policy's linear layers into torchao's float8 ones, and the reference copy gets the same
+    (common.objectives.reference):
     before the first update they score alike, so step 1's rewards are exactly 0 (a bf16 reference beside a float8
     policy gave margins of 2e-5 and 41% "accuracy" at a learning rate of 1e-9)."""
     pytest.importorskip("torchao", reason="torchao is in the test extras: make install-test")
@@ -594,8 +595,8 @@ def test_pairs_whose_answers_are_dates_train_on_the_text_written(chat_tokenizer,
     (csv): each side's labels are now the answer as written."""
     from test_data import WRITTEN, write_written
 
-    from common.arguments import DataArguments
-    from common.data import load_raw_datasets
+    from common.data.loading import load_raw_datasets
+    from common.options.arguments import DataArguments
 
     path = tmp_path / f"pairs.{fmt}"
     write_written(path, layout)

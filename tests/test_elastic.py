@@ -1,6 +1,6 @@
-"""Elastic multi-node runs (common/elastic.py): two "nodes" on loopback lose one and go on, and the bad cases.
+"""Elastic multi-node runs (common/launch/elastic.py): two "nodes" on loopback lose one and go on, and the bad cases.
 
-Each node is its own `python -m common.elastic --nnodes 1:2 ...` (the command make builds from LAUNCH_ARGS), one
+Each node is its own `python -m common.launch.elastic --nnodes 1:2 ...` (the command make builds from LAUNCH_ARGS), one
 process per node, fp32. Node 1 is killed whole (its agent and worker, a power cut) after step 6; node 0's worker
 fails its collective at once, its agent forms a world of one node, and the worker resumes from step_4 with twice the
 accumulation: every step, the ones trained again included, must match an uninterrupted run of the same global batch
@@ -33,8 +33,8 @@ from conftest import (
 )
 from test_crashes import kill_everything, logged_steps
 
-from common import elastic
-from common.errors import UsageError
+from common.launch import elastic
+from common.launch.errors import UsageError
 
 
 # each template's distributed type on one process (DDP's is none: one process trains alone)
@@ -56,7 +56,7 @@ def node_command(
     return [
         str(BIN / "python"),
         "-m",
-        "common.elastic",
+        "common.launch.elastic",
         "--rdzv_backend",
         "c10d",
         "--max_restarts",
@@ -310,11 +310,11 @@ def test_the_refusal_names_the_smallest_accumulation_that_keeps_every_world(monk
 
 
 def test_a_recipes_rule_on_the_accumulation_is_checked_for_every_world_of_the_range(monkeypatch):
-    """GRPO's whole groups (common.grpo.whole_groups): --nnodes 1:3 of one process, 1 completion per device,
+    """GRPO's whole groups (common.objectives.grpo.whole_groups): --nnodes 1:3 of one process, 1 completion per device,
     accumulation 4, 4 generations. On 3 nodes 4 completions per process, on 1 node 12, but on 2 nodes 6: refused at
     the start (Run.check_accumulation, whichever world starts), naming 2 nodes and the accumulation that fits every
     world (8: 8, 12 and 24 completions). Without a range, the world's own accumulation only."""
-    from common.grpo import whole_groups
+    from common.objectives.grpo import whole_groups
     from common.run import Run
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
@@ -348,7 +348,7 @@ def test_a_recipes_rule_on_the_accumulation_is_checked_for_every_world_of_the_ra
 def test_streaming_on_a_node_range_is_refused_at_the_start(tmp_path, monkeypatch):
     """A stream's checkpoint resumes on as many processes as wrote it: on a range (1:2) the first loss would refuse
     every world after it, so start_run refuses it at once, in one line; a fixed number of nodes (2:2) keeps it."""
-    from common.arguments import DataArguments, TrainingArguments
+    from common.options.arguments import DataArguments, TrainingArguments
     from common.run import start_run
 
     monkeypatch.setenv(elastic.ENV, "1:2:127.0.0.1:1")
@@ -368,7 +368,7 @@ def test_streaming_on_a_node_range_is_refused_at_the_start(tmp_path, monkeypatch
 
 
 class RunRecords:
-    """common.metrics.MetricsLogger's part the world's account uses: run.json's fields, its clock."""
+    """common.outputs.metrics.MetricsLogger's part the world's account uses: run.json's fields, its clock."""
 
     def __init__(self, out):
         self.path, self.start_time = out / "run.json", time.perf_counter()
@@ -387,7 +387,8 @@ class RunRecords:
 )
 def test_every_world_of_a_launch_counts_its_world_changes(shrink_from, grow_from, grow_fails, tmp_path, monkeypatch):
     """Worlds of (host, agent) members: 2 -> 1 (node 1 lost), then 1 -> 2 (it came back); run.json's world_changes
-    must hold both. run.json is written afresh as each world starts (common.run_info.record_run) and the changes
+    must hold both. run.json is written afresh as each world starts (common.outputs.run_info.record_run) and the
+    changes
     added back once the world trains: a world that fails in between must not cost the next one the launch's earlier
     changes; nor may a world that starts afresh (no checkpoint yet: seen in make test-all's zero3 grow, node 1
     admitted at step 3 of a world started from step 0, run.json kept the grow only)."""
@@ -484,7 +485,9 @@ def test_make_launches_a_node_range_through_the_elastic_launcher():
     command = run(
         ["make", "-n", "causal_lm", "CONFIG=accelerate_configs/multi_node_ddp.yaml", "LAUNCH_ARGS=--nnodes 1:2"]
     ).stdout.splitlines()[-1]
-    assert " -m common.elastic --rdzv_backend c10d --max_restarts 3 --nnodes 1:2 --config_file " in command, command
+    assert " -m common.launch.elastic --rdzv_backend c10d --max_restarts 3 --nnodes 1:2 --config_file " in command, (
+        command
+    )
 
 
 # ---- launches (make test-all) ---------------------------------------------------------------------------------

@@ -5,8 +5,8 @@ import pytest
 import torch
 from conftest import assert_same_hf_folder
 
-from common.export import export_final, master_tensors
-from common.lora import LoraArguments, apply_lora
+from common.models.lora import LoraArguments, apply_lora
+from common.outputs.export import export_final, master_tensors
 
 
 LLAMA = dict(
@@ -106,7 +106,7 @@ def test_the_merged_export_reads_the_base_model_one_tensor_at_a_time(
     model's files, never reloading the whole base model (at 101M parameters that added the fp32
     model, 386 MB, to the main process's whole-run peak), and writes what peft's merge of the
     reloaded base model writes."""
-    from common.lora import save_merged
+    from common.models.lora import save_merged
 
     model = accelerator.prepare(trained_lora_model(tmp_path, minilm, classifier))
     base_class = type(model.get_base_model())

@@ -38,7 +38,7 @@ def test_existing_output_is_left_as_it_is(tmp_path, capsys):
 
 
 def test_the_streamed_safetensors_file_reads_back_as_written(tmp_path):
-    """common.export.write_safetensors (header first, then each tensor as it arrives) gives a file that
+    """common.outputs.export.write_safetensors (header first, then each tensor as it arrives) gives a file that
     safetensors reads back with every name, dtype, shape and value, bf16 included; a tensor of another
     shape than the layout's, or one missing, is an error rather than a wrong file."""
     import pytest
@@ -46,7 +46,7 @@ def test_the_streamed_safetensors_file_reads_back_as_written(tmp_path):
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    from common.export import write_safetensors
+    from common.outputs.export import write_safetensors
 
     torch.manual_seed(0)
     tensors = {

@@ -1,4 +1,4 @@
-"""SFT's exact match (common.evaluation.evaluate_generation) with a real chat model: an answer
+"""SFT's exact match (common.training.evaluation.evaluate_generation) with a real chat model: an answer
 that --max_new_tokens cuts before the end of its turn is counted, said in a warning and never
 scored a match, and the default limit, sized from the references, leaves room for every
 reference answer (issue 34, item 10: the demo YAML's max_new_tokens 3 cut "forty-seven")."""
@@ -8,9 +8,9 @@ from conftest import load_script
 from datasets import Dataset, DatasetDict
 from test_chat import CPU
 
-from common.chat import answer_token_counts, end_of_turn_ids, generation_references, tokenize_sft
-from common.errors import UsageError
-from common.evaluation import evaluate_generation, size_max_new_tokens
+from common.data.chat import answer_token_counts, end_of_turn_ids, generation_references, tokenize_sft
+from common.launch.errors import UsageError
+from common.training.evaluation import evaluate_generation, size_max_new_tokens
 
 
 # ShareGPT turns, as in the issue. SmolLM2-135M-Instruct answers the first exactly as written
@@ -26,8 +26,8 @@ CHATS = [
 
 @pytest.fixture(scope="module")
 def chat_model(real_model):
-    from common.arguments import ModelArguments
-    from common.model import load_model, load_tokenizer
+    from common.models.loading import load_model, load_tokenizer
+    from common.options.arguments import ModelArguments
 
     model_args = ModelArguments(model_name_or_path=str(real_model))
     tokenizer = load_tokenizer(model_args)
@@ -79,7 +79,7 @@ def test_answers_cut_by_max_new_tokens_are_counted_and_named_and_the_default_fit
 def test_max_new_tokens_defaults_to_sized_from_the_references():
     SFTArguments = load_script("recipes/sft.py").SFTArguments
 
-    from common.ranges import check_ranges
+    from common.options.ranges import check_ranges
 
     assert SFTArguments().max_new_tokens is None
     assert SFTArguments(max_new_tokens=5).max_new_tokens == 5

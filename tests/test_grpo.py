@@ -17,7 +17,6 @@ from conftest import (
     flags,
     free_port,
     launch,
-    load_script,
     load_weights,
     max_weight_difference,
     read_metrics,
@@ -27,10 +26,10 @@ from conftest import (
     tiered,
 )
 
-from common.errors import UsageError
-from common.grpo import Normaliser, group_advantages, policy_loss
-from common.rewards import load_rewards, score
-from common.rollout import InverseCdfSampler, Rollout
+from common.launch.errors import UsageError
+from common.objectives.grpo import Normaliser, group_advantages, policy_loss
+from common.objectives.rewards import load_rewards, score
+from common.objectives.rollout import InverseCdfSampler, Rollout
 
 
 FP32_TOLERANCE = 1e-5
@@ -216,7 +215,7 @@ def test_a_draw_depends_on_its_own_logits_and_uniform_only():
 
 
 def test_the_rollout_stages_split_the_layers_with_the_embeddings_and_head_counted_as_layers():
-    from common.rollout_stages import stage_bounds
+    from common.objectives.rollout_stages import stage_bounds
 
     assert stage_bounds(30, 2) == [(0, 15), (15, 30)]  # SmolLM2-135M: 32 units, the embeddings and 15 layers each
     assert stage_bounds(2, 2) == [(0, 1), (1, 2)]
@@ -231,7 +230,7 @@ def test_the_stages_are_refused_where_the_ring_cannot_run():
 
     from transformers import Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config
 
-    from common.rollout import stages_impossible
+    from common.objectives.rollout import stages_impossible
 
     def why(config, processes=2, tp=1):
         accelerator = SimpleNamespace(num_processes=processes, parallelism_config=SimpleNamespace(tp_size=tp))
@@ -269,7 +268,7 @@ def test_a_rollout_saved_on_two_ranks_is_taken_up_by_one(monkeypatch):
 def prompts(tmp_path_factory) -> Path:
     """22 arithmetic prompts (conversations, the tiny word tokenizer's chat template) and 8 held out: 4 prompts
     a step leave 2 over at each epoch's end."""
-    from common.synthetic import write_prompt_data
+    from common.data.synthetic import write_prompt_data
 
     folder = tmp_path_factory.mktemp("prompts")
     write_prompt_data(str(folder), train=22, validation=8)
@@ -366,7 +365,8 @@ def test_each_config_samples_the_same_completions_and_trains_as_one_process(conf
     sharded = config in ("zero3.yaml", "fsdp.yaml", "zero3_offload.yaml", "tp.yaml")
     how = "a slice of the layers" if stages else "a whole copy" if sharded else "the policy's own"
     assert record["rollout"]["weights"].startswith(how), record["rollout"]
-    estimate = load_script("scripts/estimate_memory.py")  # make estimate-memory --grpo_generations counts the copy
+    from common.planning import memory as estimate  # make estimate-memory --grpo_generations counts the copy
+
     strategy = estimate.read_strategy(str(REPO / "accelerate_configs" / config), 2, "no")
     whole = estimate.rollout_bytes(record["total_parameters"], strategy, 4)
     held = record["rollout"]["copy_bytes_per_rank"]  # the stages: the larger slice (embeddings or head, a layer)
@@ -441,7 +441,7 @@ def test_bad_input_is_one_line(prompts, tmp_path, monkeypatch):
     assert not out.exists()
     refused(prompts, tmp_path, monkeypatch, "--rollout_weights stages: this config keeps whole weights",
             rollout_weights="stages")  # fmt: skip
-    from common.sequence_parallel import check_arguments
+    from common.parallel.sequence_parallel import check_arguments
 
     module = __import__("importlib").import_module("conftest").load_script("recipes/grpo.py")
     with pytest.raises(UsageError, match="this recipe scores each completion's log-probabilities"):
@@ -482,10 +482,11 @@ def read_metrics_all(out) -> list[dict]:
 def test_a_reward_model_trained_here_is_a_reward_grpo_takes(prompts, tmp_path, monkeypatch):
     """recipes/reward_model.py's final/ (30 steps on the demo's kind of pairs, in this process) as --reward_funcs:
     each completion's reward in completions.jsonl is the reward model's score of the prompt and completion
-    (common.reward_model.score, as its training rendered the pairs), and its metric is on the train lines."""
-    from common.reward_model import load_reward_model
-    from common.reward_model import score as reward_scores
-    from common.synthetic import write_preference_data
+    (common.objectives.reward_model.score, as its training rendered the pairs), and its metric is on the train
+    lines."""
+    from common.data.synthetic import write_preference_data
+    from common.objectives.reward_model import load_reward_model
+    from common.objectives.reward_model import score as reward_scores
 
     pairs, judge = tmp_path / "pairs", tmp_path / "judge"
     write_preference_data(str(pairs), train=96, validation=8)

@@ -8,11 +8,14 @@ import re
 import pytest
 from conftest import REPO
 
-from common import internals, versions
+from common.launch import internals, versions
 
 
 PUBLIC = {"os._exit"}  # documented public API, named with an underscore
-SOURCES = sorted([*REPO.glob("common/*.py"), *REPO.glob("recipes/*.py"), *REPO.glob("scripts/*.py")])
+SOURCES = sorted(
+    [*REPO.glob("common/**/*.py"), *REPO.glob("recipes/*.py"), *REPO.glob("scripts/*.py")]
+    + [*REPO.glob("benchmarks/*.py")]
+)
 
 
 def private_uses(source: str) -> list[str]:
@@ -65,14 +68,14 @@ def test_no_private_attribute_of_another_library_is_used_outside_common_internal
     }
     # The project's own private names, reached across its own modules: none may stand here either.
     assert not outside, (
-        "private attributes used outside common/internals.py (move each into it, with the "
+        "private attributes used outside common/launch/internals.py (move each into it, with the "
         f"versions it was checked on): {outside}"
     )
 
 
 def test_every_library_with_an_internal_use_has_a_checked_range():
     """Each use names its library, which has a range of versions that parse and are in order, and the
-    function of common/internals.py that holds it (its `why` starts with the function's name)."""
+    function of common/launch/internals.py that holds it (its `why` starts with the function's name)."""
     from packaging.version import Version
 
     libraries = {use.library for use in internals.USES} - {"python"}
@@ -80,9 +83,9 @@ def test_every_library_with_an_internal_use_has_a_checked_range():
     for library, (lowest, first_unchecked) in internals.CHECKED.items():
         assert Version(lowest) < Version(first_unchecked), library
     for use in internals.USES:
-        # "function: ..." for one of common/internals.py, "common/<module>.py's function" for one elsewhere
-        elsewhere = re.match(r"common/(\w+)\.py's (\w+)", use.why)
-        module = importlib.import_module(f"common.{elsewhere[1]}") if elsewhere else internals
+        # "function: ..." for one of common/launch/internals.py, "common/<module>.py's function" for one elsewhere
+        elsewhere = re.match(r"common/([\w/]+)\.py's (\w+)", use.why)
+        module = importlib.import_module(f"common.{elsewhere[1].replace('/', '.')}") if elsewhere else internals
         holders = {elsewhere[2]} if elsewhere else set(re.findall(r"\w+", use.why.split(":")[0]))
         assert any(callable(getattr(module, name, None)) for name in holders), (
             f"{use}: its why names no function of {module.__name__} that holds the use"
@@ -98,7 +101,8 @@ def test_installed_versions_are_the_ones_the_internals_were_checked_on(library):
     lowest, first_unchecked = internals.CHECKED[library]
     uses = "; ".join(use.what for use in internals.USES if use.library == library)
     assert not [line for line in versions.outside_checked_range() if line.startswith(f"{library} ")], (
-        f"{library} {installed} leaves the range common/internals.py was checked on (>={lowest},<{first_unchecked}): "
+        f"{library} {installed} leaves the range common/launch/internals.py was checked on "
+        f"(>={lowest},<{first_unchecked}): "
         f"check these uses against it, fix what broke, then widen CHECKED: {uses}"
     )
 

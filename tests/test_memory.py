@@ -1,4 +1,4 @@
-"""The memory account each run writes (common/memory.py) against scripts/estimate_memory.py,
+"""The memory account each run writes (common/training/memory.py) against scripts/estimate_memory.py,
 at 101M parameters, bf16 as the configs ship, accumulation 2: every CPU-runnable config but
 zero2_json on 2 processes (single.yaml on 1), and on 4 one config of each framework's sharding
 (fsdp, zero2) and zero3 with activation checkpointing: the other sharded configs divide their
@@ -154,8 +154,9 @@ def test_sharded_strategies_hold_less_than_ddp(measured):
         )
         assert worst(measured, config, "model_state_mb") <= 0.65 * ddp_state
     # ZeRO-3 keeps a bf16 model and gradient partition beside its fp32 master weights, and makes the fp32
-    # gradients one optimizer sub-group at a time (common.accelerator's sub_group_size); fused AdamW adds
-    # no temporaries in the step. Over the whole run ZeRO-3 keeps two layers gathered at most (common.accelerator's
+    # gradients one optimizer sub-group at a time (common.launch.accelerator's sub_group_size); fused AdamW adds
+    # no temporaries in the step. Over the whole run ZeRO-3 keeps two layers gathered at most
+    # (common.launch.accelerator's
     # stage3_max_live_parameters and _reuse_distance), and the export streams one tensor at a time. On 2 processes
     # a sharded rank holds half of DDP's model state plus the ~465 MB every process has (0.62x-0.63x DDP's whole
     # run, seen, DDP's gradients being views into its buckets); on 4 the shards halve again (a DDP rank holds the
@@ -193,7 +194,7 @@ def test_sharded_strategies_on_4_hold_less_still(measured):
 # fp32 (launched with --mixed_precision no). On 2, a sharded rank holds half of DDP's 16 bytes per parameter, plus
 # the process's own ~465 MB that every config has, plus about two layers in flight (FSDP2's gathered layer, its
 # gradients and the next one prefetched; ZeRO-3's live parameters): about 0.72x DDP's peak in fp32, seen, since DDP's
-# gradients are views into its buckets (common.accelerator); on 4, their share halves again.
+# gradients are views into its buckets (common.launch.accelerator); on 4, their share halves again.
 
 
 def fp32_record(measured, config, processes) -> dict:
@@ -206,11 +207,12 @@ def fp32_record(measured, config, processes) -> dict:
 @pytest.mark.slow
 @pytest.mark.exhaustive
 def test_ddp_holds_its_gradients_once_and_zero3_keeps_no_second_fp32_copy(measured):
-    # DDP: the gradients are the all-reduce buckets, held once (common.accelerator's gradient_as_bucket_view)
+    # DDP: the gradients are the all-reduce buckets, held once (common.launch.accelerator's gradient_as_bucket_view)
     for account in fp32_record(measured, "ddp.yaml", 2)["memory_per_rank"]:
         assert account["communication_buffers_mb"] == 0
         assert account["gradients_mb"] == pytest.approx(account["parameters_mb"], rel=0.01)
-    # ZeRO-3 updates an fp32 model's own partitions: no second fp32 copy (common.internals.share_zero3_fp32_partitions)
+    # ZeRO-3 updates an fp32 model's own partitions: no second fp32 copy
+    # (common.launch.internals.share_zero3_fp32_partitions)
     for account in fp32_record(measured, "zero3.yaml", 2)["memory_per_rank"]:
         assert account["master_weights_mb"] == 0
         assert account["parameters_mb"] == pytest.approx(account["gradients_mb"], rel=0.01)
@@ -285,7 +287,7 @@ def test_estimate_memory_prints_each_category(capsys):
         "activation_checkpointing": False,
         "fsdp_cpu_ram_efficient_loading": False,
         "zero3_sub_group_size": 10_000_000,
-    }  # common.accelerator's, the YAML naming none
+    }  # common.launch.accelerator's, the YAML naming none
     assert result["parameters"] == psi  # bf16 partition: 2 bytes x psi / 2 ranks
     # 16 psi / 2: bf16 partition and gradients, fp32 master weights, Adam (the fp32 gradients are transient)
     assert result["model_state"] == pytest.approx(8 * psi, abs=4)
@@ -360,7 +362,7 @@ def test_the_account_counts_torchao_float8_weights_by_the_tensor_they_wrap():
     float8 = pytest.importorskip("torchao.float8", reason="torchao is in the test extras: make install-test")
     import torch
 
-    from common.memory import MemoryAccount
+    from common.training.memory import MemoryAccount
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(128, 128, bias=False) for _ in range(3)])

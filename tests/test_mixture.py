@@ -1,4 +1,4 @@
-"""--dataset_mixture (common/mixture.py): several sources mixed into one training set, seeded and
+"""--dataset_mixture (common/data/mixture.py): several sources mixed into one training set, seeded and
 exact, in the alignment-handbook's format; sources of different conversation shapes mixed; the
 rows of each recorded in run.json and the model card; a run resumed at the same place."""
 
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 from conftest import REPO, flags, launch, losses, read_metrics, read_run
 
-from common.errors import UsageError
+from common.launch.errors import UsageError
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +20,7 @@ def chat_sources(arithmetic_data, tmp_path_factory):
     (parquet), with an extra column each; `row` numbers every row."""
     from datasets import Dataset
 
-    from common.synthetic import arithmetic_examples, write_jsonl
+    from common.data.synthetic import arithmetic_examples, write_jsonl
 
     out = tmp_path_factory.mktemp("mixture")
     openai = [
@@ -68,8 +68,8 @@ def mixture(sources, row=True, **more) -> dict:
 
 
 def load(block: dict, seed: int = 42):
-    from common.arguments import DataArguments
-    from common.data import load_raw_datasets
+    from common.data.loading import load_raw_datasets
+    from common.options.arguments import DataArguments
 
     args = DataArguments(dataset_mixture=json.dumps(block))
     return load_raw_datasets(args, seed), args.mixture.counts
@@ -82,7 +82,7 @@ def test_a_mixture_takes_each_sources_rows_exactly_and_seeded(chat_sources):
     before any is repeated, so no held-out row is trained on. The ShareGPT turns and the text parts
     come as role/content text, so the three mix; the same seed gives the same rows, another seed
     others."""
-    from common.chat import as_messages
+    from common.data.chat import as_messages
 
     raw, counts = load(mixture(chat_sources, test_split_size=40, seed=0))
     assert (len(raw["train"]), len(raw["validation"])) == (410, 40)
@@ -151,7 +151,7 @@ def test_a_mixture_takes_each_sources_rows_exactly_and_seeded(chat_sources):
     ],
 )
 def test_a_bad_mixture_is_one_line_before_anything_loads(chat_sources, block, expected):
-    from common.arguments import DataArguments
+    from common.options.arguments import DataArguments
 
     text = json.dumps(block).replace("{openai}", str(chat_sources / "openai.jsonl"))
     with pytest.raises(UsageError, match=expected) as refused:
@@ -206,7 +206,7 @@ def test_sources_that_do_not_fit_together_are_one_line(chat_sources, source, exp
 
 
 def test_a_mixture_with_what_it_replaces_is_refused(chat_sources):
-    from common.arguments import DataArguments
+    from common.options.arguments import DataArguments
 
     with pytest.raises(UsageError, match="give exactly one of --dataset_name, --train_file or --dataset_mixture"):
         DataArguments(dataset_mixture=json.dumps(mixture(chat_sources)), train_file=str(chat_sources / "openai.jsonl"))
@@ -277,8 +277,8 @@ def test_a_streamed_mixture_holds_out_each_sources_share_and_never_trains_on_it(
     """--streaming: 20 held-out documents taken 3:1 from the sources' first documents, each source
     skipping its own, so that no epoch (whose draws differ: set_epoch moves the interleaving) trains
     on one; sources whose columns differ are one line before anything streams."""
-    from common.arguments import DataArguments
-    from common.data import load_raw_datasets
+    from common.data.loading import load_raw_datasets
+    from common.options.arguments import DataArguments
 
     (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": f"a{i}"}) + "\n" for i in range(120)))
     (tmp_path / "b.jsonl").write_text("".join(json.dumps({"body": f"b{i}"}) + "\n" for i in range(40)))
@@ -310,7 +310,7 @@ def test_a_source_above_weight_1_repeats_each_row_it_trains_on_alike_and_says_so
     """Issue 54, item 7: 30 rows at weight 2.0 with test_split_size 0.1 held 7 out and filled 53 training rows
     with the other 23, 16 of them twice and 7 three times, with no line saying so. Each row left for training
     now comes weight times (twice here), and the log line and run.json's counts say what was taken."""
-    from common.mixture import describe_counts
+    from common.data.mixture import describe_counts
 
     (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": f"a{i}"}) + "\n" for i in range(30)))
     (tmp_path / "b.jsonl").write_text("".join(json.dumps({"text": f"b{i}"}) + "\n" for i in range(10)))

@@ -89,10 +89,10 @@ def card_of(run_dir, data, overrides: dict, rows: list, what: str = "final", **s
     """The card table write_model_card writes for a run whose arguments are causal_lm_args with `overrides`,
     parsed as causal_lm.py parses them (every field, defaults included, as run.json holds them), and whose
     metrics.jsonl is `rows`."""
-    from common.arguments import DataArguments, ModelArguments, TrainingArguments
-    from common.lora import LoraArguments
-    from common.model_card import write_model_card
-    from common.parsing import _parse, to_dict
+    from common.models.lora import LoraArguments
+    from common.options.arguments import DataArguments, ModelArguments, TrainingArguments
+    from common.options.parsing import _parse, to_dict
+    from common.outputs.model_card import write_model_card
 
     argv = causal_lm_args(data, run_dir, **overrides)
     args = to_dict(*_parse((ModelArguments, DataArguments, LoraArguments, TrainingArguments), argv))
@@ -121,7 +121,7 @@ def test_lora_fields_only_where_lora_was_used_and_trained_steps_are_the_folders(
 
 
 def test_a_hub_base_model_and_dataset_go_to_the_metadata(tmp_path):
-    from common.model_card import write_model_card
+    from common.outputs.model_card import write_model_card
 
     run = {
         "args": {

@@ -161,7 +161,7 @@ def test_max_nonfinite_skips_counts_the_skips_before_a_resume(markov_data, poiso
     the recipe's own loop on the poisoned data: steps 5 and 8 are non-finite."""
     from conftest import run_in_process
 
-    from common.errors import RunStopped
+    from common.launch.errors import RunStopped
 
     out, stopped = tmp_path / "run", tmp_path / "stopped"
     steps = dict(per_device_train_batch_size=8, max_steps=8, save_steps=5)

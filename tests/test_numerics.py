@@ -20,8 +20,8 @@ from conftest import (
     tiered,
 )
 
-from common.arguments import TrainingArguments
-from common.errors import UsageError
+from common.launch.errors import UsageError
+from common.options.arguments import TrainingArguments
 
 
 # --- loss = mean over the global batch's label tokens --------------------------------
@@ -55,7 +55,7 @@ def test_counting_chats_have_label_counts_that_vary(counting_data):
     from datasets import load_dataset
     from transformers import AutoTokenizer
 
-    from common.chat import tokenize_sft
+    from common.data.chat import tokenize_sft
 
     tokenizer = AutoTokenizer.from_pretrained(counting_data / "tokenizer")
     raw = load_dataset(
@@ -99,7 +99,7 @@ def test_sft_objective_is_the_same_however_the_batch_is_split(packing, counting_
         weight_gap = max_weight_difference(out / "final", base / "final")
         loss_gap = max(abs(a - b) for a, b in zip(losses(out), losses(base)))
         print(f"packing={packing} {name} vs 1x8: weight gap {weight_gap:.2e}, logged loss gap {loss_gap:.2e}")
-        # Packed: a batch of 8 and one of 2 may take different layouts (common.packing.PackOrPad keeps a
+        # Packed: a batch of 8 and one of 2 may take different layouts (common.data.packing.PackOrPad keeps a
         # batch padded when padding wastes little), whose attention sums in another order; a wrong
         # weighting of label tokens moves the weights by about 1e-3. Tensor parallel: each row-split projection's
         # halves are summed by an all-reduce, in another order (unpacked, seen: 1.6e-5 and 1.3e-5 on one element
@@ -148,7 +148,7 @@ def test_max_grad_norm_must_be_non_negative():
 
 
 def test_deepspeed_clipping_follows_max_grad_norm_or_is_refused():
-    from common.accelerator import _clip_with_max_grad_norm
+    from common.launch.accelerator import _clip_with_max_grad_norm
 
     plugin = SimpleNamespace(deepspeed_config={"gradient_clipping": "auto"}, gradient_clipping="auto")
     _clip_with_max_grad_norm(plugin, 0.25)
@@ -165,7 +165,7 @@ def test_deepspeed_clipping_follows_max_grad_norm_or_is_refused():
 
 @pytest.mark.slow
 def test_epochs_with_a_remainder_resume_exactly_past_a_torn_metrics_line(tmp_path):
-    from common.synthetic import write_markov_corpus
+    from common.data.synthetic import write_markov_corpus
 
     data = tmp_path / "data"
     write_markov_corpus(str(data), train_docs=120, validation_docs=20, seed=0)
@@ -227,7 +227,7 @@ def test_weight_decay_skips_biases_and_every_norm_layer_by_type():
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from common.training import create_optimizer
+    from common.training.loop import create_optimizer
 
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=32, n_positions=16))
     decayed, plain = create_optimizer(model, TrainingArguments(weight_decay=0.1)).param_groups
@@ -245,7 +245,7 @@ def test_initial_weights_do_not_depend_on_the_global_rng_or_build_order():
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from common.model import initialise_weights
+    from common.models.loading import initialise_weights
 
     config = LlamaConfig(
         vocab_size=40,

@@ -10,7 +10,7 @@ row for it (make test); in make test-all: sft.py on padded chats of
 varying length under GPipe, Interleaved1F1B (two stages per rank on a 4-layer model), dp_pp.yaml, SmolLM2-135M (its
 head tied to its embeddings across the first and last stage), bf16 fine-tuning of a bf16 checkpoint, resumes from
 step 3 under pp.yaml, fsdp.yaml and ddp.yaml and from one process's checkpoint, a kill -9 inside a save resumed bit for
-bit, and scripts/benchmark_bubble.py. Bad input: the split, the schedule and the recipes pp cannot run, one line.
+bit, and benchmarks/benchmark_bubble.py. Bad input: the split, the schedule and the recipes pp cannot run, one line.
 """
 
 import json
@@ -69,7 +69,7 @@ def pipeline_config(tmp_path, schedule: str) -> str:
 @pytest.fixture(scope="session")
 def small_markov(tmp_path_factory):
     """A corpus of about 21 blocks of 32 tokens: 5 batches of 4 per epoch, so accumulation 2 leaves one out."""
-    from common.synthetic import write_markov_corpus
+    from common.data.synthetic import write_markov_corpus
 
     out = tmp_path_factory.mktemp("small_markov")
     write_markov_corpus(str(out), train_docs=50, validation_docs=20, seed=0)
@@ -160,7 +160,6 @@ def test_estimate_memory_runs_interleaved_1f1b_in_torchs_order(size, micro_batch
     ranks and indices only): a torch release that reorders its schedule fails here."""
     from types import SimpleNamespace
 
-    from conftest import load_script
     from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
 
     stages = 2 * size
@@ -180,7 +179,8 @@ def test_estimate_memory_runs_interleaved_1f1b_in_torchs_order(size, micro_batch
     order = ScheduleInterleaved1F1B(
         [stage(0, 0), stage(0, size)], micro_batches, loss_fn=lambda a, b: a
     ).pipeline_order
-    schedule_actions = load_script("scripts/estimate_memory.py").schedule_actions
+    from common.planning.memory import schedule_actions
+
     for rank in range(size):
         torchs = [(action.computation_type.value, action.stage_index // size) for action in order[rank] if action]
         assert torchs == schedule_actions(rank, size, "Interleaved1F1B", micro_batches), rank
@@ -316,7 +316,7 @@ def test_interleaved_1f1b_runs_two_stages_per_rank_as_one_process(small_markov, 
 
 def test_the_split_counts_the_embeddings_and_the_head_as_layers():
     """torchtitan's rule: num_layers + 2 units dealt out evenly, the first stage's share holding the embeddings."""
-    from common.pipeline import stage_layers
+    from common.parallel.pipeline import stage_layers
 
     assert stage_layers(8, 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert stage_layers(2, 2) == [[0], [1]]
@@ -326,7 +326,7 @@ def test_the_split_counts_the_embeddings_and_the_head_as_layers():
 
 
 def test_the_launched_config_is_read_from_the_accelerate_launch_command(tmp_path):
-    from common.pipeline import PipelineSettings, config_file_of, settings_in
+    from common.launch.mesh import PipelineSettings, config_file_of, pipeline_settings_in
 
     argv = ["/venv/bin/python", "/venv/bin/accelerate", "launch", "--config_file", "configs/pp.yaml", "train.py"]
     assert config_file_of(argv, "/work") == "/work/configs/pp.yaml"
@@ -337,7 +337,7 @@ def test_the_launched_config_is_read_from_the_accelerate_launch_command(tmp_path
     console = ["/venv/bin/python", "/venv/bin/accelerate-launch", "--config_file", "pp.yaml", "x.py"]
     assert config_file_of(console, "/w") == "/w/pp.yaml"  # accelerate's other console script
     block = yaml.safe_load((CONFIGS / "pp.yaml").read_text())["parallelism_config"]
-    assert settings_in(block) == PipelineSettings(2, "1F1B")
+    assert pipeline_settings_in(block) == PipelineSettings(2, "1F1B")
 
 
 @pytest.mark.parametrize(
@@ -378,9 +378,12 @@ def test_a_recipe_pp_cannot_run_is_one_line(recipe, line, monkeypatch, capsys, t
     """As a launched rank of pp.yaml meets it at start-up (the config's pipeline as the launch read it)."""
     from test_bad_input import error_in_process
 
-    import common.pipeline
+    import common.launch.mesh
+    import common.parallel.pipeline
 
-    monkeypatch.setattr(common.pipeline, "launched_settings", lambda: common.pipeline.PipelineSettings(2, "1F1B"))
+    monkeypatch.setattr(
+        common.launch.mesh, "launched_pipeline", lambda: common.launch.mesh.PipelineSettings(2, "1F1B")
+    )
     monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
     monkeypatch.setenv("WORLD_SIZE", "2")
     config = {"dpo.py": "dpo_demo.yaml", "sft.py": "sft_demo.yaml"}[recipe]
@@ -397,8 +400,9 @@ def test_fp16_and_a_count_interleaved_1f1b_cannot_run_are_one_line_before_anythi
 
     from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
 
-    import common.pipeline
-    from common.errors import UsageError
+    import common.launch.mesh
+    import common.parallel.pipeline
+    from common.launch.errors import UsageError
 
     for size in (2, 3, 4):
         for m in range(1, 17):
@@ -411,20 +415,22 @@ def test_fp16_and_a_count_interleaved_1f1b_cannot_run_are_one_line_before_anythi
             except ValueError as error:
                 assert "multiple of the number of rounds" in str(error), error
                 torchs = False
-            assert common.pipeline.whole_rounds(m, size) == torchs, (size, m)
+            assert common.parallel.pipeline.whole_rounds(m, size) == torchs, (size, m)
     args = SimpleNamespace(gradient_accumulation_steps=5)
-    monkeypatch.setattr(common.pipeline, "launched_settings", lambda: common.pipeline.PipelineSettings(2, "1F1B"))
-    common.pipeline.check_arguments((args,))  # 1F1B runs any count
-    interleaved = common.pipeline.PipelineSettings(2, "Interleaved1F1B")
-    monkeypatch.setattr(common.pipeline, "launched_settings", lambda: interleaved)
+    monkeypatch.setattr(
+        common.launch.mesh, "launched_pipeline", lambda: common.launch.mesh.PipelineSettings(2, "1F1B")
+    )
+    common.parallel.pipeline.check_arguments((args,))  # 1F1B runs any count
+    interleaved = common.launch.mesh.PipelineSettings(2, "Interleaved1F1B")
+    monkeypatch.setattr(common.launch.mesh, "launched_pipeline", lambda: interleaved)
     with pytest.raises(
         UsageError, match=r"--gradient_accumulation_steps 5 under Interleaved1F1B .* use one of 3, 4, 6,"
     ):
-        common.pipeline.check_arguments((args,))
-    common.pipeline.check_arguments((SimpleNamespace(gradient_accumulation_steps=6),))
+        common.parallel.pipeline.check_arguments((args,))
+    common.parallel.pipeline.check_arguments((SimpleNamespace(gradient_accumulation_steps=6),))
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
     with pytest.raises(UsageError, match="mixed_precision fp16 under pipeline parallelism: .* use bf16"):
-        common.pipeline.check_arguments((SimpleNamespace(gradient_accumulation_steps=6),))
+        common.parallel.pipeline.check_arguments((SimpleNamespace(gradient_accumulation_steps=6),))
 
 
 @pytest.mark.slow

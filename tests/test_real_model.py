@@ -36,8 +36,8 @@ MESSAGES = [
 
 @pytest.fixture(scope="module")
 def tokenizer(real_model):
-    from common.arguments import ModelArguments
-    from common.model import load_tokenizer
+    from common.models.loading import load_tokenizer
+    from common.options.arguments import ModelArguments
 
     return load_tokenizer(ModelArguments(model_name_or_path=str(real_model)))
 
@@ -52,8 +52,8 @@ def test_the_folder_is_a_bf16_checkpoint_with_tied_embeddings_and_grouped_query_
 def test_it_answers_through_the_recipes_model_loading(real_model, tokenizer):
     """Loaded as the recipes load a Hub model (fp32 master weights from a bf16 checkpoint), it
     answers a question with its own template: the de-quantized weights are a working model."""
-    from common.arguments import ModelArguments
-    from common.model import load_model
+    from common.models.loading import load_model
+    from common.options.arguments import ModelArguments
 
     model = load_model(ModelArguments(model_name_or_path=str(real_model)), tokenizer, seed=0)
     assert next(model.parameters()).dtype == torch.float32
@@ -71,7 +71,7 @@ def test_it_answers_through_the_recipes_model_loading(real_model, tokenizer):
 def test_sft_labels_with_its_real_template_token_by_token(tokenizer):
     """Its template adds a default system prompt: never a label. Each assistant turn's content and
     its <|im_end|> are the labels, and nothing else."""
-    from common.chat import tokenize_sft
+    from common.data.chat import tokenize_sft
 
     raw = DatasetDict(
         train=Dataset.from_list([{"messages": MESSAGES}]), validation=Dataset.from_list([{"messages": MESSAGES}])
@@ -93,8 +93,8 @@ def test_sequence_classification_from_it_pads_with_its_end_of_turn_token(real_mo
     padded batch scores each text as it scores that text alone."""
     from transformers import AutoModelForSequenceClassification
 
-    from common.arguments import ModelArguments
-    from common.model import load_model
+    from common.models.loading import load_model
+    from common.options.arguments import ModelArguments
 
     model = load_model(
         ModelArguments(model_name_or_path=str(real_model)),

@@ -170,7 +170,7 @@ def test_sequence_classification_with_a_decoder_that_has_no_pad_token(decoder_cl
 
 
 def test_best_model_tracker_and_early_stopping():
-    from common.evaluation import BestModelTracker
+    from common.training.evaluation import BestModelTracker
 
     tracker = BestModelTracker("eval_accuracy", greater_is_better=True, patience=2)
     assert [tracker.update(s, {"eval_accuracy": a}) for s, a in [(1, 0.5), (2, 0.7), (3, 0.7), (4, 0.6)]] == [
@@ -192,7 +192,7 @@ def test_best_model_tracker_and_early_stopping():
 
 
 def test_shipped_metrics_load_offline_and_compute():
-    from common.evaluation import load_metric
+    from common.training.evaluation import load_metric
 
     assert load_metric("accuracy").compute(predictions=[1, 0, 1, 1], references=[1, 1, 1, 0])["accuracy"] == 0.5
     f1 = load_metric("f1")
@@ -468,7 +468,7 @@ def _chat_batches(arithmetic_data, count=12):
     from datasets import DatasetDict, load_dataset
     from transformers import AutoTokenizer
 
-    from common.chat import tokenize_sft
+    from common.data.chat import tokenize_sft
 
     tokenizer = AutoTokenizer.from_pretrained(arithmetic_data / "tokenizer")
     raw = load_dataset(
@@ -503,9 +503,9 @@ def test_packing_leaves_the_per_token_loss_unchanged(counting_data):
     conversations of different lengths go to different sdpa calls), losses and gradients alike."""
     from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening
 
-    from common.arguments import ModelArguments
-    from common.model import load_model
-    from common.packing import use_per_example_attention
+    from common.data.packing import use_per_example_attention
+    from common.models.loading import load_model
+    from common.options.arguments import ModelArguments
 
     tokenizer, _, tokenized = _chat_batches(counting_data)  # 1 to 12 answer tokens: lengths vary
     features = [{k: e[k] for k in ("input_ids", "labels")} for e in tokenized["train"]]
@@ -521,7 +521,7 @@ def test_packing_leaves_the_per_token_loss_unchanged(counting_data):
     padded = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)(features)
     assert packed["input_ids"].shape[0] == 1 and padded["input_ids"].shape[0] == len(features)
     assert int((packed["input_ids"] == tokenizer.pad_token_id).sum()) == 0
-    from common.packing import _example_groups
+    from common.data.packing import _example_groups
 
     groups = _example_groups(packed["position_ids"])  # sdpa_varlen attends each length group apart
     assert len(groups) > 1 and sum(int(real.sum()) for _, real in groups) == packed["input_ids"].shape[1]
@@ -541,9 +541,9 @@ def test_per_example_attention_never_crosses_conversations(arithmetic_data):
     they were; a model without per-example attention (plain causal over the row) would not."""
     from transformers import DataCollatorWithFlattening
 
-    from common.arguments import ModelArguments
-    from common.model import load_model
-    from common.packing import use_per_example_attention
+    from common.data.packing import use_per_example_attention
+    from common.models.loading import load_model
+    from common.options.arguments import ModelArguments
 
     tokenizer, _, tokenized = _chat_batches(arithmetic_data, count=6)
     features = [{k: e[k] for k in ("input_ids", "labels")} for e in tokenized["train"]]
@@ -583,7 +583,7 @@ def test_per_example_attention_honours_sliding_windows(family):
         Qwen2ForCausalLM,
     )
 
-    from common.packing import use_per_example_attention
+    from common.data.packing import use_per_example_attention
 
     shape = dict(
         vocab_size=100,

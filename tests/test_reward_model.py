@@ -13,8 +13,8 @@ import torch
 from conftest import FP32, REPO, flags, launch, read_metrics, read_run, run, run_in_process
 from datasets import Dataset, DatasetDict
 
-from common.errors import UsageError
-from common.reward_model import (
+from common.launch.errors import UsageError
+from common.objectives.reward_model import (
     RewardBatches,
     attach_margins,
     load_reward_model,
@@ -164,7 +164,7 @@ def test_the_loop_is_causal_lms_loop_with_its_own_loss():
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory):
     """The demo's kind of pairs, few of them, each with a margin (0 to 1)."""
-    from common.synthetic import write_preference_data
+    from common.data.synthetic import write_preference_data
 
     out = tmp_path_factory.mktemp("reward_pairs")
     write_preference_data(str(out), train=96, validation=24)
@@ -200,8 +200,8 @@ def refused(argv, capsys) -> str:
     from accelerate.state import AcceleratorState
     from conftest import load_script
 
-    from common.arguments import DataArguments, ModelArguments, TrainingArguments
-    from common.lora import LoraArguments
+    from common.models.lora import LoraArguments
+    from common.options.arguments import DataArguments, ModelArguments, TrainingArguments
     from common.run import run_recipe
 
     module = load_script("recipes/reward_model.py")

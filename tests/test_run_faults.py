@@ -19,7 +19,7 @@ def test_fp16_loss_scale_overflows_are_the_scalers_not_skipped_steps(optim, mark
     may stop the run (--max_nonfinite_skips 0: one counted skip would) or break the scaler
     (skipping optimizer.step() also skipped the scaler's update: "unscale_() has already been called
     on this optimizer since the last update()" at the next step). adamw_torch reads the norm on the
-    host each step, the fused kernel skips on the device (common.nonfinite)."""
+    host each step, the fused kernel skips on the device (common.training.nonfinite)."""
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
     scalers = []
 
@@ -60,7 +60,7 @@ def test_fp16_loss_scale_overflows_are_the_scalers_not_skipped_steps(optim, mark
 
 
 def test_a_lost_peer_is_read_from_the_backends_error_not_from_the_word_timeout(monkeypatch):
-    from common.peers import lost_peer_message
+    from common.launch.peers import lost_peer_message
 
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -103,8 +103,8 @@ def test_overwrite_clears_every_export_of_the_earlier_run_and_a_resume_from_an_e
     resumed A's step_8 and ended at once with A's weights)."""
     from conftest import load_weights, max_weight_difference
 
-    from common.errors import UsageError
-    from common.run_dir import check_output_dir, list_checkpoints
+    from common.launch.errors import UsageError
+    from common.outputs.run_dir import check_output_dir, list_checkpoints
 
     out = tmp_path / "run"
     for stale in ("best", "final_merged", "best_merged", "exported/step_4"):
@@ -150,7 +150,7 @@ def test_fp16_overflowing_at_every_scale_stops_the_run_in_one_line(markov_data, 
     """A scale of 2^126 overflows fp16's backward at every halving the scaler makes within 30 steps:
     the gradients are not finite at any scale the run reaches, so it stops at the 31st overflow in a
     row (before, fp16 overflows were never counted and it trained to the end, every step skipped)."""
-    from common.errors import RunStopped
+    from common.launch.errors import RunStopped
 
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
 
@@ -176,9 +176,9 @@ def test_a_worker_restarted_before_any_checkpoint_starts_again_over_its_own_firs
     metrics but no checkpoint yet (--save_steps 0, or a crash before the first save): the restarted
     worker starts again over those (they are this launch's), rather than being refused as a run
     already there."""
-    from common.arguments import TrainingArguments
+    from common.options.arguments import TrainingArguments
+    from common.outputs.run_dir import check_output_dir
     from common.run import resume_after_restart
-    from common.run_dir import check_output_dir
 
     out = tmp_path / "run"
     out.mkdir()
@@ -195,7 +195,7 @@ def test_a_worker_restarted_before_any_checkpoint_starts_again_over_its_own_firs
 def test_overwrite_empties_a_symlinked_run_folder_and_keeps_the_link(tmp_path):
     """output_dir/checkpoints -> /scratch/...: the earlier run's checkpoints there go, the link (where the
     user wants checkpoints written) stays, and nothing outside it is touched."""
-    from common.run_dir import clear_earlier_run
+    from common.outputs.run_dir import clear_earlier_run
 
     scratch, out = tmp_path / "scratch", tmp_path / "run"
     (scratch / "step_2").mkdir(parents=True)
@@ -217,7 +217,7 @@ def test_after_a_resume_the_schedule_sets_the_rate_of_the_optimizer_accelerate_s
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
-    from common.checkpoints import schedule_the_loaded_optimizer
+    from common.outputs.checkpoints import schedule_the_loaded_optimizer
 
     model = torch.nn.Linear(4, 4)
     recipes = torch.optim.AdamW(model.parameters(), lr=1.0)

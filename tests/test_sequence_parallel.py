@@ -41,9 +41,9 @@ from conftest import (
 from test_strategies import BF16_LOSS_TOLERANCE, FP32_TOLERANCE, MODEL_STATE_TOLERANCE
 from test_tensor_parallel import epochs_with_a_remainder_step_as_one_process, launch_refused
 
-from common.errors import UsageError
-from common.mesh import mesh_problems
-from common.sequence_parallel import SplittableRows
+from common.launch.errors import UsageError
+from common.launch.mesh import mesh_problems
+from common.parallel.sequence_parallel import SplittableRows
 
 
 CONFIG, RING = "zero3_ulysses.yaml", "fsdp_cp.yaml"
@@ -288,7 +288,7 @@ def test_check_config_names_what_the_recipe_yaml_asks_that_sequence_parallelism_
 def test_a_slice_is_counted_with_the_flops_of_attending_to_the_whole_row():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from common.flops import ModelFlops
+    from common.training.flops import ModelFlops
 
     model = LlamaForCausalLM(
         LlamaConfig(

@@ -1,4 +1,4 @@
-"""The speed options (common/speed.py) on this host: refused in one line where they cannot run,
+"""The speed options (common/training/speed.py) on this host: refused in one line where they cannot run,
 the attention kernel chosen and recorded, activation checkpointing per N layers, and regional
 compile + foreach AdamW + checkpointing training as the defaults do (2 processes, bf16,
 accumulation). Their GPU side is in tests/test_gpu.py."""
@@ -7,8 +7,8 @@ import pytest
 import torch
 from conftest import REPO, causal_lm_args, launch, losses, read_run
 
-from common.arguments import TrainingArguments
-from common.errors import UsageError
+from common.launch.errors import UsageError
+from common.options.arguments import TrainingArguments
 
 
 TINY = str(REPO / "recipes/configs/tiny_llama.json")
@@ -38,7 +38,7 @@ def test_an_option_this_host_cannot_run_is_refused_in_one_line(options, message)
 def test_auto_attention_on_cpu_is_per_example_sdpa_for_packed_rows_and_the_models_own_otherwise():
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from common.speed import prepare_model, speed_record
+    from common.training.speed import prepare_model, speed_record
 
     def attention(packed_rows, **speed):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY, vocab_size=64))
@@ -54,7 +54,7 @@ def _saved_activation_bytes(every_n_layers: int | None) -> tuple[int, float]:
     """Bytes kept for the backward by one training forward of a 4-layer Llama, and its loss."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from common.speed import checkpointed_layers, prepare_model
+    from common.training.speed import checkpointed_layers, prepare_model
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY, vocab_size=64, num_hidden_layers=4))
@@ -148,7 +148,7 @@ def test_regional_compile_foreach_adamw_and_partial_checkpointing_train_as_the_d
     ],
 )
 def test_fp8_where_it_cannot_run_is_one_line(capability, torchao, backend, strategy, ram_efficient, message):
-    from common.speed import fp8_problem
+    from common.training.speed import fp8_problem
 
     tp_size = 2 if strategy.endswith("tp") else 1  # tp.yaml, fsdp_tp.yaml
     problem = fp8_problem(capability, torchao, backend, strategy.split()[0], ram_efficient, tp_size)

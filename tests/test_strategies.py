@@ -14,7 +14,7 @@ single-process bf16 run, keeps fp32 optimizer states in its checkpoint and expor
 bf16 weights (the checkpoint's dtype) equal to the reference's within tolerance; fsdp, zero2
 and zero3 resume it on 1 process within the same tolerance of the run on 2.
 
-Every run's memory account (common/memory.py, run.json) holds, on every rank and in each
+Every run's memory account (common/training/memory.py, run.json) holds, on every rank and in each
 model-state category, the bytes scripts/estimate_memory.py predicts for that run's world
 size, precision and accumulation, to within MODEL_STATE_TOLERANCE: all ten configs in fp32
 and in bf16 on 2 processes, and the eight resumed on 1 or 4 (tests/test_memory.py: peaks, at
@@ -225,7 +225,7 @@ def test_bf16_fine_tuning_of_a_bf16_checkpoint(config, markov_data, bf16_checkpo
         ) == FSDP_FLAGS[config]
         assert record["sync_each_micro_batch"] is True  # gradients stay sharded while accumulating
 
-    # The memory account (common.memory): each rank's parameter bytes are its share of the
+    # The memory account (common.training.memory): each rank's parameter bytes are its share of the
     # elements in the dtype it keeps them in (fp32 master weights; DeepSpeed's bf16 model copy)
     element_bytes = 2 if STRATEGIES[config][0] == "DEEPSPEED" else 4
     accounts = record["memory_per_rank"]
@@ -317,7 +317,7 @@ def relative_update_difference(final, reference_final, initial) -> float:
 @pytest.mark.exhaustive
 def test_zero3_checkpoint_of_another_sub_group_size_resumes_through_its_universal_conversion(markov_data, tmp_path):
     """ZeRO-3's flat optimizer partitions are cut into sub-groups of sub_group_size elements, so a
-    checkpoint from a run with another size (e.g. one written before common.accelerator set it)
+    checkpoint from a run with another size (e.g. one written before common.launch.accelerator set it)
     does not load as it is: it is converted, as for another world size, and continues exactly.
     The JSON leaves out stage3_gather_16bit_weights_on_model_save, as users' often do: the final
     export gathers the fp32 master weights itself and needs no 16-bit copy."""

@@ -1,4 +1,4 @@
-"""A checkpoint saved under one config resumes under another (common/portable.py, portable_load.py).
+"""A checkpoint saved under one config resumes under another (common/outputs/portable.py, portable_load.py).
 
 Each source run trains 6 steps on 2 processes (fp32, accumulation 2) with a checkpoint at step 3; the
 target run resumes that checkpoint under another config (and number of processes) and finishes. Its losses at steps 4-6 and its final weights

@@ -1,4 +1,4 @@
-"""--streaming (common/streaming.py): the training split read as it is consumed, split across
+"""--streaming (common/data/streaming.py): the training split read as it is consumed, split across
 ranks without overlap, packed on the fly, and resumed at the exact block after a stop."""
 
 import json
@@ -13,7 +13,7 @@ from conftest import REPO, causal_lm_args, free_port, launch, losses, read_metri
 @pytest.fixture(scope="module")
 def small_corpus(tmp_path_factory):
     """A corpus a 2-process run reads through in a few steps, so epochs come round."""
-    from common.synthetic import write_markov_corpus
+    from common.data.synthetic import write_markov_corpus
 
     out = tmp_path_factory.mktemp("small_markov")
     write_markov_corpus(str(out), train_docs=90, validation_docs=16, seed=3)
@@ -26,8 +26,8 @@ def packed_train_blocks(corpus, rank, world, streaming=True, block_size=32):
 
     from transformers import AutoTokenizer
 
-    from common.arguments import DataArguments
-    from common.data import load_raw_datasets, tokenize_and_pack
+    from common.data.loading import load_raw_datasets, tokenize_and_pack
+    from common.options.arguments import DataArguments
 
     tokenizer = AutoTokenizer.from_pretrained(corpus / "tokenizer")
     args = DataArguments(
@@ -56,10 +56,10 @@ def test_the_ranks_stream_the_map_style_blocks_dealt_in_turn(small_corpus):
 
 
 def test_streaming_is_refused_where_it_cannot_work():
-    from common.arguments import DataArguments, TrainingArguments
-    from common.errors import UsageError
-    from common.parsing import _check_together
-    from common.streaming import check_resumable
+    from common.data.streaming import check_resumable
+    from common.launch.errors import UsageError
+    from common.options.arguments import DataArguments, TrainingArguments
+    from common.options.parsing import _check_together
 
     data = DataArguments(train_file=str(REPO / "README.md"), streaming=True)
     with pytest.raises(UsageError, match="--streaming needs --max_steps"):

@@ -129,7 +129,7 @@ RESUMES = {
 @pytest.mark.parametrize("trained", tiered(LAYOUTS, ["tp.yaml"]), indirect=True)  # make test-all: fsdp_tp.yaml too
 def test_tensor_parallel_checkpoint_resumes(trained, markov_data, tmp_path):
     """From step 6: exactly under its own config; re-sliced by DCP under another mesh or FSDP2; rewritten
-    (common.portable) for one process."""
+    (common.outputs.portable) for one process."""
     written_by, tp_run = trained
     for config, processes, batch in RESUMES[written_by]:
         resume(written_by, tp_run, config, processes, batch, markov_data, tmp_path / config.removesuffix(".yaml"))
@@ -227,7 +227,7 @@ def test_epochs_with_a_remainder_under_tensor_parallelism_step_as_one_process(tm
 def epochs_with_a_remainder_step_as_one_process(config, tmp_path):
     """`config`'s pair (data-parallel size 1) over 3 epochs of 23 batches at accumulation 5, against one process,
     then resumed one step past the first epoch boundary."""
-    from common.synthetic import write_markov_corpus
+    from common.data.synthetic import write_markov_corpus
 
     data = tmp_path / "data"
     write_markov_corpus(str(data), train_docs=120, validation_docs=20, seed=0)
@@ -334,11 +334,11 @@ def test_what_tensor_parallelism_cannot_run_is_one_line_beyond_the_arguments(mar
 
 
 def test_a_group_handed_different_batches_is_stopped():
-    """The run's own check (common.mesh.check_shared_batch) on what a gather over a group of two returns:
+    """The run's own check (common.launch.mesh.check_shared_batch) on what a gather over a group of two returns:
     the other rank's fingerprints equal to this rank's, or not."""
     from accelerate.utils import ParallelismConfig
 
-    from common.mesh import check_shared_batch
+    from common.launch.mesh import check_shared_batch
 
     class TwoRanks:  # the accelerator's members the check reads
         num_processes, device = 2, torch.device("cpu")

@@ -8,10 +8,10 @@ import pytest
 import torch
 from conftest import REPO
 
-from common.arguments import TrainingArguments
-from common.errors import UsageError
-from common.run_dir import check_output_dir, list_checkpoints, resolve_checkpoint
-from common.training import create_optimizer, create_scheduler, total_training_steps
+from common.launch.errors import UsageError
+from common.options.arguments import TrainingArguments
+from common.outputs.run_dir import check_output_dir, list_checkpoints, resolve_checkpoint
+from common.training.loop import create_optimizer, create_scheduler, total_training_steps
 
 
 def tiny_llama():
@@ -70,7 +70,7 @@ def test_schedule_horizon_is_the_runs_optimizer_steps():
 
 
 class Processes:
-    """What total_training_steps reads of an Accelerator: the processes, and the mesh (common.mesh)."""
+    """What total_training_steps reads of an Accelerator: the processes, and the mesh (common.launch.mesh)."""
 
     def __init__(self, count: int, tp_size: int = 1):
         from accelerate.utils import ParallelismConfig
@@ -110,7 +110,7 @@ def test_model_flops_match_what_torch_counts(kind):
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-    from common.flops import ModelFlops
+    from common.training.flops import ModelFlops
 
     torch.manual_seed(0)
     if kind == "gpt2_tied":
@@ -155,7 +155,7 @@ def test_model_flops_match_what_torch_counts(kind):
 def test_mfu_needs_a_known_peak():
     import torch
 
-    from common.flops import device_peak_tflops
+    from common.training.flops import device_peak_tflops
 
     assert device_peak_tflops(torch.device("cpu"), "bfloat16", None) is None  # no MFU invented on CPU
     assert device_peak_tflops(torch.device("cpu"), "bfloat16", 100.0) == 100.0
@@ -170,7 +170,7 @@ def test_long_work_on_the_main_process_reports_while_the_others_wait(capsys):
 
     from accelerate.utils import InitProcessGroupKwargs
 
-    from common.peers import main_process_alone
+    from common.launch.peers import main_process_alone
 
     main = SimpleNamespace(is_main_process=True, init_handler=InitProcessGroupKwargs(timeout=timedelta(seconds=1)))
     with main_process_alone(main, "tokenizing", every=0.2):
@@ -201,7 +201,7 @@ def test_the_data_position_is_the_same_sample_under_another_split_and_another_gl
     from accelerate.state import AcceleratorState
     from torch.utils.data import DataLoader
 
-    from common.training import TrainBatches
+    from common.training.loop import TrainBatches
 
     def order(batch_size, accumulation, resume_from):
         AcceleratorState._reset_state(True)
@@ -247,7 +247,7 @@ def test_bf16_on_a_cpu_without_bf16_instructions_falls_back_to_fp32_unless_emula
     import torch
     from accelerate.utils import InitProcessGroupKwargs
 
-    from common import cpu_host
+    from common.launch import cpu_host
 
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
@@ -268,7 +268,7 @@ def test_every_scheduler_offered_trains_or_is_refused_before_start_up(kind):
     """Each transformers scheduler either steps once per optimizer step through the recipes'
     create_scheduler (with --lr_scheduler_kwargs where it needs arguments, which it names when
     they are missing) or is refused while parsing with one line."""
-    from common.arguments import METRIC_SCHEDULERS, SCHEDULER_KWARGS_EXAMPLES
+    from common.options.arguments import METRIC_SCHEDULERS, SCHEDULER_KWARGS_EXAMPLES
 
     if kind in METRIC_SCHEDULERS:
         with pytest.raises(UsageError, match=f"{kind} steps on an evaluation metric"):
@@ -299,8 +299,8 @@ def test_a_checkpoint_that_does_not_load_says_whether_the_host_the_file_or_the_a
     import torch
     from safetensors.torch import load_file, save_file
 
-    from common.checkpoints import load_failure
-    from common.errors import RunStopped
+    from common.launch.errors import RunStopped
+    from common.outputs.checkpoints import load_failure
 
     def failure_of(action):
         try:
@@ -332,7 +332,7 @@ def test_a_folder_swap_never_leaves_the_target_missing(tmp_path, monkeypatch):
     each operation rather than by a thread polling the target, which saw the fallback's gap in 1 of
     5 runs only. The swap must have used renameat2's exchange (a filesystem without it takes the
     fallback below, which does leave a gap)."""
-    from common import run_dir
+    from common.outputs import run_dir
 
     target, tmp = tmp_path / "step_4", tmp_path / "tmp-step_4"
     target.mkdir()
@@ -373,7 +373,7 @@ def test_where_folders_cannot_be_exchanged_a_crash_mid_swap_leaves_the_old_folde
     """The fallback (no renameat2 exchange: an older kernel, some network filesystems) renames the old
     folder to target.old, then the new one into place: a crash after either rename leaves a complete
     folder at the target or at target.old, nothing lost."""
-    from common import run_dir
+    from common.outputs import run_dir
 
     target, tmp = tmp_path / "final", tmp_path / "final.tmp"
     for folder, version in ((target, "old"), (tmp, "new")):
@@ -397,7 +397,8 @@ def test_where_folders_cannot_be_exchanged_a_crash_mid_swap_leaves_the_old_folde
     ), left
 
 
-# --- what the train lines count (common.metrics, common.flops) ---------------------------------------------
+# --- what the train lines count (common.outputs.metrics, common.training.flops)
+# ---------------------------------------------
 
 
 def window_counts(batches, tmp_path, **record) -> dict:
@@ -406,7 +407,7 @@ def window_counts(batches, tmp_path, **record) -> dict:
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
-    from common.metrics import MetricsLogger
+    from common.outputs.metrics import MetricsLogger
 
     AcceleratorState._reset_state(True)
     try:
@@ -468,7 +469,7 @@ def test_dpo_flops_count_the_reference_models_forward():
     """A forward pass is a third of a training step's FLOPs with every weight trained (2N of 6N per token,
     and the attention's 4 of 12); DPO's train lines add one forward of the reference per batch (before, its
     FLOPs and MFU left it out)."""
-    from common.flops import ModelFlops
+    from common.training.flops import ModelFlops
 
     flops = ModelFlops(tiny_llama())
     batch = {"input_ids": torch.ones(2, 24, dtype=torch.long), "attention_mask": torch.ones(2, 24, dtype=torch.long)}

@@ -17,11 +17,11 @@ if grep -q '^parallelism_config:' "$config"; then
 fi
 
 echo "node $(hostname): machine_rank=$node_rank of $nodes, $gpus processes, main=$MAIN_PROCESS_IP:$MAIN_PROCESS_PORT" >&2
-# NNODES=MIN:MAX (train.sbatch passes it on): an elastic run (common/elastic.py) that goes on with MIN..MAX nodes.
+# NNODES=MIN:MAX (train.sbatch passes it on): an elastic run (common/launch/elastic.py) that goes on with MIN..MAX nodes.
 if [ -n "${NNODES:-}" ]; then
     python="${PYTHON:-python}"
     [ -x .venv/bin/python ] && [ -z "${PYTHON:-}" ] && python=.venv/bin/python
-    exec "$python" -m common.elastic --nnodes "$NNODES" --rdzv_backend c10d --max_restarts "${MAX_RESTARTS:-3}" \
+    exec "$python" -m common.launch.elastic --nnodes "$NNODES" --rdzv_backend c10d --max_restarts "${MAX_RESTARTS:-3}" \
         --config_file "$config" --num_processes $((${NNODES#*:} * gpus)) --machine_rank "$node_rank" \
         --main_process_ip "$MAIN_PROCESS_IP" --main_process_port "$MAIN_PROCESS_PORT" \
         "$@"

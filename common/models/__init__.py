@@ -1,0 +1,5 @@
+"""Models and what adapts them.
+
+loading   models and tokenizers, pretrained or built from a config, for any config
+lora      --use_peft on any recipe: LoRA adapters, the merged export
+"""

@@ -1,0 +1,320 @@
+"""GRPO's rewards: the built-ins, a user's function, a reward model; called, checked and combined.
+
+--reward_funcs names each, --reward_weights weighs them (1 each by default); a completion's reward is the
+weighted sum over the functions that score it (a function may return None for "not applicable", as TRL's).
+
+* `accuracy`: 1 if the completion's last number equals the row's `answer` column (as numbers: "12", "12.0"
+  and "the sum is 12" all match 12), else 0.
+* `exact_match`: 1 if the whole completion (stripped) is the row's `answer` (stripped), else 0.
+* `format`: 1 if the whole completion (stripped) matches --format_pattern (default: a bare number), else 0.
+* `length`: 1 - completion tokens / --max_completion_length: the shorter the better (a tie-breaker for
+  the others, with a small weight).
+* `path/to/file.py:name` or `module:name`: a Python function with TRL's signature,
+  `fn(prompts=..., completions=..., completion_ids=..., **columns) -> list[float | None]`: the prompts and
+  completions as text (or, for conversations, lists of messages: the completion one assistant message), the
+  data's other columns as lists, one value per completion.
+* a folder holding a sequence classifier with one output (`recipes/reward_model.py`'s final/ or
+  final_merged/, or any such Hugging Face model): its score of the prompt and completion, rendered with its own
+  tokenizer (and chat template, for conversations).
+
+A function that raises, returns another number of values, or a value that is not a finite number (None aside)
+ends the run in one line naming the function and the row (every rank stops together: `check_everywhere`);
+the run's checkpoints are kept.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import os
+import re
+import sys
+
+import torch
+from accelerate.utils import gather_object
+
+from common.launch.errors import UsageError, describe
+from common.launch.internals import without_zero3_init
+
+
+BUILT_IN = ("accuracy", "exact_match", "format", "length")
+NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def last_number(text: str) -> float | None:
+    found = NUMBER.findall(text.replace(",", ""))
+    return float(found[-1]) if found else None
+
+
+def completion_text(completion) -> str:
+    return completion if isinstance(completion, str) else completion[-1]["content"]
+
+
+def accuracy_reward(completions, answer, **_) -> list[float]:
+    """1 where the completion's last number equals the row's answer."""
+    scores = []
+    for completion, expected in zip(completions, answer):
+        got, want = last_number(completion_text(completion)), last_number(str(expected))
+        scores.append(float(got is not None and want is not None and math.isclose(got, want)))
+    return scores
+
+
+def exact_match_reward(completions, answer, **_) -> list[float]:
+    """1 where the completion is the answer, nothing more."""
+    return [float(completion_text(c).strip() == str(a).strip()) for c, a in zip(completions, answer)]
+
+
+class FormatReward:
+    __name__ = "format"
+
+    def __init__(self, pattern: str):
+        try:
+            self.pattern = re.compile(pattern, re.DOTALL)
+        except re.error as error:
+            raise UsageError(f"--format_pattern {pattern!r} is not a regular expression ({error})") from None
+
+    def __call__(self, completions, **_) -> list[float]:
+        return [float(self.pattern.fullmatch(completion_text(c).strip()) is not None) for c in completions]
+
+
+class LengthReward:
+    __name__ = "length"
+
+    def __init__(self, max_completion_length: int):
+        self.max_completion_length = max_completion_length
+
+    def __call__(self, completion_ids, **_) -> list[float]:
+        return [1.0 - len(ids) / self.max_completion_length for ids in completion_ids]
+
+
+class RewardModel:
+    """A sequence classifier with one output as a reward (`common.objectives.reward_model`: its score at the last token
+    of the
+    prompt and completion, rendered as its training rendered pairs), a whole copy on each rank."""
+
+    def __init__(self, folder: str, device, dtype):
+        from common.objectives.reward_model import load_reward_model
+
+        self.__name__ = os.path.basename(os.path.normpath(folder))
+        try:
+            with without_zero3_init():  # a whole copy on each rank, outside the run's ZeRO-3 partitioning
+                self.model, self.tokenizer = load_reward_model(folder, device, dtype)
+        except UsageError as error:
+            raise UsageError(f"--reward_funcs {folder}: {error}") from None
+        except (OSError, ValueError) as error:
+            raise UsageError(
+                f"--reward_funcs {folder}: not a sequence-classification model folder ({describe(error)}); pass a "
+                "reward model's final/ (make reward-model) or final_merged/"
+            ) from None
+
+    def __call__(self, prompts, completions, **_) -> list[float]:
+        from common.objectives.reward_model import score as reward_scores
+
+        return reward_scores(self.model, self.tokenizer, prompts, completions).tolist()
+
+
+def import_function(spec: str):
+    """`path/to/file.py:name` or `module:name`, or a one-line UsageError."""
+    where, _, name = spec.rpartition(":")
+    try:
+        if where.endswith(".py"):
+            if not os.path.isfile(where):
+                raise FileNotFoundError(f"no file {where}")
+            module_spec = importlib.util.spec_from_file_location(f"reward_{abs(hash(where))}", where)
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+        function = getattr(module, name)
+    except Exception as error:  # the user's file may raise anything on import
+        raise UsageError(
+            f"--reward_funcs {spec}: cannot import {name!r} from {where} ({describe(error)}); give "
+            "path/to/file.py:function or module:function"
+        ) from None
+    if not callable(function):
+        raise UsageError(f"--reward_funcs {spec}: {name} is not a function")
+    return function
+
+
+NEEDS_ANSWER = ("accuracy", "exact_match")  # the built-ins that read an `answer` column
+
+
+def load_rewards(
+    specs: list[str],
+    weights: list[float] | None,
+    format_pattern: str,
+    max_completion_length: int,
+    device,
+    dtype,
+    columns: list[str] | None = None,
+) -> tuple[list, list[str], list[float]]:
+    """(functions, their names as the metrics call them, weights) for --reward_funcs / --reward_weights; `columns`:
+    the training data's, checked against what the built-ins read."""
+    if not specs:
+        raise UsageError(
+            f"--reward_funcs is empty: name at least one ({', '.join(BUILT_IN)}, file.py:function, "
+            "module:function or a reward model folder)"
+        )
+    weights = list(weights) if weights else [1.0] * len(specs)
+    if len(weights) != len(specs):
+        raise UsageError(
+            f"--reward_weights has {len(weights)} values for {len(specs)} --reward_funcs: give one per function"
+        )
+    functions, names = [], []
+    for spec in specs:
+        if spec in NEEDS_ANSWER and columns is not None and "answer" not in columns:
+            raise UsageError(
+                f'--reward_funcs {spec} compares each completion with the row\'s "answer" column, which the data '
+                f"lacks (its columns: {columns}); add one, or map yours with dataset_mixture's columns"
+            )
+        if spec == "accuracy":
+            function = accuracy_reward
+        elif spec == "exact_match":
+            function = exact_match_reward
+        elif spec == "format":
+            function = FormatReward(format_pattern)
+        elif spec == "length":
+            function = LengthReward(max_completion_length)
+        elif os.path.isdir(spec):
+            function = RewardModel(spec, device, dtype)
+        elif ":" in spec:
+            function = import_function(spec)
+        else:
+            raise UsageError(
+                f"--reward_funcs {spec}: not a built-in ({', '.join(BUILT_IN)}), a folder, file.py:function "
+                "or module:function"
+            )
+        functions.append(function)
+        name = spec if spec in BUILT_IN else getattr(function, "__name__", spec.rpartition(":")[2])
+        names.append(name if name not in names else f"{name}_{len(names)}")
+    return functions, names, weights
+
+
+def score(functions, names, prompts, completions, completion_ids, columns: dict, rows: list[int]):
+    """(count x functions) rewards of this rank's completions, NaN where a function returned None, and the first
+    problem as a line (None if none): a function that raised, returned another count or a non-finite number.
+    `rows`: each completion's row in the data (named in the line)."""
+    table = torch.full((len(completions), len(functions)), float("nan"), dtype=torch.float64)
+    for column, (function, name) in enumerate(zip(functions, names)):
+        try:
+            values = function(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+        except Exception as error:  # the user's code: any exception ends the run in one line
+            return (
+                table,
+                f"reward function {name} raised on a batch of rows {sorted(set(rows))[:8]}: {describe(error)}",
+            )
+        try:
+            values = list(values)
+        except TypeError:
+            return table, f"reward function {name} returned {type(values).__name__}, not a list of numbers"
+        if len(values) != len(completions):
+            return table, (
+                f"reward function {name} returned {len(values)} values for {len(completions)} completions "
+                f"(rows {sorted(set(rows))[:8]}): return one per completion (None where it does not apply)"
+            )
+        for index, value in enumerate(values):
+            if value is None:
+                continue
+            try:
+                number = float(value)
+            except (TypeError, ValueError):
+                number = math.nan
+            if not math.isfinite(number):
+                return table, (
+                    f"reward function {name} returned {value!r} for row {rows[index]} (completion "
+                    f"{completion_text(completions[index])[:60]!r}): a reward must be a finite number or None"
+                )
+            table[index, column] = number
+    return table, None
+
+
+def check_everywhere(problem: str | None) -> None:
+    """Every rank calls it after scoring: if any rank met a problem, all raise the first one's line together
+    (a rank left alone in the next collective would hang)."""
+    problems = [p for p in gather_object([problem]) if p]
+    if problems:
+        raise UsageError(problems[0] + "; the run stopped (its checkpoints are kept)")
+
+
+def combine(table: torch.Tensor, weights: list[float]) -> torch.Tensor:
+    """Each completion's reward: the weighted sum over the functions that scored it (NaN counts 0, as TRL's nansum)."""
+    return (table * torch.tensor(weights, dtype=table.dtype)).nansum(dim=1)
+
+
+class Rewards:
+    """--reward_funcs with their weights, over completions of rows of `dataset` (the prompts' split, which
+    holds each row's prompt and other columns)."""
+
+    def __init__(self, functions, names, weights, tokenizer, accelerator=None):
+        self.functions, self.names, self.weights, self.tokenizer = functions, names, weights, tokenizer
+        self.accelerator, self.warned = accelerator, set()
+
+    def __call__(self, rows: list[dict], dataset) -> tuple[torch.Tensor, torch.Tensor]:
+        """(each completion's reward, the (completions x functions) table, NaN where a function returned None);
+        every rank calls it together (a problem on any rank stops all of them in one line)."""
+        data = dataset.select([row["row"] for row in rows]) if rows else dataset.select([])
+        prompts = data["prompt"] if rows else []
+        texts = self.tokenizer.batch_decode([row["completion_ids"] for row in rows], skip_special_tokens=True)
+        completions = [
+            text if isinstance(prompt, str) else [{"role": "assistant", "content": text}]
+            for prompt, text in zip(prompts, texts)
+        ]
+        columns = {name: data[name] for name in data.column_names if name not in ("prompt", "prompt_ids", "index")}
+        table, problem = score(
+            self.functions,
+            self.names,
+            prompts,
+            completions,
+            [row["completion_ids"] for row in rows],
+            columns,
+            [row["row"] for row in rows],
+        )
+        check_everywhere(problem)
+        self.warn_if_none_scored(table)
+        return combine(table, self.weights).float(), table.float()
+
+    def warn_if_none_scored(self, table: torch.Tensor) -> None:
+        """A function that returned None for every completion of a rollout (on this rank) is named once: it gives
+        no signal (its metric is then empty, not 0)."""
+        quiet = self.accelerator is not None and not self.accelerator.is_main_process
+        for column, name in enumerate(self.names):
+            if len(table) and table[:, column].isnan().all() and name not in self.warned and not quiet:
+                self.warned.add(name)
+                print(
+                    f"warning: reward function {name} returned None for every completion of a rollout: it scores "
+                    "nothing there (check what it reads), and the others decide the advantages",
+                    file=sys.stderr,
+                )
+
+    def values(self, rewards: torch.Tensor, table: torch.Tensor, prefix: str = "") -> dict:
+        """TRL's per-function metric (`rewards/<name>/mean`, over the completions it scored) and `reward`."""
+        values = {f"{prefix}reward": rewards}
+        for column, name in enumerate(self.names):
+            scored = table[:, column]
+            values[f"{prefix}rewards/{name}/mean"] = scored[~scored.isnan()]
+        return values
+
+
+def evaluate_rewards(sampler, rewards: Rewards, dataset, step: int, batch_size: int, limit: int | None) -> dict:
+    """The held-out prompts' greedy completions (the first `limit`; `common.objectives.rollout.Sampler.greedy`) scored:
+    eval_reward, eval_rewards/<name>/mean, eval_completions/mean_length and /clipped_ratio, eval_prompts. Every
+    rank calls it; each prompt counts once."""
+    rows = sampler.greedy(dataset, step, batch_size, limit)
+    reward, table = rewards(rows, dataset)
+    mine = [
+        (row["row"], float(value), scores.tolist(), len(row["completion_ids"]), row["truncated"])
+        for row, value, scores in zip(rows, reward, table)
+    ]
+    seen = {entry[0]: entry[1:] for entry in gather_object(mine)}  # the padding's repeated prompts count once
+    count = max(len(seen), 1)
+    results = {
+        "eval_reward": sum(value for value, *_ in seen.values()) / count,
+        "eval_completions/mean_length": sum(length for *_, length, _ in seen.values()) / count,
+        "eval_completions/clipped_ratio": sum(cut for *_, cut in seen.values()) / count,
+        "eval_prompts": len(seen),
+    }
+    for column, name in enumerate(rewards.names):
+        scored = [scores[column] for _, scores, *_ in seen.values() if not math.isnan(scores[column])]
+        results[f"eval_rewards/{name}/mean"] = sum(scored) / len(scored) if scored else None  # None: nothing scored
+    return results
