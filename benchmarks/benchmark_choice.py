@@ -137,7 +137,7 @@ def measure(args, tmp: str) -> tuple[str, list[dict]]:
         subprocess.run(
             [
                 sys.executable,
-                os.path.join(REPO, "scripts", "benchmark_strategies.py"),
+                os.path.join(REPO, "benchmarks", "benchmark_strategies.py"),
                 "--model_config",
                 args.model_config,
                 "--steps",

@@ -202,7 +202,7 @@ def launch(
         ]
     else:
         script = [
-            os.path.join(REPO, "scripts", "peers", f"{contender}_loop.py"),
+            os.path.join(REPO, "benchmarks", "peers", f"{contender}_loop.py"),
             "--model_config",
             config,
             "--tokenizer",
@@ -327,7 +327,7 @@ def launch_trl_job(
         ]
     else:
         script = [
-            os.path.join(REPO, "scripts", "peers", job.peer),
+            os.path.join(REPO, "benchmarks", "peers", job.peer),
             "--model_config",
             config,
             "--tokenizer",
