@@ -30,6 +30,7 @@ from conftest import (
     flags,
     launch,
     launch_one_process,
+    load_script,
     load_weights,
     losses,
     max_weight_difference,
@@ -379,14 +380,16 @@ def test_a_recipe_pp_cannot_run_is_one_line(recipe, line, monkeypatch, capsys, t
     from test_bad_input import error_in_process
 
     import common.launch.mesh
-    import common.parallel.pipeline
 
+    config, task = {"dpo.py": ("dpo_demo.yaml", "preference"), "sft.py": ("sft_demo.yaml", "arithmetic")}[recipe]
+    data = REPO / "outputs/data" / task  # the demo config's data and tokenizer (make dpo / make sft write them)
+    if not (data / "tokenizer").is_dir():
+        load_script("scripts/make_demo_data.py").main(["--task", task, "--out", str(data)])
     monkeypatch.setattr(
         common.launch.mesh, "launched_pipeline", lambda: common.launch.mesh.PipelineSettings(2, "1F1B")
     )
     monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    config = {"dpo.py": "dpo_demo.yaml", "sft.py": "sft_demo.yaml"}[recipe]
     out = tmp_path / "out"
     error = error_in_process(recipe, ["--config", REPO / "recipes/configs" / config, "--output_dir", out], capsys)
     assert line in error, error
