@@ -179,8 +179,8 @@ def check_mesh(mesh: dict, raw: dict, fsdp: dict, recipe: dict, world: int, keys
 
 def check_fp8(raw: dict, fsdp: dict, mesh: dict) -> list[str]:
     """mixed_precision: fp8 against what a launched run refuses (common.training.speed.fp8_problem: the backend,
-    torchao
-    on this host, DeepSpeed, tensor parallelism, FSDP2's efficient loading; the GPU where this host has one)."""
+    torchao on this host, DeepSpeed, tensor parallelism, FSDP2's efficient loading; the GPU where this host has
+    one)."""
     from common.training.speed import fp8_host, fp8_problem
 
     strategy = {"DEEPSPEED": "deepspeed", "FSDP": "fsdp"}.get(str(raw.get("distributed_type")), "ddp")
@@ -215,8 +215,7 @@ def tensor_parallel_model_problems(recipe: dict, tp: int) -> list[str]:
 
 def pipeline_problems(mesh: dict, recipe: dict, keys: set[str]) -> list[str]:
     """parallelism_config_pp_*: the schedule, the recipe (common.parallel.pipeline.check_arguments, from its YAML) and
-    its
-    model (built on the meta device: a Llama with enough layers for the stages, its head not tied)."""
+    its model (built on the meta device: a Llama with enough layers for the stages, its head not tied)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -246,8 +246,7 @@ def _fp8(**more):
 )
 def test_fp8_configs_are_checked_as_a_run_checks_them(tmp_path, name, edit, expected):
     """mixed_precision: fp8 in the YAML: what the recipe would refuse at launch (common.training.speed.fp8_problem),
-    named
-    by check-config before it (torchao is in the test extras; this host has no GPU to judge)."""
+    named by check-config before it (torchao is in the test extras; this host has no GPU to judge)."""
     pytest.importorskip("torchao", reason="torchao is in the test extras: make install-test")
     result = check(broken_copy(tmp_path, name, edit))
     if expected is None:

@@ -452,8 +452,7 @@ def printed_command(tmp_path, capsys, *argv) -> tuple[dict, dict, dict]:
 
 def effective_batch(arguments: dict, config: dict) -> int:
     """What run.json's effective_batch_size says for this command: the recipe's own rule (common.outputs.run_info,
-    through
-    common.launch.mesh.data_parallel_size) over the written YAML's processes and mesh."""
+    through common.launch.mesh.data_parallel_size) over the written YAML's processes and mesh."""
     from types import SimpleNamespace
 
     from accelerate.parallelism_config import ParallelismConfig
@@ -641,9 +640,8 @@ def test_the_bubble_shrinks_with_more_micro_batches_in_the_printed_step_time(tmp
 
 def test_jobs_a_pipeline_cannot_run_get_no_pipeline_and_say_why(tmp_path, capsys):
     """DPO scores whole rows and LoRA's adapters are not split into stages (common.parallel.pipeline); a pipeline needs
-    a stage
-    of at least one layer each (tiny_llama: 2 layers, so not 4 stages on 4 devices, nor interleaved 1F1B's 2 stages a
-    rank on 2); a model that is not a Llama has no stages. Their rows are left out and the reason printed."""
+    a stage of at least one layer each (tiny_llama: 2 layers, so not 4 stages on 4 devices, nor interleaved 1F1B's 2
+    stages a rank on 2); a model that is not a Llama has no stages. Their rows are left out and the reason printed."""
     for extra, why in (
         (["--recipe", "dpo"], "recipes/dpo.py scores whole rows"),
         (["--use_peft"], "LoRA's frozen base and adapters are not split"),

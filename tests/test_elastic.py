@@ -388,9 +388,8 @@ class RunRecords:
 def test_every_world_of_a_launch_counts_its_world_changes(shrink_from, grow_from, grow_fails, tmp_path, monkeypatch):
     """Worlds of (host, agent) members: 2 -> 1 (node 1 lost), then 1 -> 2 (it came back); run.json's world_changes
     must hold both. run.json is written afresh as each world starts (common.outputs.run_info.record_run) and the
-    changes
-    added back once the world trains: a world that fails in between must not cost the next one the launch's earlier
-    changes; nor may a world that starts afresh (no checkpoint yet: seen in make test-all's zero3 grow, node 1
+    changes added back once the world trains: a world that fails in between must not cost the next one the launch's
+    earlier changes; nor may a world that starts afresh (no checkpoint yet: seen in make test-all's zero3 grow, node 1
     admitted at step 3 of a world started from step 0, run.json kept the grow only)."""
     import accelerate.utils
     import torch.distributed

@@ -4,14 +4,13 @@ Same model (the config built as the recipe builds it, pad/EOS/BOS from the token
 common.models.loading.initialise_weights with the same seed: the same starting weights), prompts (`make grpo`'s: a
 conversation in a `prompt` column, rendered by the tokenizer's chat template with its generation prompt), reward
 (common.objectives.rewards.accuracy_reward: 1 where the completion's last number is the row's `answer`, the function
-the
-recipe's `--reward_funcs accuracy` runs), G completions per prompt, max completion length, temperature 1.0 (top-p
-1, no top-k), loss type dapo, beta 0 (no reference), one iteration per rollout, group-scaled advantages,
-per-device batch in completions (TRL's per_device_train_batch_size and the recipe's count the same), steps,
-learning rate and linear schedule, clipping at 1.0, optimizer (torch's fused AdamW, no weight decay), dropout off
-and precision (the accelerate config's). Generation is TRL's plain `model.generate` (no vLLM, no continuous
-batching): under ZeRO-3 inside its `unwrap_model_for_generation`, the whole model gathered on every rank for the
-rollout (ds3_gather_for_generation, default True). trl is installed by `make benchmark-peers` only.
+the recipe's `--reward_funcs accuracy` runs), G completions per prompt, max completion length, temperature 1.0 (top-p
+1, no top-k), loss type dapo, beta 0 (no reference), one iteration per rollout, group-scaled advantages, per-device
+batch in completions (TRL's per_device_train_batch_size and the recipe's count the same), steps, learning rate and
+linear schedule, clipping at 1.0, optimizer (torch's fused AdamW, no weight decay), dropout off and precision (the
+accelerate config's). Generation is TRL's plain `model.generate` (no vLLM, no continuous batching): under ZeRO-3 inside
+its `unwrap_model_for_generation`, the whole model gathered on every rank for the rollout (ds3_gather_for_generation,
+default True). trl is installed by `make benchmark-peers` only.
 
     accelerate launch --config_file accelerate_configs/ddp.yaml benchmarks/peers/trl_grpo_loop.py \
         --model_config cfg.json --tokenizer tok --train_file train.jsonl --validation_file validation.jsonl \

@@ -90,8 +90,7 @@ class LengthReward:
 
 class RewardModel:
     """A sequence classifier with one output as a reward (`common.objectives.reward_model`: its score at the last token
-    of the
-    prompt and completion, rendered as its training rendered pairs), a whole copy on each rank."""
+    of the prompt and completion, rendered as its training rendered pairs), a whole copy on each rank."""
 
     def __init__(self, folder: str, device, dtype):
         from common.objectives.reward_model import load_reward_model

@@ -300,8 +300,7 @@ class GenerationWeights:
     weights whole, else a copy (the policy's architecture, its LoRA adapters unmerged) filled by `refresh` with
     the gathered weights, once per rollout; or, where that copy does not fit (`choice` "auto") or `choice` is
     "stages", a slice of the layers per rank, the ranks generating together (`common.objectives.rollout_stages`). In
-    the
-    dtype the run computes in (bf16 under bf16 mixed precision)."""
+    the dtype the run computes in (bf16 under bf16 mixed precision)."""
 
     def __init__(self, accelerator, model, choice: str = "auto", group: int = 8, max_length: int = 256):
         self.accelerator, self.prepared = accelerator, model

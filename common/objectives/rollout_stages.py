@@ -2,20 +2,18 @@
 
 Under FSDP2 and ZeRO-3 the rollouts sample from a copy of the whole weights gathered once per rollout
 (`common.objectives.rollout.GenerationWeights`). Where that copy does not fit beside the training state, each rank
-instead
-gathers whole weights for a contiguous slice of the decoder layers (torchtitan's split: the embeddings and the
-head counted as one layer's work each; about 1/N of the model per rank, as much as its shard), and the ranks
-generate together as a pipeline: rank 0 embeds, each rank runs its layers with its own KV cache and sends the
-hidden states on, the last rank samples the next token and sends it back to rank 0. Each rank's groups are the
-pipeline's micro-batches, one per rank in flight at a time (a ring: rank s works on rank (t - s) mod N's group at
-tick t), so every rank computes at every tick. What crosses between ranks per decoded token is a group's hidden
-states (G x hidden), not weights: no per-token all-gather of every layer. A group ends for every rank at once (the
-last rank's verdict travels round the ring with the next token), so ranks never wait on a peer that stopped.
+instead gathers whole weights for a contiguous slice of the decoder layers (torchtitan's split: the embeddings and the
+head counted as one layer's work each; about 1/N of the model per rank, as much as its shard), and the ranks generate
+together as a pipeline: rank 0 embeds, each rank runs its layers with its own KV cache and sends the hidden states on,
+the last rank samples the next token and sends it back to rank 0. Each rank's groups are the pipeline's micro-batches,
+one per rank in flight at a time (a ring: rank s works on rank (t - s) mod N's group at tick t), so every rank computes
+at every tick. What crosses between ranks per decoded token is a group's hidden states (G x hidden), not weights: no
+per-token all-gather of every layer. A group ends for every rank at once (the last rank's verdict travels round the
+ring with the next token), so ranks never wait on a peer that stopped.
 
 The tokens are picked as `common.objectives.rollout` picks them (`InverseCdfSampler` from the row's uniforms, or
-greedy), from
-the same modules' arithmetic, so a prompt's completions are those of the copy and of one process (fp32), the
-near-tie count aside.
+greedy), from the same modules' arithmetic, so a prompt's completions are those of the copy and of one process (fp32),
+the near-tie count aside.
 """
 
 from __future__ import annotations

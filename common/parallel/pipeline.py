@@ -52,8 +52,7 @@ def whole_rounds(micro_batches: int, size: int) -> bool:
 def schedule_keeps_outputs() -> bool:
     """Whether torch's schedules keep the last stage's logits of every micro-batch to the window's end and merge
     them into one more copy: torch before `step(return_outputs=False)`, which common.parallel.pipeline passes (it reads
-    only
-    the losses, computed inside the schedule)."""
+    only the losses, computed inside the schedule)."""
     import inspect
 
     from torch.distributed.pipelining import ScheduleGPipe

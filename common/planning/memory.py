@@ -276,8 +276,8 @@ def reference_bytes(psi: int, strategy: dict, c: int) -> float:
 
 def rollout_bytes(psi: int, strategy: dict, c: int) -> float:
     """GRPO's copy of the whole weights on a rank (common.objectives.rollout.GenerationWeights): the compute dtype's cΨ
-    where
-    the strategy shards the weights (FSDP2, ZeRO-3, tensor parallelism), none where every rank holds them whole."""
+    where the strategy shards the weights (FSDP2, ZeRO-3, tensor parallelism), none where every rank holds them
+    whole."""
     sharded = strategy["strategy"] in ("fsdp", "tp") or (
         strategy["strategy"] == "deepspeed" and strategy["zero_stage"] == 3
     )
@@ -286,8 +286,7 @@ def rollout_bytes(psi: int, strategy: dict, c: int) -> float:
 
 def stage_bytes(model: dict, strategy: dict, c: int) -> float:
     """GRPO's weights with --rollout_weights stages (common.objectives.rollout_stages) on the rank holding the most, in
-    the
-    compute dtype: the first stage's embeddings and layers, the last's layers, final norm and head (the embeddings
+    the compute dtype: the first stage's embeddings and layers, the last's layers, final norm and head (the embeddings
     again where they are tied), those between their layers."""
     from common.objectives.rollout_stages import stage_bounds
 

@@ -5,9 +5,8 @@ fsdp_shard_grad_op, fsdp_offload, zero1, zero2, zero2_offload, zero3, zero3_offl
 zero3_ulysses and fsdp_cp (not for dpo.py, which refuses them), the tensor-parallel tp and fsdp_tp (not with
 --use_peft, which they refuse) and the pipelines pp and dp_pp (causal_lm.py and sft.py only, without LoRA, on a
 model common.parallel.pipeline splits: a Llama with a layer for every stage); on several nodes the five
-multi_node_*.yaml
-(its TP template not with --use_peft). A config that cannot run the job is listed under the table with why; asked
-for by --configs, it is refused in one line. Not ranked: zero2_json.yaml (zero2.yaml's twin).
+multi_node_*.yaml (its TP template not with --use_peft). A config that cannot run the job is listed under the table
+with why; asked for by --configs, it is refused in one line. Not ranked: zero2_json.yaml (zero2.yaml's twin).
 
 For a model (a config.json, a model folder or a Hub name; read on the meta device), the devices
 (how many, on how many nodes, their memory) and the job (the recipe, --use_peft, sequence length, global batch
@@ -314,9 +313,8 @@ def pipeline_traffic_and_compute(
     its gradient back (micro x seq_len x hidden x c each), the busiest rank sending its share, at all_gather's busbw.
     After the schedule (in "serial": on the critical path): with data-parallel replicas each stage's fp32 gradients
     all-reduced over them (common.parallel.pipeline's sum_over_replicas), and a tied weight's gradient between the
-    first and
-    the last stage's ranks. Through device memory: AdamW over the rank's parameters, and autocast's casts of its
-    weights once (the window runs in one autocast context)."""
+    first and the last stage's ranks. Through device memory: AdamW over the rank's parameters, and autocast's casts of
+    its weights once (the window runs in one autocast context)."""
     p, v, m, h = s["pp_size"], s["stages_per_rank"], micro_batches, model["hidden_size"]
     ranks = pipeline_ranks(model, p, v)
 
@@ -530,8 +528,7 @@ def rank(args, model: dict, device: dict, configs: dict) -> list[dict]:
 
     A group of ranks that trains one batch together (sp ranks under sequence parallelism, cp under context
     parallelism, tp under tensor parallelism, a pipeline's pp: common.launch.mesh's data_parallel_size is processes /
-    the
-    group) reads the global batch over the devices times the group per step, so a rank computes the same tokens per
+    the group) reads the global batch over the devices times the group per step, so a rank computes the same tokens per
     step as under any other config; a pipeline's ranks each compute their stages' share of them, stretched by the
     bubble."""
     n, nodes = args.num_devices, args.num_nodes
