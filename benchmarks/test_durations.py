@@ -48,8 +48,12 @@ started = time.time()
 spec = importlib.util.spec_from_file_location("recipe", sys.argv[1])
 spec.loader.exec_module(importlib.util.module_from_spec(spec))  # the recipe's imports, not its main()
 imported = time.time()
-from common.launch.accelerator import build_accelerator, participating_processes
-from common.options.arguments import TrainingArguments
+try:  # common/ in layers; a --tree from before them has the flat modules
+    from common.launch.accelerator import build_accelerator, participating_processes
+    from common.options.arguments import TrainingArguments
+except ImportError:
+    from common.accelerator import build_accelerator, participating_processes
+    from common.arguments import TrainingArguments
 from common.run import run_recipe
 
 def main(args):

@@ -465,8 +465,7 @@ def effective_batch(arguments: dict, config: dict) -> int:
         if key.endswith("_size")
     }
     # pp_size is common.parallel.pipeline's, not accelerate's (common.launch.mesh.pipeline_shards asks the
-    # PipelineAccelerator a
-    # run builds)
+    # PipelineAccelerator a run builds)
     pipeline = sizes.pop("pp_size", 1)
     mesh = SimpleNamespace(num_processes=config["num_processes"], parallelism_config=ParallelismConfig(**sizes))
     per_device = int(arguments["--per_device_train_batch_size"])

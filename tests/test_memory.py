@@ -156,11 +156,11 @@ def test_sharded_strategies_hold_less_than_ddp(measured):
     # ZeRO-3 keeps a bf16 model and gradient partition beside its fp32 master weights, and makes the fp32
     # gradients one optimizer sub-group at a time (common.launch.accelerator's sub_group_size); fused AdamW adds
     # no temporaries in the step. Over the whole run ZeRO-3 keeps two layers gathered at most
-    # (common.launch.accelerator's
-    # stage3_max_live_parameters and _reuse_distance), and the export streams one tensor at a time. On 2 processes
-    # a sharded rank holds half of DDP's model state plus the ~465 MB every process has (0.62x-0.63x DDP's whole
-    # run, seen, DDP's gradients being views into its buckets); on 4 the shards halve again (a DDP rank holds the
-    # same on any number of processes; zero3 on 4 also checkpoints activations, a few MB at these 16 tokens).
+    # (common.launch.accelerator's stage3_max_live_parameters and _reuse_distance), and the export streams one tensor
+    # at a time. On 2 processes a sharded rank holds half of DDP's model state plus the ~465 MB every process has
+    # (0.62x-0.63x DDP's whole run, seen, DDP's gradients being views into its buckets); on 4 the shards halve again (a
+    # DDP rank holds the same on any number of processes; zero3 on 4 also checkpoints activations, a few MB at these 16
+    # tokens).
     for config in ("fsdp.yaml", "zero3.yaml"):
         assert whole_run(measured, config) <= 0.65 * whole_run(measured, "ddp.yaml")
     export = read_run(measured["zero3.yaml"])["final_export"]

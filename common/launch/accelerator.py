@@ -131,7 +131,7 @@ def build_accelerator(
     if sync_each_micro_batch is None:  # FSDP: reduce-scatter every micro-batch so gradients stay sharded
         sync_each_micro_batch = strategy == "fsdp"
     kwargs = dict(
-        # The loop's windows (common.training.loop.train_batches) end each optimizer step, epoch
+        # The loop's windows (common.training.loop.TrainBatches) end each optimizer step, epoch
         # boundaries included, so accelerate's own end-of-dataloader sync is switched off.
         gradient_accumulation_plugin=GradientAccumulationPlugin(
             num_steps=args.gradient_accumulation_steps,

@@ -220,7 +220,7 @@ def launched_mesh_size(dimension: str) -> int:
     """A parallelism_config dimension's size (tp, cp, sp, dp_shard, dp_replicate) as the launcher exported it."""
     if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true":
         return 1
-    if dimension == "pp":  # accelerate does not export it: read from the launched config (common.parallel.pipeline)
+    if dimension == "pp":  # accelerate does not export it: read from the launched config (`launched_pipeline`)
         settings = launched_pipeline()
         return settings.size if settings is not None else 1
     return int(os.environ.get(f"PARALLELISM_CONFIG_{dimension.upper()}_SIZE", "1"))

@@ -227,7 +227,7 @@ class DataArguments:
 
 
 @dataclass
-class TrainingArguments(SpeedArguments):  # + the speed options (common.training.speed)
+class TrainingArguments(SpeedArguments):  # + the speed options (above; common.training.speed applies them)
     output_dir: str = field(
         default="outputs/run", metadata={"help": "Where run.json, metrics, checkpoints and the final model go."}
     )

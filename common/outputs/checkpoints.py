@@ -13,15 +13,15 @@ import json
 import os
 import shutil
 
-from common.parallel import pipeline, tensor_parallel
-from common.outputs import portable, reshard
 from common.launch.accelerator import unwrap
 from common.launch.errors import RunStopped, UsageError, describe, load_fault
 from common.launch.internals import innermost_optimizer, repair_zero3_universal_load
-from common.training.nonfinite import check_finite_weights
 from common.launch.peers import lost_peer_message
+from common.outputs import portable, reshard
 from common.outputs.portable_load import load as load_portable
 from common.outputs.run_dir import MODEL_FILES, STATE_FILE, checkpoints_dir, list_checkpoints, swap_into_place
+from common.parallel import pipeline, tensor_parallel
+from common.training.nonfinite import check_finite_weights
 
 
 def save_checkpoint(

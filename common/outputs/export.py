@@ -17,17 +17,17 @@ import time
 
 import torch
 
-from common.parallel import pipeline
 from common.launch.accelerator import unwrap
-from common.outputs.checkpoints import save_config
 from common.launch.errors import UsageError
 from common.launch.internals import full_shape, is_zero3_parameter, saves_as_state_dict, without_zero3_init
-from common.models.lora import merged_model_skeleton, merged_tensors, save_merged, saved_adapter_names
-from common.training.memory import current_memory
-from common.outputs.model_card import write_model_card
 from common.launch.peers import main_process_alone
+from common.models.lora import merged_model_skeleton, merged_tensors, save_merged, saved_adapter_names
+from common.outputs.checkpoints import save_config
+from common.outputs.model_card import write_model_card
 from common.outputs.portable import read_dcp
 from common.outputs.run_dir import write_folder
+from common.parallel import pipeline
+from common.training.memory import current_memory
 
 
 def export_final(

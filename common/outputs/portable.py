@@ -29,8 +29,8 @@ PORTABLE = "portable"
 OPTIMIZER_STATES = ("exp_avg", "exp_avg_sq")
 
 
-# a strategy (common.launch.accelerator.launched_strategy, estimate_memory's read_strategy) -> the family whose files
-# it writes: one process and DDP write the same ones
+# a strategy (common.launch.accelerator.launched_strategy, common.planning.memory.read_strategy) -> the family whose
+# files it writes: one process and DDP write the same ones
 FAMILY = {"single": "torch", "ddp": "torch", "fsdp": "fsdp", "tp": "fsdp", "pp": "fsdp", "deepspeed": "deepspeed"}
 # what each family's checkpoint files are, in a resume's message (a tp.yaml run writes FSDP2's DCP folders)
 FILES = {

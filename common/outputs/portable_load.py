@@ -15,9 +15,9 @@ import os
 
 import torch
 
-from common.parallel import pipeline
 from common.launch.errors import UsageError
 from common.outputs.portable import OPTIMIZER_STATES, family
+from common.parallel import pipeline
 
 
 def load(accelerator, model, optimizer, scheduler, path: str) -> None:

@@ -21,7 +21,6 @@ import threading
 import time
 import uuid
 
-from common.outputs import portable
 from common.launch.accelerator import (
     ZERO3_DEFAULT_SUB_GROUP_SIZE,
     ZERO3_SUB_GROUP_SIZE,
@@ -30,6 +29,7 @@ from common.launch.accelerator import (
 )
 from common.launch.errors import NodeStopped, UsageError, describe
 from common.launch.peers import reporting_progress
+from common.outputs import portable
 from common.outputs.run_dir import STATE_FILE, write_atomically
 
 

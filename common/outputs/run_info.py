@@ -10,12 +10,12 @@ import sys
 
 import torch
 
-from common.training import memory
 from common.launch.accelerator import Launch, autocast_dtype, participating_processes
 from common.launch.internals import innermost_optimizer, master_weights_dtype
 from common.launch.mesh import data_parallel_size, ulysses_shards
-from common.parallel.shards import local_parameter_shards
 from common.outputs.run_dir import write_atomically
+from common.parallel.shards import local_parameter_shards
+from common.training import memory
 
 
 PACKAGES = ("torch", "accelerate", "transformers", "datasets", "deepspeed", "peft", "evaluate", "tokenizers")

@@ -3,7 +3,8 @@
 Each is a flag (or a recipe-YAML key) with the HF Trainer's / TRL's name. One the host cannot run
 is refused with one line before anything starts (Liger and flex_attention's backward need a GPU;
 flash_attention_2 needs the flash-attn package). `prepare_model` applies the model-side ones in one
-place, `dynamo_plugin` and `adamw_kernel` the others, and `speed_record` says in run.json what ran.
+place, `adamw_kernel` the optimizer's and common.launch.accelerator's `dynamo_plugin` the compile (the options
+themselves are common.options.arguments' SpeedArguments), and `speed_record` says in run.json what ran.
 
     --attn_implementation auto   # flash_attention_2 where installed; for packed rows flex_attention
                                  # on a GPU, else common.data.packing's sdpa_varlen; the model's own otherwise
