@@ -24,6 +24,7 @@ The demo (`make grpo`) teaches a tiny Llama, from the reward alone, to answer "w
 number, and prints the held-out reward before -> after.
 """
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
@@ -38,6 +39,7 @@ from common.models.loading import load_model, load_tokenizer
 from common.models.lora import LoraArguments, apply_lora
 from common.objectives.grpo import (
     batch_std,
+    completion_figures,
     count_global,
     group_advantages,
     policy_loss,
@@ -46,7 +48,7 @@ from common.objectives.grpo import (
     whole_groups,
 )
 from common.objectives.reference import build_reference, disable_dropout
-from common.objectives.rewards import Rewards, evaluate_rewards, load_rewards
+from common.objectives.rewards import Rewards, evaluate_rewards, load_rewards, trainer_state
 from common.objectives.rollout import (
     CompletionLog,
     GenerationWeights,
@@ -92,8 +94,12 @@ class GRPOArguments:
     loss_type: Literal["dapo", "grpo", "dr_grpo", "bnpo"] = field(
         default="dapo", metadata={"help": "How the token losses are averaged (common.objectives.grpo)."}
     )
-    scale_rewards: Literal["group", "batch", "none"] = field(
-        default="group", metadata={"help": "The advantages' divisor: the group's reward std, the batch's, or none."}
+    scale_rewards: Literal["group", "batch", "none", "true", "false"] = field(
+        default="group",
+        metadata={
+            "help": "The advantages' divisor: the group's reward std, the batch's, or none (TRL's true and false: "
+            "group and none)."
+        },
     )
     epsilon: Annotated[float, Range(above=0, below=1)] = 0.2
     epsilon_high: Annotated[float | None, Range(above=0, why="unset: --epsilon")] = field(
@@ -123,6 +129,9 @@ class GRPOArguments:
     log_completions: bool = field(
         default=False, metadata={"help": "Append every rollout's completions and rewards to completions.jsonl."}
     )
+
+    def __post_init__(self):
+        self.scale_rewards = {"true": "group", "false": "none"}.get(self.scale_rewards, self.scale_rewards)
 
 
 def main(
@@ -202,8 +211,13 @@ def main(
         reference_model=reference.record() if reference is not None else None,
     )
     step, metrics, nonfinite, profiler = state["step"], run.metrics, run.nonfinite, run.profiler
+    tokens_seen = state.get("num_tokens", 0)  # prompts' and completions' tokens so far (TRL's num_tokens)
     completion_log = CompletionLog(accelerator, args.output_dir, tokenizer) if grpo_args.log_completions else None
     saved = state.get("rollout")  # a run stopped inside --num_iterations: the rollout it was training on
+    # every log-probability at the temperature the completions were sampled at, as TRL scores them
+    temperature = grpo_args.temperature
+    scored_at_temperature = functools.partial(token_log_probs, temperature=temperature)
+    steps_per_epoch = order.per_epoch * grpo_args.num_iterations
     objective = dict(
         loss_type=grpo_args.loss_type,
         epsilon=grpo_args.epsilon,
@@ -222,6 +236,7 @@ def main(
                 step,
                 args.per_device_eval_batch_size,
                 data_args.max_eval_samples,
+                trainer_state(step, max_steps, steps_per_epoch),
             ),
         )
 
@@ -237,27 +252,27 @@ def main(
         else:
             # G completions of each of this rank's prompts, then their rewards (every rank together) and advantages
             rollout = sampler.rollout(index, step)
-            reward, table = rewards(rollout.rows, prompts["train"])
-            rollout.advantages, stds, divisors = group_advantages(
+            reward, table = rewards(rollout.rows, prompts["train"], trainer_state(step, max_steps, steps_per_epoch))
+            rollout.advantages, stds = group_advantages(
                 reward, group, grpo_args.scale_rewards, batch_std(accelerator, reward)
             )
             if completion_log is not None:
-                completion_log(rollout, reward)
-            lengths = torch.tensor([float(len(r["completion_ids"])) for r in rollout.rows])
+                completion_log(rollout, reward, rewards.extra)
+            lengths, tokens = completion_figures(accelerator, rollout)
+            tokens_seen += tokens
             metrics.record_values(
                 {
                     **rewards.values(reward, table),
-                    "reward_std": divisors,
-                    "frac_reward_zero_std": (stds == 0).float(),
-                    "completions/mean_length": lengths,
-                    "completions/clipped_ratio": torch.tensor([float(r["truncated"]) for r in rollout.rows]),
+                    "frac_reward_zero_std": (stds.abs() <= 1e-8).float(),  # TRL's isclose(std, 0)
+                    **lengths,
                     "rollout/near_tie_ratio": torch.tensor([float(r["near_ties"] > 0) for r in rollout.rows]),
                     **{f"rollout/{k}_per_device": torch.tensor([v]) for k, v in rollout.timing.items()},
                 }
             )
+            metrics.record_latest("num_tokens", tokens_seen)
             if grpo_args.num_iterations > 1:  # the sampling policy's log-probs, for the later iterations' ratios
                 rollout.old_log_probs = rollout_log_probs(
-                    model, rollout, args.per_device_train_batch_size, tokenizer.pad_token_id, accelerator
+                    model, rollout, args.per_device_train_batch_size, tokenizer.pad_token_id, accelerator, temperature
                 )
         normaliser = count_global(accelerator, rollout, accumulation, grpo_args.mask_truncated_completions)
 
@@ -270,9 +285,10 @@ def main(
                 accelerator.device,
             ):
                 with accelerator.accumulate(model):
+                    entropy = []  # each token's, at the sampling temperature (TRL's entropy)
                     with accelerator.autocast():
-                        log_probs = token_log_probs(model, batch)
-                    ref_log_probs = reference.apply(token_log_probs, batch) if reference is not None else None
+                        log_probs = token_log_probs(model, batch, temperature, entropy)
+                    ref_log_probs = reference.apply(scored_at_temperature, batch) if reference is not None else None
                     loss, values = policy_loss(
                         log_probs,
                         batch.get("old_log_probs"),
@@ -281,11 +297,12 @@ def main(
                         batch["mask"],
                         normaliser,
                         **objective,
+                        entropy=entropy[0],
                     )
                     metrics.record_batch(
                         loss, batch, examples=len(batch["advantages"]), extra_forwards=int(reference is not None)
                     )
-                    metrics.record_values(values)
+                    metrics.record_per_call(values)
                     nonfinite.record(loss)
                     accelerator.backward(loss)
                     if accelerator.sync_gradients:
@@ -305,7 +322,12 @@ def main(
                 inside = step % grpo_args.num_iterations  # passes of this rollout done, if not all of them
                 position = {"rollout": index + (0 if inside else 1), "global_batch": order.prompts * group}
                 run.save_checkpoint(
-                    step, {"data": position, "rollout": rollout.state(accelerator, inside) if inside else None}
+                    step,
+                    {
+                        "data": position,
+                        "rollout": rollout.state(accelerator, inside) if inside else None,
+                        "num_tokens": tokens_seen,
+                    },
                 )
             if step >= max_steps:
                 break
@@ -313,10 +335,10 @@ def main(
     after = evaluate()
     before = metrics.eval_at_start()  # --eval_on_start's figures, this run's or the resumed run's
     final_dir = run.finish()
-    start = f"{before['eval_reward']:.3f} before -> " if before else ""
+    start = f"{format_figure(before['eval_reward'])} before -> " if before else ""
     each = ", ".join(f"{name} {format_figure(after['eval_rewards/' + name + '/mean'])}" for name in names)
     accelerator.print(
-        f"held-out reward {start}{after['eval_reward']:.3f} over {after['eval_prompts']} prompts ({each}); "
+        f"held-out reward {start}{format_figure(after['eval_reward'])} over {after['eval_prompts']} prompts ({each}); "
         f"saved to {final_dir}"
     )
     return after

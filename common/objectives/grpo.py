@@ -1,11 +1,15 @@
 """The GRPO objective: group advantages, per-token log-probabilities, the clipped policy loss behind --loss_type.
 
-For a prompt's G completions with rewards r_1..r_G, the advantage of completion i is
-    A_i = r_i - mean(r)                                   --scale_rewards none (Dr. GRPO)
-    A_i = (r_i - mean(r)) / (std(r) + 1e-4)               --scale_rewards group (GRPO, TRL's default)
+As TRL's GRPOTrainer computes it (the release docs/rl.md names). For a prompt's G completions with rewards
+r_1..r_G, the advantage of completion i is
+    A_i = r_i - mean(r)                                   --scale_rewards none (Dr. GRPO; TRL's false)
+    A_i = (r_i - mean(r)) / (std(r) + 1e-4)               --scale_rewards group (GRPO, TRL's default; true)
     A_i = (r_i - mean(r)) / (std of the batch's r + 1e-4) --scale_rewards batch (over every rank's completions)
-(std unbiased, as torch.std and TRL). Each completion token t then has, with the ratio
-rho = exp(logp - logp_old) to the policy that sampled it,
+(std unbiased, as torch.std and TRL). A completion no reward function scored (each returned None) has no reward: it
+is left out of its group's mean and std, and its advantage is 0. logp is a token's log-probability at the sampling
+temperature, log_softmax(logits / T), for the policy, the policy that sampled (--num_iterations) and the reference
+alike, as TRL scores them. Each completion token t then has, with the ratio rho = exp(logp - logp_old) to the
+policy that sampled it,
     l_t = -min(rho A, clip(rho, 1 - epsilon, 1 + epsilon_high) A) + beta KL_t,
     KL_t = exp(ref - logp) - (ref - logp) - 1             (the k3 estimator; only with --beta > 0)
 and the loss sums l_t over the completion tokens (`mask`: a truncated completion's are 0 under
@@ -22,10 +26,10 @@ old policy is the current one (rho = 1, its gradient the policy gradient), as TR
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 
 LOSS_TYPES = ("grpo", "dr_grpo", "bnpo", "dapo")
@@ -49,41 +53,93 @@ def whole_groups(per_device: int, group: int):
     return rule
 
 
+def nanstd(values: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """The unbiased std of the values that are not NaN (NaN where fewer than 2 are), as TRL's nanstd."""
+    mean = values.nanmean(dim=dim, keepdim=True) if dim is not None else values.nanmean()
+    variance = ((values - mean) ** 2).nanmean(dim=dim) if dim is not None else ((values - mean) ** 2).nanmean()
+    count = (~values.isnan()).sum(dim=dim) if dim is not None else (~values.isnan()).sum()
+    return torch.where(count > 1, (variance * count / (count - 1).clamp(min=1)).sqrt(), math.nan)
+
+
 def group_advantages(rewards: torch.Tensor, group: int, scale: str, batch_std: torch.Tensor | None = None):
-    """(advantages, each group's std, the std the advantages were divided by, per group: TRL's reward_std) for
-    `rewards` of consecutive groups of `group` completions (one prompt each). `batch_std`: the std over the whole
-    global batch (every rank's rewards), for --scale_rewards batch; `none` divides by nothing (its figure: the
-    group's std)."""
+    """(advantages, the std each completion's advantage is divided by: TRL's zero-std test) for `rewards` of
+    consecutive groups of `group` completions (one prompt each), NaN where no function scored a completion (left out
+    of its group's mean and std; advantage 0). `batch_std`: the std over the whole global batch (every rank's
+    rewards), for --scale_rewards batch; `none` divides by nothing (its zero-std test: the group's std)."""
     grouped = rewards.view(-1, group)
-    std = grouped.std(dim=1)
-    centred = (grouped - grouped.mean(dim=1, keepdim=True)).flatten()
+    std = nanstd(grouped, dim=1).repeat_interleave(group)
+    centred = (grouped - grouped.nanmean(dim=1, keepdim=True)).flatten()
     if scale == "group":
-        return centred / (std.repeat_interleave(group) + STD_EPSILON), std, std
-    if scale == "batch":
-        return centred / (batch_std + STD_EPSILON), std, batch_std.expand(std.shape)
-    if scale == "none":
-        return centred, std, std
-    raise ValueError(f"scale_rewards {scale!r}: one of {SCALINGS}")
+        advantages = centred / (std + STD_EPSILON)
+    elif scale == "batch":
+        std = batch_std.expand(centred.shape)
+        advantages = centred / (std + STD_EPSILON)
+    elif scale == "none":
+        advantages = centred
+    else:
+        raise ValueError(f"scale_rewards {scale!r}: one of {SCALINGS}")
+    return torch.nan_to_num(advantages, nan=0.0), std
 
 
-def token_log_probs(model, batch: dict) -> torch.Tensor:
-    """(rows, length - 1) log-probability of each next token under `model`, in fp32, row by row (an fp32 copy of
-    one row's logits at a time); 0 where `labels` is -100 (prompt and padding)."""
+def token_log_probs(model, batch: dict, temperature: float = 1.0, entropies: list | None = None) -> torch.Tensor:
+    """(rows, length - 1) log-probability of each next token under `model` at the sampling `temperature`
+    (log_softmax(logits / T)), in fp32, row by row (an fp32 copy of one row's logits at a time); 0 where `labels` is
+    -100 (prompt and padding). `entropies`: a list that gets the (rows, length - 1) entropy of each next-token
+    distribution at that temperature (no gradient), for TRL's `entropy`."""
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     labels = batch["labels"][:, 1:]
-    rows = [
-        -F.cross_entropy(row[:-1].float(), row_labels, ignore_index=-100, reduction="none")
-        for row, row_labels in zip(logits, labels)
-    ]
+    rows, spread = [], []
+    for row, row_labels in zip(logits, labels):
+        log_probs = (row[:-1].float() / temperature).log_softmax(-1)
+        kept = row_labels != -100
+        rows.append(log_probs.gather(-1, row_labels.clamp(min=0).unsqueeze(-1)).squeeze(-1) * kept)
+        if entropies is not None:
+            with torch.no_grad():
+                spread.append(-(log_probs.exp() * log_probs).sum(-1))
+    if entropies is not None:
+        entropies.append(torch.stack(spread))
     return torch.stack(rows)
 
 
-def batch_std(accelerator, rewards: torch.Tensor) -> torch.Tensor:
-    """The std (unbiased) of the global batch's rewards: every data-parallel rank's (all ranks call it)."""
+def global_rows(accelerator, values: torch.Tensor) -> torch.Tensor:
+    """`values` (one row per completion of this rank) of every data-parallel rank, one copy of each (a tensor- or
+    context-parallel group's ranks hold the same completions); every rank calls it."""
     from common.launch import mesh
 
-    gathered = accelerator.gather(rewards.to(accelerator.device)).view(accelerator.num_processes, -1)
-    return gathered[:: mesh.replicas(accelerator)].flatten().std().cpu()
+    gathered = accelerator.gather(values.to(accelerator.device).contiguous())
+    gathered = gathered.view(accelerator.num_processes, -1, *values.shape[1:])
+    return gathered[:: mesh.replicas(accelerator)].flatten(0, 1).cpu()
+
+
+def completion_figures(accelerator, rollout) -> tuple[dict, int]:
+    """TRL's completions/* figures of a rollout over the global batch (mean, min and max length, of the completions
+    that ended with a stop token too (0 where none did), the share cut by --max_completion_length), each a value
+    every rank records alike; and the global batch's input tokens (prompts and completions: TRL's num_tokens counts
+    them). Every rank calls it (one gather)."""
+    local = torch.tensor(
+        [[len(r["completion_ids"]), float(r["truncated"]), len(r["prompt_ids"])] for r in rollout.rows],
+        dtype=torch.float64,
+    ).reshape(-1, 3)
+    every = global_rows(accelerator, local)
+    lengths, cut = every[:, 0], every[:, 1].bool()
+    ended = lengths[~cut] if (~cut).any() else torch.zeros(1, dtype=lengths.dtype)
+    figures = {
+        "completions/mean_length": lengths.mean(),
+        "completions/min_length": lengths.min(),
+        "completions/max_length": lengths.max(),
+        "completions/clipped_ratio": cut.double().mean(),
+        "completions/mean_terminated_length": ended.mean(),
+        "completions/min_terminated_length": ended.min(),
+        "completions/max_terminated_length": ended.max(),
+    }
+    return {name: value.float().reshape(1) for name, value in figures.items()}, int(every[:, [0, 2]].sum())
+
+
+def batch_std(accelerator, rewards: torch.Tensor) -> torch.Tensor:
+    """The std (unbiased, of the scored) of the global batch's rewards: every data-parallel rank's (all ranks call
+    it). --scale_rewards batch divides by it, and it is TRL's reward_std (TRL >= 0.27; before, the mean of the groups'
+    stds)."""
+    return nanstd(global_rows(accelerator, rewards))
 
 
 def count_global(accelerator, rollout, accumulation: int, mask_truncated: bool) -> "Normaliser":
@@ -97,13 +153,14 @@ def count_global(accelerator, rollout, accumulation: int, mask_truncated: bool) 
 
 
 @torch.no_grad()
-def rollout_log_probs(model, rollout, batch_size: int, pad_id: int, accelerator) -> list[list[float]]:
-    """Each completion's token log-probabilities under `model` (the policy that sampled the rollout), micro-batch
-    by micro-batch as training reads them (every rank calls it: a sharded model's forwards are collective)."""
+def rollout_log_probs(model, rollout, batch_size: int, pad_id: int, accelerator, temperature: float = 1.0):
+    """Each completion's token log-probabilities under `model` (the policy that sampled the rollout) at the sampling
+    temperature, micro-batch by micro-batch as training reads them (every rank calls it: a sharded model's forwards
+    are collective); a list of lists of floats."""
     values = []
     for batch in rollout.micro_batches(batch_size, pad_id, False, accelerator.device):
         with accelerator.autocast():
-            log_probs = token_log_probs(model, batch).float().cpu()
+            log_probs = token_log_probs(model, batch, temperature).float().cpu()
         lengths = batch["mask"].sum(1).tolist()
         starts = batch["mask"].int().argmax(1).tolist()
         values += [row[start : start + length].tolist() for row, start, length in zip(log_probs, starts, lengths)]
@@ -144,10 +201,13 @@ def policy_loss(
     epsilon_high: float,
     beta: float,
     max_completion_length: int,
+    entropy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict]:
-    """A micro-batch's share of the loss (see the module's text) and its per-token figures for the train line:
-    TRL's clip_ratio/low_mean, clip_ratio/high_mean, clip_ratio/region_mean and, with beta, kl. `log_probs`,
-    `old_log_probs` and `ref_log_probs` are (rows, tokens), `advantages` (rows,), `mask` (rows, tokens) in {0, 1}."""
+    """A micro-batch's share of the loss (see the module's text) and its figures for the train line, as TRL takes
+    them (`MetricsLogger.record_per_call`): clip_ratio/low_mean, high_mean and region_mean over every rank's tokens,
+    clip_ratio/low_min and high_max over the completions' own token means, and with beta, kl. `log_probs`,
+    `old_log_probs` and `ref_log_probs` are (rows, tokens), `advantages` (rows,), `mask` (rows, tokens) in {0, 1};
+    `entropy` (rows, tokens): each token's, for TRL's `entropy`."""
     old = log_probs.detach() if old_log_probs is None else old_log_probs
     ratio = torch.exp(log_probs - old)
     clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
@@ -164,12 +224,25 @@ def policy_loss(
     else:
         summed = (per_token * mask).sum()
     loss = summed / normaliser.divisor(loss_type, mask, max_completion_length)
-    kept = mask.bool()
-    low = (ratio < 1 - epsilon) & (advantage < 0)
-    high = (ratio > 1 + epsilon_high) & (advantage > 0)
-    values["clip_ratio/low_mean"] = low[kept].float()
-    values["clip_ratio/high_mean"] = high[kept].float()
-    values["clip_ratio/region_mean"] = (low | high)[kept].float()
+    tokens = mask.sum()
+    low = ((ratio < 1 - epsilon) & (advantage < 0)).to(mask.dtype) * mask
+    high = ((ratio > 1 + epsilon_high) & (advantage > 0)).to(mask.dtype) * mask
+    values["clip_ratio/low_mean"] = ("pooled", low.sum(), tokens)
+    values["clip_ratio/high_mean"] = ("pooled", high.sum(), tokens)
+    values["clip_ratio/region_mean"] = ("pooled", (low + high).clamp(max=1).sum(), tokens)
+    lengths = mask.sum(1)  # a completion with no loss token (masked as truncated) has no mean: NaN, left out
+    values["clip_ratio/low_min"] = ("min", _nan_extreme(low.sum(1) / lengths, "min"), 1)
+    values["clip_ratio/high_max"] = ("max", _nan_extreme(high.sum(1) / lengths, "max"), 1)
     if beta:
-        values["kl"] = kl.detach()[kept]
+        values["kl"] = ("pooled", (kl.detach() * mask).sum(), tokens)
+    if entropy is not None:
+        values["entropy"] = ("pooled", (entropy * mask).sum(), tokens)
     return loss, values
+
+
+def _nan_extreme(values: torch.Tensor, how: str) -> torch.Tensor:
+    """The smallest or largest value that is not NaN (NaN if none is)."""
+    kept = values.detach()[~values.detach().isnan()]
+    if not kept.numel():
+        return torch.tensor(math.nan)
+    return kept.min() if how == "min" else kept.max()

@@ -9,23 +9,30 @@ weighted sum over the functions that score it (a function may return None for "n
 * `format`: 1 if the whole completion (stripped) matches --format_pattern (default: a bare number), else 0.
 * `length`: 1 - completion tokens / --max_completion_length: the shorter the better (a tie-breaker for
   the others, with a small weight).
-* `path/to/file.py:name` or `module:name`: a Python function with TRL's signature,
-  `fn(prompts=..., completions=..., completion_ids=..., **columns) -> list[float | None]`: the prompts and
-  completions as text (or, for conversations, lists of messages: the completion one assistant message), the
-  data's other columns as lists, one value per completion.
+* `path/to/file.py:name`, `module:name` or `module.name` (TRL's dotted path; a module in the working folder
+  too, as TRL's CLI finds it): a Python function, or an `async def` (awaited, several at once), with TRL's
+  signature, `fn(prompts=..., completions=..., completion_ids=..., **kwargs) -> list[float | None]`: the prompts
+  and completions as text (or, for conversations, lists of messages: the completion one assistant message), and
+  as TRL passes them, every other column of the data as a list (one value per completion), `trainer_state`
+  (transformers' TrainerState: global_step, max_steps, epoch), `log_metric(name, value)` (a figure averaged into
+  the train line) and `log_extra(column, values)` (a column added to completions.jsonl).
 * a folder holding a sequence classifier with one output (`recipes/reward_model.py`'s final/ or
   final_merged/, or any such Hugging Face model): its score of the prompt and completion, rendered with its own
   tokenizer (and chat template, for conversations).
 
-A function that raises, returns another number of values, or a value that is not a finite number (None aside)
-ends the run in one line naming the function and the row (every rank stops together: `check_everywhere`);
-the run's checkpoints are kept.
+A completion every function returned None for has no reward: common.objectives.grpo leaves it out of its group's
+mean and std and gives it advantage 0, as TRL. A function that raises, returns another number of values, or a value
+that is not a finite number (None aside) ends the run in one line naming the function and the row (every rank stops
+together: `check_everywhere`); the run's checkpoints are kept.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import importlib
 import importlib.util
+import inspect
 import math
 import os
 import re
@@ -36,9 +43,14 @@ from accelerate.utils import gather_object
 
 from common.launch.errors import UsageError, describe
 from common.launch.internals import without_zero3_init
+from common.objectives.grpo import global_rows, nanstd
+from common.objectives.rollout import PROMPT_IDS
 
 
 BUILT_IN = ("accuracy", "exact_match", "format", "length")
+# the keys TRL passes a reward function itself, never a data column of the same name
+PASSED = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra")
+NOT_PASSED = ("prompt", "completion", "completion_ids")  # the data's columns TRL leaves out
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
@@ -114,8 +126,9 @@ class RewardModel:
 
 
 def import_function(spec: str):
-    """`path/to/file.py:name` or `module:name`, or a one-line UsageError."""
-    where, _, name = spec.rpartition(":")
+    """`path/to/file.py:name`, `module:name` or `module.name` (TRL's dotted form), a module found in the working
+    folder too (as TRL's CLI, which puts it first on the path); or a one-line UsageError."""
+    where, _, name = spec.rpartition(":") if ":" in spec else spec.rpartition(".")
     try:
         if where.endswith(".py"):
             if not os.path.isfile(where):
@@ -124,12 +137,14 @@ def import_function(spec: str):
             module = importlib.util.module_from_spec(module_spec)
             module_spec.loader.exec_module(module)
         else:
+            if os.getcwd() not in sys.path:  # under the launcher sys.path[0] is recipes/, not the working folder
+                sys.path.insert(0, os.getcwd())
             module = importlib.import_module(where)
         function = getattr(module, name)
     except Exception as error:  # the user's file may raise anything on import
         raise UsageError(
             f"--reward_funcs {spec}: cannot import {name!r} from {where} ({describe(error)}); give "
-            "path/to/file.py:function or module:function"
+            "path/to/file.py:function, module:function or module.function"
         ) from None
     if not callable(function):
         raise UsageError(f"--reward_funcs {spec}: {name} is not a function")
@@ -177,12 +192,12 @@ def load_rewards(
             function = LengthReward(max_completion_length)
         elif os.path.isdir(spec):
             function = RewardModel(spec, device, dtype)
-        elif ":" in spec:
+        elif ":" in spec or ("." in spec.strip(".") and "/" not in spec):
             function = import_function(spec)
         else:
             raise UsageError(
-                f"--reward_funcs {spec}: not a built-in ({', '.join(BUILT_IN)}), a folder, file.py:function "
-                "or module:function"
+                f"--reward_funcs {spec}: not a built-in ({', '.join(BUILT_IN)}), a folder, file.py:function, "
+                "module:function or module.function"
             )
         functions.append(function)
         name = spec if spec in BUILT_IN else getattr(function, "__name__", spec.rpartition(":")[2])
@@ -190,18 +205,44 @@ def load_rewards(
     return functions, names, weights
 
 
-def score(functions, names, prompts, completions, completion_ids, columns: dict, rows: list[int]):
+def is_async(function) -> bool:
+    """Whether calling `function` (a partial's, a callable object's __call__ too) returns a coroutine, as TRL tells."""
+    while isinstance(function, functools.partial):
+        function = function.func
+    return inspect.iscoroutinefunction(function) or inspect.iscoroutinefunction(getattr(function, "__call__", None))
+
+
+def score(functions, names, prompts, completions, completion_ids, kwargs: dict, rows: list[int]):
     """(count x functions) rewards of this rank's completions, NaN where a function returned None, and the first
     problem as a line (None if none): a function that raised, returned another count or a non-finite number.
-    `rows`: each completion's row in the data (named in the line)."""
+    `kwargs`: what TRL passes besides prompts, completions and completion_ids (the data's other columns as lists,
+    trainer_state, log_metric, log_extra); the `async def` functions are awaited together, after the others, as
+    TRL runs them. `rows`: each completion's row in the data (named in the line)."""
     table = torch.full((len(completions), len(functions)), float("nan"), dtype=torch.float64)
-    for column, (function, name) in enumerate(zip(functions, names)):
+    inputs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
+    outputs, waiting = {}, [column for column, function in enumerate(functions) if is_async(function)]
+    for column, function in enumerate(functions):
+        if column not in waiting:
+            try:
+                outputs[column] = function(**inputs)
+            except Exception as error:  # the user's code: any exception ends the run in one line
+                outputs[column] = error
+    if waiting:
+
+        async def together():
+            return await asyncio.gather(*(functions[c](**inputs) for c in waiting), return_exceptions=True)
+
+        loop = asyncio.new_event_loop()
         try:
-            values = function(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
-        except Exception as error:  # the user's code: any exception ends the run in one line
+            outputs.update(zip(waiting, loop.run_until_complete(together())))
+        finally:
+            loop.close()
+    for column, name in enumerate(names):
+        values = outputs[column]
+        if isinstance(values, Exception):
             return (
                 table,
-                f"reward function {name} raised on a batch of rows {sorted(set(rows))[:8]}: {describe(error)}",
+                f"reward function {name} raised on a batch of rows {sorted(set(rows))[:8]}: {describe(values)}",
             )
         try:
             values = list(values)
@@ -236,6 +277,18 @@ def check_everywhere(problem: str | None) -> None:
         raise UsageError(problems[0] + "; the run stopped (its checkpoints are kept)")
 
 
+def trainer_state(step: int, max_steps: int, steps_per_epoch: int):
+    """What TRL passes a reward function as trainer_state: transformers' TrainerState at optimizer step `step`."""
+    from transformers import TrainerState
+
+    return TrainerState(
+        global_step=step,
+        max_steps=max_steps,
+        epoch=step / max(steps_per_epoch, 1),
+        num_train_epochs=math.ceil(max_steps / max(steps_per_epoch, 1)),
+    )
+
+
 def combine(table: torch.Tensor, weights: list[float]) -> torch.Tensor:
     """Each completion's reward: the weighted sum over the functions that scored it (NaN counts 0, as TRL's nansum)."""
     return (table * torch.tensor(weights, dtype=table.dtype)).nansum(dim=1)
@@ -248,30 +301,54 @@ class Rewards:
     def __init__(self, functions, names, weights, tokenizer, accelerator=None):
         self.functions, self.names, self.weights, self.tokenizer = functions, names, weights, tokenizer
         self.accelerator, self.warned = accelerator, set()
+        self.logged, self.extra = {}, {}  # the last call's log_metric figures (over every rank), log_extra columns
 
-    def __call__(self, rows: list[dict], dataset) -> tuple[torch.Tensor, torch.Tensor]:
-        """(each completion's reward, the (completions x functions) table, NaN where a function returned None);
-        every rank calls it together (a problem on any rank stops all of them in one line)."""
+    def __call__(self, rows: list[dict], dataset, state=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(each completion's reward, NaN where no function scored it; the (completions x functions) table, NaN
+        where a function returned None); every rank calls it together (a problem on any rank stops all of them in
+        one line). `state`: the functions' trainer_state (`trainer_state`)."""
         data = dataset.select([row["row"] for row in rows]) if rows else dataset.select([])
-        prompts = data["prompt"] if rows else []
+        prompts = list(data["prompt"]) if rows else []
         texts = self.tokenizer.batch_decode([row["completion_ids"] for row in rows], skip_special_tokens=True)
         completions = [
             text if isinstance(prompt, str) else [{"role": "assistant", "content": text}]
             for prompt, text in zip(prompts, texts)
         ]
-        columns = {name: data[name] for name in data.column_names if name not in ("prompt", "prompt_ids", "index")}
+        skipped = (*NOT_PASSED, *PASSED, PROMPT_IDS)
+        kwargs = {name: list(data[name]) for name in data.column_names if name not in skipped}
+        pending, self.extra = {}, {}
+        kwargs.update(
+            trainer_state=state if state is not None else trainer_state(0, 0, 1),
+            log_metric=lambda name, value: pending.setdefault(name, []).append(float(value)),
+            log_extra=lambda column, values: self.extra.setdefault(column, []).extend(values),
+        )
         table, problem = score(
             self.functions,
             self.names,
             prompts,
             completions,
             [row["completion_ids"] for row in rows],
-            columns,
+            kwargs,
             [row["row"] for row in rows],
         )
         check_everywhere(problem)
+        self.logged = self.pool(pending)
         self.warn_if_none_scored(table)
-        return combine(table, self.weights).float(), table.float()
+        rewards = combine(table, self.weights)
+        rewards[table.isnan().all(dim=1)] = math.nan  # no function scored it: no reward (left out, advantage 0)
+        return rewards.float(), table.float()
+
+    def pool(self, pending: dict) -> dict:
+        """log_metric's figures: each name's values averaged over every rank's calls (TRL's mean over processes)."""
+        if self.accelerator is None or self.accelerator.num_processes == 1:
+            return {name: sum(values) / len(values) for name, values in pending.items()}
+        names = sorted({name for share in gather_object([sorted(pending)]) for name in share})
+        sums = torch.tensor(
+            [[sum(pending.get(name, [])), len(pending.get(name, []))] for name in names], dtype=torch.float64
+        )
+        totals = self.accelerator.reduce(sums.to(self.accelerator.device), reduction="sum").cpu()
+        # a tensor- or context-parallel group's ranks call alike: their copies count once each, the mean unchanged
+        return {name: float(total / count) for name, (total, count) in zip(names, totals.tolist()) if count}
 
     def warn_if_none_scored(self, table: torch.Tensor) -> None:
         """A function that returned None for every completion of a rollout (on this rank) is named once: it gives
@@ -286,29 +363,47 @@ class Rewards:
                     file=sys.stderr,
                 )
 
-    def values(self, rewards: torch.Tensor, table: torch.Tensor, prefix: str = "") -> dict:
-        """TRL's per-function metric (`rewards/<name>/mean`, over the completions it scored) and `reward`."""
-        values = {f"{prefix}reward": rewards}
+    def values(self, rewards: torch.Tensor, table: torch.Tensor) -> dict:
+        """TRL's reward figures of a rollout, for `MetricsLogger.record_values`: `reward` and `rewards/<name>/mean`
+        over the completions scored, `reward_std` and `rewards/<name>/std` over the global batch (every rank calls
+        it: one gather), and the functions' log_metric figures. TRL >= 0.27's reward_std: the std of every reward of
+        the batch (before 0.27, the mean of the groups' stds)."""
+        every = (
+            global_rows(self.accelerator, torch.cat([rewards.unsqueeze(1), table], 1)) if self.accelerator else None
+        )
+        if every is None:
+            every = torch.cat([rewards.unsqueeze(1), table], 1)
+
+        def one(value: torch.Tensor) -> torch.Tensor:  # a figure of the whole batch, as each rank records it
+            return value.reshape(1) if not value.isnan() else torch.zeros(0)  # NaN (under 2 scored): none
+
+        values = {"reward": rewards[~rewards.isnan()], "reward_std": one(nanstd(every[:, 0]))}
         for column, name in enumerate(self.names):
             scored = table[:, column]
-            values[f"{prefix}rewards/{name}/mean"] = scored[~scored.isnan()]
+            values[f"rewards/{name}/mean"] = scored[~scored.isnan()]
+            values[f"rewards/{name}/std"] = one(nanstd(every[:, column + 1]))
+        values.update({name: torch.tensor([value]) for name, value in self.logged.items()})
         return values
 
 
-def evaluate_rewards(sampler, rewards: Rewards, dataset, step: int, batch_size: int, limit: int | None) -> dict:
+def evaluate_rewards(
+    sampler, rewards: Rewards, dataset, step: int, batch_size: int, limit: int | None, state=None
+) -> dict:
     """The held-out prompts' greedy completions (the first `limit`; `common.objectives.rollout.Sampler.greedy`) scored:
-    eval_reward, eval_rewards/<name>/mean, eval_completions/mean_length and /clipped_ratio, eval_prompts. Every
-    rank calls it; each prompt counts once."""
+    eval_reward (over the completions some function scored), eval_rewards/<name>/mean, eval_completions/mean_length
+    and /clipped_ratio, eval_prompts, and the functions' log_metric figures as eval_<name>. Every rank calls it;
+    each prompt counts once. `state`: the functions' trainer_state."""
     rows = sampler.greedy(dataset, step, batch_size, limit)
-    reward, table = rewards(rows, dataset)
+    reward, table = rewards(rows, dataset, state)
     mine = [
         (row["row"], float(value), scores.tolist(), len(row["completion_ids"]), row["truncated"])
         for row, value, scores in zip(rows, reward, table)
     ]
     seen = {entry[0]: entry[1:] for entry in gather_object(mine)}  # the padding's repeated prompts count once
     count = max(len(seen), 1)
+    scored = [value for value, *_ in seen.values() if not math.isnan(value)]
     results = {
-        "eval_reward": sum(value for value, *_ in seen.values()) / count,
+        "eval_reward": sum(scored) / len(scored) if scored else None,  # None: nothing scored
         "eval_completions/mean_length": sum(length for *_, length, _ in seen.values()) / count,
         "eval_completions/clipped_ratio": sum(cut for *_, cut in seen.values()) / count,
         "eval_prompts": len(seen),
@@ -316,4 +411,5 @@ def evaluate_rewards(sampler, rewards: Rewards, dataset, step: int, batch_size: 
     for column, name in enumerate(rewards.names):
         scored = [scores[column] for _, scores, *_ in seen.values() if not math.isnan(scores[column])]
         results[f"eval_rewards/{name}/mean"] = sum(scored) / len(scored) if scored else None  # None: nothing scored
+    results.update({f"eval_{name}": value for name, value in rewards.logged.items()})
     return results

@@ -50,10 +50,12 @@ NEAR_TIE = 1e-4  # a draw this close (in probability) to a boundary of the CDF c
 
 
 # ---- prompts ---------------------------------------------------------------------------------------------------
+PROMPT_IDS = "_prompt_ids"  # the prompt's tokens, a column beside the data's own (which all go to the rewards)
+
+
 def tokenize_prompts(raw, tokenizer, block_size: int, max_completion_length: int, accelerator, num_proc=None):
-    """Each split's rows with `prompt_ids` (a text prompt tokenized as text, BOS and all; a conversation rendered
-    with the chat template and its generation prompt) and `index` (the row), the other columns kept for the
-    rewards. Prompts longer than --block_size - --max_completion_length are dropped, counted. Returns the
+    """Each split's rows with PROMPT_IDS (a text prompt tokenized as text, BOS and all; a conversation rendered
+    with the chat template and its generation prompt), the other columns kept as they are for the rewards. Prompts longer than --block_size - --max_completion_length are dropped, counted. Returns the
     datasets and the counts ({"train": {"prompt_too_long": 3}})."""
     room = block_size - max_completion_length
     if room < 1:
@@ -70,20 +72,20 @@ def tokenize_prompts(raw, tokenizer, block_size: int, max_completion_length: int
     if not isinstance(raw["train"][0]["prompt"], str) and not tokenizer.chat_template:
         raise UsageError("the prompts are conversations and the tokenizer has no chat_template; pass --chat_template")
 
-    def encode(example, row):
+    def encode(example):
         prompt = example["prompt"]
         if isinstance(prompt, str):
             ids = tokenizer(prompt)["input_ids"]
         else:
             text = tokenizer.apply_chat_template(as_messages(prompt), add_generation_prompt=True, tokenize=False)
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        return {"prompt_ids": ids, "index": row}
+        return {PROMPT_IDS: ids}
 
     with accelerator.main_process_first(), main_process_alone(accelerator, "tokenizing"):
-        encoded = raw.map(encode, with_indices=True, num_proc=num_proc, desc="tokenizing prompts")
+        encoded = raw.map(encode, num_proc=num_proc, desc="tokenizing prompts")
     kept, counts = {}, {}
     for split, dataset in encoded.items():
-        kept[split] = dataset.filter(lambda ids: len(ids) <= room, input_columns="prompt_ids").flatten_indices()
+        kept[split] = dataset.filter(lambda ids: len(ids) <= room, input_columns=PROMPT_IDS).flatten_indices()
         dropped = len(dataset) - len(kept[split])
         counts[split] = {"prompt_too_long": dropped} if dropped else {}
         if dropped:
@@ -145,12 +147,15 @@ def row_seed(seed: int, rollout: int, row: int) -> int:
 class InverseCdfSampler(LogitsProcessor):
     """Picks each row's next token from its own uniforms (rows x max_new_tokens), then hands generate a score
     that only that token has (generate runs greedy over it): the sample depends on the row's logits and its
-    uniform alone. Counts each row's draws within NEAR_TIE of a CDF boundary (`near_ties`), until the row ends."""
+    uniform alone. Counts each row's draws within NEAR_TIE of a CDF boundary (`near_ties`), until the row ends, and
+    keeps the log-probability each drawn token had in the distribution it was drawn from (`log_probs`: one
+    (rows,) float64 tensor a position; what training scores at the same temperature)."""
 
     def __init__(self, uniforms: torch.Tensor, prompt_length: int, temperature: float, top_p: float, stop_ids):
         self.uniforms, self.prompt_length = uniforms, prompt_length
         self.temperature, self.top_p, self.stop_ids = temperature, top_p, stop_ids
         self.near_ties = torch.zeros(uniforms.shape[0], dtype=torch.long)  # per row, while it is unfinished
+        self.log_probs = []
 
     def __call__(self, input_ids, scores):
         position = input_ids.shape[1] - self.prompt_length
@@ -173,6 +178,7 @@ class InverseCdfSampler(LogitsProcessor):
             target = self.uniforms[:, position].to(cdf.device).unsqueeze(1) * cdf[:, -1:]
             token = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=cdf.shape[1] - 1)
             self.near_ties += (((cdf - target).abs().min(-1).values < NEAR_TIE).cpu() & unfinished).long()
+            self.log_probs.append((probs.gather(-1, token.unsqueeze(1)).squeeze(1) / cdf[:, -1]).log().cpu())
         chosen = torch.full_like(scores, -math.inf)
         return chosen.scatter(-1, token.unsqueeze(1), 0.0)
 
@@ -254,7 +260,7 @@ class Sampler:
             uniforms = torch.rand(
                 self.group, self.settings.max_completion_length, generator=generator, dtype=torch.float64
             )
-            groups.append((self.prompts[row]["prompt_ids"], uniforms))
+            groups.append((self.prompts[row][PROMPT_IDS], uniforms))
         rows = []
         for (prompt_ids, _), (completions, truncated, ties), row in zip(
             groups, self.weights.sample(groups, self.settings), self.order.rollout(index)
@@ -279,7 +285,7 @@ class Sampler:
         count = len(dataset) if limit is None else min(limit, len(dataset))
         mine = mesh.data_parallel_share(self.accelerator, list(range(count)))
         batches = [
-            [dataset[i]["prompt_ids"] for i in mine[start : start + batch_size]]
+            [dataset[i][PROMPT_IDS] for i in mine[start : start + batch_size]]
             for start in range(0, len(mine), batch_size)
         ]
         rows = []
@@ -663,7 +669,8 @@ class CompletionLog:
         self.path = os.path.join(output_dir, COMPLETIONS)
         self.trimmed = False
 
-    def __call__(self, rollout: Rollout, rewards: torch.Tensor) -> None:
+    def __call__(self, rollout: Rollout, rewards: torch.Tensor, extra: dict | None = None) -> None:
+        """`extra`: the reward functions' log_extra columns, one value per completion of this rank."""
         texts = self.tokenizer.batch_decode([row["completion_ids"] for row in rollout.rows], skip_special_tokens=True)
         mine = [
             {
@@ -673,9 +680,10 @@ class CompletionLog:
                 "completion": text,
                 "truncated": row["truncated"],
                 "near_ties": row.get("near_ties", 0),
-                "reward": float(reward),
+                "reward": None if math.isnan(reward) else float(reward),  # None: no function scored it
+                **{column: values[i] if i < len(values) else None for column, values in (extra or {}).items()},
             }
-            for row, text, reward in zip(rollout.rows, texts, rewards)
+            for i, (row, text, reward) in enumerate(zip(rollout.rows, texts, rewards.tolist()))
         ]
         every = gather_object([mine])[:: mesh.replicas(self.accelerator)]
         if not self.accelerator.is_main_process:

@@ -12,6 +12,7 @@ accelerate's trackers (TensorBoard, W&B) and to a tqdm bar on the main process.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 
@@ -20,11 +21,11 @@ from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
 from common.launch import mesh
-from common.parallel import pipeline
 from common.launch.accelerator import autocast_dtype
+from common.outputs.run_dir import write_atomically
+from common.parallel import pipeline
 from common.training.flops import ModelFlops, device_peak_tflops
 from common.training.memory import MemoryAccount, current_memory
-from common.outputs.run_dir import write_atomically
 
 
 class MetricsLogger:
@@ -67,6 +68,8 @@ class MetricsLogger:
         self.window_sums = torch.zeros(4, dtype=torch.float64, device=accelerator.device)
         self.window_loss, self.window_batches = 0.0, 0
         self.window_values = {}  # a recipe's own per-batch figures (`record_values`)
+        self.window_calls = {}  # figures reduced over the ranks per micro-batch, then averaged (`record_per_call`)
+        self.latest = {}  # figures logged as they last stood (`record_latest`)
         if accelerator.is_main_process and os.path.exists(self.path):
             self._drop_rows_after(start_step)
         self.progress = tqdm(
@@ -125,6 +128,35 @@ class MetricsLogger:
                 [value.detach().float().sum(), torch.tensor(float(value.numel()), device=value.device)]
             )
 
+    def record_per_call(self, values: dict) -> None:
+        """Figures taken per micro-batch over every rank, then averaged over the logging window's micro-batches, as
+        TRL logs its per-call metrics: name -> (how, value, count) of this rank's micro-batch; how "pooled" sums the
+        values and the counts over the ranks (a mean over every rank's tokens), "min" and "max" take the smallest
+        and largest value over the ranks (NaN: this rank has none). Every rank records the same names as often."""
+        for name, (how, value, count) in values.items():
+            entry = torch.stack([torch.as_tensor(value).detach().double().cpu(), torch.tensor(float(count))])
+            self.window_calls.setdefault(name, (how, []))[1].append(entry)
+
+    def record_latest(self, name: str, value: float) -> None:
+        """A figure logged as it last stood (TRL's num_tokens: the input tokens seen so far)."""
+        self.latest[name] = value
+
+    def _per_call(self) -> dict:
+        """`record_per_call`'s figures over the ranks and the window (every rank calls it: one gather a figure)."""
+        reduced = {}
+        for name, (how, entries) in self.window_calls.items():
+            local = torch.stack(entries).to(self.accelerator.device)
+            per_rank = self.accelerator.gather(local).view(-1, len(entries), 2).cpu()
+            if how == "pooled":
+                calls = per_rank[..., 0].sum(0) / per_rank[..., 1].sum(0).clamp(min=1.0)
+            else:
+                values = per_rank[..., 0]
+                fill = math.inf if how == "min" else -math.inf
+                extreme = values.nan_to_num(nan=fill).amin(0) if how == "min" else values.nan_to_num(nan=fill).amax(0)
+                calls = torch.where(extreme.isinf(), math.nan, extreme)
+            reduced[name] = None if calls.isnan().all() else float(calls.nanmean())
+        return reduced
+
     def add_data_wait(self, seconds: float) -> None:
         """Time the loop spent waiting for its next batches (common.training.loop.TrainBatches)."""
         self.data_wait_s += seconds
@@ -141,6 +173,8 @@ class MetricsLogger:
             sums = self.accelerator.reduce(torch.stack(list(self.window_values.values())), reduction="sum").tolist()
             # a figure nothing recorded in the window (a reward that scored no completion) is None, not 0
             own = {name: total / count if count else None for name, (total, count) in zip(self.window_values, sums)}
+        own.update(self._per_call())
+        own.update(self.latest)
         # one row per rank: [data wait, peak memory (, allocated, reserved on a GPU)]
         per_rank = self.accelerator.gather(
             torch.tensor([[self.data_wait_s, *memory_mb(device)]], dtype=torch.float64, device=device)
@@ -168,7 +202,7 @@ class MetricsLogger:
             row["memory_allocated_mb_per_rank"] = [round(rank[2], 1) for rank in per_rank]
             row["memory_reserved_mb_per_rank"] = [round(rank[3], 1) for rank in per_rank]
         self.window_start, self.window_loss, self.window_batches = now, 0.0, 0
-        self.window_values = {}
+        self.window_values, self.window_calls = {}, {}
         self.window_sums.zero_()
         self.data_wait_s = 0.0
         self._write(row)
