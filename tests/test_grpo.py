@@ -234,6 +234,12 @@ def user_rewards(tmp_path) -> Path:
 
             def not_finite(completions, **kwargs):
                 return [0.0] * (len(completions) - 1) + [math.nan]
+
+            def no_kwargs(completions):
+                return [0.0] * len(completions)
+
+            async def async_no_kwargs(completions):
+                return [0.0] * len(completions)
             """
         )
     )
@@ -255,11 +261,14 @@ def test_a_users_function_takes_trls_signature_and_none_is_not_applicable(tmp_pa
         ("raises", r"reward function raises raised on a batch of rows \[4, 9\]: KeyError: 'score'"),
         ("one_short", "reward function one_short returned 1 values for 2 completions"),
         ("not_finite", r"reward function not_finite returned nan for row 9 \(completion 'b'\)"),
+        ("no_kwargs", r"unexpected keyword argument .* \(a reward function takes \*\*kwargs, as TRL's do"),
+        ("async_no_kwargs", r"unexpected keyword argument .* \(a reward function takes \*\*kwargs, as TRL's do"),
     ],
 )
 def test_a_reward_that_fails_is_one_line_naming_it_and_the_row(tmp_path, name, said):
     functions, names, _ = load_rewards([f"{user_rewards(tmp_path)}:{name}"], None, "", 8, "cpu", torch.float32)
-    _, problem = score(functions, names, ["p", "p"], ["a", "b"], [[1], [2]], {}, [4, 9])
+    passed = {"trainer_state": None, "log_metric": print, "log_extra": print}  # as Rewards passes them
+    _, problem = score(functions, names, ["p", "p"], ["a", "b"], [[1], [2]], passed, [4, 9])
     assert problem is not None and "\n" not in problem
     assert __import__("re").search(said, problem), problem
 
@@ -362,7 +371,10 @@ def test_reward_std_is_the_batchs_and_each_function_has_its_std(prompts):
     )  # 1.26; groups of 3: the mean of their stds 1.05
     assert float(values["rewards/a/std"]) == pytest.approx(float(table[:, 0].std()))
     assert float(values["rewards/b/std"]) == pytest.approx(float(torch.tensor([0.0, 0.0, 0.0, 0.0, 1.0]).std()))
-    assert values["rewards/b/mean"].tolist() == [0.0, 0.0, 0.0, 0.0, 1.0]
+    assert values["rewards/b/mean"].tolist() == [pytest.approx(0.2)]  # the rollout's mean over the scored
+    rewards.logged = {"reward": 1.0}  # a function's log_metric naming the recipe's own figure
+    with pytest.raises(UsageError, match=r"log_metric\('reward', ...\) names a figure the recipe logs itself"):
+        rewards.values(reward, table)
 
 
 def test_a_module_in_the_working_folder_is_found_as_trls_cli_finds_it(tmp_path, monkeypatch):

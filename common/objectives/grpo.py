@@ -92,10 +92,12 @@ def token_log_probs(model, batch: dict, temperature: float = 1.0, entropies: lis
     for row, row_labels in zip(logits, labels):
         log_probs = (row[:-1].float() / temperature).log_softmax(-1)
         kept = row_labels != -100
-        rows.append(log_probs.gather(-1, row_labels.clamp(min=0).unsqueeze(-1)).squeeze(-1) * kept)
+        picked = log_probs.gather(-1, row_labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        rows.append(torch.where(kept, picked, 0.0))  # 0 off the completion, a -inf logit there included
         if entropies is not None:
             with torch.no_grad():
-                spread.append(-(log_probs.exp() * log_probs).sum(-1))
+                probs = log_probs.exp()
+                spread.append(-torch.special.xlogy(probs, probs).sum(-1))  # 0 log 0 = 0
     if entropies is not None:
         entropies.append(torch.stack(spread))
     return torch.stack(rows)

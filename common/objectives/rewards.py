@@ -51,6 +51,8 @@ BUILT_IN = ("accuracy", "exact_match", "format", "length")
 # the keys TRL passes a reward function itself, never a data column of the same name
 PASSED = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra")
 NOT_PASSED = ("prompt", "completion", "completion_ids")  # the data's columns TRL leaves out
+# the recipe's own figures beside the reward ones, which a function's log_metric may not replace
+RESERVED_FIGURES = ("frac_reward_zero_std", "entropy", "kl", "num_tokens", "step", "loss", "lr", "grad_norm")
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
@@ -205,6 +207,13 @@ def load_rewards(
     return functions, names, weights
 
 
+@functools.cache
+def event_loop() -> asyncio.AbstractEventLoop:
+    """The one event loop the async reward functions run on, kept for the run (as TRL keeps one): a client an async
+    function holds from one call to the next stays bound to a live loop."""
+    return asyncio.new_event_loop()
+
+
 def is_async(function) -> bool:
     """Whether calling `function` (a partial's, a callable object's __call__ too) returns a coroutine, as TRL tells."""
     while isinstance(function, functools.partial):
@@ -220,29 +229,32 @@ def score(functions, names, prompts, completions, completion_ids, kwargs: dict, 
     TRL runs them. `rows`: each completion's row in the data (named in the line)."""
     table = torch.full((len(completions), len(functions)), float("nan"), dtype=torch.float64)
     inputs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
-    outputs, waiting = {}, [column for column, function in enumerate(functions) if is_async(function)]
+    outputs, waiting = {}, {}
     for column, function in enumerate(functions):
-        if column not in waiting:
-            try:
-                outputs[column] = function(**inputs)
-            except Exception as error:  # the user's code: any exception ends the run in one line
-                outputs[column] = error
+        try:  # an async function's call makes its coroutine (a signature that does not fit raises here)
+            outputs[column] = function(**inputs)
+        except Exception as error:  # the user's code: any exception ends the run in one line
+            outputs[column] = error
+        if is_async(function) and not isinstance(outputs[column], Exception):
+            waiting[column] = outputs.pop(column)
     if waiting:
 
         async def together():
-            return await asyncio.gather(*(functions[c](**inputs) for c in waiting), return_exceptions=True)
+            return await asyncio.gather(*waiting.values(), return_exceptions=True)
 
-        loop = asyncio.new_event_loop()
-        try:
-            outputs.update(zip(waiting, loop.run_until_complete(together())))
-        finally:
-            loop.close()
+        outputs.update(zip(waiting, event_loop().run_until_complete(together())))
     for column, name in enumerate(names):
         values = outputs[column]
         if isinstance(values, Exception):
+            hint = (
+                " (a reward function takes **kwargs, as TRL's do: it is passed every column, trainer_state, "
+                "log_metric and log_extra)"
+                if isinstance(values, TypeError) and "unexpected keyword argument" in str(values)
+                else ""
+            )
             return (
                 table,
-                f"reward function {name} raised on a batch of rows {sorted(set(rows))[:8]}: {describe(values)}",
+                f"reward function {name} raised on a batch of rows {sorted(set(rows))[:8]}: {describe(values)}{hint}",
             )
         try:
             values = list(values)
@@ -368,20 +380,23 @@ class Rewards:
         over the completions scored, `reward_std` and `rewards/<name>/std` over the global batch (every rank calls
         it: one gather), and the functions' log_metric figures. TRL >= 0.27's reward_std: the std of every reward of
         the batch (before 0.27, the mean of the groups' stds)."""
-        every = (
-            global_rows(self.accelerator, torch.cat([rewards.unsqueeze(1), table], 1)) if self.accelerator else None
-        )
-        if every is None:
-            every = torch.cat([rewards.unsqueeze(1), table], 1)
+        local = torch.cat([rewards.unsqueeze(1), table], 1)
+        every = global_rows(self.accelerator, local) if self.accelerator else local
 
         def one(value: torch.Tensor) -> torch.Tensor:  # a figure of the whole batch, as each rank records it
-            return value.reshape(1) if not value.isnan() else torch.zeros(0)  # NaN (under 2 scored): none
+            return value.reshape(1) if not value.isnan() else torch.zeros(0)  # NaN (none or, for a std, 1 scored)
 
-        values = {"reward": rewards[~rewards.isnan()], "reward_std": one(nanstd(every[:, 0]))}
+        # each a figure of the rollout, as TRL appends one a generation: a logging window averages the rollouts'
+        values = {"reward": one(every[:, 0].nanmean()), "reward_std": one(nanstd(every[:, 0]))}
         for column, name in enumerate(self.names):
-            scored = table[:, column]
-            values[f"rewards/{name}/mean"] = scored[~scored.isnan()]
+            values[f"rewards/{name}/mean"] = one(every[:, column + 1].nanmean())
             values[f"rewards/{name}/std"] = one(nanstd(every[:, column + 1]))
+        taken = [name for name in self.logged if name in values or name in RESERVED_FIGURES]
+        if taken:
+            raise UsageError(
+                f"a reward function's log_metric({taken[0]!r}, ...) names a figure the recipe logs itself; give it "
+                "another name"
+            )
         values.update({name: torch.tensor([value]) for name, value in self.logged.items()})
         return values
 
@@ -411,5 +426,5 @@ def evaluate_rewards(
     for column, name in enumerate(rewards.names):
         scored = [scores[column] for _, scores, *_ in seen.values() if not math.isnan(scores[column])]
         results[f"eval_rewards/{name}/mean"] = sum(scored) / len(scored) if scored else None  # None: nothing scored
-    results.update({f"eval_{name}": value for name, value in rewards.logged.items()})
+    results.update({f"eval_{name}": value for name, value in rewards.logged.items() if f"eval_{name}" not in results})
     return results

@@ -149,7 +149,7 @@ class InverseCdfSampler(LogitsProcessor):
     that only that token has (generate runs greedy over it): the sample depends on the row's logits and its
     uniform alone. Counts each row's draws within NEAR_TIE of a CDF boundary (`near_ties`), until the row ends, and
     keeps the log-probability each drawn token had in the distribution it was drawn from (`log_probs`: one
-    (rows,) float64 tensor a position; what training scores at the same temperature)."""
+    (rows,) float64 tensor a position, on the device; at top_p 1 what training scores at the same temperature)."""
 
     def __init__(self, uniforms: torch.Tensor, prompt_length: int, temperature: float, top_p: float, stop_ids):
         self.uniforms, self.prompt_length = uniforms, prompt_length
@@ -178,7 +178,7 @@ class InverseCdfSampler(LogitsProcessor):
             target = self.uniforms[:, position].to(cdf.device).unsqueeze(1) * cdf[:, -1:]
             token = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=cdf.shape[1] - 1)
             self.near_ties += (((cdf - target).abs().min(-1).values < NEAR_TIE).cpu() & unfinished).long()
-            self.log_probs.append((probs.gather(-1, token.unsqueeze(1)).squeeze(1) / cdf[:, -1]).log().cpu())
+            self.log_probs.append((probs.gather(-1, token.unsqueeze(1)).squeeze(1) / cdf[:, -1]).log())
         chosen = torch.full_like(scores, -math.inf)
         return chosen.scatter(-1, token.unsqueeze(1), 0.0)
 
@@ -659,6 +659,15 @@ class Rollout:
         )
 
 
+def loggable(value):
+    """A log_extra value as completions.jsonl can hold it: JSON's own types as they are, anything else as its text."""
+    try:
+        json.dumps(value)
+        return value
+    except (TypeError, ValueError):
+        return str(value)
+
+
 class CompletionLog:
     """--log_completions: every completion of each rollout (all ranks', in prompt order) appended to
     output_dir/completions.jsonl: the rollout, the prompt's row, its token ids and text, its reward. A resumed
@@ -681,7 +690,16 @@ class CompletionLog:
                 "truncated": row["truncated"],
                 "near_ties": row.get("near_ties", 0),
                 "reward": None if math.isnan(reward) else float(reward),  # None: no function scored it
-                **{column: values[i] if i < len(values) else None for column, values in (extra or {}).items()},
+                **(
+                    {
+                        "extra": {
+                            column: loggable(values[i] if i < len(values) else None)
+                            for column, values in extra.items()
+                        }
+                    }
+                    if extra
+                    else {}
+                ),
             }
             for i, (row, text, reward) in enumerate(zip(rollout.rows, texts, rewards.tolist()))
         ]

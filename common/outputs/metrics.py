@@ -28,6 +28,10 @@ from common.training.flops import ModelFlops, device_peak_tflops
 from common.training.memory import MemoryAccount, current_memory
 
 
+# a train line's own keys, which no recipe figure replaces
+RESERVED = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s")
+
+
 class MetricsLogger:
     def __init__(
         self,
@@ -123,9 +127,10 @@ class MetricsLogger:
         """A recipe's own figures for a micro-batch (DPO's rewards/*: each a tensor of per-example
         values); the train line carries their mean over the window's examples on every rank."""
         for name, value in values.items():
+            value = value.detach().float().to(self.accelerator.device)  # reduced over the ranks (NCCL: on the GPU)
             total = self.window_values.get(name, 0.0)
             self.window_values[name] = total + torch.stack(
-                [value.detach().float().sum(), torch.tensor(float(value.numel()), device=value.device)]
+                [value.sum(), torch.tensor(float(value.numel()), device=value.device)]
             )
 
     def record_per_call(self, values: dict) -> None:
@@ -175,6 +180,7 @@ class MetricsLogger:
             own = {name: total / count if count else None for name, (total, count) in zip(self.window_values, sums)}
         own.update(self._per_call())
         own.update(self.latest)
+        own = {name: value for name, value in own.items() if name not in RESERVED}  # never the line's own keys
         # one row per rank: [data wait, peak memory (, allocated, reserved on a GPU)]
         per_rank = self.accelerator.gather(
             torch.tensor([[self.data_wait_s, *memory_mb(device)]], dtype=torch.float64, device=device)
