@@ -45,14 +45,16 @@ from common.launch.errors import UsageError, describe
 from common.launch.internals import without_zero3_init
 from common.objectives.grpo import global_rows, nanstd
 from common.objectives.rollout import PROMPT_IDS
+from common.outputs.metrics import RESERVED
 
 
 BUILT_IN = ("accuracy", "exact_match", "format", "length")
 # the keys TRL passes a reward function itself, never a data column of the same name
 PASSED = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra")
 NOT_PASSED = ("prompt", "completion", "completion_ids")  # the data's columns TRL leaves out
-# the recipe's own figures beside the reward ones, which a function's log_metric may not replace
-RESERVED_FIGURES = ("frac_reward_zero_std", "entropy", "kl", "num_tokens", "step", "loss", "lr", "grad_norm")
+# the recipe's own figures beside the reward ones and the train line's keys, which a function's log_metric may not
+# replace
+RESERVED_FIGURES = ("frac_reward_zero_std", "entropy", "kl", "num_tokens", *RESERVED)
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
