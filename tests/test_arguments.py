@@ -3,7 +3,7 @@ import json
 import re
 
 import pytest
-from conftest import REPO, load_script
+from conftest import HOST_BF16, REPO, load_script
 
 from common.launch.errors import UsageError
 from common.models.lora import LoraArguments, apply_lora
@@ -377,8 +377,9 @@ def test_a_handbook_recipe_yaml_names_every_key_it_cannot_take_in_one_message_an
     taken otherwise here, each with what to write instead (before: one key per run, 16 runs; its
     warmup_ratio and dataset_mixture now work as in the handbook). Rewritten as the message says, with
     the model swapped for the real small chat model, the mixture's source for a local file (its
-    held-out 2000 rows for 40 of its 400) and flash-attention (GPU only) for sdpa, it trains 2 steps
-    in this process on 1 rank, warming up over ceil(0.1 x 2) = 1 step."""
+    held-out 2000 rows for 40 of its 400), flash-attention (GPU only) for sdpa and its torch_dtype bfloat16 kept
+    where the CPU has bf16 instructions (float32 elsewhere, where torch emulates bf16 ~50x slower), it trains 2
+    steps in this process on 1 rank, warming up over ceil(0.1 x 2) = 1 step."""
     from conftest import run_in_process
 
     message, named = handbook_message("sft.py", HANDBOOK_SFT)
@@ -396,6 +397,7 @@ def test_a_handbook_recipe_yaml_names_every_key_it_cannot_take_in_one_message_an
         tmp_path,
         model_name_or_path=str(real_model),
         attn_implementation="sdpa",
+        torch_dtype="bfloat16" if HOST_BF16 else "float32",
         output_dir=str(tmp_path / "run"),
         report_to="none",
     )

@@ -7,7 +7,16 @@ import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from conftest import REPO, assert_same_hf_folder, free_port, read_metrics, read_run, run
+from conftest import (
+    AS_THIS_HOST_RUNS,
+    HOST_PRECISION,
+    REPO,
+    assert_same_hf_folder,
+    free_port,
+    read_metrics,
+    read_run,
+    run,
+)
 
 
 README = (REPO / "README.md").read_text()
@@ -83,8 +92,9 @@ def test_make_demo_meets_its_target_and_make_evaluate_reproduces_it(tmp_path):
 def test_make_demo_chat_shortened_starts_teaching_the_real_model_and_its_export_answers():
     """make test's case of the second demo (the full one is make test-all's): the same command cut to 8 steps and
     scored on 32 questions (its evaluation loss too: --max_eval_samples 32) takes the real model's exact match from
-    ~0 to >= 0.25 (seen: 0.47, as with the loss on all 101), and the exported folder answers "what is 7 plus 8 ?"
-    with the bare 15 through its own template."""
+    ~0 to >= 0.25 (seen: 0.47 in bf16, as with the loss on all 101; 0.31 in fp32 on a CPU without bf16 instructions,
+    where the run falls back to it as a user's does: AS_THIS_HOST_RUNS), and the exported folder answers "what is 7
+    plus 8 ?" with the bare 15 through its own template."""
     result = run(
         [
             "make",
@@ -92,7 +102,8 @@ def test_make_demo_chat_shortened_starts_teaching_the_real_model_and_its_export_
             f"LAUNCH_ARGS=--main_process_port {free_port()}",
             f"CHAT_OUT={REPO / 'outputs/sft_chat_demo_short'}",
             "ARGS=--max_steps 8 --max_generation_samples 32 --max_eval_samples 32",
-        ]
+        ],
+        env=AS_THIS_HOST_RUNS,
     )
     match = re.search(r"exact match ([\d.]+) untrained -> ([\d.]+) on (\d+) questions", result.stdout)
     assert match, result.stdout[-2000:]
@@ -100,7 +111,7 @@ def test_make_demo_chat_shortened_starts_teaching_the_real_model_and_its_export_
     print(f"make demo-chat, 8 steps: exact match {before:.3f} -> {after:.3f} on {questions} questions")
     assert before <= 0.05 and after >= 0.25 and questions == 32
     record = read_run(REPO / "outputs/sft_chat_demo_short")
-    assert record["participating_processes"] == 2 and record["mixed_precision"] == "bf16"
+    assert record["participating_processes"] == 2 and record["mixed_precision"] == HOST_PRECISION
     assert "Q: what is 7 plus 8 ?\nA: 15\n" in result.stdout, result.stdout[-500:]
     shutil.rmtree(REPO / "outputs/sft_chat_demo_short")  # 270 MB of weights
 
@@ -109,9 +120,10 @@ def test_make_demo_chat_shortened_starts_teaching_the_real_model_and_its_export_
 @pytest.mark.exhaustive
 def test_make_demo_chat_teaches_the_real_model_and_its_export_answers():
     """The second demo as a user runs it: SmolLM2-135M-Instruct instruction-tuned on 2 processes in
-    ddp.yaml's bf16 goes from answering in sentences (exact match ~0) to the bare number, and the
-    exported folder (bf16, as the checkpoint was) answers a question through its own template."""
-    result = run(["make", "demo-chat", f"LAUNCH_ARGS=--main_process_port {free_port()}"])
+    ddp.yaml's bf16 (fp32 on a CPU without bf16 instructions, as a user's run there) goes from answering in sentences
+    (exact match ~0) to the bare number, and the exported folder (bf16, as the checkpoint was) answers a question
+    through its own template."""
+    result = run(["make", "demo-chat", f"LAUNCH_ARGS=--main_process_port {free_port()}"], env=AS_THIS_HOST_RUNS)
     match = re.search(r"exact match ([\d.]+) untrained -> ([\d.]+) on (\d+) questions", result.stdout)
     assert match, result.stdout[-2000:]
     before, after, questions = float(match[1]), float(match[2]), int(match[3])
@@ -119,7 +131,7 @@ def test_make_demo_chat_teaches_the_real_model_and_its_export_answers():
     assert before <= 0.05 and after >= 0.8 and questions == 101
     out = REPO / "outputs/sft_chat_demo"
     record = read_run(out)
-    assert record["participating_processes"] == 2 and record["mixed_precision"] == "bf16"
+    assert record["participating_processes"] == 2 and record["mixed_precision"] == HOST_PRECISION
     assert json.loads((out / "final" / "config.json").read_text())["dtype"] == "bfloat16"
     assert "Q: what is 7 plus 8 ?\nA: 15\n" in result.stdout, result.stdout[-500:]
 
@@ -138,7 +150,8 @@ def test_make_demo_dpo_shortened_starts_teaching_the_real_model_the_asked_format
             f"LAUNCH_ARGS=--main_process_port {free_port()}",
             f"DPO_CHAT_OUT={out}",
             "ARGS=--max_steps 16 --max_generation_samples 16",
-        ]
+        ],
+        env=AS_THIS_HOST_RUNS,
     )
     match = re.search(r"prefers the chosen answer ([\d.]+) before -> ([\d.]+) of (\d+) held-out pairs", result.stdout)
     exact = re.search(r"greedy answers equal to the chosen one: ([\d.]+) before -> ([\d.]+) of (\d+)", result.stdout)
@@ -158,12 +171,13 @@ def test_make_demo_dpo_shortened_starts_teaching_the_real_model_the_asked_format
 @pytest.mark.slow
 @pytest.mark.exhaustive
 def test_make_demo_dpo_teaches_the_real_model_the_asked_format_and_its_merged_export_answers():
-    """The third demo as a user runs it: SmolLM2-135M-Instruct with LoRA on 2 processes in ddp.yaml's bf16, under a
+    """The third demo as a user runs it: SmolLM2-135M-Instruct with LoRA on 2 processes in ddp.yaml's bf16 (fp32 on a
+    CPU without bf16 instructions, as a user's run there), under a
     system turn asking for the number only. On 50 questions it never trained on, the share of pairs whose
     bare number the model itself finds likelier than the sentence rises from about chance to >= 0.9, exact
     match of its greedy answers from ~0 to >= 0.5, and the merged export (bf16) answers with a bare number
     where the model it came from wrote more."""
-    result = run(["make", "demo-dpo", f"LAUNCH_ARGS=--main_process_port {free_port()}"])
+    result = run(["make", "demo-dpo", f"LAUNCH_ARGS=--main_process_port {free_port()}"], env=AS_THIS_HOST_RUNS)
     match = re.search(r"prefers the chosen answer ([\d.]+) before -> ([\d.]+) of (\d+) held-out pairs", result.stdout)
     exact = re.search(r"greedy answers equal to the chosen one: ([\d.]+) before -> ([\d.]+) of (\d+)", result.stdout)
     assert match and exact, result.stdout[-2000:]
@@ -176,7 +190,7 @@ def test_make_demo_dpo_teaches_the_real_model_the_asked_format_and_its_merged_ex
     assert exact_before <= 0.05 and exact_after >= 0.5 and exact[3] == "50"
     out = REPO / "outputs/dpo_chat_demo"
     record = read_run(out)
-    assert record["participating_processes"] == 2 and record["mixed_precision"] == "bf16"
+    assert record["participating_processes"] == 2 and record["mixed_precision"] == HOST_PRECISION
     assert record["reference_model"]["kind"] == "adapters_off"
     assert json.loads((out / "final_merged" / "config.json").read_text())["dtype"] == "bfloat16"
     data = REPO / "outputs/data/format_preference"

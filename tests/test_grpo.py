@@ -14,7 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import (
+    AS_THIS_HOST_RUNS,
     FP32,
+    HOST_PRECISION,
     REPO,
     LaunchedOnce,
     flags,
@@ -760,11 +762,12 @@ def test_make_grpo_as_it_ships_learns_from_the_reward_alone(tmp_path):
 
 def demo_grpo(out: Path, *args: str):
     result = run(
-        ["make", "demo-grpo", f"GRPO_CHAT_OUT={out}", f"LAUNCH_ARGS=--main_process_port {free_port()}", *args]
+        ["make", "demo-grpo", f"GRPO_CHAT_OUT={out}", f"LAUNCH_ARGS=--main_process_port {free_port()}", *args],
+        env=AS_THIS_HOST_RUNS,
     )
     evaluations = [r for r in read_metrics_all(out) if "eval_rewards/exact_match/mean" in r]
     record = read_run(out)
-    assert record["participating_processes"] == 2 and record["mixed_precision"] == "bf16"
+    assert record["participating_processes"] == 2 and record["mixed_precision"] == HOST_PRECISION
     assert record["trainable_parameters"] < record["total_parameters"] / 10  # LoRA's adapters only
     answer = re.findall(r"^A: (.*)$", result.stdout, re.MULTILINE)
     return evaluations[0], evaluations[-1], answer
@@ -773,8 +776,9 @@ def demo_grpo(out: Path, *args: str):
 @pytest.mark.slow
 def test_make_demo_grpo_runs_on_the_real_model_and_its_merged_export_answers(tmp_path):
     """make test's case of `make demo-grpo` (the whole demo is make test-all's): the same command cut to 2 steps and
-    8 held-out prompts runs on 2 processes in bf16 with LoRA, scores the base model's answers at 0 exact match (it
-    never answers with the bare number), and its merged export answers the unseen question."""
+    8 held-out prompts runs on 2 processes in bf16 (fp32 on a CPU without bf16 instructions) with LoRA, scores the
+    base model's answers at 0 exact match (it never answers with the bare number), and its merged export answers the
+    unseen question."""
     before, after, answer = demo_grpo(tmp_path / "run", "ARGS=--max_steps 2 --eval_steps 0 --max_eval_samples 8")
     assert before["step"] == 0 and after["step"] == 2 and before["eval_prompts"] == 8
     assert before["eval_rewards/exact_match/mean"] == 0 and len(answer) == 1 and answer[0].strip(), answer

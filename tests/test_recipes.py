@@ -11,6 +11,7 @@ import shutil
 import pytest
 import torch
 from conftest import (
+    AS_THIS_HOST_RUNS,
     FP32,
     REPO,
     assert_same_hf_folder,
@@ -35,13 +36,20 @@ LORA_RESUME_PROCESSES = {"fsdp.yaml": 1, "zero3.yaml": 1}
 MAKE_TARGETS = {"sequence_classification": "ddp.yaml", "lora": "fsdp.yaml", "sft": "ddp.yaml"}
 
 
-def launch_recipe(config: str, recipe: str, args: list, launcher_args: list | None = None, target: str | None = None):
+def launch_recipe(
+    config: str,
+    recipe: str,
+    args: list,
+    launcher_args: list | None = None,
+    target: str | None = None,
+    env: dict | None = None,
+):
     """`accelerate launch` of the recipe, or for the config in MAKE_TARGETS its make target
     (`target`, else the recipe's name; it makes the demo data first, then launches with ARGS
     after the demo's own flags)."""
     target = target or recipe.removesuffix(".py")
     if MAKE_TARGETS.get(target) != config:
-        return launch(config, recipe, args, launcher_args=launcher_args)
+        return launch(config, recipe, args, launcher_args=launcher_args, env=env)
     launch_args = [*(launcher_args or []), "--main_process_port", str(free_port())]
     return run(
         [
@@ -50,7 +58,8 @@ def launch_recipe(config: str, recipe: str, args: list, launcher_args: list | No
             f"CONFIG=accelerate_configs/{config}",
             f"LAUNCH_ARGS={shlex.join(launch_args)}",
             f"ARGS={shlex.join(map(str, args))}",
-        ]
+        ],
+        env=env,
     )
 
 
@@ -107,6 +116,7 @@ def test_sequence_classification(config, sentiment_data, minilm, tmp_path):
                 **workers,
             }
         ),
+        env=AS_THIS_HOST_RUNS,  # bf16's case is LoRA's under zero3 (test_lora_on_sequence_classification...)
     )
     assert ("tokenizing (num_proc=2)" in result.stderr) == bool(workers)
     record = assert_two_process_run(out, config)
