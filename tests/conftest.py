@@ -23,22 +23,30 @@ REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 CONFIGS = REPO / "accelerate_configs"
 RECIPES = REPO / "recipes"
-# bf16 as the configs ask, on any CPU: emulated where it has no bf16 instructions (common/launch/cpu_host.py)
 OFFLINE_ENV = {
     "HF_HUB_OFFLINE": "1",
     "HF_DATASETS_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
-    "RECIPES_EMULATE_BF16": "true",
     "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
 }
-# For the real model's demos and runs, where bf16 is the config's precision and what is tested is what the run
-# learns: the precision a user's run takes on this host (bf16 where the CPU has bf16 instructions, else the recipes'
-# one-line fallback to fp32). Emulated bf16 is ~50x slower than fp32 on a CPU without them (a 1024-square matmul: 0.7
-# against 36 GFLOP/s on a 2-core AVX2 host), where one 8-step demo of the 135M model took longer than 15 minutes;
-# the tests whose subject is bf16's numerics (the bf16 fine-tuning of each strategy, the memory accounts) emulate it.
-AS_THIS_HOST_RUNS = {"RECIPES_EMULATE_BF16": "false"}
+# Precision. A run of a bf16 config trains as a user's run on this host does: in bf16 where the CPU has bf16
+# instructions (avx512_bf16/amx), else in fp32 after the recipes' one-line fallback (common/launch/cpu_host.py).
+# Torch's emulated bf16 is ~50x slower than fp32 on a CPU without them (a 1024-square matmul: 0.7 against 36 GFLOP/s
+# on a 2-core AVX2 host; `make dpo` 68 s emulated, 35 s in fp32), where one 8-step demo of the 135M model outlasted
+# 15 minutes. The tests whose subject is bf16's numerics carry the `bf16` marker and emulate it on such a CPU
+# (RECIPES_EMULATE_BF16=true, set for them by `bf16_as_the_test_asks`): the bf16 fine-tuning of a bf16 checkpoint
+# under each strategy, the memory accounts, the real model's bf16 step, non-finite steps, fp8 against bf16.
+EMULATED_BF16 = {"RECIPES_EMULATE_BF16": "true"}
 HOST_BF16 = cpu_has_bf16_instructions()
-HOST_PRECISION = "bf16" if HOST_BF16 else "no"
+HOST_PRECISION = "bf16" if HOST_BF16 else "no"  # run.json's mixed_precision for a bf16 config
+HOST_DTYPE = "bfloat16" if HOST_BF16 else "float32"  # and its compute_dtype
+
+
+@pytest.fixture(autouse=True)
+def bf16_as_the_test_asks(request, monkeypatch):
+    """RECIPES_EMULATE_BF16 for everything a test starts: true for a test marked `bf16`, else false (a module- or
+    session-scoped fixture, made before this, passes EMULATED_BF16 itself where a `bf16` test reads it)."""
+    monkeypatch.setenv("RECIPES_EMULATE_BF16", "true" if request.node.get_closest_marker("bf16") else "false")
 
 
 MAKE_STATE = ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES")
@@ -491,6 +499,7 @@ def bf16_reference(markov_data, bf16_checkpoint, tmp_path_factory):
         pretrained_args(
             markov_data, bf16_checkpoint, out, per_device_train_batch_size=8, max_steps=STEPS, save_steps=STEPS
         ),
+        env=EMULATED_BF16,
     )
     assert read_run(out)["participating_processes"] == 1
     return out

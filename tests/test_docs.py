@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from conftest import (
-    AS_THIS_HOST_RUNS,
+    HOST_DTYPE,
     HOST_PRECISION,
     REPO,
     assert_same_hf_folder,
@@ -93,7 +93,7 @@ def test_make_demo_chat_shortened_starts_teaching_the_real_model_and_its_export_
     """make test's case of the second demo (the full one is make test-all's): the same command cut to 8 steps and
     scored on 32 questions (its evaluation loss too: --max_eval_samples 32) takes the real model's exact match from
     ~0 to >= 0.25 (seen: 0.47 in bf16, as with the loss on all 101; 0.31 in fp32 on a CPU without bf16 instructions,
-    where the run falls back to it as a user's does: AS_THIS_HOST_RUNS), and the exported folder answers "what is 7
+    where the run falls back to it as a user's does: tests/conftest.py), and the exported folder answers "what is 7
     plus 8 ?" with the bare 15 through its own template."""
     result = run(
         [
@@ -103,7 +103,6 @@ def test_make_demo_chat_shortened_starts_teaching_the_real_model_and_its_export_
             f"CHAT_OUT={REPO / 'outputs/sft_chat_demo_short'}",
             "ARGS=--max_steps 8 --max_generation_samples 32 --max_eval_samples 32",
         ],
-        env=AS_THIS_HOST_RUNS,
     )
     match = re.search(r"exact match ([\d.]+) untrained -> ([\d.]+) on (\d+) questions", result.stdout)
     assert match, result.stdout[-2000:]
@@ -123,7 +122,7 @@ def test_make_demo_chat_teaches_the_real_model_and_its_export_answers():
     ddp.yaml's bf16 (fp32 on a CPU without bf16 instructions, as a user's run there) goes from answering in sentences
     (exact match ~0) to the bare number, and the exported folder (bf16, as the checkpoint was) answers a question
     through its own template."""
-    result = run(["make", "demo-chat", f"LAUNCH_ARGS=--main_process_port {free_port()}"], env=AS_THIS_HOST_RUNS)
+    result = run(["make", "demo-chat", f"LAUNCH_ARGS=--main_process_port {free_port()}"])
     match = re.search(r"exact match ([\d.]+) untrained -> ([\d.]+) on (\d+) questions", result.stdout)
     assert match, result.stdout[-2000:]
     before, after, questions = float(match[1]), float(match[2]), int(match[3])
@@ -151,7 +150,6 @@ def test_make_demo_dpo_shortened_starts_teaching_the_real_model_the_asked_format
             f"DPO_CHAT_OUT={out}",
             "ARGS=--max_steps 16 --max_generation_samples 16",
         ],
-        env=AS_THIS_HOST_RUNS,
     )
     match = re.search(r"prefers the chosen answer ([\d.]+) before -> ([\d.]+) of (\d+) held-out pairs", result.stdout)
     exact = re.search(r"greedy answers equal to the chosen one: ([\d.]+) before -> ([\d.]+) of (\d+)", result.stdout)
@@ -177,7 +175,7 @@ def test_make_demo_dpo_teaches_the_real_model_the_asked_format_and_its_merged_ex
     bare number the model itself finds likelier than the sentence rises from about chance to >= 0.9, exact
     match of its greedy answers from ~0 to >= 0.5, and the merged export (bf16) answers with a bare number
     where the model it came from wrote more."""
-    result = run(["make", "demo-dpo", f"LAUNCH_ARGS=--main_process_port {free_port()}"], env=AS_THIS_HOST_RUNS)
+    result = run(["make", "demo-dpo", f"LAUNCH_ARGS=--main_process_port {free_port()}"])
     match = re.search(r"prefers the chosen answer ([\d.]+) before -> ([\d.]+) of (\d+) held-out pairs", result.stdout)
     exact = re.search(r"greedy answers equal to the chosen one: ([\d.]+) before -> ([\d.]+) of (\d+)", result.stdout)
     assert match and exact, result.stdout[-2000:]
@@ -302,7 +300,7 @@ def test_make_benchmark_prints_ratios_and_draws_the_chart(tmp_path):
     memory = [line.split() for line in lines[header:] if line.startswith("ddp.yaml")]
     assert len(speed) == 1 and len(memory) == 1
     # 2 processes, bf16 as the config ships, accumulation 1, the recipe's activation checkpointing on
-    assert speed[0][:6] == ["ddp.yaml", "2", "MULTI_CPU", "bfloat16", "1", "on"]
+    assert speed[0][:6] == ["ddp.yaml", "2", "MULTI_CPU", HOST_DTYPE, "1", "on"]
     assert float(speed[0][7]) == 1.0 and float(speed[0][6]) > 0  # the ratio to DDP, and steps/s
     assert memory[0][1:3] == ["2p", "AC"] and "optimizer" in memory[0] and "peak" in memory[0]
     measured, estimated = (float(x) for x in memory[0][memory[0].index("peak") + 1].split("/"))
@@ -311,7 +309,7 @@ def test_make_benchmark_prints_ratios_and_draws_the_chart(tmp_path):
     assert f"chart: {chart}" in result.stdout
     written = page.read_text()  # the figures' page: the command, the machine, the tables, the chart
     assert "Written by `benchmarks/benchmark_strategies.py --docs docs/benchmark.md" in written
-    assert f"| `ddp.yaml` | 2 | MULTI_CPU | bfloat16 | 1 | on | {speed[0][6]} | 1.00 |" in written
+    assert f"| `ddp.yaml` | 2 | MULTI_CPU | {HOST_DTYPE} | 1 | on | {speed[0][6]} | 1.00 |" in written
     assert "![memory by category and steps/s](benchmark.png)" in written
 
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import (
     FP32,
+    HOST_PRECISION,
     REPO,
     flags,
     launch,
@@ -515,7 +516,7 @@ def test_make_dpo_as_it_ships_learns_to_prefer_the_right_answer(tmp_path):
     out = tmp_path / "run"
     result = run(["make", "dpo", f"ARGS={shlex.join(['--output_dir', str(out), '--logging_steps', '1'])}"])
     record = read_run(out)
-    assert record["participating_processes"] == 2 and record["mixed_precision"] == "bf16"
+    assert record["participating_processes"] == 2 and record["mixed_precision"] == HOST_PRECISION
     assert record["reference_model"]["kind"] == "model"
     rows, evals = train_rows(out), read_metrics(out)[1]
     assert abs(rows[0]["loss"] - LOG_2) < 1e-6 and rows[0]["rewards/margins"] == 0
@@ -561,6 +562,7 @@ def test_dropout_is_off_so_the_policy_scores_as_its_reference():
 @pytest.mark.slow
 @pytest.mark.parametrize("config", ["ddp.yaml", "fsdp.yaml"])
 @pytest.mark.exhaustive
+@pytest.mark.bf16
 def test_under_fp8_the_reference_scores_as_the_float8_policy(config, pairs, tmp_path):
     """`--mixed_precision fp8 --fp8_backend ao`, 2 processes, accumulation 2: accelerate's prepare turns the
     policy's linear layers into torchao's float8 ones, and the reference copy gets the same

@@ -27,6 +27,10 @@ from conftest import (
 )
 
 
+# memory accounts in bf16, as the configs train (emulated on a CPU without bf16 instructions)
+pytestmark = pytest.mark.bf16
+
+
 MODEL = REPO / "recipes/configs/llama_100m.json"
 # glibc keeps freed heap for reuse, so a CPU process's resident set also holds what
 # earlier steps freed; a fixed mmap threshold returns it, and RSS is then the live memory

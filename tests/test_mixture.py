@@ -8,7 +8,7 @@ from collections import Counter
 from types import SimpleNamespace
 
 import pytest
-from conftest import REPO, flags, launch, losses, read_metrics, read_run
+from conftest import HOST_PRECISION, REPO, flags, launch, losses, read_metrics, read_run
 
 from common.launch.errors import UsageError
 
@@ -252,7 +252,7 @@ def test_sft_on_a_mixture_under_ddp_records_its_sources_and_resumes_at_the_same_
     out = tmp_path / "run"
     launch("ddp.yaml", "sft.py", args(out))
     record = read_run(out)
-    assert record["participating_processes"] == 2 and record["mixed_precision"] == "bf16"
+    assert record["participating_processes"] == 2 and record["mixed_precision"] == HOST_PRECISION
     assert [(s["rows"], s["train"] + s["held_out"]) for s in record["data_sources"]] == [
         (150, 150),
         (250, 250),

@@ -496,6 +496,7 @@ def test_smollm2_ties_its_head_across_the_first_and_last_stage(real_model, marko
 
 @pytest.mark.slow
 @pytest.mark.exhaustive
+@pytest.mark.bf16
 def test_pp_yaml_bf16_fine_tuning_of_a_bf16_checkpoint(markov_data, bf16_checkpoint, bf16_reference, tmp_path):
     """pp.yaml as it ships (bf16), 4 x accumulation 2, against one process in bf16 at 8 x 1."""
     from test_strategies import BF16_LOSS_TOLERANCE

@@ -12,6 +12,7 @@ import torch
 import yaml
 from conftest import (
     CONFIGS,
+    EMULATED_BF16,
     FP32,
     HOST_BF16,
     LaunchedOnce,
@@ -145,6 +146,7 @@ def one_step_on_one_process(real_model, markov_data, tmp_path_factory) -> Launch
             "causal_lm.py",
             real_model_args(real_model, markov_data, out, per_device_train_batch_size=2),
             launcher_args=PRECISIONS[precision],
+            env=EMULATED_BF16,
         )
         return out
 
@@ -188,6 +190,7 @@ def real_model_args(model: Path, data: Path, out: Path, **overrides) -> list[str
         [("zero3.yaml", "bf16" if HOST_BF16 else "fp32")],
     ),
 )
+@pytest.mark.bf16
 def test_one_step_of_the_real_model_sharded_equals_one_process(
     config, precision, real_model, markov_data, one_step_on_one_process, tmp_path
 ):

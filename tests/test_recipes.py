@@ -11,8 +11,8 @@ import shutil
 import pytest
 import torch
 from conftest import (
-    AS_THIS_HOST_RUNS,
     FP32,
+    HOST_PRECISION,
     REPO,
     assert_same_hf_folder,
     evaluate_in_process,
@@ -36,20 +36,13 @@ LORA_RESUME_PROCESSES = {"fsdp.yaml": 1, "zero3.yaml": 1}
 MAKE_TARGETS = {"sequence_classification": "ddp.yaml", "lora": "fsdp.yaml", "sft": "ddp.yaml"}
 
 
-def launch_recipe(
-    config: str,
-    recipe: str,
-    args: list,
-    launcher_args: list | None = None,
-    target: str | None = None,
-    env: dict | None = None,
-):
+def launch_recipe(config: str, recipe: str, args: list, launcher_args: list | None = None, target: str | None = None):
     """`accelerate launch` of the recipe, or for the config in MAKE_TARGETS its make target
     (`target`, else the recipe's name; it makes the demo data first, then launches with ARGS
     after the demo's own flags)."""
     target = target or recipe.removesuffix(".py")
     if MAKE_TARGETS.get(target) != config:
-        return launch(config, recipe, args, launcher_args=launcher_args, env=env)
+        return launch(config, recipe, args, launcher_args=launcher_args)
     launch_args = [*(launcher_args or []), "--main_process_port", str(free_port())]
     return run(
         [
@@ -58,8 +51,7 @@ def launch_recipe(
             f"CONFIG=accelerate_configs/{config}",
             f"LAUNCH_ARGS={shlex.join(launch_args)}",
             f"ARGS={shlex.join(map(str, args))}",
-        ],
-        env=env,
+        ]
     )
 
 
@@ -116,7 +108,6 @@ def test_sequence_classification(config, sentiment_data, minilm, tmp_path):
                 **workers,
             }
         ),
-        env=AS_THIS_HOST_RUNS,  # bf16's case is LoRA's under zero3 (test_lora_on_sequence_classification...)
     )
     assert ("tokenizing (num_proc=2)" in result.stderr) == bool(workers)
     record = assert_two_process_run(out, config)
@@ -295,6 +286,7 @@ def test_lora(config, trained_base, shifted_markov_data, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.bf16
 def test_lora_on_sequence_classification_under_zero3_in_bf16(sentiment_data, minilm, tmp_path):
     """--use_peft on the classifier recipe, under ZeRO-3 in the config's bf16: the adapters and the
     new head train (peft keeps the head as a module to save: a copy DeepSpeed must partition with
@@ -355,6 +347,7 @@ def test_lora_on_sequence_classification_under_zero3_in_bf16(sentiment_data, min
 
 @pytest.mark.slow
 @pytest.mark.exhaustive
+@pytest.mark.bf16
 def test_lora_sft_of_the_real_model_under_zero3_in_bf16(real_model, arithmetic_data, tmp_path):
     """--use_peft on sft.py with SmolLM2-135M-Instruct (its template, tied embeddings, grouped
     query attention) under ZeRO-3 in bf16: only the adapters train and are saved (non-empty under
@@ -450,7 +443,7 @@ def test_sft(config, arithmetic_data, tmp_path):
     )
     assert ("tokenizing SFT examples (num_proc=2)" in result.stderr) == bool(workers)
     record = assert_two_process_run(out, config)
-    assert record["mixed_precision"] == "bf16"
+    assert record["mixed_precision"] == HOST_PRECISION
     if record["device"] == "cpu":  # packed rows: per-example sdpa here (a GPU's choice: tests/test_gpu.py)
         assert record["speed"]["attention"] == "sdpa_varlen"
     first, last = first_and_last_loss(out)

@@ -10,7 +10,7 @@ import shlex
 
 import pytest
 import torch
-from conftest import FP32, REPO, flags, launch, read_metrics, read_run, run, run_in_process
+from conftest import FP32, HOST_PRECISION, REPO, flags, launch, read_metrics, read_run, run, run_in_process
 from datasets import Dataset, DatasetDict
 
 from common.launch.errors import UsageError
@@ -283,7 +283,7 @@ def test_make_reward_model_under_zero3_learns_to_rank_the_pairs_and_its_export_s
     args = ["--output_dir", str(out), "--per_device_train_batch_size", "16", "--gradient_accumulation_steps", "2"]
     result = run(["make", "reward-model", "CONFIG=accelerate_configs/zero3.yaml", f"ARGS={shlex.join(args)}"])
     record = read_run(out)
-    assert record["participating_processes"] == 2 and record["mixed_precision"] == "bf16"
+    assert record["participating_processes"] == 2 and record["mixed_precision"] == HOST_PRECISION
     assert record["distributed_type"] == "DEEPSPEED"
     rows, evals = read_metrics(out)
     assert all(set(METRICS) <= set(row) for row in rows)

@@ -183,6 +183,7 @@ def test_sequence_parallel_checkpoint_resumes(trained, markov_data, tmp_path, co
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config", tiered(SPLITS, [RING]))
+@pytest.mark.bf16
 def test_sequence_parallel_bf16_fine_tuning(markov_data, bf16_checkpoint, bf16_reference, tmp_path, config):
     CONFIG, out = config, tmp_path / "run"
     launch(CONFIG, "causal_lm.py", pretrained_args(markov_data, bf16_checkpoint, out, **{**RUN, "save_steps": STEPS}))

@@ -89,6 +89,7 @@ def test_checkpointing_every_other_layer_keeps_about_half_of_what_full_checkpoin
 
 @pytest.mark.slow
 @pytest.mark.exhaustive
+@pytest.mark.bf16
 def test_regional_compile_foreach_adamw_and_partial_checkpointing_train_as_the_defaults(markov_data, tmp_path):
     """ddp.yaml, 2 processes, bf16, accumulation 2: --torch_compile true --optim adamw_torch
     --gradient_checkpointing true --gradient_checkpointing_every_n_layers 2 give the default run's losses (to
@@ -168,6 +169,7 @@ def test_the_recipe_refuses_fp8_it_cannot_run_before_anything_starts(markov_data
 
 
 @pytest.mark.slow
+@pytest.mark.bf16
 def test_fp8_through_torchao_trains_resumes_and_exports_on_two_processes(markov_data, bf16_checkpoint, tmp_path):
     """`accelerate launch --mixed_precision fp8 --fp8_backend ao` on 2 processes under ddp.yaml and fsdp.yaml
     (FSDP2's float8 all-gather), continuing a bf16 checkpoint with accumulation 2: accelerate swapped torchao's

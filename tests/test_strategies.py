@@ -203,6 +203,7 @@ def test_strategy_matches_single_process(config, markov_data, reference, tmp_pat
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config", tiered(STRATEGIES, BF16_IN_MAKE_TEST))
+@pytest.mark.bf16
 def test_bf16_fine_tuning_of_a_bf16_checkpoint(config, markov_data, bf16_checkpoint, bf16_reference, tmp_path):
     out = tmp_path / "run"
     args = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=STEPS, save_steps=SAVE_AT)

@@ -107,6 +107,7 @@ def test_a_checkpoint_resumes_under_another_config_to_the_same_losses_and_weight
 
 @pytest.mark.slow
 @pytest.mark.exhaustive
+@pytest.mark.bf16
 def test_a_bf16_checkpoint_resumes_under_another_config_within_bf16s_noise(markov_data, tmp_path):
     """fsdp.yaml's bf16 run (2 processes, accumulation 2) resumed at step 3 under zero2.yaml's bf16, where the
     compute copy is bf16 weights rather than autocast over fp32 ones: the resumed losses within 1e-2 (relative)

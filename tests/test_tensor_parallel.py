@@ -271,6 +271,7 @@ def epochs_with_a_remainder_step_as_one_process(config, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.bf16
 def test_tensor_parallel_bf16_fine_tuning(markov_data, bf16_checkpoint, bf16_reference, tmp_path):
     out = tmp_path / "run"
     launch(

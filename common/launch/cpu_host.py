@@ -13,8 +13,8 @@ single-process run. So each YAML is mapped to its CPU equivalent:
 Precision is honoured: bf16 runs under CPU autocast (FSDP2's and DeepSpeed's own
 bf16 paths included) where the CPU has bf16 instructions; on a CPU without them the
 run falls back to fp32 and says so in one line, unless RECIPES_EMULATE_BF16=true asks
-for bf16 anyway (torch emulates it there: the same numerics, several times slower; the
-tests set it, so that they check bf16 on any CPU). `run.json` records both.
+for bf16 anyway (torch emulates it there: the same numerics, up to ~50x slower; the
+tests of bf16's numerics set it, so that they check bf16 on any CPU). `run.json` records both.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def accelerator_kwargs(strategy: str, process_group: InitProcessGroupKwargs) -> 
         _say_fp32(
             "bf16",
             "this CPU has no bf16 instructions (avx512_bf16/amx; RECIPES_EMULATE_BF16=true runs "
-            "bf16 anyway, several times slower)",
+            "bf16 anyway, up to ~50x slower)",
         )
         os.environ["ACCELERATE_MIXED_PRECISION"] = "no"
     if strategy == "single":
