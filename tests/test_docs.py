@@ -170,11 +170,10 @@ def test_make_demo_dpo_shortened_starts_teaching_the_real_model_the_asked_format
 @pytest.mark.exhaustive
 def test_make_demo_dpo_teaches_the_real_model_the_asked_format_and_its_merged_export_answers():
     """The third demo as a user runs it: SmolLM2-135M-Instruct with LoRA on 2 processes in ddp.yaml's bf16 (fp32 on a
-    CPU without bf16 instructions, as a user's run there), under a
-    system turn asking for the number only. On 50 questions it never trained on, the share of pairs whose
-    bare number the model itself finds likelier than the sentence rises from about chance to >= 0.9, exact
-    match of its greedy answers from ~0 to >= 0.5, and the merged export (bf16) answers with a bare number
-    where the model it came from wrote more."""
+    CPU without bf16 instructions, as a user's run there), under a system turn asking for the number only. On 50
+    questions it never trained on, the share of pairs whose bare number the model itself finds likelier than the
+    sentence rises from about chance to >= 0.9, exact match of its greedy answers from ~0 to >= 0.5, and the merged
+    export (bf16) answers with a bare number where the model it came from wrote more."""
     result = run(["make", "demo-dpo", f"LAUNCH_ARGS=--main_process_port {free_port()}"])
     match = re.search(r"prefers the chosen answer ([\d.]+) before -> ([\d.]+) of (\d+) held-out pairs", result.stdout)
     exact = re.search(r"greedy answers equal to the chosen one: ([\d.]+) before -> ([\d.]+) of (\d+)", result.stdout)
