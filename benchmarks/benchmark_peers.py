@@ -29,11 +29,13 @@ and the GRPO job, on `make grpo`'s prompts, under each of --grpo_configs (ddp.ya
   trl       benchmarks/peers/trl_grpo_loop.py: TRL's GRPOTrainer with plain `model.generate` (no vLLM), the
             same reward as a Python function (common.objectives.rewards.accuracy_reward)
 
-the same G (--num_generations), --max_completion_length, temperature 1.0, loss type dapo, beta 0, one
-iteration a rollout, per-device batch (completions, in both), steps and learning rate, from the same
+the same G (--num_generations), --max_completion_length, --temperature (0.7, make demo-grpo's), loss type dapo,
+beta 0, one iteration a rollout, per-device batch (completions, in both), steps and learning rate, from the same
 initial weights. Its tokens/s counts the prompt and completion tokens of the completions trained on (padding
 left out), each step from its rollout to its optimizer step; the loss and the mean reward at step 1 are
-shown side by side (they differ by sampling: the page says why).
+shown side by side (they differ by sampling: the page says why). Then both on the same completions (TRL's
+peer drawing them with the recipe's sampler), fp32, two steps: each figure both log, side by side, and the
+largest difference.
 
     make benchmark-peers                                  # ddp.yaml: 2 processes, bf16; GRPO also zero3.yaml
     make benchmark-peers ARGS="--rounds 5 --steps 60"
@@ -284,19 +286,31 @@ def grpo_spec(args) -> TrlJob:
         str(args.num_generations),
         "--max_completion_length",
         str(args.max_completion_length),
+        "--temperature",
+        str(args.temperature),
     )
     # what TRL's peer fixes in its GRPOConfig (the recipe's defaults, spelled out)
     recipe_only = ("--reward_funcs", "accuracy", "--loss_type", "dapo", "--beta", "0", "--num_iterations", "1")
-    recipe_only += ("--temperature", "1.0", "--top_p", "1.0", "--scale_rewards", "group")
+    recipe_only += ("--top_p", "1.0", "--scale_rewards", "group")
     return TrlJob("GRPO", "grpo.py", "trl_grpo_loop.py", PROMPTS, both, recipe_only, "prompts_dropped")
 
 
 def launch_trl_job(
-    job: TrlJob, contender: str, args, config: str, folder: str, round_: int, accelerate_config=None, steps=None
+    job: TrlJob,
+    contender: str,
+    args,
+    config: str,
+    folder: str,
+    round_,
+    accelerate_config=None,
+    steps=None,
+    launcher_args=(),
+    peer_args=(),
 ) -> dict:
-    """One launch of `job`'s recipe or TRL peer under `accelerate_config` (the job's --config unless given):
-    seconds, samples (pairs, completions) and, for the recipe, input tokens over the timed steps, and the
-    first logged line ("first": TRL's; the recipe's when `steps` is 1, a one-step launch that logs it)."""
+    """One launch of `job`'s recipe or TRL peer (with `peer_args`) under `accelerate_config` (the job's --config
+    unless given; `launcher_args` to `accelerate launch`): seconds, samples (pairs, completions) and, for the
+    recipe, input tokens over the timed steps, its logged lines ("rows") and the first ("first": TRL's; the
+    recipe's when `steps` is 1, a one-step launch that logs it)."""
     steps = steps or args.steps
     accelerate_config = accelerate_config or args.config
     stem = os.path.splitext(accelerate_config)[0]
@@ -342,9 +356,10 @@ def launch_trl_job(
             str(args.warmup),
             "--out",
             out + ".json",
+            *peer_args,
         ]
     what = f"{job.name} {contender} ({accelerate_config})"
-    check_ran(what, accelerate_launch(script, args, config=accelerate_config))
+    check_ran(what, accelerate_launch(script, args, launcher_args, config=accelerate_config))
     if contender == "trl":
         with open(out + ".json") as handle:
             return check_processes(what, json.load(handle), args)
@@ -364,6 +379,7 @@ def launch_trl_job(
             # input tokens (padding left out): each window's tokens/s times its seconds
             "tokens": sum(row["tokens_per_s"] * window / row["samples_per_s"] for row in logged["timed"]),
             "first": rows[0] if rows[0]["step"] == 1 else None,
+            "rows": rows,
             "distributed_type": logged["run"]["distributed_type"],
             "run": logged["run"],
             "processes": logged["run"]["participating_processes"],
@@ -518,7 +534,8 @@ def grpo_job(args, config: str, folder: str) -> tuple[str, list[str]]:
         "initialised by common.models.loading.initialise_weights, seed 0); `make grpo`'s prompts (arithmetic "
         "questions, "
         f"the `accuracy` reward: 1 where the completion's last number is the answer); G = {args.num_generations} "
-        f"completions a prompt, at most {args.max_completion_length} tokens, temperature 1.0, loss type dapo, beta "
+        f"completions a prompt, at most {args.max_completion_length} tokens, temperature {args.temperature}, loss type "
+        "dapo, beta "
         f"0, one iteration a rollout; per-device batch {args.batch_size} completions; {args.steps} steps, timed "
         f"after step {args.warmup}; {args.rounds} rounds a config, interleaved.",
         markdown_table(header, rows),
@@ -552,6 +569,72 @@ def grpo_job(args, config: str, folder: str) -> tuple[str, list[str]]:
         "engine "
         "(`empty_partition_cache`, which also runs a full `gc.collect()`). What the recipe's rollouts sampled from "
         f"(its run.json): {'; '.join(weights)}.",
+    ]
+
+
+SAME_SAMPLES_STEPS = 2
+# TRL's names for what the recipe logs under another: a reward's figures after its function (accuracy_reward), the
+# recipe's after --reward_funcs' name (accuracy); the learning rate after the step.
+TRL_REWARD, RECIPE_REWARD = "rewards/accuracy_reward/", "rewards/accuracy/"
+TRL_NAMES = {"learning_rate": "lr"}
+NOT_FIGURES = {"step", "epoch", "step_time"}
+
+
+def same_samples(args, config: str, folder: str) -> tuple[str, list[str]]:
+    """The recipe and TRL's GRPOTrainer on the same completions (TRL's peer with --recipe_samples: the recipe's
+    sampler in place of `generate`), in fp32 under ddp.yaml, every step logged: each figure both log, step by step,
+    and the largest difference. The printed table and the page's paragraphs."""
+    job, every = grpo_spec(args), argparse.Namespace(**{**vars(args), "warmup": 1})
+    fp32 = ("--mixed_precision", "no")
+    common = dict(accelerate_config="ddp.yaml", steps=SAME_SAMPLES_STEPS, launcher_args=fp32)
+    recipe = launch_trl_job(job, "recipe", every, config, folder, "same", **common)["rows"]
+    trl = launch_trl_job(job, "trl", every, config, folder, "same", peer_args=("--recipe_samples",), **common)["logs"]
+    trl = [
+        {TRL_NAMES.get(key, key.replace(TRL_REWARD, RECIPE_REWARD)): value for key, value in log.items()}
+        for log in trl
+    ]
+    steps = list(range(1, SAME_SAMPLES_STEPS + 1))
+    by_step = {
+        name: {row["step"]: row for row in rows if row["step"] in steps}
+        for name, rows in (("recipe", recipe), ("trl", trl))
+    }
+    if any(sorted(logged) != steps for logged in by_step.values()):
+        raise SystemExit(f"error: the same-samples runs did not log steps {steps}: {by_step}")
+    keys = {name: set(logged[1]) - NOT_FIGURES for name, logged in by_step.items()}
+    shared = sorted(keys["recipe"] & keys["trl"])
+    header = ["figure", *(f"step {step} {name}" for step in steps for name in ("recipe", "TRL")), "largest difference"]
+    rows, worst = [], (0.0, None)
+    for figure in shared:
+        pairs = [(by_step["recipe"][step][figure], by_step["trl"][step][figure]) for step in steps]
+        # against 1 where the figure is smaller (a loss near 0): the rounding of fp32 sums, not of the figure
+        gap = max(abs(a - b) / max(1.0, abs(b)) for a, b in pairs)
+        worst = max(worst, (gap, figure), key=lambda pair: pair[0])
+        rows.append([f"`{figure}`", *(f"{value:.6g}" for pair in pairs for value in pair), f"{gap:.1e}"])
+    table = markdown_table(header, rows)
+    summary = (
+        f"same completions, recipe against TRL GRPOTrainer: largest difference {worst[0]:.1e} ({worst[1]}) "
+        f"over {len(shared)} figures at steps {steps[0]}-{steps[-1]}"
+    )
+    return table + "\n" + summary, [
+        "### On the same completions",
+        "The timed runs above sample differently, so their figures differ by sampling. Here TRL's GRPOTrainer draws "
+        "its completions with the recipe's sampler (benchmarks/peers/trl_grpo_loop.py --recipe_samples: "
+        "common.objectives.rollout.sample_group in place of `generate`; TRL's own prompt order, which at seed 0 "
+        "and in the first epoch is the recipe's, and its own chat-template rendering), and everything after the "
+        "sampling is TRL's: rewards, advantages, the log-probabilities at the temperature, loss, gradient, "
+        f"optimizer step and log. Both in fp32 under `ddp.yaml` on {args.num_processes} processes, temperature "
+        f"{args.temperature}, {SAME_SAMPLES_STEPS} steps, each logged. A figure's difference is |recipe - TRL| over "
+        "the larger of |TRL| and 1; TRL's names are mapped to the recipe's (`rewards/accuracy_reward/*` to "
+        "`rewards/accuracy/*`, `learning_rate` to `lr`). The loss itself does not depend on the temperature here (one iteration, beta 0: "
+        "every ratio is 1); the gradient norm and the entropy do, and step 2's figures follow from step 1's update.",
+        table,
+        f"**{summary}.**",
+        "Logged by one only: "
+        + "; ".join(
+            f"{name}: {', '.join(f'`{k}`' for k in sorted(keys[name] - keys[other]))}"
+            for name, other in (("recipe", "trl"), ("trl", "recipe"))
+        )
+        + ".",
     ]
 
 
@@ -592,6 +675,9 @@ def job_choices(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--num_generations", type=int, default=8, help="the GRPO job's completions a prompt (G)")
     parser.add_argument(
         "--max_completion_length", type=int, default=16, help="the GRPO job's longest completion, in tokens"
+    )
+    parser.add_argument(
+        "--temperature", type=float, default=0.7, help="the GRPO job's sampling temperature (make demo-grpo's)"
     )
     parser.add_argument(
         "--torch_compile",
@@ -680,6 +766,10 @@ def main(argv=None):
             grpo_table, grpo_sections = grpo_job(args, config, folder)
             print(grpo_table)
             sections += ["## GRPO: recipes/grpo.py against TRL's GRPOTrainer", *grpo_sections]
+            publish([])
+            same_table, same_sections = same_samples(args, config, folder)
+            print(same_table)
+            sections += same_sections
     sections.append(
         f"The host's load average (1 minute) was {load_at_start:.1f} when the run began and "
         f"{os.getloadavg()[0]:.1f} when it ended: other work on the cores slows some rounds more than others."

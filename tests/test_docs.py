@@ -207,7 +207,9 @@ def table_rows(text: str) -> dict:
 def test_make_benchmark_peers_times_the_recipe_the_bare_loop_trainer_and_dpo_against_trl(tmp_path):
     """One short round of each, on 2 processes in ddp.yaml's bf16: three speeds and the ratios, then the DPO
     recipe and TRL's DPOTrainer, both at log 2 at step 1 (the same objective, before any update), then the GRPO
-    recipe and TRL's GRPOTrainer (ddp.yaml only here), each with its step-1 loss and reward; the page. With
+    recipe and TRL's GRPOTrainer (ddp.yaml only here, temperature 0.7), each with its step-1 loss and reward,
+    then the two on the same completions (TRL's peer drawing them with the recipe's sampler): every figure both
+    log agrees at steps 1 and 2, the entropy and gradient norm at the temperature among them; the page. With
     --warmup 1 the timed launches log step 1 themselves (no one-step launches of the recipes)."""
     page = tmp_path / "peers.md"
     result = run(
@@ -221,6 +223,7 @@ def test_make_benchmark_peers_times_the_recipe_the_bare_loop_trainer_and_dpo_aga
     )
     causal, rest = result.stdout.split("| DPO run |")
     dpo, grpo = ("| DPO run |" + rest).split("| GRPO run |")
+    grpo, same = grpo.split("| figure |")
     rows = {
         line.split("|")[1].strip(): line
         for line in causal.splitlines()
@@ -249,6 +252,17 @@ def test_make_benchmark_peers_times_the_recipe_the_bare_loop_trainer_and_dpo_aga
     assert re.search(r"recipe / TRL GRPOTrainer \(tokens/s\): ddp.yaml [\d.]+x", grpo), grpo
     assert "## GRPO: recipes/grpo.py against TRL's GRPOTrainer" in written
     assert "| recipe | `ddp.yaml` |" in written and "| trl | `ddp.yaml` |" in written
+    # the same completions: the figures TRL's GRPOTrainer logs, each equal to the recipe's within fp32 rounding
+    same_rows = table_rows("| figure |" + same)
+    for figure in ("loss", "grad_norm", "entropy", "reward", "reward_std", "rewards/accuracy/mean", "num_tokens"):
+        assert f"`{figure}`" in same_rows, same
+    for figure in ("completions/mean_length", "completions/clipped_ratio", "frac_reward_zero_std", "lr"):
+        assert f"`{figure}`" in same_rows, same
+    assert float(same_rows["`grad_norm`"][0]) > 0, same  # step 1 trained on some advantage: the gradient is compared
+    gaps = {name: float(cells[-1]) for name, cells in same_rows.items()}
+    assert max(gaps.values()) < 1e-5, gaps
+    assert re.search(r"same completions, recipe against TRL GRPOTrainer: largest difference", same), same
+    assert "### On the same completions" in written
 
 
 @pytest.mark.slow

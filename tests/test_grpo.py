@@ -524,8 +524,14 @@ OBJECTIVES = {
 }
 
 
+# a second architecture beside tiny_llama: Qwen3's q/k norms, grouped-query attention and tied embeddings
+MODELS = {"qwen3": REPO / "recipes/configs/tiny_qwen3.json"}
+
+
 def run_grpo(key, prompts, tmp_path_factory):
     config, extra = key[0], dict(key[1])
+    if "model" in extra:
+        extra["model_config"] = MODELS[extra.pop("model")]
     out = tmp_path_factory.mktemp("grpo") / "run"
     if config.startswith("one process"):  # in this process (no launch): one rank, fp32, the global batch of 2
         batch = 4 if config.endswith("tp.yaml") else 8  # tp.yaml's 2 processes are one data-parallel rank
@@ -550,8 +556,9 @@ def completions(out) -> list[dict]:
 CONFIGS = tiered(
     [("zero3.yaml", {}), ("fsdp.yaml", {}), ("ddp.yaml", {}), ("zero2.yaml", {}), ("zero3_offload.yaml", {}),
      ("tp.yaml", {}), ("ddp.yaml", {"use_peft": True}), ("zero3.yaml", {"use_peft": True}),
-     ("fsdp.yaml", {"rollout_weights": "stages"}), ("zero3.yaml", {"use_peft": True, "rollout_weights": "stages"})],
-    [("zero3.yaml", {}), ("fsdp.yaml", {"rollout_weights": "stages"})],
+     ("fsdp.yaml", {"rollout_weights": "stages"}), ("zero3.yaml", {"use_peft": True, "rollout_weights": "stages"}),
+     ("fsdp.yaml", {"rollout_weights": "stages", "model": "qwen3"}), ("zero3.yaml", {"model": "qwen3"})],
+    [("zero3.yaml", {}), ("fsdp.yaml", {"rollout_weights": "stages", "model": "qwen3"})],
 )  # fmt: skip
 
 
@@ -562,9 +569,11 @@ def test_each_config_samples_the_same_completions_and_trains_as_one_process(conf
     of 22 prompts (2 left over each), --num_iterations 2: every completion of every rollout is the one process's, token for
     token (a difference is allowed only at a draw counted as a near tie), each step's loss within 1e-5 and the
     final weights within 1e-5; the weights sampled from are gathered once per rollout where they are sharded: a
-    whole copy, or with --rollout_weights stages a slice of the layers per process, generating as a ring."""
+    whole copy, or with --rollout_weights stages a slice of the layers per process, generating as a ring. Llama,
+    and Qwen3 (tied embeddings: the ring's first and last process each hold them)."""
     peft = {"use_peft": True, "lora_target_modules": "all-linear"} if extra.get("use_peft") else {}
-    key = tuple(sorted({**OBJECTIVES[config], **peft}.items()))
+    model = {"model": extra["model"]} if "model" in extra else {}
+    key = tuple(sorted({**OBJECTIVES[config], **peft, **model}.items()))
     stages = extra.get("rollout_weights") == "stages"
     out = runs[(config, tuple(sorted({**dict(key), "rollout_weights": "stages"}.items())) if stages else key)]
     single = runs[("one process as tp.yaml" if config == "tp.yaml" else "one process", key)]
