@@ -251,7 +251,7 @@ def main(
             rollout, saved = Rollout.from_state(saved, accelerator), None
         else:
             # G completions of each of this rank's prompts, then their rewards (every rank together) and advantages
-            rollout = sampler.rollout(index, step)
+            rollout = sampler.rollout(index, step, metrics.show_phase)
             reward, table = rewards(rollout.rows, prompts["train"], trainer_state(step, max_steps, steps_per_epoch))
             rollout.advantages, stds = group_advantages(
                 reward, group, grpo_args.scale_rewards, batch_std(accelerator, reward)

@@ -689,13 +689,20 @@ def test_a_reward_that_raises_mid_run_stops_it_in_one_line(prompts, tmp_path, mo
 
 def test_a_reward_that_scores_nothing_is_named_and_logs_none(prompts, tmp_path, monkeypatch, capsys):
     """A function returning None for every completion: a warning naming it once, and its train and eval figures
-    None (nothing scored), not 0; `accuracy` without an `answer` column refused before anything is built."""
+    None (nothing scored), not 0; `accuracy` without an `answer` column refused before anything is built. The
+    console: the run said in one line (run.json stays in its file), the progress bar with the figures a TRL user
+    watches (reward, reward_std, completions/mean_length) and, inside a step, the rollout's prompts sampled."""
     path = tmp_path / "none.py"
     path.write_text("def nothing(completions, **kwargs):\n    return [None] * len(completions)\n")
     out = tmp_path / "run"
     argv = grpo_args(prompts, out, max_steps=2, save_steps=0, reward_funcs=None)
     run_in_process("recipes/grpo.py", argv + ["--reward_funcs", f"{path}:nothing", "format"], monkeypatch)
-    assert capsys.readouterr().err.count("reward function nothing returned None for every completion") == 1
+    said = capsys.readouterr()
+    assert said.err.count("reward function nothing returned None for every completion") == 1
+    assert re.search(r"^run: .* on 1 process\(es\), 1 took part .*; 2 steps; the whole record: .*run.json$",
+                     said.out, re.MULTILINE) and '"versions"' not in said.out, said.out  # fmt: skip
+    assert re.search(r"reward=[\d.]+, reward_std=[\d.e-]+, completions/mean_length=[\d.]+", said.err), said.err[-800:]
+    assert re.search(r"now=sampled 0/2 prompts", said.err) and "now=sampled 2/2 prompts" in said.err
     train, evaluations = read_metrics(out)[0], [r for r in read_metrics_all(out) if "eval_reward" in r]
     rolled = [r for r in train if "reward" in r]  # a rollout's figures are on its first step's line
     assert rolled and all(r["rewards/nothing/mean"] is None and r["rewards/format/mean"] is not None for r in rolled)

@@ -516,3 +516,39 @@ def test_evaluation_before_training_is_asked_for_and_its_figure_outlives_a_resum
     sft(out, resume_from_checkpoint=out / "checkpoints/step_2")
     assert f"exact match {evals[0]['eval_exact_match']:.3f} untrained -> " in capsys.readouterr().out
     assert [row["step"] for row in read_metrics(out)[1]] == [0, 4]  # step 0's kept, not run again
+
+
+def test_a_tied_embeddings_checkpoint_saves_without_accelerates_shared_tensor_line_and_loads_back_tied(
+    tmp_path, caplog
+):
+    """Qwen3 ties its embeddings: accelerate's own save_state warns "Removed shared tensor" on every save; the
+    recipes' save leaves that line out, and the checkpoint loads back with both names the one trained tensor."""
+    import logging
+
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from common.outputs.checkpoints import load_checkpoint, save_checkpoint
+
+    AcceleratorState._reset_state(True)
+    accelerator = Accelerator(cpu=True)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(REPO / "recipes/configs/tiny_qwen3.json"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    with caplog.at_level(logging.WARNING):
+        accelerator.save_state(str(tmp_path / "plain"))
+        assert "Removed shared tensor" in caplog.text  # what the console showed on every save
+        caplog.clear()
+        path = save_checkpoint(accelerator, model, optimizer, scheduler, str(tmp_path / "run"), 3, {}, None)
+    assert "Removed shared tensor" not in caplog.text, caplog.text
+    trained = model.model.embed_tokens.weight.detach().clone()
+    with torch.no_grad():
+        model.model.embed_tokens.weight.zero_()
+    assert load_checkpoint(accelerator, path, model, optimizer, scheduler)["step"] == 3
+    assert (
+        torch.equal(model.model.embed_tokens.weight, trained)
+        and model.lm_head.weight is model.model.embed_tokens.weight
+    )
+    AcceleratorState._reset_state(True)

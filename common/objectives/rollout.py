@@ -249,9 +249,9 @@ class Sampler:
         self.weights, self.prompts, self.order, self.group, self.seed = weights, prompts, order, group, seed
         self.settings, self.accelerator = settings, accelerator
 
-    def rollout(self, index: int, step: int) -> Rollout:
+    def rollout(self, index: int, step: int, show=None) -> Rollout:
         """Rollout `index` sampled from the policy of optimizer step `step` (gathered first where it is sharded:
-        every rank calls it)."""
+        every rank calls it); `show(text)` is told this rank's prompts sampled so far."""
         self.weights.refresh(step)
         gathered = time.perf_counter()
         groups = []
@@ -261,9 +261,12 @@ class Sampler:
                 self.group, self.settings.max_completion_length, generator=generator, dtype=torch.float64
             )
             groups.append((self.prompts[row][PROMPT_IDS], uniforms))
-        rows = []
+        rows, done = [], None
+        if show is not None:
+            done = lambda count: show(f"sampled {count}/{len(groups)} prompts")  # noqa: E731
+            done(0)
         for (prompt_ids, _), (completions, truncated, ties), row in zip(
-            groups, self.weights.sample(groups, self.settings), self.order.rollout(index)
+            groups, self.weights.sample(groups, self.settings, done), self.order.rollout(index)
         ):
             rows += [
                 {"row": row, "prompt_ids": prompt_ids, "completion_ids": ids, "truncated": cut, "near_ties": int(n)}
@@ -438,12 +441,18 @@ class GenerationWeights:
                     target.copy_(whole)
         self.refreshed_at, self.gather_s = step, time.perf_counter() - started
 
-    def sample(self, groups: list, settings: "SamplingSettings") -> list[tuple]:
-        """Each (prompt ids, uniforms) group's completions (cut), whether each was truncated, their near ties.
-        Every rank calls it when the weights are in stages."""
+    def sample(self, groups: list, settings: "SamplingSettings", done=None) -> list[tuple]:
+        """Each (prompt ids, uniforms) group's completions (cut), whether each was truncated, their near ties;
+        `done(count)` after each group where they are sampled one by one, once at the end in stages. Every rank
+        calls it when the weights are in stages."""
+        done = done or (lambda count: None)
         with evaluating(self.model):
             if self.stages is None:
-                return [sample_group(self.model, p, u, settings, self.accelerator) for p, u in groups]
+                out = []
+                for prompt_ids, uniforms in groups:
+                    out.append(sample_group(self.model, prompt_ids, uniforms, settings, self.accelerator))
+                    done(len(out))
+                return out
             specs = [{"prompts": [p] * len(u), "uniforms": u} for p, u in groups]
             results = ring_generate(
                 self.stages,
@@ -457,6 +466,7 @@ class GenerationWeights:
         for generated, ties in results:
             completions, truncated = zip(*(settings.cut(row) for row in generated.tolist()))
             out.append((list(completions), list(truncated), ties))
+        done(len(out))
         return out
 
     def greedy(self, batches: list[list[list[int]]], settings: "SamplingSettings") -> list[list[int]]:

@@ -9,7 +9,9 @@ before the run starts (`common.outputs.reshard`).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import shutil
 
@@ -55,7 +57,8 @@ def save_checkpoint(
     elif tensor_parallel.enabled(accelerator.state):
         tensor_parallel.save_state(accelerator, model, optimizer, scheduler, tmp)
     else:
-        accelerator.save_state(tmp)
+        with tied_weights_unsaid():
+            accelerator.save_state(tmp)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         write_model_files(unwrap(accelerator, model), tokenizer, dtype, os.path.join(tmp, MODEL_FILES))
@@ -67,6 +70,24 @@ def save_checkpoint(
                 shutil.rmtree(old)
     accelerator.wait_for_everyone()
     return final
+
+
+class _TiedWeightsNote(logging.Filter):
+    def filter(self, record) -> bool:
+        return "Removed shared tensor" not in record.getMessage()  # accelerate prefixes "[RANK n] "
+
+
+@contextlib.contextmanager
+def tied_weights_unsaid():
+    """accelerate's safetensors writer keeps one name of weights that share storage (tied embeddings: SmolLM2's,
+    Qwen3's) and warns of the others on every save ("Removed shared tensor ..."). The model a checkpoint is loaded
+    back into shares them again, so nothing is lost: the line is left out of the console."""
+    quiet, source = _TiedWeightsNote(), logging.getLogger("accelerate.utils.other")
+    source.addFilter(quiet)
+    try:
+        yield
+    finally:
+        source.removeFilter(quiet)
 
 
 def load_checkpoint(accelerator, path: str | None, model, optimizer, scheduler) -> dict:

@@ -30,6 +30,9 @@ from common.training.memory import MemoryAccount, current_memory
 
 # a train line's own keys, which no recipe figure replaces
 RESERVED = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s")
+# beside the loss and the learning rate on the progress bar, where a recipe logs them: what a TRL user watches
+BAR_FIGURES = ("reward", "reward_std", "kl", "completions/mean_length", "rewards/accuracies", "rewards/margins")
+BAR_FIGURES += ("accuracy", "margin")
 
 
 class MetricsLogger:
@@ -76,6 +79,7 @@ class MetricsLogger:
         self.latest = {}  # figures logged as they last stood (`record_latest`)
         if accelerator.is_main_process and os.path.exists(self.path):
             self._drop_rows_after(start_step)
+        self.postfix = {}  # the bar's figures: the last train line's
         self.progress = tqdm(
             total=total_steps,
             initial=start_step,
@@ -212,7 +216,9 @@ class MetricsLogger:
         self.window_sums.zero_()
         self.data_wait_s = 0.0
         self._write(row)
-        self.progress.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{lr:.2e}")
+        self.postfix = {"loss": f"{row['loss']:.4f}", "lr": f"{lr:.2e}"}
+        self.postfix.update({name: f"{row[name]:.4g}" for name in BAR_FIGURES if row.get(name) is not None})
+        self.progress.set_postfix(self.postfix)
         self._log_memory(step)
         return row
 
@@ -267,6 +273,11 @@ class MetricsLogger:
     def log_event(self, row: dict) -> None:
         """Something the run did besides training (a skipped step, ...): one metrics.jsonl row."""
         self._write({**row, "elapsed_s": time.perf_counter() - self.start_time})
+
+    def show_phase(self, what: str) -> None:
+        """A phase inside a step on the bar, after the last train line's figures (a rollout's prompts sampled so
+        far): a step that takes minutes shows it is moving."""
+        self.progress.set_postfix({**self.postfix, "now": what})
 
     def advance(self) -> None:
         """Every rank, once per optimizer step (the loop's step count goes up by one)."""

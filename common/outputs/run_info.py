@@ -106,7 +106,7 @@ def precision_details(accelerator, model, optimizer) -> dict:
 
 
 def record_run(accelerator, launch: Launch, model, optimizer, args: dict, output_dir: str, **extra) -> dict:
-    """Print the resolved arguments once and write run.json (main process). Called once the
+    """Write run.json (main process) and say the run in one line on the console. Called once the
     run is known to start (its checkpoint, if any, loaded).
 
     `model` and `optimizer` are the prepared ones: run.json records each rank's share of
@@ -140,9 +140,34 @@ def record_run(accelerator, launch: Launch, model, optimizer, args: dict, output
     }
     if accelerator.is_main_process:
         os.makedirs(output_dir, exist_ok=True)
-        print(json.dumps(record, indent=2, default=str))
         write_atomically(os.path.join(output_dir, "run.json"), json.dumps(record, indent=2, default=str))
+        print(run_line(record, output_dir))
     return record
+
+
+def millions(count) -> str:
+    return f"{count / 1e6:.1f}M" if count >= 1e5 else f"{count / 1e6:.3f}M"
+
+
+def run_line(record: dict, output_dir: str) -> str:
+    """What the console says of the run at its start: the strategy and the processes that took part, the
+    precision trained in, the batch, the parameters and the steps; the whole record is run.json."""
+    precision = record["compute_dtype"]
+    asked = record.get("mixed_precision_requested")
+    if asked and asked != "no" and asked != record["mixed_precision"]:
+        precision += f" ({asked} asked)"
+    parts = [
+        f"run: {record.get('launched_strategy') or record['distributed_type']} on {record['world_size']} "
+        f"process(es), {record['participating_processes']} took part ({record['device']})",
+        f"{precision}",
+        f"global batch {record['effective_batch_size']}",
+    ]
+    if "total_parameters" in record:
+        trained = record.get("trainable_parameters", record["total_parameters"])
+        parts.append(f"{millions(record['total_parameters'])} parameters, {millions(trained)} trained")
+    if "max_steps" in record:
+        parts.append(f"{record['max_steps']} steps")
+    return "; ".join(parts) + f"; the whole record: {os.path.join(output_dir, 'run.json')}"
 
 
 def tracker_config(args: dict) -> dict:
