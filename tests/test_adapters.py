@@ -174,3 +174,37 @@ def test_ask_on_an_adapter_folder_naming_no_base_is_one_line(baseless, bf16_chec
     message = str(stopped.value.code)
     assert message.startswith("error: ") and "\n" not in message, message
     assert "--adapter_name_or_path" in message and "base_model_name_or_path" in message
+
+
+def test_an_adapter_continued_with_its_own_target_modules_in_any_spelling_trains_and_another_is_one_short_line(
+    bf16_checkpoint, tmp_path
+):
+    """peft saves all-linear as the full path of every module it adapted: the spelling the adapter was trained
+    with (all-linear), and the same modules named, continue it; other modules are refused in one short line that
+    names the kinds adapted, not each module."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from common.launch.errors import UsageError
+    from common.models.loading import load_model, load_tokenizer
+    from common.models.lora import LoraArguments, apply_lora
+    from common.options.arguments import ModelArguments
+
+    adapter = tmp_path / "adapter"
+    base = AutoModelForCausalLM.from_pretrained(bf16_checkpoint, dtype=torch.float32)
+    get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear")).save_pretrained(adapter)
+    args = ModelArguments(model_name_or_path=str(bf16_checkpoint), adapter_name_or_path=str(adapter))
+    every = ["all-linear"], "q_proj k_proj v_proj o_proj gate_proj up_proj down_proj".split()
+    for targets in every:
+        model = apply_lora(
+            load_model(args, load_tokenizer(args), seed=0), LoraArguments(True, lora_target_modules=targets)
+        )
+        assert trainable(model) and all("lora_" in name for name in trainable(model)), targets
+    with pytest.raises(
+        UsageError, match=r"--lora_target_modules q_proj v_proj .* adapts \d+ modules \(down_proj, "
+    ) as no:
+        apply_lora(
+            load_model(args, load_tokenizer(args), seed=0),
+            LoraArguments(True, lora_target_modules=["q_proj", "v_proj"]),
+        )
+    assert "\n" not in str(no.value) and len(str(no.value)) < 300, str(no.value)

@@ -275,7 +275,18 @@ def test_a_reward_that_fails_is_one_line_naming_it_and_the_row(tmp_path, name, s
 
 
 def test_rewards_that_cannot_load_are_one_line(tmp_path):
+    """Each refused in one line; a model folder that holds no reward model says what it holds, from its config,
+    before anything loads (no load report)."""
+    from transformers import AutoConfig
+
+    causal = AutoConfig.from_pretrained(REPO / "recipes/configs/tiny_llama.json")
+    causal.save_pretrained(tmp_path / "causal_lm")
+    labels = AutoConfig.from_pretrained(REPO / "recipes/configs/tiny_llama.json", num_labels=2)
+    labels.architectures = ["LlamaForSequenceClassification"]
+    labels.save_pretrained(tmp_path / "labels")
     for spec, said in [
+        (f"{tmp_path}/causal_lm", r"causal_lm holds LlamaForCausalLM, not a reward model .* trains one from it"),
+        (f"{tmp_path}/labels", "is a sequence classifier with 2 outputs; a reward model has one"),
         (f"{tmp_path}/nothing.py:f", "cannot import 'f'"),
         ("json:no_such_function", "cannot import 'no_such_function' from json"),
         ("sparkle", "not a built-in"),

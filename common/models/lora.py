@@ -154,24 +154,14 @@ def _train_on(model, args: LoraArguments):
             )
     targets, saved = args.lora_target_modules, config.target_modules
     saved = {saved} if isinstance(saved, str) else set(saved or ())
-    if targets == ["all-linear"]:  # peft's: every linear layer but the output layer
-        base = model.get_base_model()
-        output = base.get_output_embeddings()
-        targets = sorted(
-            {
-                name.split(".")[-1]
-                for name, module in base.named_modules()
-                if isinstance(module, LoraLayer)
-                or isinstance(module, torch.nn.Linear)
-                and module is not output
-                and "lora_" not in name
-                and not name.endswith(".base_layer")
-            }
-        )
-    if targets is not None and set(targets) != saved:
+    base = model.get_base_model()
+    adapted = {name for name, module in base.named_modules() if isinstance(module, LoraLayer)}
+    if targets is not None and modules_named(base, targets) != adapted:
+        kinds = sorted({name.rsplit(".", 1)[-1] for name in adapted})
         raise UsageError(
-            f"--lora_target_modules {args.lora_target_modules} asks for another adapter shape, but the adapter "
-            f"loaded (--adapter_name_or_path) adapts {sorted(saved)} and trains on as it is: drop --lora_target_modules"
+            f"--lora_target_modules {' '.join(targets)} asks for another adapter shape, but the adapter loaded "
+            f"(--adapter_name_or_path) adapts {len(adapted)} modules ({', '.join(kinds)}) and trains on as it is: "
+            "drop --lora_target_modules"
         )
     # what trains is the saved shape: run.json and the model cards record it, not the flags' defaults
     args.lora_r, args.lora_alpha, args.lora_dropout = config.r, config.lora_alpha, config.lora_dropout
@@ -181,6 +171,26 @@ def _train_on(model, args: LoraArguments):
     config.base_model_name_or_path = model.get_base_model().config.name_or_path
     _match_zero3_dtype(model)
     return model
+
+
+def modules_named(base, targets: list[str]) -> set[str]:
+    """The modules of `base` (an adapter's LoRA layers counted as the layers they wrap) that
+    --lora_target_modules `targets` adapts, by peft's rules: "all-linear" every linear layer but the output
+    layer, else each module whose name is a target or ends with "." and one."""
+    from peft.tuners.lora import LoraLayer
+
+    wrapped = [name for name, module in base.named_modules() if isinstance(module, LoraLayer)]
+    output = base.get_output_embeddings()
+    names = set()
+    for name, module in base.named_modules():
+        if not name or any(name.startswith(layer + ".") for layer in wrapped):
+            continue  # an adapter's own parts (base_layer, lora_A, ...)
+        if targets == ["all-linear"]:
+            if isinstance(module, LoraLayer) or isinstance(module, torch.nn.Linear) and module is not output:
+                names.add(name)
+        elif any(name == target or name.endswith("." + target) for target in targets):
+            names.add(name)
+    return names
 
 
 def _match_zero3_dtype(model) -> None:

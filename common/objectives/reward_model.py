@@ -25,7 +25,9 @@ EOS, or the chat template for conversations) and reads each row at its last toke
 
 from __future__ import annotations
 
+import json
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -184,6 +186,37 @@ def check_reward_model_start(model_args) -> None:
         )
 
 
+def check_reward_folder(path: str) -> None:
+    """A folder that holds no reward model (a causal LM, a classifier with other outputs, an adapter of one) is
+    refused in one line saying what it holds, read from its config before anything loads."""
+    from common.models.loading import ADAPTER_CONFIG, is_adapter_folder, saved_config
+
+    if is_adapter_folder(path):
+        with open(os.path.join(path, ADAPTER_CONFIG)) as handle:
+            task = json.load(handle).get("task_type")
+        if task not in (None, "SEQ_CLS"):
+            raise UsageError(
+                f"{path} holds a LoRA adapter of task {task}, not of a reward model (SEQ_CLS, one output): a "
+                "reward is a reward model's final/ or final_merged/ (recipes/reward_model.py trains one)"
+            )
+        return
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        return  # not a model folder: loading says so
+    config = saved_config(path)
+    architectures = config.architectures or []
+    if not any(arch.endswith("ForSequenceClassification") for arch in architectures):
+        holds = ", ".join(architectures) or f"a {config.model_type} model with no architecture named"
+        raise UsageError(
+            f"{path} holds {holds}, not a reward model (a sequence classifier with one output): "
+            "recipes/reward_model.py trains one from it (make reward-model), then pass its final/"
+        )
+    if config.num_labels != 1:
+        raise UsageError(
+            f"{path} is a sequence classifier with {config.num_labels} outputs; a reward model has one "
+            "(recipes/reward_model.py trains one)"
+        )
+
+
 def load_reward_model(path: str, device="cpu", dtype=torch.float32):
     """(model, tokenizer) of a reward model: a Hugging Face sequence-classification folder with one output
     (recipes/reward_model.py's final/ or final_merged/), or a LoRA run's final/ (an adapter with the score
@@ -192,6 +225,7 @@ def load_reward_model(path: str, device="cpu", dtype=torch.float32):
 
     from common.models.loading import adapter_base_model, is_adapter_folder
 
+    check_reward_folder(path)
     if is_adapter_folder(path):
         from peft import PeftModel
 
