@@ -76,7 +76,14 @@ def test_a_lost_peer_is_read_from_the_backends_error_not_from_the_word_timeout(m
     in_backward = RuntimeError("Application timeout caused pair closure")  # gloo's, through DDP's backward
     for error in (gloo, closed, nccl, in_backward):
         assert lost_peer_message(error, 60) is not None, error
-    assert "10.77.1.2" in lost_peer_message(closed, 60)
+    assert "10.77.1.2" in lost_peer_message(closed, 60) and "(the main node is " in lost_peer_message(closed, 60)
+    # under an elastic agent MASTER_ADDR is the workers' store; gloo's "GLHF!" sign-off is not part of the reason
+    monkeypatch.setenv("RECIPES_ELASTIC", "1:2:127.0.0.1:29400")  # common.launch.elastic's, for its workers
+    signed = RuntimeError("[../gloo/transport/tcp/pair.cc:598] Connection closed by peer [10.77.1.2]:48875 GLHF!")
+    said = lost_peer_message(signed, 60)
+    assert "(the workers' store is " in said and "GLHF" not in said and "main node" not in said, said
+    assert ": Connection closed by peer [10.77.1.2]:48875. A process" in said, said
+    monkeypatch.delenv("RECIPES_ELASTIC")
     text = "Connection closed by peer [10.77.1.2]:48875. " + "the backend goes on at length " * 12
     reason = lost_peer_message(RuntimeError(text), 60).split(": ", 1)[1].split(". A process", 1)[0]
     kept = reason.removesuffix(" ...")  # cut at a word, not mid-word, and said to be cut

@@ -48,6 +48,7 @@ def lost_peer_message(error: BaseException, timeout: float | None) -> str | None
         return None
     reason = next((line.strip() for line in text.splitlines() if LOST_PEER.search(line)), text.splitlines()[0])
     reason = re.sub(r"^\[[^\]]*\.(cc|cpp):\d+\]\s*", "", reason)  # drop the backend's source location
+    reason = re.sub(r"\s*\bGLHF!?", "", reason).strip()  # gloo's sign-off on a closed pair, not a reason
     if len(reason) > 200:  # the backend's first line can run on: cut at a word, and say so
         reason = reason[:200].rsplit(" ", 1)[0].rstrip(",;:") + " ..."
     addresses = sorted({address for address, _ in ADDRESS.findall(text)})
@@ -56,7 +57,7 @@ def lost_peer_message(error: BaseException, timeout: float | None) -> str | None
     where = (
         (f"rank {others[0]}" if len(others) == 1 else f"one of ranks {others[0]}-{others[-1]}")
         + (f" at {', '.join(addresses)}" if addresses else "")
-        + f" (the main node is {os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')})"
+        + f" ({store_holder()} is {os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')})"
     )
     return (
         f"lost contact with {where} during a collective on rank {rank} "
@@ -65,6 +66,15 @@ def lost_peer_message(error: BaseException, timeout: float | None) -> str | None
         f"(GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME), then resume with --resume_from_checkpoint latest "
         f"(collectives wait --ddp_timeout {'?' if timeout is None else f'{timeout:g}'} s)"
     )
+
+
+def store_holder() -> str:
+    """What MASTER_ADDR:MASTER_PORT is: under common.launch.elastic's agents the workers' store, which the agent of
+    the node the rendezvous made first hosts, not necessarily the main node; under accelerate launch the main
+    node's."""
+    from common.launch.elastic import ENV
+
+    return "the workers' store" if os.environ.get(ENV) else "the main node"
 
 
 def from_the_backend(error: BaseException) -> bool:
