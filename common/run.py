@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import os
 import sys
 import time
@@ -22,7 +23,7 @@ import time
 from accelerate.utils import set_seed
 
 from common.data.streaming import check_resumable
-from common.launch import elastic
+from common.launch import elastic, mesh
 from common.launch.accelerator import (
     build_accelerator,
     launched_mesh_size,
@@ -45,6 +46,7 @@ from common.outputs.metrics import MetricsLogger, start_trackers
 from common.outputs.portable import optimizer_parameter_names
 from common.outputs.reshard import convert_before_start, for_this_world_size
 from common.outputs.run_dir import (
+    STATE_FILE,
     check_output_dir,
     clear_earlier_run,
     launch_started,
@@ -57,7 +59,7 @@ from common.outputs.run_dir import (
 from common.outputs.run_info import data_sources, record_run, tracker_config
 from common.parallel import pipeline, sequence_parallel, tensor_parallel
 from common.training import memory
-from common.training.loop import check_global_batch
+from common.training.loop import check_global_batch, global_batch_problem
 from common.training.nonfinite import NonFiniteGuard, nonfinite_check
 from common.training.profiling import StepProfiler
 from common.training.speed import refuse_fp8_where_it_cannot_run, speed_record
@@ -315,6 +317,7 @@ def start_run(*arguments) -> Run:
     if _is_rank0() and not int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) and not underway:
         mark_launch_starting(args.output_dir)
     checkpoint = resolve_checkpoint(args.output_dir, args.resume_from_checkpoint)
+    check_saved_global_batch(checkpoint, args)  # before a conversion, a load or a line saying it resumes
     converting = time.time()
     convert_before_start(checkpoint, args.ddp_timeout)  # a ZeRO checkpoint of another layout, before any collective
     converted = time.time() - converting
@@ -338,6 +341,22 @@ def start_run(*arguments) -> Run:
     if world is not None:
         world.timed("conversion", converted + time.time() - converting)
     return Run(arguments, accelerator, launch, checkpoint, clear_earlier, world)
+
+
+def check_saved_global_batch(checkpoint: str | None, args) -> None:
+    """The checkpoint's global batch, read from its state file, against this launch's (common.training.loop's
+    check, with the data-parallel size the launch sets up): a refusal comes in seconds, with nothing converted."""
+    if checkpoint is None:
+        return
+    with open(os.path.join(checkpoint, STATE_FILE)) as handle:
+        saved = (json.load(handle).get("data") or {}).get("global_batch")
+    ranks = mesh.launched_data_parallel_size()
+    processes = int(os.environ.get("WORLD_SIZE", "1"))
+    problem = global_batch_problem(
+        saved, args.per_device_train_batch_size, args.gradient_accumulation_steps, ranks, processes
+    )
+    if problem is not None:
+        raise UsageError(problem)
 
 
 def resume_after_restart(args, joining: bool = False) -> None:

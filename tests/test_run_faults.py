@@ -277,7 +277,8 @@ def folder_state(folder: Path) -> dict:
 
 
 def test_a_refused_resume_leaves_the_output_folder_exactly_as_it_was(markov_data, tmp_path, monkeypatch, capsys):
-    """Refused for another global batch, run.json was already the refused command's (the record the model
+    """Refused for another global batch (before the checkpoint loads or a line says it resumes: not after
+    converting and loading it), run.json was already the refused command's (the record the model
     card and the exports read), and a resume from step 1 had set step_2 aside; refused for a checkpoint
     that does not load into the model (another --model_config), .launch_starting stayed behind."""
     out = tmp_path / "run"
@@ -291,8 +292,10 @@ def test_a_refused_resume_leaves_the_output_folder_exactly_as_it_was(markov_data
         causal_lm_args(markov_data, out, per_device_train_batch_size=2, **resume),
         monkeypatch,
     )
-    error = capsys.readouterr().err.strip().splitlines()[-1]
+    said = capsys.readouterr()
+    error = said.err.strip().splitlines()[-1]
     assert status == 2 and error.startswith("error: the checkpoint was trained with a global batch of 4"), error
+    assert "resumed from" not in said.out + said.err  # refused from its state file, before anything loads
     assert folder_state(out) == before
 
     wider = tmp_path / "wider.json"

@@ -273,6 +273,13 @@ def data_parallel_size(accelerator) -> int:
     return accelerator.num_processes // replicas(accelerator) // ulysses_shards(accelerator)
 
 
+def launched_data_parallel_size() -> int:
+    """`data_parallel_size` as the launch set it up, before the accelerator is built (from the launcher's
+    environment: the world size over the tp, cp, pp and sp sizes)."""
+    replicated = launched_mesh_size("tp") * launched_mesh_size("cp") * launched_mesh_size("pp")
+    return int(os.environ.get("WORLD_SIZE", "1")) // replicated // launched_mesh_size("sp")
+
+
 def data_parallel_share(accelerator, items: list) -> list:
     """This rank's share of `items`, split over the data-parallel ranks in contiguous parts of equal length (the
     last padded with the last item, as accelerate's split_between_processes(apply_padding=True) pads), so every

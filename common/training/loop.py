@@ -136,18 +136,29 @@ def _settled(pending):
 
 def check_global_batch(accelerator, saved: int | None, per_device: int, accumulation: int) -> None:
     """A checkpoint's global batch (`saved`) against this run's: another one would start elsewhere in the data
-    and with other steps per epoch. Checked by `common.run` before a resume writes anything, and here."""
-    processes = mesh.data_parallel_size(accelerator)  # a tensor/context-parallel group shares one batch
-    global_batch = per_device * accumulation * processes
-    if saved is not None and saved != global_batch:
-        kind = "processes" if processes == accelerator.num_processes else "data-parallel ranks"
-        kind = kind[:-1] if processes == 1 else kind  # "1 process"
-        raise UsageError(
-            f"the checkpoint was trained with a global batch of {saved} samples per step and this run's is "
-            f"{global_batch} ({processes} {kind} x {per_device} per device x {accumulation} accumulation): set "
-            f"--per_device_train_batch_size and --gradient_accumulation_steps so that {kind} x batch x "
-            f"accumulation = {saved}"
-        )
+    and with other steps per epoch. Checked by `common.run` before anything is converted, loaded or written, and
+    here."""
+    problem = global_batch_problem(
+        saved, per_device, accumulation, mesh.data_parallel_size(accelerator), accelerator.num_processes
+    )
+    if problem is not None:
+        raise UsageError(problem)
+
+
+def global_batch_problem(saved, per_device: int, accumulation: int, ranks: int, processes: int) -> str | None:
+    """What is wrong with resuming a checkpoint of global batch `saved` on `ranks` data-parallel ranks (of
+    `processes`; a tensor/context-parallel group shares one batch) x `per_device` x `accumulation`, or None."""
+    global_batch = per_device * accumulation * ranks
+    if saved is None or saved == global_batch:
+        return None
+    kind = "processes" if ranks == processes else "data-parallel ranks"
+    kind = kind[:-1] if ranks == 1 else kind  # "1 process"
+    return (
+        f"the checkpoint was trained with a global batch of {saved} samples per step and this run's is "
+        f"{global_batch} ({ranks} {kind} x {per_device} per device x {accumulation} accumulation): set "
+        f"--per_device_train_batch_size and --gradient_accumulation_steps so that {kind} x batch x "
+        f"accumulation = {saved}"
+    )
 
 
 class TrainBatches:
