@@ -237,6 +237,7 @@ def main(
                 args.per_device_eval_batch_size,
                 data_args.max_eval_samples,
                 trainer_state(step, max_steps, steps_per_epoch),
+                completion_log,
             ),
         )
 
@@ -257,7 +258,7 @@ def main(
                 reward, group, grpo_args.scale_rewards, batch_std(accelerator, reward)
             )
             if completion_log is not None:
-                completion_log(rollout, reward, rewards.extra)
+                completion_log(rollout, reward, table, rewards, step)
             lengths, tokens = completion_figures(accelerator, rollout)
             tokens_seen += tokens
             metrics.record_values(

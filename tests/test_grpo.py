@@ -560,8 +560,10 @@ def runs(prompts, tmp_path_factory):
     return LaunchedOnce(lambda key: run_grpo(key, prompts, tmp_path_factory))
 
 
-def completions(out) -> list[dict]:
-    return [json.loads(line) for line in (Path(out) / "completions.jsonl").read_text().splitlines()]
+def completions(out, split: str | None = "train") -> list[dict]:
+    """completions.jsonl's entries of `split` (train: the rollouts'; eval: the held-out evaluations'; None: all)."""
+    entries = [json.loads(line) for line in (Path(out) / "completions.jsonl").read_text().splitlines()]
+    return [entry for entry in entries if split is None or entry["split"] == split]
 
 
 CONFIGS = tiered(
@@ -714,6 +716,18 @@ def test_a_reward_that_scores_nothing_is_named_and_logs_none(prompts, tmp_path, 
                      said.out, re.MULTILINE) and '"versions"' not in said.out, said.out  # fmt: skip
     assert re.search(r"reward=[\d.]+, reward_std=[\d.e-]+, completions/mean_length=[\d.]+", said.err), said.err[-800:]
     assert re.search(r"now=sampled 0/2 prompts", said.err) and "now=sampled 2/2 prompts" in said.err
+    # completions.jsonl read alone, as TRL's table: the prompt, the columns the functions read, each function's
+    # score, the advantage; the held-out evaluations' greedy completions too, each prompt once an evaluation
+    logged, data = completions(out, None), [json.loads(line) for line in (prompts / "train.jsonl").open()]
+    train, held_out = [e for e in logged if e["split"] == "train"], [e for e in logged if e["split"] == "eval"]
+    assert len(train) == 8 and {e["rollout"] for e in train} == {0}, logged  # 2 steps: 1 rollout (2 iterations)
+    for entry in train:
+        assert entry["prompt"] == data[entry["row"]]["prompt"] and isinstance(entry["prompt"], list), entry
+        assert entry["columns"] == {"answer": data[entry["row"]]["answer"]}, entry
+        assert entry["rewards"]["nothing"] is None and entry["rewards"]["format"] in (0.0, 1.0), entry
+        assert entry["reward"] == entry["rewards"]["format"] and isinstance(entry["advantage"], float), entry
+    assert [(e["step"], e["row"]) for e in held_out] == [(step, row) for step in (0, 2) for row in range(8)]
+    assert all(e["rewards"]["nothing"] is None and "advantage" not in e for e in held_out), held_out
     train, evaluations = read_metrics(out)[0], [r for r in read_metrics_all(out) if "eval_reward" in r]
     rolled = [r for r in train if "reward" in r]  # a rollout's figures are on its first step's line
     assert rolled and all(r["rewards/nothing/mean"] is None and r["rewards/format/mean"] is not None for r in rolled)

@@ -316,6 +316,7 @@ class Rewards:
         self.functions, self.names, self.weights, self.tokenizer = functions, names, weights, tokenizer
         self.accelerator, self.warned = accelerator, set()
         self.logged, self.extra = {}, {}  # the last call's log_metric figures (over every rank), log_extra columns
+        self.read = ([], {})  # the last call's prompts and the data's columns the functions were passed
 
     def __call__(self, rows: list[dict], dataset, state=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(each completion's reward, NaN where no function scored it; the (completions x functions) table, NaN
@@ -330,6 +331,7 @@ class Rewards:
         ]
         skipped = (*NOT_PASSED, *PASSED, PROMPT_IDS)
         kwargs = {name: list(data[name]) for name in data.column_names if name not in skipped}
+        self.read = (prompts, dict(kwargs))
         pending, self.extra = {}, {}
         kwargs.update(
             trainer_state=state if state is not None else trainer_state(0, 0, 1),
@@ -404,14 +406,16 @@ class Rewards:
 
 
 def evaluate_rewards(
-    sampler, rewards: Rewards, dataset, step: int, batch_size: int, limit: int | None, state=None
+    sampler, rewards: Rewards, dataset, step: int, batch_size: int, limit: int | None, state=None, log=None
 ) -> dict:
     """The held-out prompts' greedy completions (the first `limit`; `common.objectives.rollout.Sampler.greedy`) scored:
     eval_reward (over the completions some function scored), eval_rewards/<name>/mean, eval_completions/mean_length
     and /clipped_ratio, eval_prompts, and the functions' log_metric figures as eval_<name>. Every rank calls it;
-    each prompt counts once. `state`: the functions' trainer_state."""
+    each prompt counts once. `state`: the functions' trainer_state; `log`: --log_completions' log, if asked."""
     rows = sampler.greedy(dataset, step, batch_size, limit)
     reward, table = rewards(rows, dataset, state)
+    if log is not None:  # --log_completions (common.objectives.rollout.CompletionLog)
+        log.held_out(rows, reward, table, rewards, step)
     mine = [
         (row["row"], float(value), scores.tolist(), len(row["completion_ids"]), row["truncated"])
         for row, value, scores in zip(rows, reward, table)

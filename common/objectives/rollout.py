@@ -679,49 +679,76 @@ def loggable(value):
 
 
 class CompletionLog:
-    """--log_completions: every completion of each rollout (all ranks', in prompt order) appended to
-    output_dir/completions.jsonl: the rollout, the prompt's row, its token ids and text, its reward. A resumed
-    run first drops the rows of the rollouts it samples again."""
+    """--log_completions: every completion of each rollout (all ranks', in prompt order), and of each held-out
+    evaluation, appended to output_dir/completions.jsonl, as TRL's completion table holds them: `split` (train or
+    eval), the rollout (train) or step (eval), the prompt's row and the prompt as the data gives it, the data's
+    columns the reward functions read, the completion's token ids and text, each function's score (None where it
+    returned None), the reward (None: no function scored it), the advantage (train) and the functions' log_extra
+    columns. A resumed run first drops the rows of the rollouts and evaluations it does again."""
 
     def __init__(self, accelerator, output_dir: str, tokenizer):
         self.accelerator, self.tokenizer = accelerator, tokenizer
         self.path = os.path.join(output_dir, COMPLETIONS)
         self.trimmed = False
 
-    def __call__(self, rollout: Rollout, rewards: torch.Tensor, extra: dict | None = None) -> None:
-        """`extra`: the reward functions' log_extra columns, one value per completion of this rank."""
-        texts = self.tokenizer.batch_decode([row["completion_ids"] for row in rollout.rows], skip_special_tokens=True)
-        mine = [
-            {
-                "rollout": rollout.index,
+    def __call__(self, rollout: Rollout, rewards: torch.Tensor, table: torch.Tensor, scorer, step: int) -> None:
+        """A rollout's completions (`rewards`, `table`: `scorer`'s last call on them, a
+        common.objectives.rewards.Rewards; `step`: the optimizer steps taken before it)."""
+        own = [{"split": "train", "rollout": rollout.index} for _ in rollout.rows]
+        for entry, advantage in zip(own, rollout.advantages.tolist()):
+            entry["advantage"] = advantage
+        self._append(rollout.rows, rewards, table, scorer, own, (rollout.index, step))
+
+    def held_out(self, rows: list[dict], rewards: torch.Tensor, table: torch.Tensor, scorer, step: int) -> None:
+        """An evaluation's greedy completions at optimizer step `step` (every rank calls it)."""
+        self._append(rows, rewards, table, scorer, [{"split": "eval", "step": step} for _ in rows], None)
+
+    def _append(self, rows, rewards, table, scorer, own: list[dict], resumed_at) -> None:
+        texts = self.tokenizer.batch_decode([row["completion_ids"] for row in rows], skip_special_tokens=True)
+        prompts, columns = scorer.read
+        mine = []
+        for i, (row, text, reward, scores) in enumerate(zip(rows, texts, rewards.tolist(), table.tolist())):
+            entry = {
+                **own[i],
                 "row": row["row"],
+                "prompt": loggable(prompts[i]),
+                "columns": {name: loggable(values[i]) for name, values in columns.items()},
                 "completion_ids": row["completion_ids"],
                 "completion": text,
                 "truncated": row["truncated"],
                 "near_ties": row.get("near_ties", 0),
+                "rewards": {name: None if math.isnan(v) else float(v) for name, v in zip(scorer.names, scores)},
                 "reward": None if math.isnan(reward) else float(reward),  # None: no function scored it
-                **(
-                    {
-                        "extra": {
-                            column: loggable(values[i] if i < len(values) else None)
-                            for column, values in extra.items()
-                        }
-                    }
-                    if extra
-                    else {}
-                ),
             }
-            for i, (row, text, reward) in enumerate(zip(rollout.rows, texts, rewards.tolist()))
-        ]
+            if scorer.extra:
+                entry["extra"] = {
+                    column: loggable(values[i] if i < len(values) else None) for column, values in scorer.extra.items()
+                }
+            mine.append(entry)
         every = gather_object([mine])[:: mesh.replicas(self.accelerator)]
         if not self.accelerator.is_main_process:
             return
-        if not self.trimmed and os.path.exists(self.path):
-            with open(self.path) as handle:
-                kept = [line for line in handle if line.endswith("\n") and json.loads(line)["rollout"] < rollout.index]
-            write_atomically(self.path, "".join(kept))
-        self.trimmed = True
+        if not self.trimmed and resumed_at is not None and os.path.exists(self.path):
+            write_atomically(self.path, "".join(self._kept(*resumed_at)))
+        self.trimmed = self.trimmed or resumed_at is not None
+        written = set()  # an evaluation's last share is padded with its last prompt: each prompt once
         with open(self.path, "a") as handle:
             for share in every:
                 for entry in share:
+                    if entry["split"] == "eval" and entry["row"] in written:
+                        continue
+                    written.add(entry["row"])
                     handle.write(json.dumps(entry) + "\n")
+
+    def _kept(self, rollout: int, step: int):
+        """The file's complete lines from before a resume at `rollout` (sampled after `step` optimizer steps):
+        the earlier rollouts' and the evaluations of the steps up to `step` (a later one is done again)."""
+        with open(self.path) as handle:
+            for line in handle:
+                if not line.endswith("\n"):
+                    continue
+                entry = json.loads(line)
+                if entry.get("split", "train") == "train" and entry["rollout"] < rollout:
+                    yield line
+                elif entry.get("split") == "eval" and entry["step"] <= step:
+                    yield line
