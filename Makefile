@@ -32,6 +32,7 @@ RESTARTS = $(if $(or $(ELASTIC),$(findstring --max_restarts,$(LAUNCH_ARGS))),--r
 # torch first: the CPU wheel on hosts without an NVIDIA GPU (no CUDA download),
 # the normal CUDA build where nvidia-smi sees a GPU. Later `torch>=...` pins are then satisfied.
 $(VENV)/.installed: requirements.txt pyproject.toml
+	@echo "installing torch and the recipes' dependencies into $(VENV): once, a few minutes (pip runs quietly)"
 	test -x $(PY) || python3 -m venv $(VENV)
 	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
 		$(PY) -m pip install -q "$(TORCH_RANGE)"; \
@@ -43,6 +44,7 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed pyproject.toml
+	@echo "installing the test tools (pytest, ruff) into $(VENV): once"
 	$(PY) -m pip install -q --no-build-isolation -e '.[test]'
 	touch $@
 

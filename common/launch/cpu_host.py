@@ -52,6 +52,7 @@ def accelerator_kwargs(strategy: str, process_group: InitProcessGroupKwargs) -> 
     if strategy == "deepspeed":
         # DeepSpeed's branch needs cpu=False; without gloo accelerate counts one process.
         process_group.backend = "gloo"
+        _say_if_building_shm_comm()
         return {}
     if strategy in ("fsdp", "tp"):
         # accelerate only enables FSDP, and a parallelism_config's mesh, from a MULTI_GPU state: start
@@ -60,6 +61,26 @@ def accelerator_kwargs(strategy: str, process_group: InitProcessGroupKwargs) -> 
         present_cpu_group_as_multi_gpu(DistributedType.MULTI_GPU)
         return {}
     return {"cpu": True}
+
+
+def _say_if_building_shm_comm() -> None:
+    """DeepSpeed's CPU backend compiles its shared-memory collectives (the deepspeed_shm_comm extension) the first
+    time it starts on a machine, silently, for minutes: say so before it does (once per node)."""
+    import glob
+
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    if os.environ.get("LOCAL_RANK", "0") != "0" or glob.glob(
+        os.path.join(root, "**", "deepspeed_shm_comm*.so"), recursive=True
+    ):
+        return
+    print(
+        "DeepSpeed: compiling its CPU collectives (the deepspeed_shm_comm extension), once on this machine, "
+        f"cached in {root}: a few minutes with nothing else printed",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def adapt(accelerator, strategy: str) -> None:
