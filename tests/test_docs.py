@@ -446,3 +446,40 @@ def test_make_benchmark_pipeline_trains_two_stages_as_one_process(tmp_path):
         assert loss_gap < 1e-5 and weight_gap < 1e-5, row
     stages = [line for line in page.read_text().splitlines() if "| stage " in line]
     assert len(stages) == 4  # both schedules' two stages, timed and measured
+
+
+@pytest.mark.parametrize(
+    "module,configs,flags",
+    [
+        ("pipeline", "`pp.yaml` and\n`dp_pp.yaml`", ["use_peft", "adapter_name_or_path", "packing", "streaming",
+                                                     "auto_find_batch_size", "torch_compile"]),
+        ("tensor_parallel", "`tp.yaml` and `fsdp_tp.yaml`", ["use_peft", "adapter_name_or_path", "streaming"]),
+        ("sequence_parallel", "`zero3_ulysses.yaml` and `fsdp_cp.yaml`", ["packing", "streaming", "auto_find_batch_size"]),
+    ],
+)  # fmt: skip
+def test_the_readme_says_what_each_config_refuses_as_the_code_refuses_it(module, configs, flags):
+    """Each flag the README's "What a config refuses" names for a config family is refused there, in one line, and
+    a recipe scoring whole rows is refused by the pipelines and sequence/context parallelism (not by TP)."""
+    import importlib
+    from types import SimpleNamespace
+
+    from common.launch.errors import UsageError
+
+    said = README.split("**What a config refuses**", 1)[1].split("\n\n", 1)[0]
+    part = said.split(configs, 1)[1]
+    for following in ("`tp.yaml` and", "`zero3_ulysses.yaml` and", "Every other config"):
+        part = part.split(following, 1)[0]  # up to the next family's sentence
+    check = importlib.import_module(f"common.parallel.{module}").check_arguments
+    for flag in flags:
+        spelled = flag if flag in ("packing", "streaming") else f"`--{flag}`"
+        assert spelled in part, (flag, part)
+        with pytest.raises(UsageError, match=rf"--{flag} under ") as refused:
+            check((SimpleNamespace(**{flag: True if flag != "adapter_name_or_path" else "adapter/"}),))
+        assert "\n" not in str(refused.value)
+    whole = (SimpleNamespace(scores_whole_rows="one reward per row"),)
+    if module == "tensor_parallel":
+        check(whole)
+    else:
+        with pytest.raises(UsageError, match="this recipe scores one reward per row"):
+            check(whole)
+        assert "`causal_lm.py` and `sft.py` only" in part
