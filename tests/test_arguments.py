@@ -531,3 +531,28 @@ def test_the_handbook_dpo_recipe_yaml_names_its_keys_in_one_message_and_then_run
     rows = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     train = [row for row in rows if "lr" in row]
     assert [row["lr"] for row in train] == [5e-07, 0.0] and abs(train[0]["loss"] - math.log(2)) < 1e-6
+
+
+def test_help_and_argument_errors_come_before_the_training_libraries_load():
+    """`grpo.py --help` took 26 s: what a recipe imports before parsing its arguments (torch, transformers' auto
+    classes, datasets) no longer pulls in peft or DeepSpeed (transformers' scheduler module imported peft), so help
+    and a bad argument answer without them; the seconds are printed."""
+    import subprocess
+    import sys
+    import time
+
+    for argv in (["--help"], ["--no_such_option", "1"]):
+        started = time.perf_counter()
+        result = subprocess.run(
+            [sys.executable, "-X", "importtime", str(REPO / "recipes/grpo.py"), *argv],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+        )
+        seconds = time.perf_counter() - started
+        loaded = {
+            line.rsplit("|", 1)[1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")
+        }
+        print(f"grpo.py {' '.join(argv)}: {seconds:.1f} s")
+        assert ("usage:" in result.stdout) if argv == ["--help"] else ("no_such_option" in result.stderr), result
+        assert not {"peft", "deepspeed", "trl"} & loaded, sorted({"peft", "deepspeed", "trl"} & loaded)

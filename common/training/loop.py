@@ -7,7 +7,6 @@ import time
 
 import torch
 from accelerate.utils import gather_object
-from transformers import get_scheduler
 
 from common.data.streaming import StreamLoader, check_resumable, every_rank_has
 from common.launch import mesh
@@ -87,6 +86,8 @@ def total_training_steps(args: TrainingArguments, train_loader, accelerator) -> 
 def create_scheduler(optimizer, args: TrainingArguments, max_steps: int):
     """transformers' schedule over the run's optimizer steps: the recipes step it once per
     optimizer step (`common.launch.accelerator` tells accelerate not to step it per process)."""
+    from transformers import get_scheduler  # here: its module imports peft (seconds), which --help need not
+
     return get_scheduler(
         args.lr_scheduler_type,
         optimizer,
