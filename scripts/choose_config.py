@@ -104,6 +104,8 @@ def launch_line(choice: dict, args, path: str) -> str:
     node = " --machine_rank NODE_RANK --main_process_ip NODE0_ADDRESS" if args.num_nodes > 1 else ""
     # sft.py packs by default; a pipeline carries no packed row's per-example attention between stages
     unpacked = " --packing false" if args.recipe == "sft" and choice["strategy"].get("pp_size", 1) > 1 else ""
+    if args.recipe == "grpo":
+        unpacked += f" --num_generations {args.num_generations} --max_completion_length {args.max_completion_length}"
     return (
         f"accelerate launch --config_file {path}{node} recipes/{args.recipe}.py --per_device_train_batch_size "
         f"{choice['micro_batch']} --gradient_accumulation_steps {choice['accumulation']} --block_size "
@@ -161,14 +163,23 @@ def parse(argv):
         "--global_batch",
         type=int,
         required=True,
-        help="sequences per optimizer step, all devices (dpo: pairs, two rows each)",
+        help="sequences per optimizer step, all devices (dpo: pairs, two rows each; grpo: completions, as TRL's "
+        "batch counts them)",
     )
     parser.add_argument(
         "--recipe",
         choices=RECIPES,
         default="causal_lm",
         help="the recipe the command launches (dpo: its frozen reference copy, two rows a pair and the reference's "
-        "forward are estimated, and the row-splitting configs are not ranked)",
+        "forward are estimated; grpo: the rollout's copy of the whole weights where they are sharded, its KV cache "
+        "and its decoding, as make estimate-memory --grpo_generations counts them; dpo, reward_model and grpo score "
+        "whole rows: the row-splitting configs and the pipelines are not ranked)",
+    )
+    parser.add_argument(
+        "--num_generations", type=int, default=8, help="grpo: completions per prompt (G), sampled together"
+    )
+    parser.add_argument(
+        "--max_completion_length", type=int, default=256, help="grpo: the longest completion, in tokens"
     )
     parser.add_argument(
         "--use_peft",

@@ -723,3 +723,44 @@ def test_the_chosen_pipeline_command_trains_the_asked_global_batch(markov_data, 
         tmp_path / "run",
     )
     assert record["participating_processes"] == 2 and record["effective_batch_size"] == 4
+
+
+def test_grpo_and_the_reward_model_are_chosen_for_with_the_rollouts_copy_and_kv_cache(tmp_path, capsys):
+    """--recipe grpo: the rollout's whole-weights copy where the config shards them (cΨ under ZeRO-3, none under
+    ZeRO-2), its KV cache and logits (make estimate-memory --grpo_generations's sums), its decoding in the step time
+    and the copy's gather in the traffic; no split rows nor pipelines (whole rows scored); a global batch whose
+    per-device completions are not whole groups of G not ranked, with why; the command carries G. --recipe
+    reward_model: whole rows too."""
+    zero = ["--configs", "zero2.yaml", "zero3.yaml", "--micro_batch", 1, "--activation_checkpointing", "off"]
+    causal = {r["config"]: r for r in llama3_8b_on_8_h100(tmp_path / "causal", *zero, "--seq_len", 1024)["rows"]}
+    result = llama3_8b_on_8_h100(tmp_path / "grpo", *zero, "--seq_len", 1024, "--recipe", "grpo")
+    grpo, psi = {r["config"]: r for r in result["rows"]}, result["model"]["parameters"]
+    command = capsys.readouterr().out.splitlines()[-1]
+    assert "recipes/grpo.py" in command and "--num_generations 8 --max_completion_length 256" in command, command
+    model = result["model"]
+    copy = 2 * psi / 1e9  # bf16, whole, beside ZeRO-3's shards; ZeRO-2 samples from its own whole weights
+    assert grpo["zero3.yaml"]["device_gb"] - causal["zero3.yaml"]["device_gb"] >= 0.99 * copy
+    assert grpo["zero2.yaml"]["device_gb"] - causal["zero2.yaml"]["device_gb"] < copy / 2
+    # the KV cache and logits of G completions, while sampling (training's activations are not alive then): with
+    # G = 64 they outgrow the activations of a micro-batch
+    many = llama3_8b_on_8_h100(
+        tmp_path / "many", *zero, "--seq_len", 1024, "--recipe", "grpo", "--num_generations", 64, "--global_batch", 512,
+        "--device_memory_gb", 1000,
+    )  # fmt: skip
+    kv = 64 * 1024 * (2 * model["layers"] * model["kv_hidden_size"] * 2 + 8 * model["vocab_size"]) / 1e9
+    many_zero2 = next(r for r in many["rows"] if r["config"] == "zero2.yaml")
+    assert many_zero2["device_gb"] - causal["zero2.yaml"]["device_gb"] > kv / 2
+    for name in ("zero2.yaml", "zero3.yaml"):
+        assert grpo[name]["compute_s"] > causal[name]["compute_s"]  # the decoding
+    assert grpo["zero3.yaml"]["comm_s"] > causal["zero3.yaml"]["comm_s"]  # the copy's gather
+    assert grpo["zero2.yaml"]["comm_s"] == pytest.approx(causal["zero2.yaml"]["comm_s"])  # whole weights already
+    every = llama3_8b_on_8_h100(tmp_path / "every", "--recipe", "grpo", "--seq_len", 1024)
+    assert {"pp.yaml", "dp_pp.yaml"} <= set(every["not_ranked"]) and not any(
+        r["config"] in ("zero3_ulysses.yaml", "fsdp_cp.yaml") for r in every["rows"]
+    )
+    assert "scores whole rows" in every["not_ranked"]["pp.yaml"]
+    odd = llama3_8b_on_8_h100(tmp_path / "odd", "--recipe", "grpo", "--global_batch", 32, "--seq_len", 1024)
+    assert "not whole groups of --num_generations 8" in odd["not_ranked"]["zero3.yaml"], odd["not_ranked"]
+    reward = llama3_8b_on_8_h100(tmp_path / "reward", "--recipe", "reward_model", "--seq_len", 1024)
+    assert "recipes/reward_model.py scores whole rows" in reward["not_ranked"]["pp.yaml"]
+    assert not any(r["config"] in ("zero3_ulysses.yaml", "fsdp_cp.yaml") for r in reward["rows"])

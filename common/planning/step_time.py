@@ -140,7 +140,9 @@ MULTI_NODE = [
 # Only causal_lm.py and sft.py, without LoRA, on a Llama-architecture model (common.parallel.pipeline)
 PIPELINE = ["pp.yaml", "dp_pp.yaml"]
 PIPELINE_SCHEDULES = ("1F1B", "Interleaved1F1B")
-RECIPES = ("causal_lm", "sft", "dpo")
+RECIPES = ("causal_lm", "sft", "dpo", "reward_model", "grpo")
+# the recipes scoring whole rows (a pair, one reward per row, a completion's log-probabilities): no split rows, no pipeline
+WHOLE_ROWS = ("dpo", "reward_model", "grpo")
 
 
 def measure_host(compute_dtype, threads: int, model: dict, rows: int) -> dict:
@@ -359,13 +361,9 @@ def device_and_host_bytes(est: dict, s: dict, on_gpu: bool) -> tuple[float, floa
     gradient partition) to CPU RAM."""
     if not on_gpu:
         return est["run_tensors_peak"], 0.0
-    live = (
-        est["model_state"]
-        + est["communication_buffers"]
-        + est["activations"]
-        + est["step_transient"]
-        + est["accumulation_transient"]
-    )
+    training = est["activations"] + est["step_transient"] + est["accumulation_transient"]
+    # GRPO's sampling (its KV cache and logits) comes between the steps, not beside their activations
+    live = est["model_state"] + est["communication_buffers"] + max(training, est["sampling"])
     moved = 0.0
     if s["offload"] or s["offload_params"]:
         moved = est["master_weights"] + est["optimizer_states"]
@@ -416,6 +414,23 @@ def config_strategy(name: str, args) -> dict:
 
 
 def layouts(name: str, s: dict, args) -> list[dict] | str:
+    """`device_layouts`, and for recipes/grpo.py only those where a device's completions a step are whole groups of
+    --num_generations (the recipe refuses the others at start: each process samples whole groups)."""
+    ways = device_layouts(name, s, args)
+    if args.recipe != "grpo" or isinstance(ways, str):
+        return ways
+    per_device = {id(way): args.global_batch * way["sp"] * way["tp"] * way["pp"] // args.num_devices for way in ways}
+    whole = [way for way in ways if per_device[id(way)] % args.num_generations == 0]
+    if not whole:
+        return (
+            f"a device's {min(per_device.values())} completions a step are not whole groups of --num_generations "
+            f"{args.num_generations}: each process samples whole groups (use a --global_batch that is a multiple of "
+            f"{args.num_generations} x the data-parallel ranks)"
+        )
+    return whole
+
+
+def device_layouts(name: str, s: dict, args) -> list[dict] | str:
     """How a config can lay the devices out for this job, each {"sp", "tp", "pp", "schedule"} (their product: the
     ranks that train one batch together), or why it cannot run it (one line): sequence and context parallelism at
     every size that divides the devices (Ulysses: and the heads); tensor parallelism at tp_size = the devices (tp.yaml)
@@ -446,9 +461,10 @@ def layouts(name: str, s: dict, args) -> list[dict] | str:
         problems = {tp: tensor_parallel.model_problems(built, tp) for tp in sizes}
         return [dict(whole, tp=tp) for tp in sizes if not problems[tp]] or problems[sizes[-1]][0]
     if pipeline_size(name) > 1:
-        if args.recipe == "dpo":
+        if args.recipe in WHOLE_ROWS:
             return (
-                "recipes/dpo.py scores whole rows, which pipeline parallelism does not run (common.parallel.pipeline)"
+                f"recipes/{args.recipe}.py scores whole rows, which pipeline parallelism does not run "
+                "(common.parallel.pipeline)"
             )
         if args.use_peft:
             return (
@@ -477,8 +493,8 @@ def candidates(args) -> tuple[dict, dict]:
     and sft.py without LoRA); on several, MULTI_NODE (its TP template not with --use_peft). A config asked by
     --configs that cannot run is refused in one line."""
     splits = (
-        SEQUENCE_PARALLEL if args.recipe != "dpo" else []
-    )  # dpo.py refuses split rows (common.parallel.sequence_parallel)
+        SEQUENCE_PARALLEL if args.recipe not in WHOLE_ROWS else []
+    )  # dpo.py, reward_model.py and grpo.py refuse split rows (common.parallel.sequence_parallel)
     shipped = (
         MULTI_NODE
         if args.num_nodes > 1
@@ -491,8 +507,8 @@ def candidates(args) -> tuple[dict, dict]:
         (
             f"{name} is ranked on one node only (sequence and context parallelism ship as single-node configs); choose from"
             if name in SEQUENCE_PARALLEL and args.num_nodes > 1
-            else f"recipes/dpo.py does not run under {name} (its pairs are not split over ranks); choose from"
-            if name in SEQUENCE_PARALLEL and args.recipe == "dpo"
+            else f"recipes/{args.recipe}.py does not run under {name} (it scores whole rows); choose from"
+            if name in SEQUENCE_PARALLEL and args.recipe in WHOLE_ROWS
             else f"{name} is ranked on one node only (a node's devices make its groups; several nodes: "
             "multi_node_hsdp_tp.yaml); choose from"
             if name in TENSOR_PARALLEL + PIPELINE and args.num_nodes > 1
@@ -535,7 +551,8 @@ def rank(args, model: dict, device: dict, configs: dict) -> list[dict]:
     n_node = n // nodes
     on_gpu = args.device != "cpu"
     c = 2 if args.mixed_precision in ("bf16", "fp16") else 4
-    dpo, lora = args.recipe == "dpo", args.use_peft
+    dpo, lora, grpo = args.recipe == "dpo", args.use_peft, args.recipe == "grpo"
+    generations = args.num_generations if grpo else None  # GRPO's rollout: the copy sampled from, the KV cache
     rows_per_example = 2 if dpo else 1  # a DPO pair is two rows, chosen and rejected
     trainable = model["lora_parameters"] if lora else None
     h = model["hidden_size"]
@@ -591,6 +608,7 @@ def rank(args, model: dict, device: dict, configs: dict) -> list[dict]:
                             k,
                             dpo and not lora,
                             trainable,
+                            generations,
                         )
                         traffic = (
                             tensor_parallel_traffic(
@@ -628,6 +646,8 @@ def rank(args, model: dict, device: dict, configs: dict) -> list[dict]:
                         tokens = per_device * rows_per_example * args.seq_len / group  # this rank's share
                         compute = tokens * flops_per_token / (device["tflops"] * 1e12 * args.mfu)
                         bubble = 0.0
+                        if grpo:
+                            compute += rollout_seconds(model, s, per_device, args, device, c, traffic, nodes)
                     device_bytes, host_bytes = device_and_host_bytes(est, sharding, on_gpu)
                     device_bytes += baseline
                     comm, serial_s = link_seconds(traffic["link"], device), link_seconds(serial, device)
@@ -734,6 +754,21 @@ def layout_name(r: dict) -> str:
         if r[size] > 1
     ]
     return " ".join([r["config"], *sizes, *([r["schedule"]] if r["schedule"] else [])])
+
+
+def rollout_seconds(model: dict, s: dict, per_device: int, args, device: dict, c: int, traffic: dict, nodes: int):
+    """GRPO's rollout on a rank, once a step: its per_device / G prompts decoded one token at a time for
+    --max_completion_length tokens, each token a read of the whole weights (cΨ) from device memory, the same under
+    every config, since every config samples from whole weights (common.objectives.rollout); where the strategy
+    shards them (FSDP2, ZeRO-3, TP), their gather into the copy joins `traffic`'s all-gathers."""
+    psi = model["parameters"]
+    sharded = s["strategy"] == "fsdp" or s["strategy"] == "tp" or s.get("zero_stage") == 3 or s.get("tp_size", 1) > 1
+    if sharded:
+        traffic["link"][where_of(nodes), "all_gather"] = (
+            traffic["link"].get((where_of(nodes), "all_gather"), 0) + c * psi
+        )
+    prompts = max(per_device // args.num_generations, 1)
+    return prompts * args.max_completion_length * c * psi / (device["memory_gbps"] * GB)
 
 
 def where_of(nodes: int) -> str:
