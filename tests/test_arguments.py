@@ -556,3 +556,33 @@ def test_help_and_argument_errors_come_before_the_training_libraries_load():
         print(f"grpo.py {' '.join(argv)}: {seconds:.1f} s")
         assert ("usage:" in result.stdout) if argv == ["--help"] else ("no_such_option" in result.stderr), result
         assert not {"peft", "deepspeed", "trl"} & loaded, sorted({"peft", "deepspeed", "trl"} & loaded)
+
+
+@pytest.mark.parametrize("recipe", ["sft", "dpo", "reward_model", "grpo"])
+def test_every_field_of_trls_config_works_here_or_is_refused_saying_what_to_write(recipe, recipe_yaml):
+    """TRL 1.16.0's SFTConfig, DPOConfig, RewardConfig and GRPOConfig (tests/data/trl_config_fields.json, written by
+    benchmarks/peers/trl_fields.py): each field is an option of the recipe under that name, or its refusal carries
+    a line saying what to write instead (common.options.trl_keys, common.options.parsing); all of a config's
+    unknown keys are named in one message."""
+    from common.launch.internals import parser_actions
+    from common.options.parsing import ELSEWHERE, _RaisingParser
+
+    listed = json.loads((REPO / "tests/data/trl_config_fields.json").read_text())
+    assert listed["trl"] == "1.16.0"  # the version make benchmark-peers installs and docs/rl.md follows
+    types = tuple(t for t in load_script(f"recipes/{recipe}.py").main.__annotations__.values() if isinstance(t, type))
+    taken = parser_actions(_RaisingParser(types))
+    unanswered = [key for key in listed["fields"][recipe] if key not in taken and key not in ELSEWHERE]
+    assert not unanswered, unanswered
+    refused = [key for key in listed["fields"][recipe] if key not in taken]
+    assert refused  # the check reaches the lines
+    trl_yaml = recipe_yaml.parent / f"{recipe}_trl.yaml"
+    trl_yaml.write_text("".join(f"{key}: 1\n" for key in refused))
+    with pytest.raises(UsageError) as error:
+        _parse(types, ["--config", str(trl_yaml)])
+    said = str(error.value)
+    assert "\n" not in said and all(f"--{key}" in said for key in refused), said[:500]
+    if recipe == "grpo":
+        assert re.search(r"--use_vllm(, --\w+)*: the rollouts are sampled by the recipe's own sampler", said)
+        # TRL's older GRPOConfig key, refused with what a prompt may take here
+        with pytest.raises(UsageError, match=r"--max_prompt_length: grpo.py: a prompt keeps --block_size less "):
+            _parse(types, ["--max_prompt_length", "512"])

@@ -20,6 +20,7 @@ from common.launch.errors import UsageError, exit_with_error
 from common.launch.internals import parser_actions, parser_option_strings
 from common.options.arguments import DataArguments, TrainingArguments
 from common.options.ranges import check_ranges
+from common.options.trl_keys import TRL_ELSEWHERE
 
 
 # Trainer's options that these recipes take elsewhere: where each is set here
@@ -30,6 +31,7 @@ _PRECISION = (
 _STRATEGY = "the strategy comes from the accelerate config: accelerate launch --config_file accelerate_configs/X.yaml"
 _EVALUATION = "evaluation runs every --eval_steps N (0: at the end only)"
 ELSEWHERE = {
+    **TRL_ELSEWHERE,  # TRL's config keys (common.options.trl_keys); the lines below answer the same keys first
     "bf16": _PRECISION,
     "fp16": _PRECISION,
     "deepspeed": _STRATEGY,
