@@ -86,7 +86,13 @@ class GRPOArguments:
         default=r"-?\d+(?:\.\d+)?", metadata={"help": "The `format` reward's regular expression (the whole answer)."}
     )
     num_generations: Annotated[int, Range(low=2)] = field(default=8, metadata={"help": "Completions per prompt (G)."})
-    max_completion_length: Annotated[int, Range(low=1)] = 256
+    max_completion_length: Annotated[int, Range(low=1)] = field(
+        default=256,
+        metadata={
+            "help": "The longest completion, in tokens. --block_size bounds prompt + completion: a prompt keeps "
+            "--block_size less this (a longer prompt is left out, counted in run.json's prompts_dropped)."
+        },
+    )
     temperature: Annotated[float, Range(above=0, why="greedy completions of a prompt are all alike: no advantage")] = (
         1.0
     )
