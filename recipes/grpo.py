@@ -218,7 +218,11 @@ def main(
     )
     step, metrics, nonfinite, profiler = state["step"], run.metrics, run.nonfinite, run.profiler
     tokens_seen = state.get("num_tokens", 0)  # prompts' and completions' tokens so far (TRL's num_tokens)
-    completion_log = CompletionLog(accelerator, args.output_dir, tokenizer) if grpo_args.log_completions else None
+    completion_log = (
+        CompletionLog(accelerator, args.output_dir, tokenizer, step, grpo_args.num_iterations)
+        if grpo_args.log_completions
+        else None
+    )
     saved = state.get("rollout")  # a run stopped inside --num_iterations: the rollout it was training on
     # every log-probability at the temperature the completions were sampled at, as TRL scores them
     temperature = grpo_args.temperature
@@ -264,7 +268,7 @@ def main(
                 reward, group, grpo_args.scale_rewards, batch_std(accelerator, reward)
             )
             if completion_log is not None:
-                completion_log(rollout, reward, table, rewards, step)
+                completion_log(rollout, reward, table, rewards)
             lengths, tokens = completion_figures(accelerator, rollout)
             tokens_seen += tokens
             metrics.record_values(

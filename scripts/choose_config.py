@@ -163,8 +163,8 @@ def parse(argv):
         "--global_batch",
         type=int,
         required=True,
-        help="sequences per optimizer step, all devices (dpo: pairs, two rows each; grpo: completions, as TRL's "
-        "batch counts them)",
+        help="sequences per optimizer step, all devices (dpo, reward_model: pairs, two rows each; grpo: completions, "
+        "as TRL's batch counts them)",
     )
     parser.add_argument(
         "--recipe",
@@ -317,6 +317,12 @@ def main(argv=None) -> dict:
         raise SystemExit(
             f"error: --global_batch {args.global_batch} and --seq_len {args.seq_len}: pass at least 1 "
             "sequence and 2 tokens"
+        )
+    if args.recipe == "grpo" and (args.num_generations < 2 or args.max_completion_length >= args.seq_len):
+        raise SystemExit(
+            f"error: --num_generations {args.num_generations} and --max_completion_length "
+            f"{args.max_completion_length} with --seq_len {args.seq_len}: GRPO needs 2 or more completions a prompt "
+            "and room for a prompt (--seq_len is the recipe's --block_size, prompt and completion together)"
         )
     if args.global_batch % args.num_devices:
         raise SystemExit(

@@ -208,3 +208,25 @@ def test_an_adapter_continued_with_its_own_target_modules_in_any_spelling_trains
             LoraArguments(True, lora_target_modules=["q_proj", "v_proj"]),
         )
     assert "\n" not in str(no.value) and len(str(no.value)) < 300, str(no.value)
+
+
+def test_a_classifiers_adapter_counts_its_head_trained_whole_apart_from_the_adapted_modules(bf16_checkpoint, tmp_path):
+    """A reward model's or classifier's adapter (task SEQ_CLS) trains its `score` head whole (peft's modules_to_save):
+    the head's copies are not modules all-linear adapts, so the adapter continues with the spelling it was made
+    with."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from peft.tuners.lora import LoraLayer
+    from transformers import AutoModelForSequenceClassification
+
+    from common.models.lora import modules_named
+
+    def classifier():
+        return AutoModelForSequenceClassification.from_pretrained(bf16_checkpoint, num_labels=1, dtype=torch.float32)
+
+    config = LoraConfig(r=4, lora_alpha=8, task_type="SEQ_CLS", target_modules="all-linear")
+    get_peft_model(classifier(), config).save_pretrained(tmp_path / "adapter")
+    model = PeftModel.from_pretrained(classifier(), tmp_path / "adapter", is_trainable=True)
+    base = model.get_base_model()
+    adapted = {name for name, module in base.named_modules() if isinstance(module, LoraLayer)}
+    assert adapted and "score" not in adapted
+    assert modules_named(base, ["all-linear"]) == adapted

@@ -764,3 +764,10 @@ def test_grpo_and_the_reward_model_are_chosen_for_with_the_rollouts_copy_and_kv_
     reward = llama3_8b_on_8_h100(tmp_path / "reward", "--recipe", "reward_model", "--seq_len", 1024)
     assert "recipes/reward_model.py scores whole rows" in reward["not_ranked"]["pp.yaml"]
     assert not any(r["config"] in ("zero3_ulysses.yaml", "fsdp_cp.yaml") for r in reward["rows"])
+    pairs = llama3_8b_on_8_h100(tmp_path / "pairs", *zero, "--seq_len", 1024, "--recipe", "reward_model")["rows"]
+    pairs = {r["config"]: r for r in pairs}  # a pair is two rows, chosen and rejected: twice a sequence's work
+    assert pairs["zero3.yaml"]["compute_s"] == pytest.approx(2 * causal["zero3.yaml"]["compute_s"], rel=0.01)
+    assert pairs["zero3.yaml"]["device_gb"] > causal["zero3.yaml"]["device_gb"]
+    for bad in (["--seq_len", 256], ["--seq_len", 1024, "--num_generations", 1]):  # no room for a prompt; G < 2
+        with pytest.raises(SystemExit, match=r"error: --num_generations .* GRPO needs 2 or more completions"):
+            llama3_8b_on_8_h100(tmp_path / "bad", "--recipe", "grpo", *bad)

@@ -451,9 +451,10 @@ def test_make_benchmark_pipeline_trains_two_stages_as_one_process(tmp_path):
 @pytest.mark.parametrize(
     "module,configs,flags",
     [
-        ("pipeline", "`pp.yaml` and\n`dp_pp.yaml`", ["use_peft", "adapter_name_or_path", "packing", "streaming",
+        ("pipeline", "`pp.yaml` and `dp_pp.yaml`", ["use_peft", "adapter_name_or_path", "packing", "streaming",
                                                      "auto_find_batch_size", "torch_compile"]),
-        ("tensor_parallel", "`tp.yaml` and `fsdp_tp.yaml`", ["use_peft", "adapter_name_or_path", "streaming"]),
+        ("tensor_parallel", "`tp.yaml`, `fsdp_tp.yaml` and `multi_node_hsdp_tp.yaml`", ["use_peft",
+                                                                                  "adapter_name_or_path", "streaming"]),
         ("sequence_parallel", "`zero3_ulysses.yaml` and `fsdp_cp.yaml`", ["packing", "streaming", "auto_find_batch_size"]),
     ],
 )  # fmt: skip
@@ -465,9 +466,9 @@ def test_the_readme_says_what_each_config_refuses_as_the_code_refuses_it(module,
 
     from common.launch.errors import UsageError
 
-    said = README.split("**What a config refuses**", 1)[1].split("\n\n", 1)[0]
+    said = " ".join(README.split("**What a config refuses**", 1)[1].split("\n\n", 1)[0].split())
     part = said.split(configs, 1)[1]
-    for following in ("`tp.yaml` and", "`zero3_ulysses.yaml` and", "Every other config"):
+    for following in ("`tp.yaml`,", "`zero3_ulysses.yaml` and", "Every other config"):
         part = part.split(following, 1)[0]  # up to the next family's sentence
     check = importlib.import_module(f"common.parallel.{module}").check_arguments
     for flag in flags:

@@ -859,3 +859,23 @@ def test_make_benchmark_rollouts_writes_its_page(tmp_path):
     copy, estimated = fsdp[2].split(" ")
     assert copy == estimated.strip("()") and int(copy) >= 0 and float(fsdp[5]) > 0
     assert "ddp.yaml" in result.stdout and "fsdp.yaml" in result.stdout
+
+
+def test_a_resumed_run_keeps_the_completions_it_does_not_do_again(tmp_path):
+    """completions.jsonl of a run stopped after step 3 of rollouts of 2 iterations, resumed there: rollouts 0 and 1
+    (sampled at steps 0 and 2) and the evaluations of steps 0 and 2 stay, rollout 2 (sampled again at step 4), the
+    evaluation of step 4 and a line cut by the crash go; a fresh run (step 0) starts the file empty."""
+    from types import SimpleNamespace
+
+    from common.objectives.rollout import COMPLETIONS, CompletionLog
+
+    lines = [{"split": "train", "rollout": r, "row": 0} for r in (0, 1, 2)]
+    lines += [{"split": "eval", "step": s, "row": 0} for s in (0, 2, 4)]
+    path = tmp_path / COMPLETIONS
+    path.write_text("".join(json.dumps(entry) + "\n" for entry in lines) + '{"split": "tra')
+    main = SimpleNamespace(is_main_process=True)
+    CompletionLog(main, str(tmp_path), None, 3, 2)
+    kept = [json.loads(line) for line in path.read_text().splitlines()]
+    assert kept == [lines[0], lines[1], lines[3], lines[4]], kept
+    CompletionLog(main, str(tmp_path), None, 0, 2)
+    assert path.read_text() == ""

@@ -557,18 +557,18 @@ def test_a_tied_embeddings_checkpoint_saves_without_accelerates_shared_tensor_li
 def test_deepspeeds_one_time_compile_on_a_cpu_host_is_said_before_it_starts(tmp_path, monkeypatch, capsys):
     """The first DeepSpeed launch on a machine compiles deepspeed_shm_comm for minutes without a word: a line says
     so first, on each node's first process, and nothing once the extension is in the build folder."""
-    from common.launch.cpu_host import _say_if_building_shm_comm
+    from common.launch.cpu_host import say_if_building_shm_comm
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.setenv("LOCAL_RANK", "0")
-    _say_if_building_shm_comm()
+    say_if_building_shm_comm()
     assert "compiling its CPU collectives (the deepspeed_shm_comm extension), once" in capsys.readouterr().err
     monkeypatch.setenv("LOCAL_RANK", "1")
-    _say_if_building_shm_comm()
+    say_if_building_shm_comm()
     assert capsys.readouterr().err == ""
     built = tmp_path / "py311_cpu" / "deepspeed_shm_comm"
     built.mkdir(parents=True)
     (built / "deepspeed_shm_comm.so").write_bytes(b"")
     monkeypatch.setenv("LOCAL_RANK", "0")
-    _say_if_building_shm_comm()
+    say_if_building_shm_comm()
     assert capsys.readouterr().err == ""

@@ -157,6 +157,8 @@ def build_accelerator(
     kwargs["kwargs_handlers"] = [process_group, DistributedDataParallelKwargs(gradient_as_bucket_view=True)]
     if strategy == "deepspeed":
         import_deepspeed()  # before accelerate imports it (common.launch.internals)
+        if on_cpu_host:
+            cpu_host.say_if_building_shm_comm()
     # pp: the pipeline's own Accelerator, with the launched config's stages and schedule (common.parallel.pipeline)
     accelerator_class = (accelerator_classes or {}).get(strategy)
     if accelerator_class is None and strategy == "pp":

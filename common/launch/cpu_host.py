@@ -52,7 +52,6 @@ def accelerator_kwargs(strategy: str, process_group: InitProcessGroupKwargs) -> 
     if strategy == "deepspeed":
         # DeepSpeed's branch needs cpu=False; without gloo accelerate counts one process.
         process_group.backend = "gloo"
-        _say_if_building_shm_comm()
         return {}
     if strategy in ("fsdp", "tp"):
         # accelerate only enables FSDP, and a parallelism_config's mesh, from a MULTI_GPU state: start
@@ -63,13 +62,18 @@ def accelerator_kwargs(strategy: str, process_group: InitProcessGroupKwargs) -> 
     return {"cpu": True}
 
 
-def _say_if_building_shm_comm() -> None:
+def say_if_building_shm_comm() -> None:
     """DeepSpeed's CPU backend compiles its shared-memory collectives (the deepspeed_shm_comm extension) the first
-    time it starts on a machine, silently, for minutes: say so before it does (once per node)."""
+    time it starts on a machine, silently, for minutes: say so before it does (once per node), unless DeepSpeed
+    will not build it (not compatible here, or installed prebuilt). Call after DeepSpeed is imported."""
     import glob
 
+    from deepspeed import git_version_info, ops
     from torch.utils.cpp_extension import get_default_build_root
 
+    name = "deepspeed_shm_comm"
+    if not ops.__compatible_ops__.get(name) or git_version_info.installed_ops.get(name):
+        return
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
     if os.environ.get("LOCAL_RANK", "0") != "0" or glob.glob(
         os.path.join(root, "**", "deepspeed_shm_comm*.so"), recursive=True

@@ -178,13 +178,14 @@ def modules_named(base, targets: list[str]) -> set[str]:
     --lora_target_modules `targets` adapts, by peft's rules: "all-linear" every linear layer but the output
     layer, else each module whose name is a target or ends with "." and one."""
     from peft.tuners.lora import LoraLayer
+    from peft.utils.other import ModulesToSaveWrapper
 
-    wrapped = [name for name, module in base.named_modules() if isinstance(module, LoraLayer)]
+    wrapped = [name for name, module in base.named_modules() if isinstance(module, (LoraLayer, ModulesToSaveWrapper))]
     output = base.get_output_embeddings()
     names = set()
     for name, module in base.named_modules():
         if not name or any(name.startswith(layer + ".") for layer in wrapped):
-            continue  # an adapter's own parts (base_layer, lora_A, ...)
+            continue  # an adapter's own parts (base_layer, lora_A, ...), a head trained whole (modules_to_save)
         if targets == ["all-linear"]:
             if isinstance(module, LoraLayer) or isinstance(module, torch.nn.Linear) and module is not output:
                 names.add(name)

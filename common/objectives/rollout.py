@@ -686,24 +686,27 @@ class CompletionLog:
     returned None), the reward (None: no function scored it), the advantage (train) and the functions' log_extra
     columns. A resumed run first drops the rows of the rollouts and evaluations it does again."""
 
-    def __init__(self, accelerator, output_dir: str, tokenizer):
+    def __init__(self, accelerator, output_dir: str, tokenizer, start_step: int, num_iterations: int):
+        """`start_step`: the optimizer steps already taken (a resumed run's; 0: a fresh run, whose file starts
+        empty), each rollout trained on for `num_iterations` of them."""
         self.accelerator, self.tokenizer = accelerator, tokenizer
         self.path = os.path.join(output_dir, COMPLETIONS)
-        self.trimmed = False
+        if accelerator.is_main_process and os.path.exists(self.path):
+            write_atomically(self.path, "".join(self._kept(start_step, num_iterations)))
 
-    def __call__(self, rollout: Rollout, rewards: torch.Tensor, table: torch.Tensor, scorer, step: int) -> None:
+    def __call__(self, rollout: Rollout, rewards: torch.Tensor, table: torch.Tensor, scorer) -> None:
         """A rollout's completions (`rewards`, `table`: `scorer`'s last call on them, a
-        common.objectives.rewards.Rewards; `step`: the optimizer steps taken before it)."""
+        common.objectives.rewards.Rewards)."""
         own = [{"split": "train", "rollout": rollout.index} for _ in rollout.rows]
         for entry, advantage in zip(own, rollout.advantages.tolist()):
             entry["advantage"] = advantage
-        self._append(rollout.rows, rewards, table, scorer, own, (rollout.index, step))
+        self._append(rollout.rows, rewards, table, scorer, own)
 
     def held_out(self, rows: list[dict], rewards: torch.Tensor, table: torch.Tensor, scorer, step: int) -> None:
         """An evaluation's greedy completions at optimizer step `step` (every rank calls it)."""
-        self._append(rows, rewards, table, scorer, [{"split": "eval", "step": step} for _ in rows], None)
+        self._append(rows, rewards, table, scorer, [{"split": "eval", "step": step} for _ in rows])
 
-    def _append(self, rows, rewards, table, scorer, own: list[dict], resumed_at) -> None:
+    def _append(self, rows, rewards, table, scorer, own: list[dict]) -> None:
         texts = self.tokenizer.batch_decode([row["completion_ids"] for row in rows], skip_special_tokens=True)
         prompts, columns = scorer.read
         mine = []
@@ -728,9 +731,6 @@ class CompletionLog:
         every = gather_object([mine])[:: mesh.replicas(self.accelerator)]
         if not self.accelerator.is_main_process:
             return
-        if not self.trimmed and resumed_at is not None and os.path.exists(self.path):
-            write_atomically(self.path, "".join(self._kept(*resumed_at)))
-        self.trimmed = self.trimmed or resumed_at is not None
         written = set()  # an evaluation's last share is padded with its last prompt: each prompt once
         with open(self.path, "a") as handle:
             for share in every:
@@ -740,15 +740,17 @@ class CompletionLog:
                     written.add(entry["row"])
                     handle.write(json.dumps(entry) + "\n")
 
-    def _kept(self, rollout: int, step: int):
-        """The file's complete lines from before a resume at `rollout` (sampled after `step` optimizer steps):
-        the earlier rollouts' and the evaluations of the steps up to `step` (a later one is done again)."""
+    def _kept(self, step: int, num_iterations: int):
+        """The file's complete lines a run resumed after `step` optimizer steps does not do again: the rollouts
+        sampled before it (rollout r at step r x num_iterations; the one a resume inside --num_iterations trains
+        on again is not sampled again) and the evaluations of the steps up to it (each runs before the checkpoint of
+        its step). A fresh run (step 0) keeps none."""
         with open(self.path) as handle:
             for line in handle:
-                if not line.endswith("\n"):
+                if not line.endswith("\n") or not step:
                     continue
                 entry = json.loads(line)
-                if entry.get("split", "train") == "train" and entry["rollout"] < rollout:
+                if entry.get("split", "train") == "train" and entry["rollout"] * num_iterations < step:
                     yield line
                 elif entry.get("split") == "eval" and entry["step"] <= step:
                     yield line

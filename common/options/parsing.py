@@ -53,8 +53,7 @@ ELSEWHERE = {
     "gradient_checkpointing_kwargs": "--gradient_checkpointing (always non-reentrant here)",
     "log_level": "the main process logs progress, the others errors; TRANSFORMERS_VERBOSITY and "
     "DATASETS_VERBOSITY set the libraries' levels",
-    "remove_unused_columns": "each recipe keeps only the columns it reads (--text_column, --messages_column, "
-    "--label_column)",
+    "remove_unused_columns": "each recipe keeps only the columns it reads (its --help names them)",
     **dict.fromkeys(
         ("push_to_hub", "hub_model_id", "hub_strategy", "hub_private_repo"),
         "the recipes do not upload: hf upload REPO OUTPUT_DIR/final uploads the exported "

@@ -1,7 +1,9 @@
-"""TRL's config keys (GRPOConfig, DPOConfig, SFTConfig, RewardConfig, and the TrainingArguments they extend) that
-these recipes take otherwise: where each is set here, or why it is not. `common.options.parsing` adds the line to
-its refusal of an unknown key, so a TRL config or command brought here is fixed in one go. tests/data holds TRL
-1.16.0's fields; a test checks that each one is an option of its recipe or has a line here."""
+"""TRL's config keys the recipes take otherwise: what to write instead of each, or why it is not offered.
+
+GRPOConfig, DPOConfig, SFTConfig, RewardConfig and the TrainingArguments they extend. `common.options.parsing` adds
+the line to its refusal of an unknown key, so a TRL config or command brought here is fixed in one go. tests/data
+holds TRL 1.16.0's fields; a test checks that each one is an option of its recipe or has a line here.
+"""
 
 _SAMPLER = (
     "the rollouts are sampled by the recipe's own sampler from whole weights on every rank (no vLLM, no generate "
@@ -100,18 +102,12 @@ TRL_ELSEWHERE = {
     "accelerate config's",
     # DPO
     **dict.fromkeys(
-        (
-            "f_divergence_type",
-            "f_alpha_divergence_coef",
-            "discopop_tau",
-            "ld_alpha",
-            "loss_weights",
-            "use_weighting",
-            "ref_model_mixup_alpha",
-            "ref_model_sync_steps",
-            "sync_ref_model",
-        ),
+        ("f_divergence_type", "f_alpha_divergence_coef", "discopop_tau", "ld_alpha", "loss_weights", "use_weighting"),
         _DPO_LOSS,
+    ),
+    **dict.fromkeys(
+        ("ref_model_mixup_alpha", "ref_model_sync_steps", "sync_ref_model"),
+        "the reference is the starting model, frozen (dpo.py, and grpo.py with --beta): never synced or mixed",
     ),
     "precompute_ref_batch_size": "--precompute_ref_log_probs computes them at --per_device_eval_batch_size",
     "truncation_mode": "--overlong says what happens to a longer example (docs/data.md)",
@@ -128,7 +124,7 @@ TRL_ELSEWHERE = {
     "chat_template_kwargs": "--chat_template FILE with the template's variables written in",
     "dataset_kwargs": "--train_file, --validation_file, --dataset_name or --dataset_mixture say what to load",
     **dict.fromkeys(("eos_token", "pad_token"), "the tokenizer's own (--tokenizer_name_or_path, --chat_template)"),
-    "pad_to_multiple_of": "batches are padded to their longest row, or packed (--packing)",
+    "pad_to_multiple_of": "batches are padded to their longest row (sft.py's also packed, with --packing true)",
     "model_init_kwargs": "--torch_dtype and --attn_implementation",
     "trust_remote_code": "models load with transformers' own classes only",
     "use_cache": "the recipes turn the cache off for training forwards and on for sampling",

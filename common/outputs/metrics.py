@@ -216,8 +216,10 @@ class MetricsLogger:
         self.window_sums.zero_()
         self.data_wait_s = 0.0
         self._write(row)
-        self.postfix = {"loss": f"{row['loss']:.4f}", "lr": f"{lr:.2e}"}
-        self.postfix.update({name: f"{row[name]:.4g}" for name in BAR_FIGURES if row.get(name) is not None})
+        # a figure this line lacks (GRPO's rewards on a step that reuses its rollout) keeps its last value
+        shown = {name: f"{row[name]:.4g}" for name in BAR_FIGURES if row.get(name) is not None}
+        kept = {name: self.postfix[name] for name in BAR_FIGURES if name in self.postfix}
+        self.postfix = {"loss": f"{row['loss']:.4f}", "lr": f"{lr:.2e}", **kept, **shown}
         self.progress.set_postfix(self.postfix)
         self._log_memory(step)
         return row
@@ -282,6 +284,7 @@ class MetricsLogger:
     def advance(self) -> None:
         """Every rank, once per optimizer step (the loop's step count goes up by one)."""
         self.step += 1
+        self.progress.set_postfix(self.postfix, refresh=False)  # a phase shown inside the step is over
         self.progress.update(1)
         if self.on_step is not None:
             self.on_step(self.step)

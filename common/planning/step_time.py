@@ -553,7 +553,7 @@ def rank(args, model: dict, device: dict, configs: dict) -> list[dict]:
     c = 2 if args.mixed_precision in ("bf16", "fp16") else 4
     dpo, lora, grpo = args.recipe == "dpo", args.use_peft, args.recipe == "grpo"
     generations = args.num_generations if grpo else None  # GRPO's rollout: the copy sampled from, the KV cache
-    rows_per_example = 2 if dpo else 1  # a DPO pair is two rows, chosen and rejected
+    rows_per_example = 2 if args.recipe in ("dpo", "reward_model") else 1  # a pair is two rows, chosen and rejected
     trainable = model["lora_parameters"] if lora else None
     h = model["hidden_size"]
     # FLOPs per token: forward 2 per matmul weight plus attention's scores (4 L h s), backward twice the forward
