@@ -573,11 +573,11 @@ def grpo_job(args, config: str, folder: str) -> tuple[str, list[str]]:
 
 
 SAME_SAMPLES_STEPS = 2
-# TRL's names for what the recipe logs under another: a reward's figures after its function (accuracy_reward), the
-# recipe's after --reward_funcs' name (accuracy); the learning rate after the step.
+# TRL names a reward's figures after its function (accuracy_reward), the recipe after --reward_funcs' name (accuracy)
 TRL_REWARD, RECIPE_REWARD = "rewards/accuracy_reward/", "rewards/accuracy/"
-TRL_NAMES = {"learning_rate": "lr"}
-NOT_FIGURES = {"step", "epoch", "step_time"}
+# Logged by both with another meaning, set apart: the recipe's `lr` is the rate after the step's scheduler step (the
+# next step's), Trainer's `learning_rate` the rate the step used
+NOT_FIGURES = {"step", "epoch", "step_time", "lr", "learning_rate"}
 
 
 def same_samples(args, config: str, folder: str) -> tuple[str, list[str]]:
@@ -589,10 +589,7 @@ def same_samples(args, config: str, folder: str) -> tuple[str, list[str]]:
     common = dict(accelerate_config="ddp.yaml", steps=SAME_SAMPLES_STEPS, launcher_args=fp32)
     recipe = launch_trl_job(job, "recipe", every, config, folder, "same", **common)["rows"]
     trl = launch_trl_job(job, "trl", every, config, folder, "same", peer_args=("--recipe_samples",), **common)["logs"]
-    trl = [
-        {TRL_NAMES.get(key, key.replace(TRL_REWARD, RECIPE_REWARD)): value for key, value in log.items()}
-        for log in trl
-    ]
+    trl = [{key.replace(TRL_REWARD, RECIPE_REWARD): value for key, value in log.items()} for log in trl]
     steps = list(range(1, SAME_SAMPLES_STEPS + 1))
     by_step = {
         name: {row["step"]: row for row in rows if row["step"] in steps}
@@ -611,6 +608,10 @@ def same_samples(args, config: str, folder: str) -> tuple[str, list[str]]:
         worst = max(worst, (gap, figure), key=lambda pair: pair[0])
         rows.append([f"`{figure}`", *(f"{value:.6g}" for pair in pairs for value in pair), f"{gap:.1e}"])
     table = markdown_table(header, rows)
+
+    def rates(name: str, key: str) -> str:
+        return ", ".join(f"{by_step[name][step][key]:.6g}" for step in steps)
+
     summary = (
         f"same completions, recipe against TRL GRPOTrainer: largest difference {worst[0]:.1e} ({worst[1]}) "
         f"over {len(shared)} figures at steps {steps[0]}-{steps[-1]}"
@@ -624,8 +625,8 @@ def same_samples(args, config: str, folder: str) -> tuple[str, list[str]]:
         "sampling is TRL's: rewards, advantages, the log-probabilities at the temperature, loss, gradient, "
         f"optimizer step and log. Both in fp32 under `ddp.yaml` on {args.num_processes} processes, temperature "
         f"{args.temperature}, {SAME_SAMPLES_STEPS} steps, each logged. A figure's difference is |recipe - TRL| over "
-        "the larger of |TRL| and 1; TRL's names are mapped to the recipe's (`rewards/accuracy_reward/*` to "
-        "`rewards/accuracy/*`, `learning_rate` to `lr`). The loss itself does not depend on the temperature here (one iteration, beta 0: "
+        "the larger of |TRL| and 1; TRL's `rewards/accuracy_reward/*` are compared with the recipe's "
+        "`rewards/accuracy/*`. The loss itself does not depend on the temperature here (one iteration, beta 0: "
         "every ratio is 1); the gradient norm and the entropy do, and step 2's figures follow from step 1's update.",
         table,
         f"**{summary}.**",
@@ -635,6 +636,9 @@ def same_samples(args, config: str, folder: str) -> tuple[str, list[str]]:
             for name, other in (("recipe", "trl"), ("trl", "recipe"))
         )
         + ".",
+        "The learning rate, logged by both with another meaning: the recipe's `lr` at steps "
+        f"{', '.join(str(step) for step in steps)}: {rates('recipe', 'lr')} (the rate after the step's scheduler "
+        f"step); TRL's `learning_rate`: {rates('trl', 'learning_rate')} (the rate the step used).",
     ]
 
 

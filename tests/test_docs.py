@@ -256,13 +256,15 @@ def test_make_benchmark_peers_times_the_recipe_the_bare_loop_trainer_and_dpo_aga
     same_rows = table_rows("| figure |" + same)
     for figure in ("loss", "grad_norm", "entropy", "reward", "reward_std", "rewards/accuracy/mean", "num_tokens"):
         assert f"`{figure}`" in same_rows, same
-    for figure in ("completions/mean_length", "completions/clipped_ratio", "frac_reward_zero_std", "lr"):
+    for figure in ("completions/mean_length", "completions/clipped_ratio", "frac_reward_zero_std"):
         assert f"`{figure}`" in same_rows, same
     assert float(same_rows["`grad_norm`"][0]) > 0, same  # step 1 trained on some advantage: the gradient is compared
     gaps = {name: float(cells[-1]) for name, cells in same_rows.items()}
     assert max(gaps.values()) < 1e-5, gaps
     assert re.search(r"same completions, recipe against TRL GRPOTrainer: largest difference", same), same
     assert "### On the same completions" in written
+    # the learning rate set apart, each one's meaning said (the recipe's: after the step; TRL's: the step's)
+    assert re.search(r"the recipe's `lr` at steps 1, 2: [\d.e-]+, [\d.e-]+ \(the rate after", written), written[-900:]
 
 
 @pytest.mark.slow

@@ -72,9 +72,8 @@ def store_holder() -> str:
     """What MASTER_ADDR:MASTER_PORT is: under common.launch.elastic's agents the workers' store, which the agent of
     the node the rendezvous made first hosts, not necessarily the main node; under accelerate launch the main
     node's."""
-    from common.launch.elastic import ENV
-
-    return "the workers' store" if os.environ.get(ENV) else "the main node"
+    # common.launch.elastic.ENV, which its launcher sets for its workers (elastic imports this module's importers)
+    return "the workers' store" if os.environ.get("RECIPES_ELASTIC") else "the main node"
 
 
 def from_the_backend(error: BaseException) -> bool:
