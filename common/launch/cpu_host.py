@@ -25,7 +25,12 @@ import sys
 from accelerate import PartialState
 from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
-from common.launch.internals import cpu_has_bf16_instructions, present_cpu_group_as_multi_gpu, ring_attention_on_cpu
+from common.launch.internals import (
+    cpu_has_bf16_instructions,
+    deepspeed_builds_op,
+    present_cpu_group_as_multi_gpu,
+    ring_attention_on_cpu,
+)
 
 
 def cpu_runs_bf16() -> bool:
@@ -68,11 +73,9 @@ def say_if_building_shm_comm() -> None:
     will not build it (not compatible here, or installed prebuilt). Call after DeepSpeed is imported."""
     import glob
 
-    from deepspeed import git_version_info, ops
     from torch.utils.cpp_extension import get_default_build_root
 
-    name = "deepspeed_shm_comm"
-    if not ops.__compatible_ops__.get(name) or git_version_info.installed_ops.get(name):
+    if not deepspeed_builds_op("deepspeed_shm_comm"):
         return
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
     if os.environ.get("LOCAL_RANK", "0") != "0" or glob.glob(

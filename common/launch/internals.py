@@ -115,6 +115,11 @@ USES = (
         "carry",
     ),
     Use(
+        "deepspeed",
+        "deepspeed.ops.__compatible_ops__ and git_version_info.installed_ops (the ops it JIT-builds at first use)",
+        "deepspeed_builds_op: common/launch/cpu_host.py says a first launch's compile before it starts",
+    ),
+    Use(
         "python",
         "argparse.ArgumentParser._actions",
         "parser_actions, parser_option_strings: the keys a recipe YAML may set, the options a command line may",
@@ -263,6 +268,14 @@ def ring_attention_on_cpu() -> None:
 
 
 # ---- deepspeed -------------------------------------------------------------------------------
+def deepspeed_builds_op(name: str) -> bool:
+    """Whether DeepSpeed compiles its op `name` (deepspeed_shm_comm, ...) on first use here: compatible with this
+    host, and not installed prebuilt. Call after DeepSpeed is imported."""
+    from deepspeed import git_version_info, ops
+
+    return bool(ops.__compatible_ops__.get(name)) and not git_version_info.installed_ops.get(name)
+
+
 def innermost_optimizer(optimizer):
     """The torch optimizer updating the weights, under accelerate's and DeepSpeed's `.optimizer` wrappers."""
     while hasattr(optimizer, "optimizer"):

@@ -692,14 +692,12 @@ class CompletionLog:
         self.accelerator, self.tokenizer = accelerator, tokenizer
         self.path = os.path.join(output_dir, COMPLETIONS)
         if accelerator.is_main_process and os.path.exists(self.path):
-            write_atomically(self.path, "".join(self._kept(start_step, num_iterations)))
+            write_atomically(self.path, "".join(self._kept(start_step, num_iterations)) if start_step else "")
 
     def __call__(self, rollout: Rollout, rewards: torch.Tensor, table: torch.Tensor, scorer) -> None:
         """A rollout's completions (`rewards`, `table`: `scorer`'s last call on them, a
         common.objectives.rewards.Rewards)."""
-        own = [{"split": "train", "rollout": rollout.index} for _ in rollout.rows]
-        for entry, advantage in zip(own, rollout.advantages.tolist()):
-            entry["advantage"] = advantage
+        own = [{"split": "train", "rollout": rollout.index, "advantage": a} for a in rollout.advantages.tolist()]
         self._append(rollout.rows, rewards, table, scorer, own)
 
     def held_out(self, rows: list[dict], rewards: torch.Tensor, table: torch.Tensor, scorer, step: int) -> None:
@@ -744,10 +742,10 @@ class CompletionLog:
         """The file's complete lines a run resumed after `step` optimizer steps does not do again: the rollouts
         sampled before it (rollout r at step r x num_iterations; the one a resume inside --num_iterations trains
         on again is not sampled again) and the evaluations of the steps up to it (each runs before the checkpoint of
-        its step). A fresh run (step 0) keeps none."""
+        its step)."""
         with open(self.path) as handle:
             for line in handle:
-                if not line.endswith("\n") or not step:
+                if not line.endswith("\n"):
                     continue
                 entry = json.loads(line)
                 if entry.get("split", "train") == "train" and entry["rollout"] * num_iterations < step:

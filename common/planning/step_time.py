@@ -646,8 +646,10 @@ def rank(args, model: dict, device: dict, configs: dict) -> list[dict]:
                         tokens = per_device * rows_per_example * args.seq_len / group  # this rank's share
                         compute = tokens * flops_per_token / (device["tflops"] * 1e12 * args.mfu)
                         bubble = 0.0
-                        if grpo:
-                            compute += rollout_seconds(model, s, per_device, args, device, c, traffic, nodes)
+                        if grpo:  # the rollout: decoding, and the copy's gather where the weights are sharded
+                            compute += decoding_seconds(model, per_device, args, device, c)
+                            gathers = traffic["link"].get((where_of(nodes), "all_gather"), 0)
+                            traffic["link"][where_of(nodes), "all_gather"] = gathers + est["rollout_weights"]
                     device_bytes, host_bytes = device_and_host_bytes(est, sharding, on_gpu)
                     device_bytes += baseline
                     comm, serial_s = link_seconds(traffic["link"], device), link_seconds(serial, device)
@@ -756,19 +758,12 @@ def layout_name(r: dict) -> str:
     return " ".join([r["config"], *sizes, *([r["schedule"]] if r["schedule"] else [])])
 
 
-def rollout_seconds(model: dict, s: dict, per_device: int, args, device: dict, c: int, traffic: dict, nodes: int):
-    """GRPO's rollout on a rank, once a step: its per_device / G prompts decoded one token at a time for
+def decoding_seconds(model: dict, per_device: int, args, device: dict, c: int) -> float:
+    """GRPO's decoding on a rank, once a step: its per_device / G prompts decoded one token at a time for
     --max_completion_length tokens, each token a read of the whole weights (cΨ) from device memory, the same under
-    every config, since every config samples from whole weights (common.objectives.rollout); where the strategy
-    shards them (FSDP2, ZeRO-3, TP), their gather into the copy joins `traffic`'s all-gathers."""
-    psi = model["parameters"]
-    sharded = s["strategy"] == "fsdp" or s["strategy"] == "tp" or s.get("zero_stage") == 3 or s.get("tp_size", 1) > 1
-    if sharded:
-        traffic["link"][where_of(nodes), "all_gather"] = (
-            traffic["link"].get((where_of(nodes), "all_gather"), 0) + c * psi
-        )
+    every config, since every config samples from whole weights (common.objectives.rollout)."""
     prompts = max(per_device // args.num_generations, 1)
-    return prompts * args.max_completion_length * c * psi / (device["memory_gbps"] * GB)
+    return prompts * args.max_completion_length * c * model["parameters"] / (device["memory_gbps"] * GB)
 
 
 def where_of(nodes: int) -> str:
