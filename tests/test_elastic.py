@@ -13,6 +13,7 @@ import itertools
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import time
@@ -27,6 +28,7 @@ from conftest import (
     free_port,
     launch,
     load_weights,
+    outer_make_state,
     read_metrics,
     read_run,
     run,
@@ -721,3 +723,71 @@ def test_bad_input_met_by_a_world_is_one_line_and_the_worlds_after_it_end_at_onc
         r"--nnodes 1:3 cannot keep the global batch of 12 samples .* on 2 nodes: .* multiple of 2", errors[0]
     ), log[-4000:]
     assert re.search(r"exitcode\s*: 2\b", log) and not (tmp_path / "run" / "checkpoints").exists()
+
+
+def one_machine_example() -> tuple[list[str], str]:
+    """docs/operating.md's "Try it on one machine" lines: the two nodes' commands (node 0's, node 1's) and the kill."""
+    page = (REPO / "docs" / "operating.md").read_text()
+    block = page.split("**Try it on one machine.**", 1)[1].split("```bash\n", 1)[1].split("\n```", 1)[0]
+    lines = [line for line in block.replace("\\\n", "").splitlines() if line and not line.startswith("#")]
+    nodes = [line for line in lines if " make causal_lm " in line]
+    kill = [line for line in lines if line.startswith("launcher=")]
+    assert lines[0] == "make demo-data" and len(nodes) == 2 and len(kill) == 1, lines
+    return nodes, kill[0]
+
+
+@pytest.mark.slow
+@pytest.mark.exhaustive
+def test_the_one_machine_example_loses_a_node_takes_it_back_and_lets_it_leave(tmp_path):
+    """docs/operating.md's loopback lines as they are (a free port and a folder of this test's put in): node 1 lost
+    by the page's kill line after step 20's checkpoint, node 0 goes on alone; node 1's command run again joins; then
+    Ctrl-C in node 1's terminal (SIGINT to its foreground group: make and the launcher) says so in one line and
+    node 0 ends the run alone. Each change of world is in run.json; the last world had 1 process."""
+    port, out = free_port(), tmp_path / "elastic_demo"
+    nodes, kill = one_machine_example()
+    nodes, kill = [line.replace("29400", str(port)).replace("outputs/elastic_demo", str(out)) for line in nodes], kill
+    run(["make", "demo-data"])
+    env = {key: value for key, value in os.environ.items() if key not in outer_make_state()} | OFFLINE_ENV
+
+    def start(line: str, log) -> subprocess.Popen:  # a terminal: its own session, the command its foreground group
+        return subprocess.Popen(
+            ["bash", "-c", line], cwd=REPO, env=env, stdout=open(log, "a"), stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+
+    started = [start(nodes[0], tmp_path / "node0.log")]
+    try:
+        wait_for(lambda: listening(port), started, timeout=120)
+        started.append(start(nodes[1], tmp_path / "node1.log"))
+        wait_for(lambda: (out / "checkpoints" / "step_20").exists(), started)
+        subprocess.run(["bash", "-c", kill], cwd=REPO, check=True, timeout=30)
+        assert started[1].wait(timeout=30) != 0
+        wait_for(lambda: len(world_changes(out)) == 1, started)
+        started[1] = start(nodes[1], tmp_path / "node1.log")
+        wait_for(
+            lambda: len(world_changes(out)) == 2 and last_logged_step(out) > world_changes(out)[1]["at_step"], started
+        )
+        os.killpg(started[1].pid, signal.SIGINT)
+        returned = finish(started[1], tmp_path / "node1.log", timeout=60)
+        log = finish(started[0], tmp_path / "node0.log")
+    finally:
+        for process in started:
+            if process.poll() is None:
+                kill_everything(process)
+    assert started[0].returncode == 0, log[-4000:]
+    stops = [line for line in error_lines(returned) if "stopped by" in line]
+    assert stops == [
+        "error: node 1 stopped by SIGINT: its workers were stopped; the other nodes go on without it, and this node's "
+        "command run again joins them"
+    ], returned[-4000:]
+    assert "SignalException" not in returned, returned[-4000:]  # the line, not the agent's traceback
+    lines = re.findall(r"world \d+ -> \d+ processes [^\r\n]*", log)
+    assert [line.split(" after ")[0] for line in lines] == [
+        "world 2 -> 1 processes",
+        "world 1 -> 2 processes",
+        "world 2 -> 1 processes",
+    ], lines
+    record = read_run(out)
+    assert record["participating_processes"] == 1 and len(record["world_changes"]) == 3, record["world_changes"]
+    assert record["world_changes"][0]["lost_ranks"] == [1] and record["world_changes"][2]["lost_ranks"] == [1]
+    print(*lines, stops[0], sep="\n")

@@ -77,6 +77,11 @@ def test_a_lost_peer_is_read_from_the_backends_error_not_from_the_word_timeout(m
     for error in (gloo, closed, nccl, in_backward):
         assert lost_peer_message(error, 60) is not None, error
     assert "10.77.1.2" in lost_peer_message(closed, 60) and "(the main node is " in lost_peer_message(closed, 60)
+    # gloo's advice after its reason (and the emoji a newer gloo adds) gives way to the line's own
+    advised = RuntimeError(
+        closed.args[0] + " Check the logs of the remote worker before reporting an error. \U0001f3d6\ufe0f"
+    )
+    assert ": Connection closed by peer [10.77.1.2]:48875. A process" in lost_peer_message(advised, 60)
     # under an elastic agent MASTER_ADDR is the workers' store; gloo's "GLHF!" sign-off is not part of the reason
     monkeypatch.setenv("RECIPES_ELASTIC", "1:2:127.0.0.1:29400")  # common.launch.elastic's, for its workers
     signed = RuntimeError("[../gloo/transport/tcp/pair.cc:598] Connection closed by peer [10.77.1.2]:48875 GLHF!")

@@ -27,12 +27,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import socket
 import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousTimeoutError
 
 from common.launch.errors import UsageError
@@ -186,6 +188,20 @@ def main(argv: list[str] | None = None) -> None:
     except RendezvousError as error:  # this node's agent lost the rendezvous: the run cannot go on here
         print(f"error: {rendezvous_lost(error, nodes)}", file=sys.stderr, flush=True)
         sys.exit(1)
+    except SignalException as stop:  # Ctrl-C or a kill: the agent has stopped this node's workers
+        print(f"error: {stopped(stop.sigval, args.machine_rank)}", file=sys.stderr, flush=True)
+        sys.exit(128 + int(stop.sigval))
+
+
+def stopped(sigval: int, machine_rank: int | None) -> str:
+    """The one line for a node whose launcher was stopped by a signal: what the other nodes do without it."""
+    main = not machine_rank
+    return f"node {machine_rank or 0} stopped by {signal.Signals(sigval).name}: its workers were stopped; " + (
+        "it was the main node, whose launcher holds the rendezvous, so the other nodes end too: launch again "
+        "with --resume_from_checkpoint latest"
+        if main
+        else "the other nodes go on without it, and this node's command run again joins them"
+    )
 
 
 def rendezvous_lost(error: Exception, nodes: tuple[int, int]) -> str:

@@ -49,6 +49,8 @@ def lost_peer_message(error: BaseException, timeout: float | None) -> str | None
     reason = next((line.strip() for line in text.splitlines() if LOST_PEER.search(line)), text.splitlines()[0])
     reason = re.sub(r"^\[[^\]]*\.(cc|cpp):\d+\]\s*", "", reason)  # drop the backend's source location
     reason = re.sub(r"\s*\bGLHF!?", "", reason).strip()  # gloo's sign-off on a closed pair, not a reason
+    # gloo's advice after the reason ("This is typically caused by ...", an emoji): the line gives its own
+    reason = re.split(r"\.?\s+This is typically caused by", reason)[0].strip()
     if len(reason) > 200:  # the backend's first line can run on: cut at a word, and say so
         reason = reason[:200].rsplit(" ", 1)[0].rstrip(",;:") + " ..."
     addresses = sorted({address for address, _ in ADDRESS.findall(text)})

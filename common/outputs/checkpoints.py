@@ -128,7 +128,11 @@ def load_checkpoint(accelerator, path: str | None, model, optimizer, scheduler) 
     saved_processes = state.get("num_processes", accelerator.num_processes)
     accelerator.print(
         f"resumed from {path} at step {state['step']}"
-        + (f" (saved by {saved_processes} processes)" if saved_processes != accelerator.num_processes else "")
+        + (
+            f" (saved by {saved_processes} process{'es' * (saved_processes != 1)})"
+            if saved_processes != accelerator.num_processes
+            else ""
+        )
     )
     return state
 
