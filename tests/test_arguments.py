@@ -533,10 +533,16 @@ def test_the_handbook_dpo_recipe_yaml_names_its_keys_in_one_message_and_then_run
     assert [row["lr"] for row in train] == [5e-07, 0.0] and abs(train[0]["loss"] - math.log(2)) < 1e-6
 
 
+# what a recipe's --help and argument errors wait for no more: 26 s of grpo.py --help, 10 s of sft.py's before this
+HEAVY = {"peft", "deepspeed", "trl", "datasets", "evaluate", "pandas", "pyarrow"}
+
+
 def test_help_and_argument_errors_come_before_the_training_libraries_load():
-    """`grpo.py --help` took 26 s: what a recipe imports before parsing its arguments (torch, transformers' auto
-    classes, datasets) no longer pulls in peft or DeepSpeed (transformers' scheduler module imported peft), so help
-    and a bad argument answer without them; the seconds are printed."""
+    """`grpo.py --help` took 26 s: what a recipe imports before parsing its arguments (torch, transformers' argument
+    parser and auto classes) no longer pulls in peft or DeepSpeed (transformers' scheduler module imported peft),
+    datasets or evaluate (imported where data is read and metrics are loaded), nor transformers' modeling code
+    (common.data.packing registers sdpa_varlen when a model is prepared), so help and a bad argument answer in about
+    5 s here (torch's import is 3 s of it); the seconds are printed."""
     import subprocess
     import sys
     import time
@@ -555,7 +561,18 @@ def test_help_and_argument_errors_come_before_the_training_libraries_load():
         }
         print(f"grpo.py {' '.join(argv)}: {seconds:.1f} s")
         assert ("usage:" in result.stdout) if argv == ["--help"] else ("no_such_option" in result.stderr), result
-        assert not {"peft", "deepspeed", "trl"} & loaded, sorted({"peft", "deepspeed", "trl"} & loaded)
+        assert not HEAVY & loaded, sorted(HEAVY & loaded)
+    # every recipe's imports (what runs before its arguments are read), in one process
+    recipes = sorted(str(path) for path in (REPO / "recipes").glob("*.py"))
+    probe = (
+        "import importlib.util, sys\n"
+        "for path in sys.argv[1:]:\n"
+        "    spec = importlib.util.spec_from_file_location(path.rsplit('/', 1)[1][:-3], path)\n"
+        "    spec.loader.exec_module(importlib.util.module_from_spec(spec))\n"
+        f"print(sorted(set({sorted(HEAVY)!r}) & set(sys.modules)))"
+    )
+    result = subprocess.run([sys.executable, "-c", probe, *recipes], capture_output=True, text=True, cwd=REPO)
+    assert len(recipes) >= 6 and result.stdout.strip() == "[]", (result.stdout, result.stderr[-3000:])
 
 
 @pytest.mark.parametrize("recipe", ["sft", "dpo", "reward_model", "grpo"])

@@ -22,12 +22,15 @@ from __future__ import annotations
 import re
 from collections import Counter
 from itertools import groupby
-
-from datasets import DatasetDict
+from typing import TYPE_CHECKING
 
 from common.data.chat_template import check_jinja, template_errors
 from common.launch.errors import UsageError
 from common.launch.peers import main_process_alone
+
+
+if TYPE_CHECKING:
+    from datasets import DatasetDict
 
 
 OVERLONG = ("drop", "truncate")
@@ -177,6 +180,8 @@ def tokenize_sft(
 ) -> tuple[DatasetDict, dict]:
     """Tokenize every split; returns the datasets and, per split, how many examples were
     dropped and why ({"train": {"too_long": 3}, ...})."""
+    from datasets import DatasetDict
+
     if overlong not in OVERLONG:
         raise UsageError(f"--overlong must be one of {', '.join(OVERLONG)}, got {overlong!r}")
     fmt = data_format(raw["train"].column_names, messages_column)

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import TYPE_CHECKING
 
-from datasets import Dataset, DatasetDict, IterableDataset, load_dataset
 from torch.utils.data import DataLoader
 from transformers import default_data_collator
 
@@ -22,6 +22,10 @@ from common.options.dataset_mixture import FILE_BUILDERS
 from common.parallel import sequence_parallel
 
 
+if TYPE_CHECKING:
+    from datasets import DatasetDict
+
+
 STREAM_HELD_OUT = 1000  # validation rows taken from a stream that has no validation split
 
 
@@ -29,6 +33,8 @@ def load_raw_datasets(args: DataArguments, seed: int) -> DatasetDict:
     """A DatasetDict with `train` and `validation` (split off train if none is given), every column a
     recipe reads as text as the text written (common.data.sources.load_local).
     With --streaming, `train` is an IterableDataset read as it is consumed (common.data.streaming)."""
+    from datasets import DatasetDict
+
     text = text_columns(args)
     builder = data_files = None
     if not args.dataset_name:
@@ -86,6 +92,8 @@ def load_hub_dataset(args: DataArguments, **kwargs):
 
 
 def _from_hub(name: str, config: str | None, what: str, instead: str, **kwargs):
+    from datasets import load_dataset
+
     try:
         return load_dataset(name, config, **kwargs)
     except (ConnectionError, FileNotFoundError, ValueError) as error:  # DatasetNotFoundError: a FileNotFoundError
@@ -110,6 +118,8 @@ def _mixture_source(source, streaming: bool):
 
 def _mixed(args: DataArguments, builder: str | None, seed: int, text: tuple) -> DatasetDict:
     """--dataset_mixture: the mixed rows; validation from --validation_file, else held out of them."""
+    from datasets import DatasetDict
+
     size = None if args.validation_file else args.mixture.test_split_size or args.validation_split_percentage / 100
     train, validation = load_mixture(args.mixture, seed, _mixture_source, size, text)
     if validation is None:
@@ -124,6 +134,8 @@ def _load_streaming(
     """--streaming: the train stream, and a validation split held in memory: the validation
     file or the Hub's validation split (its first --max_eval_samples rows, default
     STREAM_HELD_OUT), else the stream's first rows, which training then skips."""
+    from datasets import Dataset, DatasetDict, load_dataset
+
     held_out = args.max_eval_samples or STREAM_HELD_OUT
     validation = None
     if args.mixture:  # each source holds out its share of the rows (common.data.mixture)
@@ -246,6 +258,8 @@ def tokenize_and_pack(
     raw: DatasetDict, tokenizer, text_column: str, block_size: int, accelerator, num_proc: int | None = None
 ) -> DatasetDict:
     """Tokenize every split (batched, cached) and pack it into blocks of `block_size`."""
+    from datasets import DatasetDict, IterableDataset
+
     stream = raw["train"] if isinstance(raw["train"], IterableDataset) else None
     if stream is not None:  # --streaming: each rank packs its own documents as they are read
         raw = DatasetDict(validation=raw["validation"])
@@ -304,6 +318,7 @@ def make_dataloaders(
     """Shuffled train loader (the order is a function of seed and epoch, so it resumes; its rows splittable under
     sequence parallelism) and an eval loader (with `eval_collate_fn` if given, else `collate_fn`)."""
     import torch
+    from datasets import IterableDataset
 
     generator = torch.Generator().manual_seed(seed)
     if isinstance(datasets["train"], IterableDataset):  # --streaming: already this rank's share

@@ -4,7 +4,7 @@ A packed batch is one row holding several examples, with position ids restarting
 0 for each (transformers' `DataCollatorWithFlattening`). With plain `sdpa`,
 transformers builds a dense block-diagonal mask over the whole row, so attention
 costs grow with the square of the row (the whole batch). `sdpa_varlen`, registered
-here, is sdpa run per example: the row's examples are gathered into padded
+here (`register`), is sdpa run per example: the row's examples are gathered into padded
 [examples, longest example] batches, attended causally (the padding sits after each
 example's tokens, so no real token sees it), and read back in row order. Examples of
 similar length share a batch (sorted by length, a new batch where an example is shorter
@@ -16,11 +16,10 @@ batches, generation) goes to transformers' sdpa unchanged.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from common.launch.internals import attention_implementation
 
@@ -34,6 +33,8 @@ def _mask(*args, **kwargs):
     # switched off; everything else (padding, generation, plain causal) is sdpa's own mask.
     if kwargs.get("attention_mask") is None and not kwargs.get("allow_is_causal_skip", True):
         return _PACKED
+    from transformers.masking_utils import sdpa_mask
+
     return sdpa_mask(*args, **kwargs)
 
 
@@ -90,6 +91,8 @@ def _sliding_window_mask(length: int, window: int, device) -> torch.Tensor:
 
 def sdpa_varlen_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     if attention_mask is not _PACKED:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
@@ -124,8 +127,15 @@ def sdpa_varlen_forward(module, query, key, value, attention_mask, dropout=0.0, 
     return torch.cat(pieces, dim=1)[:, inverse].transpose(0, 1).unsqueeze(0), None
 
 
-AttentionInterface.register(NAME, sdpa_varlen_forward)
-ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, _mask)
+@functools.cache
+def register() -> None:
+    """Make sdpa_varlen transformers' to choose (its attention and its mask), once per process; done here, not at
+    import, so that a recipe's --help does not wait for transformers' modeling code."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    AttentionInterface.register(NAME, sdpa_varlen_forward)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, _mask)
 
 
 def use_per_example_attention(model) -> str:
@@ -133,6 +143,7 @@ def use_per_example_attention(model) -> str:
     current = attention_implementation(model)
     if current != "sdpa":
         return current
+    register()
     model.set_attn_implementation(NAME)
     return NAME
 

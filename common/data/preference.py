@@ -23,14 +23,18 @@ tensor, so that one forward scores both sides of every pair.
 from __future__ import annotations
 
 from collections import Counter
+from typing import TYPE_CHECKING
 
 import torch
-from datasets import DatasetDict
 
 from common.data.chat import OVERLONG, as_messages, encode_example
 from common.data.chat_template import check_jinja
 from common.launch.errors import UsageError
 from common.launch.peers import main_process_alone
+
+
+if TYPE_CHECKING:
+    from datasets import DatasetDict
 
 
 SIDES = ("chosen", "rejected")
@@ -138,6 +142,8 @@ def tokenize_pairs(
     """Tokenize every split's pairs; each row keeps its index in its split (`index`, by which
     precomputed reference log-probs are found). Returns the datasets and, per split, the rows
     dropped and cut and why ({"train": {"too_long": 3, "prompt_cut": 5}})."""
+    from datasets import DatasetDict
+
     if overlong not in OVERLONG:
         raise UsageError(f"--overlong must be one of {', '.join(OVERLONG)}, got {overlong!r}")
     for split, dataset in raw.items():

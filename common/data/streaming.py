@@ -25,16 +25,20 @@ A datasets IterableDataset, from the Hub or from local files.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from accelerate import PartialState
 from accelerate.utils import send_to_device
-from datasets import IterableDataset
-from datasets.distributed import split_dataset_by_node
 from torch.utils.data import DataLoader
 from transformers import default_data_collator
 
 from common.data.sources import load_local
 from common.launch.errors import UsageError
+
+
+if TYPE_CHECKING:
+    from datasets import IterableDataset
 
 
 def load_train_stream(builder: str, data_files: dict, text_columns) -> IterableDataset:
@@ -52,6 +56,8 @@ def tokenize_and_pack_stream(
     stream: IterableDataset, text_column: str, tokenize, pack, block_size: int, eos_token_id: int, accelerator
 ) -> IterableDataset:
     """This rank's documents, tokenized and packed as they are read."""
+    from datasets.distributed import split_dataset_by_node
+
     columns = column_names(stream)
     if text_column not in columns:
         raise UsageError(f"column {text_column!r} not in the train data (columns: {columns}); set --text_column")

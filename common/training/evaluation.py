@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 
-import evaluate
 import torch
 from accelerate.utils import gather_object
 from tqdm.auto import tqdm
@@ -21,6 +20,8 @@ def load_metric(name: str):
     """A metric shipped in common/training/evaluate_metrics (offline), a local folder, or a Hub name."""
     shipped = os.path.join(SHIPPED_METRICS, name)
     try:
+        import evaluate  # (it loads datasets: not before a recipe's arguments are read)
+
         return evaluate.load(shipped if os.path.isdir(shipped) else name)
     except (FileNotFoundError, ConnectionError, OSError) as error:
         raise UsageError(

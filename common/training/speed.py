@@ -46,7 +46,9 @@ def attention_candidates(requested: str, model, packed_rows: bool) -> list[str]:
 def prepare_model(model, speed: SpeedArguments, packed_rows: bool = False):
     """Set the attention kernel, activation checkpointing and Liger's kernels on a freshly loaded
     model (before LoRA adapters, and before `accelerator.prepare`, which compiles)."""
-    from common.data.packing import NAME, use_per_example_attention  # registers sdpa_varlen
+    from common.data.packing import NAME, register, use_per_example_attention
+
+    register()  # sdpa_varlen, which --attn_implementation may name
 
     candidates = attention_candidates(speed.attn_implementation, model, packed_rows)
     sequence_parallel_attention = launched_attention()  # zero3_ulysses.yaml: DeepSpeed wraps it; fsdp_cp.yaml: sdpa
