@@ -40,6 +40,8 @@ from conftest import (
     read_run,
 )
 
+from common.parallel.pipeline import stage_layers
+
 
 FP32_TOLERANCE = 1e-5
 
@@ -256,19 +258,48 @@ def test_tied_embeddings_resume_between_pp_one_process_and_fsdp(small_markov, tm
         assert max_weight_difference(stopped / "final", full / "final") < FP32_TOLERANCE, (config, source)
 
 
+def decoder_config(tmp_path, model_type: str) -> str:
+    """A tiny config of another decoder family: Qwen3 (q/k norms, tied embeddings, grouped-query attention) as
+    shipped, Mistral (a sliding window shorter than the chats, grouped-query attention) and Llama with 3 layers."""
+    if model_type == "qwen3":
+        return str(REPO / "recipes/configs/tiny_qwen3.json")
+    config = json.loads((REPO / "recipes/configs/tiny_llama.json").read_text()) | {"num_hidden_layers": 3}
+    if model_type == "mistral":
+        config |= {"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": 8}
+        config |= {"num_key_value_heads": 2, "head_dim": 16}
+    path = tmp_path / f"tiny_{model_type}.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
 @pytest.mark.slow
-@pytest.mark.exhaustive
-def test_sft_on_padded_chats_of_varying_length_trains_as_one_process_under_gpipe(counting_data, tmp_path):
-    """Each window's micro-batches are padded to its longest (labels -100, attention masked): the same losses."""
+@pytest.mark.parametrize(
+    "model_type",
+    [
+        "qwen3",
+        pytest.param("mistral", marks=pytest.mark.exhaustive),
+        pytest.param("llama", marks=pytest.mark.exhaustive),
+    ],
+)
+def test_sft_on_padded_chats_of_varying_length_trains_as_one_process_under_gpipe(model_type, tmp_path):
+    """Each window's micro-batches are padded to its longest (labels -100, attention masked): the same losses as one
+    process over 2 epochs of 9 batches, accumulation 2 (each epoch's last batch left out), on each decoder family
+    through its own forward."""
+    from common.data.synthetic import write_arithmetic_data
+
+    data = tmp_path / "counting"
+    write_arithmetic_data(str(data), train=36, validation=8, counting=True)
     values = dict(
         config=REPO / "recipes/configs/sft_demo.yaml",
-        tokenizer_name_or_path=counting_data / "tokenizer",
-        train_file=counting_data / "train.jsonl",
-        validation_file=counting_data / "validation.jsonl",
+        model_config=decoder_config(tmp_path, model_type),
+        tokenizer_name_or_path=data / "tokenizer",
+        train_file=data / "train.jsonl",
+        validation_file=data / "validation.jsonl",
         packing="false",
         per_device_train_batch_size=4,
         gradient_accumulation_steps=2,
-        max_steps=6,
+        max_steps=-1,
+        num_train_epochs=2,
         logging_steps=1,
         eval_steps=0,
         save_steps=0,
@@ -283,7 +314,8 @@ def test_sft_on_padded_chats_of_varying_length_trains_as_one_process_under_gpipe
         pipeline_config(tmp_path, "GPipe"), "sft.py", flags(**values, output_dir=tmp_path / "pp"), launcher_args=FP32
     )
     launch_one_process("sft.py", flags(**values, output_dir=tmp_path / "one"), launcher_args=FP32)
-    assert read_run(tmp_path / "pp")["participating_processes"] == 2
+    run = read_run(tmp_path / "pp")
+    assert run["participating_processes"] == 2 and len(read_metrics(tmp_path / "pp")[0]) == 8
     assert relative_gaps(tmp_path / "pp", tmp_path / "one") < FP32_TOLERANCE
     assert max_weight_difference(tmp_path / "pp" / "final", tmp_path / "one" / "final") < FP32_TOLERANCE
     evaluation = [read_metrics(tmp_path / name)[1][-1] for name in ("pp", "one")]
@@ -317,13 +349,71 @@ def test_interleaved_1f1b_runs_two_stages_per_rank_as_one_process(small_markov, 
 
 def test_the_split_counts_the_embeddings_and_the_head_as_layers():
     """torchtitan's rule: num_layers + 2 units dealt out evenly, the first stage's share holding the embeddings."""
-    from common.parallel.pipeline import stage_layers
 
     assert stage_layers(8, 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert stage_layers(2, 2) == [[0], [1]]
     assert stage_layers(6, 4) == [[0], [1, 2], [3, 4], [5]]
     assert stage_layers(7, 3) == [[0, 1], [2, 3, 4], [5, 6]]
     assert sorted(sum(stage_layers(30, 4), [])) == list(range(30))
+
+
+# small configs of the decoder families the stages are tested on: grouped-query attention, a sliding window (Mistral),
+# alternating sliding and full layers with logit soft-capping (Gemma2), q/k norms and tied embeddings (Qwen3)
+SMALL = dict(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=5,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=64,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+FAMILIES = {
+    "llama": {},
+    "qwen3": {"tie_word_embeddings": True},
+    "mistral": {"sliding_window": 4},
+    "gemma": {},
+    "gemma2": {"sliding_window": 4, "final_logit_softcapping": 5.0},
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_every_decoder_with_a_pipeline_plan_splits_through_its_own_forward(model_type):
+    """The stages, run one after another in this process, give the whole model's logits and gradients exactly (2, 3
+    and 4 stages of 5 layers, a padded row): each is the model's own forward with the other stages' layers passed
+    through, so no model's forward is repeated here; a decoder without the plan is one line."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from common.parallel.pipeline import StageModule, model_problems
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **SMALL, **FAMILIES[model_type]))
+    settings = type("Settings", (), dict(num_stages=4, size=4, stages_per_rank=1, schedule="1F1B"))()
+    assert model_problems(model, settings) == []
+    ids = torch.randint(3, 96, (2, 12))
+    mask = torch.ones_like(ids)
+    mask[1, 8:] = 0
+    whole = model(input_ids=ids, attention_mask=mask).logits
+    whole.pow(2).mean().backward()
+    expected = {name: p.grad.clone() for name, p in model.named_parameters()}
+    for count in (2, 3, 4):
+        model.zero_grad()
+        hidden = ids
+        for index, layers in enumerate(stage_layers(5, count)):
+            hidden = StageModule(model, layers, index == 0, index == count - 1)(hidden, attention_mask=mask)
+        assert torch.equal(hidden, whole), (model_type, count)
+        hidden.pow(2).mean().backward()
+        assert all(torch.equal(p.grad, expected[name]) for name, p in model.named_parameters()), (model_type, count)
+    gpt2 = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", n_layer=2, n_embd=32, n_head=4))
+    assert model_problems(gpt2, settings) == [
+        "pipeline parallelism splits a causal LM whose transformers class declares a base_model_pp_plan of "
+        "embed_tokens, layers, norm (Llama, Qwen2/3, Mistral, Gemma and most decoders), and GPT2LMHeadModel (gpt2) "
+        "declares none; use ddp.yaml, fsdp.yaml or zero3.yaml"
+    ]
 
 
 def test_the_launched_config_is_read_from_the_accelerate_launch_command(tmp_path):

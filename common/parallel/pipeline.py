@@ -23,6 +23,7 @@ knows, so common.launch.mesh reads them from the file the launch was given (docs
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 
@@ -36,8 +37,6 @@ from common.launch.errors import UsageError
 from common.launch.mesh import PipelineSettings
 
 
-# the model types whose decoder forward `StageModule` repeats (LlamaModel.forward in transformers 5.23)
-SPLITTABLE = ("llama",)
 # schedules kept, one per micro-batch shape: each keeps its stages' receive buffers, shaped once, so padded batches
 # of many lengths would hold a set for each; one set, as make estimate-memory counts (a new shape builds anew)
 KEPT_SCHEDULES = 1
@@ -85,11 +84,13 @@ def stage_layers(num_layers: int, num_stages: int) -> list[list[int]]:
 def model_problems(model, settings: PipelineSettings) -> list[str]:
     """Why `model` (real or on the meta device) cannot be split into `settings`' stages, one line each."""
     config, name = model.config, type(model).__name__
-    plan = getattr(config, "base_model_pp_plan", None)
-    if config.model_type not in SPLITTABLE or not plan or model.get_output_embeddings() is None:
+    plan = tuple(getattr(config, "base_model_pp_plan", None) or ())
+    if plan != PLAN or model.get_output_embeddings() is None or model.base_model is model:
         return [
-            f"pipeline parallelism splits a causal LM of the Llama architecture (its base_model_pp_plan: embed_tokens, "
-            f"layers, norm) and {name} is not one; use ddp.yaml, fsdp.yaml or zero3.yaml"
+            f"pipeline parallelism splits a causal LM whose transformers class declares a base_model_pp_plan of "
+            f"{', '.join(PLAN)} (Llama, Qwen2/3, Mistral, Gemma and most decoders), and {name} "
+            f"({config.model_type}) {'has ' + ', '.join(plan) if plan else 'declares none'}; use ddp.yaml, fsdp.yaml "
+            "or zero3.yaml"
         ]
     if settings.num_stages > config.num_hidden_layers:
         return [
@@ -98,6 +99,14 @@ def model_problems(model, settings: PipelineSettings) -> list[str]:
             "at least one; lower parallelism_config_pp_size or use a one-stage-per-rank schedule (1F1B, GPipe)"
         ]
     return []
+
+
+def declares_plan(model_type: str) -> bool:
+    """Whether transformers' config class for `model_type` declares the pipeline plan stages are cut by."""
+    from transformers import CONFIG_MAPPING
+
+    known = CONFIG_MAPPING[model_type] if model_type in CONFIG_MAPPING else None
+    return known is not None and tuple(getattr(known, "base_model_pp_plan", None) or ()) == PLAN
 
 
 def check_arguments(arguments: tuple) -> None:
@@ -142,60 +151,68 @@ def enabled(accelerator) -> bool:
     return isinstance(accelerator, PipelineAccelerator)
 
 
+# the base model's parts a stage keeps or leaves (transformers' base_model_pp_plan names them: embeddings, layers, norm)
+PLAN = ("embed_tokens", "layers", "norm")
+
+
+class Skipped(torch.nn.Module):
+    """A decoder layer another stage runs: the hidden states pass through it unchanged, so the model's own forward
+    keeps each layer's index (Gemma's and Qwen3's pick a layer's mask by it)."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return hidden_states
+
+
+def _view(module: torch.nn.Module, **replaced) -> torch.nn.Module:
+    """A shallow copy of `module` sharing its parameters and code, some of its submodules replaced."""
+    view = copy.copy(module)
+    view.__dict__["_modules"] = {**module._modules, **replaced}
+    return view
+
+
 class StageModule(torch.nn.Module):
-    """One stage: LlamaModel.forward's steps for its share of the decoder (the embeddings first, its layers,
-    the norm and head last), on the modules of the rank's share of the model."""
+    """One stage, run through the model's own forward: the base model's with the decoder layers of other stages
+    passed through (`Skipped`), the embeddings on the first stage only (the others take hidden states as
+    `inputs_embeds`) and the final norm on the last; the last stage runs the causal LM's forward (its head, and any
+    logit soft-capping the model has) over it."""
 
     def __init__(self, model, layers: list[int], first: bool, last: bool):
         super().__init__()
-        base = model.model
-        self.config, self.first, self.last = model.config, first, last
-        self.embed_tokens = base.embed_tokens if first else None
-        self.layers = torch.nn.ModuleList([base.layers.get_submodule(str(index)) for index in layers])
-        self.rotary_emb = base.rotary_emb
-        self.norm = base.norm if last else None
-        self.lm_head = model.lm_head if last else None
+        base, (embeddings, decoder, norm) = model.base_model, PLAN
+        mine = set(layers)
+        kept = torch.nn.ModuleList(
+            [layer if index in mine else Skipped() for index, layer in enumerate(getattr(base, decoder))]
+        )
+        self.first, self.last = first, last
+        self.base = _view(
+            base,
+            **{
+                embeddings: getattr(base, embeddings) if first else None,
+                decoder: kept,
+                norm: getattr(base, norm) if last else torch.nn.Identity(),
+            },
+        )
+        self.causal = _view(model, **{model.base_model_prefix: self.base}) if last else None
 
     def forward(self, hidden, attention_mask=None):
-        from transformers.masking_utils import create_causal_mask
-
-        if self.first:
-            hidden = self.embed_tokens(hidden)
-        position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        mask = create_causal_mask(
-            config=self.config,
-            inputs_embeds=hidden,
-            attention_mask=attention_mask,
-            past_key_values=None,
-            position_ids=position_ids,
-        )
-        position_embeddings = self.rotary_emb(hidden, position_ids=position_ids)
-        for layer in self.layers:
-            hidden = layer(
-                hidden,
-                attention_mask=mask,
-                position_embeddings=position_embeddings,
-                position_ids=position_ids,
-                past_key_values=None,
-                use_cache=False,
-            )
+        inputs = {"input_ids" if self.first else "inputs_embeds": hidden}
         if self.last:
-            hidden = self.lm_head(self.norm(hidden))
-        return hidden
+            return self.causal(**inputs, attention_mask=attention_mask, use_cache=False).logits
+        return self.base(**inputs, attention_mask=attention_mask, use_cache=False).last_hidden_state
 
 
 def keep_stages(model, layers_per_stage: list[list[int]], stages: list[int]) -> None:
     """Drop from `model` (in place) what the rank's `stages` do not run; what stays keeps its name."""
-    base = model.model
-    kept = sorted(index for stage in stages for index in layers_per_stage[stage])
-    layers = torch.nn.ModuleList()
-    for index in kept:
-        layers.add_module(str(index), base.layers[index])
-    base.layers = layers
+    base, (embeddings, decoder, norm) = model.base_model, PLAN
+    kept = {index for stage in stages for index in layers_per_stage[stage]}
+    layers = getattr(base, decoder)
+    for index in range(len(layers)):
+        if index not in kept:
+            layers[index] = Skipped()
     if 0 not in stages:
-        base.embed_tokens = None
+        setattr(base, embeddings, None)
     if len(layers_per_stage) - 1 not in stages:
-        base.norm = None
+        setattr(base, norm, None)
         model.lm_head = None
 
 
@@ -222,7 +239,7 @@ class PipelineModel(torch.nn.Module):
         self.tied_group = accelerator.ends_group() if self.tied else None
         ends = {0, self.last_rank}
         self.tied_weight = (
-            (self.stages[0].embed_tokens or self.stages[-1].lm_head).weight
+            (getattr(module.base_model, PLAN[0]) or module.get_output_embeddings()).weight
             if self.tied and self.rank in ends
             else None
         )

@@ -357,12 +357,13 @@ def estimate_stages(
     * torch's receive buffers, made for every micro-batch of the window: the hidden state (fp32, b x s x h) into
       each stage but the first, its gradient into each but the last (`communication_buffers`);
     * while it starts, the whole model in fp32: each rank builds it, then keeps its stages (`loading_peak`)."""
-    from common.parallel.pipeline import SPLITTABLE, schedule_keeps_outputs, stage_layers
+    from common.parallel.pipeline import PLAN, declares_plan, schedule_keeps_outputs, stage_layers
 
-    if model.get("model_type") not in SPLITTABLE:
+    if not declares_plan(model.get("model_type")):
         raise ValueError(
-            f"pipeline parallelism splits a causal LM of the Llama architecture and this model is "
-            f"{model.get('model_type')!r}; estimate it under ddp.yaml, fsdp.yaml or zero3.yaml"
+            f"pipeline parallelism splits a causal LM whose transformers class declares a base_model_pp_plan of "
+            f"{', '.join(PLAN)}, and this model ({model.get('model_type')!r}) does not; estimate it under ddp.yaml, "
+            "fsdp.yaml or zero3.yaml"
         )
     checkpointing = checkpointing or strategy.get("activation_checkpointing", False)
     size, per_rank, m = strategy["pp_size"], strategy["stages_per_rank"], accumulation
