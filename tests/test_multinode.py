@@ -98,19 +98,13 @@ exit $status
 """
 
 
-@pytest.mark.slow
-@pytest.mark.exhaustive
-def test_slurm_batch_script_runs_hsdp_on_two_fake_nodes_of_two_processes(markov_data, reference, tmp_path):
-    """scripts/slurm/train.sbatch with multi_node_hsdp.yaml on 2 fake nodes x 2 processes (loopback):
-    the script sets the mesh from the job (dp_replicate = nodes, dp_shard = GPUs per node), so the
-    parameters are sharded over a node's 2 processes (each rank holds half, not a quarter) and
-    replicated across the nodes, and the run trains the same model as one process (4 ranks x 2)."""
+def run_slurm_job(config: str, args: list, tmp_path) -> str:
+    """scripts/slurm/train.sbatch with `config` on 2 fake nodes x 2 processes (loopback); its output."""
     fake_bin = tmp_path / "bin"
     fake_bin.mkdir()
     for name, text in {"srun": FAKE_SRUN, "scontrol": "#!/bin/bash\necho 127.0.0.1\necho 127.0.0.1\n"}.items():
         (fake_bin / name).write_text(text)
         (fake_bin / name).chmod(stat.S_IRWXU)
-    out = tmp_path / "run"
     env = {
         **os.environ,
         **OFFLINE_ENV,
@@ -123,14 +117,7 @@ def test_slurm_batch_script_runs_hsdp_on_two_fake_nodes_of_two_processes(markov_
     }
     env.pop("SLURM_NODEID", None)
     process = subprocess.Popen(
-        [
-            "bash",
-            "scripts/slurm/train.sbatch",
-            "accelerate_configs/multi_node_hsdp.yaml",
-            *FP32,
-            "recipes/causal_lm.py",
-            *causal_lm_args(markov_data, out, per_device_train_batch_size=2, max_steps=12),
-        ],
+        ["bash", "scripts/slurm/train.sbatch", f"accelerate_configs/{config}", *FP32, "recipes/causal_lm.py", *args],
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,
@@ -138,7 +125,21 @@ def test_slurm_batch_script_runs_hsdp_on_two_fake_nodes_of_two_processes(markov_
         text=True,
     )
     log = wait_all([process])[0]
-    assert "machine_rank=0 of 2, 2 processes" in log and "machine_rank=1 of 2, 2 processes" in log
+    assert "machine_rank=0 of 2, 2 processes" in log and "machine_rank=1 of 2, 2 processes" in log, log[-4000:]
+    return log
+
+
+@pytest.mark.slow
+@pytest.mark.exhaustive
+def test_slurm_batch_script_runs_hsdp_on_two_fake_nodes_of_two_processes(markov_data, reference, tmp_path):
+    """scripts/slurm/train.sbatch with multi_node_hsdp.yaml on 2 fake nodes x 2 processes (loopback):
+    the script sets the mesh from the job (dp_replicate = nodes, dp_shard = GPUs per node), so the
+    parameters are sharded over a node's 2 processes (each rank holds half, not a quarter) and
+    replicated across the nodes, and the run trains the same model as one process (4 ranks x 2)."""
+    out = tmp_path / "run"
+    run_slurm_job(
+        "multi_node_hsdp.yaml", causal_lm_args(markov_data, out, per_device_train_batch_size=2, max_steps=12), tmp_path
+    )
     record = read_run(out)
     assert record["participating_processes"] == 4 and record["distributed_type"] == "FSDP"
     assert record["device_mesh"] == {"dp_replicate": 2, "dp_shard": 2}
@@ -150,6 +151,62 @@ def test_slurm_batch_script_runs_hsdp_on_two_fake_nodes_of_two_processes(markov_
         f"max loss gap to one process {gap:.2e}"
     )
     assert len(losses(out)) == 12 and gap < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("config", ["dp_pp.yaml", "pp.yaml"])
+def test_slurm_batch_script_runs_a_pipeline_in_each_node_replicated_across_nodes(
+    config, markov_data, reference, tmp_path
+):
+    """A pipeline config through train.sbatch on 2 fake nodes x 2 processes: no HSDP sizes added, each node one
+    2-stage pipeline (its ranks consecutive), the nodes its data-parallel replicas, and the same losses as one
+    process of the same global batch (2 replicas x 4)."""
+    out = tmp_path / "run"
+    run_slurm_job(config, causal_lm_args(markov_data, out, per_device_train_batch_size=4, max_steps=12), tmp_path)
+    record = read_run(out)
+    assert record["participating_processes"] == 4 and record["pipeline"]["replicas"] == 2
+    assert [stage["rank"] for stage in record["pipeline"]["stages"]] == [0, 1]
+    gap = max(abs(a - b) for a, b in zip(losses(out), losses(reference)))
+    print(f"{config}, 2 fake SLURM nodes x 2 processes (a pipeline per node): max loss gap to one process {gap:.2e}")
+    assert len(losses(out)) == 12 and gap < 1e-5
+
+
+@pytest.mark.parametrize(
+    "config, gpus, expected",
+    [
+        ("dp_pp.yaml", 2, r"launch --config_file accelerate_configs/dp_pp.yaml --num_machines 2 --machine_rank 0 "
+         r"--num_processes 4 --main_process_ip"),
+        ("pp.yaml", 4, r"--num_processes 8 --main_process_ip"),
+        ("multi_node_hsdp.yaml", 2, r"--num_processes 4 --parallelism_config_dp_replicate_size 2 "
+         r"--parallelism_config_dp_shard_size 2 --main_process_ip"),
+        ("dp_pp.yaml", 3, r"^error: accelerate_configs/dp_pp.yaml: parallelism_config_pp_size 2 does not divide the 3 "
+         r"processes of a node: a pipeline stays within a node; .*$"),
+    ],
+)  # fmt: skip
+def test_the_slurm_launcher_keeps_a_pipeline_within_a_node(config, gpus, expected, tmp_path):
+    """launch_node.sh's launch line (accelerate stood in for by echo): a pipeline config gets no HSDP sizes, and a pp
+    size that does not divide a node's processes is one line and exit status 2, before anything starts."""
+    env = {
+        **os.environ,
+        "SLURM_NNODES": "2",
+        "SLURM_NODEID": "0",
+        "GPUS_PER_NODE": str(gpus),
+        "MAIN_PROCESS_IP": "127.0.0.1",
+        "MAIN_PROCESS_PORT": "29500",
+        "ACCELERATE": "echo",
+    }
+    result = subprocess.run(
+        ["bash", "scripts/slurm/launch_node.sh", f"accelerate_configs/{config}", "recipes/causal_lm.py"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    said = result.stderr.splitlines()[-1] if result.returncode else result.stdout
+    assert re.search(expected, said), (result.stdout, result.stderr)
+    assert result.returncode == (2 if said.startswith("error:") else 0)
+    assert "parallelism_config_dp" not in result.stdout or config.startswith("multi_node_hsdp")
 
 
 def zero3_checkpoint_of_another_world_size(folder):

@@ -16,11 +16,13 @@ bit, and benchmarks/benchmark_bubble.py. Bad input: the split, the schedule and 
 import json
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 import yaml
 from conftest import (
+    BIN,
     CONFIGS,
     FP32,
     REPO,
@@ -28,6 +30,7 @@ from conftest import (
     causal_lm_args,
     estimate_for_run,
     flags,
+    free_port,
     launch,
     launch_one_process,
     load_script,
@@ -38,6 +41,7 @@ from conftest import (
     pretrained_args,
     read_metrics,
     read_run,
+    run,
 )
 
 from common.parallel.pipeline import stage_layers
@@ -417,18 +421,70 @@ def test_every_decoder_with_a_pipeline_plan_splits_through_its_own_forward(model
 
 
 def test_the_launched_config_is_read_from_the_accelerate_launch_command(tmp_path):
+    """Every form accelerate's launcher takes is read by its own parser: `--config_file X`, `--config-file X`,
+    `--config_file=X`, none (accelerate's default file), the `python -m` launchers (the elastic one's --nnodes set
+    aside); a recipe's own `--config_file` after the script is never taken for the launcher's."""
+    from accelerate.commands.config import default_config_file
+
     from common.launch.mesh import PipelineSettings, config_file_of, pipeline_settings_in
 
-    argv = ["/venv/bin/python", "/venv/bin/accelerate", "launch", "--config_file", "configs/pp.yaml", "train.py"]
-    assert config_file_of(argv, "/work") == "/work/configs/pp.yaml"
+    launcher = ["/venv/bin/python", "/venv/bin/accelerate", "launch"]
+    assert (
+        config_file_of([*launcher, "--config_file", "configs/pp.yaml", "train.py"], "/work") == "/work/configs/pp.yaml"
+    )
+    assert (
+        config_file_of([*launcher, "--config-file", "configs/pp.yaml", "train.py"], "/work") == "/work/configs/pp.yaml"
+    )
+    assert config_file_of([*launcher, "--config-file=/a.yaml", "train.py"], "/work") == "/a.yaml"
+    assert config_file_of([*launcher, "train.py", "--config_file", "mine.yaml"], "/work") == default_config_file
     assert config_file_of(["python", "-m", "accelerate.commands.launch", "--config_file=/a.yaml", "x.py"], "/w") == (
         "/a.yaml"
     )
+    elastic = ["python", "-m", "common.launch.elastic", "--nnodes", "1:2", "--config-file", "/b.yaml", "x.py"]
+    assert config_file_of(elastic, "/w") == "/b.yaml"
     assert config_file_of(["/venv/bin/python", "-u", "recipes/causal_lm.py"], "/work") is None
     console = ["/venv/bin/python", "/venv/bin/accelerate-launch", "--config_file", "pp.yaml", "x.py"]
     assert config_file_of(console, "/w") == "/w/pp.yaml"  # accelerate's other console script
     block = yaml.safe_load((CONFIGS / "pp.yaml").read_text())["parallelism_config"]
     assert pipeline_settings_in(block) == PipelineSettings(2, "1F1B")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("form", ["--config-file", pytest.param("default", marks=pytest.mark.exhaustive)])
+def test_the_hyphen_form_and_the_default_config_train_on_their_own_files_settings(form, small_markov, tmp_path):
+    """accelerate's default config present and a pipeline config of its own (GPipe): `--config-file pp.yaml` trains
+    on pp.yaml's 1F1B (it trained on the default's before), and a launch naming no file on the default's GPipe; run.json
+    and the start line say the schedule, the stages' layers and the file."""
+    default = tmp_path / "hf_home" / "accelerate" / "default_config.yaml"
+    default.parent.mkdir(parents=True)
+    default.write_text(Path(pipeline_config(tmp_path, "GPipe")).read_text())
+    named = [] if form == "default" else ["--config-file", str(CONFIGS / "pp.yaml")]
+    result = run(
+        [
+            BIN / "accelerate",
+            "launch",
+            *named,
+            *FP32,
+            "--main_process_port",
+            free_port(),
+            REPO / "recipes/causal_lm.py",
+            *causal_lm_args(small_markov, tmp_path / "run", max_steps=2, eval_steps=0, save_steps=0),
+        ],
+        env={"HF_HOME": str(tmp_path / "hf_home")},
+    )
+    record = read_run(tmp_path / "run")
+    schedule, source = ("GPipe", default) if form == "default" else ("1F1B", CONFIGS / "pp.yaml")
+    assert record["participating_processes"] == 2
+    assert record["pipeline"] == {
+        "size": 2,
+        "schedule": schedule,
+        "stages_per_rank": 1,
+        "replicas": 1,
+        "config_file": str(source),
+        "stages": [{"rank": 0, "layers": [0]}, {"rank": 1, "layers": [1]}],
+    }
+    line = next(line for line in result.stdout.splitlines() if line.startswith("run: "))
+    assert f"pipeline of 2 stages ({schedule}, layers 0 | 1) from {source}" in line, line
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,7 @@ same as accelerate's own calls where there is no tensor parallelism)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -126,6 +127,7 @@ SIZE_KEY, SCHEDULE_KEY = "parallelism_config_pp_size", "parallelism_config_pp_sc
 class PipelineSettings:
     size: int  # ranks in one pipeline
     schedule: str  # one of PIPELINE_SCHEDULES
+    config_file: str | None = dataclasses.field(default=None, compare=False)  # the file they were read from
 
     @property
     def stages_per_rank(self) -> int:
@@ -177,21 +179,39 @@ def _ancestors():
         pid = parent
 
 
+LAUNCHERS = ("accelerate.commands.launch", "common.launch.elastic")  # `python -m` launchers of a recipe
+
+
 def config_file_of(argv: list[str], cwd: str) -> str | None:
     """The accelerate config an `accelerate launch` command line uses (accelerate's default file when it names
-    none), or None when `argv` is not one."""
+    none), or None when `argv` is not one. The launcher's own arguments are read by accelerate's parser, so every
+    form it takes is read alike (`--config_file X`, `--config-file X`, `--config_file=X`), and a recipe's own
+    arguments after the script are never taken for the launcher's."""
     names = [os.path.basename(arg) for arg in argv]
-    launcher = ("accelerate" in names and "launch" in names) or "accelerate-launch" in names
-    if not (launcher or "accelerate.commands.launch" in argv):
-        return None
-    for index, arg in enumerate(argv):
-        if arg == "--config_file" and index + 1 < len(argv):
-            return os.path.join(cwd, argv[index + 1])
-        if arg.startswith("--config_file="):
-            return os.path.join(cwd, arg.split("=", 1)[1])
-    from accelerate.commands.config import default_config_file
+    if "accelerate" in names and "launch" in names[names.index("accelerate") :]:
+        rest = argv[names.index("launch", names.index("accelerate")) + 1 :]
+    elif "accelerate-launch" in names:
+        rest = argv[names.index("accelerate-launch") + 1 :]
+    elif any(launcher in argv for launcher in LAUNCHERS):
+        at = next(argv.index(launcher) for launcher in LAUNCHERS if launcher in argv)
+        rest = argv[at + 1 :]
+        if argv[at] == "common.launch.elastic":  # its --nnodes range, which accelerate's parser does not take
+            from common.launch.elastic import split_launch_args
 
-    return default_config_file
+            try:
+                rest = split_launch_args(rest)[1]
+            except UsageError:  # the launcher refused it before any worker started
+                return None
+    else:
+        return None
+    from accelerate.commands.config import default_config_file
+    from accelerate.commands.launch import launch_command_parser
+
+    try:
+        given = launch_command_parser().parse_known_args(rest)[0].config_file
+    except SystemExit:  # accelerate itself would not have launched it
+        return None
+    return os.path.join(cwd, given) if given else default_config_file
 
 
 @functools.cache
@@ -212,7 +232,8 @@ def launched_pipeline() -> PipelineSettings | None:
                 block = (yaml.safe_load(handle) or {}).get("parallelism_config") or {}
         except (OSError, yaml.YAMLError):
             return None
-        return pipeline_settings_in(block)
+        settings = pipeline_settings_in(block)
+        return None if settings is None else dataclasses.replace(settings, config_file=path)
     return None
 
 

@@ -14,6 +14,7 @@ from common.launch.accelerator import Launch, autocast_dtype, participating_proc
 from common.launch.internals import innermost_optimizer, master_weights_dtype
 from common.launch.mesh import data_parallel_size, ulysses_shards
 from common.outputs.run_dir import write_atomically
+from common.parallel import pipeline
 from common.parallel.shards import local_parameter_shards
 from common.training import memory
 
@@ -60,7 +61,7 @@ def strategy_details(accelerator, launch: Launch) -> dict:
     shards = ulysses_shards(accelerator)
     if shards > 1:  # DeepSpeed's Ulysses groups: no torch device mesh
         details["device_mesh"] = {"sp": shards, "dp": accelerator.num_processes // shards}
-    return details
+    return details | pipeline.describe(accelerator)
 
 
 def _fsdp_offloads(plugin) -> bool:
@@ -165,6 +166,17 @@ def run_line(record: dict, output_dir: str) -> str:
     if "total_parameters" in record:
         trained = record.get("trainable_parameters", record["total_parameters"])
         parts.append(f"{millions(record['total_parameters'])} parameters, {millions(trained)} trained")
+    if "pipeline" in record:
+        piped = record["pipeline"]
+        shares = " | ".join(
+            "-".join(str(index) for index in dict.fromkeys([layers[0], layers[-1]])) if layers else "none"
+            for layers in (stage["layers"] for stage in piped["stages"])
+        )
+        parts.append(
+            f"pipeline of {len(piped['stages'])} stages ({piped['schedule']}, layers {shares})"
+            + (f" x {piped['replicas']} replicas" if piped["replicas"] > 1 else "")
+            + f" from {piped['config_file']}"
+        )
     if "max_steps" in record:
         parts.append(f"{record['max_steps']} steps")
     return "; ".join(parts) + f"; the whole record: {os.path.join(output_dir, 'run.json')}"

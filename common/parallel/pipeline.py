@@ -65,8 +65,9 @@ def stage_layers(num_layers: int, num_stages: int) -> list[list[int]]:
     more where they do not divide), the first stage's share holding the embeddings and the last's the head."""
     if num_stages > num_layers:
         raise UsageError(
-            f"{num_stages} pipeline stages but the model has {num_layers} decoder layers: every stage needs at "
-            "least one; lower parallelism_config_pp_size, or use a schedule with one stage per rank (1F1B, GPipe)"
+            f"{num_stages} pipeline stages but the model has {num_layers} decoder layers: every stage before the "
+            "last needs at least one (the last may hold the norm and head alone); lower parallelism_config_pp_size, "
+            "or use a schedule with one stage per rank (1F1B, GPipe)"
         )
     if num_stages == 1:
         return [list(range(num_layers))]
@@ -95,8 +96,9 @@ def model_problems(model, settings: PipelineSettings) -> list[str]:
     if settings.num_stages > config.num_hidden_layers:
         return [
             f"{settings.num_stages} pipeline stages ({settings.size} ranks x {settings.stages_per_rank} under "
-            f"{settings.schedule}) but the model has {config.num_hidden_layers} decoder layers: every stage needs "
-            "at least one; lower parallelism_config_pp_size or use a one-stage-per-rank schedule (1F1B, GPipe)"
+            f"{settings.schedule}) but the model has {config.num_hidden_layers} decoder layers: every stage before "
+            "the last needs at least one (the last may hold the norm and head alone); lower "
+            "parallelism_config_pp_size or use a one-stage-per-rank schedule (1F1B, GPipe)"
         ]
     return []
 
@@ -501,6 +503,26 @@ class PipelineAccelerator(Accelerator):
         if grads:
             clip_grads_with_norm_(parameters, max_norm, norm)
         return norm
+
+
+def describe(accelerator) -> dict:
+    """run.json's `pipeline` under pp.yaml and dp_pp.yaml (nothing otherwise): the settings as read, the file they
+    were read from, and each stage's rank and decoder layers (the first holds the embeddings, the last the head)."""
+    model = getattr(accelerator, "pipeline_model", None)
+    if model is None:
+        return {}
+    settings = model.settings
+    layers = stage_layers(model.module.config.num_hidden_layers, settings.num_stages)
+    return {
+        "pipeline": {
+            "size": settings.size,
+            "schedule": settings.schedule,
+            "stages_per_rank": settings.stages_per_rank,
+            "replicas": accelerator.replicas,
+            "config_file": settings.config_file,
+            "stages": [{"rank": index % settings.size, "layers": share} for index, share in enumerate(layers)],
+        }
+    }
 
 
 def begin_window(accelerator, batches: list, tokens) -> None:

@@ -10,9 +10,17 @@ gpus="${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-1}}"
 accelerate="${ACCELERATE:-accelerate}"
 [ -x .venv/bin/accelerate ] && [ -z "${ACCELERATE:-}" ] && accelerate=.venv/bin/accelerate
 
-# A hybrid-shard config (multi_node_hsdp.yaml) shards within a node and replicates across nodes.
+# A hybrid-shard config (multi_node_hsdp.yaml) shards within a node and replicates across nodes. A pipeline config
+# (pp.yaml, dp_pp.yaml) keeps each pipeline within a node (its ranks are consecutive) and replicates across nodes:
+# its pp size must divide the node's processes.
 mesh=()
-if grep -q '^parallelism_config:' "$config"; then
+pp=$(sed -n 's/^ *parallelism_config_pp_size: *\([0-9][0-9]*\).*/\1/p' "$config" | head -n 1)
+if [ -n "$pp" ] && [ "$pp" -gt 1 ]; then
+    if (( gpus % pp )); then
+        echo "error: $config: parallelism_config_pp_size $pp does not divide the $gpus processes of a node: a pipeline stays within a node; set GPUS_PER_NODE to a multiple of $pp or change the pp size" >&2
+        exit 2
+    fi
+elif grep -q '^parallelism_config:' "$config"; then
     mesh=(--parallelism_config_dp_replicate_size "$nodes" --parallelism_config_dp_shard_size "$gpus")
 fi
 
