@@ -12,7 +12,7 @@ TORCH_RANGE := torch>=2.13.0,<2.14
 # package), so they run with downloads off; the recipe targets load your Hub models as the libraries do.
 OFFLINE_TARGETS := demo demo-data demo-chat demo-dpo demo-grpo real-model benchmark benchmark-peers benchmark-options \
                    benchmark-packing benchmark-reshard benchmark-pipeline benchmark-bubble benchmark-pipeline-memory \
-                   benchmark-rollouts test test-fast test-all test-crashes
+                   benchmark-stage-loading benchmark-rollouts test test-fast test-all test-crashes
 $(OFFLINE_TARGETS): export HF_HUB_OFFLINE ?= 1
 $(OFFLINE_TARGETS): export HF_DATASETS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
@@ -27,7 +27,7 @@ ELASTIC  = $(findstring --nnodes,$(LAUNCH_ARGS))
 RESTARTS = $(if $(or $(ELASTIC),$(findstring --max_restarts,$(LAUNCH_ARGS))),--rdzv_backend c10d) \
            $(if $(and $(ELASTIC),$(if $(findstring --max_restarts,$(LAUNCH_ARGS)),,x)),--max_restarts 3)
 
-.PHONY: install install-test real-model demo demo-chat demo-dpo demo-grpo demo-data test test-fast test-all test-crashes style quality doctor causal_lm sequence_classification lora sft dpo reward-model reward_model grpo evaluate plot benchmark benchmark-peers benchmark-options benchmark-packing benchmark-reshard benchmark-pipeline benchmark-bubble benchmark-pipeline-memory benchmark-rollouts estimate-memory choose-config benchmark-choice export-checkpoint convert-checkpoint check-config clean
+.PHONY: install install-test real-model demo demo-chat demo-dpo demo-grpo demo-data test test-fast test-all test-crashes style quality doctor causal_lm sequence_classification lora sft dpo reward-model reward_model grpo evaluate plot benchmark benchmark-peers benchmark-options benchmark-packing benchmark-reshard benchmark-pipeline benchmark-bubble benchmark-pipeline-memory benchmark-stage-loading benchmark-rollouts estimate-memory choose-config benchmark-choice export-checkpoint convert-checkpoint check-config clean
 
 # torch first: the CPU wheel on hosts without an NVIDIA GPU (no CUDA download),
 # the normal CUDA build where nvidia-smi sees a GPU. Later `torch>=...` pins are then satisfied.
@@ -222,6 +222,11 @@ benchmark-bubble: install
 # stage: model state and peak resident set per rank, written to docs/benchmark-pipeline-memory.md.
 benchmark-pipeline-memory: install
 	$(PY) benchmarks/benchmark_pipeline_memory.py --docs docs/benchmark-pipeline-memory.md $(ARGS)
+
+# Host memory at a pipeline's start (101M parameters from a bf16 folder): each rank reading its stages' tensors alone
+# against a whole-model load, at 2 and 4 stages, beside make estimate-memory's loading_peak.
+benchmark-stage-loading: install
+	$(PY) benchmarks/benchmark_stage_loading.py --docs docs/benchmark-stage-loading.md $(ARGS)
 
 # GRPO's rollouts under ddp, zero3, zero3_offload, fsdp and tp at 101M parameters on 2 processes: generation
 # tokens/s per device against ddp's, the once-per-rollout gather, peak memory against the estimate.

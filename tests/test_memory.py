@@ -391,6 +391,30 @@ def test_the_account_counts_torchao_float8_weights_by_the_tensor_they_wrap():
 
 @pytest.mark.slow
 @pytest.mark.exhaustive
+def test_a_pipeline_rank_at_118m_reads_its_stages_in_about_its_share_of_a_whole_loads_memory(tmp_path):
+    """make benchmark-stage-loading (llama_100m.json with an 8192 vocabulary, a bf16 folder loaded in fp32) at 2 and
+    4 stages: each rank read its stages alone, holds what make estimate-memory's loading_peak says, and its
+    resident set rose by at most 1/p of the whole load's rise plus 10% of it."""
+    from conftest import run
+
+    results, page = tmp_path / "results.json", tmp_path / "page.md"  # the page: not make's docs/ one
+    run(["make", "-s", "benchmark-stage-loading", f"ARGS=--json {results} --docs {page}"])
+    rows = json.loads(results.read_text())
+    whole = rows[0]
+    assert whole["stages"] == 0 and whole["held"] >= 4 * 100_000_000
+    assert [(row["stages"], row["rank"]) for row in rows[1:]] == [(2, 0), (2, 1), (4, 0), (4, 1), (4, 2), (4, 3)]
+    for row in rows:
+        print(
+            f"{row['stages']} stages, rank {row['rank']}: rise {row['rise'] / 2**20:.0f} MB of {whole['rise'] / 2**20:.0f}"
+        )
+        assert row["held"] == row["estimated"]
+        if row["stages"]:
+            assert row["stages_only"] and row["rise"] <= whole["rise"] * (1 / row["stages"] + 0.1), row
+    assert sum(row["held"] for row in rows if row["stages"] == 4) == whole["held"]
+
+
+@pytest.mark.slow
+@pytest.mark.exhaustive
 def test_each_pipeline_stage_at_101m_holds_what_make_estimate_memory_says(tmp_path):
     """make benchmark-pipeline-memory at 101M parameters, bf16, 1F1B, 2 micro-batches of 1 x 64 tokens per step, 2
     steps: pp.yaml on 2 processes and dp_pp.yaml on 4 (2 pipelines of 2 stages), each rank's model state within 5%

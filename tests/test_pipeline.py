@@ -276,6 +276,26 @@ def decoder_config(tmp_path, model_type: str) -> str:
     return str(path)
 
 
+def model_source(tmp_path, model_type: str, tokenizer) -> dict:
+    """The recipe's model arguments: Qwen3 as a pretrained folder saved in bf16, as Hub models are (each pipeline rank
+    reads only its stages' tensors), the others built from their config (each rank builds the whole model)."""
+    if model_type != "qwen3":
+        return {"model_config": decoder_config(tmp_path, model_type)}
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    words = AutoTokenizer.from_pretrained(tokenizer)
+    config = AutoConfig.from_pretrained(
+        decoder_config(tmp_path, model_type),
+        vocab_size=len(words),
+        pad_token_id=words.pad_token_id,
+        bos_token_id=words.bos_token_id,
+        eos_token_id=words.eos_token_id,
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(tmp_path / "qwen3_bf16")
+    return {"model_name_or_path": tmp_path / "qwen3_bf16", "model_config": ""}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "model_type",
@@ -288,14 +308,14 @@ def decoder_config(tmp_path, model_type: str) -> str:
 def test_sft_on_padded_chats_of_varying_length_trains_as_one_process_under_gpipe(model_type, tmp_path):
     """Each window's micro-batches are padded to its longest (labels -100, attention masked): the same losses as one
     process over 2 epochs of 9 batches, accumulation 2 (each epoch's last batch left out), on each decoder family
-    through its own forward."""
+    through its own forward; Qwen3 from a bf16 folder, each rank reading only its stage's tensors."""
     from common.data.synthetic import write_arithmetic_data
 
     data = tmp_path / "counting"
     write_arithmetic_data(str(data), train=36, validation=8, counting=True)
     values = dict(
         config=REPO / "recipes/configs/sft_demo.yaml",
-        model_config=decoder_config(tmp_path, model_type),
+        **model_source(tmp_path, model_type, data / "tokenizer"),
         tokenizer_name_or_path=data / "tokenizer",
         train_file=data / "train.jsonl",
         validation_file=data / "validation.jsonl",
@@ -320,6 +340,8 @@ def test_sft_on_padded_chats_of_varying_length_trains_as_one_process_under_gpipe
     launch_one_process("sft.py", flags(**values, output_dir=tmp_path / "one"), launcher_args=FP32)
     run = read_run(tmp_path / "pp")
     assert run["participating_processes"] == 2 and len(read_metrics(tmp_path / "pp")[0]) == 8
+    built = "stages only" if model_type == "qwen3" else "whole, then its stages kept"
+    assert run["pipeline"]["built"] == built, run["pipeline"]
     assert relative_gaps(tmp_path / "pp", tmp_path / "one") < FP32_TOLERANCE
     assert max_weight_difference(tmp_path / "pp" / "final", tmp_path / "one" / "final") < FP32_TOLERANCE
     evaluation = [read_metrics(tmp_path / name)[1][-1] for name in ("pp", "one")]
@@ -420,6 +442,41 @@ def test_every_decoder_with_a_pipeline_plan_splits_through_its_own_forward(model
     ]
 
 
+@pytest.mark.parametrize("model_type", ["qwen3", "llama"])
+def test_each_rank_reads_only_its_stages_tensors_from_a_bf16_folder(model_type, tmp_path, monkeypatch):
+    """load_stages under a 2-stage pipeline: each rank's model holds its stages' parameters only, each equal to the
+    whole model's loaded by transformers (fp32 from bf16 files), none left on the meta device, the tied head read from
+    the embeddings' tensor (Qwen3), the generation config the folder's; the two ranks' stages in turn give the whole
+    model's logits."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from common.launch import mesh
+    from common.launch.mesh import PipelineSettings
+    from common.parallel.pipeline import StageModule, load_stages
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(model_type, **SMALL, **FAMILIES[model_type])
+    AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    whole = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.float32)
+    expected = whole.state_dict()
+    monkeypatch.setattr(mesh, "launched_pipeline", lambda: PipelineSettings(2, "1F1B"))  # as pp.yaml's launch
+    ranks = []
+    for rank in (0, 1):
+        monkeypatch.setenv("RANK", str(rank))
+        model = load_stages(AutoModelForCausalLM, str(tmp_path / "bf16"), torch.float32, {})
+        held = model.state_dict()
+        layers = {name.split(".")[2] for name in held if name.startswith("model.layers.")}
+        assert layers == {str(index) for index in stage_layers(5, 2)[rank]}, sorted(layers)
+        assert ("model.embed_tokens.weight" in held) == (rank == 0) and ("lm_head.weight" in held) == (rank == 1)
+        assert all(torch.equal(tensor, expected[name]) for name, tensor in held.items())
+        assert not any(tensor.is_meta for tensor in held.values())
+        assert model.generation_config.eos_token_id == whole.generation_config.eos_token_id
+        ranks.append(model)
+    ids = torch.randint(3, 96, (2, 9))
+    hidden = StageModule(ranks[0], stage_layers(5, 2)[0], True, False)(ids)
+    assert torch.equal(StageModule(ranks[1], stage_layers(5, 2)[1], False, True)(hidden), whole(input_ids=ids).logits)
+
+
 def test_the_launched_config_is_read_from_the_accelerate_launch_command(tmp_path):
     """Every form accelerate's launcher takes is read by its own parser: `--config_file X`, `--config-file X`,
     `--config_file=X`, none (accelerate's default file), the `python -m` launchers (the elastic one's --nnodes set
@@ -481,6 +538,7 @@ def test_the_hyphen_form_and_the_default_config_train_on_their_own_files_setting
         "stages_per_rank": 1,
         "replicas": 1,
         "config_file": str(source),
+        "built": "whole, then its stages kept",
         "stages": [{"rank": 0, "layers": [0]}, {"rank": 1, "layers": [1]}],
     }
     line = next(line for line in result.stdout.splitlines() if line.startswith("run: "))

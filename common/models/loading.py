@@ -22,7 +22,7 @@ from common.launch.internals import (
 )
 from common.launch.peers import lost_peer_message
 from common.options.arguments import ModelArguments, SpeedArguments
-from common.parallel import tensor_parallel
+from common.parallel import pipeline, tensor_parallel
 from common.training import memory
 from common.training.speed import prepare_model
 
@@ -163,7 +163,14 @@ def load_model(
             args.model_name_or_path,
             f"pass a model folder (config.json + weights) {reachable_hint(args.model_name_or_path)}",
         ):
-            model = auto_class.from_pretrained(args.model_name_or_path, dtype=dtype, **config_overrides)
+            # pp.yaml: this rank's stages only, read from the files (None: the whole model)
+            model = (
+                None
+                if args.adapter_name_or_path
+                else pipeline.load_stages(auto_class, args.model_name_or_path, dtype, config_overrides)
+            )
+            if model is None:
+                model = auto_class.from_pretrained(args.model_name_or_path, dtype=dtype, **config_overrides)
         if getattr(model.config, "pad_token_id", None) is None:
             # Decoder checkpoints (Llama, Mistral, ...) ship without a pad token: padded batches
             # (sequence classification finds each row's last real token by it) use the tokenizer's.

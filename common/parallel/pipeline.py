@@ -86,7 +86,7 @@ def model_problems(model, settings: PipelineSettings) -> list[str]:
     """Why `model` (real or on the meta device) cannot be split into `settings`' stages, one line each."""
     config, name = model.config, type(model).__name__
     plan = tuple(getattr(config, "base_model_pp_plan", None) or ())
-    if plan != PLAN or model.get_output_embeddings() is None or model.base_model is model:
+    if plan != PLAN or HEAD not in model._modules or model.base_model is model:
         return [
             f"pipeline parallelism splits a causal LM whose transformers class declares a base_model_pp_plan of "
             f"{', '.join(PLAN)} (Llama, Qwen2/3, Mistral, Gemma and most decoders), and {name} "
@@ -155,6 +155,15 @@ def enabled(accelerator) -> bool:
 
 # the base model's parts a stage keeps or leaves (transformers' base_model_pp_plan names them: embeddings, layers, norm)
 PLAN = ("embed_tokens", "layers", "norm")
+HEAD = "lm_head"  # the causal LM's head, kept by the last stage
+
+
+def tied_embeddings(model) -> bool:
+    """Whether the head is the embeddings' weight: seen where the model holds both, else its config's word."""
+    head, embeddings = model._modules.get(HEAD), getattr(model.base_model, PLAN[0])
+    if head is not None and embeddings is not None:
+        return head.weight is embeddings.weight
+    return bool(getattr(model.config, "tie_word_embeddings", False))
 
 
 class Skipped(torch.nn.Module):
@@ -215,7 +224,76 @@ def keep_stages(model, layers_per_stage: list[list[int]], stages: list[int]) -> 
         setattr(base, embeddings, None)
     if len(layers_per_stage) - 1 not in stages:
         setattr(base, norm, None)
-        model.lm_head = None
+        setattr(model, HEAD, None)
+
+
+def rank_stages(settings: PipelineSettings, rank: int) -> list[int]:
+    """The stages pipeline rank `rank` runs: one, or two under Interleaved1F1B (rank, rank + size)."""
+    return [rank + settings.size * loop for loop in range(settings.stages_per_rank)]
+
+
+def safetensors_names(folder: str) -> dict | None:
+    """{tensor name: its safetensors file} of a local model folder; None where it has no safetensors files."""
+    import json
+
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as handle:
+            return json.load(handle)["weight_map"]
+    single = os.path.join(folder, "model.safetensors")
+    if not os.path.isfile(single):
+        return None
+    from safetensors import safe_open
+
+    with safe_open(single, framework="pt") as handle:
+        return dict.fromkeys(handle.keys(), "model.safetensors")
+
+
+def load_stages(auto_class, folder: str, dtype, overrides: dict):
+    """Under pp.yaml and dp_pp.yaml, the pretrained model with only this rank's stages: built on the meta device,
+    the stages' modules kept, and only their tensors read from the folder's safetensors files (the tied head's
+    from the embeddings'). None where that cannot be done here (no pipeline launched, not a local folder of
+    safetensors files, a model the pipeline does not split, a name the files lack): the whole model is loaded."""
+    settings = mesh.launched_pipeline()
+    files = safetensors_names(folder) if settings is not None and os.path.isdir(folder) else None
+    if files is None:
+        return None
+    from accelerate import init_empty_weights
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(folder, **overrides)
+    if dtype == "auto":
+        dtype = getattr(config, "dtype", None) or torch.float32
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    with init_empty_weights(include_buffers=False):  # buffers (rotary frequencies) built as usual
+        model = auto_class.from_config(config, dtype=dtype)
+    if model_problems(model, settings):
+        return None  # prepare refuses it in one line
+    tied = bool(getattr(config, "tie_word_embeddings", False))  # (a model built on meta is not tied yet)
+    layers = stage_layers(config.num_hidden_layers, settings.num_stages)
+    keep_stages(model, layers, rank_stages(settings, int(os.environ.get("RANK", "0")) % settings.size))
+    buffers = {name for name, _ in model.named_buffers()}
+    wanted = {name: name for name in model.state_dict() if name not in buffers}
+    if tied and f"{HEAD}.weight" in wanted and f"{HEAD}.weight" not in files:
+        wanted[f"{HEAD}.weight"] = f"{model.base_model_prefix}.{PLAN[0]}.weight"
+    if any(source not in files for source in wanted.values()):
+        return None
+    state = {}
+    for file in sorted({files[source] for source in wanted.values()}):
+        with safe_open(os.path.join(folder, file), framework="pt") as handle:
+            for name, source in wanted.items():
+                if files[source] == file:
+                    state[name] = handle.get_tensor(source).to(dtype)
+    model.load_state_dict(state, strict=False, assign=True)
+    if os.path.isfile(os.path.join(folder, "generation_config.json")):  # as from_pretrained reads it
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(folder)
+    if tied and model._modules.get(HEAD) is not None and getattr(model.base_model, PLAN[0]) is not None:
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight  # one weight, as loaded whole
+    model.stages_only = True  # run.json says how each rank's share was built (`describe`)
+    return model
 
 
 class PipelineModel(torch.nn.Module):
@@ -227,9 +305,8 @@ class PipelineModel(torch.nn.Module):
         self.module, self.accelerator, self.settings = module, accelerator, settings
         self.group, self.rank = accelerator.pipeline_group, accelerator.pipeline_rank
         layers = stage_layers(module.config.num_hidden_layers, settings.num_stages)
-        head, embeddings = module.get_output_embeddings(), module.get_input_embeddings()
-        self.tied = head.weight is embeddings.weight  # one weight on the first stage's rank and the last's
-        self.stage_indices = [self.rank + settings.size * loop for loop in range(settings.stages_per_rank)]
+        self.tied = tied_embeddings(module)  # one weight on the first stage's rank and the last's
+        self.stage_indices = rank_stages(settings, self.rank)
         keep_stages(module, layers, self.stage_indices)
         self.stages = [
             StageModule(module, layers[index], index == 0, index == settings.num_stages - 1)
@@ -520,6 +597,9 @@ def describe(accelerator) -> dict:
             "stages_per_rank": settings.stages_per_rank,
             "replicas": accelerator.replicas,
             "config_file": settings.config_file,
+            # a pretrained folder of safetensors files: each rank read its stages' tensors alone; otherwise each
+            # built the whole model (seeded from a config, or loaded) and kept its stages
+            "built": "stages only" if getattr(model.module, "stages_only", False) else "whole, then its stages kept",
             "stages": [{"rank": index % settings.size, "layers": share} for index, share in enumerate(layers)],
         }
     }

@@ -200,8 +200,11 @@ def read_model(model: str, vocab_size: int | None = None) -> dict:
     ]
     layer_sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]
     embeddings, head = built.get_input_embeddings(), built.get_output_embeddings()
+    from common.parallel.pipeline import safetensors_names
+
     return {
         "model_type": config.model_type,
+        "safetensors_folder": os.path.isdir(model) and safetensors_names(model) is not None,
         # a pipeline's ends (common.parallel.pipeline): the embeddings on the first stage; the final norm and the head
         # on the
         # last (a tied head is the embeddings' weight, held again there)
@@ -356,7 +359,9 @@ def estimate_stages(
       (`step_transient` too);
     * torch's receive buffers, made for every micro-batch of the window: the hidden state (fp32, b x s x h) into
       each stage but the first, its gradient into each but the last (`communication_buffers`);
-    * while it starts, the whole model in fp32: each rank builds it, then keeps its stages (`loading_peak`)."""
+    * while it starts (`loading_peak`): from a pretrained folder of safetensors files its stages' weights in fp32
+      alone (each rank reads its tensors: `common.parallel.pipeline.load_stages`); otherwise the whole model in fp32,
+      which each rank builds, then keeps its stages."""
     from common.parallel.pipeline import PLAN, declares_plan, schedule_keeps_outputs, stage_layers
 
     if not declares_plan(model.get("model_type")):
@@ -410,7 +415,9 @@ def estimate_stages(
         if num_stages - 1 in stages:  # the loss: the fp32 copy of a micro-batch's logits, then their gradient
             transient += 8 * tokens * vocab
         state = 16 * parameters
-        loading = 4 * model["parameters"]
+        # a pretrained folder of safetensors files: the rank reads its stages' tensors alone (load_stages); a model
+        # built from its config, or files of another kind: the whole model first
+        loading = 4 * (parameters if model.get("safetensors_folder") else model["parameters"])
         tensors_peak = int(max(state + buffers + activations + transient, loading))
         ranks.append(
             {
