@@ -659,7 +659,7 @@ def test_jobs_a_pipeline_cannot_run_get_no_pipeline_and_say_why(tmp_path, capsys
     gpt2 = tmp_path / "gpt2.json"
     gpt2.write_text(json.dumps({"model_type": "gpt2", "n_layer": 4, "n_embd": 64, "n_head": 4, "vocab_size": 256}))
     other = choose(tmp_path / "gpt2", "--model", gpt2, "--num_devices", 2, *ON_THIS_HOST, "--global_batch", 4)
-    assert "declares none" in other["not_ranked"]["pp.yaml"] and not any(r["pp_size"] > 1 for r in other["rows"])
+    assert "is not one" in other["not_ranked"]["pp.yaml"] and not any(r["pp_size"] > 1 for r in other["rows"])
 
 
 def test_tensor_parallel_traffic_is_fsdps_over_the_shards_and_the_groups_per_layer_all_reduces(tmp_path):

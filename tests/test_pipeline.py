@@ -44,7 +44,7 @@ from conftest import (
     run,
 )
 
-from common.parallel.pipeline import stage_layers
+from common.parallel.pipeline import SPLITS, stage_layers
 
 
 FP32_TOLERANCE = 1e-5
@@ -398,26 +398,29 @@ SMALL = dict(
     bos_token_id=1,
     eos_token_id=2,
 )
+EXPERTS = {"num_experts": 4, "num_local_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}
 FAMILIES = {
     "llama": {},
     "qwen3": {"tie_word_embeddings": True},
     "mistral": {"sliding_window": 4},
     "gemma": {},
     "gemma2": {"sliding_window": 4, "final_logit_softcapping": 5.0},
+    **dict.fromkeys(("mixtral", "qwen2_moe", "qwen3_moe"), EXPERTS),
 }
 
 
-@pytest.mark.parametrize("model_type", sorted(FAMILIES))
-def test_every_decoder_with_a_pipeline_plan_splits_through_its_own_forward(model_type):
-    """The stages, run one after another in this process, give the whole model's logits and gradients exactly (2, 3
-    and 4 stages of 5 layers, a padded row): each is the model's own forward with the other stages' layers passed
-    through, so no model's forward is repeated here; a decoder without the plan is one line."""
+@pytest.mark.parametrize("model_type", sorted(SPLITS))
+def test_every_decoder_the_pipeline_takes_splits_through_its_own_forward(model_type):
+    """Each of common.parallel.pipeline.SPLITS: the stages, run one after another in this process, give the whole
+    model's logits and gradients exactly (2, 3 and 4 stages of 5 layers, a padded row, training mode): each is the
+    model's own forward with the other stages' layers passed through, so no model's forward is repeated here."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from common.parallel.pipeline import StageModule, model_problems
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **SMALL, **FAMILIES[model_type]))
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **SMALL, **FAMILIES.get(model_type, {})))
+    model.train()
     settings = type("Settings", (), dict(num_stages=4, size=4, stages_per_rank=1, schedule="1F1B"))()
     assert model_problems(model, settings) == []
     ids = torch.randint(3, 96, (2, 12))
@@ -434,12 +437,36 @@ def test_every_decoder_with_a_pipeline_plan_splits_through_its_own_forward(model
         assert torch.equal(hidden, whole), (model_type, count)
         hidden.pow(2).mean().backward()
         assert all(torch.equal(p.grad, expected[name]) for name, p in model.named_parameters()), (model_type, count)
-    gpt2 = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", n_layer=2, n_embd=32, n_head=4))
-    assert model_problems(gpt2, settings) == [
-        "pipeline parallelism splits a causal LM whose transformers class declares a base_model_pp_plan of "
-        "embed_tokens, layers, norm (Llama, Qwen2/3, Mistral, Gemma and most decoders), and GPT2LMHeadModel (gpt2) "
-        "declares none; use ddp.yaml, fsdp.yaml or zero3.yaml"
+
+
+@pytest.mark.parametrize(
+    "model_type, config",
+    [
+        ("gpt2", dict(n_layer=2, n_embd=32, n_head=4)),  # no pipeline plan
+        ("granite", dict(SMALL, embedding_multiplier=12.0)),  # scales its embeddings in the base model's forward
+    ],
+)
+def test_a_decoder_the_stages_cannot_run_through_its_forward_is_one_line(model_type, config):
+    """GPT-2 declares no plan; Granite's base forward scales the hidden states after the embeddings, which every
+    later stage would do again (its split is off, as the line's check shows): both refused in one line."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from common.parallel.pipeline import StageModule, model_problems
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **config))
+    settings = type("Settings", (), dict(num_stages=2, size=2, stages_per_rank=1, schedule="1F1B"))()
+    name = type(model).__name__
+    assert model_problems(model, settings) == [
+        "pipeline parallelism splits the causal LMs checked here through their own forward (Llama, Qwen2/3, "
+        f"Mistral, Mixtral, Gemma 1-3, Phi-3, OLMo, ...: common.parallel.pipeline.SPLITS), and {name} ({model_type}) "
+        "is not one; use ddp.yaml, fsdp.yaml or zero3.yaml"
     ]
+    if model_type == "granite":
+        ids = torch.randint(3, 96, (1, 6))
+        hidden = StageModule(model, [0, 1], True, False)(ids)
+        split = StageModule(model, [2, 3, 4], False, True)(hidden)
+        assert not torch.allclose(split, model(input_ids=ids).logits)
 
 
 @pytest.mark.parametrize("model_type", ["qwen3", "llama"])

@@ -11,8 +11,10 @@ same as accelerate's own calls where there is no tensor parallelism)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import io
 import math
 import os
 from dataclasses import dataclass
@@ -208,7 +210,8 @@ def config_file_of(argv: list[str], cwd: str) -> str | None:
     from accelerate.commands.launch import launch_command_parser
 
     try:
-        given = launch_command_parser().parse_known_args(rest)[0].config_file
+        with contextlib.redirect_stderr(io.StringIO()):  # (argparse's usage text is not this process's to print)
+            given = launch_command_parser().parse_known_args(rest)[0].config_file
     except SystemExit:  # accelerate itself would not have launched it
         return None
     return os.path.join(cwd, given) if given else default_config_file

@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import functools
 import os
+import types
 
 import torch
 import torch.distributed as dist
@@ -85,13 +86,11 @@ def stage_layers(num_layers: int, num_stages: int) -> list[list[int]]:
 def model_problems(model, settings: PipelineSettings) -> list[str]:
     """Why `model` (real or on the meta device) cannot be split into `settings`' stages, one line each."""
     config, name = model.config, type(model).__name__
-    plan = tuple(getattr(config, "base_model_pp_plan", None) or ())
-    if plan != PLAN or HEAD not in model._modules or model.base_model is model:
+    if not splits(config.model_type) or HEAD not in model._modules or model.base_model is model:
         return [
-            f"pipeline parallelism splits a causal LM whose transformers class declares a base_model_pp_plan of "
-            f"{', '.join(PLAN)} (Llama, Qwen2/3, Mistral, Gemma and most decoders), and {name} "
-            f"({config.model_type}) {'has ' + ', '.join(plan) if plan else 'declares none'}; use ddp.yaml, fsdp.yaml "
-            "or zero3.yaml"
+            f"pipeline parallelism splits the causal LMs checked here through their own forward (Llama, Qwen2/3, "
+            f"Mistral, Mixtral, Gemma 1-3, Phi-3, OLMo, ...: common.parallel.pipeline.SPLITS), and {name} "
+            f"({config.model_type}) is not one; use ddp.yaml, fsdp.yaml or zero3.yaml"
         ]
     if settings.num_stages > config.num_hidden_layers:
         return [
@@ -103,11 +102,11 @@ def model_problems(model, settings: PipelineSettings) -> list[str]:
     return []
 
 
-def declares_plan(model_type: str) -> bool:
-    """Whether transformers' config class for `model_type` declares the pipeline plan stages are cut by."""
+def splits(model_type: str) -> bool:
+    """Whether a model of `model_type` is one the stages are cut from (SPLITS), its config class declaring the plan."""
     from transformers import CONFIG_MAPPING
 
-    known = CONFIG_MAPPING[model_type] if model_type in CONFIG_MAPPING else None
+    known = CONFIG_MAPPING[model_type] if model_type in SPLITS and model_type in CONFIG_MAPPING else None
     return known is not None and tuple(getattr(known, "base_model_pp_plan", None) or ()) == PLAN
 
 
@@ -127,6 +126,8 @@ def check_arguments(arguments: tuple) -> None:
             "streaming": "a pipeline's ranks must read the same batches; leave out --streaming",
             "auto_find_batch_size": "its trial steps run outside the schedule; set --per_device_train_batch_size",
             "torch_compile": "the stages are not compiled here; leave out --torch_compile",
+            "use_liger_kernel": "Liger patches the modules a stage replaces (the final norm, the head's loss); leave "
+            "it out",
         }.items():
             value = getattr(args, flag, None)
             if value not in (None, False, "", "false"):
@@ -156,6 +157,13 @@ def enabled(accelerator) -> bool:
 # the base model's parts a stage keeps or leaves (transformers' base_model_pp_plan names them: embeddings, layers, norm)
 PLAN = ("embed_tokens", "layers", "norm")
 HEAD = "lm_head"  # the causal LM's head, kept by the last stage
+# the decoders whose stages run through their own forward, each split exactly in tests/test_pipeline.py: their base
+# model's forward does nothing to the hidden states between the embeddings and the first layer (Granite scales them
+# and Starcoder2 drops out there, which every later stage would repeat), and they declare the plan above
+SPLITS = (
+    "apertus", "arcee", "cohere", "ernie4_5", "exaone4", "gemma", "gemma2", "gemma3_text", "glm4", "helium", "llama",
+    "ministral", "mistral", "mixtral", "olmo", "olmo2", "phi3", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "smollm3",
+)  # fmt: skip
 
 
 def tied_embeddings(model) -> bool:
@@ -178,6 +186,9 @@ def _view(module: torch.nn.Module, **replaced) -> torch.nn.Module:
     """A shallow copy of `module` sharing its parameters and code, some of its submodules replaced."""
     view = copy.copy(module)
     view.__dict__["_modules"] = {**module._modules, **replaced}
+    bound = module.__dict__.get("forward")  # a forward set on the instance (a wrapper's): it must run the view
+    if bound is not None and getattr(bound, "__self__", None) is module:
+        view.__dict__["forward"] = types.MethodType(bound.__func__, view)
     return view
 
 
@@ -263,7 +274,8 @@ def load_stages(auto_class, folder: str, dtype, overrides: dict):
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(folder, **overrides)
-    if dtype == "auto":
+    if getattr(config, "quantization_config", None) or (dtype == "auto" and getattr(config, "dtype", None) is None):
+        return None  # quantized weights, or a dtype only the files say: transformers' loading knows them
         dtype = getattr(config, "dtype", None) or torch.float32
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     with init_empty_weights(include_buffers=False):  # buffers (rotary frequencies) built as usual
@@ -275,10 +287,14 @@ def load_stages(auto_class, folder: str, dtype, overrides: dict):
     keep_stages(model, layers, rank_stages(settings, int(os.environ.get("RANK", "0")) % settings.size))
     buffers = {name for name, _ in model.named_buffers()}
     wanted = {name: name for name in model.state_dict() if name not in buffers}
-    if tied and f"{HEAD}.weight" in wanted and f"{HEAD}.weight" not in files:
+    if tied and f"{HEAD}.weight" in files:
+        return None  # a tied config whose files hold a head of their own: transformers decides whether to untie
+    if tied and f"{HEAD}.weight" in wanted:
         wanted[f"{HEAD}.weight"] = f"{model.base_model_prefix}.{PLAN[0]}.weight"
-    if any(source not in files for source in wanted.values()):
-        return None
+    kept = {name.rsplit(".", 1)[0] for name in wanted}
+    unread = [name for name in files if name.rsplit(".", 1)[0] in kept and name not in wanted.values()]
+    if unread or any(source not in files for source in wanted.values()):
+        return None  # names the model does not have (scales of quantized weights, another layout)
     state = {}
     for file in sorted({files[source] for source in wanted.values()}):
         with safe_open(os.path.join(folder, file), framework="pt") as handle:
@@ -325,6 +341,13 @@ class PipelineModel(torch.nn.Module):
         self.counted_once = {id(self.tied_weight)} if self.tied and self.rank == self.last_rank else set()
         self.schedules = {}  # (micro-batches, rows, length) -> its schedule: a stage's buffers have one shape
         self.window, self.losses, self.tokens = None, None, None
+
+    def train(self, mode: bool = True):
+        """Training or evaluation mode for the rank's share and its stages' views of it (a list, not submodules)."""
+        super().train(mode)
+        for stage in self.stages:
+            stage.train(mode)
+        return self
 
     def begin_window(self, batches: list, tokens) -> None:
         """The optimizer step's micro-batches, and the label tokens of the global batch counted over every rank."""

@@ -362,13 +362,12 @@ def estimate_stages(
     * while it starts (`loading_peak`): from a pretrained folder of safetensors files its stages' weights in fp32
       alone (each rank reads its tensors: `common.parallel.pipeline.load_stages`); otherwise the whole model in fp32,
       which each rank builds, then keeps its stages."""
-    from common.parallel.pipeline import PLAN, declares_plan, schedule_keeps_outputs, stage_layers
+    from common.parallel.pipeline import schedule_keeps_outputs, splits, stage_layers
 
-    if not declares_plan(model.get("model_type")):
+    if not splits(model.get("model_type")):
         raise ValueError(
-            f"pipeline parallelism splits a causal LM whose transformers class declares a base_model_pp_plan of "
-            f"{', '.join(PLAN)}, and this model ({model.get('model_type')!r}) does not; estimate it under ddp.yaml, "
-            "fsdp.yaml or zero3.yaml"
+            f"pipeline parallelism splits the causal LMs checked here (common.parallel.pipeline.SPLITS), and this model "
+            f"({model.get('model_type')!r}) is not one; estimate it under ddp.yaml, fsdp.yaml or zero3.yaml"
         )
     checkpointing = checkpointing or strategy.get("activation_checkpointing", False)
     size, per_rank, m = strategy["pp_size"], strategy["stages_per_rank"], accumulation
