@@ -559,6 +559,8 @@ def test_the_hyphen_form_and_the_default_config_train_on_their_own_files_setting
     record = read_run(tmp_path / "run")
     schedule, source = ("GPipe", default) if form == "default" else ("1F1B", CONFIGS / "pp.yaml")
     assert record["participating_processes"] == 2
+    seeds = record["pipeline"].pop("dropout_seeds")
+    assert len(set(seeds)) == 2 and seeds[0] == 42, seeds  # stages seeded apart, rank 0 as one process (--seed 42)
     assert record["pipeline"] == {
         "size": 2,
         "schedule": schedule,

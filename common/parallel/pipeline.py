@@ -514,7 +514,7 @@ class PipelineAccelerator(Accelerator):
     def __init__(self, pipeline: PipelineSettings | None = None, **kwargs):
         super().__init__(**kwargs)
         pipeline = pipeline or mesh.launched_pipeline()  # the launched config's, by default
-        self.pipeline, self.pipeline_model = pipeline, None
+        self.pipeline, self.pipeline_model, self.dropout_seeded = pipeline, None, False
         world, size = self.num_processes, pipeline.size
         if world % size:
             raise UsageError(f"parallelism_config_pp_size {size} does not divide the {world} processes launched")
@@ -543,6 +543,12 @@ class PipelineAccelerator(Accelerator):
                 prepared.append(self.pipeline_model)
             else:
                 prepared.append(super().prepare(item) if item is not None else None)
+        if self.pipeline_model is not None and self.pipeline_rank and not self.dropout_seeded:
+            # each stage its own dropout masks (torchtitan seeds pipeline ranks apart: one seed would repeat stage 0's
+            # masks for a micro-batch on every stage): rank r of a pipeline draws from the run's seed + r from here
+            # on, rank 0 as one process does. After the loaders: accelerate's sampler takes the seed as it is made
+            torch.manual_seed(torch.initial_seed() + self.pipeline_rank)
+            self.dropout_seeded = True
         return prepared[0] if len(prepared) == 1 else tuple(prepared)
 
     def ends_group(self):
@@ -607,12 +613,16 @@ class PipelineAccelerator(Accelerator):
 
 def describe(accelerator) -> dict:
     """run.json's `pipeline` under pp.yaml and dp_pp.yaml (nothing otherwise): the settings as read, the file they
-    were read from, and each stage's rank and decoder layers (the first holds the embeddings, the last the head)."""
+    were read from, each stage's rank and decoder layers (the first holds the embeddings, the last the head), and the
+    seed each rank of a pipeline draws dropout from. Every rank calls it."""
     model = getattr(accelerator, "pipeline_model", None)
     if model is None:
         return {}
+    from accelerate.utils import gather_object
+
     settings = model.settings
     layers = stage_layers(model.module.config.num_hidden_layers, settings.num_stages)
+    seeds = gather_object([torch.initial_seed()])[: settings.size]  # one pipeline's ranks (every rank calls this)
     return {
         "pipeline": {
             "size": settings.size,
@@ -624,6 +634,7 @@ def describe(accelerator) -> dict:
             # built the whole model (seeded from a config, or loaded) and kept its stages
             "built": "stages only" if getattr(model.module, "stages_only", False) else "whole, then its stages kept",
             "stages": [{"rank": index % settings.size, "layers": share} for index, share in enumerate(layers)],
+            "dropout_seeds": seeds,  # by pipeline rank
         }
     }
 
