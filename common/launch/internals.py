@@ -120,6 +120,11 @@ USES = (
         "deepspeed_builds_op: common/launch/cpu_host.py says a first launch's compile before it starts",
     ),
     Use(
+        "torch",
+        "nn.Module._modules (a shallow copy given its own submodule dict)",
+        "module_view: common/parallel/pipeline.py's stages run the model's own forward on a view of it",
+    ),
+    Use(
         "python",
         "argparse.ArgumentParser._actions",
         "parser_actions, parser_option_strings: the keys a recipe YAML may set, the options a command line may",
@@ -373,3 +378,17 @@ def parser_actions(parser) -> dict:
 def parser_option_strings(parser) -> set:
     """Every option string an argparse parser takes (a bool field's --x and --no_x share one dest)."""
     return {option for action in parser._actions for option in action.option_strings}
+
+
+# ---- torch.nn --------------------------------------------------------------------------------
+def module_view(module: torch.nn.Module, **replaced) -> torch.nn.Module:
+    """A shallow copy of `module` sharing its parameters and code, some of its submodules replaced (None: left out)."""
+    import copy
+    import types
+
+    view = copy.copy(module)
+    view.__dict__["_modules"] = {**module._modules, **replaced}
+    bound = module.__dict__.get("forward")  # a forward set on the instance (a wrapper's): it must run the view
+    if bound is not None and getattr(bound, "__self__", None) is module:
+        view.__dict__["forward"] = types.MethodType(bound.__func__, view)
+    return view

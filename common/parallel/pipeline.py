@@ -23,10 +23,8 @@ knows, so common.launch.mesh reads them from the file the launch was given (docs
 
 from __future__ import annotations
 
-import copy
 import functools
 import os
-import types
 
 import torch
 import torch.distributed as dist
@@ -35,6 +33,7 @@ from accelerate import Accelerator
 
 from common.launch import mesh
 from common.launch.errors import UsageError
+from common.launch.internals import module_view
 from common.launch.mesh import PipelineSettings
 
 
@@ -86,7 +85,7 @@ def stage_layers(num_layers: int, num_stages: int) -> list[list[int]]:
 def model_problems(model, settings: PipelineSettings) -> list[str]:
     """Why `model` (real or on the meta device) cannot be split into `settings`' stages, one line each."""
     config, name = model.config, type(model).__name__
-    if not splits(config.model_type) or HEAD not in model._modules or model.base_model is model:
+    if not splits(config.model_type) or not hasattr(model, HEAD) or model.base_model is model:
         return [
             f"pipeline parallelism splits the causal LMs checked here through their own forward (Llama, Qwen2/3, "
             f"Mistral, Mixtral, Gemma 1-3, Phi-3, OLMo, ...: common.parallel.pipeline.SPLITS), and {name} "
@@ -168,7 +167,7 @@ SPLITS = (
 
 def tied_embeddings(model) -> bool:
     """Whether the head is the embeddings' weight: seen where the model holds both, else its config's word."""
-    head, embeddings = model._modules.get(HEAD), getattr(model.base_model, PLAN[0])
+    head, embeddings = getattr(model, HEAD, None), getattr(model.base_model, PLAN[0])
     if head is not None and embeddings is not None:
         return head.weight is embeddings.weight
     return bool(getattr(model.config, "tie_word_embeddings", False))
@@ -180,16 +179,6 @@ class Skipped(torch.nn.Module):
 
     def forward(self, hidden_states, *args, **kwargs):
         return hidden_states
-
-
-def _view(module: torch.nn.Module, **replaced) -> torch.nn.Module:
-    """A shallow copy of `module` sharing its parameters and code, some of its submodules replaced."""
-    view = copy.copy(module)
-    view.__dict__["_modules"] = {**module._modules, **replaced}
-    bound = module.__dict__.get("forward")  # a forward set on the instance (a wrapper's): it must run the view
-    if bound is not None and getattr(bound, "__self__", None) is module:
-        view.__dict__["forward"] = types.MethodType(bound.__func__, view)
-    return view
 
 
 class StageModule(torch.nn.Module):
@@ -206,7 +195,7 @@ class StageModule(torch.nn.Module):
             [layer if index in mine else Skipped() for index, layer in enumerate(getattr(base, decoder))]
         )
         self.first, self.last = first, last
-        self.base = _view(
+        self.base = module_view(
             base,
             **{
                 embeddings: getattr(base, embeddings) if first else None,
@@ -214,7 +203,7 @@ class StageModule(torch.nn.Module):
                 norm: getattr(base, norm) if last else torch.nn.Identity(),
             },
         )
-        self.causal = _view(model, **{model.base_model_prefix: self.base}) if last else None
+        self.causal = module_view(model, **{model.base_model_prefix: self.base}) if last else None
 
     def forward(self, hidden, attention_mask=None):
         inputs = {"input_ids" if self.first else "inputs_embeds": hidden}
@@ -306,7 +295,7 @@ def load_stages(auto_class, folder: str, dtype, overrides: dict):
         from transformers import GenerationConfig
 
         model.generation_config = GenerationConfig.from_pretrained(folder)
-    if tied and model._modules.get(HEAD) is not None and getattr(model.base_model, PLAN[0]) is not None:
+    if tied and getattr(model, HEAD, None) is not None and getattr(model.base_model, PLAN[0]) is not None:
         model.get_output_embeddings().weight = model.get_input_embeddings().weight  # one weight, as loaded whole
     model.stages_only = True  # run.json says how each rank's share was built (`describe`)
     return model
