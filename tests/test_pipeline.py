@@ -502,6 +502,10 @@ def test_each_rank_reads_only_its_stages_tensors_from_a_bf16_folder(model_type, 
     ids = torch.randint(3, 96, (2, 9))
     hidden = StageModule(ranks[0], stage_layers(5, 2)[0], True, False)(ids)
     assert torch.equal(StageModule(ranks[1], stage_layers(5, 2)[1], False, True)(hidden), whole(input_ids=ids).logits)
+    # --torch_dtype auto: the folder's dtype, as transformers loads it
+    as_saved = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype="auto").state_dict()
+    held = load_stages(AutoModelForCausalLM, str(tmp_path / "bf16"), "auto", {}).state_dict()
+    assert all(tensor.dtype == torch.bfloat16 and torch.equal(tensor, as_saved[name]) for name, tensor in held.items())
 
 
 def test_the_launched_config_is_read_from_the_accelerate_launch_command(tmp_path):

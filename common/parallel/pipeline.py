@@ -265,8 +265,8 @@ def load_stages(auto_class, folder: str, dtype, overrides: dict):
     config = AutoConfig.from_pretrained(folder, **overrides)
     if getattr(config, "quantization_config", None) or (dtype == "auto" and getattr(config, "dtype", None) is None):
         return None  # quantized weights, or a dtype only the files say: transformers' loading knows them
-        dtype = getattr(config, "dtype", None) or torch.float32
-        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    if dtype == "auto":  # the config's
+        dtype = getattr(torch, config.dtype) if isinstance(config.dtype, str) else config.dtype
     with init_empty_weights(include_buffers=False):  # buffers (rotary frequencies) built as usual
         model = auto_class.from_config(config, dtype=dtype)
     if model_problems(model, settings):
