@@ -223,7 +223,7 @@ benchmark-bubble: install
 benchmark-pipeline-memory: install
 	$(PY) benchmarks/benchmark_pipeline_memory.py --docs docs/benchmark-pipeline-memory.md $(ARGS)
 
-# Host memory at a pipeline's start (101M parameters from a bf16 folder): each rank reading its stages' tensors alone
+# Host memory at a pipeline's start (118M parameters from a bf16 folder): each rank reading its stages' tensors alone
 # against a whole-model load, at 2 and 4 stages, beside make estimate-memory's loading_peak.
 benchmark-stage-loading: install
 	$(PY) benchmarks/benchmark_stage_loading.py --docs docs/benchmark-stage-loading.md $(ARGS)

@@ -309,7 +309,7 @@ class PipelineModel(torch.nn.Module):
         settings = accelerator.pipeline
         self.module, self.accelerator, self.settings = module, accelerator, settings
         self.group, self.rank = accelerator.pipeline_group, accelerator.pipeline_rank
-        layers = stage_layers(module.config.num_hidden_layers, settings.num_stages)
+        self.layers_per_stage = layers = stage_layers(module.config.num_hidden_layers, settings.num_stages)
         self.tied = tied_embeddings(module)  # one weight on the first stage's rank and the last's
         self.stage_indices = rank_stages(settings, self.rank)
         keep_stages(module, layers, self.stage_indices)
@@ -609,8 +609,7 @@ def describe(accelerator) -> dict:
         return {}
     from accelerate.utils import gather_object
 
-    settings = model.settings
-    layers = stage_layers(model.module.config.num_hidden_layers, settings.num_stages)
+    settings, layers = model.settings, model.layers_per_stage
     seeds = gather_object([torch.initial_seed()])[: settings.size]  # one pipeline's ranks (every rank calls this)
     return {
         "pipeline": {
