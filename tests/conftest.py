@@ -286,6 +286,19 @@ def max_weight_difference(a, b) -> float:
     return max(float((left[k].float() - right[k].float()).abs().max()) for k in left)
 
 
+def bf16_steps_apart(a, b) -> int:
+    """How many bf16 values apart two folders' bf16 weights are at most (a folder saved in bf16, as Hub models are,
+    from fp32 training: weights equal to 1e-7 may round to neighbouring bf16 values, one step apart)."""
+    import torch
+
+    left, right = load_weights(a), load_weights(b)
+    assert left.keys() == right.keys(), (sorted(left), sorted(right))
+    assert {t.dtype for t in [*left.values(), *right.values()]} == {torch.bfloat16}
+    # bf16 bit patterns read as integers are ordered as the values for one sign; a sign change counts as far apart
+    steps = [(left[k].view(torch.int16).int() - right[k].view(torch.int16).int()).abs().max() for k in left]
+    return int(max(steps))
+
+
 def assert_same_hf_folder(exported, final, model_cards: bool = True) -> None:
     """Same files; safetensors with equal tensors of the same dtype; JSON files equal (peft's
     target_modules, a set, in any order); model cards with the same metadata; every other file byte

@@ -491,6 +491,7 @@ def test_every_config_it_can_choose_here_trains_the_asked_global_batch(tmp_path,
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive
 def test_the_chosen_context_parallel_command_trains_the_asked_global_batch(markov_data, tmp_path, capsys):
     """fsdp_cp.yaml chosen for a global batch of 4 on 2 processes, then launched as printed: run.json's effective batch
     is the asked one (before: 2, the per-device batch of a ring that trains one batch on both ranks)."""

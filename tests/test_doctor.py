@@ -114,6 +114,7 @@ def test_doctor_on_two_loopback_nodes(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive
 def test_doctor_across_two_hosts_names_the_interface_and_the_cut_link(two_hosts, tmp_path):
     """Two network namespaces (10.77.n.1 and .2 over a veth pair): with gloo on the link the
     doctor reports both hosts; without GLOO_SOCKET_IFNAME each node names the interface to set

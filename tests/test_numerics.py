@@ -72,19 +72,28 @@ def test_counting_chats_have_label_counts_that_vary(counting_data):
     assert min(counts) == 2 and max(counts) == 13  # answer (1 to 12 tokens) + EOS
 
 
+# the splits each case compares with 1 x 8: processes and accumulation (ddp), tensor parallelism (a pair sharing each
+# batch), sequence and context parallelism (a pair splitting each row; --packing is refused there) and, packed, the
+# strategies that differ in how they reduce, not in what the collator counts
+SPLIT_RUNS = {
+    "padded": {"ddp 2x2x2": ("ddp.yaml", 2, 2), "ulysses 1x4x2": ("zero3_ulysses.yaml", 4, 2),
+               "ring 1x4x2": ("fsdp_cp.yaml", 4, 2)},
+    "padded, tp": {"tp 1x4x2": ("tp.yaml", 4, 2)},
+    "packed": {"ddp 2x2x2": ("ddp.yaml", 2, 2), "tp 1x4x2": ("tp.yaml", 4, 2), "zero3 2x2x2": ("zero3.yaml", 2, 2),
+               "fsdp_tp 2x2x2": ("fsdp_tp.yaml", 2, 2)},
+}  # fmt: skip
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("packing", tiered(["true", "false"], ["false"]))  # make test: padded, with the splits of rows
-def test_sft_objective_is_the_same_however_the_batch_is_split(packing, counting_data, tmp_path):
+@pytest.mark.parametrize("case", tiered(SPLIT_RUNS, ["padded"]))  # make test: padded, with the splits of rows
+def test_sft_objective_is_the_same_however_the_batch_is_split(case, counting_data, tmp_path):
     """1 x 8, 2 processes x 2 with accumulation 2 (ddp; packed: zero3 and fsdp_tp.yaml's 2 TP pairs too), a
     tensor-parallel pair sharing 4 x accumulation 2 (tp.yaml) and, padded, a sequence-parallel pair splitting
     each row of 4 x accumulation 2 (zero3_ulysses.yaml, fsdp_cp.yaml: each rank half of every row's tokens) train the same
     weights (fp32, from the same config and seed): every label token of the global batch weighs
     the same, whichever micro-batch or rank it lands in."""
-    runs = {"1x8": ("single.yaml", 8, 1), "ddp 2x2x2": ("ddp.yaml", 2, 2), "tp 1x4x2": ("tp.yaml", 4, 2)}
-    if packing == "true":  # the strategies differ in how they reduce, not in what the collator counts
-        runs.update({"zero3 2x2x2": ("zero3.yaml", 2, 2), "fsdp_tp 2x2x2": ("fsdp_tp.yaml", 2, 2)})
-    else:  # --packing is refused under sequence and context parallelism
-        runs.update({"ulysses 1x4x2": ("zero3_ulysses.yaml", 4, 2), "ring 1x4x2": ("fsdp_cp.yaml", 4, 2)})
+    packing = "true" if case == "packed" else "false"
+    runs = {"1x8": ("single.yaml", 8, 1), **SPLIT_RUNS[case]}
     for name, (config, batch, accumulation) in runs.items():
         out = tmp_path / name.replace(" ", "_")
         args = sft_args(counting_data, out, batch, accumulation, packing)

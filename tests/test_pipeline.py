@@ -27,6 +27,7 @@ from conftest import (
     FP32,
     REPO,
     STEPS,
+    bf16_steps_apart,
     causal_lm_args,
     estimate_for_run,
     flags,
@@ -343,7 +344,10 @@ def test_sft_on_padded_chats_of_varying_length_trains_as_one_process_under_gpipe
     built = "stages only" if model_type == "qwen3" else "whole, then its stages kept"
     assert run["pipeline"]["built"] == built, run["pipeline"]
     assert relative_gaps(tmp_path / "pp", tmp_path / "one") < FP32_TOLERANCE
-    assert max_weight_difference(tmp_path / "pp" / "final", tmp_path / "one" / "final") < FP32_TOLERANCE
+    if model_type == "qwen3":  # trained in fp32, saved in the folder's bf16: at most one rounding step apart
+        assert bf16_steps_apart(tmp_path / "pp" / "final", tmp_path / "one" / "final") <= 1
+    else:
+        assert max_weight_difference(tmp_path / "pp" / "final", tmp_path / "one" / "final") < FP32_TOLERANCE
     evaluation = [read_metrics(tmp_path / name)[1][-1] for name in ("pp", "one")]
     assert evaluation[0]["eval_generated"] == evaluation[1]["eval_generated"] == 2
     assert evaluation[0]["eval_exact_match"] == evaluation[1]["eval_exact_match"]

@@ -170,9 +170,18 @@ def test_the_recipe_refuses_fp8_it_cannot_run_before_anything_starts(markov_data
 
 @pytest.mark.slow
 @pytest.mark.bf16
-def test_fp8_through_torchao_trains_resumes_and_exports_on_two_processes(markov_data, bf16_checkpoint, tmp_path):
-    """`accelerate launch --mixed_precision fp8 --fp8_backend ao` on 2 processes under ddp.yaml and fsdp.yaml
-    (FSDP2's float8 all-gather), continuing a bf16 checkpoint with accumulation 2: accelerate swapped torchao's
+@pytest.mark.parametrize(
+    "config,extra",
+    [
+        pytest.param("ddp.yaml", [], marks=pytest.mark.exhaustive),
+        ("fsdp.yaml", ["--fsdp_cpu_ram_efficient_loading", "false"]),
+    ],
+)
+def test_fp8_through_torchao_trains_resumes_and_exports_on_two_processes(
+    config, extra, markov_data, bf16_checkpoint, tmp_path
+):
+    """`accelerate launch --mixed_precision fp8 --fp8_backend ao` on 2 processes under fsdp.yaml (FSDP2's float8
+    all-gather; ddp.yaml in make test-all), continuing a bf16 checkpoint with accumulation 2: accelerate swapped torchao's
     Float8Linear into each linear layer but the first and last (run.json counts them), the losses differ from
     bf16's (the float8 matmuls ran; this CPU runs them too) but follow them, the step-3 checkpoint resumes to the
     same losses (torchao's dynamic scales hold no state) and the export is a plain bf16 checkpoint. The GPU's
@@ -201,36 +210,33 @@ def test_fp8_through_torchao_trains_resumes_and_exports_on_two_processes(markov_
 
     bf16 = tmp_path / "bf16"
     launch("ddp.yaml", "causal_lm.py", args(bf16), num_processes=2)
-    for config, launcher_args in (
-        ("ddp.yaml", fp8),
-        ("fsdp.yaml", fp8 + ["--fsdp_cpu_ram_efficient_loading", "false"]),
-    ):
-        out, stopped = tmp_path / config / "run", tmp_path / config / "stopped"
-        launch(config, "causal_lm.py", args(out), num_processes=2, launcher_args=launcher_args)
-        record = read_run(out)
-        assert record["participating_processes"] == 2 and record["mixed_precision"] == "fp8"
-        assert record["speed"]["float8_linear_layers"] == 7 * 2 - 1  # q, k, v, o, gate, up, down; not lm_head
-        gaps = [abs(a - b) / b for a, b in zip(losses(out), losses(bf16))]
-        resume_elsewhere(
-            out,
-            stopped,
-            3,
-            2,
-            config,
-            "causal_lm.py",
-            lambda **resume: args(stopped, **resume),
-            accumulation=2,
-            launcher_args=launcher_args,
-        )
-        resumed = [abs(a - b) for a, b in zip(losses(out)[3:], losses(stopped))]
-        print(
-            f"fp8 {config}: losses {losses(out)}, bf16 {losses(bf16)}; relative gaps {max(gaps):.2e} (largest), "
-            f"resumed at step 3: largest gap {max(resumed):.2e}"
-        )
-        assert len(gaps) == 6 and 0 < max(gaps) < 0.05, (losses(out), losses(bf16))
-        assert len(resumed) == 3 and max(resumed) < 1e-6
-        final = out / "final"
-        assert json.loads((final / "config.json").read_text())["dtype"] == "bfloat16"
-        model, info = AutoModelForCausalLM.from_pretrained(final, output_loading_info=True)
-        assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
-        assert not info["missing_keys"] and not info["unexpected_keys"], info
+    launcher_args = fp8 + extra
+    out, stopped = tmp_path / config / "run", tmp_path / config / "stopped"
+    launch(config, "causal_lm.py", args(out), num_processes=2, launcher_args=launcher_args)
+    record = read_run(out)
+    assert record["participating_processes"] == 2 and record["mixed_precision"] == "fp8"
+    assert record["speed"]["float8_linear_layers"] == 7 * 2 - 1  # q, k, v, o, gate, up, down; not lm_head
+    gaps = [abs(a - b) / b for a, b in zip(losses(out), losses(bf16))]
+    resume_elsewhere(
+        out,
+        stopped,
+        3,
+        2,
+        config,
+        "causal_lm.py",
+        lambda **resume: args(stopped, **resume),
+        accumulation=2,
+        launcher_args=launcher_args,
+    )
+    resumed = [abs(a - b) for a, b in zip(losses(out)[3:], losses(stopped))]
+    print(
+        f"fp8 {config}: losses {losses(out)}, bf16 {losses(bf16)}; relative gaps {max(gaps):.2e} (largest), "
+        f"resumed at step 3: largest gap {max(resumed):.2e}"
+    )
+    assert len(gaps) == 6 and 0 < max(gaps) < 0.05, (losses(out), losses(bf16))
+    assert len(resumed) == 3 and max(resumed) < 1e-6
+    final = out / "final"
+    assert json.loads((final / "config.json").read_text())["dtype"] == "bfloat16"
+    model, info = AutoModelForCausalLM.from_pretrained(final, output_loading_info=True)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert not info["missing_keys"] and not info["unexpected_keys"], info

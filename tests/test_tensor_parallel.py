@@ -297,7 +297,26 @@ def launch_refused(config, args, recipe="causal_lm.py", launcher_args=None) -> s
     return errors[0]
 
 
+def test_what_tensor_parallelism_cannot_take_is_refused_before_anything_is_built():
+    """The arguments a tensor-parallel run refuses at its start, in this process (launched: make test-all's test
+    below; heads that do not divide: test_check_config.py, through the same model_problems)."""
+    from types import SimpleNamespace
+
+    from common.launch.errors import UsageError
+    from common.parallel.tensor_parallel import check_arguments
+
+    for given, said in (
+        ({"use_peft": True}, "--use_peft under tensor parallelism"),
+        ({"adapter_name_or_path": "adapter"}, "--adapter_name_or_path under tensor parallelism"),
+        ({"streaming": True}, "--streaming under tensor parallelism"),
+    ):
+        with pytest.raises(UsageError, match=said):
+            check_arguments((SimpleNamespace(), SimpleNamespace(**given)))
+    check_arguments((SimpleNamespace(use_peft=False, streaming=False),))  # nothing refused
+
+
 @pytest.mark.slow
+@pytest.mark.exhaustive
 def test_what_tensor_parallelism_cannot_run_is_one_line(markov_data, tmp_path):
     base = causal_lm_args(markov_data, tmp_path / "run", max_steps=1)
     assert "--use_peft under tensor parallelism" in launch_refused("tp.yaml", base + ["--use_peft", "true"])
