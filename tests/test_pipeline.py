@@ -387,6 +387,30 @@ def test_the_split_counts_the_embeddings_and_the_head_as_layers():
     assert sorted(sum(stage_layers(30, 4), [])) == list(range(30))
 
 
+def test_checkpointing_every_n_layers_counts_a_stage_built_alone_as_the_whole_model():
+    """--gradient_checkpointing_every_n_layers 2 on the last stage of 2 (layers 3-4 of 5), built alone (the others
+    placeholders, as load_stages makes it): layer 4 is checkpointed, as in the whole model, not layer 3 (the stage's
+    first, which transformers' own count would take for layer 0)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from common.options.arguments import TrainingArguments
+    from common.parallel.pipeline import keep_stages
+    from common.training.speed import prepare_model
+
+    config = AutoConfig.for_model("llama", **SMALL)
+    speed = TrainingArguments(gradient_checkpointing=True, gradient_checkpointing_every_n_layers=2)
+    whole = prepare_model(AutoModelForCausalLM.from_config(config), speed)
+    alone = AutoModelForCausalLM.from_config(config)
+    layers = stage_layers(5, 2)
+    keep_stages(alone, layers, [1])
+    prepare_model(alone, speed)
+
+    def checkpointed(model):
+        return {i for i, layer in enumerate(model.model.layers) if getattr(layer, "gradient_checkpointing", False)}
+
+    assert layers[1] == [3, 4] and checkpointed(whole) == {0, 2, 4} and checkpointed(alone) == {4}
+
+
 # small configs of the decoder families the stages are tested on: grouped-query attention, a sliding window (Mistral),
 # alternating sliding and full layers with logit soft-capping (Gemma2), q/k norms and tied embeddings (Qwen3)
 SMALL = dict(

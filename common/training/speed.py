@@ -84,6 +84,7 @@ def prepare_model(model, speed: SpeedArguments, packed_rows: bool = False):
             activation_checkpointing_kwargs={"use_reentrant": False},
             every_n_layers=speed.gradient_checkpointing_every_n_layers,
         )
+        count_layers_by_index(model, speed.gradient_checkpointing_every_n_layers)
     if speed.use_liger_kernel:
         from transformers.integrations.liger import apply_liger_kernel
 
@@ -94,6 +95,22 @@ def prepare_model(model, speed: SpeedArguments, packed_rows: bool = False):
 def adamw_kernel(speed: SpeedArguments) -> dict:
     """torch.optim.AdamW's keyword choosing the kernel for --optim."""
     return dict(OPTIMIZERS[speed.optim])
+
+
+def count_layers_by_index(model, every_n_layers: int) -> None:
+    """Every n-th decoder layer counted by its index in the model, as transformers counts a whole model's: a
+    pipeline stage built alone (common.parallel.pipeline.load_stages) holds placeholders for the other stages'
+    layers, which transformers' count skips, so its first layer would be counted as layer 0."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = getattr(getattr(model, "base_model", None), "layers", None)
+    if every_n_layers == 1 or not isinstance(layers, torch.nn.ModuleList):
+        return
+    if all(isinstance(layer, GradientCheckpointingLayer) for layer in layers):
+        return  # a whole model: transformers' count is already by index
+    for index, layer in enumerate(layers):
+        if isinstance(layer, GradientCheckpointingLayer):
+            layer.gradient_checkpointing = index % every_n_layers == 0
 
 
 def checkpointed_layers(model) -> list[bool]:
