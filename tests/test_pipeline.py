@@ -3,11 +3,11 @@
 
 fp32 parity: the pipeline's window of micro-batches (its accumulation steps) against one process running the same
 global batch, from the same seeded model: per-step losses and gradient norms within FP32_TOLERANCE relative, the
-evaluation and the final weights as close; over epochs whose last batches do not fill a window (left out), every rank
+evaluation and the final weights as close (saved in a bf16 folder's dtype: within a rounding step); over epochs whose last batches do not fill a window (left out), every rank
 of a pipeline handed the same batches (checked in the run) and the launched processes taking part. causal_lm.py under
 1F1B with a per-stage (DCP) checkpoint, final/'s logits and each stage's memory against make estimate-memory's
-row for it (make test); in make test-all: sft.py on padded chats of
-varying length under GPipe, Interleaved1F1B (two stages per rank on a 4-layer model), dp_pp.yaml, SmolLM2-135M (its
+row for it and sft.py on padded chats of varying length under GPipe on Qwen3 (make test); in make test-all: the same
+on Mistral and Llama, Interleaved1F1B (two stages per rank on a 4-layer model), dp_pp.yaml, SmolLM2-135M (its
 head tied to its embeddings across the first and last stage), bf16 fine-tuning of a bf16 checkpoint, resumes from
 step 3 under pp.yaml, fsdp.yaml and ddp.yaml and from one process's checkpoint, a kill -9 inside a save resumed bit for
 bit, and benchmarks/benchmark_bubble.py. Bad input: the split, the schedule and the recipes pp cannot run, one line.
@@ -344,8 +344,9 @@ def test_sft_on_padded_chats_of_varying_length_trains_as_one_process_under_gpipe
     built = "stages only" if model_type == "qwen3" else "whole, then its stages kept"
     assert run["pipeline"]["built"] == built, run["pipeline"]
     assert relative_gaps(tmp_path / "pp", tmp_path / "one") < FP32_TOLERANCE
-    if model_type == "qwen3":  # trained in fp32, saved in the folder's bf16: at most one rounding step apart
-        assert bf16_steps_apart(tmp_path / "pp" / "final", tmp_path / "one" / "final") <= 1
+    if model_type == "qwen3":  # trained in fp32, saved in the folder's bf16: a few weights one rounding step apart
+        steps, differing = bf16_steps_apart(tmp_path / "pp" / "final", tmp_path / "one" / "final")
+        assert steps <= 1 and differing < 1e-3, (steps, differing)  # seen: 8 of 76160 weights one step apart
     else:
         assert max_weight_difference(tmp_path / "pp" / "final", tmp_path / "one" / "final") < FP32_TOLERANCE
     evaluation = [read_metrics(tmp_path / name)[1][-1] for name in ("pp", "one")]

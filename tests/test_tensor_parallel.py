@@ -297,29 +297,19 @@ def launch_refused(config, args, recipe="causal_lm.py", launcher_args=None) -> s
     return errors[0]
 
 
-def test_what_tensor_parallelism_cannot_take_is_refused_before_anything_is_built():
-    """The arguments a tensor-parallel run refuses at its start, in this process (launched: make test-all's test
-    below; heads that do not divide: test_check_config.py, through the same model_problems)."""
-    from types import SimpleNamespace
-
-    from common.launch.errors import UsageError
-    from common.parallel.tensor_parallel import check_arguments
-
-    for given, said in (
-        ({"use_peft": True}, "--use_peft under tensor parallelism"),
-        ({"adapter_name_or_path": "adapter"}, "--adapter_name_or_path under tensor parallelism"),
-        ({"streaming": True}, "--streaming under tensor parallelism"),
-    ):
-        with pytest.raises(UsageError, match=said):
-            check_arguments((SimpleNamespace(), SimpleNamespace(**given)))
-    check_arguments((SimpleNamespace(use_peft=False, streaming=False),))  # nothing refused
+@pytest.mark.slow
+def test_what_tensor_parallelism_cannot_run_is_one_line(markov_data, tmp_path):
+    """Launched: LoRA refused at the start in one line (the run's check, before anything is built)."""
+    base = causal_lm_args(markov_data, tmp_path / "run", max_steps=1)
+    assert "--use_peft under tensor parallelism" in launch_refused("tp.yaml", base + ["--use_peft", "true"])
+    assert not (tmp_path / "run").exists() or not list((tmp_path / "run").glob("final"))
 
 
 @pytest.mark.slow
 @pytest.mark.exhaustive
-def test_what_tensor_parallelism_cannot_run_is_one_line(markov_data, tmp_path):
+def test_what_tensor_parallelism_cannot_run_is_one_line_beyond_lora(markov_data, tmp_path):
+    """Heads that do not divide, refused when the model is split (make check-config's route: test_check_config.py)."""
     base = causal_lm_args(markov_data, tmp_path / "run", max_steps=1)
-    assert "--use_peft under tensor parallelism" in launch_refused("tp.yaml", base + ["--use_peft", "true"])
     three_heads = json.loads((REPO / "recipes/configs/tiny_llama.json").read_text())
     three_heads.update(hidden_size=48, num_attention_heads=3, num_key_value_heads=3)
     (tmp_path / "three_heads.json").write_text(json.dumps(three_heads))
@@ -332,7 +322,7 @@ def test_what_tensor_parallelism_cannot_run_is_one_line(markov_data, tmp_path):
 @pytest.mark.exhaustive
 def test_what_tensor_parallelism_cannot_run_is_one_line_beyond_the_arguments(markov_data, tmp_path):
     """A model without a plan, a mesh that is not the world, context parallelism and FSDP's RAM-efficient loading
-    beside TP (make test: LoRA and heads that do not divide, above)."""
+    beside TP (make test: LoRA, above)."""
     base = causal_lm_args(markov_data, tmp_path / "run", max_steps=1)
     gpt2 = {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 64}
     (tmp_path / "gpt2.json").write_text(json.dumps(gpt2))
