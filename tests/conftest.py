@@ -280,9 +280,15 @@ def load_weights(folder) -> dict:
     return load_file(str(adapter if adapter.exists() else Path(folder) / "model.safetensors"))
 
 
-def max_weight_difference(a, b) -> float:
+def both_weights(a, b) -> tuple[dict, dict]:
+    """Two folders' weights (load_weights), holding the same names."""
     left, right = load_weights(a), load_weights(b)
     assert left.keys() == right.keys(), (sorted(left), sorted(right))
+    return left, right
+
+
+def max_weight_difference(a, b) -> float:
+    left, right = both_weights(a, b)
     return max(float((left[k].float() - right[k].float()).abs().max()) for k in left)
 
 
@@ -292,8 +298,7 @@ def bf16_steps_apart(a, b) -> tuple[int, float]:
     to neighbouring bf16 values, one step apart)."""
     import torch
 
-    left, right = load_weights(a), load_weights(b)
-    assert left.keys() == right.keys(), (sorted(left), sorted(right))
+    left, right = both_weights(a, b)
     assert {t.dtype for t in [*left.values(), *right.values()]} == {torch.bfloat16}
 
     def ordered(tensor):  # bf16 bit patterns as integers in the values' order (+0 and -0 both 0)
