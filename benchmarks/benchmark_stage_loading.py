@@ -3,7 +3,8 @@
 Saves a model built from --model_config (118M parameters by default: recipes/configs/llama_100m.json with an
 8192-token vocabulary) as a bf16 folder of safetensors files, as Hub models ship, then loads it in fp32 (the recipes'
 master weights), each load in a fresh process with glibc returning freed blocks to the OS
-(MALLOC_MMAP_THRESHOLD_=131072, so the resident set is live memory): once whole, as transformers' from_pretrained does and as every rank did before, and once per rank of
+(MALLOC_MMAP_THRESHOLD_=131072, so the resident set is live memory): once whole, as transformers' from_pretrained
+does and as every rank did before, and once per rank of
 a pipeline of each --stages size, as pp.yaml's ranks do (common.parallel.pipeline.load_stages: the model on the meta
 device, its stages kept, their tensors read from the files). Each row: the rise of the resident set's high-water
 mark over the process after its imports (the model's code included: a model built once on the meta device),
