@@ -36,6 +36,7 @@ from common.launch.errors import UsageError, exit_now, exit_with_error, one_line
 from common.launch.internals import share_zero3_fp32_partitions
 from common.launch.peers import lost_peer_message
 from common.launch.versions import outside_checked_range
+from common.models import experts
 from common.models.loading import check_block_size, export_dtype, model_hidden_size
 from common.models.lora import LoraArguments, check_adapter_arguments
 from common.options.arguments import DataArguments, ModelArguments, TrainingArguments
@@ -149,6 +150,7 @@ class Run:
         self.export_dtype = export_dtype(model_args)  # read once (a Hub model's config is a request)
         self.model = self.optimizer = self.scheduler = self.tokenizer = None
         self.metrics = self.nonfinite = self.profiler = None
+        self.experts = None  # common.models.experts.ExpertWatch, for a MoE with its router loss on
         self.optimizer_parameters = None
         self.world = world  # an elastic launch's common.launch.elastic.WorldWatch
 
@@ -193,6 +195,7 @@ class Run:
             **data_sources(self.arguments),
             nonfinite_check=nonfinite_check(accelerator, optimizer, scheduler),
             speed=speed_record(unwrap(accelerator, model), args),
+            **({"experts": moe} if (moe := experts.describe(unwrap(accelerator, model))) else {}),
         )
         start_trackers(accelerator, args, tracker_config(written["args"]))
         self.metrics = MetricsLogger(
@@ -205,6 +208,9 @@ class Run:
             peak_tflops=args.peak_tflops,
             on_step=self.world.stepped if self.world is not None else None,
         )
+        self.experts = experts.watch(unwrap(accelerator, model))  # a MoE's aux loss and experts' load, each line
+        if self.experts is not None:
+            self.metrics.add_source(self.experts.figures)
         if self.world is not None:
             self.world.started(self.metrics, accelerator)
         self.nonfinite = NonFiniteGuard(
@@ -222,6 +228,12 @@ class Run:
             accelerator, args.profile_steps, args.output_dir, args.profile_memory, start_step=state["step"]
         )
         return state
+
+    def router_loss(self):
+        """A MoE's weighted router loss from the micro-batch's forwards, for a loss built from the logits (DPO's,
+        GRPO's): add it to the loss as the model adds it to its own (common.models.experts). 0.0 for a dense
+        model, or a MoE whose router loss is off."""
+        return 0.0 if self.experts is None else self.experts.pending_loss()
 
     def check_accumulation(self, rule) -> None:
         """A recipe's own rule on a step's accumulation steps (`rule(accumulation)`: what is wrong in one line, or

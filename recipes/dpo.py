@@ -197,7 +197,8 @@ def main(
             losses, rewards = preference_loss(
                 completion_log_probs(model, batch), ref_log_probs, completion_lengths(batch), **objective
             )
-            loss = losses.mean()  # pairs per micro-batch are equal on every rank: the global batch's mean
+            # pairs per micro-batch are equal on every rank: the global batch's mean; plus a MoE's router loss
+            loss = losses.mean() + run.router_loss()  # (as the model weighs it; 0 for a dense model)
             # its examples are pairs (two rows each); the reference's forward counts in the FLOPs
             metrics.record_batch(loss, batch, examples=len(losses), extra_forwards=reference.forwards_per_batch)
             metrics.record_values(rewards)

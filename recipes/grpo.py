@@ -310,6 +310,7 @@ def main(
                         **objective,
                         entropy=entropy[0],
                     )
+                    loss = loss + run.router_loss()  # a MoE's router loss, as the model weighs it (0: a dense model)
                     metrics.record_batch(
                         loss, batch, examples=len(batch["advantages"]), extra_forwards=int(reference is not None)
                     )

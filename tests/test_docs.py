@@ -383,6 +383,7 @@ def test_the_dpo_loop_is_the_same_loop_with_its_own_loss():
         ")",
         "metrics.record_values(rewards)",
         "# its examples are pairs (two rows each); the reference's forward counts in the FLOPs",
+        "# pairs per micro-batch are equal on every rank: the global batch's mean; plus a MoE's router loss",
     }
     pairs = "metrics.record_batch(loss, batch, examples=len(losses), extra_forwards=reference.forwards_per_batch)"
     dpo = [

@@ -78,6 +78,11 @@ USES = (
     Use("torch", "profiler.profile.step_num / current_action", "start_profiler_at: label steps by optimizer step"),
     Use(
         "torch",
+        "Module._parameters (swapped for the forward)",
+        "local_parameters: a tensor-parallel module's forward on its DTensor parameters' local tensors",
+    ),
+    Use(
+        "torch",
         "DistributedDataParallel._get_ddp_logging_data()['bucket_sizes']",
         "ddp_bucket_bytes: DDP's gradient buckets, held by C++ only",
     ),
@@ -392,3 +397,23 @@ def module_view(module: torch.nn.Module, **replaced) -> torch.nn.Module:
     if bound is not None and getattr(bound, "__self__", None) is module:
         view.__dict__["forward"] = types.MethodType(bound.__func__, view)
     return view
+
+
+@contextlib.contextmanager
+def local_parameters(module, partial_gradients: bool = False):
+    """`module`'s DTensor parameters swapped for their local tensors during a forward (as transformers' own
+    tensor-parallel styles run), then put back; with `partial_gradients` their gradients come back Partial, so that
+    DTensor sums them over the mesh (a norm that sees one rank's heads: Qwen3's q_norm and k_norm)."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    whole = {name: p for name, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)}
+    module._parameters.update(
+        {
+            name: p.to_local(grad_placements=[Partial()] * p.device_mesh.ndim if partial_gradients else None)
+            for name, p in whole.items()
+        }
+    )
+    try:
+        yield
+    finally:
+        module._parameters.update(whole)

@@ -149,6 +149,14 @@ class ModelArguments:
             "bfloat16 or float16."
         },
     )
+    output_router_logits: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Mixture-of-experts models: add the router's load-balancing loss (weighted by the config's "
+            "router_aux_loss_coef) to the loss, and log aux_loss and the experts' load (true), or not (false); "
+            "unset: as the model's config says (Hub MoE checkpoints mostly ship it off)."
+        },
+    )
 
     def __post_init__(self):
         if bool(self.model_name_or_path) == bool(self.model_config):

@@ -121,14 +121,20 @@ def write_hf_folder(model, tensors, tokenizer, dtype, folder: str) -> None:
     weights, code from the Hub) is written by `save_pretrained` itself, from the whole state dict."""
     items = tensors.items() if isinstance(tensors, dict) else tensors
     if hasattr(model, "peft_config") or not saves_as_state_dict(model):
-        model.save_pretrained(
-            folder,
-            safe_serialization=True,
-            state_dict={
-                k: v.to(dtype) if v.is_floating_point() else v
-                for k, v in without_tied_copies(model, dict(items)).items()
-            },
-        )
+        # the tensors are whole already: without the run's distributed config (tp.yaml sets one), or transformers
+        # would gather them again and wait at a barrier the ranks that do not write never reach
+        distributed, model.config.distributed_config = getattr(model.config, "distributed_config", None), None
+        try:
+            model.save_pretrained(
+                folder,
+                safe_serialization=True,
+                state_dict={
+                    k: v.to(dtype) if v.is_floating_point() else v
+                    for k, v in without_tied_copies(model, dict(items)).items()
+                },
+            )
+        finally:
+            model.config.distributed_config = distributed
     else:
         os.makedirs(folder, exist_ok=True)
         write_safetensors(os.path.join(folder, "model.safetensors"), export_layout(model, dtype), items)

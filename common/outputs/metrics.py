@@ -77,6 +77,7 @@ class MetricsLogger:
         self.window_values = {}  # a recipe's own per-batch figures (`record_values`)
         self.window_calls = {}  # figures reduced over the ranks per micro-batch, then averaged (`record_per_call`)
         self.latest = {}  # figures logged as they last stood (`record_latest`)
+        self.sources = []  # `add_source`'s callables
         if accelerator.is_main_process and os.path.exists(self.path):
             self._drop_rows_after(start_step)
         self.postfix = {}  # the bar's figures: the last train line's
@@ -166,6 +167,11 @@ class MetricsLogger:
             reduced[name] = None if calls.isnan().all() else float(calls.nanmean())
         return reduced
 
+    def add_source(self, figures) -> None:
+        """`figures(accelerator) -> dict`: a window's figures kept elsewhere (a MoE's aux loss and experts' load:
+        common.models.experts), called at each train line on every rank, after which it starts a new window."""
+        self.sources.append(figures)
+
     def add_data_wait(self, seconds: float) -> None:
         """Time the loop spent waiting for its next batches (common.training.loop.TrainBatches)."""
         self.data_wait_s += seconds
@@ -183,6 +189,8 @@ class MetricsLogger:
             # a figure nothing recorded in the window (a reward that scored no completion) is None, not 0
             own = {name: total / count if count else None for name, (total, count) in zip(self.window_values, sums)}
         own.update(self._per_call())
+        for figures in self.sources:
+            own.update(figures(self.accelerator))
         own.update(self.latest)
         own = {name: value for name, value in own.items() if name not in RESERVED}  # never the line's own keys
         # one row per rank: [data wait, peak memory (, allocated, reserved on a GPU)]

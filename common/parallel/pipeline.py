@@ -91,6 +91,12 @@ def model_problems(model, settings: PipelineSettings) -> list[str]:
             f"Mistral, Mixtral, Gemma 1-3, Phi-3, OLMo, ...: common.parallel.pipeline.SPLITS), and {name} "
             f"({config.model_type}) is not one; use ddp.yaml, fsdp.yaml or zero3.yaml"
         ]
+    if getattr(config.get_text_config(), "output_router_logits", False):
+        return [
+            f"{name}'s router load-balancing loss (output_router_logits) is taken over every layer's routing at "
+            "once, which no pipeline stage holds; train it without (--output_router_logits false) or under ddp.yaml, "
+            "fsdp.yaml, zero3.yaml or tp.yaml"
+        ]
     if settings.num_stages > config.num_hidden_layers:
         return [
             f"{settings.num_stages} pipeline stages ({settings.size} ranks x {settings.stages_per_rank} under "

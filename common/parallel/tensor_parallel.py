@@ -113,6 +113,14 @@ def shard(model, state=None):
     tied = tied_head(model)
     if tied:  # one weight, listed once among the parameters: split once (vocabulary rows, as both rules split it)
         plan = {rule: style for rule, style in plan.items() if rule != f"{tied[1]}.weight"}
+    # A norm between a column- and a row-split layer (Qwen3's q_norm, k_norm) sees this rank's heads only: its weight
+    # stays whole, its gradient a partial sum. transformers all-reduces it by a hook on a plain parameter, which fails
+    # once the weight is a Replicate DTensor (below, or accelerate's under FSDP x TP): the module is left to the
+    # replicated style here, which marks the gradient partial so that DTensor sums it over the tp ranks.
+    modules = dict(model.named_modules())
+    for name in [rule for rule, style in plan.items() if style == "replicated_with_grad_allreduce"]:
+        modules[name if name in modules else name.rpartition(".")[0]].gradient_is_partial = True  # module or weight
+        del plan[name]
     apply_tensor_parallelism(model, state.device_mesh["tp"], plan)
     if tied:  # the head reads the split weight again: one parameter, its gradient summed from both uses
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
@@ -157,6 +165,13 @@ def _replicate_parallel():
     class ReplicateParallel(tensor_parallel.TensorParallelLayer):
         def should_use_local_tensors(self, module):
             return True
+
+        def context_around_forward(self, module, mesh):
+            """The forward on the parameters' local tensors; a module whose gradient is a partial sum (it sees this
+            rank's heads only: `shard`) hands DTensor a Partial gradient, summed over the tp ranks."""
+            from common.launch.internals import local_parameters
+
+            return local_parameters(module, partial_gradients=getattr(module, "gradient_is_partial", False))
 
         def prepare_module_tp(self, module, mesh):
             if not getattr(module, "replicated_forward", False):

@@ -1,0 +1,235 @@
+"""Mixture-of-experts models (a tiny Qwen3-MoE: 8 fused experts, top-2, its router's load-balancing loss on) under
+the data-parallel and tensor-parallel configs, launched on 2 processes over gloo, against one process.
+
+The router's loss is taken per micro-batch on each rank, as transformers computes it in the model's forward, and the
+optimizer sees its mean over the global batch's micro-batches (docs/strategies.md): so the reference is one process
+with the same micro-batches (2 rows, accumulation 4) as 2 processes x 2 rows x accumulation 2 (tp.yaml's pair shares
+one batch: 2 rows x accumulation 4; fsdp_tp.yaml's two pairs on 4 processes: 2 rows x accumulation 2). Two epochs of a corpus whose blocks the global batch does not divide. Each
+config must match the reference's per-step loss, aux_loss and experts' load, its evaluation and its final weights
+(fp32, FP32_TOLERANCE), and export a plain Hugging Face folder that loads in one process.
+
+In process: the experts' load and aux_loss an ExpertWatch logs against a count taken from the routers themselves,
+padding left out; DPO's loss takes the router loss its forward returns; the refusals (--output_router_logits on a
+dense model, a pipeline with the router loss on)."""
+
+import json
+
+import pytest
+import torch
+from conftest import (
+    FP32,
+    REPO,
+    causal_lm_args,
+    launch,
+    launch_one_process,
+    max_weight_difference,
+    read_metrics,
+    read_run,
+    tiered,
+)
+from test_strategies import FP32_TOLERANCE
+
+
+MOE = REPO / "recipes/configs/tiny_qwen3_moe.json"
+# config -> (per-device batch, accumulation, processes): 2-row micro-batches, global batch 8, on every layout
+LAYOUTS = {
+    "ddp.yaml": (2, 2, 2),
+    "fsdp.yaml": (2, 2, 2),
+    "zero3.yaml": (2, 2, 2),
+    "tp.yaml": (2, 4, 2),  # the pair holds one batch
+    "zero2.yaml": (2, 2, 2),
+    "fsdp_tp.yaml": (2, 2, 4),  # two tensor-parallel pairs, FSDP2 across them
+}
+IN_MAKE_TEST = ["tp.yaml"]  # the rest in make test-all
+FIGURES = ("loss", "aux_loss", "expert_load_max_over_mean", "expert_load_min_over_mean")
+
+
+@pytest.fixture(scope="module")
+def moe_data(tmp_path_factory):
+    from common.data.synthetic import write_markov_corpus
+
+    out = tmp_path_factory.mktemp("moe_data")
+    write_markov_corpus(str(out), train_docs=60, validation_docs=20, seed=3)
+    return out
+
+
+def moe_args(data, out, **overrides):
+    values = dict(model_config=MOE, max_steps=-1, num_train_epochs=2, per_device_train_batch_size=2)
+    return causal_lm_args(data, out, **{**values, **overrides})
+
+
+@pytest.fixture(scope="module")
+def moe_reference(moe_data, tmp_path_factory):
+    """One process, 2-row micro-batches, accumulation 4 (global batch 8), two epochs."""
+    out = tmp_path_factory.mktemp("moe_reference") / "run"
+    launch_one_process("causal_lm.py", moe_args(moe_data, out, gradient_accumulation_steps=4), launcher_args=FP32)
+    return out
+
+
+def relative_gap(mine: list, theirs: list) -> float:
+    return max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(mine, theirs, strict=True))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", tiered(LAYOUTS, IN_MAKE_TEST))
+def test_moe_with_its_router_loss_matches_one_process(config, moe_data, moe_reference, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "run"
+    batch, accumulation, processes = LAYOUTS[config]
+    launch(
+        config,
+        "causal_lm.py",
+        moe_args(moe_data, out, per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation),
+        launcher_args=FP32,
+    )
+    record, reference = read_run(out), read_run(moe_reference)
+    assert record["world_size"] == processes and record["participating_processes"] == processes
+    assert record["effective_batch_size"] == reference["effective_batch_size"] == 8
+    assert record["train_blocks"] % 8, "an epoch with a remainder"
+    assert record["experts"] == {
+        "num_experts": 8,
+        "experts_per_token": 2,
+        "router_aux_loss": True,
+        "router_aux_loss_coef": 0.02,
+    }
+    rows, reference_rows = read_metrics(out)[0], read_metrics(moe_reference)[0]
+    assert len(rows) == len(reference_rows) == 2 * (record["train_blocks"] // 8)
+    gaps = {name: relative_gap([r[name] for r in rows], [r[name] for r in reference_rows]) for name in FIGURES}
+    weights = max_weight_difference(out / "final", moe_reference / "final")
+    print(f"{config}: relative gaps {gaps}, final weights {weights:.2e} (fp32, 2 epochs, accumulation)")
+    assert all(gap < FP32_TOLERANCE for gap in gaps.values()), gaps
+    assert weights < FP32_TOLERANCE
+    assert all(r["aux_loss"] > 1.0 and r["expert_load_max_over_mean"] > 1.0 for r in rows)  # top-2 of 8: aux ~2
+    eval_gap = abs(read_metrics(out)[1][-1]["eval_loss"] - read_metrics(moe_reference)[1][-1]["eval_loss"])
+    assert eval_gap < FP32_TOLERANCE
+    model = AutoModelForCausalLM.from_pretrained(out / "final")  # a plain folder, in one process
+    assert type(model).__name__ == "Qwen3MoeForCausalLM" and model.config.output_router_logits
+
+
+def tiny_moe(**overrides):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(MOE, vocab_size=50, **overrides)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    for router in (m for m in model.modules() if type(m).__name__.endswith("TopKRouter")):
+        torch.nn.init.normal_(router.weight, std=0.5)  # routes apart from the start
+    return model
+
+
+def test_expert_load_and_aux_loss_are_the_routers_own():
+    """The watch's counts against the routers' own choices (their top-k indices, read by a hook on each router),
+    with a padded row's padding left out; aux_loss the model's; evaluation and no-grad forwards left out."""
+    from common.models.experts import ExpertWatch
+
+    model = tiny_moe()
+    chosen = []
+    for router in (m for m in model.modules() if type(m).__name__.endswith("TopKRouter")):
+        router.register_forward_hook(lambda module, args, output: chosen.append(output[2]))
+    watch = ExpertWatch(model)
+    ids = torch.randint(0, 50, (3, 7))
+    mask = torch.ones(3, 7, dtype=torch.long)
+    mask[1, 4:] = 0  # a padded row
+    model.train()
+    output = model(input_ids=ids, attention_mask=mask)
+    assert output.loss is None and output.aux_loss.requires_grad
+    flat = mask.reshape(-1).bool()
+    by_hand = torch.stack([torch.bincount(c[flat].reshape(-1), minlength=8).double() for c in chosen])
+    assert len(chosen) == 2 and torch.equal(watch.load, by_hand)
+    assert watch.pending_loss().item() == pytest.approx(0.02 * output.aux_loss.item())  # a loss without labels
+    model.eval()
+    model(input_ids=ids, attention_mask=mask)
+    model.train()
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+    assert torch.equal(watch.load, by_hand) and watch.aux[1] == 1  # neither counted
+
+    class OneRank:
+        num_processes = 1
+        device = torch.device("cpu")
+
+        @staticmethod
+        def reduce(tensor, reduction):
+            return tensor
+
+    figures = watch.figures(OneRank())
+    ratio = by_hand / by_hand.mean(dim=1, keepdim=True)
+    assert figures["aux_loss"] == pytest.approx(output.aux_loss.item())
+    assert figures["expert_load_max_over_mean"] == pytest.approx(ratio.max().item())
+    assert figures["expert_load_min_over_mean"] == pytest.approx(ratio.min().item())
+    assert watch.load is None and watch.aux[1] == 0  # a fresh window
+    labelled = model(input_ids=ids, attention_mask=mask, labels=ids)
+    assert watch.pending_loss() == 0.0  # the model's own loss holds it
+    unweighted = labelled.loss - 0.02 * labelled.aux_loss
+    assert (
+        abs(
+            unweighted.item()
+            - torch.nn.functional.cross_entropy(labelled.logits[:, :-1].reshape(-1, 50), ids[:, 1:].reshape(-1)).item()
+        )
+        < 1e-5
+    )
+
+
+def test_router_loss_option_and_refusals(tmp_path):
+    from transformers import AutoConfig
+
+    from common.launch.errors import UsageError
+    from common.launch.mesh import PipelineSettings
+    from common.models import experts
+    from common.options.arguments import ModelArguments
+    from common.parallel import pipeline
+
+    moe, dense = AutoConfig.from_pretrained(MOE), AutoConfig.from_pretrained(REPO / "recipes/configs/tiny_qwen3.json")
+    off = ModelArguments(model_config=str(MOE), tokenizer_name_or_path="x", output_router_logits=False)
+    assert experts.config_overrides(off, moe) == {"output_router_logits": False}
+    assert experts.config_overrides(ModelArguments(model_config=str(MOE), tokenizer_name_or_path="x"), moe) == {}
+    with pytest.raises(UsageError, match="--output_router_logits true: qwen3 is a dense model"):
+        experts.config_overrides(ModelArguments(**{**off.__dict__, "output_router_logits": True}), dense)
+    settings = PipelineSettings(size=2, schedule="1F1B")
+    problems = pipeline.model_problems(tiny_moe(), settings)
+    assert problems and "router load-balancing loss (output_router_logits)" in problems[0]
+    assert not pipeline.model_problems(tiny_moe(output_router_logits=False), settings)
+    assert experts.watch(tiny_moe(output_router_logits=False)) is None
+    assert json.dumps(experts.describe(tiny_moe()))
+
+
+@pytest.mark.slow
+def test_dpo_adds_the_router_loss_its_forward_returns(tmp_path):
+    """DPO's loss is built from the logits, so the MoE's router loss is added by the recipe (Run.router_loss): at
+    step 1 the policy is its reference, each pair's DPO loss is ln 2, and the loss logged is ln 2 plus the router
+    loss's weight times aux_loss (both means over the step's micro-batches)."""
+    import math
+
+    from test_dpo import dpo_args
+
+    from common.data.synthetic import write_preference_data
+
+    write_preference_data(str(tmp_path / "pairs"), train=24, validation=8)
+    out = tmp_path / "run"
+    settings = dict(model_config=MOE, max_steps=2, num_train_epochs=1, save_steps=0, per_device_train_batch_size=2)
+    launch_one_process("dpo.py", dpo_args(tmp_path / "pairs", out, **settings), FP32)
+    first = read_metrics(out)[0][0]
+    assert read_run(out)["experts"]["router_aux_loss"] and first["aux_loss"] > 1.0
+    assert first["loss"] == pytest.approx(math.log(2) + 0.02 * first["aux_loss"], abs=1e-6)
+
+
+@pytest.mark.slow
+def test_grpo_adds_the_router_loss_its_forward_returns(tmp_path):
+    """GRPO's loss too: with one reward for every completion each advantage is 0, so the policy loss is 0 and the
+    loss logged is the router loss's weight times aux_loss (the rollouts' no-grad forwards not counted)."""
+    from test_grpo import grpo_args
+
+    from common.data.synthetic import write_prompt_data
+
+    write_prompt_data(str(tmp_path / "prompts"), train=8, validation=4)
+    (tmp_path / "constant.py").write_text(
+        "def constant(completions, **kwargs):\n    return [1.0] * len(completions)\n"
+    )
+    out = tmp_path / "run"
+    settings = dict(
+        model_config=MOE, reward_funcs=f"{tmp_path}/constant.py:constant", max_steps=1, num_iterations=1, save_steps=0
+    )
+    launch_one_process("grpo.py", grpo_args(tmp_path / "prompts", out, **settings), FP32)
+    first = next(row for row in read_metrics(out)[0] if "loss" in row)
+    assert first["aux_loss"] > 1.0 and first["loss"] == pytest.approx(0.02 * first["aux_loss"], abs=1e-6)
