@@ -36,7 +36,6 @@ from common.launch.errors import UsageError, exit_now, exit_with_error, one_line
 from common.launch.internals import share_zero3_fp32_partitions
 from common.launch.peers import lost_peer_message
 from common.launch.versions import outside_checked_range
-from common.models import experts
 from common.models.loading import check_block_size, export_dtype, model_hidden_size
 from common.models.lora import LoraArguments, check_adapter_arguments
 from common.options.arguments import DataArguments, ModelArguments, TrainingArguments
@@ -59,7 +58,7 @@ from common.outputs.run_dir import (
 )
 from common.outputs.run_info import data_sources, record_run, tracker_config
 from common.parallel import pipeline, sequence_parallel, tensor_parallel
-from common.training import memory
+from common.training import experts, memory
 from common.training.loop import check_global_batch, global_batch_problem
 from common.training.nonfinite import NonFiniteGuard, nonfinite_check
 from common.training.profiling import StepProfiler
@@ -150,7 +149,7 @@ class Run:
         self.export_dtype = export_dtype(model_args)  # read once (a Hub model's config is a request)
         self.model = self.optimizer = self.scheduler = self.tokenizer = None
         self.metrics = self.nonfinite = self.profiler = None
-        self.experts = None  # common.models.experts.ExpertWatch, for a MoE with its router loss on
+        self.experts = None  # common.training.experts.ExpertWatch, for a MoE with its router loss on
         self.optimizer_parameters = None
         self.world = world  # an elastic launch's common.launch.elastic.WorldWatch
 
@@ -231,7 +230,7 @@ class Run:
 
     def router_loss(self):
         """A MoE's weighted router loss from the micro-batch's forwards, for a loss built from the logits (DPO's,
-        GRPO's): add it to the loss as the model adds it to its own (common.models.experts). 0.0 for a dense
+        GRPO's): add it to the loss as the model adds it to its own (common.training.experts). 0.0 for a dense
         model, or a MoE whose router loss is off."""
         return 0.0 if self.experts is None else self.experts.pending_loss()
 

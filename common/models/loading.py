@@ -21,10 +21,9 @@ from common.launch.internals import (
     is_zero3_parameter,
 )
 from common.launch.peers import lost_peer_message
-from common.models import experts
 from common.options.arguments import ModelArguments, SpeedArguments
 from common.parallel import pipeline, tensor_parallel
-from common.training import memory
+from common.training import experts, memory
 from common.training.speed import prepare_model
 
 
@@ -159,7 +158,8 @@ def load_model(
     dtype = "auto" if args.torch_dtype == "auto" else getattr(torch, args.torch_dtype)
     if args.output_router_logits is not None:  # a MoE's router loss on or off (refused for a dense model)
         config = saved_config(args.model_config or args.model_name_or_path)
-        config_overrides = {**config_overrides, **experts.config_overrides(args, config)}
+        causal_lm = auto_class is AutoModelForCausalLM
+        config_overrides = {**config_overrides, **experts.config_overrides(args, config, causal_lm)}
     if args.model_name_or_path:
         kind = f"{auto_class.__name__.replace('AutoModelFor', '')} model"
         with one_line_load_errors(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import sys
 from dataclasses import dataclass, field, fields
 from typing import Annotated
 
@@ -22,6 +23,7 @@ import torch
 from common.launch.errors import UsageError
 from common.launch.internals import is_zero3_parameter
 from common.options.ranges import Range, check_ranges
+from common.training import experts
 
 
 @dataclass
@@ -129,7 +131,33 @@ def apply_lora(model, args: LoraArguments):
             f"--lora_target_modules {targets}: {str(error).splitlines()[0]} (the model's linear layers: {names})"
         ) from None
     _match_zero3_dtype(model)
+    if experts.num_experts(model.config):
+        say_what_lora_adapts(model)
     return model
+
+
+def say_what_lora_adapts(model) -> None:
+    """On a mixture-of-experts model, one line (the main process) naming the modules LoRA adapts and whether the
+    experts (stacked tensors, not linear layers: peft adapts them only where asked, as all-linear does) and the
+    routers are among them."""
+    from accelerate import PartialState
+    from peft.tuners.lora import LoraLayer
+
+    wrapped = {
+        name.split(".")[-1]: type(module.get_base_layer()).__name__
+        for name, module in model.named_modules()
+        if isinstance(module, LoraLayer) and not name.endswith(".base_layer")
+    }
+    experts_adapted = any(kind.endswith("Experts") for kind in wrapped.values())
+    routers_adapted = any("Router" in kind for kind in wrapped.values())
+    if PartialState().is_main_process:
+        print(
+            f"LoRA on a mixture-of-experts model: adapters on {', '.join(sorted(wrapped))}; the experts' weights "
+            + ("adapted too (each projection's stacked tensor)" if experts_adapted else "frozen")
+            + ", the routers "
+            + ("adapted" if routers_adapted else "frozen"),
+            file=sys.stderr,
+        )
 
 
 # LoraArguments' fields that shape an adapter, by the name peft's LoraConfig gives them

@@ -44,6 +44,7 @@ from common.launch.internals import attention_implementation, is_zero3_parameter
 from common.launch.peers import main_process_alone
 from common.objectives.rollout_stages import Stages, ring_generate
 from common.outputs.run_dir import COMPLETIONS, write_atomically
+from common.training import experts
 
 
 NEAR_TIE = 1e-4  # a draw this close (in probability) to a boundary of the CDF could flip under other rounding
@@ -198,7 +199,7 @@ def sample_group(model, prompt_ids: list[int], uniforms, settings: "SamplingSett
     group, length = uniforms.shape
     input_ids = torch.tensor([prompt_ids] * group, device=accelerator.device)
     sampler = InverseCdfSampler(uniforms, len(prompt_ids), settings.temperature, settings.top_p, settings.stop_ids)
-    with accelerator.autocast():
+    with accelerator.autocast(), experts.unrouted(model):  # a MoE: no router loss at each decoding step
         output = model.generate(
             input_ids=input_ids,
             attention_mask=torch.ones_like(input_ids),
@@ -487,7 +488,7 @@ class GenerationWeights:
                 width = max(len(p) for p in prompts)
                 input_ids = torch.tensor([[settings.pad_id] * (width - len(p)) + p for p in prompts])
                 attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-                with self.accelerator.autocast(), torch.no_grad():
+                with self.accelerator.autocast(), torch.no_grad(), experts.unrouted(self.model):
                     output = self.model.generate(
                         input_ids=input_ids.to(self.accelerator.device),
                         attention_mask=attention_mask.to(self.accelerator.device),

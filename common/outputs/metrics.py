@@ -169,7 +169,7 @@ class MetricsLogger:
 
     def add_source(self, figures) -> None:
         """`figures(accelerator) -> dict`: a window's figures kept elsewhere (a MoE's aux loss and experts' load:
-        common.models.experts), called at each train line on every rank, after which it starts a new window."""
+        common.training.experts), called at each train line on every rank, after which it starts a new window."""
         self.sources.append(figures)
 
     def add_data_wait(self, seconds: float) -> None:

@@ -8,4 +8,5 @@ memory       memory per rank by category, counted in the run
 flops        FLOPs per batch and the device's peak, for MFU
 profiling    --profile_steps
 evaluation   task metrics (+ evaluate_metrics/), best model, early stopping
+experts      mixture-of-experts models: the router's load-balancing loss and the experts' load, logged
 """

@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 from common.launch import mesh
 from common.launch.errors import UsageError
 from common.parallel import pipeline
+from common.training import experts
 
 
 SHIPPED_METRICS = os.path.join(os.path.dirname(__file__), "evaluate_metrics")
@@ -156,14 +157,15 @@ def evaluate_generation(
                 prompts, padding=True, return_tensors="pt", add_special_tokens=isinstance(chunk[0][1][0], str)
             )
             inputs = inputs.to(accelerator.device)
-            output = unwrapped.generate(
-                **inputs,
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                eos_token_id=stop_ids or None,
-                pad_token_id=tokenizer.pad_token_id,
-                synced_gpus=accelerator.num_processes > 1,
-            )
+            with experts.unrouted(unwrapped):  # a MoE: no router loss at each decoding step
+                output = unwrapped.generate(
+                    **inputs,
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    eos_token_id=stop_ids or None,
+                    pad_token_id=tokenizer.pad_token_id,
+                    synced_gpus=accelerator.num_processes > 1,
+                )
             generated = output[:, inputs["input_ids"].shape[1] :]
             ended = torch.isin(generated, torch.tensor(stop_ids, device=generated.device)).any(dim=1)
             answers = tokenizer.batch_decode(generated, skip_special_tokens=True)

@@ -18,6 +18,8 @@ micro-batches (docs/strategies.md: what this means for a run on another layout).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from common.launch.errors import UsageError
@@ -49,8 +51,9 @@ def router_loss_on(model) -> bool:
     )
 
 
-def config_overrides(args, config) -> dict:
-    """--output_router_logits for the model's config (nothing when unset); refused for a dense model."""
+def config_overrides(args, config, causal_lm: bool = True) -> dict:
+    """--output_router_logits for the model's config (nothing when unset); refused for a dense model, and on for a
+    classifier (`causal_lm` False: transformers' MoE classifiers compute no router loss)."""
     wanted = getattr(args, "output_router_logits", None)
     if wanted is None:
         return {}
@@ -59,7 +62,27 @@ def config_overrides(args, config) -> dict:
             f"--output_router_logits {str(wanted).lower()}: {config.model_type} is a dense model (no experts, no "
             "router); leave the option out, or pass a mixture-of-experts model (Qwen3-MoE, Mixtral, OLMoE, ...)"
         )
+    if wanted and not causal_lm:
+        raise UsageError(
+            "--output_router_logits true: transformers' mixture-of-experts classifiers (the reward model's, "
+            "sequence classification's) compute no router loss; leave the option out"
+        )
     return {"output_router_logits": wanted}
+
+
+@contextlib.contextmanager
+def unrouted(model):
+    """Generation without the router's logits: a MoE's forward would take its load-balancing loss at every
+    decoding step, and with a padded batch fails on the mask's shape (transformers 5.23). A dense model: as is."""
+    config = getattr(model, "config", None)
+    if config is None or not getattr(config, "output_router_logits", False):
+        yield
+        return
+    config.output_router_logits = False
+    try:
+        yield
+    finally:
+        config.output_router_logits = True
 
 
 def describe(model) -> dict | None:
@@ -88,8 +111,9 @@ class ExpertWatch:
         self.coefficient = float(model.router_aux_loss_coef)
         self.pending = []  # the weighted aux losses of the forwards since `pending_loss`, on the autograd graph
         self.experts, self.top_k = num_experts(model.config), experts_per_token(model.config)
-        self.aux = torch.zeros(2, dtype=torch.float64)  # sum of the micro-batches' aux loss, micro-batches
-        self.load = None  # tokens per expert, one row per MoE layer, this window on this rank
+        # sums over the window on this rank, kept on the model's device (read once a line, not once a micro-batch):
+        self.aux = None  # [the micro-batches' aux loss, micro-batches]
+        self.load = None  # tokens per expert, one row per MoE layer
         self.handle = model.register_forward_hook(self._read, with_kwargs=True)
 
     def _read(self, module, args, kwargs, output) -> None:
@@ -97,7 +121,8 @@ class ExpertWatch:
             return  # an evaluation, a reference's or a rollout's forward
         aux = getattr(output, "aux_loss", None)
         if aux is not None:
-            self.aux += torch.tensor([float(aux.detach()), 1.0], dtype=torch.float64)
+            entry = torch.stack([aux.detach().double(), torch.ones((), dtype=torch.float64, device=aux.device)])
+            self.aux = entry if self.aux is None else self.aux + entry
             if getattr(output, "loss", None) is None and aux.requires_grad:  # the model's own loss holds it otherwise
                 self.pending.append(self.coefficient * aux)
         mask = kwargs.get("attention_mask")
@@ -116,24 +141,23 @@ class ExpertWatch:
         weights = torch.ones_like(chosen, dtype=torch.float64)
         if mask is not None and mask.numel() == logits.shape[0]:  # a split row's slice has no mask of its own
             weights = weights * mask.reshape(-1, 1).to(weights.device, torch.float64)
-        return (
-            torch.zeros(self.experts, dtype=torch.float64, device=logits.device)
-            .index_add_(0, chosen.reshape(-1), weights.reshape(-1))
-            .cpu()
+        return torch.zeros(self.experts, dtype=torch.float64, device=logits.device).index_add_(
+            0, chosen.reshape(-1), weights.reshape(-1)
         )
 
     def figures(self, accelerator) -> dict:
         """The window's figures over every rank (all ranks call it: one reduce), then a fresh window."""
+        device = accelerator.device
         load = self.load if self.load is not None else torch.zeros(0, self.experts, dtype=torch.float64)
-        layers = torch.tensor([float(load.shape[0])], dtype=torch.float64)
-        local = torch.cat([self.aux, layers])
-        most = accelerator.reduce(local.to(accelerator.device), reduction="sum").cpu()  # every rank the same shape
+        aux = self.aux if self.aux is not None else torch.zeros(2, dtype=torch.float64)
+        layers = torch.tensor([float(load.shape[0])], dtype=torch.float64, device=aux.device)
+        most = accelerator.reduce(torch.cat([aux, layers]).to(device), reduction="sum").cpu()  # the same shape
         rows = int(most[2].item()) // accelerator.num_processes
-        if rows != load.shape[0]:  # this rank had no training forward in the window (cannot happen in the loop)
+        if rows != load.shape[0]:  # a rank had no training forward in the window (not in the recipes' loops)
             load = torch.zeros(rows, self.experts, dtype=torch.float64)
-        total = accelerator.reduce(load.to(accelerator.device), reduction="sum").cpu() if rows else load
-        self.aux.zero_()
-        self.load = None
+        total = accelerator.reduce(load.to(device), reduction="sum").cpu() if rows else load
+        self.aux = self.load = None
+        self.pending = []  # a forward whose router loss no loss took (none in the recipes) is not carried on
         out = {"aux_loss": float(most[0] / most[1]) if most[1] else None}
         if rows and float(total.sum()):
             ratio = total / total.mean(dim=1, keepdim=True).clamp(min=1e-12)
