@@ -283,3 +283,16 @@ def test_lora_on_a_moe_says_what_it_adapts(capsys):
     assert "routers adapted" in line
     trained = {name for name, p in model.named_parameters() if p.requires_grad}
     assert any(".mlp.experts." in name for name in trained) and any(".mlp.gate." in name for name in trained)
+
+
+def test_flops_count_the_experts_a_token_reaches():
+    """MFU's FLOPs per token: the routed experts' weights by top-k of E (2 of 8), as a token multiplies them."""
+    from common.training.flops import ModelFlops
+
+    model = tiny_moe()
+    config = model.config
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    reached = (
+        config.num_hidden_layers * config.num_experts_per_tok * 3 * config.hidden_size * config.moe_intermediate_size
+    )
+    assert ModelFlops(model).dense_per_token == 6 * (linear + reached)

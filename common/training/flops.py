@@ -4,7 +4,8 @@ Training FLOPs of a token, as PaLM and torchtitan count them (`6N + 12 L H Q T`)
 the model itself rather than from a formula per architecture:
 
 * matrix multiplies: every Linear (and GPT-2's Conv1D) weight, lm_head included, the input
-  embedding (a lookup) not. Forward 2 FLOPs per weight, the backward's input gradient 2,
+  embedding (a lookup) not; a mixture-of-experts model's stacked expert weights by the share a token
+  reaches (experts per token / experts). Forward 2 FLOPs per weight, the backward's input gradient 2,
   its weight gradient 2 for trainable weights only: 6N for full training, 4N + 2N_trainable
   for LoRA, whose frozen base weights get no gradient. (Autograd also skips the input
   gradients below the first trainable weight, so for LoRA this is a slight overcount:
@@ -24,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from common.launch.internals import full_numel
+from common.training import experts
 
 
 # Dense (no sparsity) bf16/fp16 tensor-core peaks, TFLOP/s, from NVIDIA's data sheets.
@@ -43,11 +45,18 @@ PEAK_BF16_TFLOPS = (
 
 
 def _matmul_weights(model):
+    """(weight, the share of it a token multiplies): each Linear (and Conv1D) weight whole; a mixture-of-experts
+    model's stacked expert weights (one tensor per projection) by its experts per token over its experts."""
     from transformers.pytorch_utils import Conv1D
 
+    config = getattr(model, "config", None)
+    routed = experts.num_experts(config) if config is not None else 0
+    share = experts.experts_per_token(config) / routed if routed else 0.0
     for module in model.modules():
         if isinstance(module, (torch.nn.Linear, Conv1D)):
-            yield module.weight
+            yield module.weight, 1.0
+        elif share and type(module).__name__.endswith("Experts"):
+            yield from ((p, share) for p in module.parameters(recurse=False) if p.dim() == 3)
 
 
 class ModelFlops:
@@ -58,9 +67,9 @@ class ModelFlops:
         """`shards`: sp_size under sequence parallelism, where a batch holds each row's slice of 1/shards of
         its tokens, which attend to the whole row."""
         self.shards = shards
-        weights = {id(w): w for w in _matmul_weights(model)}.values()  # tied weights count once
-        total = sum(full_numel(w) for w in weights)
-        trainable = sum(full_numel(w) for w in weights if w.requires_grad)
+        weights = {id(w): (w, share) for w, share in _matmul_weights(model)}.values()  # tied weights count once
+        total = sum(full_numel(w) * share for w, share in weights)
+        trainable = sum(full_numel(w) * share for w, share in weights if w.requires_grad)
         self.dense_per_token = 4 * total + 2 * trainable
         self.forward_dense_per_token = 2 * total  # a forward pass alone (a frozen copy: DPO's reference model)
         config = getattr(model, "config", None)
