@@ -292,10 +292,11 @@ def max_weight_difference(a, b) -> float:
     return max(float((left[k].float() - right[k].float()).abs().max()) for k in left)
 
 
-def bf16_steps_apart(a, b) -> tuple[int, float]:
-    """How far apart two folders' bf16 weights are: the most bf16 values between two weights, and the share of
-    weights not equal (a folder saved in bf16, as Hub models are, from fp32 training: weights within 1e-7 may round
-    to neighbouring bf16 values, one step apart)."""
+def bf16_steps_apart(a, b, within: float = 1e-5) -> tuple[int, float]:
+    """How far apart two folders' bf16 weights are: the most bf16 values between two weights further apart than
+    `within` (near zero bf16's steps are finer than fp32 training's noise: weights 1e-6 apart there are several
+    steps apart), and the share of weights not equal (a folder saved in bf16, as Hub models are, from fp32 training:
+    weights within 1e-7 may round to neighbouring bf16 values, one step apart)."""
     import torch
 
     left, right = both_weights(a, b)
@@ -305,8 +306,11 @@ def bf16_steps_apart(a, b) -> tuple[int, float]:
         bits = tensor.view(torch.int16).int()
         return torch.where(bits < 0, -32768 - bits, bits)
 
-    steps = [(ordered(left[k]) - ordered(right[k])).abs() for k in left]
-    differing = sum(int((step > 0).sum()) for step in steps) / sum(step.numel() for step in steps)
+    steps = [
+        (ordered(left[k]) - ordered(right[k])).abs() * ((left[k].float() - right[k].float()).abs() > within)
+        for k in left
+    ]
+    differing = sum(int((left[k] != right[k]).sum()) for k in left) / sum(t.numel() for t in left.values())
     return int(max(step.max() for step in steps)), differing
 
 

@@ -346,7 +346,8 @@ def test_sft_on_padded_chats_of_varying_length_trains_as_one_process_under_gpipe
     assert relative_gaps(tmp_path / "pp", tmp_path / "one") < FP32_TOLERANCE
     if model_type == "qwen3":  # trained in fp32, saved in the folder's bf16: a few weights one rounding step apart
         steps, differing = bf16_steps_apart(tmp_path / "pp" / "final", tmp_path / "one" / "final")
-        assert steps <= 1 and differing < 1e-3, (steps, differing)  # seen: 8 of 76160 weights one step apart
+        # seen: 8 of 76160 weights one step apart; on another host 4 near zero two steps (9.5e-7) apart
+        assert steps <= 1 and differing < 1e-3, (steps, differing)
     else:
         assert max_weight_difference(tmp_path / "pp" / "final", tmp_path / "one" / "final") < FP32_TOLERANCE
     evaluation = [read_metrics(tmp_path / name)[1][-1] for name in ("pp", "one")]
