@@ -107,14 +107,13 @@ class ExpertWatch:
     a loss: `pending_loss` hands it to the recipe's loss, weighted as the model adds it to its own."""
 
     def __init__(self, model):
-        self.model = model
         self.coefficient = float(model.router_aux_loss_coef)
         self.pending = []  # the weighted aux losses of the forwards since `pending_loss`, on the autograd graph
         self.experts, self.top_k = num_experts(model.config), experts_per_token(model.config)
         # sums over the window on this rank, kept on the model's device (read once a line, not once a micro-batch):
         self.aux = None  # [the micro-batches' aux loss, micro-batches]
         self.load = None  # tokens per expert, one row per MoE layer
-        self.handle = model.register_forward_hook(self._read, with_kwargs=True)
+        model.register_forward_hook(self._read, with_kwargs=True)
 
     def _read(self, module, args, kwargs, output) -> None:
         if not (module.training and torch.is_grad_enabled()) or getattr(output, "router_logits", None) is None:
