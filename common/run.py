@@ -57,7 +57,7 @@ from common.outputs.run_dir import (
     set_aside_later_checkpoints,
 )
 from common.outputs.run_info import data_sources, record_run, tracker_config
-from common.parallel import pipeline, sequence_parallel, tensor_parallel
+from common.parallel import expert_parallel, pipeline, sequence_parallel, tensor_parallel
 from common.training import experts, memory
 from common.training.loop import check_global_batch, global_batch_problem
 from common.training.nonfinite import NonFiniteGuard, nonfinite_check
@@ -181,6 +181,7 @@ class Run:
         if accelerator.is_main_process:
             launch_started(args.output_dir)  # the folder's checkpoints are this launch's from here on
         accelerator.wait_for_everyone()
+        moe = experts.describe(unwrap(accelerator, model))
         written = record_run(
             accelerator,
             self.launch,
@@ -194,7 +195,7 @@ class Run:
             **data_sources(self.arguments),
             nonfinite_check=nonfinite_check(accelerator, optimizer, scheduler),
             speed=speed_record(unwrap(accelerator, model), args),
-            **({"experts": moe} if (moe := experts.describe(unwrap(accelerator, model))) else {}),
+            **({"experts": moe | expert_parallel.describe(unwrap(accelerator, model))} if moe else {}),
         )
         start_trackers(accelerator, args, tracker_config(written["args"]))
         self.metrics = MetricsLogger(
@@ -321,6 +322,7 @@ def start_run(*arguments) -> Run:
     refuse_fp8_where_it_cannot_run(launched_strategy(), launched_mesh_size("tp"))
     if launched_mesh_size("tp") > 1:  # tp.yaml, fsdp_tp.yaml
         tensor_parallel.check_arguments(arguments)
+    expert_parallel.check_arguments(arguments)  # ep.yaml
     if launched_mesh_size("sp") > 1 or launched_mesh_size("cp") > 1:  # zero3_ulysses.yaml, fsdp_cp.yaml
         sequence_parallel.check_arguments(arguments)
     if launched_mesh_size("pp") > 1:  # pp.yaml

@@ -167,6 +167,8 @@ def check_mesh(mesh: dict, raw: dict, fsdp: dict, recipe: dict, world: int, keys
     )
     if sizes["tp"] > 1:
         problems += tensor_parallel_model_problems(recipe, sizes["tp"])
+    if sizes["ep"] > 1 and not problems:
+        problems += expert_parallel_model_problems(recipe, sizes["ep"])
     if sizes["pp"] > 1:
         problems += pipeline_problems(mesh, recipe, keys)
     if sizes["sp"] > 1 or sizes["cp"] > 1:
@@ -194,23 +196,37 @@ def check_fp8(raw: dict, fsdp: dict, mesh: dict) -> list[str]:
     return [problem] if problem else []
 
 
-def tensor_parallel_model_problems(recipe: dict, tp: int) -> list[str]:
-    """The recipe's model (built on the meta device) has a tensor-parallel plan and heads that divide by tp."""
+def recipe_model_on_meta(recipe: dict):
+    """The recipe's causal LM built on the meta device (no weights), or None where its config is not reachable from
+    here (e.g. a Hub name offline: the checks that need it are skipped)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from common.parallel.tensor_parallel import model_problems
 
     source = recipe.get("model_config") or recipe.get("model_name_or_path")
     try:
         config = AutoConfig.from_pretrained(source) if source else None
     except (OSError, ValueError):
-        config = None  # not reachable from here (e.g. a Hub name offline): skip the check
+        return None
     if config is None:
-        return []
+        return None
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return [f"parallelism_config_{problem}" for problem in model_problems(model, tp)]
+        return AutoModelForCausalLM.from_config(config)
+
+
+def tensor_parallel_model_problems(recipe: dict, tp: int) -> list[str]:
+    """The recipe's model has a tensor-parallel plan and heads that divide by tp."""
+    from common.parallel.tensor_parallel import model_problems
+
+    model = recipe_model_on_meta(recipe)
+    return [] if model is None else [f"parallelism_config_{problem}" for problem in model_problems(model, tp)]
+
+
+def expert_parallel_model_problems(recipe: dict, ep: int) -> list[str]:
+    """The recipe's model has experts, a plan to split them by, and a number of them ep divides."""
+    from common.parallel.expert_parallel import model_problems
+
+    model = recipe_model_on_meta(recipe)
+    return [] if model is None else [f"parallelism_config_{problem}" for problem in model_problems(model, ep)]
 
 
 def pipeline_problems(mesh: dict, recipe: dict, keys: set[str]) -> list[str]:

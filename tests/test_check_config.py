@@ -50,10 +50,23 @@ def broken_copy(tmp_path, name, edit) -> Path:
     return path
 
 
+def moe_recipe(tmp_path) -> Path:
+    """The causal_lm demo's recipe config on the tiny Qwen3-MoE (ep.yaml splits a MoE's experts only)."""
+    recipe = yaml.safe_load((REPO / "recipes/configs/causal_lm_demo.yaml").read_text())
+    path = tmp_path / "moe.yaml"
+    path.write_text(yaml.safe_dump({**recipe, "model_config": str(REPO / "recipes/configs/tiny_qwen3_moe.json")}))
+    return path
+
+
 @pytest.mark.parametrize("name", [n for n in SHIPPED if n not in TEMPLATES])
-def test_shipped_configs_pass(name):
-    result = check(CONFIGS / name)
+def test_shipped_configs_pass(name, tmp_path):
+    result = check(CONFIGS / name, *(["--recipe_config", moe_recipe(tmp_path)] if name == "ep.yaml" else []))
     assert result.returncode == 0 and result.stdout.strip().endswith(": ok"), result.stdout + result.stderr
+
+
+def test_expert_parallelism_of_a_dense_model_is_named():
+    result = check(CONFIGS / "ep.yaml")  # the demo's tiny Llama
+    assert result.returncode == 1 and "parallelism_config_ep_size 2: LlamaForCausalLM has no experts" in result.stdout
 
 
 @pytest.mark.parametrize("name", sorted(TEMPLATES))

@@ -13,6 +13,8 @@ padding left out; DPO's loss takes the router loss its forward returns; the refu
 dense model, a pipeline with the router loss on)."""
 
 import json
+import re
+import shlex
 
 import pytest
 import torch
@@ -20,17 +22,22 @@ from conftest import (
     FP32,
     REPO,
     causal_lm_args,
+    free_port,
     launch,
+    launch_command,
     launch_one_process,
     max_weight_difference,
     read_metrics,
     read_run,
+    resume_elsewhere,
+    run,
     tiered,
 )
 from test_strategies import FP32_TOLERANCE
 
 
 MOE = REPO / "recipes/configs/tiny_qwen3_moe.json"
+MIXTRAL = REPO / "recipes/configs/tiny_mixtral.json"  # a second MoE family (its own router and experts' classes)
 # config -> (per-device batch, accumulation, processes): 2-row micro-batches, global batch 8, on every layout
 LAYOUTS = {
     "ddp.yaml": (2, 2, 2),
@@ -41,6 +48,7 @@ LAYOUTS = {
     "fsdp_tp.yaml": (2, 2, 4),  # two tensor-parallel pairs, FSDP2 across them
     "zero3_ulysses.yaml": (2, 4, 2),  # each rank a slice of every row
     "fsdp_cp.yaml": (2, 4, 2),
+    "ep.yaml": (2, 2, 2),  # each rank 4 of the 8 experts, FSDP2 for the rest
 }
 # each rank's router sees its slice of the rows, so the aux loss is the slices' (docs/strategies.md): near one
 # process's, not equal (seen: aux loss within 0.26%, the loss within 2.7e-5, the experts' load within 1% once the
@@ -52,7 +60,8 @@ SLICED_TOLERANCE = {
     "expert_load_max_over_mean": 3e-2,
     "expert_load_min_over_mean": 3e-2,
 }
-IN_MAKE_TEST = ["tp.yaml"]  # the rest in make test-all
+IN_MAKE_TEST = ["tp.yaml", "ep.yaml"]  # the rest in make test-all
+SAVED_AT = 3  # the ep.yaml run's and the reference's checkpoint, resumed under another config
 FIGURES = ("loss", "aux_loss", "expert_load_max_over_mean", "expert_load_min_over_mean")
 
 
@@ -74,7 +83,30 @@ def moe_args(data, out, **overrides):
 def moe_reference(moe_data, tmp_path_factory):
     """One process, 2-row micro-batches, accumulation 4 (global batch 8), two epochs."""
     out = tmp_path_factory.mktemp("moe_reference") / "run"
-    launch_one_process("causal_lm.py", moe_args(moe_data, out, gradient_accumulation_steps=4), launcher_args=FP32)
+    args = moe_args(moe_data, out, gradient_accumulation_steps=4, save_steps=SAVED_AT, save_total_limit=100)
+    launch_one_process("causal_lm.py", args, launcher_args=FP32)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ep_run(moe_data, tmp_path_factory):
+    """ep.yaml as the README runs it (`make causal_lm CONFIG=accelerate_configs/ep.yaml ARGS=...`), on the reference's
+    data and global batch (2 processes x 2 rows x accumulation 2), a checkpoint kept at step SAVED_AT."""
+    out = tmp_path_factory.mktemp("ep_run") / "run"
+    args = moe_args(moe_data, out, gradient_accumulation_steps=2, save_steps=SAVED_AT, save_total_limit=100)
+    at = args.index("--config")
+    del args[at : at + 2]  # the target passes the demo's recipe config itself
+    launcher = f"--mixed_precision no --main_process_port {free_port()}"
+    run(
+        [
+            "make",
+            "-s",
+            "causal_lm",
+            "CONFIG=accelerate_configs/ep.yaml",
+            f"LAUNCH_ARGS={launcher}",
+            f"ARGS={shlex.join(args)}",
+        ]
+    )
     return out
 
 
@@ -84,26 +116,27 @@ def relative_gap(mine: list, theirs: list) -> float:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config", tiered(LAYOUTS, IN_MAKE_TEST))
-def test_moe_with_its_router_loss_matches_one_process(config, moe_data, moe_reference, tmp_path):
+def test_moe_with_its_router_loss_matches_one_process(config, moe_data, moe_reference, tmp_path, request):
     from transformers import AutoModelForCausalLM
 
-    out = tmp_path / "run"
     batch, accumulation, processes = LAYOUTS[config]
-    launch(
-        config,
-        "causal_lm.py",
-        moe_args(moe_data, out, per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation),
-        launcher_args=FP32,
-    )
+    if config == "ep.yaml":
+        out = request.getfixturevalue("ep_run")
+    else:
+        out = tmp_path / "run"
+        args = moe_args(moe_data, out, per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation)
+        launch(config, "causal_lm.py", args, launcher_args=FP32)
     record, reference = read_run(out), read_run(moe_reference)
     assert record["world_size"] == processes and record["participating_processes"] == processes
     assert record["effective_batch_size"] == reference["effective_batch_size"] == 8
     assert record["train_blocks"] % 8, "an epoch with a remainder"
+    split = {"ep_size": 2, "experts_per_rank": 4} if config == "ep.yaml" else {}  # read off the ranks' weights
     assert record["experts"] == {
         "num_experts": 8,
         "experts_per_token": 2,
         "router_aux_loss": True,
         "router_aux_loss_coef": 0.02,
+        **split,
     }
     rows, reference_rows = read_metrics(out)[0], read_metrics(moe_reference)[0]
     assert len(rows) == len(reference_rows) == 2 * (record["train_blocks"] // 8)
@@ -121,6 +154,92 @@ def test_moe_with_its_router_loss_matches_one_process(config, moe_data, moe_refe
     assert eval_gap < FP32_TOLERANCE
     model = AutoModelForCausalLM.from_pretrained(out / "final")  # a plain folder, in one process
     assert type(model).__name__ == "Qwen3MoeForCausalLM" and model.config.output_router_logits
+
+
+RESUMES = {  # (saved by, resumed under): processes, accumulation
+    ("ep", "single.yaml"): (1, 4),
+    ("ep", "fsdp.yaml"): (2, 2),
+    ("reference", "ep.yaml"): (2, 2),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("saved_by,config", tiered(RESUMES, [("ep", "single.yaml")]))
+def test_an_expert_parallel_checkpoint_resumes_under_another_config_and_back(
+    saved_by, config, moe_data, moe_reference, tmp_path, request
+):
+    """The ep.yaml run's checkpoint (each rank its experts, DCP) goes on in one process and under fsdp.yaml, and one
+    process's checkpoint under ep.yaml, to the reference's losses and final weights (fp32)."""
+    saved = request.getfixturevalue("ep_run") if saved_by == "ep" else moe_reference
+    processes, accumulation = RESUMES[(saved_by, config)]
+    stopped = tmp_path / "stopped"
+    resume_elsewhere(
+        saved,
+        stopped,
+        SAVED_AT,
+        processes,
+        config,
+        "causal_lm.py",
+        lambda **overrides: moe_args(moe_data, stopped, **overrides),
+        accumulation,
+        launcher_args=FP32,
+        logged_rows=SAVED_AT,
+    )
+    rows, reference_rows = read_metrics(stopped)[0], read_metrics(moe_reference)[0]
+    assert [r["step"] for r in rows] == [r["step"] for r in reference_rows]
+    gap = relative_gap([r["loss"] for r in rows[SAVED_AT:]], [r["loss"] for r in reference_rows[SAVED_AT:]])
+    weights = max_weight_difference(stopped / "final", moe_reference / "final")
+    print(f"{saved_by} -> {config}: losses after step {SAVED_AT} within {gap:.1e}, final weights {weights:.1e}")
+    assert gap < FP32_TOLERANCE and weights < FP32_TOLERANCE
+
+
+@pytest.mark.slow
+@pytest.mark.exhaustive
+def test_a_second_moe_family_under_ep_matches_one_process(moe_data, tmp_path):
+    """Mixtral (its own router and experts' classes) under ep.yaml against one process: losses, aux_loss, load."""
+    runs = {}
+    for config, processes, accumulation in (("single.yaml", 1, 4), ("ep.yaml", 2, 2)):
+        out = runs[config] = tmp_path / config
+        args = moe_args(moe_data, out, model_config=MIXTRAL, gradient_accumulation_steps=accumulation)
+        launch(config, "causal_lm.py", args, num_processes=processes, launcher_args=FP32)
+    assert read_run(runs["ep.yaml"])["experts"]["experts_per_rank"] == 4
+    rows, reference_rows = (read_metrics(runs[config])[0] for config in ("ep.yaml", "single.yaml"))
+    gaps = {name: relative_gap([r[name] for r in rows], [r[name] for r in reference_rows]) for name in FIGURES}
+    assert all(gap < FP32_TOLERANCE for gap in gaps.values()), gaps
+    assert max_weight_difference(runs["ep.yaml"] / "final", runs["single.yaml"] / "final") < FP32_TOLERANCE
+
+
+def test_expert_parallelism_refuses_what_it_cannot_split_in_one_line():
+    """A dense model, experts the ranks do not divide, a mesh ep.yaml's rules refuse: one line each, before a run
+    builds anything (common.launch.mesh) or once the model is built (common.parallel.expert_parallel)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from common.launch.mesh import mesh_problems
+    from common.parallel.expert_parallel import model_problems
+
+    with torch.device("meta"):
+        dense = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(REPO / "recipes/configs/tiny_qwen3.json"))
+        mixtral = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(MIXTRAL))
+    assert model_problems(dense, 2)[0].startswith("ep_size 2: Qwen3ForCausalLM has no experts to split")
+    assert "the model's 8 experts per layer do not divide over 3 ranks" in model_problems(tiny_moe(), 3)[0]
+    assert model_problems(tiny_moe(), 4) == model_problems(mixtral, 2) == []
+    ep = {"dp_shard": 2, "ep": 2}
+    assert mesh_problems(ep, 2, "FSDP", True, False) == []
+    assert "expert parallelism runs under FSDP2" in mesh_problems({"ep": 2}, 2, "MULTI_GPU", False, False)[0]
+    assert "ep_size 2 with 4 processes" in mesh_problems({"dp_shard": 4, "ep": 2}, 4, "FSDP", True, False)[0]
+    assert "beside tp_size 2" in mesh_problems({"dp_shard": 1, "tp": 2, "ep": 2}, 2, "FSDP", True, False)[0]
+    assert "fsdp_cpu_ram_efficient_loading: true" in mesh_problems(ep, 2, "FSDP", True, True)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.exhaustive
+def test_a_dense_model_under_ep_is_one_line(moe_data, tmp_path):
+    out = tmp_path / "run"
+    result = run(launch_command("ep.yaml", "causal_lm.py", causal_lm_args(moe_data, out), FP32), check=False)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode != 0 and len(set(errors)) == 1, result.stderr[-3000:]
+    assert "LlamaForCausalLM has no experts to split" in errors[0]
+    assert not re.search(r'File "[^"]*/(recipes|common)/', result.stderr), result.stderr[-3000:]  # torchrun's own only
 
 
 def tiny_moe(**overrides):

@@ -192,6 +192,10 @@ def resolved_tp_plan(model, distributed_config) -> dict:  # one rule per module,
     return model._resolve_parallel_plans(distributed_config)[0]
 
 
+def resolved_parallel_plans(model, distributed_config) -> tuple[dict, dict, dict]:  # (tp, ep, fsdp), one rule each
+    return model._resolve_parallel_plans(distributed_config)
+
+
 def declared_layer_classes(model) -> list[str]:
     return list(getattr(model, "_no_split_modules", None) or [])
 

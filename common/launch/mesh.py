@@ -25,7 +25,9 @@ from accelerate.utils import recursively_apply
 from common.launch.errors import UsageError
 
 
-DIMENSIONS = ("dp_replicate", "dp_shard", "tp", "cp", "sp", "pp")  # pp: common.parallel.pipeline's, not accelerate's
+# pp: common.parallel.pipeline's, ep: common.parallel.expert_parallel's (accelerate has neither); ep borrows its ranks
+# from dp_shard (the experts split over the ranks that shard the rest), so it adds no processes to the world
+DIMENSIONS = ("dp_replicate", "dp_shard", "tp", "cp", "sp", "pp", "ep")
 
 
 def mesh_problems(
@@ -63,9 +65,10 @@ def mesh_problems(
             "parallelism_config_sp_size beside parallelism_config_tp_size: these recipes run sequence "
             "parallelism over data-parallel ranks only; set tp_size 1 (zero3_ulysses.yaml)"
         )
+    problems += expert_parallel_problems(sizes, world, distributed_type, fsdp2, efficient_loading)
     pp = sizes.get("pp", 1)
     if pp > 1:
-        others = [f"{name}_size" for name in DIMENSIONS if name != "pp" and sizes.get(name, 1) > 1]
+        others = [f"{name}_size" for name in DIMENSIONS if name not in ("pp", "ep") and sizes.get(name, 1) > 1]
         if distributed_type != "MULTI_GPU":
             problems.append(
                 f"parallelism_config_pp_size {pp}: pipeline parallelism runs under distributed_type MULTI_GPU "
@@ -82,9 +85,9 @@ def mesh_problems(
                 f"{pp} processes (each {pp} of them one pipeline, num_processes / {pp} data-parallel replicas)"
             )
         return problems
-    product = math.prod(sizes.get(name, 1) for name in DIMENSIONS)
+    product = math.prod(sizes.get(name, 1) for name in DIMENSIONS if name != "ep")
     if product != world:
-        named = " x ".join(f"{name}_size {sizes[name]}" for name in DIMENSIONS if sizes.get(name, 1) > 1) or "1"
+        named = " x ".join(f"{name}_size {sizes[name]}" for name in DIMENSIONS[:-1] if sizes.get(name, 1) > 1) or "1"
         problems.append(
             f"parallelism_config: {named} = {product} processes but num_processes is {world}; make the "
             "sizes multiply to num_processes (HSDP: dp_replicate_size = nodes, dp_shard_size = GPUs per "
@@ -116,6 +119,38 @@ def mesh_problems(
             "fsdp_tp.yaml does (every rank then builds the model, then keeps its shards)"
         )
     return problems
+
+
+def expert_parallel_problems(sizes: dict, world: int, distributed_type: str, fsdp2: bool, efficient_loading: bool):
+    """What an ep_size asks that these recipes cannot run, one line each (mesh_problems' arguments)."""
+    ep = sizes.get("ep", 1)
+    if ep <= 1:
+        return []
+    others = [
+        f"{name}_size {sizes[name]}" for name in ("dp_replicate", "tp", "cp", "sp", "pp") if sizes.get(name, 1) > 1
+    ]
+    if not fsdp2:
+        return [
+            f"parallelism_config_ep_size {ep}: expert parallelism runs under FSDP2 (the experts split over the ranks "
+            f"that shard the rest), not {distributed_type}: use ep.yaml as the template"
+        ]
+    if others:
+        return [
+            f"parallelism_config_ep_size beside {', '.join(others)}: these recipes split the experts over the "
+            "FSDP2 ranks of one mesh only; leave the other sizes at 1 (ep.yaml)"
+        ]
+    if ep != world:
+        return [
+            f"parallelism_config_ep_size {ep} with {world} processes: the experts split over all the ranks that "
+            f"shard the model (ep_size = dp_shard_size = num_processes); set parallelism_config_ep_size {world} "
+            "(splitting them over fewer ranks and sharding each expert over the rest is not supported yet)"
+        ]
+    if efficient_loading:
+        return [
+            "fsdp_cpu_ram_efficient_loading: true beside parallelism_config_ep_size: each rank keeps its experts of "
+            "the model it built, which rank 0's broadcast would overwrite; set it to false, as ep.yaml does"
+        ]
+    return []
 
 
 # The pipeline (common.parallel.pipeline runs it): accelerate's launcher accepts parallelism_config_pp_size and
@@ -218,12 +253,12 @@ def config_file_of(argv: list[str], cwd: str) -> str | None:
 
 
 @functools.cache
-def launched_pipeline() -> PipelineSettings | None:
-    """The pipeline of the config this process was launched with. accelerate exports a parallelism_config's sizes
-    it knows, not the pipeline's, so the file is read: the one named by the `accelerate launch` that started this
-    process. Only where accelerate says the config has a parallelism_config block."""
+def launched_parallelism_block() -> tuple[dict, str | None]:
+    """The parallelism_config block of the config this process was launched with, and its file. accelerate exports
+    the sizes it knows, not the pipeline's nor the experts', so the file is read: the one named by the
+    `accelerate launch` that started this process. Only where accelerate says the config has such a block."""
     if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true":
-        return None
+        return {}, None
     import yaml
 
     for argv, cwd in _ancestors():
@@ -232,21 +267,40 @@ def launched_pipeline() -> PipelineSettings | None:
             continue
         try:
             with open(path) as handle:
-                block = (yaml.safe_load(handle) or {}).get("parallelism_config") or {}
+                return (yaml.safe_load(handle) or {}).get("parallelism_config") or {}, path
         except (OSError, yaml.YAMLError):
-            return None
-        settings = pipeline_settings_in(block)
-        return None if settings is None else dataclasses.replace(settings, config_file=path)
-    return None
+            return {}, None
+    return {}, None
+
+
+def launched_pipeline() -> PipelineSettings | None:
+    """The pipeline of the config this process was launched with (`launched_parallelism_block`)."""
+    block, path = launched_parallelism_block()
+    settings = pipeline_settings_in(block)
+    return None if settings is None else dataclasses.replace(settings, config_file=path)
+
+
+EP_SIZE_KEY = "parallelism_config_ep_size"
+
+
+def expert_parallel_size_in(block: dict) -> int:
+    """The ep_size a config's parallelism_config block asks for (1: none), or one UsageError line."""
+    size = block.get(EP_SIZE_KEY, 1)
+    if not isinstance(size, int) or size < 1:
+        raise UsageError(f"{EP_SIZE_KEY}: {size!r} is not a number of processes; set it to num_processes (ep.yaml)")
+    return size
 
 
 def launched_mesh_size(dimension: str) -> int:
-    """A parallelism_config dimension's size (tp, cp, sp, dp_shard, dp_replicate) as the launcher exported it."""
+    """A parallelism_config dimension's size (tp, cp, sp, dp_shard, dp_replicate) as the launcher exported it; pp's
+    and ep's as the launched config file says (accelerate exports neither)."""
     if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true":
         return 1
-    if dimension == "pp":  # accelerate does not export it: read from the launched config (`launched_pipeline`)
+    if dimension == "pp":
         settings = launched_pipeline()
         return settings.size if settings is not None else 1
+    if dimension == "ep":
+        return expert_parallel_size_in(launched_parallelism_block()[0])
     return int(os.environ.get(f"PARALLELISM_CONFIG_{dimension.upper()}_SIZE", "1"))
 
 

@@ -22,7 +22,7 @@ from common.launch.internals import (
 )
 from common.launch.peers import lost_peer_message
 from common.options.arguments import ModelArguments, SpeedArguments
-from common.parallel import pipeline, tensor_parallel
+from common.parallel import expert_parallel, pipeline, tensor_parallel
 from common.training import experts, memory
 from common.training.speed import prepare_model
 
@@ -224,6 +224,8 @@ def load_model(
         prepare_model(model, speed, packed_rows)
     if tensor_parallel.enabled():  # each rank keeps its slices of the layers (tp.yaml, fsdp_tp.yaml)
         tensor_parallel.shard(model)
+    if expert_parallel.enabled():  # each rank keeps its experts (ep.yaml)
+        expert_parallel.shard(model)
     memory.mark("model_built")
     return model
 

@@ -177,6 +177,11 @@ def run_line(record: dict, output_dir: str) -> str:
             + (f" x {piped['replicas']} replicas" if piped["replicas"] > 1 else "")
             + f" from {piped['config_file']}"
         )
+    if record.get("experts", {}).get("ep_size"):
+        moe = record["experts"]
+        parts.append(
+            f"experts split over {moe['ep_size']} ranks ({moe['experts_per_rank']} of {moe['num_experts']} each)"
+        )
     if "max_steps" in record:
         parts.append(f"{record['max_steps']} steps")
     return "; ".join(parts) + f"; the whole record: {os.path.join(output_dir, 'run.json')}"

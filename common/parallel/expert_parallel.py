@@ -1,0 +1,132 @@
+"""Expert parallelism from the config (ep.yaml): a mixture-of-experts model's experts split over the ranks.
+
+ep.yaml is fsdp.yaml with `parallelism_config_ep_size` = the number of processes: the dense weights (attention,
+embeddings, norms, routers, the head) are sharded by FSDP2 as under fsdp.yaml, and each rank holds whole experts,
+num_experts / ep_size of them, as torchtitan and transformers' own expert parallelism lay them out. Each MoE layer
+sends every (token, chosen expert) pair to the rank that holds the expert and brings the result back, by two
+all-to-alls over the ranks (transformers' `ep_dispatch_experts` style and its all-to-all implementation, applied
+by the model's own expert-parallel plan, `base_model_ep_plan`). The experts' stacked weights are DTensors split by
+expert (Shard(0)) over the same mesh FSDP2 shards the rest on: the optimizer, the gradient clipping, the DCP
+checkpoints (which resume under fsdp.yaml and back) and the export's gather treat them as they treat the rest.
+
+The gradients: FSDP2 averages the dense ones over the ranks; an expert's gradient arrives on its rank summed over
+every rank's tokens (the all-to-all's backward), so it is divided by the number of ranks here, and the run trains
+as one process on the same global batch does. accelerate's ParallelismConfig has no expert axis, so the size is
+read from the launched config, as the pipeline's is (common.launch.mesh).
+"""
+
+from __future__ import annotations
+
+from common.launch.errors import UsageError
+from common.launch.mesh import launched_mesh_size
+
+
+def size() -> int:
+    """The launched config's ep_size (1: no expert parallelism)."""
+    return launched_mesh_size("ep")
+
+
+def enabled() -> bool:
+    return size() > 1
+
+
+def check_arguments(arguments: tuple) -> None:
+    """What an expert-parallel run cannot do, refused before anything is built."""
+    if not enabled():
+        return
+    for args in arguments:
+        if getattr(args, "use_peft", False):
+            raise UsageError(
+                "--use_peft under expert parallelism: LoRA's adapters on the experts' stacked weights would span "
+                "experts held by other ranks, which these recipes do not support; use fsdp.yaml or zero3.yaml for "
+                "LoRA on a mixture-of-experts model"
+            )
+        if getattr(args, "adapter_name_or_path", None):
+            raise UsageError(
+                "--adapter_name_or_path under expert parallelism: the experts are split in the base model, not in a "
+                "peft wrapper; merge the adapter first (a --save_merged_model run's final_merged/) and pass that "
+                "folder as --model_name_or_path"
+            )
+
+
+def resolved_plan(model, ep: int) -> dict:
+    """The model's expert-parallel plan, one rule per module or parameter (transformers' `base_model_ep_plan`
+    expanded), or {} where it has none."""
+    from transformers.distributed import DistributedConfig
+
+    from common.launch.internals import resolved_parallel_plans
+
+    try:
+        return resolved_parallel_plans(model, DistributedConfig(ep_size=ep, fsdp_size=ep))[1]
+    except ValueError:
+        return {}
+
+
+def model_problems(model, ep: int) -> list[str]:
+    """Why `model` (real or on the meta device) cannot have its experts split over ep ranks, one line each: a dense
+    model, a MoE without a plan in transformers, experts that ep does not divide. `make check-config` asks it too."""
+    plan = resolved_plan(model, ep)
+    dispatched = [module for module, style in plan.items() if style == "ep_dispatch_experts"]
+    if not dispatched:
+        return [
+            f"ep_size {ep}: {type(model).__name__} has no experts to split (a dense model, or a mixture-of-experts "
+            "model transformers gives no expert-parallel plan); use fsdp.yaml, or a MoE model with one (Qwen3-MoE, "
+            "Mixtral, OLMoE, gpt-oss, ...)"
+        ]
+    count = getattr(model.get_submodule(dispatched[0]), "num_experts", 0)
+    if count % ep:
+        return [
+            f"ep_size {ep}: the model's {count} experts per layer do not divide over {ep} ranks; launch a number "
+            f"of processes that divides {count} (ep_size and dp_shard_size set to it)"
+        ]
+    return []
+
+
+def shard(model, state=None):
+    """Split `model`'s experts (whole on each rank) over the ranks FSDP2 will shard the rest on: each rank keeps its
+    experts' rows of the stacked weights, and each experts module exchanges its tokens by all-to-all. FSDP2 is told
+    to leave the experts to this (accelerate's ignored_modules)."""
+    from accelerate.state import AcceleratorState
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers.distributed.expert_parallel import apply_expert_parallelism
+
+    state = state or AcceleratorState()
+    ep = size()
+    problems = model_problems(model, ep)
+    if problems:
+        raise UsageError(f"parallelism_config_{problems[0]}")
+    plan = resolved_plan(model, ep)
+    mesh = state.device_mesh["dp_shard"]  # the mesh FSDP2 shards the dense weights on (ep_size = dp_shard_size)
+    # the ranks that hold one batch: each alone here (transformers' all-to-all splits a batch a tp group shares)
+    alone = init_device_mesh(mesh.device_type, (ep, 1), mesh_dim_names=("ep", "batch"))["batch"]
+    apply_expert_parallelism(model, mesh, alone, plan, ep_implementation="all_to_all")
+    experts = [model.get_submodule(name) for name, style in plan.items() if style == "ep_dispatch_experts"]
+    for module in experts:
+        for parameter in module.parameters():
+            # an expert's gradient is the sum over every rank's tokens: their mean, as FSDP2 averages the rest
+            parameter.register_hook(lambda gradient, ranks=ep: gradient / ranks)
+    plugin = state.fsdp_plugin
+    if isinstance(plugin.ignored_modules, str):
+        raise UsageError(
+            "fsdp_ignored_modules beside parallelism_config_ep_size: the experts are left out of FSDP2 here (they "
+            "are split by expert); remove fsdp_ignored_modules from the config"
+        )
+    plugin.ignored_modules = [*(plugin.ignored_modules or []), *experts]
+    model.split_experts = [name for name, style in plan.items() if style == "ep_dispatch_experts"]
+    return model
+
+
+def describe(model) -> dict:
+    """run.json's account of the split: ep_size and the experts each rank holds (read off the stacked weights'
+    local rows), or nothing where the experts are whole."""
+    from torch.distributed.tensor import DTensor
+
+    names = getattr(model, "split_experts", None)
+    if not names:
+        return {}
+    split = [p for name in names for p in model.get_submodule(name).parameters() if isinstance(p, DTensor)]
+    held = {parameter.to_local().shape[0] for parameter in split}
+    return {
+        "ep_size": split[0].device_mesh.size(),
+        "experts_per_rank": held.pop() if len(held) == 1 else sorted(held),
+    }
