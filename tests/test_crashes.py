@@ -6,10 +6,10 @@ save or the final export is under way (its temporary folder exists); then the sa
 resumes it with `--resume_from_checkpoint latest`. The resumed run must finish, and its
 `final/` weights must equal the uninterrupted run's bit for bit.
 
-`make test-all` runs CRASH_TRIALS=6 trials (one per config: ddp killed inside a checkpoint save, fsdp inside
+`make test-all` runs CRASH_TRIALS=7 trials (one per config: ddp killed inside a checkpoint save, fsdp inside
 the final export, zero3 at a random moment, tp: the tensor-parallel run inside a save, zero3_ulysses: the
-sequence-parallel run inside the export, fsdp_cp: the context-parallel run at random), `make test` the first;
-`make test-crashes` runs 42 (seven per config). Two last tests kill a run while it converts a ZeRO-3 checkpoint for
+sequence-parallel run inside the export, fsdp_cp: the context-parallel run at random, ep: the tiny MoE, its experts
+split, inside a save), `make test` the first; `make test-crashes` runs 42 (six per config). Two last tests kill a run while it converts a ZeRO-3 checkpoint for
 another world size (make test), and while it rewrites a zero2 checkpoint for another config
 (common/outputs/portable.py).
 """
@@ -26,6 +26,7 @@ import pytest
 from conftest import (
     FP32,
     OFFLINE_ENV,
+    REPO,
     LaunchedOnce,
     causal_lm_args,
     launch,
@@ -37,9 +38,10 @@ from conftest import (
 )
 
 
-TRIALS = int(os.environ.get("CRASH_TRIALS", "6"))
-IN_MAKE_TEST = (0,)  # ddp killed inside a checkpoint save; make test-all: all six
-CONFIGS = ("ddp.yaml", "fsdp.yaml", "zero3.yaml", "tp.yaml", "zero3_ulysses.yaml", "fsdp_cp.yaml")
+TRIALS = int(os.environ.get("CRASH_TRIALS", "7"))
+IN_MAKE_TEST = (0,)  # ddp killed inside a checkpoint save; make test-all: all seven
+CONFIGS = ("ddp.yaml", "fsdp.yaml", "zero3.yaml", "tp.yaml", "zero3_ulysses.yaml", "fsdp_cp.yaml", "ep.yaml")
+MODELS = {"ep.yaml": REPO / "recipes/configs/tiny_qwen3_moe.json"}  # ep.yaml splits a MoE's experts
 RUN = dict(
     max_steps=8,
     save_steps=2,
@@ -133,13 +135,17 @@ def run_until_killed(command: list[str], out, when: str, seed: int) -> str:
     return "finished"
 
 
+def run_args(config: str, data, out) -> list[str]:
+    return causal_lm_args(data, out, **RUN, **({"model_config": MODELS[config]} if config in MODELS else {}))
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(markov_data, tmp_path_factory) -> LaunchedOnce:
     """Each config's uninterrupted run's final weights."""
 
     def final_weights(config: str) -> dict:
         out = tmp_path_factory.mktemp(config.removesuffix(".yaml"))
-        launch(config, "causal_lm.py", causal_lm_args(markov_data, out / "run", **RUN), launcher_args=FP32)
+        launch(config, "causal_lm.py", run_args(config, markov_data, out / "run"), launcher_args=FP32)
         return load_weights(out / "run" / "final")
 
     return LaunchedOnce(final_weights)
@@ -150,7 +156,7 @@ def uninterrupted(markov_data, tmp_path_factory) -> LaunchedOnce:
 def test_a_run_killed_at_any_moment_resumes_to_the_same_weights(trial, uninterrupted, markov_data, tmp_path):
     config, when = moments(TRIALS)[trial]
     out = tmp_path / "run"
-    args = causal_lm_args(markov_data, out, **RUN)
+    args = run_args(config, markov_data, out)
     what = run_until_killed(launch_command(config, "causal_lm.py", args, FP32), out, when, seed=trial)
     assert what != "finished" and "(1 processes)" not in what, (
         f"{config}: the run's ranks had finished before the moment to kill them ({when}) came: {what}"
