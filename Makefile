@@ -10,7 +10,7 @@ TORCH_INDEX ?=
 TORCH_RANGE := torch>=2.13.0,<2.14
 # The demos, benchmarks and tests read nothing from a hub (their models and data are made here or ship in a
 # package), so they run with downloads off; the recipe targets load your Hub models as the libraries do.
-OFFLINE_TARGETS := demo demo-data demo-chat demo-dpo demo-grpo real-model benchmark benchmark-peers benchmark-options \
+OFFLINE_TARGETS := demo demo-data demo-chat demo-dpo demo-grpo real-model real-moe demo-moe-chat benchmark benchmark-peers benchmark-options \
                    benchmark-packing benchmark-reshard benchmark-pipeline benchmark-bubble benchmark-pipeline-memory \
                    benchmark-stage-loading benchmark-rollouts test test-fast test-all test-crashes
 $(OFFLINE_TARGETS): export HF_HUB_OFFLINE ?= 1
@@ -27,7 +27,7 @@ ELASTIC  = $(findstring --nnodes,$(LAUNCH_ARGS))
 RESTARTS = $(if $(or $(ELASTIC),$(findstring --max_restarts,$(LAUNCH_ARGS))),--rdzv_backend c10d) \
            $(if $(and $(ELASTIC),$(if $(findstring --max_restarts,$(LAUNCH_ARGS)),,x)),--max_restarts 3)
 
-.PHONY: install install-test real-model demo demo-chat demo-dpo demo-grpo demo-data test test-fast test-all test-crashes style quality doctor causal_lm sequence_classification lora sft dpo reward-model reward_model grpo evaluate plot benchmark benchmark-peers benchmark-options benchmark-packing benchmark-reshard benchmark-pipeline benchmark-bubble benchmark-pipeline-memory benchmark-stage-loading benchmark-rollouts estimate-memory choose-config benchmark-choice export-checkpoint convert-checkpoint check-config clean
+.PHONY: install install-test real-model real-moe demo demo-chat demo-moe-chat demo-dpo demo-grpo demo-data test test-fast test-all test-crashes style quality doctor causal_lm sequence_classification lora sft dpo reward-model reward_model grpo evaluate plot benchmark benchmark-peers benchmark-options benchmark-packing benchmark-reshard benchmark-pipeline benchmark-bubble benchmark-pipeline-memory benchmark-stage-loading benchmark-rollouts estimate-memory choose-config benchmark-choice export-checkpoint convert-checkpoint check-config clean
 
 # torch first: the CPU wheel on hosts without an NVIDIA GPU (no CUDA download),
 # the normal CUDA build where nvidia-smi sees a GPU. Later `torch>=...` pins are then satisfied.
@@ -88,6 +88,19 @@ demo-chat: real-model
 	$(LAUNCH) --config_file accelerate_configs/ddp.yaml recipes/sft.py --config recipes/configs/sft_chat_demo.yaml \
 		--model_name_or_path $(REAL_MODEL) --output_dir $(CHAT_OUT) $(DEMO_RUN) $(ARGS)
 	$(PY) scripts/ask.py --model_name_or_path $(CHAT_OUT)/final --question "$(QUESTION)"
+
+# A real mixture-of-experts model: that chat model upcycled (each layer's MLP copied into 4 experts, 2 per token, new
+# routers: scripts/make_real_moe.py), its step-0 logits equal to the dense model's (the gap printed); then the second
+# demo on it under ep.yaml, its experts split over the 2 processes.
+MOE_MODEL ?= outputs/models/SmolLM2-135M-Instruct-MoE
+MOE_CHAT_OUT ?= outputs/sft_moe_chat_demo
+real-moe: real-model
+	$(PY) scripts/make_real_moe.py --model $(REAL_MODEL) --out $(MOE_MODEL)
+demo-moe-chat: real-moe
+	$(PY) scripts/make_demo_data.py --task arithmetic --out outputs/data/arithmetic
+	$(LAUNCH) --config_file accelerate_configs/ep.yaml recipes/sft.py --config recipes/configs/sft_chat_demo.yaml \
+		--model_name_or_path $(MOE_MODEL) --output_dir $(MOE_CHAT_OUT) $(DEMO_RUN) $(ARGS)
+	$(PY) scripts/ask.py --model_name_or_path $(MOE_CHAT_OUT)/final --question "$(QUESTION)"
 
 # The third: the same real model taught by DPO (LoRA, 2 processes, ddp.yaml's bf16) to follow a system turn's
 # "Answer with the number only." (the bare right number chosen over the right number in a sentence); held-out
