@@ -286,6 +286,7 @@ def test_estimate_memory_prints_each_category(capsys):
         "num_processes": 2,
         "sp_size": 1,
         "cp_size": 1,
+        "ep_size": 1,
         "mixed_precision": "bf16",
         "fsdp_reshard_after_forward": True,
         "activation_checkpointing": False,

@@ -27,6 +27,7 @@ from conftest import (
     launch_command,
     launch_one_process,
     max_weight_difference,
+    model_state_gaps,
     read_metrics,
     read_run,
     resume_elsewhere,
@@ -477,4 +478,7 @@ def test_make_demo_moe_chat_upcycles_the_real_model_and_teaches_it_with_its_expe
     record = read_run(tmp_path / "chat")
     assert record["participating_processes"] == 2
     assert record["experts"]["ep_size"] == 2 and record["experts"]["experts_per_rank"] == 2
+    gaps = model_state_gaps(tmp_path / "chat", REPO / "accelerate_configs/ep.yaml")  # 373M parameters
+    print(f"ep.yaml at 373M parameters: the estimate's model state against the run's account: {gaps}")
+    assert all(gap < 0.15 for gap in gaps.values()), gaps  # seen: 0 (each category to the 0.1 MB)
     assert "Q: what is 7 plus 8 ?\nA: " in result.stdout, result.stdout[-500:]

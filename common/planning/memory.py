@@ -9,6 +9,7 @@ c bytes per element in the compute dtype (2 in bf16, 4 in fp32):
   config              parameters  master  gradients        optimizer  buckets
   single / DDP        4Ψ          -       4Ψ               8Ψ         - (DDP's: the gradients)
   FSDP2 (all three)   4Ψ/N        -       4Ψ/N             8Ψ/N       -
+  ep.yaml (FSDP2)     4Ψ/N        -       4Ψ/N             8Ψ/N       -   the experts split by expert, the rest FSDP2
   tensor parallel     4Ψt         -       4Ψt              8Ψt        -   Ψt = Ψ split by the plan / T, + the rest
   FSDP2 x TP          4ΨtT/N      -       4ΨtT/N           8ΨtT/N     -
   ZeRO-1 / ZeRO-2     cΨ          4Ψ/N    cΨ/N + 4Ψ/N      8Ψ/N       -
@@ -47,7 +48,8 @@ accumulation the micro-batches' sum waits in a further cΨ/N. Offload moves
 the master copy and the optimizer to the CPU: on a GPU that leaves device memory, on a
 CPU-only host it changes nothing. Under DDP with bf16, autocast's bf16 copy of every
 weight, saved for backward, counts with the activations.) The peak adds one micro-batch's activations, the largest
-transient (under FSDP2 with resharding, a layer gathered whole in the compute dtype and
+transient (under FSDP2 with resharding, a layer gathered whole in the compute dtype (under ep.yaml without its
+experts, which each rank holds whole and never gathers) and
 the next one prefetched, and the root unit, embeddings and head, which FSDP2 keeps gathered
 from forward to backward; without resharding, the whole unsharded model; the optimizer
 step adds none, since the recipes' AdamW is torch's fused kernel, which updates in
@@ -134,6 +136,7 @@ def read_strategy(config_file: str, num_processes: int | None, mixed_precision: 
         "num_processes": processes,
         "sp_size": int(parallelism.get("parallelism_config_sp_size", 1)),
         "cp_size": int(parallelism.get("parallelism_config_cp_size", 1)),
+        "ep_size": int(parallelism.get("parallelism_config_ep_size", 1)),
         "zero3_sub_group_size": None if sub_group_size is None else int(float(sub_group_size)),
         "mixed_precision": precision,
         "fsdp_reshard_after_forward": str(fsdp.get("fsdp_reshard_after_forward", True)).lower() == "true",
@@ -199,6 +202,14 @@ def read_model(model: str, vocab_size: int | None = None) -> dict:
         and (name.split(".")[-1] in targets if targets else m is not built.get_output_embeddings())
     ]
     layer_sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    # a MoE's experts, by the model's expert-parallel plan (its stacked weights): what ep.yaml splits and never gathers
+    from common.parallel.expert_parallel import resolved_plan
+
+    split = [name for name, style in resolved_plan(built, 2).items() if style == "ep_dispatch_experts"]
+    layer_experts = [
+        sum(p.numel() for name in split if name.startswith(f"{prefix}.") for p in built.get_submodule(name).parameters())
+        for prefix in (n for n, m in built.named_modules() if any(m is layer for layer in layers))
+    ]
     embeddings, head = built.get_input_embeddings(), built.get_output_embeddings()
     from common.parallel.pipeline import safetensors_names
 
@@ -214,6 +225,11 @@ def read_model(model: str, vocab_size: int | None = None) -> dict:
         "parameters": total,
         "largest_tensor": largest_tensor,
         "largest_layer": max(layer_sizes, default=largest_tensor),
+        # the largest layer without its experts (ep.yaml gathers that part only); the experts' parameters in all
+        "largest_layer_without_experts": max(
+            (size - experts for size, experts in zip(layer_sizes, layer_experts)), default=largest_tensor
+        ),
+        "expert_parameters": sum(layer_experts),
         "root_parameters": total - sum(layer_sizes),  # outside the decoder layers: FSDP2's root unit
         "lora_parameters": sum(LORA_RANK * sum(m.weight.shape) for m in adapted),
         "tp_split_parameters": tp_split,
@@ -503,10 +519,12 @@ def estimate(
         parameters, master, gradients, optimizer = 4 * local / n, 0, 4 * local * t / psi / n, 8 * local * t / psi / n
         # a layer gathered whole and the next prefetched, and the root unit (embeddings, final norm, head:
         # FSDP2 keeps the root gathered from forward to backward); without resharding, the whole model
+        # ep.yaml: each rank's experts are its own, whole, never gathered: a layer's other tensors only
+        layer = model["largest_layer_without_experts"] if strategy.get("ep_size", 1) > 1 else model["largest_layer"]
         step_transient = (
-            2 * c * model["largest_layer"] + c * model.get("root_parameters", 0)
+            2 * c * layer + c * model.get("root_parameters", 0)
             if strategy["fsdp_reshard_after_forward"]
-            else c * psi
+            else c * (psi - (model["expert_parameters"] if strategy.get("ep_size", 1) > 1 else 0))
         ) / tp  # gathered: a TP rank's part
         if strategy.get("fsdp_cpu_ram_efficient_loading"):  # rank 0: the whole model, its shard, a layer
             loading = 4 * psi + 4 * psi / n + 4 * model["largest_layer"]
