@@ -11,7 +11,7 @@ TORCH_RANGE := torch>=2.13.0,<2.14
 # The demos, benchmarks and tests read nothing from a hub (their models and data are made here or ship in a
 # package), so they run with downloads off; the recipe targets load your Hub models as the libraries do.
 OFFLINE_TARGETS := demo demo-data demo-chat demo-dpo demo-grpo real-model real-moe demo-moe-chat benchmark benchmark-peers benchmark-options \
-                   benchmark-packing benchmark-reshard benchmark-pipeline benchmark-bubble benchmark-pipeline-memory \
+                   benchmark-packing benchmark-moe benchmark-reshard benchmark-pipeline benchmark-bubble benchmark-pipeline-memory \
                    benchmark-stage-loading benchmark-rollouts test test-fast test-all test-crashes
 $(OFFLINE_TARGETS): export HF_HUB_OFFLINE ?= 1
 $(OFFLINE_TARGETS): export HF_DATASETS_OFFLINE ?= 1
@@ -27,7 +27,7 @@ ELASTIC  = $(findstring --nnodes,$(LAUNCH_ARGS))
 RESTARTS = $(if $(or $(ELASTIC),$(findstring --max_restarts,$(LAUNCH_ARGS))),--rdzv_backend c10d) \
            $(if $(and $(ELASTIC),$(if $(findstring --max_restarts,$(LAUNCH_ARGS)),,x)),--max_restarts 3)
 
-.PHONY: install install-test real-model real-moe demo demo-chat demo-moe-chat demo-dpo demo-grpo demo-data test test-fast test-all test-crashes style quality doctor causal_lm sequence_classification lora sft dpo reward-model reward_model grpo evaluate plot benchmark benchmark-peers benchmark-options benchmark-packing benchmark-reshard benchmark-pipeline benchmark-bubble benchmark-pipeline-memory benchmark-stage-loading benchmark-rollouts estimate-memory choose-config benchmark-choice export-checkpoint convert-checkpoint check-config clean
+.PHONY: install install-test real-model real-moe demo demo-chat demo-moe-chat demo-dpo demo-grpo demo-data test test-fast test-all test-crashes style quality doctor causal_lm sequence_classification lora sft dpo reward-model reward_model grpo evaluate plot benchmark benchmark-peers benchmark-options benchmark-packing benchmark-moe benchmark-reshard benchmark-pipeline benchmark-bubble benchmark-pipeline-memory benchmark-stage-loading benchmark-rollouts estimate-memory choose-config benchmark-choice export-checkpoint convert-checkpoint check-config clean
 
 # torch first: the CPU wheel on hosts without an NVIDIA GPU (no CUDA download),
 # the normal CUDA build where nvidia-smi sees a GPU. Later `torch>=...` pins are then satisfied.
@@ -218,6 +218,11 @@ benchmark-choice: install
 
 # A ZeRO-3 checkpoint's conversion for another world size and the final export's gather, at 101M:
 # time and host memory, written to docs/benchmark-reshard.md.
+# Expert parallelism on a small MoE: ep.yaml against ddp.yaml and fsdp.yaml at 2 and 4 processes (tokens/s, peak
+# memory and model state per rank, the all-to-all megabytes per step against the formula): docs/benchmark-moe.md.
+benchmark-moe: install
+	$(PY) benchmarks/benchmark_moe.py --docs docs/benchmark-moe.md $(ARGS)
+
 benchmark-reshard: install
 	$(PY) benchmarks/benchmark_reshard.py --docs docs/benchmark-reshard.md $(ARGS)
 

@@ -211,6 +211,8 @@ class Run:
         self.experts = experts.watch(unwrap(accelerator, model))  # a MoE's aux loss and experts' load, each line
         if self.experts is not None:
             self.metrics.add_source(self.experts.figures)
+        if (sent := expert_parallel.traffic(unwrap(accelerator, model))) is not None:  # ep.yaml: its all-to-alls
+            self.metrics.add_source(sent.figures)
         if self.world is not None:
             self.world.started(self.metrics, accelerator)
         self.nonfinite = NonFiniteGuard(

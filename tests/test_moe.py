@@ -144,6 +144,10 @@ def test_moe_with_its_router_loss_matches_one_process(config, moe_data, moe_refe
     gaps = {name: relative_gap([r[name] for r in rows], [r[name] for r in reference_rows]) for name in FIGURES}
     weights = max_weight_difference(out / "final", moe_reference / "final")
     print(f"{config}: relative gaps {gaps}, final weights {weights:.2e} (fp32, 2 epochs, accumulation)")
+    if config == "ep.yaml":  # each rank's tokens to the other rank's experts: half its (token, expert) pairs
+        formula = 4 * 2 * (2 * 32 * 2) * 2 * (1 / 2) * 64 * 4 / 2**20  # layers, tokens per step, k, off-rank, h, fp32
+        sent = sorted(r["all_to_all_mb"] for r in rows)
+        assert abs(sent[len(sent) // 2] - formula) < 0.25 * formula, (sent, formula)
     if config in SLICED:
         assert all(gap < SLICED_TOLERANCE[name] for name, gap in gaps.items()), gaps
         assert all(rows[0][name] == reference_rows[0][name] for name in FIGURES[2:])
@@ -482,3 +486,21 @@ def test_make_demo_moe_chat_upcycles_the_real_model_and_teaches_it_with_its_expe
     print(f"ep.yaml at 373M parameters: the estimate's model state against the run's account: {gaps}")
     assert all(gap < 0.15 for gap in gaps.values()), gaps  # seen: 0 (each category to the 0.1 MB)
     assert "Q: what is 7 plus 8 ?\nA: " in result.stdout, result.stdout[-500:]
+
+
+@pytest.mark.slow
+@pytest.mark.exhaustive
+def test_make_benchmark_moe_writes_its_page(tmp_path):
+    """`make benchmark-moe` cut to 2 processes and 3 steps: a row per config, the same model trained (the losses
+    within bf16's noise), half of ddp's model state per rank under fsdp and ep, and ep's all-to-all megabytes near
+    the formula's for even routing (seen: 4.01 against 4.00)."""
+    page = tmp_path / "moe.md"
+    run(["make", "-s", "benchmark-moe", f"ARGS=--processes 2 --steps 3 --docs {page}"], timeout=1800)
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in page.read_text().splitlines()]
+    rows = [row for row in rows if row and row[0].startswith("`")]
+    assert [row[0] for row in rows] == ["`ddp.yaml`", "`fsdp.yaml`", "`ep.yaml`"]
+    losses = [float(row[9]) for row in rows]
+    assert max(losses) - min(losses) < 2e-2 * losses[0], losses
+    assert [float(row[6]) for row in rows[1:]] == [0.5, 0.5]
+    measured, formula = float(rows[2][7]), float(rows[2][8])
+    assert abs(measured - formula) < 0.25 * formula, (measured, formula)

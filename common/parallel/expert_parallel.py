@@ -113,6 +113,8 @@ def shard(model, state=None):
         )
     plugin.ignored_modules = [*(plugin.ignored_modules or []), *experts]
     model.split_experts = [name for name, style in plan.items() if style == "ep_dispatch_experts"]
+    for module in experts:
+        module.expert_rank = mesh.get_local_rank()  # the range of experts this rank holds (Traffic reads it)
     return model
 
 
@@ -130,3 +132,41 @@ def describe(model) -> dict:
         "ep_size": split[0].device_mesh.size(),
         "experts_per_rank": held.pop() if len(held) == 1 else sorted(held),
     }
+
+
+class Traffic:
+    """What each rank's MoE layers send to other ranks' experts in training, counted from the routing: each (token,
+    chosen expert) pair whose expert another rank holds crosses four times (the dispatch and the combine in the
+    forward, their gradients in the backward), a hidden-size row in the dtype the layer receives. Each train line
+    then carries `all_to_all_mb`: the window's megabytes per rank (their mean over the ranks). Tokens sent to this
+    rank's own experts move nothing; the split sizes exchanged first (a few integers a layer) are not counted."""
+
+    def __init__(self, model):
+        import torch
+
+        self.sent = torch.zeros((), dtype=torch.float64)
+        for name in model.split_experts:
+            model.get_submodule(name).register_forward_pre_hook(self._count, with_kwargs=True)
+
+    def _count(self, module, args, kwargs) -> None:
+        import torch
+
+        if not (module.training and torch.is_grad_enabled()):  # evaluation, rollouts, a reference's forward
+            return
+        names = ("hidden_states", "top_k_index")
+        hidden, index = (*args, *(kwargs[name] for name in names[len(args) :]))[:2]
+        owners = index // module.num_experts  # each rank holds a contiguous range of num_experts (its own count)
+        rank = module.expert_rank
+        off_rank = (owners != rank).sum().to(self.sent.device, torch.float64)
+        self.sent = self.sent + 4 * off_rank * hidden.shape[-1] * hidden.element_size()
+
+    def figures(self, accelerator) -> dict:
+        """The window's megabytes per rank over every rank (all ranks call it: one reduce), then a fresh window."""
+        total = accelerator.reduce(self.sent.reshape(1).to(accelerator.device), reduction="sum").item()
+        self.sent = self.sent.new_zeros(())
+        return {"all_to_all_mb": total / accelerator.num_processes / 2**20}
+
+
+def traffic(model) -> Traffic | None:
+    """A Traffic count on `model` (unwrapped) where its experts are split over the ranks; None otherwise."""
+    return Traffic(model) if getattr(model, "split_experts", None) else None
