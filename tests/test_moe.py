@@ -504,3 +504,21 @@ def test_make_benchmark_moe_writes_its_page(tmp_path):
     assert [float(row[6]) for row in rows[1:]] == [0.5, 0.5]
     measured, formula = float(rows[2][7]), float(rows[2][8])
     assert abs(measured - formula) < 0.25 * formula, (measured, formula)
+
+
+def test_split_experts_compute_in_autocasts_dtype_and_train_their_fp32_weights():
+    """ep.yaml leaves the experts out of FSDP2, whose mixed precision would hand them bf16 copies: under autocast their
+    forward gets those copies here (transformers' grouped matmul, which autocast does not cover, computes in the
+    weights' dtype), the gradients reaching the fp32 weights; outside autocast, their own."""
+    from common.parallel.expert_parallel import compute_in_autocast_dtype
+
+    experts = tiny_moe().model.layers[0].mlp.experts
+    seen, inner = [], experts.forward
+    experts.forward = lambda *args: (seen.append(experts.gate_up_proj.dtype), inner(*args))[1]
+    compute_in_autocast_dtype(experts)
+    hidden, index, weights = torch.randn(5, 64), torch.randint(0, 8, (5, 2)), torch.full((5, 2), 0.5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        experts(hidden, index, weights).float().sum().backward()
+    experts(hidden, index, weights)
+    assert seen == [torch.bfloat16, torch.float32] and experts.gate_up_proj.dtype == torch.float32
+    assert experts.gate_up_proj.grad.dtype == torch.float32 and experts.gate_up_proj.grad.abs().sum() > 0

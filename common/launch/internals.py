@@ -421,3 +421,15 @@ def local_parameters(module, partial_gradients: bool = False):
         yield
     finally:
         module._parameters.update(whole)
+
+
+@contextlib.contextmanager
+def parameters_cast_to(module, dtype):
+    """`module`'s own parameters swapped for copies in `dtype` during a forward (their gradients reach the originals),
+    then put back: the compute dtype FSDP2's mixed precision gives the modules it manages, for one it does not."""
+    originals = {name: p for name, p in module._parameters.items() if p is not None}
+    module._parameters.update({name: p.to(dtype) for name, p in originals.items()})
+    try:
+        yield
+    finally:
+        module._parameters.update(originals)

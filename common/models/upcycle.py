@@ -3,8 +3,9 @@
 Komatsuzaki et al., "Sparse Upcycling" (2022): each decoder layer's MLP is copied into every expert of a Mixtral
 layer (SwiGLU experts, as Llama's MLP), and a router is added. The router's top-k weights are normalised to sum to 1
 (Mixtral's routing), so with identical experts each token's output is the dense MLP's whatever the router chooses:
-the MoE's logits at step 0 equal the dense model's. Training then moves the experts apart along the tokens the
-router sends each. The attention, norms, embeddings and head are the dense model's own tensors; Mixtral's attention
+the MoE's logits at step 0 equal the dense model's, and at step 0 the loss does not depend on the router either (its
+gradient is 0 then): the experts' gradients differ with the tokens and weights the router gives each, so the first
+steps move the experts apart, and the router learns from then on. The attention, norms, embeddings and head are the dense model's own tensors; Mixtral's attention
 is Llama's (no biases, rotary embeddings as the config says), so a Llama model with biases is refused.
 """
 
@@ -29,8 +30,8 @@ def mixtral_config(dense, num_experts: int, experts_per_token: int, router_aux_l
     if not 1 < experts_per_token <= num_experts:
         raise UsageError(
             f"upcycling: --experts_per_token {experts_per_token} with --num_experts {num_experts}: route each token "
-            "to 2 or more experts (one expert's normalised weight is always 1, which gives its router no gradient) "
-            "and at most to all of them"
+            "to 2 or more experts (a single expert's normalised weight is always 1, so its router would never learn "
+            "from the loss) and at most to all of them"
         )
     shared = (
         "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads head_dim "

@@ -35,6 +35,16 @@ def check_arguments(arguments: tuple) -> None:
     if not enabled():
         return
     for args in arguments:
+        if getattr(args, "auto_find_batch_size", False):
+            raise UsageError(
+                "--auto_find_batch_size under expert parallelism: each rank would retry its own trial batches while "
+                "every MoE layer's all-to-all needs all of them in step; set --per_device_train_batch_size"
+            )
+        if getattr(args, "torch_compile", False):
+            raise UsageError(
+                "--torch_compile under expert parallelism: the all-to-all reads its split sizes back to the host in "
+                "every MoE layer, which these recipes do not compile; leave out --torch_compile"
+            )
         if getattr(args, "use_peft", False):
             raise UsageError(
                 "--use_peft under expert parallelism: LoRA's adapters on the experts' stacked weights would span "
@@ -102,6 +112,8 @@ def shard(model, state=None):
     apply_expert_parallelism(model, mesh, alone, plan, ep_implementation="all_to_all")
     experts = [model.get_submodule(name) for name, style in plan.items() if style == "ep_dispatch_experts"]
     for module in experts:
+        compute_in_autocast_dtype(module)
+    for module in experts:
         for parameter in module.parameters():
             # an expert's gradient is the sum over every rank's tokens: their mean, as FSDP2 averages the rest
             parameter.register_hook(lambda gradient, ranks=ep: gradient / ranks)
@@ -116,6 +128,27 @@ def shard(model, state=None):
     for module in experts:
         module.expert_rank = mesh.get_local_rank()  # the range of experts this rank holds (Traffic reads it)
     return model
+
+
+def compute_in_autocast_dtype(module) -> None:
+    """The experts' forward on copies of their weights in autocast's dtype (bf16 under the shipped configs), as
+    FSDP2's mixed precision hands the layers it manages theirs: the experts are left out of FSDP2, and transformers'
+    grouped matmul, which autocast does not cover, would otherwise compute in their fp32. The copies' gradients
+    reach the fp32 weights (the master copy the optimizer steps)."""
+    import torch
+
+    from common.launch.internals import parameters_cast_to
+
+    inner = module.forward
+
+    def forward(*args, **kwargs):
+        device = next(module.parameters()).device.type
+        if not torch.is_autocast_enabled(device):
+            return inner(*args, **kwargs)
+        with parameters_cast_to(module, torch.get_autocast_dtype(device)):
+            return inner(*args, **kwargs)
+
+    module.forward = forward
 
 
 def describe(model) -> dict:

@@ -207,7 +207,12 @@ def read_model(model: str, vocab_size: int | None = None) -> dict:
 
     split = [name for name, style in resolved_plan(built, 2).items() if style == "ep_dispatch_experts"]
     layer_experts = [
-        sum(p.numel() for name in split if name.startswith(f"{prefix}.") for p in built.get_submodule(name).parameters())
+        sum(
+            p.numel()
+            for name in split
+            if name.startswith(f"{prefix}.")
+            for p in built.get_submodule(name).parameters()
+        )
         for prefix in (n for n, m in built.named_modules() if any(m is layer for layer in layers))
     ]
     embeddings, head = built.get_input_embeddings(), built.get_output_embeddings()
