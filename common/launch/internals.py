@@ -189,7 +189,7 @@ def init_module_weights(model, module) -> None:
 
 
 def resolved_tp_plan(model, distributed_config) -> dict:  # one rule per module, as from_pretrained(tp_plan=) applies
-    return model._resolve_parallel_plans(distributed_config)[0]
+    return resolved_parallel_plans(model, distributed_config)[0]
 
 
 def resolved_parallel_plans(model, distributed_config) -> tuple[dict, dict, dict]:  # (tp, ep, fsdp), one rule each

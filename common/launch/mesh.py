@@ -87,7 +87,10 @@ def mesh_problems(
         return problems
     product = math.prod(sizes.get(name, 1) for name in DIMENSIONS if name != "ep")
     if product != world:
-        named = " x ".join(f"{name}_size {sizes[name]}" for name in DIMENSIONS[:-1] if sizes.get(name, 1) > 1) or "1"
+        named = (
+            " x ".join(f"{name}_size {sizes[name]}" for name in DIMENSIONS if name != "ep" and sizes.get(name, 1) > 1)
+            or "1"
+        )
         problems.append(
             f"parallelism_config: {named} = {product} processes but num_processes is {world}; make the "
             "sizes multiply to num_processes (HSDP: dp_replicate_size = nodes, dp_shard_size = GPUs per "

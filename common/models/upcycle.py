@@ -5,8 +5,9 @@ layer (SwiGLU experts, as Llama's MLP), and a router is added. The router's top-
 (Mixtral's routing), so with identical experts each token's output is the dense MLP's whatever the router chooses:
 the MoE's logits at step 0 equal the dense model's, and at step 0 the loss does not depend on the router either (its
 gradient is 0 then): the experts' gradients differ with the tokens and weights the router gives each, so the first
-steps move the experts apart, and the router learns from then on. The attention, norms, embeddings and head are the dense model's own tensors; Mixtral's attention
-is Llama's (no biases, rotary embeddings as the config says), so a Llama model with biases is refused.
+steps move the experts apart, and the router learns from then on. The attention, norms, embeddings and head are the
+dense model's own tensors; Mixtral's attention is Llama's (no biases, rotary embeddings as the config says), so a
+Llama model with biases is refused.
 """
 
 from __future__ import annotations

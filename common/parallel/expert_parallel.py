@@ -72,18 +72,23 @@ def resolved_plan(model, ep: int) -> dict:
         return {}
 
 
-def model_problems(model, ep: int) -> list[str]:
+def dispatched(plan: dict) -> list[str]:
+    """The experts modules a resolved plan splits (transformers' `ep_dispatch_experts` style)."""
+    return [name for name, style in plan.items() if style == "ep_dispatch_experts"]
+
+
+def model_problems(model, ep: int, plan: dict | None = None) -> list[str]:
     """Why `model` (real or on the meta device) cannot have its experts split over ep ranks, one line each: a dense
-    model, a MoE without a plan in transformers, experts that ep does not divide. `make check-config` asks it too."""
-    plan = resolved_plan(model, ep)
-    dispatched = [module for module, style in plan.items() if style == "ep_dispatch_experts"]
-    if not dispatched:
+    model, a MoE without a plan in transformers, experts that ep does not divide. `make check-config` asks it too;
+    `plan`: the model's resolved plan where the caller has it."""
+    names = dispatched(resolved_plan(model, ep) if plan is None else plan)
+    if not names:
         return [
             f"ep_size {ep}: {type(model).__name__} has no experts to split (a dense model, or a mixture-of-experts "
             "model transformers gives no expert-parallel plan); use fsdp.yaml, or a MoE model with one (Qwen3-MoE, "
             "Mixtral, OLMoE, gpt-oss, ...)"
         ]
-    count = getattr(model.get_submodule(dispatched[0]), "num_experts", 0)
+    count = getattr(model.get_submodule(names[0]), "num_experts", 0)
     if count % ep:
         return [
             f"ep_size {ep}: the model's {count} experts per layer do not divide over {ep} ranks; launch a number "
@@ -101,32 +106,29 @@ def shard(model, state=None):
     from transformers.distributed.expert_parallel import apply_expert_parallelism
 
     state = state or AcceleratorState()
-    ep = size()
-    problems = model_problems(model, ep)
-    if problems:
-        raise UsageError(f"parallelism_config_{problems[0]}")
-    plan = resolved_plan(model, ep)
-    mesh = state.device_mesh["dp_shard"]  # the mesh FSDP2 shards the dense weights on (ep_size = dp_shard_size)
-    # the ranks that hold one batch: each alone here (transformers' all-to-all splits a batch a tp group shares)
-    alone = init_device_mesh(mesh.device_type, (ep, 1), mesh_dim_names=("ep", "batch"))["batch"]
-    apply_expert_parallelism(model, mesh, alone, plan, ep_implementation="all_to_all")
-    experts = [model.get_submodule(name) for name, style in plan.items() if style == "ep_dispatch_experts"]
-    for module in experts:
-        compute_in_autocast_dtype(module)
-    for module in experts:
-        for parameter in module.parameters():
-            # an expert's gradient is the sum over every rank's tokens: their mean, as FSDP2 averages the rest
-            parameter.register_hook(lambda gradient, ranks=ep: gradient / ranks)
-    plugin = state.fsdp_plugin
+    ep, plugin = size(), state.fsdp_plugin
     if isinstance(plugin.ignored_modules, str):
         raise UsageError(
             "fsdp_ignored_modules beside parallelism_config_ep_size: the experts are left out of FSDP2 here (they "
             "are split by expert); remove fsdp_ignored_modules from the config"
         )
-    plugin.ignored_modules = [*(plugin.ignored_modules or []), *experts]
-    model.split_experts = [name for name, style in plan.items() if style == "ep_dispatch_experts"]
+    plan = resolved_plan(model, ep)
+    problems = model_problems(model, ep, plan)
+    if problems:
+        raise UsageError(f"parallelism_config_{problems[0]}")
+    mesh = state.device_mesh["dp_shard"]  # the mesh FSDP2 shards the dense weights on (ep_size = dp_shard_size)
+    # the ranks that hold one batch: each alone here (transformers' all-to-all splits a batch a tp group shares)
+    alone = init_device_mesh(mesh.device_type, (ep, 1), mesh_dim_names=("ep", "batch"))["batch"]
+    apply_expert_parallelism(model, mesh, alone, plan, ep_implementation="all_to_all")
+    model.split_experts = dispatched(plan)
+    experts = [model.get_submodule(name) for name in model.split_experts]
     for module in experts:
+        compute_in_autocast_dtype(module)
         module.expert_rank = mesh.get_local_rank()  # the range of experts this rank holds (Traffic reads it)
+        for parameter in module.parameters():
+            # an expert's gradient is the sum over every rank's tokens: their mean, as FSDP2 averages the rest
+            parameter.register_hook(lambda gradient, ranks=ep: gradient / ranks)
+    plugin.ignored_modules = [*(plugin.ignored_modules or []), *experts]
     return model
 
 

@@ -203,9 +203,9 @@ def read_model(model: str, vocab_size: int | None = None) -> dict:
     ]
     layer_sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]
     # a MoE's experts, by the model's expert-parallel plan (its stacked weights): what ep.yaml splits and never gathers
-    from common.parallel.expert_parallel import resolved_plan
+    from common.parallel.expert_parallel import dispatched, resolved_plan
 
-    split = [name for name, style in resolved_plan(built, 2).items() if style == "ep_dispatch_experts"]
+    split = dispatched(resolved_plan(built, 2))
     layer_experts = [
         sum(
             p.numel()
