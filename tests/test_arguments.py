@@ -370,14 +370,16 @@ def rewritten_as_told(config, replaced: dict, tmp_path, **changes):
     return path, values
 
 
-@pytest.mark.slow  # 2 steps of the real 135M model in this process (10-25 s), as the DPO handbook test below
+@pytest.mark.slow  # 2 steps in this process, as the DPO handbook test below
 def test_a_handbook_recipe_yaml_names_every_key_it_cannot_take_in_one_message_and_then_runs(
-    real_model, counting_data, tmp_path, monkeypatch
+    small_chat_model, counting_data, tmp_path, monkeypatch
 ):
     """The alignment-handbook's zephyr-7b-beta SFT config as published: one message lists all 14 keys
     taken otherwise here, each with what to write instead (before: one key per run, 16 runs; its
     warmup_ratio and dataset_mixture now work as in the handbook). Rewritten as the message says, with
-    the model swapped for the real small chat model, the mixture's source for a local file (its
+    the model swapped for a small one with the real chat model's tokenizer and template (the subject is the
+    config, not the weights: the real model's 2 steps took a minute on a 2-core CPU), the mixture's source for a
+    local file (its
     held-out 2000 rows for 40 of its 400), flash-attention (GPU only) for sdpa and its torch_dtype bfloat16 kept
     where the CPU has bf16 instructions (float32 elsewhere, where torch emulates bf16 ~50x slower), it trains 2
     steps in this process on 1 rank, warming up over ceil(0.1 x 2) = 1 step."""
@@ -396,7 +398,7 @@ def test_a_handbook_recipe_yaml_names_every_key_it_cannot_take_in_one_message_an
         HANDBOOK_SFT,
         HANDBOOK_REPLACED,
         tmp_path,
-        model_name_or_path=str(real_model),
+        model_name_or_path=str(small_chat_model),
         attn_implementation="sdpa",
         torch_dtype="bfloat16" if HOST_BF16 else "float32",
         output_dir=str(tmp_path / "run"),
@@ -459,12 +461,14 @@ HANDBOOK_DPO_REPLACED = {
 }
 
 
-@pytest.mark.slow  # two 135M models (the policy and its reference) in this process: ~40 s
+@pytest.mark.slow  # two models (the policy and its reference) in this process
 @pytest.mark.exhaustive
-def test_the_handbook_dpo_recipe_yaml_names_its_keys_in_one_message_and_then_runs(real_model, tmp_path, monkeypatch):
+def test_the_handbook_dpo_recipe_yaml_names_its_keys_in_one_message_and_then_runs(
+    small_chat_model, tmp_path, monkeypatch
+):
     """The alignment-handbook's zephyr-7b-beta DPO config as published: one message names the 10 keys taken
-    otherwise here (max_length: --block_size). Rewritten as it says, with the model swapped for the real
-    small chat model and its two UltraFeedback sources (whole chats sharing their prompt turns, `chosen`
+    otherwise here (max_length: --block_size). Rewritten as it says, with the model swapped for a small one with
+    the real chat model's tokenizer and template, and its two UltraFeedback sources (whole chats sharing their prompt turns, `chosen`
     and `rejected` kept) for two local files, it trains 2 steps in this process: beta 0.01, warmup_ratio,
     max_prompt_length, the two sources' counts, a frozen copy of the model as the reference, log 2 at step 1."""
     import math
@@ -482,7 +486,7 @@ def test_the_handbook_dpo_recipe_yaml_names_its_keys_in_one_message_and_then_run
         HANDBOOK_DPO,
         HANDBOOK_DPO_REPLACED,
         tmp_path,
-        model_name_or_path=str(real_model),
+        model_name_or_path=str(small_chat_model),
         output_dir=str(tmp_path / "run"),
         report_to="none",
     )
