@@ -14,8 +14,8 @@ import sys
 import pytest
 from conftest import (
     CONFIGS,
-    HOST_BF16,
     FP32,
+    HOST_BF16,
     REPO,
     LaunchedOnce,
     causal_lm_args,
@@ -76,6 +76,8 @@ def tiered_precisions(names) -> list:
 def run_key(name: str, precision: str):
     """The `measured` key of run `name` in `precision`: its RUNS name in bf16, (config, processes) in fp32."""
     return name if precision == "bf16" else RUNS[name][:2]
+
+
 RUNS = {
     "single.yaml": ("single.yaml", 1, False),
     **{config: (config, 2, False) for config in ON_2},

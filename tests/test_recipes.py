@@ -325,7 +325,9 @@ def test_lora_on_sequence_classification_under_zero3_in_bf16(precision, sentimen
     assert record["trainable_parameters"] < record["total_parameters"] / 20
     first, last = first_and_last_loss(out)
     final = read_metrics(out)[1][-1]
-    print(f"LoRA classifier under zero3, {precision}: loss {first:.4f} -> {last:.4f}, accuracy {final['eval_accuracy']:.4f}")
+    print(
+        f"LoRA classifier under zero3, {precision}: loss {first:.4f} -> {last:.4f}, accuracy {final['eval_accuracy']:.4f}"
+    )
     assert last < first and final["eval_accuracy"] >= 0.8
 
     from peft import PeftModel
