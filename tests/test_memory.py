@@ -1,5 +1,6 @@
 """The memory account each run writes (common/training/memory.py) against scripts/estimate_memory.py,
-at 101M parameters, bf16 as the configs ship, accumulation 2: every CPU-runnable config but
+at 101M parameters, bf16 as the configs ship (make test's runs in fp32 on a CPU without bf16 instructions, as a
+user's run there trains: PRECISIONS below), accumulation 2: every CPU-runnable config but
 zero2_json on 2 processes (single.yaml on 1), and on 4 one config of each framework's sharding
 (fsdp, zero2) and zero3 with activation checkpointing: the other sharded configs divide their
 shards by the number of processes through the same estimate. (The whole matrix, every config
