@@ -40,6 +40,16 @@ EMULATED_BF16 = {"RECIPES_EMULATE_BF16": "true"}
 HOST_BF16 = cpu_has_bf16_instructions()
 HOST_PRECISION = "bf16" if HOST_BF16 else "no"  # run.json's mixed_precision for a bf16 config
 HOST_DTYPE = "bfloat16" if HOST_BF16 else "float32"  # and its compute_dtype
+# make test's precision for a check of a bf16 config whose subject is not bf16's numerics: bf16 where the CPU has bf16
+# instructions; elsewhere fp32, as a user's run there trains after the one-line fallback (make test-all emulates bf16)
+MAKE_TEST_PRECISION = "bf16" if HOST_BF16 else "fp32"
+
+
+def bf16_or_host_precision() -> list:
+    """A `precision` parameter for such a check: "bf16" (marked `bf16`, so emulated on a CPU without bf16
+    instructions, and there make test-all's), and on that CPU "fp32" in make test."""
+    bf16 = pytest.param("bf16", marks=[pytest.mark.bf16] + ([] if HOST_BF16 else [pytest.mark.exhaustive]))
+    return [bf16] if HOST_BF16 else [bf16, "fp32"]
 
 
 @pytest.fixture(autouse=True)

@@ -379,8 +379,7 @@ def test_a_handbook_recipe_yaml_names_every_key_it_cannot_take_in_one_message_an
     warmup_ratio and dataset_mixture now work as in the handbook). Rewritten as the message says, with
     the model swapped for a small one with the real chat model's tokenizer and template (the subject is the
     config, not the weights: the real model's 2 steps took a minute on a 2-core CPU), the mixture's source for a
-    local file (its
-    held-out 2000 rows for 40 of its 400), flash-attention (GPU only) for sdpa and its torch_dtype bfloat16 kept
+    local file (its held-out 2000 rows for 40 of its 400), flash-attention (GPU only) for sdpa and its torch_dtype bfloat16 kept
     where the CPU has bf16 instructions (float32 elsewhere, where torch emulates bf16 ~50x slower), it trains 2
     steps in this process on 1 rank, warming up over ceil(0.1 x 2) = 1 step."""
     from conftest import run_in_process
@@ -468,9 +467,10 @@ def test_the_handbook_dpo_recipe_yaml_names_its_keys_in_one_message_and_then_run
 ):
     """The alignment-handbook's zephyr-7b-beta DPO config as published: one message names the 10 keys taken
     otherwise here (max_length: --block_size). Rewritten as it says, with the model swapped for a small one with
-    the real chat model's tokenizer and template, and its two UltraFeedback sources (whole chats sharing their prompt turns, `chosen`
-    and `rejected` kept) for two local files, it trains 2 steps in this process: beta 0.01, warmup_ratio,
-    max_prompt_length, the two sources' counts, a frozen copy of the model as the reference, log 2 at step 1."""
+    the real chat model's tokenizer and template, and its two UltraFeedback sources (whole chats sharing their
+    prompt turns, `chosen` and `rejected` kept) for two local files, it trains 2 steps in this process: beta 0.01,
+    warmup_ratio, max_prompt_length, the two sources' counts, a frozen copy of the model as the reference, log 2 at
+    step 1."""
     import math
 
     import yaml

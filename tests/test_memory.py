@@ -17,8 +17,10 @@ from conftest import (
     CONFIGS,
     FP32,
     HOST_BF16,
+    MAKE_TEST_PRECISION,
     REPO,
     LaunchedOnce,
+    bf16_or_host_precision,
     causal_lm_args,
     drop_weights,
     estimate_for_run,
@@ -62,15 +64,14 @@ ON_2 = [
 ON_4 = ["fsdp.yaml", "zero2.yaml"]
 # make test: DDP, FSDP2 and ZeRO-3 on 2 (and their ratios); make test-all: every run
 IN_MAKE_TEST = ["ddp.yaml", "fsdp.yaml", "zero3.yaml"]
-# make test's precision: bf16 where the CPU has bf16 instructions; elsewhere fp32, as a user's run there trains after
-# the one-line fallback (emulated bf16 took 18 s a step at 101M on a 2-core AVX2 host: two thirds of each run; those
-# runs are make test-all's there)
+# make test's runs in conftest's MAKE_TEST_PRECISION (fp32 on a CPU without bf16 instructions: emulated bf16 took
+# 18 s a step at 101M on a 2-core AVX2 host, two thirds of each run; those runs are make test-all's there)
 PRECISIONS = ["bf16"] if HOST_BF16 else ["bf16", "fp32"]
 
 
 def tiered_precisions(names) -> list:
     """(name, precision) parameters: make test's names in its precision, the rest make test-all's."""
-    make_test = [(name, "bf16" if HOST_BF16 else "fp32") for name in IN_MAKE_TEST]
+    make_test = [(name, MAKE_TEST_PRECISION) for name in IN_MAKE_TEST]
     return tiered([(name, precision) for precision in PRECISIONS for name in names], make_test)
 
 
@@ -169,9 +170,7 @@ def test_estimate_matches_the_measured_account(name, precision, measured):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "precision", ["bf16"] if HOST_BF16 else [pytest.param("bf16", marks=pytest.mark.exhaustive), "fp32"]
-)
+@pytest.mark.parametrize("precision", bf16_or_host_precision())
 def test_sharded_strategies_hold_less_than_ddp(precision, measured):
     ddp, fsdp, zero3 = (run_key(name, precision) for name in ("ddp.yaml", "fsdp.yaml", "zero3.yaml"))
     ddp_state, ddp_peak = worst(measured, ddp, "model_state_mb"), first_step_peak(measured, ddp)

@@ -14,7 +14,7 @@ from conftest import (
     CONFIGS,
     EMULATED_BF16,
     FP32,
-    HOST_BF16,
+    MAKE_TEST_PRECISION,
     LaunchedOnce,
     launch,
     launch_one_process,
@@ -187,7 +187,7 @@ def real_model_args(model: Path, data: Path, out: Path, **overrides) -> list[str
     # parallelism over 3, each in both
     tiered(
         [(c, p) for c in ("fsdp.yaml", "zero3.yaml", "tp.yaml") for p in PRECISIONS],
-        [("zero3.yaml", "bf16" if HOST_BF16 else "fp32")],
+        [("zero3.yaml", MAKE_TEST_PRECISION)],
     ),
 )
 @pytest.mark.bf16

@@ -12,10 +12,10 @@ import pytest
 import torch
 from conftest import (
     FP32,
-    HOST_BF16,
     HOST_PRECISION,
     REPO,
     assert_same_hf_folder,
+    bf16_or_host_precision,
     evaluate_in_process,
     export_checkpoint,
     flags,
@@ -289,11 +289,8 @@ def test_lora(config, trained_base, shifted_markov_data, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "precision",
-    # the config's bf16: native where the CPU has bf16 instructions; elsewhere make test runs it as a user's run
-    # there does (fp32, after the one-line fallback) and make test-all emulates bf16 (~50x slower: 87 s of a
-    # 2-core host's make test against about 30 s)
-    [pytest.param("bf16", marks=[pytest.mark.bf16] + ([] if HOST_BF16 else [pytest.mark.exhaustive]))]
-    + ([] if HOST_BF16 else ["fp32"]),
+    # emulated bf16 took 87 s of a 2-core AVX2 host's make test, fp32 48 s
+    bf16_or_host_precision(),
 )
 def test_lora_on_sequence_classification_under_zero3_in_bf16(precision, sentiment_data, minilm, tmp_path):
     """--use_peft on the classifier recipe, under ZeRO-3 in the config's bf16: the adapters and the
