@@ -542,6 +542,7 @@ def test_the_handbook_dpo_recipe_yaml_names_its_keys_in_one_message_and_then_run
 HEAVY = {"peft", "deepspeed", "trl", "datasets", "evaluate", "pandas", "pyarrow"}
 
 
+@pytest.mark.slow
 def test_help_and_argument_errors_come_before_the_training_libraries_load():
     """`grpo.py --help` took 26 s: what a recipe imports before parsing its arguments (torch, transformers' argument
     parser and auto classes) no longer pulls in peft or DeepSpeed (transformers' scheduler module imported peft),

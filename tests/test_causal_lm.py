@@ -17,6 +17,7 @@ from conftest import (
 )
 
 
+@pytest.mark.slow
 def test_ddp_two_processes_train_export_and_reload(markov_data, tmp_path):
     out = tmp_path / "ddp"
     launch(
@@ -60,6 +61,7 @@ def test_ddp_two_processes_train_export_and_reload(markov_data, tmp_path):
     assert reloaded["eval_loss"] == pytest.approx(evals[-1]["eval_loss"], abs=1e-5)
 
 
+@pytest.mark.slow
 def test_copied_recipe_runs_outside_the_repository_and_never_overwrites_a_run(copied_recipe_run, markov_data, capsys):
     """A recipe copied into another folder trains there (it imports only `common`: launched from that folder,
     conftest.copied_recipe_run); started again on the same output_dir, without --overwrite_output_dir, it
@@ -99,6 +101,7 @@ def test_copied_recipe_runs_outside_the_repository_and_never_overwrites_a_run(co
     assert (out / "final" / "model.safetensors").read_bytes() == before
 
 
+@pytest.mark.slow
 def test_bad_input_is_one_line_and_nonzero_exit(markov_data, tmp_path):
     """Launched on 2 processes: one error line, not one per rank. The other bad arguments take
     the same path and are checked in-process in test_arguments.py. What follows the line is what

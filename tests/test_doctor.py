@@ -35,6 +35,7 @@ def check_report(report: dict, world: int, addresses: set) -> None:
     )
 
 
+@pytest.mark.slow
 def test_make_doctor_checks_two_processes(tmp_path):
     report = tmp_path / "doctor.json"
     result = run(
@@ -99,6 +100,7 @@ def finish(processes, timeout=120) -> list[tuple[int, str, float]]:
     return ended
 
 
+@pytest.mark.slow
 def test_doctor_on_two_loopback_nodes(tmp_path):
     import os
 

@@ -368,6 +368,7 @@ def test_sequence_parallelism_splits_each_ranks_activations(markov_data, tmp_pat
         assert 0.4 < ratio < 0.6
 
 
+@pytest.mark.slow
 def test_make_estimate_memory():
     from conftest import run
 

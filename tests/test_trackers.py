@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 from conftest import BIN, causal_lm_args, launch, read_metrics, run, run_in_process
 
 
@@ -30,6 +31,7 @@ def test_report_to_mlflow_logs_the_runs_losses_into_output_dir(markov_data, tmp_
     assert final_eval.value == evaluations[-1]["eval_loss"]
 
 
+@pytest.mark.slow
 def test_report_to_trackio_logs_the_runs_losses_into_its_local_store(markov_data, tmp_path):
     """--report_to trackio on one launched process, its store in TRACKIO_DIR (a SQLite file per project,
     which `trackio show` serves): the project --run_name, a run named after output_dir, metrics.jsonl's
@@ -52,6 +54,7 @@ def test_report_to_trackio_logs_the_runs_losses_into_its_local_store(markov_data
     assert [(row["step"], row["loss"]) for row in logs if "loss" in row] == [(r["step"], r["loss"]) for r in train]
 
 
+@pytest.mark.slow
 def test_make_plot_draws_the_runs_curves_into_a_png(markov_data, tmp_path, monkeypatch):
     from PIL import Image
 
