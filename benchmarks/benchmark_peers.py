@@ -73,6 +73,8 @@ GRPO_CONTENDERS = ("recipe", "trl")
 GRPO_CONFIGS = ("ddp.yaml", "zero3.yaml")
 GRPO_PROMPT_ROOM = 16  # the recipe's --block_size less --max_completion_length: the prompts have 8 tokens at most
 JOBS = ("causal", "dpo", "grpo")
+# grpo-same: the GRPO job's comparison on the same completions alone, without its timed rounds
+JOB_CHOICES = (*JOBS, "grpo-same")
 
 
 def model_config(hidden: int, layers: int, folder: str) -> str:
@@ -618,7 +620,8 @@ def same_samples(args, config: str, folder: str) -> tuple[str, list[str]]:
     )
     return table + "\n" + summary, [
         "### On the same completions",
-        "The timed runs above sample differently, so their figures differ by sampling. Here TRL's GRPOTrainer draws "
+        "Timed runs sample differently (each its own sampler), so their figures differ by sampling. Here TRL's "
+        "GRPOTrainer draws "
         "its completions with the recipe's sampler (benchmarks/peers/trl_grpo_loop.py --recipe_samples: "
         "common.objectives.rollout.sample_group in place of `generate`; TRL's own prompt order, which at seed 0 "
         "and in the first epoch is the recipe's, and its own chat-template rendering), and everything after the "
@@ -666,9 +669,10 @@ def job_choices(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument(
         "--jobs",
         nargs="+",
-        choices=JOBS,
+        choices=JOB_CHOICES,
         default=list(JOBS),
-        help="the jobs to run (the page holds the ones run)",
+        help="the jobs to run (the page holds the ones run); grpo-same: the GRPO job's comparison on the same "
+        "completions only (grpo runs it after its timed rounds)",
     )
     parser.add_argument(
         "--grpo_configs",
@@ -735,10 +739,14 @@ CAUSAL_NOTES = (
 def main(argv=None):
     args = job_choices(job_parser(__doc__)).parse_args(argv)
     check_job(args)
-    for job, folder, what in (("dpo", PAIRS, "preference pairs"), ("grpo", PROMPTS, "GRPO prompts")):
+    for job, folder, what in (
+        ("dpo", PAIRS, "preference pairs"),
+        ("grpo", PROMPTS, "GRPO prompts"),
+        ("grpo-same", PROMPTS, "GRPO prompts"),
+    ):
         if job in args.jobs and not os.path.isfile(os.path.join(folder, "train.jsonl")):
             raise SystemExit(f"error: no {what} in {folder}; run `make benchmark-peers` (it writes them)")
-    trl_jobs = [job for job in ("dpo", "grpo") if job in args.jobs]
+    trl_jobs = [job for job in ("dpo", "grpo", "grpo-same") if job in args.jobs]
     if trl_jobs and importlib.util.find_spec("trl") is None:
         raise SystemExit(
             f"error: trl is not installed (the {' and '.join(trl_jobs)} job's peer); run `make benchmark-peers`, "
@@ -766,11 +774,13 @@ def main(argv=None):
             print(dpo_table)
             sections += ["## DPO: recipes/dpo.py against TRL's DPOTrainer", dpo_section]
             publish([])
-        if "grpo" in args.jobs:
-            grpo_table, grpo_sections = grpo_job(args, config, folder)
-            print(grpo_table)
-            sections += ["## GRPO: recipes/grpo.py against TRL's GRPOTrainer", *grpo_sections]
-            publish([])
+        if "grpo" in args.jobs or "grpo-same" in args.jobs:
+            sections.append("## GRPO: recipes/grpo.py against TRL's GRPOTrainer")
+            if "grpo" in args.jobs:
+                grpo_table, grpo_sections = grpo_job(args, config, folder)
+                print(grpo_table)
+                sections += grpo_sections
+                publish([])
             same_table, same_sections = same_samples(args, config, folder)
             print(same_table)
             sections += same_sections

@@ -5,9 +5,11 @@ Each step samples --num_generations (G) completions of each of its prompts (--te
 --max_completion_length), scores them with --reward_funcs (common.objectives.rewards: built-ins such as `accuracy`
 against an `answer` column, your own Python function, a reward model folder from recipes/reward_model.py),
 turns each group's rewards into advantages (--scale_rewards) and takes the clipped policy loss
-(--loss_type dapo, TRL's default, or grpo, dr_grpo, bnpo; --epsilon, --epsilon_high; common.objectives.grpo), reusing a
-rollout for --num_iterations steps. With --beta > 0 a KL term keeps the policy near the reference, held as
-DPO's is (adapters off under --use_peft, else a frozen copy sharded like the policy).
+(--loss_type dapo, TRL's default, or grpo, dr_grpo, bnpo; --epsilon, --epsilon_high; GSPO's
+--importance_sampling_level sequence; --delta; common.objectives.grpo), reusing a rollout for --num_iterations steps.
+--advantage_estimator rloo trains as TRL's RLOOTrainer: the leave-one-out baseline, the KL in the reward. With
+--beta > 0 a KL term keeps the policy near the reference, held as DPO's is (adapters off under --use_peft, else a
+frozen copy sharded like the policy).
 
 The data: a `prompt` column, text or a conversation (rendered with the chat template); the other columns go to
 the reward functions. --per_device_train_batch_size counts completions, as TRL's: a step trains on processes x
@@ -34,6 +36,7 @@ import torch
 from common.data.chat_template import read_chat_template
 from common.data.loading import load_raw_datasets
 from common.launch.accelerator import declare_micro_batch
+from common.launch.errors import UsageError
 from common.launch.internals import start_accumulation_window
 from common.models.loading import load_model, load_tokenizer
 from common.models.lora import LoraArguments, apply_lora
@@ -42,7 +45,11 @@ from common.objectives.grpo import (
     completion_figures,
     count_global,
     group_advantages,
+    leave_one_out_advantages,
+    normalise_advantages,
     policy_loss,
+    rloo_loss,
+    rollout_kl,
     rollout_log_probs,
     token_log_probs,
     whole_groups,
@@ -111,6 +118,31 @@ class GRPOArguments:
     epsilon_high: Annotated[float | None, Range(above=0, why="unset: --epsilon")] = field(
         default=None, metadata={"help": "The upper clip (DAPO suggests 0.28); unset: --epsilon."}
     )
+    importance_sampling_level: Literal["token", "sequence"] = field(
+        default="token",
+        metadata={
+            "help": "The ratio to the sampling policy per token, or per completion (GSPO: the mean of its tokens' "
+            "log-ratios; TRL pairs it with --loss_type grpo)."
+        },
+    )
+    delta: Annotated[float | None, Range(above=0, why="unset: one-sided clipping")] = field(
+        default=None,
+        metadata={"help": "Two-sided clipping: the ratio's cap in the unclipped term (TRL: above 1 + --epsilon)."},
+    )
+    advantage_estimator: Literal["grpo", "rloo"] = field(
+        default="grpo",
+        metadata={
+            "help": "grpo: the group's mean as baseline, TRL's GRPOTrainer; rloo: the mean of the other completions "
+            "of the prompt, the KL in the reward, one ratio per completion: TRL's RLOOTrainer (which defaults to "
+            "--num_generations 2 and --beta 0.05)."
+        },
+    )
+    normalize_advantages: bool = field(
+        default=False, metadata={"help": "RLOO: the advantages normalised over the global batch (TRL's RLOOConfig)."}
+    )
+    reward_clip_range: list[float] | None = field(
+        default=None, metadata={"help": "RLOO: two numbers, the rewards clamped into [low, high] (TRL's RLOOConfig)."}
+    )
     beta: Annotated[float, Range(low=0)] = field(
         default=0.0, metadata={"help": "The KL term's weight; 0 (TRL's default): no reference model is held."}
     )
@@ -138,6 +170,34 @@ class GRPOArguments:
 
     def __post_init__(self):
         self.scale_rewards = {"true": "group", "false": "none"}.get(self.scale_rewards, self.scale_rewards)
+        if self.reward_clip_range is not None and (
+            len(self.reward_clip_range) != 2 or self.reward_clip_range[0] > self.reward_clip_range[1]
+        ):
+            raise UsageError(f"--reward_clip_range {self.reward_clip_range}: two numbers, low then high (e.g. -1 1)")
+        if self.advantage_estimator == "rloo":
+            grpo_only = {
+                "--loss_type": self.loss_type != "dapo",
+                "--scale_rewards": self.scale_rewards != "group",
+                "--importance_sampling_level": self.importance_sampling_level != "token",
+                "--delta": self.delta is not None,
+            }
+            named = [name for name, given in grpo_only.items() if given]
+            if named:
+                raise UsageError(
+                    f"{', '.join(named)}: GRPO's, not in RLOO's objective (TRL's RLOOConfig has none of them); "
+                    "drop them, or use --advantage_estimator grpo"
+                )
+        else:
+            rloo_only = {
+                "--normalize_advantages": self.normalize_advantages,
+                "--reward_clip_range": self.reward_clip_range is not None,
+            }
+            named = [name for name, given in rloo_only.items() if given]
+            if named:
+                raise UsageError(
+                    f"{', '.join(named)}: RLOO's (TRL's RLOOConfig); add --advantage_estimator rloo, or set the "
+                    "advantages' divisor with --scale_rewards"
+                )
 
 
 def main(
@@ -228,13 +288,20 @@ def main(
     temperature = grpo_args.temperature
     scored_at_temperature = functools.partial(token_log_probs, temperature=temperature)
     steps_per_epoch = order.per_epoch * grpo_args.num_iterations
-    objective = dict(
+    rloo = grpo_args.advantage_estimator == "rloo"  # TRL's RLOOTrainer: the KL in the reward, a ratio per completion
+    clip = dict(epsilon=grpo_args.epsilon, epsilon_high=grpo_args.epsilon_high or grpo_args.epsilon)
+    objective = functools.partial(
+        policy_loss,
         loss_type=grpo_args.loss_type,
-        epsilon=grpo_args.epsilon,
-        epsilon_high=grpo_args.epsilon_high or grpo_args.epsilon,
         beta=grpo_args.beta,
         max_completion_length=grpo_args.max_completion_length,
+        importance_sampling_level=grpo_args.importance_sampling_level,
+        delta=grpo_args.delta,
+        **clip,
     )
+    if rloo:
+        objective = functools.partial(rloo_loss, **clip)
+    kl_in_loss = reference is not None and not rloo  # RLOO's is in the reward, taken at the rollout
 
     def evaluate():
         return metrics.log_eval(
@@ -264,9 +331,28 @@ def main(
             # G completions of each of this rank's prompts, then their rewards (every rank together) and advantages
             rollout = sampler.rollout(index, step, metrics.show_phase)
             reward, table = rewards(rollout.rows, prompts["train"], trainer_state(step, max_steps, steps_per_epoch))
-            rollout.advantages, stds = group_advantages(
-                reward, group, grpo_args.scale_rewards, batch_std(accelerator, reward)
-            )
+            if rloo:  # TRL's RLOOTrainer: the rewards clamped, less the KL penalty, then the leave-one-out baseline
+                clip_range = grpo_args.reward_clip_range
+                score = reward if clip_range is None else reward.clamp(*clip_range)
+                if reference is not None:
+                    kl, (kl_sum, kl_tokens) = rollout_kl(
+                        model,
+                        reference,
+                        rollout,
+                        args.per_device_train_batch_size,
+                        tokenizer.pad_token_id,
+                        accelerator,
+                        temperature,
+                        grpo_args.mask_truncated_completions,
+                    )
+                    score = score - grpo_args.beta * kl
+                    metrics.record_per_call({"kl": ("pooled", kl_sum, kl_tokens)})
+                advantages, stds = leave_one_out_advantages(score, group)
+                rollout.advantages = normalise_advantages(accelerator, advantages, grpo_args.normalize_advantages)
+            else:
+                rollout.advantages, stds = group_advantages(
+                    reward, group, grpo_args.scale_rewards, batch_std(accelerator, reward)
+                )
             if completion_log is not None:
                 completion_log(rollout, reward, table, rewards)
             lengths, tokens = completion_figures(accelerator, rollout)
@@ -299,20 +385,19 @@ def main(
                     entropy = []  # each token's, at the sampling temperature (TRL's entropy)
                     with accelerator.autocast():
                         log_probs = token_log_probs(model, batch, temperature, entropy)
-                    ref_log_probs = reference.apply(scored_at_temperature, batch) if reference is not None else None
-                    loss, values = policy_loss(
+                    ref_log_probs = reference.apply(scored_at_temperature, batch) if kl_in_loss else None
+                    loss, values = objective(
                         log_probs,
                         batch.get("old_log_probs"),
                         ref_log_probs,
                         batch["advantages"],
                         batch["mask"],
                         normaliser,
-                        **objective,
                         entropy=entropy[0],
                     )
                     loss = loss + run.router_loss()  # a MoE's router loss, as the model weighs it (0: a dense model)
                     metrics.record_batch(
-                        loss, batch, examples=len(batch["advantages"]), extra_forwards=int(reference is not None)
+                        loss, batch, examples=len(batch["advantages"]), extra_forwards=int(kl_in_loss)
                     )
                     metrics.record_per_call(values)
                     nonfinite.record(loss)

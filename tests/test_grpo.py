@@ -31,7 +31,7 @@ from conftest import (
 )
 
 from common.launch.errors import UsageError
-from common.objectives.grpo import Normaliser, group_advantages, policy_loss
+from common.objectives.grpo import Normaliser, group_advantages, leave_one_out_advantages, policy_loss, rloo_loss
 from common.objectives.rewards import load_rewards, score
 from common.objectives.rollout import InverseCdfSampler, Rollout
 
@@ -125,17 +125,22 @@ def test_training_scores_each_token_at_the_temperature_it_was_sampled_at(prompts
     assert (logits.grad[:, :-1] - hand).abs().max() < 1e-6
 
 
-def hand_loss(log_probs, old, ref, advantages, mask, loss_type, eps_low, eps_high, beta, max_length, rows, tokens):
-    """The per-token GRPO loss written out element by element, then reduced as each loss type says."""
+def hand_loss(log_probs, old, ref, advantages, mask, loss_type, eps_low, eps_high, beta, max_length, rows, tokens,
+              level="token", delta=None):  # fmt: skip
+    """The per-token GRPO loss written out element by element, then reduced as each loss type says. `level`
+    "sequence" (GSPO): each token takes its completion's ratio, exp of the mean of its tokens' log-ratios; `delta`
+    caps the ratio in the unclipped term."""
     per_row = []
     for i in range(log_probs.shape[0]):
         terms = []
-        for t in range(log_probs.shape[1]):
-            if not mask[i, t]:
-                continue
-            ratio = torch.exp(log_probs[i, t] - old[i, t])
-            clipped = min(max(float(ratio), 1 - eps_low), 1 + eps_high)
-            term = -min(float(ratio) * float(advantages[i]), clipped * float(advantages[i]))
+        kept = [t for t in range(log_probs.shape[1]) if mask[i, t]]
+        sequence_log_ratio = sum(float(log_probs[i, t] - old[i, t]) for t in kept) / max(len(kept), 1)
+        for t in kept:
+            log_ratio = sequence_log_ratio if level == "sequence" else float(log_probs[i, t] - old[i, t])
+            ratio = math.exp(log_ratio)
+            clipped = min(max(ratio, 1 - eps_low), 1 + eps_high)
+            ratio = ratio if delta is None else min(ratio, delta)
+            term = -min(ratio * float(advantages[i]), clipped * float(advantages[i]))
             if beta:
                 gap = float(ref[i, t] - log_probs[i, t])
                 term += beta * (torch.exp(torch.tensor(gap)).item() - gap - 1)
@@ -180,6 +185,80 @@ def test_each_loss_type_is_its_formula(loss_type, beta):
     assert reduced("clip_ratio/low_min") == ("min", pytest.approx(float(per_row_low.min())))
     assert reduced("clip_ratio/high_max") == ("max", pytest.approx(float(per_row_high.max())))
     assert ("kl" in values) == bool(beta)
+
+
+def variant_batch():
+    """Three completions whose ratios reach both clips, token by token and as whole completions."""
+    generator = torch.Generator().manual_seed(3)
+    log_probs = -torch.rand(3, 5, generator=generator) * 2
+    old = log_probs + (torch.rand(3, 5, generator=generator) - 0.5) * 1.2
+    ref = log_probs + (torch.rand(3, 5, generator=generator) - 0.5)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0]], dtype=torch.bool)
+    return log_probs, old, ref, torch.tensor([1.5, -0.7, 0.4]), mask
+
+
+@pytest.mark.parametrize("level,delta", [("sequence", None), ("sequence", 1.1), ("token", 1.1)])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_gspo_and_two_sided_clipping_are_their_formulas(level, delta, loss_type, beta):
+    """TRL's --importance_sampling_level sequence (GSPO: one ratio per completion, from the mean of its tokens'
+    log-ratios, taken by each of its tokens) and --delta (the ratio capped in the unclipped term) against the loss
+    written out token by token; at the sequence level the clip figures count completions, as TRL's."""
+    log_probs, old, ref, advantages, mask = variant_batch()
+    tokens = int(mask.sum())
+    loss, values = policy_loss(
+        log_probs, old, ref if beta else None, advantages, mask, Normaliser(3.0, float(tokens), 1), loss_type, 0.2,
+        0.28, beta, 8, importance_sampling_level=level, delta=delta,
+    )  # fmt: skip
+    expected = hand_loss(log_probs, old, ref, advantages, mask, loss_type, 0.2, 0.28, beta, 8, 3, tokens, level,
+                         delta)  # fmt: skip
+    assert abs(float(loss) - expected) < 1e-6, (float(loss), expected)
+    plain = hand_loss(log_probs, old, ref, advantages, mask, loss_type, 0.2, 0.28, beta, 8, 3, tokens)
+    assert abs(plain - expected) > 1e-3  # the variant changes the loss on this batch: the check could fail
+    mean_log_ratio = ((log_probs - old) * mask).sum(1) / mask.sum(1)
+    if level == "sequence":
+        ratio = mean_log_ratio.exp().clamp(max=delta or math.inf)
+        low, high = (ratio < 0.8) & (advantages < 0), (ratio > 1.28) & (advantages > 0)
+        how, count, rows = values["clip_ratio/low_mean"]
+        assert (how, float(count) / rows) == ("pooled", float(low.float().mean()))
+        assert float(values["clip_ratio/high_max"][1]) == float(high.float().max())
+        reached = mean_log_ratio.exp() > delta if delta else low | high  # the cap, or a clip, acts on this batch
+        assert reached.any(), mean_log_ratio.exp()
+
+
+def test_rloo_advantages_are_the_leave_one_out_baseline_of_the_scored():
+    """TRL's RLOOTrainer: each reward minus the mean of its group's other scored rewards; an unscored completion, and
+    one alone in its group, have none (NaN here, 0 once normalised); the group's std is frac_reward_zero_std's."""
+    nan = math.nan
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, nan, 0.0, 1.0, 3.0, nan, nan, nan])
+    advantages, stds = leave_one_out_advantages(rewards, 4)
+    expected = [2 / 3, -2 / 3, -2 / 3, 2 / 3, 0.5, nan, -1.0, 0.5, nan, nan, nan, nan]
+    assert advantages.tolist() == pytest.approx(expected, nan_ok=True)
+    assert stds[:8].tolist() == pytest.approx([float(rewards[:4].std())] * 4 + [float(rewards[[4, 6, 7]].std())] * 4)
+    # the same as G / (G - 1) x the group-mean advantage on a fully scored group
+    assert advantages[:4].tolist() == pytest.approx((4 / 3 * group_advantages(rewards[:4], 4, "none")[0]).tolist())
+
+
+def test_rloos_loss_is_the_clipped_ratio_of_whole_completions():
+    """TRL's RLOOTrainer: exp(sum of the completion's log-probs - the sampling policy's sum), clipped, one loss per
+    completion averaged over the global batch's completions, whatever the split into micro-batches; the clip figures
+    count completions."""
+    log_probs, old, _, advantages, mask = variant_batch()
+    log_probs.requires_grad_(True)
+    loss, values = rloo_loss(log_probs, old, None, advantages, mask, Normaliser(3.0, 12.0, 1), 0.2, 0.28)
+    ratios = [math.exp(float(((log_probs[i] - old[i]) * mask[i]).sum())) for i in range(3)]
+    hand = [-min(r * float(a), min(max(r, 0.8), 1.28) * float(a)) for r, a in zip(ratios, advantages)]
+    assert abs(float(loss) - sum(hand) / 3) < 1e-6, (float(loss), hand)
+    assert any(r < 0.8 or r > 1.28 for r in ratios) and any(0.8 <= r <= 1.28 for r in ratios)
+    loss.backward()  # each completion's gradient is its own sum of log-probs' unless clipped: ratio x advantage / 3
+    for i, (r, a) in enumerate(zip(ratios, advantages.tolist())):
+        unclipped = (r * a <= min(max(r, 0.8), 1.28) * a) or 0.8 <= r <= 1.28
+        assert log_probs.grad[i].tolist() == pytest.approx((-(r * a) / 3 * mask[i] * unclipped).tolist(), abs=1e-6)
+    low = [r < 0.8 and a < 0 for r, a in zip(ratios, advantages.tolist())]
+    assert float(values["clip_ratio/low_mean"][1]) / values["clip_ratio/low_mean"][2] == pytest.approx(sum(low) / 3)
+    halves = [rloo_loss(log_probs[i : i + 1], old[i : i + 1], None, advantages[i : i + 1], mask[i : i + 1],
+                        Normaliser(3.0, 12.0, 3), 0.2, 0.28)[0] for i in range(3)]  # fmt: skip
+    assert abs(float(sum(halves) / 3) - float(loss)) < 1e-6  # three shares, averaged as accelerate does
 
 
 def test_the_loss_is_the_global_batchs_whatever_the_split():
@@ -529,8 +608,16 @@ OBJECTIVES = {
     "zero3.yaml": {"loss_type": "dapo", "mask_truncated_completions": True},
     "fsdp.yaml": {"loss_type": "grpo", "beta": 0.04, "scale_rewards": "batch"},
     "ddp.yaml": {"loss_type": "dr_grpo"},
-    "zero2.yaml": {"loss_type": "dapo"},
-    "zero3_offload.yaml": {"loss_type": "dapo"},
+    "zero2.yaml": {"loss_type": "grpo", "importance_sampling_level": "sequence", "delta": 1.02},  # GSPO, capped
+    "zero3_offload.yaml": {  # RLOO (TRL's beta) on a reward every completion varies (its length's), at a rate that
+        # keeps most whole completions' ratios inside the clip: at 3e-3 a rollout's second pass clipped 81-88% of them
+        # and the rest had no advantage (gradient norm 3e-8, rounding), which Adam made 9e-5 weight gaps
+        "advantage_estimator": "rloo",
+        "beta": 0.05,
+        "normalize_advantages": True,
+        "reward_funcs": "length",
+        "learning_rate": 0.0003,
+    },
     "tp.yaml": {"loss_type": "dapo"},
 }
 
@@ -627,18 +714,67 @@ def test_each_config_samples_the_same_completions_and_trains_as_one_process(conf
     print(f"{config} {extra}: loss gap {max(gaps):.2e} (relative), final weights {weight_gap:.2e}")
     assert max(gaps) < FP32_TOLERANCE and weight_gap < FP32_TOLERANCE
     assert any(r["loss"] != 0 for r in rows)  # advantages were not all zero: the test could fail
-    assert {"reward", "reward_std", "rewards/format/mean", "completions/mean_length", "completions/clipped_ratio",
-            "frac_reward_zero_std", "clip_ratio/region_mean", "entropy", "rewards/format/std",
+    reward = OBJECTIVES[config].get("reward_funcs", "format")
+    assert {"reward", "reward_std", f"rewards/{reward}/mean", "completions/mean_length", "completions/clipped_ratio",
+            "frac_reward_zero_std", "clip_ratio/region_mean", "entropy", f"rewards/{reward}/std",
             "completions/min_length", "completions/max_length", "completions/mean_terminated_length",
             "completions/min_terminated_length", "completions/max_terminated_length", "clip_ratio/low_min",
             "clip_ratio/high_max", "num_tokens"} <= set(rows[0])  # fmt: skip
     assert ("kl" in rows[0]) == bool(OBJECTIVES[config].get("beta"))
     # TRL's figures of the global batch, over every process: the one process's for rollout 0's equal completions
-    for name in ("reward_std", "rewards/format/std", "completions/min_length", "completions/max_length",
+    for name in ("reward_std", f"rewards/{reward}/std", "completions/min_length", "completions/max_length",
                  "completions/mean_terminated_length", "frac_reward_zero_std", "num_tokens"):  # fmt: skip
         assert rows[0][name] == pytest.approx(one[0][name], abs=1e-6), name
     assert rows[0]["completions/min_length"] <= rows[0]["completions/mean_length"] <= rows[0]["completions/max_length"]
     assert [r["num_tokens"] for r in rows] == sorted(r["num_tokens"] for r in rows) and rows[-1]["num_tokens"] > 0
+
+
+@pytest.mark.slow
+def test_gspo_and_delta_reach_the_loss_of_a_run(prompts, tmp_path):
+    """One rollout, two passes (--num_iterations 2), in one process, as GRPO, GSPO and GRPO with --delta 1: the
+    first pass's loss is the same for the three (every ratio is 1), the second's differs (the variants' ratios):
+    the options reach the objective (the formulas are checked above; zero2.yaml's run against one process in make
+    test-all)."""
+    losses = {}
+    for name, extra in {
+        "grpo": {},
+        "gspo": {"importance_sampling_level": "sequence"},
+        "delta": {"delta": 1.0},
+    }.items():
+        out = tmp_path / name
+        with pytest.MonkeyPatch.context() as patch:
+            run_in_process(
+                "recipes/grpo.py",
+                grpo_args(prompts, out, max_steps=2, save_steps=0, loss_type="grpo", reward_funcs="length", **extra),
+                patch,
+            )
+        losses[name] = [row["loss"] for row in read_metrics(out)[0]]
+    print(losses)
+    first, second = zip(*losses.values())
+    assert max(first) - min(first) < 1e-6 and len({round(loss, 6) for loss in second}) == 3, losses
+
+
+@pytest.mark.slow
+def test_rloo_in_a_run_takes_trls_leave_one_out_advantages_and_kl_penalty(runs):
+    """--advantage_estimator rloo --beta 0.05 --normalize_advantages in one process (zero3_offload.yaml's parity run
+    is make test-all's): the first rollout's advantages, where the policy is still the reference (kl 0), are the
+    leave-one-out advantages of its logged rewards normalised over the batch; later rollouts' carry the KL penalty
+    (kl logged with each rollout, and the advantages no longer those of the rewards alone)."""
+    from common.objectives.grpo import nanstd
+
+    out = runs[("one process", tuple(sorted(OBJECTIVES["zero3_offload.yaml"].items())))]
+    entries, rows = completions(out), read_metrics(out)[0]
+
+    def reward_only(rollout):  # the normalised leave-one-out advantages of the rollout's rewards, no penalty
+        rewards = torch.tensor([e["reward"] for e in entries if e["rollout"] == rollout])
+        advantages, _ = leave_one_out_advantages(rewards, 4)
+        return ((advantages - advantages.nanmean()) / (nanstd(advantages) + 1e-4)).nan_to_num(0.0).tolist()
+
+    logged = [[e["advantage"] for e in entries if e["rollout"] == rollout] for rollout in (0, 1)]
+    assert logged[0] == pytest.approx(reward_only(0), abs=1e-5) and any(logged[0])
+    assert rows[0]["kl"] == 0 and "kl" not in rows[1]  # a rollout's figure: rollout 1 is sampled at step 3
+    assert rows[2]["kl"] != 0 and logged[1] != pytest.approx(reward_only(1), abs=1e-5)
+    assert read_run(out)["args"]["advantage_estimator"] == "rloo"
 
 
 @pytest.mark.slow
@@ -691,6 +827,13 @@ def test_bad_input_is_one_line(prompts, tmp_path, monkeypatch):
     module = __import__("importlib").import_module("conftest").load_script("recipes/grpo.py")
     with pytest.raises(UsageError, match="this recipe scores each completion's log-probabilities"):
         check_arguments((module.GRPOArguments(),))
+    # the options of one estimator given to the other (TRL's GRPOConfig and RLOOConfig each lack the other's)
+    with pytest.raises(UsageError, match=r"^--loss_type, --delta: GRPO's, not in RLOO's objective \(TRL's"):
+        module.GRPOArguments(advantage_estimator="rloo", loss_type="grpo", delta=1.5)
+    with pytest.raises(UsageError, match=r"^--normalize_advantages: RLOO's \(TRL's RLOOConfig\); add --advantage_"):
+        module.GRPOArguments(normalize_advantages=True)
+    with pytest.raises(UsageError, match=r"^--reward_clip_range \[1.0, -1.0\]: two numbers, low then high"):
+        module.GRPOArguments(advantage_estimator="rloo", reward_clip_range=[1.0, -1.0])
 
 
 def test_a_reward_that_raises_mid_run_stops_it_in_one_line(prompts, tmp_path, monkeypatch):

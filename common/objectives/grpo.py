@@ -22,10 +22,24 @@ and the loss sums l_t over the completion tokens (`mask`: a truncated completion
 that after accelerate divides by the accumulation steps and the strategy averages over ranks, the
 gradient is the one of the loss above whatever the split (bnpo aside). With --num_iterations 1 the
 old policy is the current one (rho = 1, its gradient the policy gradient), as TRL.
+
+GSPO (--importance_sampling_level sequence, TRL's): rho is one ratio per completion, the exponential of the mean of
+its tokens' log-ratios, clipped as above and taken by every one of its tokens (TRL pairs it with --loss_type grpo,
+GSPO's own average; under dapo, bnpo and dr_grpo a completion weighs by its length, as TRL warns). --delta (TRL's
+two-sided clipping, INTELLECT-2): rho is also capped at delta in the unclipped term, so a negative advantage's loss
+is bounded (the clip figures read the capped ratio, as TRL's).
+
+RLOO (--advantage_estimator rloo, as TRL's RLOOTrainer computes it): the baseline of completion i is the mean of
+its group's other scored rewards, A_i = r_i - mean_{j != i} r_j (a group with one scored completion: 0), over the
+global batch normalised with --normalize_advantages, after --reward_clip_range clamps the rewards and, with --beta,
+the KL penalty enters the reward: r_i - beta * sum_t (logp_old - ref) over its tokens (k1, at the sampling policy).
+Its loss is per completion, on the ratio of whole-completion probabilities, exp(sum_t logp - sum_t logp_old),
+clipped as above, averaged over the global batch's completions; no KL term in the loss, no --loss_type.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -34,6 +48,8 @@ import torch
 
 LOSS_TYPES = ("grpo", "dr_grpo", "bnpo", "dapo")
 SCALINGS = ("group", "batch", "none")
+IMPORTANCE_LEVELS = ("token", "sequence")
+ESTIMATORS = ("grpo", "rloo")
 STD_EPSILON = 1e-4  # TRL's
 
 
@@ -79,6 +95,44 @@ def group_advantages(rewards: torch.Tensor, group: int, scale: str, batch_std: t
     else:
         raise ValueError(f"scale_rewards {scale!r}: one of {SCALINGS}")
     return torch.nan_to_num(advantages, nan=0.0), std
+
+
+def leave_one_out_advantages(rewards: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """RLOO's (advantages, each group's reward std, for frac_reward_zero_std) for `rewards` of consecutive groups of
+    `group` completions, as TRL's RLOOTrainer: each reward minus the mean of its group's other scored ones. NaN stays
+    where no baseline or no reward exists (unscored, or alone in its group): `normalise_advantages` skips those,
+    then they become 0."""
+    grouped = rewards.view(-1, group)
+    scored = (~grouped.isnan()).sum(dim=1, keepdim=True)
+    baselines = (grouped.nansum(dim=1, keepdim=True) - grouped) / (scored - 1)
+    return (grouped - baselines).flatten(), nanstd(grouped, dim=1).repeat_interleave(group)
+
+
+def normalise_advantages(accelerator, advantages: torch.Tensor, normalise: bool) -> torch.Tensor:
+    """RLOO's --normalize_advantages: minus the mean, over the std (+1e-4), of every data-parallel rank's advantages
+    (NaN left out); then NaN -> 0. Every rank calls it when `normalise`."""
+    if normalise:
+        every = global_rows(accelerator, advantages)
+        advantages = (advantages - every.nanmean()) / (nanstd(every) + STD_EPSILON)
+    return torch.nan_to_num(advantages, nan=0.0)
+
+
+@torch.no_grad()
+def rollout_kl(model, reference, rollout, batch_size: int, pad_id: int, accelerator, temperature: float, masked):
+    """RLOO's KL penalty: each completion's sum over its tokens of logp_old - ref (k1; the policy as it sampled), and
+    the kl figure's (sum, tokens) on this rank, micro-batch by micro-batch (every rank calls it: a sharded model's
+    forwards are collective). `masked`: --mask_truncated_completions (a truncated completion's tokens count 0)."""
+    sums, total, tokens = [], 0.0, 0.0
+    for start in range(0, len(rollout.rows), batch_size):
+        batch = rollout.batch(rollout.rows[start : start + batch_size], pad_id, masked)
+        batch = {key: value.to(accelerator.device) for key, value in batch.items()}
+        with accelerator.autocast():
+            policy = token_log_probs(model, batch, temperature).float()
+        reference_log_probs = reference.apply(functools.partial(token_log_probs, temperature=temperature), batch)
+        gap = (policy - reference_log_probs.float()) * batch["mask"].float()
+        sums += gap.sum(1).cpu().tolist()
+        total, tokens = total + float(gap.sum()), tokens + float(batch["mask"].sum())
+    return torch.tensor(sums, dtype=torch.float32), (total, tokens)
 
 
 def token_log_probs(model, batch: dict, temperature: float = 1.0, entropies: list | None = None) -> torch.Tensor:
@@ -204,15 +258,25 @@ def policy_loss(
     beta: float,
     max_completion_length: int,
     entropy: torch.Tensor | None = None,
+    importance_sampling_level: str = "token",
+    delta: float | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """A micro-batch's share of the loss (see the module's text) and its figures for the train line, as TRL takes
-    them (`MetricsLogger.record_per_call`): clip_ratio/low_mean, high_mean and region_mean over every rank's tokens,
-    clip_ratio/low_min and high_max over the completions' own token means, and with beta, kl. `log_probs`,
-    `old_log_probs` and `ref_log_probs` are (rows, tokens), `advantages` (rows,), `mask` (rows, tokens) in {0, 1};
-    `entropy` (rows, tokens): each token's, for TRL's `entropy`."""
+    them (`MetricsLogger.record_per_call`): clip_ratio/low_mean, high_mean and region_mean over every rank's tokens
+    (over the completions at the sequence level), clip_ratio/low_min and high_max over the completions' own token
+    means, and with beta, kl. `log_probs`, `old_log_probs` and `ref_log_probs` are (rows, tokens), `advantages`
+    (rows,), `mask` (rows, tokens) in {0, 1}; `entropy` (rows, tokens): each token's, for TRL's `entropy`."""
     old = log_probs.detach() if old_log_probs is None else old_log_probs
-    ratio = torch.exp(log_probs - old)
+    mask = mask.to(log_probs.dtype)
+    log_ratio = log_probs - old
+    if importance_sampling_level == "sequence":  # GSPO: one ratio per completion, (rows, 1)
+        log_ratio = ((log_ratio * mask).sum(1) / mask.sum(1).clamp(min=1)).unsqueeze(1)
+    elif importance_sampling_level != "token":
+        raise ValueError(f"importance_sampling_level {importance_sampling_level!r}: one of {IMPORTANCE_LEVELS}")
+    ratio = torch.exp(log_ratio)
     clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
+    if delta is not None:  # two-sided clipping
+        ratio = ratio.clamp(max=delta)
     advantage = advantages.unsqueeze(1)
     per_token = -torch.min(ratio * advantage, clipped * advantage)
     values = {}
@@ -220,25 +284,73 @@ def policy_loss(
         gap = ref_log_probs - log_probs
         kl = torch.exp(gap) - gap - 1
         per_token = per_token + beta * kl
-    mask = mask.to(per_token.dtype)
     if loss_type == "grpo":  # each completion's token mean
         summed = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum()
     else:
         summed = (per_token * mask).sum()
     loss = summed / normaliser.divisor(loss_type, mask, max_completion_length)
+    values.update(clip_figures(ratio, advantage, mask, epsilon, epsilon_high))
     tokens = mask.sum()
-    low = ((ratio < 1 - epsilon) & (advantage < 0)).to(mask.dtype) * mask
-    high = ((ratio > 1 + epsilon_high) & (advantage > 0)).to(mask.dtype) * mask
-    values["clip_ratio/low_mean"] = ("pooled", low.sum(), tokens)
-    values["clip_ratio/high_mean"] = ("pooled", high.sum(), tokens)
-    values["clip_ratio/region_mean"] = ("pooled", (low + high).clamp(max=1).sum(), tokens)
-    lengths = mask.sum(1)  # a completion with no loss token (masked as truncated) has no mean: NaN, left out
-    values["clip_ratio/low_min"] = ("min", _nan_extreme(low.sum(1) / lengths, "min"), 1)
-    values["clip_ratio/high_max"] = ("max", _nan_extreme(high.sum(1) / lengths, "max"), 1)
     if beta:
         values["kl"] = ("pooled", (kl.detach() * mask).sum(), tokens)
     if entropy is not None:
         values["entropy"] = ("pooled", (entropy * mask).sum(), tokens)
+    return loss, values
+
+
+def clip_figures(ratio, advantage, mask, epsilon: float, epsilon_high: float) -> dict:
+    """TRL's clip_ratio/* of a micro-batch: with a ratio per token (rows, tokens), means over the tokens, and low_min
+    and high_max over the completions' own token means; with one per completion (rows, 1), over the completions."""
+    low = ((ratio < 1 - epsilon) & (advantage < 0)).to(mask.dtype)
+    high = ((ratio > 1 + epsilon_high) & (advantage > 0)).to(mask.dtype)
+    if ratio.shape[1] == 1:
+        rows = float(ratio.shape[0])
+        low, high = low.squeeze(1), high.squeeze(1)
+        return {
+            "clip_ratio/low_mean": ("pooled", low.sum(), rows),
+            "clip_ratio/high_mean": ("pooled", high.sum(), rows),
+            "clip_ratio/region_mean": ("pooled", (low + high).clamp(max=1).sum(), rows),
+            "clip_ratio/low_min": ("min", _nan_extreme(low, "min"), 1),
+            "clip_ratio/high_max": ("max", _nan_extreme(high, "max"), 1),
+        }
+    low, high, tokens = low * mask, high * mask, mask.sum()
+    lengths = mask.sum(1)  # a completion with no loss token (masked as truncated) has no mean: NaN, left out
+    return {
+        "clip_ratio/low_mean": ("pooled", low.sum(), tokens),
+        "clip_ratio/high_mean": ("pooled", high.sum(), tokens),
+        "clip_ratio/region_mean": ("pooled", (low + high).clamp(max=1).sum(), tokens),
+        "clip_ratio/low_min": ("min", _nan_extreme(low.sum(1) / lengths, "min"), 1),
+        "clip_ratio/high_max": ("max", _nan_extreme(high.sum(1) / lengths, "max"), 1),
+    }
+
+
+def rloo_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor | None,
+    ref_log_probs: None,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    normaliser: Normaliser,
+    epsilon: float,
+    epsilon_high: float,
+    entropy: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict]:
+    """RLOO's share of the loss for a micro-batch (see the module's text), as TRL's RLOOTrainer: the clipped ratio of
+    whole completions' probabilities, one loss per completion, averaged over the global batch's completions (a
+    completion with no loss token, masked as truncated, keeps its constant term: ratio 1, no gradient); its figures
+    as `policy_loss`'s at the sequence level. Called as `policy_loss` is; `ref_log_probs` None: RLOO's KL term is in
+    the reward (`rollout_kl`)."""
+    assert ref_log_probs is None, "RLOO's KL is in the reward (rollout_kl), not in the loss"
+    mask = mask.to(log_probs.dtype)
+    old = log_probs.detach() if old_log_probs is None else old_log_probs
+    # the sum of the tokens' log-ratios: TRL's difference of the two sums, without the rounding of sums near -20
+    ratio = torch.exp(((log_probs - old) * mask).sum(1)).unsqueeze(1)
+    advantage = advantages.unsqueeze(1)
+    per_completion = -torch.min(ratio * advantage, torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high) * advantage)
+    loss = per_completion.sum() / normaliser.divisor("grpo", mask, 0)
+    values = clip_figures(ratio, advantage, mask, epsilon, epsilon_high)
+    if entropy is not None:
+        values["entropy"] = ("pooled", (entropy * mask).sum(), mask.sum())
     return loss, values
 
 

@@ -16,7 +16,8 @@ _ROLLOUT = (
 )
 _OBJECTIVE = (
     "not in grpo.py's objective, which takes --loss_type (dapo, grpo, dr_grpo, bnpo), --epsilon, --epsilon_high, "
-    "--beta, --scale_rewards and --num_iterations (docs/rl.md)"
+    "--delta, --importance_sampling_level, --beta, --scale_rewards, --num_iterations and --advantage_estimator rloo "
+    "(docs/rl.md)"
 )
 _DPO_LOSS = "not in dpo.py's objective, which takes --loss_type (sigmoid, ipo, hinge), --beta, --label_smoothing and --rpo_alpha"
 _COMPLETIONS = "--log_completions writes every completion, with its rewards, to completions.jsonl (docs/rl.md)"
@@ -77,8 +78,6 @@ TRL_ELSEWHERE = {
     ),
     **dict.fromkeys(
         (
-            "delta",
-            "importance_sampling_level",
             "top_entropy_quantile",
             "use_bias_correction_kl",
             "off_policy_mask_threshold",
