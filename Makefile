@@ -27,7 +27,7 @@ ELASTIC  = $(findstring --nnodes,$(LAUNCH_ARGS))
 RESTARTS = $(if $(or $(ELASTIC),$(findstring --max_restarts,$(LAUNCH_ARGS))),--rdzv_backend c10d) \
            $(if $(and $(ELASTIC),$(if $(findstring --max_restarts,$(LAUNCH_ARGS)),,x)),--max_restarts 3)
 
-.PHONY: install install-test real-model real-moe demo demo-chat demo-moe-chat demo-dpo demo-grpo demo-data test test-fast test-all test-crashes style quality doctor causal_lm sequence_classification lora sft dpo reward-model reward_model grpo evaluate plot benchmark benchmark-peers benchmark-options benchmark-packing benchmark-moe benchmark-reshard benchmark-pipeline benchmark-bubble benchmark-pipeline-memory benchmark-stage-loading benchmark-rollouts estimate-memory choose-config benchmark-choice export-checkpoint convert-checkpoint check-config clean
+.PHONY: install install-test real-model real-moe demo demo-chat demo-moe-chat demo-dpo demo-grpo demo-data test test-fast test-all test-crashes style quality doctor causal_lm sequence_classification lora sft distill dpo reward-model reward_model grpo evaluate plot benchmark benchmark-peers benchmark-options benchmark-packing benchmark-moe benchmark-reshard benchmark-pipeline benchmark-bubble benchmark-pipeline-memory benchmark-stage-loading benchmark-rollouts estimate-memory choose-config benchmark-choice export-checkpoint convert-checkpoint check-config clean
 
 # torch first: the CPU wheel on hosts without an NVIDIA GPU (no CUDA download),
 # the normal CUDA build where nvidia-smi sees a GPU. Later `torch>=...` pins are then satisfied.
@@ -144,6 +144,13 @@ lora: install outputs/causal_lm_demo/final/config.json
 sft: install
 	$(PY) scripts/make_demo_data.py --task arithmetic --out outputs/data/arithmetic
 	$(LAUNCH) --config_file $(CONFIG) recipes/sft.py --config recipes/configs/sft_demo.yaml $(DEMO_RUN) $(ARGS)
+
+# On-policy distillation: make sft's model teaches a fresh tiny Llama (recipes/configs/distill_demo.yaml); the
+# teacher is made first when outputs/sft_demo/final is missing.
+distill: install
+	$(PY) scripts/make_demo_data.py --task arithmetic --out outputs/data/arithmetic
+	test -f outputs/sft_demo/final/config.json || $(MAKE) sft
+	$(LAUNCH) --config_file $(CONFIG) recipes/distill.py --config recipes/configs/distill_demo.yaml $(DEMO_RUN) $(ARGS)
 
 # DPO: a tiny Llama built from a config learns to prefer the right answer to a near miss (held-out preference
 # accuracy before -> after); the reference model is held as the config shards the policy.

@@ -16,7 +16,7 @@ walks the imports and holds both rules; this list is the order it reads):
     outputs     checkpoints and what leaves a run: save and load, reshard, portable, export, model card,
                 the run folder, run.json, metrics
     objectives  the losses beyond next-token: DPO and its reference, reward models and rewards, GRPO's
-                rollouts and loss
+                rollouts and loss, distillation's teacher and divergence
     planning    the memory and step-time models that make estimate-memory and make choose-config use
     run         a run from start to finish, as every recipe runs it
 """

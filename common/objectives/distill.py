@@ -1,0 +1,156 @@
+"""Knowledge distillation, as TRL's GKDTrainer computes it: the teacher, the on-policy batches, the generalised JSD.
+
+For a token position with student log-probabilities s and teacher log-probabilities t over the vocabulary (at
+temperature 1, as TRL scores them), the loss is the generalised Jensen-Shannon divergence of GKD (Agarwal et al.,
+2024), with --beta in [0, 1]:
+
+    beta 0        KL(t || s)                                   forward KL (the teacher's mass the student misses)
+    beta 1        KL(s || t)                                   reverse KL (the student's mass the teacher refuses)
+    otherwise     beta KL(t || m) + (1 - beta) KL(s || m),     m = log((1 - beta) e^s + beta e^t)
+
+summed over the completion's tokens (the labels' positions) and divided by the global batch's label tokens: the
+mean over every token of the step, whatever the split over processes and accumulation steps (TRL's
+num_items_in_batch).
+
+A step is on-policy with probability --lmbda, decided from (seed, step) alone, so every rank and a resumed run
+decide alike (TRL draws Python's `random` per micro-batch and rank): its rows keep their prompts, and each gets a
+completion the student samples (--temperature, --max_new_tokens; common.objectives.rollout's sampler, seeded by
+(seed, step, row), from whole weights under every config). With --seq_kd the other steps' completions are the
+teacher's own samples instead of the data's (TRL's sequence-level KD).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+
+import torch
+
+from common.launch.errors import UsageError
+from common.models.loading import load_model, load_tokenizer
+from common.objectives.reference import Reference
+from common.objectives.rollout import Rollout, SamplingSettings, row_seed
+
+
+def check_teacher_tokenizer(tokenizer, teacher: str) -> None:
+    """Teacher and student must score the same token ids: refused in one line when the teacher's tokenizer (from
+    its folder) has another vocabulary."""
+    from transformers import AutoTokenizer
+
+    try:
+        theirs = AutoTokenizer.from_pretrained(teacher)
+    except (OSError, ValueError) as error:
+        raise UsageError(
+            f"--teacher_model_name_or_path {teacher}: no tokenizer there ({type(error).__name__}); distillation "
+            "needs the teacher's, to check that it is the student's"
+        ) from None
+    ours = tokenizer.get_vocab()
+    if theirs.get_vocab() != ours:
+        differing = len(set(theirs.get_vocab().items()) ^ set(ours.items()))
+        raise UsageError(
+            f"--teacher_model_name_or_path {teacher}: its tokenizer is not the student's ({len(theirs)} against "
+            f"{len(tokenizer)} tokens, {differing} entries differ); the loss compares the two models' distributions "
+            "over the same token ids: use a teacher of the student's family"
+        )
+
+
+def build_teacher(model_args, teacher: str, tokenizer, args) -> Reference:
+    """Before `accelerator.prepare`: the teacher, frozen, in eval mode, held as DPO's reference copy is (its
+    `prepare` shards it as the config shards the student)."""
+    teacher_args = dataclasses.replace(
+        model_args, model_name_or_path=teacher, model_config=None, adapter_name_or_path=None
+    )
+    model = load_model(teacher_args, load_tokenizer(teacher_args), args.seed, args)
+    model.requires_grad_(False)
+    return Reference("model", model.eval())
+
+
+def check_vocabularies(student, teacher) -> None:
+    """The two models' logits must cover the same ids (a padded embedding matrix may not)."""
+    ours, theirs = student.config.get_text_config().vocab_size, teacher.config.get_text_config().vocab_size
+    if ours != theirs:
+        raise UsageError(
+            f"the teacher's logits cover {theirs} token ids and the student's {ours}: the loss compares them id by "
+            "id; use a teacher with the student's vocabulary size"
+        )
+
+
+def on_policy(seed: int, step: int, lmbda: float) -> bool:
+    """Whether optimizer step `step` (0-based) trains on the student's own completions: a uniform draw from
+    (seed, step), below --lmbda. The same on every rank and in a resumed run."""
+    digest = hashlib.sha256(f"on-policy/{seed}/{step}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") / 2**64 < lmbda
+
+
+def prompt_of(input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor) -> list[int]:
+    """A tokenized chat's prompt: its tokens before its last labelled span (the last assistant turn), as TRL's
+    collator cuts the conversation before its last answer."""
+    labelled = (labels != -100).nonzero().flatten().tolist()
+    length = int(attention_mask.sum())
+    if not labelled:
+        return input_ids[:length].tolist()
+    start = labelled[-1]
+    while start > 0 and labels[start - 1] != -100:
+        start -= 1
+    return input_ids[:start].tolist()
+
+
+def completed_window(window: list[dict], weights, settings: SamplingSettings, seed: int, step: int, accelerator):
+    """The window's micro-batches with each row's completion replaced by one that `weights` (the student's, or the
+    teacher's under --seq_kd) samples from the row's prompt, seeded by (seed, step, the row's index in the data);
+    labels on the completion (its stop token kept), right-padded. Every rank calls it (the weights are gathered
+    first where the config shards them)."""
+    weights.refresh(step)
+    out = []
+    for batch in window:
+        groups, rows = [], batch["row"].tolist()
+        for input_ids, labels, mask, row in zip(batch["input_ids"], batch["labels"], batch["attention_mask"], rows):
+            generator = torch.Generator().manual_seed(row_seed(seed, step, row))
+            uniforms = torch.rand(1, settings.max_completion_length, generator=generator, dtype=torch.float64)
+            groups.append((prompt_of(input_ids.cpu(), labels.cpu(), mask.cpu()), uniforms))
+        sampled = [
+            {"prompt_ids": prompt, "completion_ids": completions[0], "truncated": cut[0]}
+            for (prompt, _), (completions, cut, _) in zip(groups, weights.sample(groups, settings))
+        ]
+        made = Rollout(step, sampled, torch.zeros(len(sampled))).batch(sampled, settings.pad_id, False)
+        out.append({key: made[key].to(accelerator.device) for key in ("input_ids", "attention_mask", "labels")})
+    return out
+
+
+def count_window(accelerator, window: list[dict], accumulation: int) -> list[dict]:
+    """The window's batches, each with `num_items_in_batch`: its label tokens over every micro-batch and rank /
+    (processes x accumulation), as common.training.loop.TrainBatches sets it for the data's rows."""
+    tokens = torch.tensor(
+        [float(sum(int((batch["labels"][:, 1:] != -100).sum()) for batch in window))], device=accelerator.device
+    )
+    if accelerator.num_processes > 1:
+        torch.distributed.all_reduce(tokens)
+    share = float(tokens) / (accelerator.num_processes * accumulation)
+    return [{**batch, "num_items_in_batch": share} for batch in window]
+
+
+def generalized_jsd(student_logits: torch.Tensor, teacher_logits: torch.Tensor, beta: float) -> torch.Tensor:
+    """Each position's generalised JSD (see the module's text) between the two rows of logits, in fp32."""
+    student = student_logits.float().log_softmax(-1)
+    teacher = teacher_logits.float().log_softmax(-1)
+    if beta == 0:
+        return (teacher.exp() * (teacher - student)).sum(-1)
+    if beta == 1:
+        return (student.exp() * (student - teacher)).sum(-1)
+    weights = torch.tensor([1 - beta, beta], dtype=student.dtype, device=student.device).log()
+    mixture = torch.logsumexp(torch.stack([student + weights[0], teacher + weights[1]]), dim=0)
+    to_teacher = (teacher.exp() * (teacher - mixture)).sum(-1)
+    to_student = (student.exp() * (student - mixture)).sum(-1)
+    return beta * to_teacher + (1 - beta) * to_student
+
+
+def distillation_loss(student_logits, teacher_logits, labels, beta: float, num_items_in_batch) -> torch.Tensor:
+    """A micro-batch's share of the loss: the generalised JSD summed over its label positions (the logits at t
+    predicting the token at t + 1), row by row (one row's fp32 log-probabilities at a time), over the global
+    count's share `num_items_in_batch`."""
+    targets = labels[:, 1:] != -100
+    total = student_logits.new_zeros((), dtype=torch.float32)
+    for student, teacher, kept in zip(student_logits[:, :-1], teacher_logits[:, :-1], targets):
+        if kept.any():
+            total = total + generalized_jsd(student[kept], teacher[kept], beta).sum()
+    return total / num_items_in_batch

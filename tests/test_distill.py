@@ -1,0 +1,236 @@
+"""On-policy distillation (recipes/distill.py): the generalised JSD against its definition, the on-policy draw, the
+prompt cut from a chat, the teacher's tokenizer refused in one line, 2 processes against one in fp32 with the
+teacher sharded as the student, and a resume that repeats the same steps."""
+
+import math
+import re
+import shutil
+
+import pytest
+import torch
+from conftest import (
+    FP32,
+    REPO,
+    LaunchedOnce,
+    OneProcess,
+    flags,
+    launch,
+    launch_one_process,
+    max_weight_difference,
+    read_metrics,
+    read_run,
+    run_in_process,
+    tiered,
+)
+
+from common.launch.errors import UsageError
+from common.objectives.distill import distillation_loss, generalized_jsd, on_policy, prompt_of
+
+
+# ---- the objective ---------------------------------------------------------------------------------------------
+def kl(p, q) -> float:
+    return sum(a * (math.log(a) - math.log(b)) for a, b in zip(p, q))
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.3, 0.5, 1.0])
+def test_the_generalized_jsd_is_gkds_definition(beta):
+    """beta 0: KL(teacher || student), 1: KL(student || teacher), between: beta KL(t || m) + (1 - beta) KL(s || m)
+    with m = (1 - beta) s + beta t, written out in float64 over the probabilities."""
+    generator = torch.Generator().manual_seed(0)
+    student, teacher = torch.randn(2, 3, 7, generator=generator).unbind(0)
+    got = generalized_jsd(student, teacher, beta)
+    for row in range(3):
+        s = student[row].double().softmax(-1).tolist()
+        t = teacher[row].double().softmax(-1).tolist()
+        m = [(1 - beta) * a + beta * b for a, b in zip(s, t)]
+        expected = kl(t, s) if beta == 0 else kl(s, t) if beta == 1 else beta * kl(t, m) + (1 - beta) * kl(s, m)
+        assert float(got[row]) == pytest.approx(expected, abs=1e-6), (beta, row)
+    assert (got > 0).all()
+    assert torch.allclose(generalized_jsd(student, student, beta), torch.zeros(3), atol=1e-6)
+
+
+def test_the_loss_sums_the_label_positions_over_the_global_count():
+    """The logits at t score the token at t + 1; prompt and padding positions (-100) count nothing; the sum is
+    divided by the window's share, so micro-batches averaged as accelerate does give the whole batch's mean."""
+    generator = torch.Generator().manual_seed(1)
+    student, teacher = torch.randn(2, 4, 6, 9, generator=generator).unbind(0)
+    labels = torch.full((4, 6), -100)
+    labels[0, 2:5], labels[1, 1:6], labels[2, 4:6], labels[3, 3:4] = 1, 2, 3, 4
+    per_position = generalized_jsd(student[:, :-1], teacher[:, :-1], 0.5)
+    kept = labels[:, 1:] != -100
+    whole = distillation_loss(student, teacher, labels, 0.5, float(kept.sum()))
+    assert float(whole) == pytest.approx(float(per_position[kept].mean()), abs=1e-6)
+    halves = [distillation_loss(student[i : i + 2], teacher[i : i + 2], labels[i : i + 2], 0.5, kept.sum() / 2)
+              for i in (0, 2)]  # fmt: skip
+    assert float(sum(halves) / 2) == pytest.approx(float(whole), abs=1e-6)
+
+
+def test_a_step_is_on_policy_by_seed_and_step_alone():
+    draws = [on_policy(42, step, 0.5) for step in range(2000)]
+    assert draws == [on_policy(42, step, 0.5) for step in range(2000)]  # every rank, any resume
+    assert 0.45 < sum(draws) / len(draws) < 0.55
+    assert not any(on_policy(42, step, 0.0) for step in range(200))
+    assert all(on_policy(42, step, 1.0) for step in range(200))
+    assert draws != [on_policy(7, step, 0.5) for step in range(2000)]
+
+
+def test_a_chats_prompt_is_its_conversation_before_the_last_answer(small_chat_model):
+    """With the real chat model's template: a two-turn chat's prompt ends with the generation prompt of its last
+    assistant turn, and the first answer stays in it (TRL's collator cuts before the last answer)."""
+    from transformers import AutoTokenizer
+
+    from common.data.chat import tokenize_sft
+
+    tokenizer = AutoTokenizer.from_pretrained(small_chat_model)
+    chat = [
+        {"role": "user", "content": "what is 2 plus 3 ?"},
+        {"role": "assistant", "content": "5"},
+        {"role": "user", "content": "and 4 plus 4 ?"},
+        {"role": "assistant", "content": "8"},
+    ]
+    from datasets import Dataset, DatasetDict
+
+    raw = DatasetDict({split: Dataset.from_list([{"messages": chat}]) for split in ("train", "validation")})
+    datasets, _ = tokenize_sft(raw, tokenizer, "messages", 256, "drop", OneProcess())
+    row = datasets["train"][0]
+    ids, labels = torch.tensor(row["input_ids"]), torch.tensor(row["labels"])
+    prompt = prompt_of(ids, labels, torch.ones_like(ids))
+    expected = tokenizer.apply_chat_template(chat[:3], add_generation_prompt=True, tokenize=False)
+    assert tokenizer.decode(prompt) == expected
+    assert tokenizer.decode(row["input_ids"][len(prompt) :]).startswith("8")
+
+
+# ---- runs ------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def teacher(arithmetic_data, tmp_path_factory):
+    """A tiny Llama taught the arithmetic chats by sft.py (300 steps in this process: exact match ~0.9)."""
+    out = tmp_path_factory.mktemp("teacher") / "run"
+    launch_one_process(
+        "sft.py",
+        flags(
+            config=REPO / "recipes/configs/sft_demo.yaml",
+            tokenizer_name_or_path=arithmetic_data / "tokenizer",
+            train_file=arithmetic_data / "train.jsonl",
+            validation_file=arithmetic_data / "validation.jsonl",
+            output_dir=out,
+            max_steps=300,
+            logging_steps=100,
+            eval_on_start="false",
+            max_generation_samples=8,
+        ),
+        launcher_args=FP32,
+    )
+    return out / "final"
+
+
+def distill_args(data, teacher, out, **overrides) -> list[str]:
+    values = {
+        "model_config": REPO / "recipes/configs/tiny_llama.json",
+        "tokenizer_name_or_path": data / "tokenizer",
+        "train_file": data / "train.jsonl",
+        "validation_file": data / "validation.jsonl",
+        "teacher_model_name_or_path": teacher,
+        "output_dir": out,
+        "block_size": 32,
+        "per_device_train_batch_size": 4,
+        "gradient_accumulation_steps": 2,
+        "per_device_eval_batch_size": 16,
+        "max_generation_samples": 16,
+        "learning_rate": 0.003,
+        "max_steps": 8,
+        "logging_steps": 1,
+        "save_steps": 4,
+        "max_new_tokens": 6,
+        "lmbda": 0.5,
+        "report_to": "none",
+        "seed": 3,
+        **overrides,
+    }
+    return flags(**values)
+
+
+@pytest.fixture(scope="module")
+def runs(arithmetic_data, teacher, tmp_path_factory):
+    def run_one(config):
+        out = tmp_path_factory.mktemp("distill") / "run"
+        if config == "one process":  # the global batch of 2 processes x 4, accumulation 2
+            launch_one_process(
+                "distill.py", distill_args(arithmetic_data, teacher, out, per_device_train_batch_size=8), FP32
+            )
+        else:
+            launch(config, "distill.py", distill_args(arithmetic_data, teacher, out), 2, launcher_args=FP32)
+        return out
+
+    return LaunchedOnce(run_one)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", tiered(["zero3.yaml", "ddp.yaml", "fsdp.yaml"], ["zero3.yaml"]))
+def test_distillation_on_two_processes_matches_one_process(config, runs):
+    """fp32, 2 processes x 4 chats x accumulation 2 against one process x 8 x 2, 8 steps, half of them on-policy
+    (the student's own samples, from whole weights; the teacher sharded as the student): each step's loss and the
+    final weights within 1e-5, the same steps on-policy, the teacher's record, and the loss falling."""
+    out, single = runs[config], runs["one process"]
+    record = read_run(out)
+    assert record["world_size"] == 2 and record["participating_processes"] == 2
+    assert record["teacher"]["kind"] == "model" and record["teacher"]["model"].endswith("final")
+    rows, one = read_metrics(out)[0], read_metrics(single)[0]
+    assert [r["step"] for r in rows] == list(range(1, 9)) == [r["step"] for r in one]
+    assert [r["on_policy"] for r in rows] == [r["on_policy"] for r in one]
+    assert 0 < sum(r["on_policy"] for r in rows) < 8  # both kinds of step were trained
+    gaps = [abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(rows, one)]
+    weight_gap = max_weight_difference(out / "final", single / "final")
+    print(f"{config}: loss gap {max(gaps):.2e} (relative), final weights {weight_gap:.2e}")
+    assert max(gaps) < 1e-5 and weight_gap < 1e-5
+    off = [r["loss"] for r in one if not r["on_policy"]]
+    assert off[-1] < off[0]  # on the data's answers the student nears the teacher
+
+
+@pytest.mark.slow
+def test_a_resumed_run_repeats_the_same_steps(runs, arithmetic_data, teacher, tmp_path, monkeypatch):
+    """The one process's run resumed from its step-4 checkpoint: steps 5-8 (on-policy ones among them: the same
+    samples, from (seed, step, row) and the restored weights) log the same losses and end at the same weights."""
+    single = runs["one process"]
+    out = tmp_path / "resumed"
+    shutil.copytree(single, out)
+    for folder in ("final", "checkpoints/step_8"):
+        shutil.rmtree(out / folder)
+    resumed = distill_args(arithmetic_data, teacher, out, per_device_train_batch_size=8)
+    launch_one_process("distill.py", resumed + ["--resume_from_checkpoint", str(out / "checkpoints/step_4")], FP32)
+    again = {r["step"]: r for r in read_metrics(out)[0]}
+    before = {r["step"]: r for r in read_metrics(single)[0]}
+    assert all(again[s]["loss"] == before[s]["loss"] for s in range(5, 9))
+    assert any(before[s]["on_policy"] for s in range(5, 9))
+    assert max_weight_difference(out / "final", single / "final") == 0.0
+
+
+def test_a_teacher_with_another_tokenizer_is_one_line(arithmetic_data, markov_data, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    with pytest.raises(UsageError, match=r"^--teacher_model_name_or_path .*: its tokenizer is not the student's"):
+        run_in_process(
+            "recipes/distill.py", distill_args(arithmetic_data, markov_data / "tokenizer", out), monkeypatch
+        )
+    with pytest.raises(UsageError, match="^--teacher_model_name_or_path is required"):
+        argv = [a for a in distill_args(arithmetic_data, "x", out) if a not in ("--teacher_model_name_or_path", "x")]
+        run_in_process("recipes/distill.py", argv, monkeypatch)
+    assert not out.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.exhaustive
+def test_make_distill_teaches_a_fresh_model_from_make_sfts():
+    """The demo as it ships, on 2 processes under ddp.yaml (make sft's model made first where it is missing): the
+    student's exact match from ~0 to >= 0.3 on the held-out questions, half of its steps on-policy."""
+    from conftest import free_port, run
+
+    result = run(["make", "distill", f"LAUNCH_ARGS=--main_process_port {free_port()}"])
+    match = re.search(r"exact match ([\d.]+) untrained -> ([\d.]+) on (\d+) questions", result.stdout)
+    assert match, result.stdout[-2000:]
+    before, after = float(match[1]), float(match[2])
+    print(f"make distill: exact match {before:.3f} -> {after:.3f}")
+    assert before <= 0.05 and after >= 0.3
+    out = REPO / "outputs/distill_demo"
+    record = read_run(out)
+    assert record["participating_processes"] == 2 and record["teacher"]["model"] == "outputs/sft_demo/final"
+    share = sum(r["on_policy"] for r in read_metrics(out)[0]) / len(read_metrics(out)[0])
+    assert 0.25 < share < 0.75
