@@ -149,7 +149,7 @@ sft: install
 # teacher is made first when outputs/sft_demo/final is missing.
 distill: install
 	$(PY) scripts/make_demo_data.py --task arithmetic --out outputs/data/arithmetic
-	test -f outputs/sft_demo/final/config.json || $(MAKE) sft
+	test -f outputs/sft_demo/final/config.json || $(MAKE) sft ARGS=
 	$(LAUNCH) --config_file $(CONFIG) recipes/distill.py --config recipes/configs/distill_demo.yaml $(DEMO_RUN) $(ARGS)
 
 # DPO: a tiny Llama built from a config learns to prefer the right answer to a near miss (held-out preference

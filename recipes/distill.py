@@ -147,11 +147,11 @@ def main(
     length = data_args.block_size or distill_args.max_new_tokens
     students = GenerationWeights(accelerator, model, distill_args.rollout_weights, 1, length)
     teachers = GenerationWeights(accelerator, teacher.model, "copy", 1, length) if distill_args.seq_kd else None
-    settings = SamplingSettings(
+    settings = SamplingSettings(  # a sample ends at EOS or where the data's answers end (<|im_end|>, <|eot_id|>...)
         distill_args.temperature,
         1.0,
         distill_args.max_new_tokens,
-        stop_token_ids(tokenizer, students.policy),
+        sorted(set(stop_token_ids(tokenizer, students.policy)) | set(stop_ids)),
         tokenizer.pad_token_id,
     )
 
@@ -163,7 +163,7 @@ def main(
         tokenizer,
         max_steps,
         dropped_examples=dropped,
-        teacher={"model": teacher_path, **teacher.record()},
+        teacher={"model": teacher_path, **teacher.record(), **({"samples": teachers.record()} if teachers else {})},
         rollout=students.record(),
         generation={"max_new_tokens": max_new_tokens, "longest_reference_answer_tokens": longest_answer},
     )
@@ -198,8 +198,9 @@ def main(
         window = [next(micro_batches) for _ in range(accumulation)]  # one optimizer step's micro-batches
         student_samples = on_policy(args.seed, step, distill_args.lmbda)
         source = students if student_samples else teachers  # None: the data's own answers
-        if source is not None:
-            window = completed_window(window, source, settings, args.seed, step, accelerator)
+        if source is not None:  # the student's weights of this step, or the frozen teacher's
+            version = step if student_samples else 0
+            window = completed_window(window, source, version, settings, args.seed, step, accelerator)
             window = count_window(accelerator, window, accumulation)  # the completions' tokens, every rank's
         for batch in window:
             with accelerator.accumulate(model):

@@ -195,8 +195,8 @@ class GRPOArguments:
             named = [name for name, given in rloo_only.items() if given]
             if named:
                 raise UsageError(
-                    f"{', '.join(named)}: RLOO's (TRL's RLOOConfig); add --advantage_estimator rloo, or set the "
-                    "advantages' divisor with --scale_rewards"
+                    f"{', '.join(named)}: RLOO's (TRL's RLOOConfig); add --advantage_estimator rloo, or drop them "
+                    "(GRPO's advantages take --scale_rewards)"
                 )
 
 
@@ -209,6 +209,11 @@ def main(
 ):
     run = start_run(model_args, data_args, grpo_args, lora_args, args)
     accelerator = run.accelerator
+    if grpo_args.importance_sampling_level == "sequence" and grpo_args.loss_type != "grpo":  # as TRL warns
+        accelerator.print(
+            f"note: --importance_sampling_level sequence with --loss_type {grpo_args.loss_type} weighs each completion "
+            "by its length; GSPO's own objective is --loss_type grpo"
+        )
     group, accumulation = grpo_args.num_generations, args.gradient_accumulation_steps
     run.check_accumulation(whole_groups(args.per_device_train_batch_size, group))  # on every world the launch allows
 

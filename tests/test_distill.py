@@ -97,6 +97,12 @@ def test_a_chats_prompt_is_its_conversation_before_the_last_answer(small_chat_mo
     prompt = prompt_of(ids, labels, torch.ones_like(ids))
     expected = tokenizer.apply_chat_template(chat[:3], add_generation_prompt=True, tokenize=False)
     assert tokenizer.decode(prompt) == expected
+    pad = torch.full((3,), tokenizer.pad_token_id)  # padded on either side, as a collator may
+    for padded, labelled, mask in (
+        (torch.cat([pad, ids]), torch.cat([pad * 0 - 100, labels]), torch.cat([pad * 0, torch.ones_like(ids)])),
+        (torch.cat([ids, pad]), torch.cat([labels, pad * 0 - 100]), torch.cat([torch.ones_like(ids), pad * 0])),
+    ):
+        assert prompt_of(padded, labelled, mask) == prompt
     assert tokenizer.decode(row["input_ids"][len(prompt) :]).startswith("8")
 
 
@@ -151,26 +157,29 @@ def distill_args(data, teacher, out, **overrides) -> list[str]:
 
 @pytest.fixture(scope="module")
 def runs(arithmetic_data, teacher, tmp_path_factory):
-    def run_one(config):
+    def run_one(key):  # "<config>" or "<config> seq_kd" (the off-policy steps on the teacher's samples)
+        config, *options = key.split()
         out = tmp_path_factory.mktemp("distill") / "run"
-        if config == "one process":  # the global batch of 2 processes x 4, accumulation 2
-            launch_one_process(
-                "distill.py", distill_args(arithmetic_data, teacher, out, per_device_train_batch_size=8), FP32
-            )
+        extra = [f"--{option}" for option in options]
+        if config == "one":  # the global batch of 2 processes x 4, accumulation 2
+            argv = distill_args(arithmetic_data, teacher, out, per_device_train_batch_size=8) + extra
+            launch_one_process("distill.py", argv, FP32)
         else:
-            launch(config, "distill.py", distill_args(arithmetic_data, teacher, out), 2, launcher_args=FP32)
+            launch(config, "distill.py", distill_args(arithmetic_data, teacher, out) + extra, 2, launcher_args=FP32)
         return out
 
     return LaunchedOnce(run_one)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", tiered(["zero3.yaml", "ddp.yaml", "fsdp.yaml"], ["zero3.yaml"]))
+@pytest.mark.parametrize(
+    "config", tiered(["zero3.yaml", "ddp.yaml", "fsdp.yaml", "zero3.yaml seq_kd"], ["zero3.yaml"])
+)
 def test_distillation_on_two_processes_matches_one_process(config, runs):
     """fp32, 2 processes x 4 chats x accumulation 2 against one process x 8 x 2, 8 steps, half of them on-policy
     (the student's own samples, from whole weights; the teacher sharded as the student): each step's loss and the
     final weights within 1e-5, the same steps on-policy, the teacher's record, and the loss falling."""
-    out, single = runs[config], runs["one process"]
+    out, single = runs[config], runs[" ".join(["one", *config.split()[1:]])]
     record = read_run(out)
     assert record["world_size"] == 2 and record["participating_processes"] == 2
     assert record["teacher"]["kind"] == "model" and record["teacher"]["model"].endswith("final")
@@ -190,7 +199,7 @@ def test_distillation_on_two_processes_matches_one_process(config, runs):
 def test_a_resumed_run_repeats_the_same_steps(runs, arithmetic_data, teacher, tmp_path, monkeypatch):
     """The one process's run resumed from its step-4 checkpoint: steps 5-8 (on-policy ones among them: the same
     samples, from (seed, step, row) and the restored weights) log the same losses and end at the same weights."""
-    single = runs["one process"]
+    single = runs["one"]
     out = tmp_path / "resumed"
     shutil.copytree(single, out)
     for folder in ("final", "checkpoints/step_8"):
@@ -202,6 +211,30 @@ def test_a_resumed_run_repeats_the_same_steps(runs, arithmetic_data, teacher, tm
     assert all(again[s]["loss"] == before[s]["loss"] for s in range(5, 9))
     assert any(before[s]["on_policy"] for s in range(5, 9))
     assert max_weight_difference(out / "final", single / "final") == 0.0
+
+
+@pytest.mark.slow
+def test_seq_kd_trains_on_the_teachers_samples(arithmetic_data, tmp_path):
+    """--seq_kd --lmbda 0 in one process, with an untrained teacher (its samples are not the data's answers): the
+    first step's loss is not the one on the data's answers, no step is on-policy, and the same run again repeats it
+    (the teacher's samples seeded by (seed, step, row))."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    teacher = tmp_path / "untrained"
+    tokenizer = AutoTokenizer.from_pretrained(arithmetic_data / "tokenizer")
+    config = AutoConfig.from_pretrained(REPO / "recipes/configs/tiny_llama.json", vocab_size=len(tokenizer))
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(teacher)
+    tokenizer.save_pretrained(teacher)
+    losses = {}
+    for name, extra in {"data": [], "seq_kd": ["--seq_kd"], "again": ["--seq_kd"]}.items():
+        out = tmp_path / name
+        argv = distill_args(arithmetic_data, teacher, out, lmbda=0, max_steps=2, save_steps=0) + extra
+        launch_one_process("distill.py", argv, FP32)
+        rows = read_metrics(out)[0]
+        assert not any(r["on_policy"] for r in rows)
+        losses[name] = [r["loss"] for r in rows]
+    assert losses["seq_kd"] == losses["again"] and losses["seq_kd"][0] != pytest.approx(losses["data"][0], rel=1e-3)
 
 
 def test_a_teacher_with_another_tokenizer_is_one_line(arithmetic_data, markov_data, tmp_path, monkeypatch):
@@ -224,7 +257,8 @@ def test_make_distill_teaches_a_fresh_model_from_make_sfts():
     from conftest import free_port, run
 
     result = run(["make", "distill", f"LAUNCH_ARGS=--main_process_port {free_port()}"])
-    match = re.search(r"exact match ([\d.]+) untrained -> ([\d.]+) on (\d+) questions", result.stdout)
+    distilled = result.stdout.split("recipes/distill.py")[-1]  # make sft's summary comes first where it ran
+    match = re.search(r"exact match ([\d.]+) untrained -> ([\d.]+) on (\d+) questions", distilled)
     assert match, result.stdout[-2000:]
     before, after = float(match[1]), float(match[2])
     print(f"make distill: exact match {before:.3f} -> {after:.3f}")

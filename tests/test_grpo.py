@@ -125,6 +125,46 @@ def test_training_scores_each_token_at_the_temperature_it_was_sampled_at(prompts
     assert (logits.grad[:, :-1] - hand).abs().max() < 1e-6
 
 
+def test_rloos_kl_penalty_is_each_completions_sum_of_its_sampling_log_ratios(prompts):
+    """rollout_kl, RLOO's penalty: each completion's sum over its tokens of logp_policy - logp_reference (k1) at the
+    sampling temperature, the policy's log-probabilities being those the sampler drew each token with; the kl
+    figure their token mean; a truncated completion counts nothing under --mask_truncated_completions."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from common.objectives.grpo import rollout_kl
+    from common.objectives.reference import Reference
+
+    tokenizer = AutoTokenizer.from_pretrained(prompts / "tokenizer")
+    config = AutoConfig.from_pretrained(REPO / "recipes/configs/tiny_llama.json", vocab_size=len(tokenizer))
+    torch.manual_seed(0)
+    policy, other = AutoModelForCausalLM.from_config(config).eval(), AutoModelForCausalLM.from_config(config).eval()
+    prompt = tokenizer("what is 3 plus 4 ?")["input_ids"]
+    group, length, temperature = 4, 5, 0.7
+    uniforms = torch.rand(group, length, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    sampler = InverseCdfSampler(uniforms, len(prompt), temperature, 1.0, [])
+    output = torch.tensor([prompt] * group)
+    with torch.no_grad():
+        for _ in range(length):
+            scores = sampler(output, policy(input_ids=output).logits[:, -1])
+            output = torch.cat([output, scores.argmax(-1, keepdim=True)], 1)
+        drawn = torch.stack(sampler.log_probs, 1)  # the policy's, as sampled
+        theirs = (other(input_ids=output).logits[:, len(prompt) - 1 : -1].double() / temperature).log_softmax(-1)
+    theirs = theirs.gather(-1, output[:, len(prompt) :].unsqueeze(-1)).squeeze(-1)
+    rows = [{"row": 0, "prompt_ids": prompt, "completion_ids": ids, "truncated": i == 1}
+            for i, ids in enumerate(output[:, len(prompt) :].tolist())]  # fmt: skip
+    cpu = SimpleNamespace(device="cpu", autocast=contextlib.nullcontext)
+    reference = Reference("model", other)
+    reference.accelerator = cpu
+    kl, (total, tokens) = rollout_kl(policy, reference, Rollout(0, rows, torch.zeros(group)), 2, 0, cpu, 0.7, False)
+    expected = (drawn - theirs).sum(1)
+    assert (kl.double() - expected).abs().max() < 1e-4 and expected.abs().min() > 1e-2, (kl, expected)
+    assert tokens == group * length and total == pytest.approx(float(expected.sum()), abs=1e-3)
+    masked, _ = rollout_kl(policy, reference, Rollout(0, rows, torch.zeros(group)), 2, 0, cpu, 0.7, True)
+    assert masked[1] == 0 and torch.equal(masked[[0, 2, 3]], kl[[0, 2, 3]])
+
+
 def hand_loss(log_probs, old, ref, advantages, mask, loss_type, eps_low, eps_high, beta, max_length, rows, tokens,
               level="token", delta=None):  # fmt: skip
     """The per-token GRPO loss written out element by element, then reduced as each loss type says. `level`

@@ -9,8 +9,9 @@ temperature 1, as TRL scores them), the loss is the generalised Jensen-Shannon d
     otherwise     beta KL(t || m) + (1 - beta) KL(s || m),     m = log((1 - beta) e^s + beta e^t)
 
 summed over the completion's tokens (the labels' positions) and divided by the global batch's label tokens: the
-mean over every token of the step, whatever the split over processes and accumulation steps (TRL's
-num_items_in_batch).
+mean over every token of the step, whatever the split over processes and accumulation steps. (TRL divides by
+num_items_in_batch, which for an on-policy step is the data's answer tokens, counted before the completions are
+sampled; here an on-policy step is divided by its completions' own tokens.)
 
 A step is on-policy with probability --lmbda, decided from (seed, step) alone, so every rank and a resumed run
 decide alike (TRL draws Python's `random` per micro-batch and rank): its rows keep their prompts, and each gets a
@@ -84,23 +85,27 @@ def on_policy(seed: int, step: int, lmbda: float) -> bool:
 
 def prompt_of(input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor) -> list[int]:
     """A tokenized chat's prompt: its tokens before its last labelled span (the last assistant turn), as TRL's
-    collator cuts the conversation before its last answer."""
+    collator cuts the conversation before its last answer; padding (left or right) left out."""
+    kept = attention_mask.bool()
+    input_ids, labels = input_ids[kept], labels[kept]
     labelled = (labels != -100).nonzero().flatten().tolist()
-    length = int(attention_mask.sum())
     if not labelled:
-        return input_ids[:length].tolist()
+        return input_ids.tolist()
     start = labelled[-1]
     while start > 0 and labels[start - 1] != -100:
         start -= 1
     return input_ids[:start].tolist()
 
 
-def completed_window(window: list[dict], weights, settings: SamplingSettings, seed: int, step: int, accelerator):
+def completed_window(
+    window: list[dict], weights, version: int, settings: SamplingSettings, seed: int, step: int, accelerator
+):
     """The window's micro-batches with each row's completion replaced by one that `weights` (the student's, or the
     teacher's under --seq_kd) samples from the row's prompt, seeded by (seed, step, the row's index in the data);
-    labels on the completion (its stop token kept), right-padded. Every rank calls it (the weights are gathered
-    first where the config shards them)."""
-    weights.refresh(step)
+    labels on the completion (its stop token kept), right-padded. Every rank calls it: where the config shards the
+    weights they are gathered first, unless already gathered at `version` (the student's step; the frozen
+    teacher's is always 0: gathered once)."""
+    weights.refresh(version)
     out = []
     for batch in window:
         groups, rows = [], batch["row"].tolist()
