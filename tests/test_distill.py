@@ -253,7 +253,7 @@ def test_a_teacher_with_another_tokenizer_is_one_line(arithmetic_data, markov_da
 @pytest.mark.exhaustive
 def test_make_distill_teaches_a_fresh_model_from_make_sfts():
     """The demo as it ships, on 2 processes under ddp.yaml (make sft's model made first where it is missing): the
-    student's exact match from ~0 to >= 0.3 on the held-out questions, half of its steps on-policy."""
+    student's exact match from ~0 to >= 0.5 on the held-out questions (seen: 0.822), half of its steps on-policy."""
     from conftest import free_port, run
 
     result = run(["make", "distill", f"LAUNCH_ARGS=--main_process_port {free_port()}"])
@@ -262,7 +262,7 @@ def test_make_distill_teaches_a_fresh_model_from_make_sfts():
     assert match, result.stdout[-2000:]
     before, after = float(match[1]), float(match[2])
     print(f"make distill: exact match {before:.3f} -> {after:.3f}")
-    assert before <= 0.05 and after >= 0.3
+    assert before <= 0.05 and after >= 0.5
     out = REPO / "outputs/distill_demo"
     record = read_run(out)
     assert record["participating_processes"] == 2 and record["teacher"]["model"] == "outputs/sft_demo/final"
