@@ -160,9 +160,10 @@ def runs(arithmetic_data, teacher, tmp_path_factory):
     def run_one(key):  # "<config>" or "<config> seq_kd" (the off-policy steps on the teacher's samples)
         config, *options = key.split()
         out = tmp_path_factory.mktemp("distill") / "run"
-        extra = [f"--{option}" for option in options]
-        if config == "one":  # the global batch of 2 processes x 4, accumulation 2
-            argv = distill_args(arithmetic_data, teacher, out, per_device_train_batch_size=8) + extra
+        extra = [f"--{option}" for option in options if option != "as-tp"]
+        if config == "one":  # the global batch of 2 processes x 4 (a tensor-parallel pair's: 4), accumulation 2
+            batch = 4 if "as-tp" in options else 8
+            argv = distill_args(arithmetic_data, teacher, out, per_device_train_batch_size=batch) + extra
             launch_one_process("distill.py", argv, FP32)
         else:
             launch(config, "distill.py", distill_args(arithmetic_data, teacher, out) + extra, 2, launcher_args=FP32)
@@ -173,13 +174,15 @@ def runs(arithmetic_data, teacher, tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "config", tiered(["zero3.yaml", "ddp.yaml", "fsdp.yaml", "zero3.yaml seq_kd"], ["zero3.yaml"])
+    "config", tiered(["zero3.yaml", "ddp.yaml", "fsdp.yaml", "tp.yaml", "zero3.yaml seq_kd"], ["zero3.yaml"])
 )
 def test_distillation_on_two_processes_matches_one_process(config, runs):
-    """fp32, 2 processes x 4 chats x accumulation 2 against one process x 8 x 2, 8 steps, half of them on-policy
-    (the student's own samples, from whole weights; the teacher sharded as the student): each step's loss and the
-    final weights within 1e-5, the same steps on-policy, the teacher's record, and the loss falling."""
-    out, single = runs[config], runs[" ".join(["one", *config.split()[1:]])]
+    """fp32, 2 processes x 4 chats x accumulation 2 against one process x 8 x 2 (tp.yaml's pair: x 4), 8 steps,
+    half of them on-policy (the student's own samples, from whole weights; the teacher sharded as the student):
+    each step's loss and the final weights within 1e-5, the same steps on-policy, the teacher's record, and the
+    loss falling."""
+    as_tp = ["as-tp"] if config.startswith("tp.yaml") else []  # a tensor-parallel pair is one data-parallel rank
+    out, single = runs[config], runs[" ".join(["one", *as_tp, *config.split()[1:]])]
     record = read_run(out)
     assert record["world_size"] == 2 and record["participating_processes"] == 2
     assert record["teacher"]["kind"] == "model" and record["teacher"]["model"].endswith("final")
