@@ -796,13 +796,13 @@ def test_gspo_and_delta_reach_the_loss_of_a_run(prompts, tmp_path):
 
 @pytest.mark.slow
 def test_rloo_in_a_run_takes_trls_leave_one_out_advantages_and_kl_penalty(runs):
-    """--advantage_estimator rloo --beta 0.05 --normalize_advantages in one process (zero3_offload.yaml's parity run
-    is make test-all's): the first rollout's advantages, where the policy is still the reference (kl 0), are the
+    """--advantage_estimator rloo --beta 0.05 --normalize_advantages in one process, two rollouts (zero3_offload.yaml's
+    parity run is make test-all's): the first rollout's advantages, where the policy is still the reference (kl 0), are the
     leave-one-out advantages of its logged rewards normalised over the batch; later rollouts' carry the KL penalty
     (kl logged with each rollout, and the advantages no longer those of the rewards alone)."""
     from common.objectives.grpo import nanstd
 
-    out = runs[("one process", tuple(sorted(OBJECTIVES["zero3_offload.yaml"].items())))]
+    out = runs[("one process", tuple(sorted({**OBJECTIVES["zero3_offload.yaml"], "max_steps": 4}.items())))]
     entries, rows = completions(out), read_metrics(out)[0]
 
     def reward_only(rollout):  # the normalised leave-one-out advantages of the rollout's rewards, no penalty
