@@ -61,15 +61,16 @@ def test_bad_data_is_one_line(markov_data, tmp_path, train, validation, expected
 
 
 @pytest.mark.slow
-def test_model_config_that_builds_no_model_overwrites_nothing(earlier_run, markov_data, tmp_path):
+def test_model_config_that_builds_no_model_overwrites_nothing(earlier_run, markov_data, tmp_path, capsys):
+    """Met while loading, on every rank alike: run in this process (a launched load error's one line is
+    test_resume_with_another_model_config_changes_nothing's)."""
     out = tmp_path / "run"
     shutil.copytree(earlier_run, out)
     before = snapshot(out)
     config = json.loads((REPO / "recipes/configs/tiny_llama.json").read_text())
     (tmp_path / "bad.json").write_text(json.dumps({**config, "hidden_size": 30, "num_attention_heads": 4}))
-    error = launch_bad(
-        causal_lm_args(markov_data, out, model_config=tmp_path / "bad.json") + ["--overwrite_output_dir"]
-    )
+    argv = causal_lm_args(markov_data, out, model_config=tmp_path / "bad.json") + ["--overwrite_output_dir"]
+    error = error_in_process("causal_lm.py", argv, capsys)
     assert "bad.json does not build a model" in error and "not a multiple of the number of attention heads" in error
     # --overwrite_output_dir clears the earlier run only once the new one is known to start.
     assert snapshot(out) == before and (out / "final").is_dir() and (out / "checkpoints" / "step_2").is_dir()
