@@ -49,6 +49,11 @@ def main(argv=None) -> dict:
         "pass --batch_size 2B",
     )
     parser.add_argument(
+        "--distill_teacher",
+        help="add recipes/distill.py's frozen teacher (a config.json, a model folder or a Hub name), held as DPO's "
+        "reference copy; its on-policy samples: --grpo_generations 1",
+    )
+    parser.add_argument(
         "--use_peft", action="store_true", help="LoRA at the recipes' defaults: only the adapters train"
     )
     parser.add_argument(
@@ -72,13 +77,18 @@ def main(argv=None) -> dict:
                 f"error: {what} {path} is not a file; pass an accelerate config YAML (accelerate_configs/*.yaml)"
             )
     strategy = read_strategy(args.config, args.num_processes, args.mixed_precision)
-    try:
-        model = read_model(args.model, args.vocab_size)
-    except (OSError, ValueError) as error:
-        raise SystemExit(
-            f"error: --model {args.model} gives no model config ({str(error).splitlines()[0]}); "
-            "pass a config.json, a model folder or a Hub name reachable from here"
-        )
+    models = {}
+    for flag, path in (("--model", args.model), ("--distill_teacher", args.distill_teacher)):
+        if path is None:
+            continue
+        try:
+            models[flag] = read_model(path, args.vocab_size)
+        except (OSError, ValueError) as error:
+            raise SystemExit(
+                f"error: {flag} {path} gives no model config ({str(error).splitlines()[0]}); "
+                "pass a config.json, a model folder or a Hub name reachable from here"
+            )
+    model = models["--model"]
     from common.launch.errors import UsageError
 
     try:
@@ -93,6 +103,7 @@ def main(argv=None) -> dict:
             model["lora_parameters"] if args.use_peft else None,
             args.grpo_generations,
             args.rollout_stages,
+            models.get("--distill_teacher"),
         )
     except (UsageError, ValueError) as error:  # what a pipeline cannot run
         raise SystemExit(f"error: {args.config}: {error}")
@@ -167,7 +178,7 @@ def print_categories(result: dict, args, baseline: float) -> None:
         "master_weights",
         "gradients",
         "optimizer_states",
-        *(("reference_model",) if args.dpo_reference else ()),
+        *(("reference_model",) if args.dpo_reference or args.distill_teacher else ()),
         *(("rollout_weights",) if args.grpo_generations else ()),
         "model_state",
         "communication_buffers",

@@ -16,6 +16,7 @@ from conftest import (
     flags,
     launch,
     launch_one_process,
+    load_script,
     max_weight_difference,
     read_metrics,
     read_run,
@@ -180,13 +181,21 @@ def runs(arithmetic_data, teacher, tmp_path_factory):
 def test_distillation_on_two_processes_matches_one_process(config, runs):
     """fp32, 2 processes x 4 chats x accumulation 2 against one process x 8 x 2 (tp.yaml's pair: x 4), 8 steps,
     half of them on-policy (the student's own samples, from whole weights; the teacher sharded as the student):
-    each step's loss and the final weights within 1e-5, the same steps on-policy, the teacher's record, and the
-    loss falling."""
+    each step's loss and the final weights within 1e-5, the same steps on-policy, the teacher's bytes per rank as
+    make estimate-memory --distill_teacher says, and the loss falling."""
     as_tp = ["as-tp"] if config.startswith("tp.yaml") else []  # a tensor-parallel pair is one data-parallel rank
     out, single = runs[config], runs[" ".join(["one", *as_tp, *config.split()[1:]])]
     record = read_run(out)
     assert record["world_size"] == 2 and record["participating_processes"] == 2
     assert record["teacher"]["kind"] == "model" and record["teacher"]["model"].endswith("final")
+    # the teacher's weights on each rank: as make estimate-memory --distill_teacher says (DPO's reference copy's rule)
+    estimate = load_script("scripts/estimate_memory.py").main(
+        ["--config", str(REPO / "accelerate_configs" / config.split()[0]), "--model", str(out / "final"),
+         "--distill_teacher", record["teacher"]["model"], "--num_processes", "2", "--mixed_precision", "no"]
+    )  # fmt: skip
+    held, expected = record["teacher"]["parameter_bytes_per_rank"], estimate["reference_model"]
+    print(f"{config}: the teacher holds {held} bytes per rank, estimated {expected}")
+    assert all(abs(b - expected) <= 0.02 * expected for b in held)
     rows, one = read_metrics(out)[0], read_metrics(single)[0]
     assert [r["step"] for r in rows] == list(range(1, 9)) == [r["step"] for r in one]
     assert [r["on_policy"] for r in rows] == [r["on_policy"] for r in one]

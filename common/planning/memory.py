@@ -478,16 +478,18 @@ def estimate(
     trainable: int | None = None,
     grpo_generations: int | None = None,
     grpo_stages: bool = False,
+    teacher: dict | None = None,
 ) -> dict:
     """Bytes per rank by category (the memory account's), and the peak. Activation checkpointing
     is on when asked or when the config turns it on (fsdp_activation_checkpointing). With
-    `dpo_reference`, DPO's frozen reference copy (`reference_bytes`) joins the model state. `trainable`:
+    `dpo_reference`, DPO's frozen reference copy (`reference_bytes`) joins the model state; with `teacher` (a
+    `read_model` dict), distill.py's frozen teacher, held as that copy is, under `reference_model` too. `trainable`:
     the parameters that train, when not all do (--use_peft: LoRA's adapters, beside the frozen model):
     only they have gradients, master weights and AdamW moments, and the adapters' own weights join the model.
     Under a pipeline (strategy "pp"): the rank that needs the most (`estimate_stages`), with every rank's in
     `stages`."""
     if strategy["strategy"] == "pp":
-        if dpo_reference or trainable is not None or grpo_generations:
+        if dpo_reference or trainable is not None or grpo_generations or teacher is not None:
             raise ValueError(
                 "pipeline parallelism runs causal_lm.py and sft.py without LoRA (common.parallel.pipeline refuses "
                 "DPO, GRPO "
@@ -543,6 +545,13 @@ def estimate(
         if dpo_reference
         else 0
     )
+    if teacher is not None:  # another model, held as the reference copy (split by its own plan under TP)
+        split = teacher.get("tp_split_parameters", 0) * (tp - 1) / tp
+        reference += (
+            4 * (teacher["parameters"] - split)
+            if kind == "tp"
+            else reference_bytes(teacher["parameters"], strategy, c)
+        )
     rollout = (
         (stage_bytes(model, strategy, c) if grpo_stages else rollout_bytes(psi, strategy, c))
         if grpo_generations
