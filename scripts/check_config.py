@@ -141,15 +141,20 @@ def whole_row_recipe(keys: set[str]) -> str | None:
             if name.endswith("Arguments") and dataclasses.is_dataclass(value) and value.__module__ == module.__name__
         ]
     fields = {cls: {field.name for field in dataclasses.fields(cls)} for cls in classes}
-    # keys no recipe that splits rows has (dpo.py, grpo.py and reward_model.py share some: beta, loss_type, ...);
-    # the whole-row recipe whose arguments the YAML sets most of
+    # keys no recipe that splits rows has (dpo.py, grpo.py, distill.py and reward_model.py share some: beta,
+    # loss_type, ...); the whole-row recipe whose arguments the YAML sets most of, and on a tie (a YAML setting
+    # only `beta`) the one whose own arguments it covers the largest share of
     splitting = set().union(*(names for cls, names in fields.items() if not getattr(cls, "scores_whole_rows", None)))
     matches = [
-        (len(keys & (names - splitting)), cls.scores_whole_rows)
+        (
+            len(keys & (names - splitting)),
+            len(keys & (names - splitting)) / len(names - splitting),
+            cls.scores_whole_rows,
+        )
         for cls, names in fields.items()
         if getattr(cls, "scores_whole_rows", None) and keys & (names - splitting)
     ]
-    return max(matches, key=lambda match: match[0])[1] if matches else None
+    return max(matches, key=lambda match: match[:2])[2] if matches else None
 
 
 def check_mesh(mesh: dict, raw: dict, fsdp: dict, recipe: dict, world: int, keys: set[str] = frozenset()) -> list[str]:
