@@ -24,25 +24,17 @@ import argparse
 import json
 import os
 
-from common.data.synthetic import (
-    write_arithmetic_data,
-    write_format_preference_data,
-    write_format_prompt_data,
-    write_markov_corpus,
-    write_preference_data,
-    write_prompt_data,
-    write_sentiment_data,
-)
 
-
+# each task's writer in common.data.synthetic, imported only when a set is written (the import takes seconds; a make
+# target that finds its data already there runs this script at every call)
 WRITERS = {
-    "markov": write_markov_corpus,
-    "sentiment": write_sentiment_data,
-    "arithmetic": write_arithmetic_data,
-    "preference": write_preference_data,
-    "format_preference": write_format_preference_data,
-    "prompts": write_prompt_data,
-    "format_prompts": write_format_prompt_data,
+    "markov": "write_markov_corpus",
+    "sentiment": "write_sentiment_data",
+    "arithmetic": "write_arithmetic_data",
+    "preference": "write_preference_data",
+    "format_preference": "write_format_preference_data",
+    "prompts": "write_prompt_data",
+    "format_prompts": "write_format_prompt_data",
 }
 
 
@@ -57,7 +49,9 @@ def main(argv=None):
     if os.path.exists(marker) and json.load(open(marker)) == wanted:
         print(f"demo data already in {args.out}")
         return
-    info = WRITERS[args.task](args.out, seed=args.seed)
+    from common.data import synthetic
+
+    info = getattr(synthetic, WRITERS[args.task])(args.out, seed=args.seed)
     with open(marker, "w") as handle:
         json.dump(wanted, handle)
     floor = f": entropy floor {info['entropy_rate_nats']:.4f} nats/token" if info else ""
