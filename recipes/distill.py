@@ -9,9 +9,12 @@ sampler, from whole weights under every config); the other steps train on the da
 on the teacher's samples. Every token carries the teacher's signal, not one reward per completion. TRL's
 GKDTrainer's names and defaults (lmbda 0.5, beta 0.5, temperature 0.9, max_new_tokens 128).
 
-The data: a `messages` column, as for sft.py; the prompt of a row is its conversation before the last assistant
-turn. Teacher and student must share a tokenizer (refused in one line otherwise). Evaluates the student's loss on
-the held-out answers and the exact match of its greedy answers.
+The data: a `messages` column, as for sft.py (TRL's GKDTrainer's); the prompt of a row is its conversation before
+the last assistant turn. Or prompts only, as TRL's DistillationTrainer takes them: a `prompt` column (text, or a
+conversation rendered with its generation prompt) and no answers, every step on-policy (--lmbda 1, its default
+there; with --seq_kd the other steps on the teacher's samples). Teacher and student must share a tokenizer (refused
+in one line otherwise). Evaluates the student's loss on the held-out answers and the exact match of its greedy
+answers; on prompts only, the divergence to the teacher over the student's own completions of the held-out prompts.
 
     make distill CONFIG=accelerate_configs/zero3.yaml
     accelerate launch --config_file accelerate_configs/fsdp.yaml recipes/distill.py \
@@ -39,7 +42,11 @@ from common.objectives.distill import (
     completed_window,
     count_window,
     distillation_loss,
+    held_out_divergence,
     on_policy,
+    prompts_only,
+    tokenize_prompt_rows,
+    turn_end_ids,
 )
 from common.objectives.reference import disable_dropout
 from common.objectives.rollout import GenerationWeights, SamplingSettings, stop_token_ids
@@ -58,8 +65,12 @@ class DistillArguments:
     teacher_model_name_or_path: str | None = field(
         default=None, metadata={"help": "The teacher: a model folder (or Hub id) with the student's tokenizer."}
     )
-    lmbda: Annotated[float, Range(low=0, high=1)] = field(
-        default=0.5, metadata={"help": "The share of steps trained on the student's own completions (on-policy)."}
+    lmbda: Annotated[float | None, Range(low=0, high=1, why="unset: 0.5 on conversations, 1 on prompts")] = field(
+        default=None,
+        metadata={
+            "help": "The share of steps trained on the student's own completions (on-policy): unset, 0.5 (TRL's "
+            "GKDTrainer) on conversations, 1 on prompt-only data (its DistillationTrainer)."
+        },
     )
     beta: Annotated[float, Range(low=0, high=1)] = field(
         default=0.5, metadata={"help": "The generalised JSD's interpolation: 0 forward KL, 1 reverse KL."}
@@ -82,7 +93,10 @@ class DistillArguments:
         default="drop", metadata={"help": f"Examples longer than --block_size: {' or '.join(OVERLONG)}."}
     )
     max_generation_samples: Annotated[int | None, Range(low=1, why="unset: all of them")] = field(
-        default=None, metadata={"help": "Held-out conversations the evaluation answers."}
+        default=None,
+        metadata={
+            "help": "Held-out conversations the evaluation answers (prompts it completes, on prompt-only data)."
+        },
     )
     rollout_weights: Literal["auto", "copy", "stages"] = field(
         default="auto", metadata={"help": "What the student samples from where the config shards it (grpo.py's)."}
@@ -109,24 +123,44 @@ def main(
         raise UsageError("--teacher_model_name_or_path is required: the model whose distribution the student learns")
     check_teacher_tokenizer(tokenizer, teacher_path)
     raw = load_raw_datasets(data_args, args.seed)
-    datasets, dropped = tokenize_sft(
-        raw,
-        tokenizer,
-        distill_args.messages_column,
-        data_args.block_size,
-        distill_args.overlong,
-        accelerator,
-        data_args.preprocessing_num_workers,
-    )
-    datasets["train"] = datasets["train"].add_column("row", list(range(len(datasets["train"]))))
+    prompts = prompts_only(raw["train"].column_names, distill_args.messages_column)
+    lmbda = distill_args.lmbda if distill_args.lmbda is not None else 1.0 if prompts else 0.5
+    if prompts and lmbda < 1 and not distill_args.seq_kd:
+        raise UsageError(
+            f"--lmbda {lmbda} on prompt-only data: it has no answers for the other steps to train on; use --lmbda 1 "
+            "(every step on the student's completions), or --seq_kd (the others on the teacher's)"
+        )
+    if prompts:  # TRL's DistillationTrainer's data: the completions are all sampled
+        datasets, dropped = tokenize_prompt_rows(
+            raw,
+            tokenizer,
+            data_args.block_size,
+            distill_args.max_new_tokens,
+            accelerator,
+            data_args.preprocessing_num_workers,
+        )
+        stop_ids = turn_end_ids(tokenizer, not isinstance(raw["train"][0]["prompt"], str))
+        held_out, count = datasets["validation"], distill_args.max_generation_samples  # the prompts it completes
+        datasets["validation"] = held_out.select(range(min(count or len(held_out), len(held_out))))
+    else:
+        datasets, dropped = tokenize_sft(
+            raw,
+            tokenizer,
+            distill_args.messages_column,
+            data_args.block_size,
+            distill_args.overlong,
+            accelerator,
+            data_args.preprocessing_num_workers,
+        )
+        datasets["train"] = datasets["train"].add_column("row", list(range(len(datasets["train"]))))
+        stop_ids = end_of_turn_ids(datasets["validation"])
     padding = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
     train_loader, eval_loader = make_dataloaders(
         datasets, args.per_device_train_batch_size, args.per_device_eval_batch_size, args.seed, collate_fn=padding
     )
-    references = generation_references(
+    references = [] if prompts else generation_references(
         raw["validation"], raw["train"].column_names, distill_args.messages_column, distill_args.max_generation_samples
-    )
-    stop_ids = end_of_turn_ids(datasets["validation"])
+    )  # fmt: skip
     longest_answer = max(answer_token_counts(tokenizer, references), default=1)
     max_new_tokens = size_max_new_tokens(None, longest_answer, accelerator)
 
@@ -165,11 +199,19 @@ def main(
         dropped_examples=dropped,
         teacher={"model": teacher_path, **teacher.record(), **({"samples": teachers.record()} if teachers else {})},
         rollout=students.record(),
-        generation={"max_new_tokens": max_new_tokens, "longest_reference_answer_tokens": longest_answer},
+        distillation={"data": "prompts" if prompts else "conversations", "lmbda": lmbda},
+        generation=None
+        if prompts
+        else {"max_new_tokens": max_new_tokens, "longest_reference_answer_tokens": longest_answer},
     )
     step, metrics, nonfinite, profiler = state["step"], run.metrics, run.nonfinite, run.profiler
 
     def evaluate():
+        if prompts:  # no answers: the divergence over the student's own held-out completions
+            figures = held_out_divergence(
+                model, teacher, eval_loader, students, settings, args.seed, step, distill_args.beta, accelerator
+            )
+            return metrics.log_eval(step, figures)
         return metrics.log_eval(
             step,
             {
@@ -196,7 +238,7 @@ def main(
     micro_batches = iter(batches)
     while step < max_steps:
         window = [next(micro_batches) for _ in range(accumulation)]  # one optimizer step's micro-batches
-        student_samples = on_policy(args.seed, step, distill_args.lmbda)
+        student_samples = on_policy(args.seed, step, lmbda)
         source = students if student_samples else teachers  # None: the data's own answers
         if source is not None:  # the student's weights of this step, or the frozen teacher's
             version = step if student_samples else 0
@@ -234,6 +276,13 @@ def main(
     after = evaluate()
     before = metrics.eval_at_start()  # --eval_on_start's figures, this run's or the resumed run's
     final_dir = run.finish()
+    if prompts:
+        start = f"{before['eval_loss']:.4f} untrained -> " if before else ""
+        accelerator.print(
+            f"held-out divergence to the teacher {start}{after['eval_loss']:.4f} over the student's completions of "
+            f"{after['eval_prompts']} prompts; saved to {final_dir}"
+        )
+        return after
     start = f"{before['eval_exact_match']:.3f} untrained -> " if before else ""
     accelerator.print(
         f"exact match {start}{after['eval_exact_match']:.3f} on {after['eval_generated']} questions; "

@@ -2,6 +2,7 @@
 prompt cut from a chat, the teacher's tokenizer refused in one line, 2 processes against one in fp32 with the
 teacher sharded as the student, and a resume that repeats the same steps."""
 
+import json
 import math
 import re
 import shutil
@@ -158,17 +159,34 @@ def distill_args(data, teacher, out, **overrides) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def runs(arithmetic_data, teacher, tmp_path_factory):
-    def run_one(key):  # "<config>" or "<config> seq_kd" (the off-policy steps on the teacher's samples)
+def prompt_data(arithmetic_data, tmp_path_factory):
+    """The arithmetic chats as TRL's DistillationTrainer takes data: a "prompt" column (each chat before its answer,
+    as a conversation) and no answers."""
+    out = tmp_path_factory.mktemp("prompts")
+    shutil.copytree(arithmetic_data / "tokenizer", out / "tokenizer")
+    for split in ("train", "validation"):
+        chats = [
+            json.loads(line)["messages"] for line in (arithmetic_data / f"{split}.jsonl").read_text().splitlines()
+        ]
+        (out / f"{split}.jsonl").write_text("".join(json.dumps({"prompt": chat[:-1]}) + "\n" for chat in chats))
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(arithmetic_data, prompt_data, teacher, tmp_path_factory):
+    def run_one(key):  # "<config>", "<config> seq_kd" (the off-policy steps on the teacher's samples) or "<config>
+        # prompts" (prompt-only data, every step on-policy)
         config, *options = key.split()
         out = tmp_path_factory.mktemp("distill") / "run"
-        extra = [f"--{option}" for option in options if option != "as-tp"]
+        extra = [f"--{option}" for option in options if option not in ("as-tp", "prompts")]
+        data, lmbda = (prompt_data, 1.0) if "prompts" in options else (arithmetic_data, 0.5)
         if config == "one":  # the global batch of 2 processes x 4 (a tensor-parallel pair's: 4), accumulation 2
             batch = 4 if "as-tp" in options else 8
-            argv = distill_args(arithmetic_data, teacher, out, per_device_train_batch_size=batch) + extra
+            argv = distill_args(data, teacher, out, per_device_train_batch_size=batch, lmbda=lmbda) + extra
             launch_one_process("distill.py", argv, FP32)
         else:
-            launch(config, "distill.py", distill_args(arithmetic_data, teacher, out) + extra, 2, launcher_args=FP32)
+            argv = distill_args(data, teacher, out, lmbda=lmbda) + extra
+            launch(config, "distill.py", argv, 2, launcher_args=FP32)
         return out
 
     return LaunchedOnce(run_one)
@@ -176,7 +194,10 @@ def runs(arithmetic_data, teacher, tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "config", tiered(["zero3.yaml", "ddp.yaml", "fsdp.yaml", "tp.yaml", "zero3.yaml seq_kd"], ["zero3.yaml"])
+    "config",
+    tiered(
+        ["zero3.yaml", "ddp.yaml", "fsdp.yaml", "tp.yaml", "zero3.yaml seq_kd", "fsdp.yaml prompts"], ["zero3.yaml"]
+    ),
 )
 def test_distillation_on_two_processes_matches_one_process(config, runs):
     """fp32, 2 processes x 4 chats x accumulation 2 against one process x 8 x 2 (tp.yaml's pair: x 4), 8 steps,
@@ -199,13 +220,20 @@ def test_distillation_on_two_processes_matches_one_process(config, runs):
     rows, one = read_metrics(out)[0], read_metrics(single)[0]
     assert [r["step"] for r in rows] == list(range(1, 9)) == [r["step"] for r in one]
     assert [r["on_policy"] for r in rows] == [r["on_policy"] for r in one]
-    assert 0 < sum(r["on_policy"] for r in rows) < 8  # both kinds of step were trained
+    if config.endswith("prompts"):  # every step on the student's completions; the held-out divergence the same
+        assert all(r["on_policy"] for r in rows) and record["distillation"] == {"data": "prompts", "lmbda": 1.0}
+        evals, evals_one = read_metrics(out)[1], read_metrics(single)[1]
+        assert [e["eval_prompts"] for e in evals] == [e["eval_prompts"] for e in evals_one] == [16]
+        assert abs(evals[-1]["eval_loss"] - evals_one[-1]["eval_loss"]) <= 1e-5 * evals_one[-1]["eval_loss"]
+    else:
+        assert 0 < sum(r["on_policy"] for r in rows) < 8  # both kinds of step were trained
     gaps = [abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(rows, one)]
     weight_gap = max_weight_difference(out / "final", single / "final")
     print(f"{config}: loss gap {max(gaps):.2e} (relative), final weights {weight_gap:.2e}")
     assert max(gaps) < 1e-5 and weight_gap < 1e-5
-    off = [r["loss"] for r in one if not r["on_policy"]]
-    assert off[-1] < off[0]  # on the data's answers the student nears the teacher
+    if not config.endswith("prompts"):
+        off = [r["loss"] for r in one if not r["on_policy"]]
+        assert off[-1] < off[0]  # on the data's answers the student nears the teacher
 
 
 @pytest.mark.slow
@@ -248,6 +276,38 @@ def test_seq_kd_trains_on_the_teachers_samples(arithmetic_data, tmp_path):
         assert not any(r["on_policy"] for r in rows)
         losses[name] = [r["loss"] for r in rows]
     assert losses["seq_kd"] == losses["again"] and losses["seq_kd"][0] != pytest.approx(losses["data"][0], rel=1e-3)
+
+
+@pytest.mark.slow
+def test_prompt_only_data_trains_every_step_on_policy_as_its_chats_do_at_lmbda_1(
+    arithmetic_data, prompt_data, teacher, tmp_path
+):
+    """TRL's DistillationTrainer's data (prompts, no answers) in one process, --lmbda unset: every step on the
+    student's completions (lmbda 1, recorded), each step's loss the same as the chats' run at --lmbda 1 bit for
+    bit (the same prompts, rows and draws: the answers are never trained on), and the held-out evaluation, with no
+    answers to score, the divergence to the teacher over the student's own completions of 16 prompts, falling."""
+    chats, prompts = tmp_path / "chats", tmp_path / "prompts"
+    settings = dict(max_steps=6, save_steps=0, max_eval_samples=16, eval_on_start="true")
+    launch_one_process("distill.py", distill_args(arithmetic_data, teacher, chats, lmbda=1, **settings), FP32)
+    argv = [a for a in distill_args(prompt_data, teacher, prompts, **settings) if a not in ("--lmbda", "0.5")]
+    launch_one_process("distill.py", argv, FP32)
+    assert read_run(prompts)["distillation"] == {"data": "prompts", "lmbda": 1.0}
+    (rows, evals), (chat_rows, _) = read_metrics(prompts), read_metrics(chats)
+    assert all(r["on_policy"] for r in rows) and [r["loss"] for r in rows] == [r["loss"] for r in chat_rows]
+    before, after = evals[0], evals[-1]
+    print(f"prompts only: held-out divergence {before['eval_loss']:.4f} -> {after['eval_loss']:.4f}")
+    assert before["step"] == 0 and after["step"] == 6 and before["eval_prompts"] == after["eval_prompts"] == 16
+    assert after["eval_loss"] < before["eval_loss"] and after["eval_completion_length"] > 0
+
+
+def test_prompt_only_data_below_lmbda_1_without_seq_kd_is_one_line(prompt_data, tmp_path, monkeypatch):
+    """Prompt-only data has no answers for the off-policy steps: --lmbda 0.5 is refused in one line (the data's
+    tokenizer stands in for the teacher's folder: refused before any model is built), nothing written."""
+    out = tmp_path / "run"
+    argv = distill_args(prompt_data, prompt_data / "tokenizer", out)
+    with pytest.raises(UsageError, match=r"^--lmbda 0.5 on prompt-only data: it has no answers .* or --seq_kd"):
+        run_in_process("recipes/distill.py", argv, monkeypatch)
+    assert not out.exists()
 
 
 def test_a_teacher_with_another_tokenizer_is_one_line(arithmetic_data, markov_data, tmp_path, monkeypatch):

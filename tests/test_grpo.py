@@ -853,7 +853,7 @@ def test_bad_input_is_one_line(prompts, tmp_path, monkeypatch):
     context parallelism refused as for DPO (the loss scores whole completions)."""
     questions = tmp_path / "questions.jsonl"
     questions.write_text('{"question": "what is 1 plus 1 ?", "answer": "2"}\n' * 8)
-    refused(prompts, tmp_path, monkeypatch, 'GRPO data needs a "prompt" column', train_file=questions,
+    refused(prompts, tmp_path, monkeypatch, 'prompt data needs a "prompt" column', train_file=questions,
             validation_file=questions)  # fmt: skip
     refused(prompts, tmp_path, monkeypatch, "--max_completion_length 24 leaves no room for a prompt",
             max_completion_length=24)  # fmt: skip

@@ -27,10 +27,52 @@ import hashlib
 
 import torch
 
+from common.data.chat import encode_example
+from common.launch import mesh
 from common.launch.errors import UsageError
 from common.models.loading import load_model, load_tokenizer
 from common.objectives.reference import Reference
-from common.objectives.rollout import Rollout, SamplingSettings, row_seed
+from common.objectives.rollout import PROMPT_IDS, Rollout, SamplingSettings, row_seed, tokenize_prompts
+
+
+def prompts_only(columns: list[str], messages_column: str) -> bool:
+    """Whether the data is TRL's DistillationTrainer's: a "prompt" column (text or a conversation) and no answers
+    (neither a conversations column nor a "completion" one)."""
+    return messages_column not in columns and "prompt" in columns and "completion" not in columns
+
+
+def tokenize_prompt_rows(raw, tokenizer, block_size: int, max_new_tokens: int, accelerator, num_proc=None):
+    """Prompt-only data's rows: each prompt's tokens (common.objectives.rollout.tokenize_prompts: a conversation
+    rendered with its generation prompt, a prompt that leaves --max_new_tokens no room in --block_size dropped and
+    counted) with no label (its completions are sampled) and its index as `row`. Returns the datasets and the
+    dropped counts. The stop tokens: where the chat template ends an assistant turn, for conversations."""
+    from datasets import DatasetDict
+
+    kept, dropped = tokenize_prompts(raw, tokenizer, block_size, max_new_tokens, accelerator, num_proc)
+
+    def as_row(ids, index):
+        return {"input_ids": ids, "labels": [-100] * len(ids), "attention_mask": [1] * len(ids), "row": index}
+
+    rows = DatasetDict(
+        {
+            split: dataset.map(
+                as_row, input_columns=PROMPT_IDS, with_indices=True, remove_columns=dataset.column_names
+            )
+            for split, dataset in kept.items()
+        }
+    )
+    return rows, dropped
+
+
+def turn_end_ids(tokenizer, conversational: bool) -> list[int]:
+    """The token the chat template ends an assistant turn with (the last label token of a one-exchange chat it
+    renders: <|im_end|>, <|eot_id|>...), for prompt-only data, which has no answers to read it from; none for text
+    prompts (EOS ends them)."""
+    if not conversational:
+        return []
+    chat = {"messages": [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}]}
+    _, labels = encode_example(chat, tokenizer, "messages", "messages")
+    return [next(label for label in reversed(labels) if label != -100)]
 
 
 def check_teacher_tokenizer(tokenizer, teacher: str) -> None:
@@ -120,6 +162,32 @@ def completed_window(
         made = Rollout(step, sampled, torch.zeros(len(sampled))).batch(sampled, settings.pad_id, False)
         out.append({key: made[key].to(accelerator.device) for key in ("input_ids", "attention_mask", "labels")})
     return out
+
+
+@torch.no_grad()
+def held_out_divergence(model, teacher, loader, weights, settings: SamplingSettings, seed: int, version: int,
+                        beta: float, accelerator) -> dict:  # fmt: skip
+    """Prompt-only data's evaluation (it has no answers to score): each held-out prompt completed by the student as
+    training samples it (seeded by (seed, the row): the same draws at every evaluation), and the generalised JSD to
+    the teacher over the completion's tokens, averaged over every rank's tokens (each row counted once):
+    eval_loss, with the completions' mean length."""
+    model.eval()
+    total, tokens, rows = 0.0, 0, 0
+    for batch in loader:
+        [completed] = completed_window([batch], weights, version, settings, seed, EVAL_DRAWS, accelerator)
+        inputs = {"input_ids": completed["input_ids"], "attention_mask": completed["attention_mask"]}
+        with accelerator.autocast():
+            student = model(**inputs).logits
+        scored = teacher.apply(lambda scorer, b: scorer(**b).logits, inputs)
+        kept = completed["labels"][:, 1:] != -100
+        per_row = (generalized_jsd(student[:, :-1], scored[:, :-1], beta) * kept).sum(1)
+        sums, counts = mesh.gather_for_metrics(accelerator, (per_row, kept.sum(1)))
+        total, tokens, rows = total + sums.double().sum().item(), tokens + int(counts.sum()), rows + len(counts)
+    model.train()
+    return {"eval_loss": total / max(tokens, 1), "eval_completion_length": tokens / max(rows, 1), "eval_prompts": rows}
+
+
+EVAL_DRAWS = -1  # the "step" the held-out completions are seeded by (training's steps count from 0)
 
 
 def count_window(accelerator, window: list[dict], accumulation: int) -> list[dict]:

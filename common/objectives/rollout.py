@@ -67,7 +67,7 @@ def tokenize_prompts(raw, tokenizer, block_size: int, max_completion_length: int
     for split, dataset in raw.items():
         if "prompt" not in dataset.column_names:
             raise UsageError(
-                f'GRPO data needs a "prompt" column (text, or a conversation as a list of messages); the {split} '
+                f'prompt data needs a "prompt" column (text, or a conversation as a list of messages); the {split} '
                 f"split has {dataset.column_names}: rename the column"
             )
     if not isinstance(raw["train"][0]["prompt"], str) and not tokenizer.chat_template:
