@@ -109,15 +109,13 @@ def test_a_chats_prompt_is_its_conversation_before_the_last_answer(small_chat_mo
 
 
 # ---- runs ------------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def teacher(arithmetic_data, tmp_path_factory):
-    """A tiny Llama taught the arithmetic chats briefly by sft.py (60 steps in this process): a teacher unlike the
-    student (the checks compare runs, not how good the teacher is; make distill's is make sft's)."""
-    out = tmp_path_factory.mktemp("teacher") / "run"
+def taught(arithmetic_data, out, model_config="tiny_llama.json"):
+    """A tiny model (`model_config`) taught the arithmetic chats briefly by sft.py (60 steps in this process)."""
     launch_one_process(
         "sft.py",
         flags(
             config=REPO / "recipes/configs/sft_demo.yaml",
+            model_config=REPO / "recipes/configs" / model_config,
             tokenizer_name_or_path=arithmetic_data / "tokenizer",
             train_file=arithmetic_data / "train.jsonl",
             validation_file=arithmetic_data / "validation.jsonl",
@@ -130,6 +128,19 @@ def teacher(arithmetic_data, tmp_path_factory):
         launcher_args=FP32,
     )
     return out / "final"
+
+
+@pytest.fixture(scope="module")
+def teacher(arithmetic_data, tmp_path_factory):
+    """A tiny Llama taught briefly (`taught`): a teacher unlike the student (the checks compare runs, not how good
+    the teacher is; make distill's is make sft's)."""
+    return taught(arithmetic_data, tmp_path_factory.mktemp("teacher") / "run")
+
+
+@pytest.fixture(scope="module")
+def qwen3_teacher(arithmetic_data, tmp_path_factory):
+    """The same for a Qwen3 student (its q/k norms, tied embeddings): another family's teacher."""
+    return taught(arithmetic_data, tmp_path_factory.mktemp("teacher_qwen3") / "run", "tiny_qwen3.json")
 
 
 def distill_args(data, teacher, out, **overrides) -> list[str]:
@@ -173,19 +184,24 @@ def prompt_data(arithmetic_data, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def runs(arithmetic_data, prompt_data, teacher, tmp_path_factory):
+def runs(arithmetic_data, prompt_data, teacher, request, tmp_path_factory):
     def run_one(key):  # "<config>", "<config> seq_kd" (the off-policy steps on the teacher's samples) or "<config>
         # prompts" (prompt-only data, every step on-policy)
         config, *options = key.split()
         out = tmp_path_factory.mktemp("distill") / "run"
         extra = [f"--{option}" for option in options if option not in ("as-tp", "prompts")]
+        extra = [option for option in extra if option != "--qwen3"]
         data, lmbda = (prompt_data, 1.0) if "prompts" in options else (arithmetic_data, 0.5)
+        model, model_teacher = {}, teacher
+        if "qwen3" in options:  # another family: a Qwen3 student and teacher
+            model = {"model_config": REPO / "recipes/configs/tiny_qwen3.json"}
+            model_teacher = request.getfixturevalue("qwen3_teacher")
         if config == "one":  # the global batch of 2 processes x 4 (a tensor-parallel pair's: 4), accumulation 2
             batch = 4 if "as-tp" in options else 8
-            argv = distill_args(data, teacher, out, per_device_train_batch_size=batch, lmbda=lmbda) + extra
-            launch_one_process("distill.py", argv, FP32)
+            argv = distill_args(data, model_teacher, out, per_device_train_batch_size=batch, lmbda=lmbda, **model)
+            launch_one_process("distill.py", argv + extra, FP32)
         else:
-            argv = distill_args(data, teacher, out, lmbda=lmbda) + extra
+            argv = distill_args(data, model_teacher, out, lmbda=lmbda, **model) + extra
             launch(config, "distill.py", argv, 2, launcher_args=FP32)
         return out
 
@@ -196,7 +212,16 @@ def runs(arithmetic_data, prompt_data, teacher, tmp_path_factory):
 @pytest.mark.parametrize(
     "config",
     tiered(
-        ["zero3.yaml", "ddp.yaml", "fsdp.yaml", "tp.yaml", "zero3.yaml seq_kd", "fsdp.yaml prompts"], ["zero3.yaml"]
+        [
+            "zero3.yaml",
+            "ddp.yaml",
+            "fsdp.yaml",
+            "tp.yaml",
+            "zero3.yaml seq_kd",
+            "fsdp.yaml prompts",
+            "zero3.yaml qwen3",
+        ],
+        ["zero3.yaml"],
     ),
 )
 def test_distillation_on_two_processes_matches_one_process(config, runs):
