@@ -268,6 +268,7 @@ $(VENV)/.installed-trl: $(VENV)/.installed
 benchmark-peers: demo-data $(VENV)/.installed-trl
 	$(PY) scripts/make_demo_data.py --task preference --out outputs/data/preference
 	$(PY) scripts/make_demo_data.py --task prompts --out outputs/data/prompts
+	$(PY) scripts/make_demo_data.py --task arithmetic --out outputs/data/arithmetic
 	$(PY) benchmarks/benchmark_peers.py --docs docs/benchmark-peers.md $(ARGS)
 
 # Each speed option (compile, AdamW kernel, checkpointing, attention kernel, Liger) against the recipe's defaults

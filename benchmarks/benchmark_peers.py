@@ -37,6 +37,15 @@ shown side by side (they differ by sampling: the page says why). Then both on th
 peer drawing them with the recipe's sampler), fp32, two steps: each figure both log, side by side, and the
 largest difference.
 
+and the distillation job, on `make sft`'s arithmetic chats, with a teacher made here (the job's model, another seed):
+
+  recipe    recipes/distill.py, as users launch it (the teacher held as DPO's reference, the student's samples)
+  trl       benchmarks/peers/trl_gkd_loop.py: TRL's GKDTrainer (its generate on the rank's batch)
+
+from the same initial weights, with GKDTrainer's defaults (lmbda 0.5, beta 0.5, temperature 0.9), at most
+--max_completion_length sampled tokens, the same per-device batch, steps and learning rate; tokens/s counts the
+tokens of the batches trained on (prompt and completion, padding left out), generation included.
+
     make benchmark-peers                                  # ddp.yaml: 2 processes, bf16; GRPO also zero3.yaml
     make benchmark-peers ARGS="--rounds 5 --steps 60"
     make benchmark-peers ARGS="--jobs grpo --grpo_configs zero3.yaml"
@@ -72,7 +81,11 @@ PROMPTS = os.path.join(REPO, "outputs", "data", "prompts")
 GRPO_CONTENDERS = ("recipe", "trl")
 GRPO_CONFIGS = ("ddp.yaml", "zero3.yaml")
 GRPO_PROMPT_ROOM = 16  # the recipe's --block_size less --max_completion_length: the prompts have 8 tokens at most
-JOBS = ("causal", "dpo", "grpo")
+CHATS = os.path.join(REPO, "outputs", "data", "arithmetic")
+DISTILL_CONTENDERS = ("recipe", "trl")
+# GKDTrainer's defaults, which distill.py shares (the job's --max_completion_length is their max_new_tokens)
+DISTILL_LMBDA, DISTILL_BETA, DISTILL_TEMPERATURE, DISTILL_BLOCK = 0.5, 0.5, 0.9, 64
+JOBS = ("causal", "dpo", "grpo", "distill")
 # grpo-same: the GRPO job's comparison on the same completions alone, without its timed rounds
 JOB_CHOICES = (*JOBS, "grpo-same")
 
@@ -297,6 +310,38 @@ def grpo_spec(args) -> TrlJob:
     return TrlJob("GRPO", "grpo.py", "trl_grpo_loop.py", PROMPTS, both, recipe_only, "prompts_dropped")
 
 
+def distill_spec(args, teacher: str) -> TrlJob:
+    both = (
+        "--block_size",
+        str(DISTILL_BLOCK),
+        "--learning_rate",
+        str(args.learning_rate),
+        "--lmbda",
+        str(DISTILL_LMBDA),
+    )
+    both += ("--beta", str(DISTILL_BETA), "--temperature", str(DISTILL_TEMPERATURE))
+    both += ("--max_new_tokens", str(args.max_completion_length), "--teacher_model_name_or_path", teacher)
+    recipe_only = ("--max_generation_samples", "16")  # the held-out exact match after the timed steps: 16 questions
+    return TrlJob("Distill", "distill.py", "trl_gkd_loop.py", CHATS, both, recipe_only, "dropped_examples")
+
+
+def distill_teacher(config: str, folder: str) -> str:
+    """The job's teacher: the job's model, initialised with another seed (a teacher unlike the student: the job
+    times the two trainers, not what the student learns), saved with the chats' tokenizer, for both to load."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from common.models.loading import initialise_weights
+
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(CHATS, "tokenizer"))
+    settings = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config, vocab_size=len(tokenizer), **settings))
+    initialise_weights(model, 1)
+    out = os.path.join(folder, "teacher")
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
 def launch_trl_job(
     job: TrlJob,
     contender: str,
@@ -470,6 +515,76 @@ def dpo_job(args, config: str, folder: str) -> tuple[str, str]:
             "(Trainer's default without checkpointing); the recipe's log carries the loss, the rewards and the "
             "gradient norm. The two initialise the model each its own way and shuffle the pairs each its own way, "
             "so their later losses are not comparable step by step.",
+        ]
+    )
+
+
+def distill_job(args, config: str, folder: str) -> tuple[str, str]:
+    """The recipe's distillation against TRL's GKDTrainer, rounds interleaved: the printed table and the page's
+    section."""
+    job = distill_spec(args, distill_teacher(config, folder))
+    results = interleaved(
+        DISTILL_CONTENDERS,
+        args,
+        lambda contender, round_: launch_trl_job(job, contender, args, config, folder, round_),
+        lambda result: result["tokens"] / result["seconds"],
+        "distill",
+    )
+    check_same_strategy("distillation", results)
+    first = {
+        "recipe": recipe_first_step(job, args, config, folder, results["recipe"][0])["loss"],
+        "trl": results["trl"][0]["first_loss"],
+    }
+    speeds = {
+        name: [(r["tokens"] / r["seconds"], r["samples"] / r["seconds"]) for r in runs]
+        for name, runs in results.items()
+    }
+    median = {name: statistics.median(t for t, _ in values) for name, values in speeds.items()}
+    on_policy = statistics.fmean(
+        row["on_policy"] for result in results["recipe"] for row in result["rows"] if row["step"] > args.warmup
+    )
+    header = ["distillation run", "tokens/s (median)", "chats/s (median)", "recipe / this", "loss at step 1"]
+    header.append("each round's tokens/s")
+    rows = [
+        [
+            name,
+            f"{median[name]:.0f}",
+            f"{statistics.median(c for _, c in speeds[name]):.1f}",
+            f"{median['recipe'] / median[name]:.2f}x",
+            f"{first[name]:.6f}",
+            ", ".join(f"{t:.0f}" for t, _ in speeds[name]),
+        ]
+        for name in DISTILL_CONTENDERS
+    ]
+    ratio = f"recipe / TRL GKDTrainer (tokens/s): {median['recipe'] / median['trl']:.3f}x"
+    return markdown_table(header, rows) + "\n" + ratio, "\n\n".join(
+        [
+            f"`{args.config}` on {args.num_processes} processes; the same Llama, from the same initial weights (both "
+            "initialised by common.models.loading.initialise_weights, seed 0), and the same teacher (the model "
+            "initialised with seed 1: the job times the two trainers, not what the student learns); `make sft`'s "
+            f"arithmetic chats; GKDTrainer's defaults: lmbda {DISTILL_LMBDA}, beta {DISTILL_BETA}, temperature "
+            f"{DISTILL_TEMPERATURE}; at most {args.max_completion_length} sampled tokens; per-device batch "
+            f"{args.batch_size} chats; {args.steps} steps, timed after step {args.warmup}; {args.rounds} rounds, "
+            "interleaved.",
+            markdown_table(header, rows),
+            f"**{ratio}** (above 1: the recipe is faster).",
+            "What is counted: tokens/s is the input tokens of the batches each trains on (prompt and completion, "
+            "every rank's, padding left out: the recipe's `tokens_per_s`, the TRL peer's count of the batches its "
+            "loss is computed on) over the seconds of the steps after the warm-up, on rank 0, on-policy generation "
+            "included. Both sample an on-policy step's completions in one left-padded `generate` a micro-batch. "
+            "Which steps are on-policy differs: the recipe draws each step from (seed, step) (its timed steps: "
+            f"{on_policy:.2f} on-policy over the rounds), TRL draws Python's `random` at each micro-batch on each "
+            "process.",
+            f"Loss at step 1 (the recipe's from a one-step launch unless --warmup is 1): recipe / TRL = "
+            f"{first['recipe'] / first['trl']:.4f} on {args.num_processes} processes. Where both train step 1 on the "
+            "data's answers (neither sampled), from the same weights and chats, the two compute the same quantity, "
+            "the generalised JSD summed over the global batch's answer tokens and divided by their count, and TRL's "
+            "GKDTrainer logs it divided by the number of processes: its compute_loss divides each process's sum by "
+            "the global count (num_items_in_batch) and, replacing Trainer's compute_loss, leaves out the "
+            "multiplication by the number of processes that Trainer's own applies, so DDP's average of the "
+            "gradients is the mean's divided by the number of processes too (Adam barely sees the scale; the "
+            "clipping threshold does). TRL's DistillationTrainer divides num_items_in_batch by the number of "
+            "processes instead; the recipe's is the mean whatever the split (docs/rl.md).",
         ]
     )
 
@@ -743,10 +858,11 @@ def main(argv=None):
         ("dpo", PAIRS, "preference pairs"),
         ("grpo", PROMPTS, "GRPO prompts"),
         ("grpo-same", PROMPTS, "GRPO prompts"),
+        ("distill", CHATS, "arithmetic chats"),
     ):
         if job in args.jobs and not os.path.isfile(os.path.join(folder, "train.jsonl")):
             raise SystemExit(f"error: no {what} in {folder}; run `make benchmark-peers` (it writes them)")
-    trl_jobs = [job for job in ("dpo", "grpo", "grpo-same") if job in args.jobs]
+    trl_jobs = [job for job in ("dpo", "grpo", "grpo-same", "distill") if job in args.jobs]
     if trl_jobs and importlib.util.find_spec("trl") is None:
         raise SystemExit(
             f"error: trl is not installed (the {' and '.join(trl_jobs)} job's peer); run `make benchmark-peers`, "
@@ -784,6 +900,11 @@ def main(argv=None):
             same_table, same_sections = same_samples(args, config, folder)
             print(same_table)
             sections += same_sections
+            publish([])
+        if "distill" in args.jobs:
+            distill_table, distill_section = distill_job(args, config, folder)
+            print(distill_table)
+            sections += ["## Distillation: recipes/distill.py against TRL's GKDTrainer", distill_section]
     sections.append(
         f"The host's load average (1 minute) was {load_at_start:.1f} when the run began and "
         f"{os.getloadavg()[0]:.1f} when it ended: other work on the cores slows some rounds more than others."

@@ -37,6 +37,7 @@ from common.models.loading import load_model, load_tokenizer
 from common.models.lora import LoraArguments, apply_lora
 from common.objectives.distill import (
     build_teacher,
+    check_resumed_data,
     check_teacher_tokenizer,
     check_vocabularies,
     completed_window,
@@ -136,6 +137,7 @@ def main(
             tokenizer,
             data_args.block_size,
             distill_args.max_new_tokens,
+            distill_args.overlong,
             accelerator,
             data_args.preprocessing_num_workers,
         )
@@ -190,6 +192,8 @@ def main(
     )
 
     # Resume from the checkpoint (if any), write run.json, start the metrics. {"step": 0} for a fresh run.
+    kind = "prompts" if prompts else "conversations"
+    check_resumed_data(run.checkpoint, kind)
     state = run.begin(
         model,
         optimizer,
@@ -199,7 +203,7 @@ def main(
         dropped_examples=dropped,
         teacher={"model": teacher_path, **teacher.record(), **({"samples": teachers.record()} if teachers else {})},
         rollout=students.record(),
-        distillation={"data": "prompts" if prompts else "conversations", "lmbda": lmbda},
+        distillation={"data": kind, "lmbda": lmbda},
         generation=None
         if prompts
         else {"max_new_tokens": max_new_tokens, "longest_reference_answer_tokens": longest_answer},
@@ -271,7 +275,7 @@ def main(
         if args.eval_steps and step % args.eval_steps == 0 and step < max_steps:
             evaluate()
         if args.save_steps and step % args.save_steps == 0:
-            run.save_checkpoint(step, {"data": batches.position})
+            run.save_checkpoint(step, {"data": batches.position, "distillation_data": kind})
 
     after = evaluate()
     before = metrics.eval_at_start()  # --eval_on_start's figures, this run's or the resumed run's

@@ -305,14 +305,14 @@ def test_seq_kd_trains_on_the_teachers_samples(arithmetic_data, tmp_path):
 
 @pytest.mark.slow
 def test_prompt_only_data_trains_every_step_on_policy_as_its_chats_do_at_lmbda_1(
-    arithmetic_data, prompt_data, teacher, tmp_path
+    arithmetic_data, prompt_data, teacher, tmp_path, monkeypatch
 ):
     """TRL's DistillationTrainer's data (prompts, no answers) in one process, --lmbda unset: every step on the
     student's completions (lmbda 1, recorded), each step's loss the same as the chats' run at --lmbda 1 bit for
     bit (the same prompts, rows and draws: the answers are never trained on), and the held-out evaluation, with no
     answers to score, the divergence to the teacher over the student's own completions of 16 prompts, falling."""
     chats, prompts = tmp_path / "chats", tmp_path / "prompts"
-    settings = dict(max_steps=6, save_steps=0, max_eval_samples=16, eval_on_start="true")
+    settings = dict(max_steps=6, save_steps=3, max_eval_samples=16, eval_on_start="true")
     launch_one_process("distill.py", distill_args(arithmetic_data, teacher, chats, lmbda=1, **settings), FP32)
     argv = [a for a in distill_args(prompt_data, teacher, prompts, **settings) if a not in ("--lmbda", "0.5")]
     launch_one_process("distill.py", argv, FP32)
@@ -323,15 +323,38 @@ def test_prompt_only_data_trains_every_step_on_policy_as_its_chats_do_at_lmbda_1
     print(f"prompts only: held-out divergence {before['eval_loss']:.4f} -> {after['eval_loss']:.4f}")
     assert before["step"] == 0 and after["step"] == 6 and before["eval_prompts"] == after["eval_prompts"] == 16
     assert after["eval_loss"] < before["eval_loss"] and after["eval_completion_length"] > 0
+    # its checkpoint resumed on the chats: refused in one line before anything is written (the evaluations would
+    # mix a divergence and an exact match)
+    listing = {path: path.stat().st_mtime_ns for path in prompts.rglob("*")}
+    checkpoint = prompts / "checkpoints/step_3"
+    with pytest.raises(UsageError, match=r"^--resume_from_checkpoint .*: it was trained on prompts, this run's data"):
+        run_in_process(
+            "recipes/distill.py",
+            distill_args(arithmetic_data, teacher, prompts, lmbda=1, **settings)
+            + ["--resume_from_checkpoint", checkpoint],
+            monkeypatch,
+        )
+    marked = {path: path.stat().st_mtime_ns for path in prompts.rglob("*") if path.name != ".launch_starting"}
+    assert marked == listing  # (the launch's start mark, which run_recipe removes on a refusal: test_run_faults)
 
 
 def test_prompt_only_data_below_lmbda_1_without_seq_kd_is_one_line(prompt_data, tmp_path, monkeypatch):
-    """Prompt-only data has no answers for the off-policy steps: --lmbda 0.5 is refused in one line (the data's
-    tokenizer stands in for the teacher's folder: refused before any model is built), nothing written."""
+    """Prompt-only data has no answers for the off-policy steps: --lmbda 0.5 is refused in one line; a prompt is
+    dropped, not cut (--overlong truncate refused); a --max_new_tokens that leaves no room in --block_size is named
+    as distill.py's option (the data's tokenizer stands in for the teacher's folder: refused before any model is
+    built), nothing written."""
     out = tmp_path / "run"
-    argv = distill_args(prompt_data, prompt_data / "tokenizer", out)
-    with pytest.raises(UsageError, match=r"^--lmbda 0.5 on prompt-only data: it has no answers .* or --seq_kd"):
-        run_in_process("recipes/distill.py", argv, monkeypatch)
+    for extra, refusal in (
+        ([], r"^--lmbda 0.5 on prompt-only data: it has no answers .* or --seq_kd"),
+        (["--lmbda", "1", "--overlong", "truncate"], r"^--overlong truncate on prompt-only data: .* dropped"),
+        (
+            ["--lmbda", "1", "--max_new_tokens", "32"],
+            r"^--max_new_tokens 32 leaves no room .* lower --max_new_tokens$",
+        ),
+    ):
+        argv = distill_args(prompt_data, prompt_data / "tokenizer", out) + extra
+        with pytest.raises(UsageError, match=refusal):
+            run_in_process("recipes/distill.py", argv, monkeypatch)
     assert not out.exists()
 
 

@@ -176,13 +176,14 @@ def table_rows(text: str) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("jobs", ["grpo-same", pytest.param("causal dpo grpo", marks=pytest.mark.exhaustive)])
+@pytest.mark.parametrize("jobs", ["grpo-same", pytest.param("causal dpo grpo distill", marks=pytest.mark.exhaustive)])
 def test_make_benchmark_peers_times_the_recipe_the_bare_loop_trainer_and_dpo_against_trl(jobs, tmp_path):
     """One short round of each, on 2 processes in ddp.yaml's bf16: three speeds and the ratios, then the DPO
     recipe and TRL's DPOTrainer, both at log 2 at step 1 (the same objective, before any update), then the GRPO
     recipe and TRL's GRPOTrainer (ddp.yaml only here, temperature 0.7), each with its step-1 loss and reward,
     then the two on the same completions (TRL's peer drawing them with the recipe's sampler): every figure both
-    log agrees at steps 1 and 2, the entropy and gradient norm at the temperature among them; the page. With
+    log agrees at steps 1 and 2, the entropy and gradient norm at the temperature among them; then the distillation
+    recipe and TRL's GKDTrainer, each with its tokens/s and step-1 loss; the page. With
     --warmup 1 the timed launches log step 1 themselves (no one-step launches of the recipes). make test runs the
     GRPO comparison on the same completions only (`--jobs grpo-same`: docs/rl.md's claim, two launches); the
     timings are figures, make test-all's."""
@@ -198,7 +199,17 @@ def test_make_benchmark_peers_times_the_recipe_the_bare_loop_trainer_and_dpo_aga
     )
     written = page.read_text()
     timed = "grpo" in jobs.split()
-    before_same, same = result.stdout.split("| figure |")
+    if "distill" in jobs:  # printed last: both launched on 2 processes under one strategy, timed, a step-1 loss each
+        printed, distill = result.stdout.split("| distillation run |")
+        distill_rows = table_rows("| distillation run |" + distill)
+        assert list(distill_rows) == ["recipe", "trl"], distill
+        assert all(float(cells[0]) > 0 and 0 < float(cells[3]) < 10 for cells in distill_rows.values()), distill
+        assert re.search(r"recipe / TRL GKDTrainer \(tokens/s\): [\d.]+x", distill), distill
+        assert "## Distillation: recipes/distill.py against TRL's GKDTrainer" in written
+    else:
+        printed = result.stdout
+        assert "## Distillation" not in written
+    before_same, same = printed.split("| figure |")
     before_grpo, grpo = before_same.split("| GRPO run |") if timed else (before_same, None)
     if "causal" in jobs:
         causal, dpo = before_grpo.split("| DPO run |")

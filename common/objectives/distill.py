@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
+import os
 
 import torch
 
@@ -33,6 +35,7 @@ from common.launch.errors import UsageError
 from common.models.loading import load_model, load_tokenizer
 from common.objectives.reference import Reference
 from common.objectives.rollout import PROMPT_IDS, Rollout, SamplingSettings, row_seed, tokenize_prompts
+from common.outputs.run_dir import STATE_FILE
 
 
 def prompts_only(columns: list[str], messages_column: str) -> bool:
@@ -41,14 +44,23 @@ def prompts_only(columns: list[str], messages_column: str) -> bool:
     return messages_column not in columns and "prompt" in columns and "completion" not in columns
 
 
-def tokenize_prompt_rows(raw, tokenizer, block_size: int, max_new_tokens: int, accelerator, num_proc=None):
+def tokenize_prompt_rows(
+    raw, tokenizer, block_size: int, max_new_tokens: int, overlong: str, accelerator, num_proc=None
+):
     """Prompt-only data's rows: each prompt's tokens (common.objectives.rollout.tokenize_prompts: a conversation
     rendered with its generation prompt, a prompt that leaves --max_new_tokens no room in --block_size dropped and
     counted) with no label (its completions are sampled) and its index as `row`. Returns the datasets and the
-    dropped counts. The stop tokens: where the chat template ends an assistant turn, for conversations."""
+    dropped counts. Only --overlong drop applies (a prompt cut would no longer be the prompt asked)."""
     from datasets import DatasetDict
 
-    kept, dropped = tokenize_prompts(raw, tokenizer, block_size, max_new_tokens, accelerator, num_proc)
+    if overlong != "drop":
+        raise UsageError(
+            f"--overlong {overlong} on prompt-only data: a prompt that leaves --max_new_tokens no room in --block_size "
+            "is dropped (and counted), not cut; leave --overlong at drop, or raise --block_size"
+        )
+    kept, dropped = tokenize_prompts(
+        raw, tokenizer, block_size, max_new_tokens, accelerator, num_proc, "--max_new_tokens"
+    )
 
     def as_row(ids, index):
         return {"input_ids": ids, "labels": [-100] * len(ids), "attention_mask": [1] * len(ids), "row": index}
@@ -62,6 +74,21 @@ def tokenize_prompt_rows(raw, tokenizer, block_size: int, max_new_tokens: int, a
         }
     )
     return rows, dropped
+
+
+def check_resumed_data(checkpoint: str | None, kind: str) -> None:
+    """A run resumed on the other kind of data (prompts against conversations) would log one kind's evaluation
+    beside the other's: refused in one line, before anything is written. A checkpoint that names no kind was
+    written on conversations (the only kind then)."""
+    if checkpoint is None:
+        return
+    with open(os.path.join(checkpoint, STATE_FILE)) as handle:
+        saved = json.load(handle).get("distillation_data", "conversations")
+    if saved != kind:
+        raise UsageError(
+            f"--resume_from_checkpoint {checkpoint}: it was trained on {saved}, this run's data is {kind}; resume "
+            "with the data it was trained on, or start a new run (another --output_dir)"
+        )
 
 
 def turn_end_ids(tokenizer, conversational: bool) -> list[int]:
@@ -143,21 +170,23 @@ def completed_window(
     window: list[dict], weights, version: int, settings: SamplingSettings, seed: int, step: int, accelerator
 ):
     """The window's micro-batches with each row's completion replaced by one that `weights` (the student's, or the
-    teacher's under --seq_kd) samples from the row's prompt, seeded by (seed, step, the row's index in the data);
-    labels on the completion (its stop token kept), right-padded. Every rank calls it: where the config shards the
+    teacher's under --seq_kd) samples from the row's prompt, seeded by (seed, step, the row's index in the data), the micro-batch's prompts
+    sampled together (common.objectives.rollout.sample_prompts: one left-padded `generate`); labels on the completion (its stop token kept), right-padded. Every rank calls it: where the config shards the
     weights they are gathered first, unless already gathered at `version` (the student's step; the frozen
     teacher's is always 0: gathered once)."""
     weights.refresh(version)
     out = []
     for batch in window:
-        groups, rows = [], batch["row"].tolist()
+        prompts, uniforms, rows = [], [], batch["row"].tolist()
         for input_ids, labels, mask, row in zip(batch["input_ids"], batch["labels"], batch["attention_mask"], rows):
             generator = torch.Generator().manual_seed(row_seed(seed, step, row))
-            uniforms = torch.rand(1, settings.max_completion_length, generator=generator, dtype=torch.float64)
-            groups.append((prompt_of(input_ids.cpu(), labels.cpu(), mask.cpu()), uniforms))
+            uniforms.append(torch.rand(settings.max_completion_length, generator=generator, dtype=torch.float64))
+            prompts.append(prompt_of(input_ids.cpu(), labels.cpu(), mask.cpu()))
         sampled = [
-            {"prompt_ids": prompt, "completion_ids": completions[0], "truncated": cut[0]}
-            for (prompt, _), (completions, cut, _) in zip(groups, weights.sample(groups, settings))
+            {"prompt_ids": prompt, "completion_ids": completion, "truncated": cut}
+            for prompt, (completion, cut) in zip(
+                prompts, weights.sample_each(prompts, torch.stack(uniforms), settings)
+            )
         ]
         made = Rollout(step, sampled, torch.zeros(len(sampled))).batch(sampled, settings.pad_id, False)
         out.append({key: made[key].to(accelerator.device) for key in ("input_ids", "attention_mask", "labels")})
@@ -180,7 +209,12 @@ def held_out_divergence(model, teacher, loader, weights, settings: SamplingSetti
             student = model(**inputs).logits
         scored = teacher.apply(lambda scorer, b: scorer(**b).logits, inputs)
         kept = completed["labels"][:, 1:] != -100
-        per_row = (generalized_jsd(student[:, :-1], scored[:, :-1], beta) * kept).sum(1)
+        per_row = torch.stack(  # row by row, at the kept positions only, as distillation_loss: [B, T, V] once
+            [
+                generalized_jsd(s[k], t[k], beta).sum() if k.any() else s.new_zeros((), dtype=torch.float32)
+                for s, t, k in zip(student[:, :-1], scored[:, :-1], kept)
+            ]
+        )
         sums, counts = mesh.gather_for_metrics(accelerator, (per_row, kept.sum(1)))
         total, tokens, rows = total + sums.double().sum().item(), tokens + int(counts.sum()), rows + len(counts)
     model.train()

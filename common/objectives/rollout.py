@@ -54,15 +54,24 @@ NEAR_TIE = 1e-4  # a draw this close (in probability) to a boundary of the CDF c
 PROMPT_IDS = "_prompt_ids"  # the prompt's tokens, a column beside the data's own (which all go to the rewards)
 
 
-def tokenize_prompts(raw, tokenizer, block_size: int, max_completion_length: int, accelerator, num_proc=None):
+def tokenize_prompts(
+    raw,
+    tokenizer,
+    block_size: int,
+    max_completion_length: int,
+    accelerator,
+    num_proc=None,
+    option="--max_completion_length",
+):
     """Each split's rows with PROMPT_IDS (a text prompt tokenized as text, BOS and all; a conversation rendered
-    with the chat template and its generation prompt), the other columns kept as they are for the rewards. Prompts longer than --block_size - --max_completion_length are dropped, counted. Returns the
-    datasets and the counts ({"train": {"prompt_too_long": 3}})."""
+    with the chat template and its generation prompt), the other columns kept as they are for the rewards. Prompts
+    longer than --block_size - `option` (the recipe's name for the completion's length) are dropped, counted.
+    Returns the datasets and the counts ({"train": {"prompt_too_long": 3}})."""
     room = block_size - max_completion_length
     if room < 1:
         raise UsageError(
-            f"--max_completion_length {max_completion_length} leaves no room for a prompt in --block_size "
-            f"{block_size} (prompt + completion): raise --block_size or lower --max_completion_length"
+            f"{option} {max_completion_length} leaves no room for a prompt in --block_size {block_size} (prompt + "
+            f"completion): raise --block_size or lower {option}"
         )
     for split, dataset in raw.items():
         if "prompt" not in dataset.column_names:
@@ -92,7 +101,7 @@ def tokenize_prompts(raw, tokenizer, block_size: int, max_completion_length: int
         if dropped:
             accelerator.print(
                 f"{split} prompts: {dropped} of {len(dataset)} longer than {room} tokens (--block_size {block_size} "
-                f"- --max_completion_length {max_completion_length}) dropped"
+                f"- {option} {max_completion_length}) dropped"
             )
         if len(kept[split]) == 0:
             raise UsageError(f"no {split} prompt fits in {room} tokens: raise --block_size")
@@ -208,6 +217,28 @@ def sample_group(model, prompt_ids: list[int], uniforms, settings: "SamplingSett
         )
     completions, truncated = zip(*(settings.cut(row) for row in output[:, len(prompt_ids) :].tolist()))
     return list(completions), list(truncated), sampler.near_ties
+
+
+@torch.no_grad()
+def sample_prompts(model, prompts: list[list[int]], uniforms, settings: "SamplingSettings", accelerator):
+    """One completion of each prompt (uniforms: a row each), the prompts left-padded into one batch and sampled
+    together (one `generate`, where `sample_group` takes one prompt's G copies): (each one's token ids, cut at its
+    stop token, which is kept; whether each was cut by max_new_tokens instead). Each token is the row's own pick
+    from its own uniforms, as in `sample_group`; the batch's shape changes its logits by rounding only (the padding
+    masked, each row's positions its own), which moves a pick only at a draw within NEAR_TIE of a boundary."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.tensor([[settings.pad_id] * (width - len(p)) + p for p in prompts], device=accelerator.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=accelerator.device)
+    sampler = InverseCdfSampler(uniforms, width, settings.temperature, settings.top_p, settings.stop_ids)
+    with accelerator.autocast(), experts.unrouted(model):  # a MoE: no router loss at each decoding step
+        output = model.generate(
+            input_ids=input_ids,
+            attention_mask=mask,
+            generation_config=settings.greedy_config(uniforms.shape[1]),
+            logits_processor=[sampler],
+        )
+    completions, truncated = zip(*(settings.cut(row) for row in output[:, width:].tolist()))
+    return list(completions), list(truncated)
 
 
 @dataclass
@@ -469,6 +500,16 @@ class GenerationWeights:
             out.append((list(completions), list(truncated), ties))
         done(len(out))
         return out
+
+    def sample_each(self, prompts: list[list[int]], uniforms, settings: "SamplingSettings") -> list[tuple]:
+        """One completion of each prompt (a row of `uniforms` each): (its ids, cut; whether it was truncated).
+        From whole weights the prompts are sampled as one batch (`sample_prompts`); in stages, each alone through
+        the ring. Every rank calls it when the weights are in stages."""
+        if self.stages is None:
+            with evaluating(self.model):
+                return list(zip(*sample_prompts(self.model, prompts, uniforms, settings, self.accelerator)))
+        sampled = self.sample([(prompt, row.unsqueeze(0)) for prompt, row in zip(prompts, uniforms)], settings)
+        return [(completions[0], cut[0]) for completions, cut, _ in sampled]
 
     def greedy(self, batches: list[list[list[int]]], settings: "SamplingSettings") -> list[list[int]]:
         """The greedy continuation (uncut) of each prompt of `batches` (each batch left-padded to its longest)."""
