@@ -56,6 +56,7 @@ With --docs the table goes to docs/benchmark-peers.md (benchmarks/figures.py).
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -132,16 +133,36 @@ RECIPE_JOB = [
 ]
 
 
+@functools.cache
+def falls_back_to_fp32(config: str) -> bool:
+    """Whether `config` asks for bf16 on a CPU host without bf16 instructions, where the recipes train in fp32
+    (common.launch.cpu_host) while the peers would emulate bf16, many times slower: every contender is then
+    launched with --mixed_precision no."""
+    import torch
+    import yaml
+
+    from common.launch.cpu_host import cpu_runs_bf16
+
+    with open(os.path.join(REPO, "accelerate_configs", config)) as handle:
+        asked = yaml.safe_load(handle).get("mixed_precision")
+    return asked == "bf16" and not torch.cuda.is_available() and not cpu_runs_bf16()
+
+
 def accelerate_launch(script: list, args, launcher_args=(), config: str | None = None) -> subprocess.CompletedProcess:
     """`script` under `accelerate launch` with `config` (the job's --config unless given) and the job's number of
-    processes (and `launcher_args`)."""
+    processes (and `launcher_args`), in fp32 where the recipes fall back to it (`falls_back_to_fp32`)."""
+    config = config or args.config
+    precision = (
+        ["--mixed_precision", "no"] if falls_back_to_fp32(config) and "--mixed_precision" not in launcher_args else []
+    )
     command = [
         os.path.join(os.path.dirname(sys.executable), "accelerate"),
         "launch",
         "--config_file",
-        os.path.join(REPO, "accelerate_configs", config or args.config),
+        os.path.join(REPO, "accelerate_configs", config),
         "--num_processes",
         str(args.num_processes),
+        *precision,
         *launcher_args,
         *script,
     ]
@@ -823,10 +844,16 @@ def check_job(args) -> None:
 
 
 def job_line(args) -> str:
+    fp32 = (
+        " Every launch in fp32 (--mixed_precision no): this CPU has no bf16 instructions, so the recipes train in "
+        "fp32 where the config asks bf16, and the peers would emulate bf16 many times slower."
+        if falls_back_to_fp32(args.config)
+        else ""
+    )
     return (
         f"`{args.config}` on {args.num_processes} processes; a Llama of hidden size {args.hidden} and "
         f"{args.layers} layers built from a config; per-device batch {args.batch_size} x {args.block_size} "
-        f"tokens; {args.steps} steps, timed after step {args.warmup}; {args.rounds} rounds, interleaved."
+        f"tokens; {args.steps} steps, timed after step {args.warmup}; {args.rounds} rounds, interleaved.{fp32}"
     )
 
 

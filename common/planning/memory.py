@@ -178,6 +178,9 @@ def read_model(model: str, vocab_size: int | None = None) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.pytorch_utils import Conv1D
 
+    from common.training import experts
+    from common.training.flops import matmul_weights_per_token
+
     overrides = {"vocab_size": vocab_size} if vocab_size else {}
     config = AutoConfig.from_pretrained(model, **overrides)
     with torch.device("meta"):
@@ -238,10 +241,15 @@ def read_model(model: str, vocab_size: int | None = None) -> dict:
         "root_parameters": total - sum(layer_sizes),  # outside the decoder layers: FSDP2's root unit
         "lora_parameters": sum(LORA_RANK * sum(m.weight.shape) for m in adapted),
         "tp_split_parameters": tp_split,
-        # the weights a token multiplies (GPT-2's Conv1D too; experts stored as fused tensors are not counted)
-        "matmul_parameters": sum(
-            m.weight.numel() for m in built.modules() if isinstance(m, (torch.nn.Linear, Conv1D))
-        ),
+        # the weights a token multiplies (GPT-2's Conv1D too; a MoE's experts by the share a token reaches: the
+        # FLOPs of the train lines, common.training.flops)
+        "matmul_parameters": matmul_weights_per_token(built),
+        # a MoE's layers with experts, the experts a token goes to and each one's MLP width (the activations)
+        "moe_layers": sum(1 for count in layer_experts if count),
+        "num_experts": experts.num_experts(config.get_text_config()),
+        "experts_per_token": experts.experts_per_token(config.get_text_config()),
+        "expert_intermediate_size": getattr(config, "moe_intermediate_size", None)
+        or getattr(config, "intermediate_size", 4 * config.hidden_size),
         "hidden_size": config.hidden_size,
         "intermediate_size": getattr(config, "intermediate_size", 4 * config.hidden_size),
         "layers": config.num_hidden_layers,
@@ -276,16 +284,34 @@ def activation_bytes(
     sequence parallelism (`sp` ranks, `seq_len` the rank's slice) the attention output is kept twice: for the
     whole row with the rank's heads (attention's own) and, exchanged back, for the slice with every head
     (the o projection's input), one c·h more per token and layer (measured at 101M: 4 MB of 97). `head=False`:
-    the layers alone (a pipeline stage before the last)."""
+    the layers alone (a pipeline stage before the last).
+
+    A mixture-of-experts layer (`moe_layers` of them) keeps, in place of the MLP's c(h + 4i), the router's logits
+    in the compute dtype and their softmax in fp32 (E(c + 4)), and for each of the k experts a token goes to its
+    copy of the normed input and of the expert's output (2ch) and the expert's gate, up, activation and down
+    projection input (4ci_e, i_e the expert's width), beside the normed input itself, and the routing's indices and
+    weights (int64 and fp32, 40 bytes an expert a token: transformers' grouped_mm experts): c(h + 2kh + 4ki_e) +
+    E(c + 4) + 40k."""
     h, i, vocab, layers = model["hidden_size"], model["intermediate_size"], model["vocab_size"], model["layers"]
     tokens = batch_size * seq_len
+    c = compute_bytes
+    attention = 8 * h + c * h + c * (4 * h) / tp + (c * h if sp > 1 else 0)
+    moe = model.get("moe_layers", 0)
     per_layer = (
-        8 * h + compute_bytes * h + compute_bytes * (h + i + 4 * h + 3 * i) / tp + (compute_bytes * h if sp > 1 else 0)
+        attention
+        + ((layers - moe) * c * (h + 4 * i) / tp + (moe * moe_layer_bytes(model, c, tp) if moe else 0)) / layers
     )
     logits = 8 * vocab + compute_bytes * h if head else 0
     if checkpointing:
         return tokens * (layers * 4 * h + per_layer + logits)
     return tokens * (layers * per_layer + logits)
+
+
+def moe_layer_bytes(model: dict, compute_bytes: int, tp: int = 1) -> float:
+    """What a mixture-of-experts layer's MLP keeps for backward per token (activation_bytes' text)."""
+    h, k, c = model["hidden_size"], model["experts_per_token"], compute_bytes
+    routed = c * (h + 2 * k * h + 4 * k * model["expert_intermediate_size"]) / tp
+    return routed + model["num_experts"] * (c + 4) + 40 * k
 
 
 def reference_bytes(psi: int, strategy: dict, c: int) -> float:

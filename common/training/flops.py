@@ -59,6 +59,13 @@ def _matmul_weights(model):
             yield from ((p, share) for p in module.parameters(recurse=False) if p.dim() == 3)
 
 
+def matmul_weights_per_token(model) -> float:
+    """The matmul weights one token multiplies (each once: tied weights count once): every Linear and Conv1D
+    weight, a mixture-of-experts model's stacked experts by its experts per token over its experts."""
+    weights = {id(w): (w, share) for w, share in _matmul_weights(model)}.values()
+    return sum(full_numel(w) * share for w, share in weights)
+
+
 class ModelFlops:
     """`per_batch(batch)`: training FLOPs of one micro-batch (`forward_only`: of a forward pass over it), as a
     tensor on the batch's device or a number (no synchronisation)."""
