@@ -24,12 +24,11 @@ import tempfile
 from datasets import load_dataset
 from job import job_parser
 from trainer_loop import FirstLog, StepClock
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl.experimental.gkd import GKDConfig, GKDTrainer
-from trl_job import job_settings, write_result
+from trl_job import job_settings, recipe_built_model, write_result
 
 from common.launch.errors import exit_now
-from common.models.loading import initialise_weights
 
 
 class CountedGKD(GKDTrainer):
@@ -53,16 +52,7 @@ def main():
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     chats = load_dataset("json", data_files=args.train_file, split="train")
-    config = AutoConfig.from_pretrained(
-        args.model_config,
-        vocab_size=len(tokenizer),
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-    )
-    model = AutoModelForCausalLM.from_config(config)
-    initialise_weights(model, 0)
-    model.config.use_cache = False  # as the recipe's: training forwards fill no cache (generate still caches)
+    model = recipe_built_model(args.model_config, tokenizer)
     teacher = AutoModelForCausalLM.from_pretrained(args.teacher_model_name_or_path)
     clock, first = StepClock(args.warmup), FirstLog()
     with tempfile.TemporaryDirectory() as output_dir:

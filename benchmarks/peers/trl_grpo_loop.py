@@ -28,13 +28,12 @@ import torch
 from datasets import load_dataset
 from job import job_parser
 from trainer_loop import FirstLog, StepClock
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from transformers import AutoTokenizer, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 from trl.models import unwrap_model_for_generation
-from trl_job import job_settings, write_result
+from trl_job import job_settings, recipe_built_model, write_result
 
 from common.launch.errors import exit_now
-from common.models.loading import initialise_weights
 from common.objectives.rewards import accuracy_reward
 from common.objectives.rollout import SamplingSettings, row_seed, sample_group, stop_token_ids
 
@@ -96,16 +95,7 @@ def main():
     prompts = load_dataset("json", data_files=args.train_file, split="train")
     if args.recipe_samples:
         prompts = prompts.add_column("row", list(range(len(prompts))))
-    config = AutoConfig.from_pretrained(
-        args.model_config,
-        vocab_size=len(tokenizer),
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-    )
-    model = AutoModelForCausalLM.from_config(config)
-    initialise_weights(model, 0)
-    model.config.use_cache = False  # as the recipe's: training forwards fill no cache (generate still caches)
+    model = recipe_built_model(args.model_config, tokenizer)
     clock, first, every = StepClock(args.warmup), FirstLog(), EveryLog()
     with tempfile.TemporaryDirectory() as output_dir:
         settings = GRPOConfig(

@@ -7,6 +7,26 @@ import json
 import os
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from common.models.loading import initialise_weights
+
+
+def recipe_built_model(model_config: str, tokenizer):
+    """The job's model as the recipes build it from a config (the tokenizer's vocabulary and pad/EOS/BOS ids,
+    common.models.loading.initialise_weights with seed 0: the recipe's starting weights), its training forwards
+    filling no cache, as the recipes' (generate still caches)."""
+    config = AutoConfig.from_pretrained(
+        model_config,
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
+    model = AutoModelForCausalLM.from_config(config)
+    initialise_weights(model, 0)
+    model.config.use_cache = False
+    return model
 
 
 def job_settings(args, output_dir: str) -> dict:

@@ -170,9 +170,10 @@ def completed_window(
     window: list[dict], weights, version: int, settings: SamplingSettings, seed: int, step: int, accelerator
 ):
     """The window's micro-batches with each row's completion replaced by one that `weights` (the student's, or the
-    teacher's under --seq_kd) samples from the row's prompt, seeded by (seed, step, the row's index in the data), the micro-batch's prompts
-    sampled together (common.objectives.rollout.sample_prompts: one left-padded `generate`); labels on the completion (its stop token kept), right-padded. Every rank calls it: where the config shards the
-    weights they are gathered first, unless already gathered at `version` (the student's step; the frozen
+    teacher's under --seq_kd) samples from the row's prompt, seeded by (seed, step, the row's index in the data),
+    the micro-batch's prompts sampled together (common.objectives.rollout.sample_prompts: one left-padded
+    `generate`); labels on the completion (its stop token kept), right-padded. Every rank calls it: where the config
+    shards the weights they are gathered first, unless already gathered at `version` (the student's step; the frozen
     teacher's is always 0: gathered once)."""
     weights.refresh(version)
     out = []
@@ -208,14 +209,9 @@ def held_out_divergence(model, teacher, loader, weights, settings: SamplingSetti
         with accelerator.autocast():
             student = model(**inputs).logits
         scored = teacher.apply(lambda scorer, b: scorer(**b).logits, inputs)
-        kept = completed["labels"][:, 1:] != -100
-        per_row = torch.stack(  # row by row, at the kept positions only, as distillation_loss: [B, T, V] once
-            [
-                generalized_jsd(s[k], t[k], beta).sum() if k.any() else s.new_zeros((), dtype=torch.float32)
-                for s, t, k in zip(student[:, :-1], scored[:, :-1], kept)
-            ]
-        )
-        sums, counts = mesh.gather_for_metrics(accelerator, (per_row, kept.sum(1)))
+        per_row = torch.stack(row_divergences(student, scored, completed["labels"], beta))
+        counts = (completed["labels"][:, 1:] != -100).sum(1)
+        sums, counts = mesh.gather_for_metrics(accelerator, (per_row, counts))
         total, tokens, rows = total + sums.double().sum().item(), tokens + int(counts.sum()), rows + len(counts)
     model.train()
     return {"eval_loss": total / max(tokens, 1), "eval_completion_length": tokens / max(rows, 1), "eval_prompts": rows}
@@ -251,13 +247,20 @@ def generalized_jsd(student_logits: torch.Tensor, teacher_logits: torch.Tensor, 
     return beta * to_teacher + (1 - beta) * to_student
 
 
+def row_divergences(student_logits, teacher_logits, labels, beta: float) -> list[torch.Tensor]:
+    """Each row's generalised JSD summed over its label positions (the logits at t predicting the token at t + 1),
+    row by row (one row's fp32 log-probabilities at a time, never the whole batch's), 0 for a row without labels."""
+    zero = student_logits.new_zeros((), dtype=torch.float32)
+    return [
+        generalized_jsd(student[kept], teacher[kept], beta).sum() if kept.any() else zero
+        for student, teacher, kept in zip(student_logits[:, :-1], teacher_logits[:, :-1], labels[:, 1:] != -100)
+    ]
+
+
 def distillation_loss(student_logits, teacher_logits, labels, beta: float, num_items_in_batch) -> torch.Tensor:
-    """A micro-batch's share of the loss: the generalised JSD summed over its label positions (the logits at t
-    predicting the token at t + 1), row by row (one row's fp32 log-probabilities at a time), over the global
-    count's share `num_items_in_batch`."""
-    targets = labels[:, 1:] != -100
+    """A micro-batch's share of the loss: its rows' divergences (`row_divergences`) over the global count's share
+    `num_items_in_batch`."""
     total = student_logits.new_zeros((), dtype=torch.float32)
-    for student, teacher, kept in zip(student_logits[:, :-1], teacher_logits[:, :-1], targets):
-        if kept.any():
-            total = total + generalized_jsd(student[kept], teacher[kept], beta).sum()
+    for row in row_divergences(student_logits, teacher_logits, labels, beta):
+        total = total + row
     return total / num_items_in_batch

@@ -219,6 +219,14 @@ def sample_group(model, prompt_ids: list[int], uniforms, settings: "SamplingSett
     return list(completions), list(truncated), sampler.near_ties
 
 
+def left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts of any lengths as one batch for `generate`: (input_ids, attention_mask), left-padded to the longest,
+    so every row's next token is at the last column."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+    return input_ids, torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+
+
 @torch.no_grad()
 def sample_prompts(model, prompts: list[list[int]], uniforms, settings: "SamplingSettings", accelerator):
     """One completion of each prompt (uniforms: a row each), the prompts left-padded into one batch and sampled
@@ -226,14 +234,13 @@ def sample_prompts(model, prompts: list[list[int]], uniforms, settings: "Samplin
     stop token, which is kept; whether each was cut by max_new_tokens instead). Each token is the row's own pick
     from its own uniforms, as in `sample_group`; the batch's shape changes its logits by rounding only (the padding
     masked, each row's positions its own), which moves a pick only at a draw within NEAR_TIE of a boundary."""
-    width = max(len(p) for p in prompts)
-    input_ids = torch.tensor([[settings.pad_id] * (width - len(p)) + p for p in prompts], device=accelerator.device)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=accelerator.device)
+    input_ids, mask = left_padded(prompts, settings.pad_id)
+    width = input_ids.shape[1]
     sampler = InverseCdfSampler(uniforms, width, settings.temperature, settings.top_p, settings.stop_ids)
     with accelerator.autocast(), experts.unrouted(model):  # a MoE: no router loss at each decoding step
         output = model.generate(
-            input_ids=input_ids,
-            attention_mask=mask,
+            input_ids=input_ids.to(accelerator.device),
+            attention_mask=mask.to(accelerator.device),
             generation_config=settings.greedy_config(uniforms.shape[1]),
             logits_processor=[sampler],
         )
@@ -526,9 +533,8 @@ class GenerationWeights:
                 return [row for generated, _ in results for row in generated.tolist()]
             config, rows = settings.greedy_config(settings.max_completion_length), []
             for prompts in batches:
-                width = max(len(p) for p in prompts)
-                input_ids = torch.tensor([[settings.pad_id] * (width - len(p)) + p for p in prompts])
-                attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+                input_ids, attention_mask = left_padded(prompts, settings.pad_id)
+                width = input_ids.shape[1]
                 with self.accelerator.autocast(), torch.no_grad(), experts.unrouted(self.model):
                     output = self.model.generate(
                         input_ids=input_ids.to(self.accelerator.device),
