@@ -68,6 +68,7 @@ from common.objectives.rollout import (
 )
 from common.options.arguments import DataArguments, ModelArguments, TrainingArguments
 from common.options.ranges import Range
+from common.parallel.sequence_parallel import RowSums, split_rows
 from common.run import run_recipe, start_run
 from common.training.loop import create_optimizer, create_scheduler
 
@@ -78,9 +79,8 @@ class GRPOArguments:
         True  # not fields: --streaming and --auto_find_batch_size are refused (common.options.parsing)
     )
     no_auto_batch_size = "its trial step would not count the rollout's generation"
-    scores_whole_rows = (
-        "each completion's log-probabilities"  # sequence parallelism refused (common.parallel.sequence_parallel)
-    )
+    scores_whole_rows = "each completion's log-probabilities"  # pipelines refused (common.parallel.pipeline)
+    scores_split_rows = True  # sequence/context parallelism: each rank a slice of every row (split_rows)
     reward_funcs: list[str] = field(
         default_factory=list,
         metadata={
@@ -268,6 +268,8 @@ def main(
     )
     sampler = Sampler(weights_for_rollouts, prompts["train"], order, group, args.seed, settings, accelerator)
 
+    rows = RowSums(accelerator)  # sums over whole completions, also where each rank holds a slice of them
+
     # Resume from the checkpoint (if any), write run.json, start the metrics. {"step": 0} for a fresh run.
     state = run.begin(
         model,
@@ -280,6 +282,7 @@ def main(
         reward_funcs=names,
         reward_weights=weights,
         reference_model=reference.record() if reference is not None else None,
+        rows_split_over=rows.shards,  # zero3_ulysses.yaml, fsdp_cp.yaml: the ranks scoring a slice of each row each
     )
     step, metrics, nonfinite, profiler = state["step"], run.metrics, run.nonfinite, run.profiler
     tokens_seen = state.get("num_tokens", 0)  # prompts' and completions' tokens so far (TRL's num_tokens)
@@ -386,7 +389,8 @@ def main(
                 grpo_args.mask_truncated_completions,
                 accelerator.device,
             ):
-                with accelerator.accumulate(model):
+                # zero3_ulysses.yaml, fsdp_cp.yaml: this rank's slice of every row (the group holds the same rows)
+                with accelerator.accumulate(model), split_rows(accelerator, batch) as batch:
                     entropy = []  # each token's, at the sampling temperature (TRL's entropy)
                     with accelerator.autocast():
                         log_probs = token_log_probs(model, batch, temperature, entropy)
@@ -399,11 +403,10 @@ def main(
                         batch["mask"],
                         normaliser,
                         entropy=entropy[0],
+                        rows=rows,
                     )
                     loss = loss + run.router_loss()  # a MoE's router loss, as the model weighs it (0: a dense model)
-                    metrics.record_batch(
-                        loss, batch, examples=len(batch["advantages"]), extra_forwards=int(kl_in_loss)
-                    )
+                    metrics.record_batch(loss, batch, extra_forwards=int(kl_in_loss))
                     metrics.record_per_call(values)
                     nonfinite.record(loss)
                     accelerator.backward(loss)

@@ -126,7 +126,8 @@ def recipe_keys(recipe_config: str | None) -> set[str]:
 
 def whole_row_recipe(keys: set[str]) -> str | None:
     """What the recipe whose YAML sets `keys` scores, where its loss needs whole rows (dpo.py,
-    sequence_classification.py: arguments classes with `scores_whole_rows`), told by the arguments only it has."""
+    sequence_classification.py: arguments classes with `scores_whole_rows`, and not `scores_split_rows` as grpo.py's),
+    told by the arguments only it has."""
     import dataclasses
     import importlib.util
 
@@ -149,12 +150,15 @@ def whole_row_recipe(keys: set[str]) -> str | None:
         (
             len(keys & (names - splitting)),
             len(keys & (names - splitting)) / len(names - splitting),
-            cls.scores_whole_rows,
+            cls,
         )
         for cls, names in fields.items()
         if getattr(cls, "scores_whole_rows", None) and keys & (names - splitting)
     ]
-    return max(matches, key=lambda match: match[:2])[2] if matches else None
+    if not matches:
+        return None
+    recipe = max(matches, key=lambda match: match[:2])[2]
+    return None if getattr(recipe, "scores_split_rows", False) else recipe.scores_whole_rows  # grpo.py splits its own
 
 
 def check_mesh(mesh: dict, raw: dict, fsdp: dict, recipe: dict, world: int, keys: set[str] = frozenset()) -> list[str]:

@@ -659,6 +659,17 @@ OBJECTIVES = {
         "learning_rate": 0.0003,
     },
     "tp.yaml": {"loss_type": "dapo"},
+    # GSPO with the reference: a whole completion's log-ratio and length summed over the pair's slices (with its
+    # gradient), the reference scoring Ulysses' slices in train mode (DeepSpeed exchanges heads in train mode only)
+    # (completions up to 12 tokens after prompts of 8: the halves of a row cut them)
+    "zero3_ulysses.yaml": {
+        "loss_type": "grpo",
+        "importance_sampling_level": "sequence",
+        "beta": 0.04,
+        "max_completion_length": 12,
+    },
+    # the ring: bnpo's micro-batch token count and the reference's attention as the policy's (prepare's hooks)
+    "fsdp_cp.yaml": {"loss_type": "bnpo", "beta": 0.04},
 }
 
 
@@ -697,9 +708,12 @@ CONFIGS = tiered(
     [("zero3.yaml", {}), ("fsdp.yaml", {}), ("ddp.yaml", {}), ("zero2.yaml", {}), ("zero3_offload.yaml", {}),
      ("tp.yaml", {}), ("ddp.yaml", {"use_peft": True}), ("zero3.yaml", {"use_peft": True}),
      ("fsdp.yaml", {"rollout_weights": "stages"}), ("zero3.yaml", {"use_peft": True, "rollout_weights": "stages"}),
-     ("fsdp.yaml", {"rollout_weights": "stages", "model": "qwen3"}), ("zero3.yaml", {"model": "qwen3"})],
-    [("zero3.yaml", {}), ("fsdp.yaml", {"rollout_weights": "stages", "model": "qwen3"})],
+     ("fsdp.yaml", {"rollout_weights": "stages", "model": "qwen3"}), ("zero3.yaml", {"model": "qwen3"}),
+     ("zero3_ulysses.yaml", {}), ("fsdp_cp.yaml", {}), ("zero3_ulysses.yaml", {"model": "qwen3"})],
+    [("zero3.yaml", {}), ("fsdp.yaml", {"rollout_weights": "stages", "model": "qwen3"}), ("zero3_ulysses.yaml", {}),
+     ("fsdp_cp.yaml", {})],
 )  # fmt: skip
+SHARED_BATCH = ("tp.yaml", "zero3_ulysses.yaml", "fsdp_cp.yaml")  # a pair of ranks: one data-parallel rank
 
 
 @pytest.mark.slow
@@ -710,19 +724,24 @@ def test_each_config_samples_the_same_completions_and_trains_as_one_process(conf
     token (a difference is allowed only at a draw counted as a near tie), each step's loss within 1e-5 and the
     final weights within 1e-5; the weights sampled from are gathered once per rollout where they are sharded: a
     whole copy, or with --rollout_weights stages a slice of the layers per process, generating as a ring. Llama,
-    and Qwen3 (tied embeddings: the ring's first and last process each hold them)."""
+    and Qwen3 (tied embeddings: the ring's first and last process each hold them). Under zero3_ulysses.yaml and
+    fsdp_cp.yaml the pair samples the same completions (one data-parallel rank, as a tensor-parallel pair) and each
+    process scores a slice of every row (common.parallel.sequence_parallel.split_rows): after prompts of 8 tokens,
+    Ulysses' halves of rows up to 20 tokens and the ring's 4 chunks of rows up to 14 cut the completions between the
+    two processes."""
     peft = {"use_peft": True, "lora_target_modules": "all-linear"} if extra.get("use_peft") else {}
     model = {"model": extra["model"]} if "model" in extra else {}
     key = tuple(sorted({**OBJECTIVES[config], **peft, **model}.items()))
     stages = extra.get("rollout_weights") == "stages"
     out = runs[(config, tuple(sorted({**dict(key), "rollout_weights": "stages"}.items())) if stages else key)]
-    single = runs[("one process as tp.yaml" if config == "tp.yaml" else "one process", key)]
+    single = runs[("one process as tp.yaml" if config in SHARED_BATCH else "one process", key)]
     record = read_run(out)
     assert record["world_size"] == 2 and record["participating_processes"] == 2
-    prompts_per_step = 2 if config == "tp.yaml" else 4  # a tensor-parallel pair samples one rank's prompts
+    assert record["rows_split_over"] == (2 if config in SHARED_BATCH[1:] else 1)
+    prompts_per_step = 2 if config in SHARED_BATCH else 4  # a tensor-parallel pair samples one rank's prompts
     rollouts = 2 * (22 // prompts_per_step)  # 2 epochs, the remainder left over in each
     assert record["max_steps"] == 2 * rollouts  # 2 iterations a rollout
-    sharded = config in ("zero3.yaml", "fsdp.yaml", "zero3_offload.yaml", "tp.yaml")
+    sharded = config in ("zero3.yaml", "fsdp.yaml", "zero3_offload.yaml", "tp.yaml", *SHARED_BATCH[1:])
     how = "a slice of the layers" if stages else "a whole copy" if sharded else "the policy's own"
     assert record["rollout"]["weights"].startswith(how), record["rollout"]
     from common.planning import memory as estimate  # make estimate-memory --grpo_generations counts the copy
@@ -849,8 +868,8 @@ def refused(prompts, tmp_path, monkeypatch, said: str, **overrides):
 
 def test_bad_input_is_one_line(prompts, tmp_path, monkeypatch):
     """No `prompt` column, completions that leave no room for a prompt in the block, a group that does not divide a
-    process's completions, a reward that cannot be imported: refused before anything is written. Sequence and
-    context parallelism refused as for DPO (the loss scores whole completions)."""
+    process's completions, a reward that cannot be imported: refused before anything is written. Pipelines refused
+    as for DPO (the loss scores whole completions); sequence and context parallelism taken (split_rows)."""
     questions = tmp_path / "questions.jsonl"
     questions.write_text('{"question": "what is 1 plus 1 ?", "answer": "2"}\n' * 8)
     refused(prompts, tmp_path, monkeypatch, 'prompt data needs a "prompt" column', train_file=questions,
@@ -862,11 +881,12 @@ def test_bad_input_is_one_line(prompts, tmp_path, monkeypatch):
     assert not out.exists()
     refused(prompts, tmp_path, monkeypatch, "--rollout_weights stages: this config keeps whole weights",
             rollout_weights="stages")  # fmt: skip
-    from common.parallel.sequence_parallel import check_arguments
+    from common.parallel import pipeline, sequence_parallel
 
     module = __import__("importlib").import_module("conftest").load_script("recipes/grpo.py")
+    sequence_parallel.check_arguments((module.GRPOArguments(),))  # it scores the slices of split rows itself
     with pytest.raises(UsageError, match="this recipe scores each completion's log-probabilities"):
-        check_arguments((module.GRPOArguments(),))
+        pipeline.check_arguments((module.GRPOArguments(),))
     # the options of one estimator given to the other (TRL's GRPOConfig and RLOOConfig each lack the other's)
     with pytest.raises(UsageError, match=r"^--loss_type, --delta: GRPO's, not in RLOO's objective \(TRL's"):
         module.GRPOArguments(advantage_estimator="rloo", loss_type="grpo", delta=1.5)

@@ -362,7 +362,7 @@ def test_a_group_handed_different_batches_is_stopped():
 
     batch = {"input_ids": torch.tensor([[1, 2, 3]]), "labels": torch.tensor([[1, 2, 3]])}
     assert check_shared_batch(TwoRanks(same=True), batch) == 1
-    with pytest.raises(RuntimeError, match="tensor/context-parallel group 0 were handed different batches"):
+    with pytest.raises(RuntimeError, match="tensor/context/sequence-parallel group 0 were handed different batches"):
         check_shared_batch(TwoRanks(same=False), batch)
 
 

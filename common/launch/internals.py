@@ -39,6 +39,11 @@ USES = (
         "present_cpu_group_as_multi_gpu: accelerate applies the FSDP plugin only from MULTI_GPU",
     ),
     Use(
+        "accelerate",
+        "big_modeling._attach_context_parallel_hooks",
+        "context_parallel_hooks: a second model (GRPO's reference) drops its attention mask as prepare's does",
+    ),
+    Use(
         "transformers",
         "integrations.deepspeed._hf_deepspeed_config_weak_ref",
         "without_zero3_init: build a model on one process while a ZeRO-3 config is registered",
@@ -250,6 +255,14 @@ def skip_step_on_device(optimizer, found_inf: torch.Tensor) -> None:  # the next
     innermost_optimizer(optimizer).found_inf = found_inf
 
 
+def context_parallel_hooks(model) -> None:
+    """What accelerate's prepare does to the model under context parallelism, for a model it does not prepare (a frozen
+    reference): its attention layers drop the mask the model builds (for the local chunk) and attend causally."""
+    from accelerate.big_modeling import _attach_context_parallel_hooks
+
+    _attach_context_parallel_hooks(model)
+
+
 def ring_attention_on_cpu() -> None:
     """Torch's ring attention (context parallelism) has CUDA's kernels only: the CPU's too, for fsdp_cp.yaml on gloo."""
     from torch.distributed.tensor import DTensor, Shard
@@ -272,6 +285,15 @@ def ring_attention_on_cpu() -> None:
         )
         return dispatch.wrap(on_ring(info.compute_mesh.get_group(), 2, op, **named), info.output_sharding.output_spec)
 
+    def exchange_buffers(self, curr_buffer):  # as torch's, with a blocking all-gather (see below)
+        self._idx += 1
+        if self._aggregated_buffer is None:
+            local = curr_buffer.contiguous()
+            gathered = [torch.empty_like(local) for _ in range(torch.distributed.get_world_size(self._pg))]
+            torch.distributed.all_gather(gathered, local, group=self._pg)
+            self._aggregated_buffer = torch.cat(gathered)
+
+    ring._AllGatherRotater.exchange_buffers = exchange_buffers
     for op, outputs, inputs in ((forward, 2, 3), (backward, 3, 6)):  # out, logsumexp | q, k, v; grads | 6 inputs
         register_op_strategy(op)(
             lambda schema, n=outputs + inputs, first=outputs: expand_to_full_mesh_op_strategy(

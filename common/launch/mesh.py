@@ -347,6 +347,14 @@ def replicas(accelerator) -> int:
     return tensor_shards(accelerator) * context_shards(accelerator) * pipeline_shards(accelerator)
 
 
+def batch_sharers(accelerator) -> int:
+    """How many ranks hold each batch that a sampling objective builds itself (GRPO's rollouts): the `replicas`, and
+    under sequence parallelism the sp group, whose ranks each score a slice of every row of the group's batch
+    (common.parallel.sequence_parallel.split_rows) instead of taking turns with their own batches as a data loader's
+    rows do. The group's ranks are consecutive, as for tensor and context parallelism."""
+    return replicas(accelerator) * ulysses_shards(accelerator)
+
+
 def data_parallel_size(accelerator) -> int:
     """The number of different batches each micro-step trains on: processes / replicas, and / sp_size under
     sequence parallelism, where a group's ranks each train on a slice of one batch
@@ -361,11 +369,12 @@ def launched_data_parallel_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1")) // replicated // launched_mesh_size("sp")
 
 
-def data_parallel_share(accelerator, items: list) -> list:
+def data_parallel_share(accelerator, items: list, group: int | None = None) -> list:
     """This rank's share of `items`, split over the data-parallel ranks in contiguous parts of equal length (the
     last padded with the last item, as accelerate's split_between_processes(apply_padding=True) pads), so every
-    rank makes as many calls; the ranks of a tensor-parallel group get the same share."""
-    group = replicas(accelerator)
+    rank makes as many calls; the ranks of a tensor-parallel group (or of `group` consecutive ranks) get the same
+    share."""
+    group = group or replicas(accelerator)
     ranks, rank = accelerator.num_processes // group, accelerator.process_index // group
     length = math.ceil(len(items) / ranks) if items else 0
     share = items[rank * length : (rank + 1) * length]
@@ -399,11 +408,12 @@ def gather_for_metrics(accelerator, data):
     return recursively_apply(first_of_each_group, gathered)
 
 
-def check_shared_batch(accelerator, batch: dict) -> int:
-    """Every rank of each tensor- or context-parallel group holds the same batch (a fingerprint of each of its tensors
-    compared over the group), or a RuntimeError: the slices of one layer trained on different data
-    would add up to no model at all. Returns the number of groups checked (0 without tensor parallelism)."""
-    group = replicas(accelerator)
+def check_shared_batch(accelerator, batch: dict, group: int | None = None) -> int:
+    """Every rank of each tensor- or context-parallel group (or of each `group` consecutive ranks) holds the same batch
+    (a fingerprint of each of its tensors compared over the group), or a RuntimeError: the slices of one layer, or
+    of one row, trained on different data would add up to no model at all. Returns the number of groups checked (0
+    without such groups)."""
+    group = group or replicas(accelerator)
     if group == 1:
         return 0
     mine = torch.stack([_fingerprint(batch[key]) for key in sorted(batch) if torch.is_tensor(batch[key])])
@@ -411,8 +421,8 @@ def check_shared_batch(accelerator, batch: dict) -> int:
     differing = [index for index, members in enumerate(prints) if not (members == members[0]).all()]
     if differing:
         raise RuntimeError(
-            f"the ranks of tensor/context-parallel group {differing[0]} were handed different batches; "
-            "they must train on the same one (a data loader not prepared by accelerate?)"
+            f"the ranks of tensor/context/sequence-parallel group {differing[0]} were handed different batches; "
+            "they must train on the same one (a data loader not prepared by accelerate, or rollouts sampled apart?)"
         )
     return prints.shape[0]
 

@@ -45,6 +45,9 @@ from dataclasses import dataclass
 
 import torch
 
+from common.launch import mesh
+from common.parallel import sequence_parallel
+
 
 LOSS_TYPES = ("grpo", "dr_grpo", "bnpo", "dapo")
 SCALINGS = ("group", "batch", "none")
@@ -122,29 +125,35 @@ def rollout_kl(model, reference, rollout, batch_size: int, pad_id: int, accelera
     """RLOO's KL penalty: each completion's sum over its tokens of logp_old - ref (k1; the policy as it sampled), and
     the kl figure's (sum, tokens) on this rank, micro-batch by micro-batch (every rank calls it: a sharded model's
     forwards are collective). `masked`: --mask_truncated_completions (a truncated completion's tokens count 0)."""
-    sums, total, tokens = [], 0.0, 0.0
+    sums, total, tokens, rows = [], 0.0, 0.0, sequence_parallel.RowSums(accelerator)
     for start in range(0, len(rollout.rows), batch_size):
         batch = rollout.batch(rollout.rows[start : start + batch_size], pad_id, masked)
         batch = {key: value.to(accelerator.device) for key, value in batch.items()}
-        with accelerator.autocast():
-            policy = token_log_probs(model, batch, temperature).float()
-        reference_log_probs = reference.apply(functools.partial(token_log_probs, temperature=temperature), batch)
-        gap = (policy - reference_log_probs.float()) * batch["mask"].float()
-        sums += gap.sum(1).cpu().tolist()
-        total, tokens = total + float(gap.sum()), tokens + float(batch["mask"].sum())
+        with sequence_parallel.split_rows(accelerator, batch) as part:
+            with accelerator.autocast():
+                policy = token_log_probs(model, part, temperature).float()
+            reference_log_probs = reference.apply(functools.partial(token_log_probs, temperature=temperature), part)
+        gap = (policy - reference_log_probs.float()) * part["mask"].float()
+        sums += rows(gap).cpu().tolist()
+        total, tokens = total + float(gap.sum()), tokens + float(part["mask"].sum())
     return torch.tensor(sums, dtype=torch.float32), (total, tokens)
 
 
 def token_log_probs(model, batch: dict, temperature: float = 1.0, entropies: list | None = None) -> torch.Tensor:
     """(rows, length - 1) log-probability of each next token under `model` at the sampling `temperature`
     (log_softmax(logits / T)), in fp32, row by row (an fp32 copy of one row's logits at a time); 0 where `labels` is
-    -100 (prompt and padding). `entropies`: a list that gets the (rows, length - 1) entropy of each next-token
-    distribution at that temperature (no gradient), for TRL's `entropy`."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    labels = batch["labels"][:, 1:]
+    -100 (prompt and padding). On a slice of split rows (common.parallel.sequence_parallel.split_rows: `shift_labels`
+    and `position_ids`), (rows, positions): each position's target's. `entropies`: a list that gets the entropy of
+    each next-token distribution at that temperature (no gradient), in the same layout, for TRL's `entropy`."""
+    if "shift_labels" in batch:  # a slice: every position predicts its own target
+        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+        labels, predicting = batch["shift_labels"], slice(None)
+    else:
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        labels, predicting = batch["labels"][:, 1:], slice(None, -1)
     rows, spread = [], []
     for row, row_labels in zip(logits, labels):
-        log_probs = (row[:-1].float() / temperature).log_softmax(-1)
+        log_probs = (row[predicting].float() / temperature).log_softmax(-1)
         kept = row_labels != -100
         picked = log_probs.gather(-1, row_labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
         rows.append(torch.where(kept, picked, 0.0))  # 0 off the completion, a -inf logit there included
@@ -158,13 +167,11 @@ def token_log_probs(model, batch: dict, temperature: float = 1.0, entropies: lis
 
 
 def global_rows(accelerator, values: torch.Tensor) -> torch.Tensor:
-    """`values` (one row per completion of this rank) of every data-parallel rank, one copy of each (a tensor- or
-    context-parallel group's ranks hold the same completions); every rank calls it."""
-    from common.launch import mesh
-
+    """`values` (one row per completion of this rank) of every data-parallel rank, one copy of each (a tensor-,
+    context- or sequence-parallel group's ranks hold the same completions); every rank calls it."""
     gathered = accelerator.gather(values.to(accelerator.device).contiguous())
     gathered = gathered.view(accelerator.num_processes, -1, *values.shape[1:])
-    return gathered[:: mesh.replicas(accelerator)].flatten(0, 1).cpu()
+    return gathered[:: mesh.batch_sharers(accelerator)].flatten(0, 1).cpu()
 
 
 def completion_figures(accelerator, rollout) -> tuple[dict, int]:
@@ -199,12 +206,13 @@ def batch_std(accelerator, rewards: torch.Tensor) -> torch.Tensor:
 
 
 def count_global(accelerator, rollout, accumulation: int, mask_truncated: bool) -> "Normaliser":
-    """The Normaliser of a step over `rollout`: its completions and loss tokens summed over every rank."""
+    """The Normaliser of a step over `rollout`: its completions and loss tokens summed over every rank (each once: the
+    ranks of an sp/cp group, which each score a slice of the same rows, count them once between them)."""
     tokens = sum(len(row["completion_ids"]) for row in rollout.rows if not (mask_truncated and row["truncated"]))
     counts = torch.tensor([float(len(rollout.rows)), float(tokens)], dtype=torch.float64, device=accelerator.device)
     if accelerator.num_processes > 1:
         torch.distributed.all_reduce(counts)
-    completions, tokens = counts.tolist()
+    completions, tokens = (counts / mesh.sequence_shards(accelerator)).tolist()  # a split row's ranks hold it whole
     return Normaliser(completions, max(tokens, 1.0), accelerator.num_processes * accumulation)
 
 
@@ -215,8 +223,9 @@ def rollout_log_probs(model, rollout, batch_size: int, pad_id: int, accelerator,
     are collective); a list of lists of floats."""
     values = []
     for batch in rollout.micro_batches(batch_size, pad_id, False, accelerator.device):
-        with accelerator.autocast():
-            log_probs = token_log_probs(model, batch, temperature).float().cpu()
+        with sequence_parallel.split_rows(accelerator, batch) as part, accelerator.autocast():
+            log_probs = token_log_probs(model, part, temperature).float()
+        log_probs = sequence_parallel.whole_row_values(accelerator, log_probs, part, batch["mask"].shape[1]).cpu()
         lengths = batch["mask"].sum(1).tolist()
         starts = batch["mask"].int().argmax(1).tolist()
         values += [row[start : start + length].tolist() for row, start, length in zip(log_probs, starts, lengths)]
@@ -233,7 +242,12 @@ class Normaliser:
     tokens: float
     shares: int  # processes x accumulation steps: what accelerate and the strategy divide by
 
-    def divisor(self, loss_type: str, mask: torch.Tensor, max_completion_length: int) -> torch.Tensor | float:
+    def divisor(
+        self, loss_type: str, lengths: torch.Tensor, max_completion_length: int, shards: int = 1
+    ) -> torch.Tensor | float:
+        """What a micro-batch's summed loss is divided by; `lengths`: its completions' loss tokens (bnpo's count),
+        `shards`: the ranks that each hold a slice of its rows (bnpo: their gradients are averaged, as a whole row's
+        would be summed, so each takes its share of the micro-batch's tokens)."""
         if loss_type == "dapo":
             return self.tokens / self.shares
         if loss_type == "dr_grpo":
@@ -241,7 +255,7 @@ class Normaliser:
         if loss_type == "grpo":
             return self.completions / self.shares
         if loss_type == "bnpo":
-            return mask.sum().clamp(min=1)
+            return lengths.sum().clamp(min=1) / shards
         raise ValueError(f"loss_type {loss_type!r}: one of {LOSS_TYPES}")
 
 
@@ -260,17 +274,21 @@ def policy_loss(
     entropy: torch.Tensor | None = None,
     importance_sampling_level: str = "token",
     delta: float | None = None,
+    rows: sequence_parallel.RowSums | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """A micro-batch's share of the loss (see the module's text) and its figures for the train line, as TRL takes
     them (`MetricsLogger.record_per_call`): clip_ratio/low_mean, high_mean and region_mean over every rank's tokens
     (over the completions at the sequence level), clip_ratio/low_min and high_max over the completions' own token
     means, and with beta, kl. `log_probs`, `old_log_probs` and `ref_log_probs` are (rows, tokens), `advantages`
-    (rows,), `mask` (rows, tokens) in {0, 1}; `entropy` (rows, tokens): each token's, for TRL's `entropy`."""
+    (rows,), `mask` (rows, tokens) in {0, 1}; `entropy` (rows, tokens): each token's, for TRL's `entropy`. `rows`
+    sums over whole rows (a slice's of split rows: common.parallel.sequence_parallel.RowSums)."""
+    rows = rows or sequence_parallel.RowSums()
     old = log_probs.detach() if old_log_probs is None else old_log_probs
     mask = mask.to(log_probs.dtype)
+    lengths = rows(mask)
     log_ratio = log_probs - old
     if importance_sampling_level == "sequence":  # GSPO: one ratio per completion, (rows, 1)
-        log_ratio = ((log_ratio * mask).sum(1) / mask.sum(1).clamp(min=1)).unsqueeze(1)
+        log_ratio = (rows(log_ratio * mask) / lengths.clamp(min=1)).unsqueeze(1)
     elif importance_sampling_level != "token":
         raise ValueError(f"importance_sampling_level {importance_sampling_level!r}: one of {IMPORTANCE_LEVELS}")
     ratio = torch.exp(log_ratio)
@@ -285,11 +303,11 @@ def policy_loss(
         kl = torch.exp(gap) - gap - 1
         per_token = per_token + beta * kl
     if loss_type == "grpo":  # each completion's token mean
-        summed = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum()
+        summed = ((per_token * mask).sum(1) / lengths.clamp(min=1)).sum()
     else:
         summed = (per_token * mask).sum()
-    loss = summed / normaliser.divisor(loss_type, mask, max_completion_length)
-    values.update(clip_figures(ratio, advantage, mask, epsilon, epsilon_high))
+    loss = summed / normaliser.divisor(loss_type, lengths, max_completion_length, rows.shards)
+    values.update(clip_figures(ratio, advantage, mask, epsilon, epsilon_high, rows))
     tokens = mask.sum()
     if beta:
         values["kl"] = ("pooled", (kl.detach() * mask).sum(), tokens)
@@ -298,9 +316,11 @@ def policy_loss(
     return loss, values
 
 
-def clip_figures(ratio, advantage, mask, epsilon: float, epsilon_high: float) -> dict:
+def clip_figures(ratio, advantage, mask, epsilon: float, epsilon_high: float, rows=None) -> dict:
     """TRL's clip_ratio/* of a micro-batch: with a ratio per token (rows, tokens), means over the tokens, and low_min
-    and high_max over the completions' own token means; with one per completion (rows, 1), over the completions."""
+    and high_max over the completions' own token means (`rows`: policy_loss's); with one per completion (rows, 1),
+    over the completions."""
+    rows = rows or sequence_parallel.RowSums()
     low = ((ratio < 1 - epsilon) & (advantage < 0)).to(mask.dtype)
     high = ((ratio > 1 + epsilon_high) & (advantage > 0)).to(mask.dtype)
     if ratio.shape[1] == 1:
@@ -314,13 +334,13 @@ def clip_figures(ratio, advantage, mask, epsilon: float, epsilon_high: float) ->
             "clip_ratio/high_max": ("max", _nan_extreme(high, "max"), 1),
         }
     low, high, tokens = low * mask, high * mask, mask.sum()
-    lengths = mask.sum(1)  # a completion with no loss token (masked as truncated) has no mean: NaN, left out
+    lengths = rows(mask)  # a completion with no loss token (masked as truncated) has no mean: NaN, left out
     return {
         "clip_ratio/low_mean": ("pooled", low.sum(), tokens),
         "clip_ratio/high_mean": ("pooled", high.sum(), tokens),
         "clip_ratio/region_mean": ("pooled", (low + high).clamp(max=1).sum(), tokens),
-        "clip_ratio/low_min": ("min", _nan_extreme(low.sum(1) / lengths, "min"), 1),
-        "clip_ratio/high_max": ("max", _nan_extreme(high.sum(1) / lengths, "max"), 1),
+        "clip_ratio/low_min": ("min", _nan_extreme(rows(low) / lengths, "min"), 1),
+        "clip_ratio/high_max": ("max", _nan_extreme(rows(high) / lengths, "max"), 1),
     }
 
 
@@ -334,20 +354,23 @@ def rloo_loss(
     epsilon: float,
     epsilon_high: float,
     entropy: torch.Tensor | None = None,
+    rows: sequence_parallel.RowSums | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """RLOO's share of the loss for a micro-batch (see the module's text), as TRL's RLOOTrainer: the clipped ratio of
     whole completions' probabilities, one loss per completion, averaged over the global batch's completions (a
     completion with no loss token, masked as truncated, keeps its constant term: ratio 1, no gradient); its figures
     as `policy_loss`'s at the sequence level. Called as `policy_loss` is; `ref_log_probs` None: RLOO's KL term is in
-    the reward (`rollout_kl`)."""
+    the reward (`rollout_kl`). On split rows (`rows`) each rank of a group takes its share of every completion's
+    term."""
     assert ref_log_probs is None, "RLOO's KL is in the reward (rollout_kl), not in the loss"
+    rows = rows or sequence_parallel.RowSums()
     mask = mask.to(log_probs.dtype)
     old = log_probs.detach() if old_log_probs is None else old_log_probs
     # the sum of the tokens' log-ratios: TRL's difference of the two sums, without the rounding of sums near -20
-    ratio = torch.exp(((log_probs - old) * mask).sum(1)).unsqueeze(1)
+    ratio = torch.exp(rows((log_probs - old) * mask)).unsqueeze(1)
     advantage = advantages.unsqueeze(1)
     per_completion = -torch.min(ratio * advantage, torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high) * advantage)
-    loss = per_completion.sum() / normaliser.divisor("grpo", mask, 0)
+    loss = per_completion.sum() / normaliser.divisor("grpo", None, 0) / rows.shards
     values = clip_figures(ratio, advantage, mask, epsilon, epsilon_high)
     if entropy is not None:
         values["entropy"] = ("pooled", (entropy * mask).sum(), mask.sum())

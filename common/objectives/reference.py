@@ -35,9 +35,11 @@ from torch.utils.data import DataLoader
 from common.launch import mesh
 from common.launch.accelerator import unwrap
 from common.launch.errors import UsageError
+from common.launch.internals import context_parallel_hooks
 from common.models.loading import load_model
 from common.objectives.dpo import completion_log_probs
 from common.outputs.run_dir import REFERENCE_TABLE
+from common.parallel import sequence_parallel
 from common.parallel.shards import local_parameter_shards
 
 
@@ -156,7 +158,8 @@ class Reference:
         """`function(model, batch)` with the reference's weights, without gradients (GRPO's per-token log-probs)."""
         with torch.no_grad(), self.accelerator.autocast():
             if self.kind == "model":
-                scores = function(self.model, batch)
+                with sequence_parallel.exchanging(self.model, batch):  # a Ulysses slice: its train-mode forward
+                    scores = function(self.model, batch)
                 for unit in self.fsdp_units:  # FSDP2 keeps its last group (norm, lm_head) gathered after a forward
                     unit.reshard()
                 return scores
@@ -202,6 +205,7 @@ def build_reference(model_args, tokenizer, args, use_peft: bool, precompute: boo
     # would be the bare base
     model = load_model(model_args, tokenizer, args.seed, args)
     model.requires_grad_(False)
+    disable_dropout(model)  # frozen: never dropped out, also where a forward runs in train mode (exchanging)
     return Reference("model", model.eval())
 
 
@@ -220,7 +224,9 @@ def shard_like_policy(accelerator, model):
         import deepspeed
 
         config = copy.deepcopy(accelerator.state.deepspeed_plugin.deepspeed_config)
-        for key in ("optimizer", "scheduler"):
+        # never trains: no optimizer, and no batch to check (accelerate's counts a Ulysses group as one rank, which a
+        # second engine without the policy's sequence-parallel groups would not)
+        for key in ("optimizer", "scheduler", "train_batch_size"):
             config.pop(key, None)
         zero = config.setdefault("zero_optimization", {})
         zero.pop("offload_optimizer", None)
@@ -232,6 +238,8 @@ def shard_like_policy(accelerator, model):
     if accelerator.distributed_type == DistributedType.FSDP:
         from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
+        if mesh.context_shards(accelerator) > 1:  # fsdp_cp.yaml: its attention as the policy's (prepare's hooks)
+            context_parallel_hooks(model)
         plugin = accelerator.state.fsdp_plugin  # frozen: no backward would reshard what a forward gathered
         kept, plugin.reshard_after_forward = plugin.reshard_after_forward, True
         try:

@@ -133,7 +133,7 @@ class PromptOrder:
 def data_parallel_position(accelerator) -> tuple[int, int]:
     """(this rank's place, the number of places) among the ranks that sample different prompts: a tensor-parallel
     group's ranks share one."""
-    group = mesh.replicas(accelerator)
+    group = mesh.batch_sharers(accelerator)
     return accelerator.process_index // group, accelerator.num_processes // group
 
 
@@ -325,7 +325,7 @@ class Sampler:
         `batch_size` at a time, left-padded (every rank calls it: the copy is gathered first)."""
         self.weights.refresh(step)
         count = len(dataset) if limit is None else min(limit, len(dataset))
-        mine = mesh.data_parallel_share(self.accelerator, list(range(count)))
+        mine = mesh.data_parallel_share(self.accelerator, list(range(count)), mesh.batch_sharers(self.accelerator))
         batches = [
             [dataset[i][PROMPT_IDS] for i in mine[start : start + batch_size]]
             for start in range(0, len(mine), batch_size)
@@ -690,7 +690,7 @@ class Rollout:
             "advantages": self.advantages.tolist(),
             "old_log_probs": self.old_log_probs,
         }
-        group = mesh.replicas(accelerator)
+        group = mesh.batch_sharers(accelerator)
         shares = gather_object([mine])[::group]  # a tensor-parallel group's ranks hold the same one
         return {
             "index": self.index,
@@ -774,7 +774,7 @@ class CompletionLog:
                     column: loggable(values[i] if i < len(values) else None) for column, values in scorer.extra.items()
                 }
             mine.append(entry)
-        every = gather_object([mine])[:: mesh.replicas(self.accelerator)]
+        every = gather_object([mine])[:: mesh.batch_sharers(self.accelerator)]
         if not self.accelerator.is_main_process:
             return
         written = set()  # an evaluation's last share is padded with its last prompt: each prompt once

@@ -35,6 +35,7 @@ import os
 
 import torch
 
+from common.launch import mesh
 from common.launch.errors import UsageError
 from common.launch.mesh import context_shards, launched_mesh_size
 
@@ -52,9 +53,10 @@ def launched_attention() -> str | None:
 
 def check_arguments(arguments: tuple) -> None:
     """What a sequence- or context-parallel run cannot do, refused before anything is built. A recipe whose arguments
-    say `scores_whole_rows` (what it scores) is refused: its loss is not a sum over next-token targets."""
+    say `scores_whole_rows` (what it scores) is refused: its loss is not a sum over next-token targets; unless they
+    say `scores_split_rows` too (GRPO: it builds its rows and scores their slices itself, `split_rows`)."""
     for args in arguments:
-        if getattr(args, "scores_whole_rows", None):
+        if getattr(args, "scores_whole_rows", None) and not getattr(args, "scores_split_rows", False):
             raise UsageError(whole_rows_problem(args.scores_whole_rows))
         for problem in recipe_problems(vars(args)):
             raise UsageError(problem)
@@ -200,3 +202,129 @@ def as_model_input(batch: dict) -> dict:
         return batch
     shifted = batch["shift_labels"].contiguous()  # (the adapter's slice is a view transformers cannot .view)
     return {**batch, "labels": shifted, "shift_labels": shifted}
+
+
+# ---- rows an objective builds and scores itself (GRPO's rollouts) ----------------------------------------------
+SPLIT_KEYS = ("input_ids", "position_ids", "shift_labels", "mask", "old_log_probs")  # (rows, positions) each
+
+
+@contextlib.contextmanager
+def split_rows(accelerator, batch: dict):
+    """The micro-batch of rows an objective builds and scores itself (GRPO's: right-padded prompt + completion rows,
+    `labels` on the completion, `mask` and `old_log_probs` per next-token target, `advantages` per row), as this
+    rank scores it: the batch itself on whole rows. Under sp_size or cp_size N the group's ranks hold the same rows
+    (mesh.batch_sharers; checked here) and each scores its share of every row's positions: the rows laid out per
+    position (`per_position`), then cut into Ulysses' contiguous N-ths (rank r of the group keeps the r-th) or, for
+    context parallelism, by torch inside accelerate's context (its load-balanced chunks), which the forward and
+    backward must run inside. `labels` are then the slice's targets (what common.outputs.metrics counts);
+    `whole_row_values` puts the slices' per-position values back together, `RowSums` sums over whole rows."""
+    shards = mesh.sequence_shards(accelerator)
+    if shards == 1:
+        yield batch
+        return
+    mesh.check_shared_batch(accelerator, batch, shards)
+    ring = mesh.context_shards(accelerator) > 1
+    laid = per_position(batch, 2 * shards if ring else shards)
+    split = [laid[key] for key in SPLIT_KEYS if key in laid]
+    if ring:
+        with accelerator.maybe_context_parallel(
+            buffers=split, buffer_seq_dims=[1] * len(split), no_restore_buffers=set(split)
+        ):
+            yield {**laid, "labels": laid["shift_labels"]}
+        return
+    rank, width = accelerator.process_index % shards, laid["input_ids"].shape[1] // shards
+    for key in SPLIT_KEYS:
+        if key in laid:
+            laid[key] = laid[key][:, rank * width : (rank + 1) * width].contiguous()
+    yield {**laid, "labels": laid["shift_labels"]}
+
+
+def per_position(batch: dict, multiple: int) -> dict:
+    """`batch` (right-padded rows) laid out per position, `multiple` dividing its length: `shift_labels` each
+    position's next-token target (-100 off the completion and at the padding added at the end), `mask` and
+    `old_log_probs` (given per next-token target) at the position that predicts it, `position_ids` 0..length-1, no
+    attention_mask (causal: a real token never attends to the padding after it); the other entries as they were."""
+    mask = batch.get("attention_mask")
+    if mask is not None and (mask[:, 1:] > mask[:, :-1]).any():
+        raise UsageError("a split row must be padded at its end, not its start (right padding)")
+    rows, width = batch["input_ids"].shape
+    extra = -width % multiple
+    laid = {key: value for key, value in batch.items() if key not in ("attention_mask", "labels")}
+    laid["input_ids"] = torch.nn.functional.pad(batch["input_ids"], (0, extra), value=0)
+    laid["position_ids"] = torch.arange(width + extra, device=batch["input_ids"].device).expand(rows, -1).clone()
+    laid["shift_labels"] = torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1 + extra), value=-100)
+    for key in ("mask", "old_log_probs"):
+        if key in batch:
+            laid[key] = torch.cat([batch[key], batch[key].new_zeros(rows, 1 + extra)], dim=1)
+    return laid
+
+
+def group_sum(accelerator, values: torch.Tensor) -> torch.Tensor:
+    """`values` summed over this rank's sp/cp group (its consecutive ranks), keeping the gradient: each rank's share
+    is placed at its group's index and one differentiable all-reduce over every rank adds them up (gloo and NCCL
+    alike; the gradient of each share is the sum of every rank's gradient of the total, as a loss that adds each
+    rank's terms needs). Every rank calls it."""
+    shards = mesh.sequence_shards(accelerator)
+    group, groups = accelerator.process_index // shards, accelerator.num_processes // shards
+    placed = torch.zeros((groups, *values.shape), dtype=values.dtype, device=values.device)
+    placed = placed.index_copy(0, torch.tensor([group], device=values.device), values.unsqueeze(0))
+    return _SumOverRanks.apply(placed)[group]
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """An all-reduce (sum over every rank) whose gradient is the all-reduce of the gradients."""
+
+    @staticmethod
+    def forward(ctx, tensor):
+        total = tensor.clone()
+        torch.distributed.all_reduce(total)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        total = grad.contiguous().clone()
+        torch.distributed.all_reduce(total)
+        return total
+
+
+def whole_row_values(accelerator, values: torch.Tensor, batch: dict, width: int) -> torch.Tensor:
+    """Per-position `values` (rows, positions) of the slice `split_rows` gave (`batch`), as (rows, width) of the
+    whole rows: each put at its position (the slice's position_ids) and the group's slices added up. Whole rows'
+    values as they are (sliced to `width`). Every rank of a group calls it together."""
+    if mesh.sequence_shards(accelerator) == 1:
+        return values[:, :width]
+    positions = batch["position_ids"]
+    whole = values.new_zeros(values.shape[0], positions.shape[1] * mesh.sequence_shards(accelerator))
+    whole.scatter_(1, positions, values)
+    return group_sum(accelerator, whole)[:, :width]
+
+
+@contextlib.contextmanager
+def exchanging(model, batch: dict):
+    """A frozen model (GRPO's reference: in eval mode, its dropout off) scoring a Ulysses slice of `split_rows`:
+    DeepSpeed's Ulysses exchanges heads for sequence in train mode only (accelerate registers it with
+    disable_in_eval), so the forward runs in train mode; anything else as it is."""
+    inner = getattr(model, "module", model)  # (a DeepSpeed engine's own `training` does not follow its module's)
+    if "shift_labels" not in batch or launched_mesh_size("sp") <= 1 or inner.training:
+        yield
+        return
+    inner.train()
+    try:
+        yield
+    finally:
+        inner.eval()
+
+
+class RowSums:
+    """Sums over each row's tokens, (rows, positions) -> (rows,), for a loss that divides by or exponentiates a
+    whole row's sum (GRPO's per-completion means, GSPO's and RLOO's ratios): on whole rows the sum itself; on the
+    slices `split_rows` gives, the group's sum of them (`group_sum`, with its gradient). `shards`: how many ranks
+    hold each row (a term every one of them computes whole is counted that many times)."""
+
+    def __init__(self, accelerator=None):
+        self.accelerator = accelerator
+        self.shards = 1 if accelerator is None else mesh.sequence_shards(accelerator)
+
+    def __call__(self, values: torch.Tensor) -> torch.Tensor:
+        local = values.sum(1)
+        return local if self.shards == 1 else group_sum(self.accelerator, local)
