@@ -173,7 +173,7 @@ def parse(argv):
         help="the recipe the command launches (dpo: its frozen reference copy, two rows a pair and the reference's "
         "forward are estimated; grpo: the rollout's copy of the whole weights where they are sharded, its KV cache "
         "and its decoding, as make estimate-memory --grpo_generations counts them; dpo, reward_model and grpo score "
-        "whole rows: the row-splitting configs and the pipelines are not ranked)",
+        "whole rows: the pipelines are not ranked, nor for dpo and reward_model the row-splitting configs)",
     )
     parser.add_argument(
         "--num_generations", type=int, default=8, help="grpo: completions per prompt (G), sampled together"

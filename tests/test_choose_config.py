@@ -732,7 +732,7 @@ def test_the_chosen_pipeline_command_trains_the_asked_global_batch(markov_data, 
 def test_grpo_and_the_reward_model_are_chosen_for_with_the_rollouts_copy_and_kv_cache(tmp_path, capsys):
     """--recipe grpo: the rollout's whole-weights copy where the config shards them (cΨ under ZeRO-3, none under
     ZeRO-2), its KV cache and logits (make estimate-memory --grpo_generations's sums), its decoding in the step time
-    and the copy's gather in the traffic; no split rows nor pipelines (whole rows scored); a global batch whose
+    and the copy's gather in the traffic; no pipelines (whole rows scored), split rows ranked; a global batch whose
     per-device completions are not whole groups of G not ranked, with why; the command carries G. --recipe
     reward_model: whole rows too."""
     zero = ["--configs", "zero2.yaml", "zero3.yaml", "--micro_batch", 1, "--activation_checkpointing", "off"]
@@ -759,9 +759,8 @@ def test_grpo_and_the_reward_model_are_chosen_for_with_the_rollouts_copy_and_kv_
     assert grpo["zero3.yaml"]["comm_s"] > causal["zero3.yaml"]["comm_s"]  # the copy's gather
     assert grpo["zero2.yaml"]["comm_s"] == pytest.approx(causal["zero2.yaml"]["comm_s"])  # whole weights already
     every = llama3_8b_on_8_h100(tmp_path / "every", "--recipe", "grpo", "--seq_len", 1024)
-    assert {"pp.yaml", "dp_pp.yaml"} <= set(every["not_ranked"]) and not any(
-        r["config"] in ("zero3_ulysses.yaml", "fsdp_cp.yaml") for r in every["rows"]
-    )
+    assert {"pp.yaml", "dp_pp.yaml"} <= set(every["not_ranked"])  # split rows ranked: grpo.py scores their slices
+    assert {"zero3_ulysses.yaml", "fsdp_cp.yaml"} <= {r["config"] for r in every["rows"]}
     assert "scores whole rows" in every["not_ranked"]["pp.yaml"]
     odd = llama3_8b_on_8_h100(tmp_path / "odd", "--recipe", "grpo", "--global_batch", 32, "--seq_len", 1024)
     assert "not whole groups of --num_generations 8" in odd["not_ranked"]["zero3.yaml"], odd["not_ranked"]

@@ -710,8 +710,9 @@ CONFIGS = tiered(
      ("fsdp.yaml", {"rollout_weights": "stages"}), ("zero3.yaml", {"use_peft": True, "rollout_weights": "stages"}),
      ("fsdp.yaml", {"rollout_weights": "stages", "model": "qwen3"}), ("zero3.yaml", {"model": "qwen3"}),
      ("zero3_ulysses.yaml", {}), ("fsdp_cp.yaml", {}), ("zero3_ulysses.yaml", {"model": "qwen3"})],
-    [("zero3.yaml", {}), ("fsdp.yaml", {"rollout_weights": "stages", "model": "qwen3"}), ("zero3_ulysses.yaml", {}),
-     ("fsdp_cp.yaml", {})],
+    # make test: ZeRO-3's gathered copy under zero3_ulysses.yaml (its rows split too), FSDP2's under fsdp_cp.yaml,
+    # the stages on Qwen3; zero3.yaml's own in make test-all
+    [("fsdp.yaml", {"rollout_weights": "stages", "model": "qwen3"}), ("zero3_ulysses.yaml", {}), ("fsdp_cp.yaml", {})],
 )  # fmt: skip
 SHARED_BATCH = ("tp.yaml", "zero3_ulysses.yaml", "fsdp_cp.yaml")  # a pair of ranks: one data-parallel rank
 
@@ -1043,6 +1044,52 @@ def test_make_demo_grpo_teaches_the_real_model_the_asked_format_from_rewards_alo
     assert after["eval_prompts"] == 50 and exact[0] <= 0.05 and exact[1] >= exact[0] + 0.25
     assert before["eval_rewards/format/mean"] <= 0.05 and after["eval_rewards/format/mean"] >= 0.8
     assert len(answer) == 1 and answer[0].strip().isdigit(), answer  # what is 5 plus 4 ? (seen: 10, and 9 before)
+
+
+@pytest.mark.slow
+@pytest.mark.exhaustive
+def test_split_rows_halve_each_ranks_activations_at_101m(prompts, tmp_path):
+    """At 101M parameters (recipes/configs/llama_100m.json), fp32, prompts of about 390 tokens (the arithmetic
+    questions with a long preamble) and completions up to 64: what a rank saves for backward at its first training
+    micro-batch (run.json's memory account) under zero3_ulysses.yaml and fsdp_cp.yaml, each rank half of every row of
+    the pair's first prompt (2 completions), against zero3.yaml's rank 0, which scores the same rows whole (the
+    same first prompt, the same completions): at most 0.6 of it."""
+    from transformers import AutoTokenizer
+
+    preamble = " ".join(["1 plus 2 minus 3"] * 76)  # 380 words of the data's own vocabulary
+    data = tmp_path / "long"
+    shutil.copytree(prompts / "tokenizer", data / "tokenizer")
+    for split in ("train", "validation"):
+        rows = [json.loads(line) for line in (prompts / f"{split}.jsonl").read_text().splitlines()]
+        for row in rows:
+            row["prompt"] = [{"role": "user", "content": f"{preamble} {row['prompt'][0]['content']}"}]
+        (data / f"{split}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    tokenizer = AutoTokenizer.from_pretrained(data / "tokenizer")
+    template = tokenizer.apply_chat_template(rows[0]["prompt"], add_generation_prompt=True, return_dict=True)
+    assert len(template["input_ids"]) > 380
+    measured, first = {}, {}
+    for config in ("zero3.yaml", "zero3_ulysses.yaml", "fsdp_cp.yaml"):
+        out = tmp_path / config.removesuffix(".yaml")
+        argv = grpo_args(
+            data, out, model_config=REPO / "recipes/configs/llama_100m.json", block_size=512,
+            max_completion_length=64, num_generations=2, per_device_train_batch_size=2, gradient_accumulation_steps=1,
+            per_device_eval_batch_size=2, max_eval_samples=2, num_iterations=1, max_steps=1, save_steps=0,
+        )  # fmt: skip
+        launch(config, "grpo.py", argv, num_processes=2, launcher_args=FP32)
+        record = read_run(out)
+        assert record["participating_processes"] == 2 and record["total_parameters"] >= 100_000_000
+        first[config] = [c["completion_ids"] for c in completions(out)][:2]  # the first prompt's, rank 0's
+        per_rank = [account["activations_mb"] for account in record["memory_per_rank"]]
+        measured[config] = per_rank[0] if config == "zero3.yaml" else max(per_rank)
+        print(
+            f"{config}: the first prompt's completions of {[len(c) for c in first[config]]} tokens, activations "
+            f"per rank {per_rank} MB"
+        )
+    for config in ("zero3_ulysses.yaml", "fsdp_cp.yaml"):
+        assert first[config] == first["zero3.yaml"]  # the same rows
+        ratio = measured[config] / measured["zero3.yaml"]
+        print(f"activations per rank, {config} / zero3.yaml's rank 0: {ratio:.2f}")
+        assert 0.4 < ratio <= 0.6
 
 
 @pytest.mark.slow

@@ -141,8 +141,10 @@ MULTI_NODE = [
 PIPELINE = ["pp.yaml", "dp_pp.yaml"]
 PIPELINE_SCHEDULES = ("1F1B", "Interleaved1F1B")
 RECIPES = ("causal_lm", "sft", "dpo", "reward_model", "grpo")
-# the recipes scoring whole rows (a pair, one reward per row, a completion's log-probabilities): no split rows, no pipeline
+# the recipes scoring whole rows (a pair, one reward per row, a completion's log-probabilities): no pipeline; no split
+# rows either, except grpo.py's (it scores each rank's slice of its rows itself: common.parallel.sequence_parallel)
 WHOLE_ROWS = ("dpo", "reward_model", "grpo")
+UNSPLIT = ("dpo", "reward_model")
 
 
 def measure_host(compute_dtype, threads: int, model: dict, rows: int) -> dict:
@@ -489,12 +491,12 @@ def device_layouts(name: str, s: dict, args) -> list[dict] | str:
 def candidates(args) -> tuple[dict, dict]:
     """The shipped configs for this many devices and nodes and this job, each with its layouts (--configs: only those
     of them), and those that cannot run it with why: on one device, single.yaml and the offload configs; on one node,
-    SINGLE_NODE, SEQUENCE_PARALLEL (not for dpo.py), TENSOR_PARALLEL (not with --use_peft) and PIPELINE (causal_lm.py
+    SINGLE_NODE, SEQUENCE_PARALLEL (not for dpo.py and reward_model.py), TENSOR_PARALLEL (not with --use_peft) and PIPELINE (causal_lm.py
     and sft.py without LoRA); on several, MULTI_NODE (its TP template not with --use_peft). A config asked by
     --configs that cannot run is refused in one line."""
     splits = (
-        SEQUENCE_PARALLEL if args.recipe not in WHOLE_ROWS else []
-    )  # dpo.py, reward_model.py and grpo.py refuse split rows (common.parallel.sequence_parallel)
+        SEQUENCE_PARALLEL if args.recipe not in UNSPLIT else []
+    )  # dpo.py and reward_model.py refuse split rows (common.parallel.sequence_parallel)
     shipped = (
         MULTI_NODE
         if args.num_nodes > 1
@@ -508,7 +510,7 @@ def candidates(args) -> tuple[dict, dict]:
             f"{name} is ranked on one node only (sequence and context parallelism ship as single-node configs); choose from"
             if name in SEQUENCE_PARALLEL and args.num_nodes > 1
             else f"recipes/{args.recipe}.py does not run under {name} (it scores whole rows); choose from"
-            if name in SEQUENCE_PARALLEL and args.recipe in WHOLE_ROWS
+            if name in SEQUENCE_PARALLEL and args.recipe in UNSPLIT
             else f"{name} is ranked on one node only (a node's devices make its groups; several nodes: "
             "multi_node_hsdp_tp.yaml); choose from"
             if name in TENSOR_PARALLEL + PIPELINE and args.num_nodes > 1

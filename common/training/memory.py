@@ -15,7 +15,7 @@ this rank can reach is counted once, by its storage, into the first category tha
   none under the recipes, whose gradients are views into them)
 - other_tensors: everything else alive (buffers such as RoPE tables, the batch, ...)
 
-`activations` are the tensors the first micro-batch's forward saves for backward (a
+`activations` are the tensors the first micro-batch's forward with gradients saves for backward (a
 saved-tensors hook; parameters excluded, autocast's low-precision weight copies
 included), counted at the end of that forward. Not under pp.yaml (None there): the model's
 first call runs the whole window's schedule, forward and backward, so the hook would keep every
@@ -151,7 +151,8 @@ class MemoryAccount:
             ]
 
     def _start_saving(self, module, args):
-        if self.activation_bytes is None and self._saving is None and module.training:
+        # (a forward without gradients saves nothing: GRPO's scoring of its rollout before the first step)
+        if self.activation_bytes is None and self._saving is None and module.training and torch.is_grad_enabled():
             self._saving = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
             self._saving.__enter__()
 
