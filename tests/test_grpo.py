@@ -688,8 +688,9 @@ def run_grpo(key, prompts, tmp_path_factory):
             run_in_process(
                 "recipes/grpo.py", grpo_args(prompts, out, per_device_train_batch_size=batch, **extra), patch
             )
-    else:
-        launch(config, "grpo.py", grpo_args(prompts, out, **extra), num_processes=2, launcher_args=FP32)
+    else:  # a pair that splits its rows is one data-parallel rank: it trains one process's 8 completions a step
+        batch = {"per_device_train_batch_size": 8} if config in SPLIT_ROWS else {}
+        launch(config, "grpo.py", grpo_args(prompts, out, **batch, **extra), num_processes=2, launcher_args=FP32)
     return out
 
 
@@ -714,7 +715,7 @@ CONFIGS = tiered(
     # the stages on Qwen3; zero3.yaml's own in make test-all
     [("fsdp.yaml", {"rollout_weights": "stages", "model": "qwen3"}), ("zero3_ulysses.yaml", {}), ("fsdp_cp.yaml", {})],
 )  # fmt: skip
-SHARED_BATCH = ("tp.yaml", "zero3_ulysses.yaml", "fsdp_cp.yaml")  # a pair of ranks: one data-parallel rank
+SPLIT_ROWS = ("zero3_ulysses.yaml", "fsdp_cp.yaml")  # a pair of ranks, one data-parallel rank: 8 completions each
 
 
 @pytest.mark.slow
@@ -726,8 +727,8 @@ def test_each_config_samples_the_same_completions_and_trains_as_one_process(conf
     final weights within 1e-5; the weights sampled from are gathered once per rollout where they are sharded: a
     whole copy, or with --rollout_weights stages a slice of the layers per process, generating as a ring. Llama,
     and Qwen3 (tied embeddings: the ring's first and last process each hold them). Under zero3_ulysses.yaml and
-    fsdp_cp.yaml the pair samples the same completions (one data-parallel rank, as a tensor-parallel pair) and each
-    process scores a slice of every row (common.parallel.sequence_parallel.split_rows): after prompts of 8 tokens,
+    fsdp_cp.yaml the pair samples the same completions (one data-parallel rank, given the one process's 8 a step)
+    and each process scores a slice of every row (common.parallel.sequence_parallel.split_rows): after prompts of 8 tokens,
     Ulysses' halves of rows up to 20 tokens and the ring's 4 chunks of rows up to 14 cut the completions between the
     two processes."""
     peft = {"use_peft": True, "lora_target_modules": "all-linear"} if extra.get("use_peft") else {}
@@ -735,14 +736,14 @@ def test_each_config_samples_the_same_completions_and_trains_as_one_process(conf
     key = tuple(sorted({**OBJECTIVES[config], **peft, **model}.items()))
     stages = extra.get("rollout_weights") == "stages"
     out = runs[(config, tuple(sorted({**dict(key), "rollout_weights": "stages"}.items())) if stages else key)]
-    single = runs[("one process as tp.yaml" if config in SHARED_BATCH else "one process", key)]
+    single = runs[("one process as tp.yaml" if config == "tp.yaml" else "one process", key)]
     record = read_run(out)
     assert record["world_size"] == 2 and record["participating_processes"] == 2
-    assert record["rows_split_over"] == (2 if config in SHARED_BATCH[1:] else 1)
-    prompts_per_step = 2 if config in SHARED_BATCH else 4  # a tensor-parallel pair samples one rank's prompts
+    assert record["rows_split_over"] == (2 if config in SPLIT_ROWS else 1)
+    prompts_per_step = 2 if config == "tp.yaml" else 4  # a tensor-parallel pair samples one rank's prompts
     rollouts = 2 * (22 // prompts_per_step)  # 2 epochs, the remainder left over in each
     assert record["max_steps"] == 2 * rollouts  # 2 iterations a rollout
-    sharded = config in ("zero3.yaml", "fsdp.yaml", "zero3_offload.yaml", "tp.yaml", *SHARED_BATCH[1:])
+    sharded = config in ("zero3.yaml", "fsdp.yaml", "zero3_offload.yaml", "tp.yaml", *SPLIT_ROWS)
     how = "a slice of the layers" if stages else "a whole copy" if sharded else "the policy's own"
     assert record["rollout"]["weights"].startswith(how), record["rollout"]
     from common.planning import memory as estimate  # make estimate-memory --grpo_generations counts the copy
