@@ -59,6 +59,13 @@ def write_yaml(choice: dict, args, path: str) -> None:
             f"{choice['sp_size']}" + (f"\n  parallelism_config_dp_shard_size: {shard}" if shard > 1 else ""),
             text,
         )
+    if choice["strategy"].get("ep_size", 1) > 1:  # ep.yaml: the experts over every device, FSDP2's shards too
+        for key in ("ep", "dp_shard"):
+            text = re.sub(
+                rf"(?m)^  parallelism_config_{key}_size: .*$",
+                f"  parallelism_config_{key}_size: {args.num_devices}",
+                text,
+            )
     if choice["tp_size"] > 1:  # the chosen groups, and FSDP2's shards of a node beside them (fsdp_tp.yaml)
         text = re.sub(
             r"(?m)^  parallelism_config_tp_size: .*$", f"  parallelism_config_tp_size: {choice['tp_size']}", text

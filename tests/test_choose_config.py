@@ -774,3 +774,60 @@ def test_grpo_and_the_reward_model_are_chosen_for_with_the_rollouts_copy_and_kv_
     for bad in (["--seq_len", 256], ["--seq_len", 1024, "--num_generations", 1]):  # no room for a prompt; G < 2
         with pytest.raises(SystemExit, match=r"error: --num_generations .* GRPO needs 2 or more completions"):
             llama3_8b_on_8_h100(tmp_path / "bad", "--recipe", "grpo", *bad)
+
+
+# Qwen3-30B-A3B's shape (its published config.json's sizes): 128 experts of width 768, 8 a token, 48 layers
+QWEN3_30B_A3B = {
+    "model_type": "qwen3_moe",
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "max_position_embeddings": 40960,
+    "tie_word_embeddings": False,
+    "vocab_size": 151936,
+}
+
+
+def test_a_mixture_of_experts_ranks_ep_yaml_with_its_all_to_all_and_the_yaml_carries_the_split(tmp_path):
+    """Qwen3-30B-A3B's shape on 8 H100s: ep.yaml is ranked (and chosen: its experts, 95% of the weights, are never
+    gathered, where zero3's and fsdp's gathers cost several times its all-to-alls); its traffic is FSDP2's over the
+    dense weights only plus the all-to-all of each (token, chosen expert) pair's row, out and back, forward and
+    backward, the activation checkpointing's forward once more, 7/8 of it off-rank; the YAML splits the experts over
+    the 8 devices. A dense model, LoRA and a device count the experts do not divide: not ranked, each with why."""
+    import json
+
+    (tmp_path / "moe").mkdir()
+    (tmp_path / "moe/config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    job = ["--device", "h100", "--num_devices", 8, "--seq_len", 4096, "--global_batch", 64, "--micro_batch", 1]
+    result = choose(tmp_path, "--model", tmp_path / "moe", *job, "--link_gbps", 100)
+    rows, model = {r["config"]: r for r in result["rows"]}, result["model"]
+    assert model["moe_layers"] == 48 and model["expert_parameters"] == 48 * 128 * 3 * 2048 * 768
+    ep, fsdp = rows["ep.yaml"], rows["fsdp.yaml"]
+    assert result["rows"][0]["config"] == "ep.yaml" and ep["comm_s"] < fsdp["comm_s"] / 2
+    dense = model["parameters"] - model["expert_parameters"]
+    k, passes = ep["accumulation"], 6 if ep["activation_checkpointing"] else 4
+    gathers = k * 2 * 2 * dense * 7 / 8 + k * 2 * dense * 7 / 8  # bf16 all-gathers forward and backward, the reduce
+    exchange = k * passes * 48 * 4096 * 8 * 2048 * 2 * 7 / 8
+    assert ep["comm_s"] == pytest.approx((gathers + exchange) / 100e9, rel=1e-6)
+    text = (tmp_path / "chosen.yaml").read_text()
+    assert "parallelism_config_ep_size: 8" in text and "parallelism_config_dp_shard_size: 8" in text
+    assert "num_processes: 8" in text
+    for index, (argv, why) in enumerate(
+        (
+            (["--model", LLAMA3_8B, *job], "LlamaForCausalLM has no experts to split"),
+            (["--model", tmp_path / "moe", *job, "--use_peft"], "--use_peft: LoRA's adapters on the experts"),
+            (["--model", tmp_path / "moe", *job[:3], 6, *job[4:7], 48, *job[8:]], "128 experts per layer do not"),
+        )
+    ):
+        (tmp_path / str(index)).mkdir()
+        assert why in choose(tmp_path / str(index), *argv)["not_ranked"]["ep.yaml"]

@@ -2,9 +2,11 @@
 
 The configs it ranks: on one device single.yaml and the three offload configs; on one node ddp, fsdp,
 fsdp_shard_grad_op, fsdp_offload, zero1, zero2, zero2_offload, zero3, zero3_offload, the row-splitting
-zero3_ulysses and fsdp_cp (not for dpo.py, which refuses them), the tensor-parallel tp and fsdp_tp (not with
---use_peft, which they refuse) and the pipelines pp and dp_pp (causal_lm.py and sft.py only, without LoRA, on a
-model common.parallel.pipeline splits: a Llama with a layer for every stage); on several nodes the five
+zero3_ulysses and fsdp_cp (not for dpo.py and reward_model.py, which refuse them), the tensor-parallel tp and fsdp_tp
+(not with --use_peft, which they refuse), the pipelines pp and dp_pp (causal_lm.py and sft.py only, without LoRA, on
+a model common.parallel.pipeline splits: a Llama with a layer for every stage) and ep (a mixture-of-experts model
+whose experts the devices divide, without LoRA: its all-to-alls in the traffic, its experts never gathered); on
+several nodes the five
 multi_node_*.yaml (its TP template not with --use_peft). A config that cannot run the job is listed under the table
 with why; asked for by --configs, it is refused in one line. Not ranked: zero2_json.yaml (zero2.yaml's twin).
 
@@ -125,6 +127,8 @@ TIE = 0.02
 ONE_DEVICE = ["single.yaml", "fsdp_offload.yaml", "zero2_offload.yaml", "zero3_offload.yaml"]
 # rows split over sp_size (cp_size) devices: tried at every size that divides the devices (Ulysses: and the heads)
 SEQUENCE_PARALLEL = ["zero3_ulysses.yaml", "fsdp_cp.yaml"]
+# ep.yaml: a mixture-of-experts model's experts split over every device (ep_size = the devices), the rest FSDP2's
+EXPERT_PARALLEL = ["ep.yaml"]
 # tp.yaml: one group of tp_size = the devices; fsdp_tp.yaml: groups of every tp_size that divides them (dp_shard the
 # rest); multi_node_hsdp_tp.yaml: within a node. A group of tp ranks trains one batch; not with --use_peft
 TENSOR_PARALLEL = ["tp.yaml", "fsdp_tp.yaml"]
@@ -190,15 +194,17 @@ def comm_and_memory_traffic(
         memory = 28 * t + (k * (4 + c) * psi if c < 4 else 0)  # AdamW over the trained; autocast's weight casts
     elif kind == "fsdp":
         gathers = 2 if s["fsdp_reshard_after_forward"] else 1
+        # ep.yaml: each rank's experts are its own, never gathered nor reduce-scattered (stepped as the rest)
+        experts = model["expert_parameters"] if s.get("ep_size", 1) > 1 else 0
         if s["replicas"] > 1:  # HSDP: shard within a node, all-reduce the shards across nodes
             link["intra", "all_gather"] = k * (gathers + reference) * c * psi * (n_node - 1) / n_node
             link["intra", "reduce_scatter"] = k * c * t * (n_node - 1) / n_node
             link["inter", "all_reduce"] = k * 2 * (nodes - 1) / nodes * c * t / n_node
         else:  # all-gathers, and a reduce-scatter per micro-batch (common.launch.accelerator)
-            link[where, "all_gather"] = k * (gathers + reference) * c * psi * f
-            link[where, "reduce_scatter"] = k * c * t * f
+            link[where, "all_gather"] = k * (gathers + reference) * c * (psi - experts) * f
+            link[where, "reduce_scatter"] = k * c * (t - experts) * f
         over = n_node if s["replicas"] > 1 else n  # the ranks a shard is cut over
-        shard, trained = psi / over, t / over
+        shard, trained = (psi - experts) / over, t / over
         memory = k * (gathers + reference) * (4 + c) * shard  # each gather casts the fp32 shard
         if s["offload_params"]:
             host = k * ((gathers + reference) * 4 * shard + c * trained)  # shards to the device, gradients back
@@ -224,6 +230,16 @@ def sequence_exchange_bytes(model: dict, tokens: int, sp: int, c: int, micro_ste
     width = 2 * model["hidden_size"] + 2 * model["kv_hidden_size"]
     passes = 3 if checkpointing else 2
     return micro_steps * passes * model["layers"] * tokens * width * c * (sp - 1) / sp
+
+
+def expert_exchange_bytes(model: dict, tokens: int, ep: int, c: int, micro_steps: int, checkpointing: bool) -> float:
+    """Bus bytes per device per optimizer step of ep.yaml's all-to-alls (common.parallel.expert_parallel's Traffic
+    counts the same): per MoE layer and micro-step each of a rank's `tokens` goes to its top-k experts and comes back
+    (forward), and both again as gradients (backward), the forward once more with activation checkpointing; the
+    (ep-1)/ep of it whose expert another rank holds (an even routing), a hidden-size row in the compute dtype each."""
+    passes = 6 if checkpointing else 4
+    routed = tokens * model["experts_per_token"] * model["hidden_size"] * c
+    return micro_steps * passes * model["moe_layers"] * routed * (ep - 1) / ep
 
 
 def ring_exchange_bytes(model: dict, tokens: int, cp: int, c: int, micro_steps: int, checkpointing: bool) -> float:
@@ -409,8 +425,11 @@ def config_strategy(name: str, args) -> dict:
     its pp_size divides: layouts() picks the sizes that divide the devices)."""
     path = os.path.join(REPO, "accelerate_configs", name)
     pipeline = pipeline_size(name) > 1
+    strategy = read_strategy(path, None if pipeline else args.num_devices, args.mixed_precision)
+    if strategy["ep_size"] > 1:  # ep.yaml: the experts split over every device (common.parallel.expert_parallel)
+        strategy["ep_size"] = args.num_devices
     return dict(
-        read_strategy(path, None if pipeline else args.num_devices, args.mixed_precision),
+        strategy,
         num_processes=args.num_devices,
     )
 
@@ -444,6 +463,13 @@ def device_layouts(name: str, s: dict, args) -> list[dict] | str:
 
     n, n_node = args.num_devices, args.num_devices // args.num_nodes
     whole = {"sp": 1, "tp": 1, "pp": 1, "schedule": None}
+    if s.get("ep_size", 1) > 1:
+        from common.parallel import expert_parallel
+
+        if args.use_peft:
+            return "--use_peft: LoRA's adapters on the experts' stacked weights are refused (common.parallel.expert_parallel)"
+        problems = expert_parallel.model_problems(meta_model(args.model, args.vocab_size), n)
+        return problems[0] if problems else [whole]
     if s.get("sp_size", 1) > 1 or s.get("cp_size", 1) > 1:
         ring = s.get("cp_size", 1) > 1  # fsdp_cp.yaml's split, else zero3_ulysses.yaml's
         built = meta_model(args.model, args.vocab_size).config
@@ -491,8 +517,8 @@ def device_layouts(name: str, s: dict, args) -> list[dict] | str:
 def candidates(args) -> tuple[dict, dict]:
     """The shipped configs for this many devices and nodes and this job, each with its layouts (--configs: only those
     of them), and those that cannot run it with why: on one device, single.yaml and the offload configs; on one node,
-    SINGLE_NODE, SEQUENCE_PARALLEL (not for dpo.py and reward_model.py), TENSOR_PARALLEL (not with --use_peft) and PIPELINE (causal_lm.py
-    and sft.py without LoRA); on several, MULTI_NODE (its TP template not with --use_peft). A config asked by
+    SINGLE_NODE, SEQUENCE_PARALLEL (not for dpo.py and reward_model.py), TENSOR_PARALLEL (not with --use_peft), PIPELINE (causal_lm.py
+    and sft.py without LoRA) and EXPERT_PARALLEL (a MoE whose experts the devices divide, without LoRA); on several, MULTI_NODE (its TP template not with --use_peft). A config asked by
     --configs that cannot run is refused in one line."""
     splits = (
         SEQUENCE_PARALLEL if args.recipe not in UNSPLIT else []
@@ -502,7 +528,7 @@ def candidates(args) -> tuple[dict, dict]:
         if args.num_nodes > 1
         else ONE_DEVICE
         if args.num_devices == 1
-        else SINGLE_NODE + splits + TENSOR_PARALLEL + PIPELINE
+        else SINGLE_NODE + splits + TENSOR_PARALLEL + PIPELINE + EXPERT_PARALLEL
     )
     unknown = [name for name in args.configs or [] if name not in shipped]
     why = next(
@@ -630,6 +656,15 @@ def rank(args, model: dict, device: dict, configs: dict) -> list[dict]:
                         )
                         if tp > 1:
                             serial = traffic.pop("serial")
+                        if s.get("ep_size", 1) > 1:  # ep.yaml's dispatch and combine, at all_gather's busbw
+                            traffic["link"][where_of(nodes), "all_to_all"] = expert_exchange_bytes(
+                                model,
+                                micro * rows_per_example * args.seq_len,
+                                n,
+                                c,
+                                k,
+                                est["activation_checkpointing"],
+                            )
                         if sp > 1:  # at all_gather's busbw
                             traffic["link"][where_of(nodes), "all_to_all"] = (
                                 ring_exchange_bytes(
