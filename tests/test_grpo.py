@@ -613,7 +613,20 @@ def prompts(tmp_path_factory) -> Path:
 
     folder = tmp_path_factory.mktemp("prompts")
     write_prompt_data(str(folder), train=22, validation=8)
+    (folder / "counted.py").write_text(COUNTED.format(calls=folder / "calls.txt"))
     return folder
+
+
+# a user's reward that notes each call's rank and completions (shorter is better, as the built-in `length`)
+COUNTED = """
+import os
+
+
+def counted(completions, completion_ids, **kwargs):
+    with open("{calls}", "a") as handle:
+        handle.write(f"{{os.environ.get('RANK')}} {{len(completions)}}\\n")
+    return [-len(ids) / 10 for ids in completion_ids]
+"""
 
 
 def grpo_args(data: Path, out: Path, **overrides) -> list[str]:
@@ -662,11 +675,13 @@ OBJECTIVES = {
     # GSPO with the reference: a whole completion's log-ratio and length summed over the pair's slices (with its
     # gradient), the reference scoring Ulysses' slices in train mode (DeepSpeed exchanges heads in train mode only)
     # (completions up to 12 tokens after prompts of 8: the halves of a row cut them)
+    # (and a user's reward, which the pair's first rank alone calls: common.objectives.rewards.Rewards)
     "zero3_ulysses.yaml": {
         "loss_type": "grpo",
         "importance_sampling_level": "sequence",
         "beta": 0.04,
         "max_completion_length": 12,
+        "reward_funcs": "counted",
     },
     # the ring: bnpo's micro-batch token count and the reference's attention as the policy's (prepare's hooks)
     "fsdp_cp.yaml": {"loss_type": "bnpo", "beta": 0.04},
@@ -679,6 +694,8 @@ MODELS = {"qwen3": REPO / "recipes/configs/tiny_qwen3.json"}
 
 def run_grpo(key, prompts, tmp_path_factory):
     config, extra = key[0], dict(key[1])
+    if extra.get("reward_funcs") == "counted":
+        extra["reward_funcs"] = f"{prompts / 'counted.py'}:counted"
     if "model" in extra:
         extra["model_config"] = MODELS[extra.pop("model")]
     out = tmp_path_factory.mktemp("grpo") / "run"
@@ -720,7 +737,7 @@ SPLIT_ROWS = ("zero3_ulysses.yaml", "fsdp_cp.yaml")  # a pair of ranks, one data
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config,extra", CONFIGS)
-def test_each_config_samples_the_same_completions_and_trains_as_one_process(config, extra, runs):
+def test_each_config_samples_the_same_completions_and_trains_as_one_process(config, extra, runs, prompts):
     """fp32, 2 processes x 4 completions x accumulation 2 (4 prompts a step, G = 4; tp.yaml's pair 2), 2 epochs
     of 22 prompts (2 left over each), --num_iterations 2: every completion of every rollout is the one process's, token for
     token (a difference is allowed only at a draw counted as a near tie), each step's loss within 1e-5 and the
@@ -756,6 +773,9 @@ def test_each_config_samples_the_same_completions_and_trains_as_one_process(conf
     assert not stages or (
         record["rollout"]["layers_per_rank"] == ["0-0", "1-1"] and max(record["rollout"]["bytes_per_rank"]) == held
     )
+    if OBJECTIVES[config].get("reward_funcs") == "counted":  # the pair's rewards scored once, by its first rank
+        ranks = {line.split()[0] for line in (prompts / "calls.txt").read_text().splitlines()}
+        assert ranks == {"None", "0"}, ranks  # None: the one process, run in this process
     ours, theirs = completions(out), completions(single)
     assert [(c["rollout"], c["row"]) for c in ours] == [(c["rollout"], c["row"]) for c in theirs]
     assert len({c["row"] for c in ours if c["rollout"] == 0}) == prompts_per_step

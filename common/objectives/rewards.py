@@ -41,6 +41,7 @@ import sys
 import torch
 from accelerate.utils import gather_object
 
+from common.launch import mesh
 from common.launch.errors import UsageError, describe
 from common.launch.internals import without_zero3_init
 from common.objectives.grpo import global_rows, nanstd
@@ -321,7 +322,12 @@ class Rewards:
     def __call__(self, rows: list[dict], dataset, state=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(each completion's reward, NaN where no function scored it; the (completions x functions) table, NaN
         where a function returned None); every rank calls it together (a problem on any rank stops all of them in
-        one line). `state`: the functions' trainer_state (`trainer_state`)."""
+        one line). `state`: the functions' trainer_state (`trainer_state`). The ranks that hold the same completions
+        (a tensor-, context- or sequence-parallel group: `mesh.batch_sharers`) have them scored once, by the group's
+        first rank, and share its table: a function is called once a completion (a paid judge too), and one that
+        does not repeat itself cannot hand the group's ranks different advantages."""
+        sharers = mesh.batch_sharers(self.accelerator) if self.accelerator is not None else 1
+        first = self.accelerator.process_index // sharers * sharers if sharers > 1 else None
         data = dataset.select([row["row"] for row in rows]) if rows else dataset.select([])
         prompts = list(data["prompt"]) if rows else []
         texts = self.tokenizer.batch_decode([row["completion_ids"] for row in rows], skip_special_tokens=True)
@@ -338,16 +344,22 @@ class Rewards:
             log_metric=lambda name, value: pending.setdefault(name, []).append(float(value)),
             log_extra=lambda column, values: self.extra.setdefault(column, []).extend(values),
         )
-        table, problem = score(
-            self.functions,
-            self.names,
-            prompts,
-            completions,
-            [row["completion_ids"] for row in rows],
-            kwargs,
-            [row["row"] for row in rows],
-        )
+        if first is None or self.accelerator.process_index == first:
+            table, problem = score(
+                self.functions,
+                self.names,
+                prompts,
+                completions,
+                [row["completion_ids"] for row in rows],
+                kwargs,
+                [row["row"] for row in rows],
+            )
+        else:  # scored by the group's first rank
+            table, problem = torch.full((0, len(self.functions)), math.nan, dtype=torch.float64), None
         check_everywhere(problem)
+        if first is not None:  # the group's first rank's table (every rank calls it: one gather)
+            table = gather_object([table])[first]
+            assert table.shape[0] == len(rows), "a group's ranks must hold the same completions"
         self.logged = self.pool(pending)
         self.warn_if_none_scored(table)
         rewards = combine(table, self.weights)
@@ -363,7 +375,7 @@ class Rewards:
             [[sum(pending.get(name, [])), len(pending.get(name, []))] for name in names], dtype=torch.float64
         )
         totals = self.accelerator.reduce(sums.to(self.accelerator.device), reduction="sum").cpu()
-        # a tensor- or context-parallel group's ranks call alike: their copies count once each, the mean unchanged
+        # a tensor-, context- or sequence-parallel group's first rank alone calls the functions (`__call__`)
         return {name: float(total / count) for name, (total, count) in zip(names, totals.tolist()) if count}
 
     def warn_if_none_scored(self, table: torch.Tensor) -> None:

@@ -205,7 +205,9 @@ def as_model_input(batch: dict) -> dict:
 
 
 # ---- rows an objective builds and scores itself (GRPO's rollouts) ----------------------------------------------
-SPLIT_KEYS = ("input_ids", "position_ids", "shift_labels", "mask", "old_log_probs")  # (rows, positions) each
+# (rows, positions) each; the attention mask only for counting (common.outputs.metrics: the real tokens), never
+# handed to the model (the split attention is causal: no mask)
+SPLIT_KEYS = ("input_ids", "position_ids", "shift_labels", "attention_mask", "mask", "old_log_probs")
 
 
 @contextlib.contextmanager
@@ -242,8 +244,9 @@ def split_rows(accelerator, batch: dict):
 def per_position(batch: dict, multiple: int) -> dict:
     """`batch` (right-padded rows) laid out per position, `multiple` dividing its length: `shift_labels` each
     position's next-token target (-100 off the completion and at the padding added at the end), `mask` and
-    `old_log_probs` (given per next-token target) at the position that predicts it, `position_ids` 0..length-1, no
-    attention_mask (causal: a real token never attends to the padding after it); the other entries as they were."""
+    `old_log_probs` (given per next-token target) at the position that predicts it, `position_ids` 0..length-1, the
+    attention mask padded with 0 (for counting only: causal attention never lets a real token see the padding after
+    it); the other entries as they were."""
     mask = batch.get("attention_mask")
     if mask is not None and (mask[:, 1:] > mask[:, :-1]).any():
         raise UsageError("a split row must be padded at its end, not its start (right padding)")
@@ -251,6 +254,8 @@ def per_position(batch: dict, multiple: int) -> dict:
     extra = -width % multiple
     laid = {key: value for key, value in batch.items() if key not in ("attention_mask", "labels")}
     laid["input_ids"] = torch.nn.functional.pad(batch["input_ids"], (0, extra), value=0)
+    if mask is not None:
+        laid["attention_mask"] = torch.nn.functional.pad(mask, (0, extra), value=0)
     laid["position_ids"] = torch.arange(width + extra, device=batch["input_ids"].device).expand(rows, -1).clone()
     laid["shift_labels"] = torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1 + extra), value=-100)
     for key in ("mask", "old_log_probs"):
@@ -294,7 +299,10 @@ def whole_row_values(accelerator, values: torch.Tensor, batch: dict, width: int)
     if mesh.sequence_shards(accelerator) == 1:
         return values[:, :width]
     positions = batch["position_ids"]
-    whole = values.new_zeros(values.shape[0], positions.shape[1] * mesh.sequence_shards(accelerator))
+    # every group's rows to the widest group's length: the sum runs over every rank, in one shape
+    length = torch.tensor([positions.shape[1] * mesh.sequence_shards(accelerator)], device=values.device)
+    torch.distributed.all_reduce(length, op=torch.distributed.ReduceOp.MAX)
+    whole = values.new_zeros(values.shape[0], int(length))
     whole.scatter_(1, positions, values)
     return group_sum(accelerator, whole)[:, :width]
 
