@@ -335,6 +335,7 @@ def main(
         index, first_iteration = divmod(step, grpo_args.num_iterations)
         if saved is not None:  # resumed inside a rollout: the same completions, advantages and old log-probs
             rollout, saved = Rollout.from_state(saved, accelerator), None
+            metrics.record_latest("num_tokens", tokens_seen)  # as the checkpoint counted them
         else:
             # G completions of each of this rank's prompts, then their rewards (every rank together) and advantages
             rollout = sampler.rollout(index, step, metrics.show_phase)

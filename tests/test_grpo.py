@@ -862,7 +862,7 @@ def test_rloo_in_a_run_takes_trls_leave_one_out_advantages_and_kl_penalty(runs):
 def test_a_run_resumed_inside_num_iterations_repeats_the_same_steps_bit_for_bit(runs, prompts, tmp_path, monkeypatch):
     """The one-process run's checkpoint after step 3 (the second of rollout 1's two passes not yet taken): a run
     resumed there trains on the saved rollout (not a new one from the updated weights) to the same losses and the
-    same final weights, bit for bit."""
+    same final weights, bit for bit, its first row carrying TRL's num_tokens as the checkpoint counted it."""
     key = tuple(sorted(OBJECTIVES["zero3.yaml"].items()))
     done = runs[("one process", key)]
     out = tmp_path / "resumed"
@@ -872,9 +872,10 @@ def test_a_run_resumed_inside_num_iterations_repeats_the_same_steps_bit_for_bit(
     assert state["rollout"]["index"] == 1 and state["rollout"]["iteration"] == 1
     argv = grpo_args(prompts, out, per_device_train_batch_size=8, **dict(key))
     run_in_process("recipes/grpo.py", argv + ["--resume_from_checkpoint", out / "checkpoints/step_3"], monkeypatch)
-    resumed = {r["step"]: r["loss"] for r in read_metrics(out)[0]}
-    original = {r["step"]: r["loss"] for r in read_metrics(done)[0]}
-    assert all(resumed[s] == original[s] for s in range(4, 21))
+    resumed = {r["step"]: r for r in read_metrics(out)[0]}
+    original = {r["step"]: r for r in read_metrics(done)[0]}
+    assert all(resumed[s]["loss"] == original[s]["loss"] for s in range(4, 21))
+    assert resumed[4]["num_tokens"] == original[4]["num_tokens"]  # the count the checkpoint carried, on its first row
     a, b = load_weights(out / "final"), load_weights(done / "final")
     assert all(torch.equal(a[k], b[k]) for k in a)
 
