@@ -149,13 +149,13 @@ def splittable(collate):
     return SplittableRows(collate, size) if size > 1 else collate
 
 
-def context_parallel(accelerator, batch: dict):
+def context_parallel(accelerator, batch: dict, keys=("input_ids", "position_ids", "shift_labels")):
     """The context a recipe's loop runs each micro-batch's forward and backward in: under context parallelism,
-    accelerate's, which splits the batch's rows in place (input_ids, position_ids, the shifted targets) and turns
-    the attention into ring attention; a context that does nothing otherwise."""
+    accelerate's, which splits the batch's rows in place (`keys`: input_ids, position_ids, the shifted targets) and
+    turns the attention into ring attention; a context that does nothing otherwise."""
     if context_shards(accelerator) == 1:
         return contextlib.nullcontext()
-    rows = [batch[key] for key in ("input_ids", "position_ids", "shift_labels")]
+    rows = [batch[key] for key in keys]
     return accelerator.maybe_context_parallel(
         buffers=rows, buffer_seq_dims=[1] * len(rows), no_restore_buffers=set(rows)
     )
@@ -227,11 +227,8 @@ def split_rows(accelerator, batch: dict):
     mesh.check_shared_batch(accelerator, batch, shards)
     ring = mesh.context_shards(accelerator) > 1
     laid = per_position(batch, 2 * shards if ring else shards)
-    split = [laid[key] for key in SPLIT_KEYS if key in laid]
     if ring:
-        with accelerator.maybe_context_parallel(
-            buffers=split, buffer_seq_dims=[1] * len(split), no_restore_buffers=set(split)
-        ):
+        with context_parallel(accelerator, laid, [key for key in SPLIT_KEYS if key in laid]):
             yield {**laid, "labels": laid["shift_labels"]}
         return
     rank, width = accelerator.process_index % shards, laid["input_ids"].shape[1] // shards
@@ -246,18 +243,15 @@ def per_position(batch: dict, multiple: int) -> dict:
     position's next-token target (-100 off the completion and at the padding added at the end), `mask` and
     `old_log_probs` (given per next-token target) at the position that predicts it, `position_ids` 0..length-1, the
     attention mask padded with 0 (for counting only: causal attention never lets a real token see the padding after
-    it); the other entries as they were."""
-    mask = batch.get("attention_mask")
-    if mask is not None and (mask[:, 1:] > mask[:, :-1]).any():
-        raise UsageError("a split row must be padded at its end, not its start (right padding)")
-    rows, width = batch["input_ids"].shape
-    extra = -width % multiple
-    laid = {key: value for key, value in batch.items() if key not in ("attention_mask", "labels")}
-    laid["input_ids"] = torch.nn.functional.pad(batch["input_ids"], (0, extra), value=0)
-    if mask is not None:
-        laid["attention_mask"] = torch.nn.functional.pad(mask, (0, extra), value=0)
-    laid["position_ids"] = torch.arange(width + extra, device=batch["input_ids"].device).expand(rows, -1).clone()
-    laid["shift_labels"] = torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1 + extra), value=-100)
+    it); the other entries as they were. The rows padded and shifted as a data loader's are (`SplittableRows`)."""
+    laid = SplittableRows(dict, multiple, shifted=True)(batch)  # input_ids, position_ids, shift_labels
+    del laid["labels"]
+    if laid["input_ids"] is batch["input_ids"]:  # (no padding added) a copy: the ring's split shrinks it in place
+        laid["input_ids"] = laid["input_ids"].clone()
+    rows, length = laid["input_ids"].shape
+    extra = length - batch["input_ids"].shape[1]
+    if "attention_mask" in batch:
+        laid["attention_mask"] = torch.nn.functional.pad(batch["attention_mask"], (0, extra), value=0)
     for key in ("mask", "old_log_probs"):
         if key in batch:
             laid[key] = torch.cat([batch[key], batch[key].new_zeros(rows, 1 + extra)], dim=1)
@@ -296,11 +290,12 @@ def whole_row_values(accelerator, values: torch.Tensor, batch: dict, width: int)
     """Per-position `values` (rows, positions) of the slice `split_rows` gave (`batch`), as (rows, width) of the
     whole rows: each put at its position (the slice's position_ids) and the group's slices added up. Whole rows'
     values as they are (sliced to `width`). Every rank of a group calls it together."""
-    if mesh.sequence_shards(accelerator) == 1:
+    shards = mesh.sequence_shards(accelerator)
+    if shards == 1:
         return values[:, :width]
     positions = batch["position_ids"]
     # every group's rows to the widest group's length: the sum runs over every rank, in one shape
-    length = torch.tensor([positions.shape[1] * mesh.sequence_shards(accelerator)], device=values.device)
+    length = torch.tensor([positions.shape[1] * shards], device=values.device)
     torch.distributed.all_reduce(length, op=torch.distributed.ReduceOp.MAX)
     whole = values.new_zeros(values.shape[0], int(length))
     whole.scatter_(1, positions, values)
