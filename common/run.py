@@ -63,6 +63,7 @@ from common.training.loop import check_global_batch, global_batch_problem
 from common.training.nonfinite import NonFiniteGuard, nonfinite_check
 from common.training.profiling import StepProfiler
 from common.training.speed import refuse_fp8_where_it_cannot_run, speed_record
+from common.training.time_budget import TimeBudget
 
 
 def run_recipe(main, *argument_types, argv: list[str] | None = None):
@@ -147,11 +148,12 @@ class Run:
         self.accelerator, self.launch, self.checkpoint = accelerator, launch, checkpoint
         self.clear_earlier = clear_earlier
         self.export_dtype = export_dtype(model_args)  # read once (a Hub model's config is a request)
-        self.model = self.optimizer = self.scheduler = self.tokenizer = None
+        self.model = self.optimizer = self.scheduler = self.tokenizer = self.max_steps = None
         self.metrics = self.nonfinite = self.profiler = None
         self.experts = None  # common.training.experts.ExpertWatch, for a MoE with its router loss on
         self.optimizer_parameters = None
         self.world = world  # an elastic launch's common.launch.elastic.WorldWatch
+        self.budget = TimeBudget(accelerator, self.args.max_train_seconds)  # the loop's clock (--max_train_seconds)
 
     def begin(self, model, optimizer, scheduler, tokenizer, max_steps: int, **record) -> dict:
         """After `accelerator.prepare`: load the checkpoint to resume from (if any), write run.json
@@ -159,6 +161,7 @@ class Run:
         Returns the saved trainer state ({"step": 0} for a fresh run)."""
         accelerator, args = self.accelerator, self.args
         self.model, self.optimizer, self.scheduler, self.tokenizer = model, optimizer, scheduler, tokenizer
+        self.max_steps = max_steps
         share_zero3_fp32_partitions(optimizer)  # ZeRO-3 in fp32: no second fp32 copy (common.launch.internals)
         # the checks first: a resume refused here leaves output_dir exactly as it was
         loading = time.time()
@@ -295,6 +298,13 @@ class Run:
         cost = {}
         final_dir = self.export(cost=cost)
         self.metrics.record_in_run_json("final_export", cost)
+        timing = self.budget.record()
+        self.metrics.record_in_run_json("training_time", timing)
+        if self.budget.stopped:
+            self.accelerator.print(
+                f"--max_train_seconds {self.args.max_train_seconds:g}: stopped after step {self.budget.stopped_at} "
+                f"of {self.max_steps}, {timing['train_seconds']:.1f} s after the first step began"
+            )
         self.metrics.record_whole_run_peak()
         self.metrics.close()
         return final_dir

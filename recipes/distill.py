@@ -23,6 +23,7 @@ answers; on prompts only, the divergence to the teacher over the student's own c
 LoRA (peft): --use_peft trains the student's adapters only (see recipes/causal_lm.py).
 """
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
@@ -238,10 +239,11 @@ def main(
 
     model.train()
     grad_norm = None
-    batches = TrainBatches(accelerator, train_loader, accumulation, max_steps, resume_from=state, metrics=metrics)
+    batches = TrainBatches(
+        accelerator, train_loader, accumulation, max_steps, resume_from=state, metrics=metrics, budget=run.budget
+    )  # ends after step max_steps, or where --max_train_seconds runs out
     micro_batches = iter(batches)
-    while step < max_steps:
-        window = [next(micro_batches) for _ in range(accumulation)]  # one optimizer step's micro-batches
+    while window := list(itertools.islice(micro_batches, accumulation)):  # one optimizer step's micro-batches
         student_samples = on_policy(args.seed, step, lmbda)
         source = students if student_samples else teachers  # None: the data's own answers
         if source is not None:  # the student's weights of this step, or the frozen teacher's

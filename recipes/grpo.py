@@ -331,7 +331,8 @@ def main(
 
     model.train()
     grad_norm = None
-    while step < max_steps:
+    run.budget.start()  # --max_train_seconds counts from here
+    while step < max_steps and not run.budget.stopped:
         index, first_iteration = divmod(step, grpo_args.num_iterations)
         if saved is not None:  # resumed inside a rollout: the same completions, advantages and old log-probs
             rollout, saved = Rollout.from_state(saved, accelerator), None
@@ -435,7 +436,7 @@ def main(
                         "num_tokens": tokens_seen,
                     },
                 )
-            if step >= max_steps:
+            if run.budget.done(step, max_steps):  # at max_steps, or where --max_train_seconds runs out
                 break
 
     after = evaluate()

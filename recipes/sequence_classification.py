@@ -131,8 +131,14 @@ def main(
     model.train()
     grad_norm = None
     batches = TrainBatches(
-        accelerator, train_loader, args.gradient_accumulation_steps, max_steps, resume_from=state, metrics=metrics
-    )  # ends after step max_steps
+        accelerator,
+        train_loader,
+        args.gradient_accumulation_steps,
+        max_steps,
+        resume_from=state,
+        metrics=metrics,
+        budget=run.budget,
+    )  # ends after step max_steps, or where --max_train_seconds runs out
     for batch in batches:
         with accelerator.accumulate(model), context_parallel(accelerator, batch):  # fsdp_cp.yaml splits the rows
             loss = model(**batch).loss

@@ -858,6 +858,18 @@ def test_rloo_in_a_run_takes_trls_leave_one_out_advantages_and_kl_penalty(runs):
     assert read_run(out)["args"]["advantage_estimator"] == "rloo"
 
 
+def test_max_train_seconds_ends_grpos_loop_inside_a_rollout(runs):
+    """GRPO's own loop (rollouts, --num_iterations passes over each) under a budget spent after the first step: the
+    run stops there, inside rollout 0 (of 4 steps), and ends as a finished run does (the held-out evaluation, final/)."""
+    out = runs[("one process", (("max_steps", 4), ("max_train_seconds", 1e-6)))]
+    timing = read_run(out)["training_time"]
+    assert timing["stopped_by_time_budget"] == {"step": 1} and timing["train_seconds"] > 0
+    assert [row["step"] for row in read_metrics(out)[0]] == [1]
+    assert {entry["rollout"] for entry in completions(out)} == {0}
+    assert [entry["step"] for entry in completions(out, "eval")][-1] == 1
+    assert (out / "final" / "model.safetensors").is_file()
+
+
 @pytest.mark.slow
 def test_a_run_resumed_inside_num_iterations_repeats_the_same_steps_bit_for_bit(runs, prompts, tmp_path, monkeypatch):
     """The one-process run's checkpoint after step 3 (the second of rollout 1's two passes not yet taken): a run

@@ -245,6 +245,14 @@ class TrainingArguments(SpeedArguments):  # + the speed options (above; common.t
     seed: Annotated[int, Range(0, 2**32 - 1, why="numpy's seeds are 32-bit")] = 42
     max_steps: int = field(default=-1, metadata={"help": "Optimizer steps; overrides num_train_epochs when > 0."})
     num_train_epochs: Annotated[int, AT_LEAST_1] = 1
+    max_train_seconds: Annotated[float | None, Range(above=0, why="unset: no time limit")] = field(
+        default=None,
+        metadata={
+            "help": "Stop at the first optimizer step that ends this many seconds after the first step began (every "
+            "rank at the same step; evaluations and saves inside the loop count), then evaluate and export as at "
+            "--max_steps, whose schedule still applies (common/training/time_budget.py)."
+        },
+    )
     per_device_train_batch_size: Annotated[int, AT_LEAST_1] = 8
     per_device_eval_batch_size: Annotated[int, AT_LEAST_1] = 8
     gradient_accumulation_steps: Annotated[int, AT_LEAST_1] = 1

@@ -1,6 +1,7 @@
 """The pieces around a recipe's training loop.
 
 loop         optimizer, schedule, step counts, the loop's batch windows, the evaluation loss
+time_budget  --max_train_seconds: the step at which a wall-clock budget stops the run
 batch_size   --auto_find_batch_size
 speed        the speed options: attention kernel, compile, AdamW kernel, checkpointing, Liger, FP8
 nonfinite    non-finite loss or gradients: skip the step or stop

@@ -195,12 +195,14 @@ class TrainBatches:
         max_steps: int,
         resume_from: dict,
         metrics=None,
+        budget=None,
     ):
-        """`metrics` (a MetricsLogger) is told how long each window waited for its batches.
+        """`metrics` (a MetricsLogger) is told how long each window waited for its batches; `budget` (the run's
+        common.training.time_budget.TimeBudget, --max_train_seconds) may end the windows before step `max_steps`.
         `dataloader` is a prepared DataLoader, or a common.data.streaming.StreamLoader (--streaming)."""
         self.split = dataloader if sequence_parallel.is_split(dataloader) else None  # zero3_ulysses.yaml's adapter
         dataloader = sequence_parallel.whole_rows(dataloader)
-        self.accelerator, self.dataloader, self.metrics = accelerator, dataloader, metrics
+        self.accelerator, self.dataloader, self.metrics, self.budget = accelerator, dataloader, metrics, budget
         self.accumulation, self.max_steps, self.start_step = (
             gradient_accumulation_steps,
             max_steps,
@@ -247,8 +249,13 @@ class TrainBatches:
         windows = self._epoch_windows() if self.stream is None else self._stream_windows()
         steps = self.max_steps - self.start_step
         upcoming = self._fetch(windows) if steps > 0 else None
+        if self.budget is not None and steps > 0:
+            self.budget.start()
         for step in range(steps):  # one window per optimizer step
             window, position, pending = upcoming
+            if step > 0 and self.budget is not None and self.budget.done(self.start_step + step, self.max_steps):
+                _settled(pending)  # the next window's count, already on its way on every rank
+                return
             if self.stream is None and step + 1 < steps:
                 # the next window now: its label-token count's all-reduce then runs during this step
                 # instead of holding every rank at the next one's start (a stream's state must not run ahead)
@@ -273,6 +280,8 @@ class TrainBatches:
             yield from window
             if self.stream is not None and step + 1 < steps:
                 upcoming = self._fetch(windows)
+        if self.budget is not None and steps > 0:
+            self.budget.done(self.max_steps, self.max_steps)  # the clock read at the last step's end
 
     def _fetch(self, windows) -> tuple:
         """The next window, the data position after it (None for a stream: its live state) and its
