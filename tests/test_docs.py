@@ -171,6 +171,45 @@ def test_make_demo_dpo_teaches_the_real_model_the_asked_format_and_its_merged_ex
     assert len(answers) == 2 and not answers[0].strip().isdigit() and answers[1].strip().isdigit(), answers
 
 
+@pytest.mark.slow
+@pytest.mark.exhaustive  # three 135M students for the same minutes, after make demo-chat's teacher
+def test_make_demo_distill_gives_three_students_the_same_seconds_and_scores_them_on_unseen_questions(tmp_path):
+    """The fifth demo as a user runs it (its page and runs in tmp_path): make demo-chat's export teaches the untuned
+    model with LoRA on 2 processes, one student distilled on-policy for a fixed number of steps, one by SFT on the
+    teacher's answers and one by GRPO, each of the last two stopped by --max_train_seconds at the distilled one's
+    training seconds; no student trains on a held-out question; the teacher's held-out exact match is demo-chat's
+    (>= 0.8), the untuned model's ~0, and the distilled and SFT students' above it."""
+    out, page = tmp_path / "runs", tmp_path / "demo-distill.md"
+    result = run(
+        [
+            "make",
+            "demo-distill",
+            f"LAUNCH_ARGS=--main_process_port {free_port()}",
+            f"ARGS=--out {out} --docs {page}",
+        ]
+    )
+    scores = re.search(r"held-out exact match: untuned ([\d.]+), teacher ([\d.]+); (.*)", result.stdout)
+    assert scores, result.stdout[-3000:]
+    students = dict(re.findall(r"(\w+) ([\d.]+)", scores[3]))
+    print(f"make demo-distill: {scores[0]}")
+    assert float(scores[1]) <= 0.05 and float(scores[2]) >= 0.8 and sorted(students) == ["distill", "grpo", "sft"]
+    assert float(students["distill"]) > float(scores[1]) and float(students["sft"]) > float(scores[1])
+    budget = read_run(out / "distill")["training_time"]
+    assert "stopped_by_time_budget" not in budget
+    for name in ("sft", "grpo"):
+        record = read_run(out / name)
+        assert record["participating_processes"] == 2 and record["mixed_precision"] == HOST_PRECISION
+        assert record["args"]["max_train_seconds"] == budget["train_seconds"]
+        assert "stopped_by_time_budget" in record["training_time"]
+    held = {json.loads(line)["messages"][0]["content"] for line in (out / "data/chats/validation.jsonl").open()}
+    for train in ("chats", "prompts", "teacher_answers"):
+        rows = [json.loads(line) for line in (out / "data" / train / "train.jsonl").open()]
+        asked = {(row.get("messages") or row.get("prompt"))[0]["content"] for row in rows}
+        assert asked and not asked & held, train
+    text = page.read_text()
+    assert all(f"| {name} |" in text for name in students) and text.count("```bash") == 3
+
+
 def table_rows(text: str) -> dict:
     """A printed markdown table's rows by their first cell (the header and the rule left out)."""
     lines = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| ---")]
