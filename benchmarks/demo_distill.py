@@ -276,6 +276,8 @@ common.training.evaluation.evaluate_generation, for every model): untuned **{sco
 
 {markdown_table(header, rows)}
 
+Ranked at the same seconds: {" > ".join(f"{row[0]} {row[-1]}" for row in sorted(rows, key=lambda row: -float(row[-1])))}.
+
 What each step holds differs, which is the comparison: a distillation step samples {batch} answers (8 a process, at
 temperature 0.9, up to 8 tokens) and has the teacher score every token of them; an SFT step trains on {batch} of the
 teacher's answers; a GRPO step samples 8 answers to each of {batch // 8} questions (temperature 0.7) and scores each

@@ -154,12 +154,12 @@ def budget_stop(out) -> tuple[dict, list[int], list[int]]:
 
 @pytest.mark.parametrize("processes", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_max_train_seconds_stops_every_rank_at_one_step_then_evaluates_and_exports(
-    processes, markov_data, tmp_path, capsys
+    processes, markov_data, reference, tmp_path, capsys
 ):
     """--max_train_seconds: a budget spent after the first step ends the run there (of 12), every rank at the same
     step (2 processes: launched, both taking part, the stop a collective), with the evaluation and final/ of a run
-    that reached --max_steps and the stop in run.json and on the console; without a budget the same run trains its
-    12 steps and records its training seconds."""
+    that reached --max_steps and the stop in run.json and on the console; without a budget (the one-process reference
+    run) the 12 steps are trained and their seconds recorded."""
     args = dict(max_steps=12, eval_steps=4, max_train_seconds=1e-6)
     budgeted = tmp_path / "budgeted"
     if processes == 1:
@@ -174,11 +174,6 @@ def test_max_train_seconds_stops_every_rank_at_one_step_then_evaluates_and_expor
     assert 0 < timing["train_seconds"] and trained == [1] and evaluated == [1]
     assert "--max_train_seconds 1e-06: stopped after step 1 of 12" in said
     assert (budgeted / "final" / "model.safetensors").is_file()
-    if processes == 1:
-        whole = tmp_path / "whole"
-        launch_one_process(
-            "causal_lm.py", causal_lm_args(markov_data, whole, max_steps=12, eval_steps=4), launcher_args=FP32
-        )
-        timing, trained, evaluated = budget_stop(whole)
-        assert timing["max_train_seconds"] is None and "stopped_by_time_budget" not in timing
-        assert timing["train_seconds"] > 0 and trained == list(range(1, 13)) and evaluated == [4, 8, 12]
+    timing, trained, _ = budget_stop(reference)
+    assert timing["max_train_seconds"] is None and "stopped_by_time_budget" not in timing
+    assert timing["train_seconds"] > 0 and trained == list(range(1, 13))
