@@ -158,7 +158,7 @@ def build_accelerator(
     if strategy == "deepspeed":
         import_deepspeed()  # before accelerate imports it (common.launch.internals)
         if on_cpu_host:
-            cpu_host.say_if_building_shm_comm()
+            cpu_host.skip_shm_comm_build()
     # pp: the pipeline's own Accelerator, with the launched config's stages and schedule (common.parallel.pipeline)
     accelerator_class = (accelerator_classes or {}).get(strategy)
     if accelerator_class is None and strategy == "pp":

@@ -27,9 +27,9 @@ from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
 from common.launch.internals import (
     cpu_has_bf16_instructions,
-    deepspeed_builds_op,
     present_cpu_group_as_multi_gpu,
     ring_attention_on_cpu,
+    skip_deepspeed_op,
 )
 
 
@@ -67,27 +67,13 @@ def accelerator_kwargs(strategy: str, process_group: InitProcessGroupKwargs) -> 
     return {"cpu": True}
 
 
-def say_if_building_shm_comm() -> None:
-    """DeepSpeed's CPU backend compiles its shared-memory collectives (the deepspeed_shm_comm extension) the first
-    time it starts on a machine, silently, for minutes: say so before it does (once per node), unless DeepSpeed
-    will not build it (not compatible here, or installed prebuilt). Call after DeepSpeed is imported."""
-    import glob
-
-    from torch.utils.cpp_extension import get_default_build_root
-
-    if not deepspeed_builds_op("deepspeed_shm_comm"):
-        return
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
-    if os.environ.get("LOCAL_RANK", "0") != "0" or glob.glob(
-        os.path.join(root, "**", "deepspeed_shm_comm*.so"), recursive=True
-    ):
-        return
-    print(
-        "DeepSpeed: compiling its CPU collectives (the deepspeed_shm_comm extension), once on this machine, "
-        f"cached in {root}: a few minutes with nothing else printed",
-        file=sys.stderr,
-        flush=True,
-    )
+def skip_shm_comm_build() -> None:
+    """DeepSpeed's CPU backend compiles its shared-memory all-reduce (the deepspeed_shm_comm extension, with the host's
+    C++ compiler: 24 s on a 2-core host, minutes on slower ones, a failed start where none is installed) the first time
+    it starts on a machine, and loads it in every run after. Only DeepSpeed's inference all-reduce (its AutoTP layers)
+    calls it; ZeRO's training, the recipes', calls torch.distributed. Marked not compatible here, DeepSpeed neither
+    builds nor loads it (that all-reduce would fall back to torch.distributed's). Call after DeepSpeed is imported."""
+    skip_deepspeed_op("deepspeed_shm_comm")
 
 
 def adapt(accelerator, strategy: str) -> None:

@@ -130,8 +130,8 @@ USES = (
     ),
     Use(
         "deepspeed",
-        "deepspeed.ops.__compatible_ops__ and git_version_info.installed_ops (the ops it JIT-builds at first use)",
-        "deepspeed_builds_op: common/launch/cpu_host.py says a first launch's compile before it starts",
+        "deepspeed.ops.__compatible_ops__ (the ops it JIT-builds at first use)",
+        "skip_deepspeed_op: common/launch/cpu_host.py keeps the CPU backend from building its inference all-reduce",
     ),
     Use(
         "torch",
@@ -310,12 +310,13 @@ def ring_attention_on_cpu() -> None:
 
 
 # ---- deepspeed -------------------------------------------------------------------------------
-def deepspeed_builds_op(name: str) -> bool:
-    """Whether DeepSpeed compiles its op `name` (deepspeed_shm_comm, ...) on first use here: compatible with this
-    host, and not installed prebuilt. Call after DeepSpeed is imported."""
-    from deepspeed import git_version_info, ops
+def skip_deepspeed_op(name: str) -> None:
+    """Mark DeepSpeed's op `name` (deepspeed_shm_comm, ...) not compatible with this host, so that DeepSpeed neither
+    compiles nor loads it (deepspeed.ops.__compatible_ops__: the dict its op loaders read, kept once probed). Call
+    after DeepSpeed is imported."""
+    from deepspeed import ops
 
-    return bool(ops.__compatible_ops__.get(name)) and not git_version_info.installed_ops.get(name)
+    ops.__compatible_ops__[name] = False
 
 
 def innermost_optimizer(optimizer):
