@@ -69,6 +69,13 @@ def question(chat: dict) -> str:
     return chat["messages"][0]["content"]
 
 
+def asks(chat: dict) -> tuple:
+    """What a chat asks, whatever the order of a sum's terms ("what is 3 plus 5 ?" and "what is 5 plus 3 ?" alike)."""
+    words = question(chat).split()  # what is A plus|minus B ?
+    a, operation, b = int(words[2]), words[3], int(words[4])
+    return (operation, *sorted((a, b))) if operation == "plus" else (operation, a, b)
+
+
 def load(folder: str):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -129,12 +136,17 @@ def launch(recipe: str, flags: list, args) -> tuple[list[str], float]:
         f"recipes/{recipe}",
         *[str(flag) for flag in flags],
     ]
-    print("$ " + shlex.join(command[1:]), flush=True)
+    print("$ " + shown(command), flush=True)
     started = time.perf_counter()
     result = subprocess.run(command, cwd=REPO)
     if result.returncode != 0:
         raise SystemExit(f"error: the {recipe} run failed (exit {result.returncode}); its output is above")
     return command, time.perf_counter() - started
+
+
+def shown(command: list) -> str:
+    """The launch as a user types it (`accelerate launch ...`, not this interpreter's path to it)."""
+    return shlex.join(["accelerate", *command[1:]])
 
 
 def run_record(out: str) -> dict:
@@ -150,6 +162,8 @@ def signal(folder: str, name: str) -> str:
     groups whose completions all scored alike (no advantage, no gradient)."""
     with open(os.path.join(folder, "metrics.jsonl")) as handle:
         rows = [row for row in map(json.loads, handle) if "loss" in row]
+    if not rows:
+        return "no window logged"
     first, last = rows[0], rows[-1]
     if name != "grpo":
         return f"loss {first['loss']:.3f} -> {last['loss']:.3f}"
@@ -167,10 +181,10 @@ def main(argv=None) -> dict:
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise SystemExit(f"error: {path} has no model; run `{make}` first (make demo-distill does)")
 
-    # The questions: the demo's validation chats held out, the students trained on the others.
+    # The questions: the demo's validation chats held out (a sum in either order), the students trained on the others.
     held_out = read_jsonl(os.path.join(args.data, "validation.jsonl"))
-    held = {question(chat) for chat in held_out}
-    train = [chat for chat in read_jsonl(os.path.join(args.data, "train.jsonl")) if question(chat) not in held]
+    held = {asks(chat) for chat in held_out}
+    train = [chat for chat in read_jsonl(os.path.join(args.data, "train.jsonl")) if asks(chat) not in held]
     data = os.path.join(args.out, "data")
     chats = write_jsonl(os.path.join(data, "chats", "train.jsonl"), train)
     held_file = write_jsonl(os.path.join(data, "chats", "validation.jsonl"), held_out)
@@ -195,7 +209,8 @@ def main(argv=None) -> dict:
     )
     right = sum(taught[question(chat)] == chat["messages"][1]["content"] for chat in train) / len(train)
     print(
-        f"{len(train)} training chats ({len(unique)} questions, {len(held)} held out); the teacher answered each "
+        f"{len(train)} training chats ({len(unique)} questions, {len(held)} held out in either order); the teacher "
+        "answered each "
         f"question once in {teacher_seconds:.1f} s, {right:.2f} of the training chats right",
         flush=True,
     )
@@ -260,19 +275,21 @@ def write_docs(args, runs, rows, scores, train, unique, held_out, teacher_second
     batch = record["effective_batch_size"]  # rows a step, the same for the three (8 a process)
     header = ["student", "steps", "training seconds", "launch seconds", "first -> last logged window", "exact match"]
     body = f"""\
-The teacher: SmolLM2-135M-Instruct as `make demo-chat` fine-tuned it (`{args.teacher}`). Each student: the untuned
-model (`{args.base}`) with LoRA adapters (rank 16, all linear layers), learning rate {args.learning_rate:g} (constant
-after 2 warm-up steps), 8 rows a process, on 2 processes (`{args.config}`, {record["mixed_precision"]}), trained on
-{train} of the demo's arithmetic chats ({unique} questions): those whose question is among the {held_out} validation
-chats are left out, so every score below is on questions no student trained on. The distilled student trains
-{args.distill_steps} steps; its training seconds (run.json's `training_time`, from its first step to its last) are
-the budget the SFT and GRPO students stop at (`--max_train_seconds`). The SFT student's data, the teacher's greedy
-answer to each of the {unique} questions ({right:.2f} of the training chats answered right), took the teacher
-{teacher_seconds:.1f} s in one process before the runs, not counted in any budget.
+The teacher: SmolLM2-135M-Instruct as `make demo-chat` fine-tuned it (`{args.teacher}`), on all of the demo's
+arithmetic chats: the questions below are ones it trained on. Each student: the untuned model (`{args.base}`) with LoRA
+adapters (rank 16, all linear layers), learning rate {args.learning_rate:g} (constant after 2 warm-up steps), 8 rows a
+process, on 2 processes (`{args.config}`, {record["mixed_precision"]}), trained on {train} of those chats ({unique}
+questions): those that ask what one of the {held_out} validation chats asks (a sum in either order) are left out, so
+every student's score below is on questions it never trained on. The distilled student trains {args.distill_steps}
+steps; its training seconds (run.json's `training_time`, from its first step to its last) are the budget of the SFT
+and GRPO students (`--max_train_seconds`: each stops at the first step that ends past it, so it may train up to one
+step longer). The SFT student's data, the teacher's greedy answer to each of the {unique} questions ({right:.2f} of the
+training chats answered right), took the teacher {teacher_seconds:.1f} s in one process before the runs, counted in
+no budget.
 
-Held-out exact match (greedy answers through the model's own chat template, the bare number or nothing: one evaluator,
-common.training.evaluation.evaluate_generation, for every model): untuned **{scores["untuned"]:.3f}**, teacher
-**{scores["teacher"]:.3f}**.
+Exact match on the validation questions (greedy answers through the model's own chat template, the bare number or
+nothing: one evaluator, common.training.evaluation.evaluate_generation, for every model): untuned
+**{scores["untuned"]:.3f}**, teacher **{scores["teacher"]:.3f}**.
 
 {markdown_table(header, rows)}
 
@@ -285,12 +302,15 @@ answer once. The launch seconds add the start-up, the model loading and the reci
 windows (4 steps each): the distilled student's loss is the divergence to the teacher over its own answers, the SFT
 student's the cross-entropy of the teacher's answers; GRPO's are the means of its two rewards (format: a bare number,
 right or wrong; exact_match: the right one) and `frac_reward_zero_std`, the share of its question groups whose 8 answers
-all scored alike, which give no advantage and so no gradient.
+all scored alike, which give no advantage and so no gradient. The GRPO student has the students' shared settings, not
+`make demo-grpo`'s (its system turn asking for the number only, 4 questions a step, learning rate 3.5e-4): from the
+untuned model's sentences a bare number is rare, and where it learns the format before the answers its groups score
+alike and its steps stop moving it.
 
 The runs:
 
 """
-    body += "\n".join(f"```bash\n{shlex.join(command[1:])}\n```\n" for command, _ in runs.values())
+    body += "\n".join(f"```bash\n{shown(command)}\n```\n" for command, _ in runs.values())
     write_page(args.docs, "Distillation against SFT and GRPO at the same wall time", body)
 
 

@@ -295,11 +295,11 @@ class Run:
         self.nonfinite.settle()
         if self.world is not None:
             self.world.first_step(self.metrics, self.accelerator, self.args.output_dir)
+        timing = self.budget.record()
+        self.metrics.record_in_run_json("training_time", timing)  # before the export: its model card reads it
         cost = {}
         final_dir = self.export(cost=cost)
         self.metrics.record_in_run_json("final_export", cost)
-        timing = self.budget.record()
-        self.metrics.record_in_run_json("training_time", timing)
         if self.budget.stopped:
             self.accelerator.print(
                 f"--max_train_seconds {self.args.max_train_seconds:g}: stopped after step {self.budget.stopped_at} "

@@ -175,7 +175,7 @@ def main(
         profiler.step()
         if step % args.logging_steps == 0:
             metrics.log_train(step, scheduler.get_last_lr()[0], grad_norm)
-        if args.eval_steps and step % args.eval_steps == 0 and step < max_steps:
+        if args.eval_steps and step % args.eval_steps == 0 and not run.budget.done(step, max_steps):
             evaluate()
         if args.save_steps and step % args.save_steps == 0:
             run.save_checkpoint(step, {"data": batches.position})

@@ -157,10 +157,10 @@ def test_max_train_seconds_stops_every_rank_at_one_step_then_evaluates_and_expor
     processes, markov_data, reference, tmp_path, capsys
 ):
     """--max_train_seconds: a budget spent after the first step ends the run there (of 12), every rank at the same
-    step (2 processes: launched, both taking part, the stop a collective), with the evaluation and final/ of a run
-    that reached --max_steps and the stop in run.json and on the console; without a budget (the one-process reference
+    step (2 processes: launched, both taking part, the stop a collective), with the evaluation (once, though step 1 is
+    an evaluation step) and final/ of a run that reached --max_steps and the stop in run.json and on the console; without a budget (the one-process reference
     run) the 12 steps are trained and their seconds recorded."""
-    args = dict(max_steps=12, eval_steps=4, max_train_seconds=1e-6)
+    args = dict(max_steps=12, eval_steps=1, max_train_seconds=1e-6)  # stopped at an evaluation step: evaluated once
     budgeted = tmp_path / "budgeted"
     if processes == 1:
         launch_one_process("causal_lm.py", causal_lm_args(markov_data, budgeted, **args), launcher_args=FP32)
@@ -174,6 +174,8 @@ def test_max_train_seconds_stops_every_rank_at_one_step_then_evaluates_and_expor
     assert 0 < timing["train_seconds"] and trained == [1] and evaluated == [1]
     assert "--max_train_seconds 1e-06: stopped after step 1 of 12" in said
     assert (budgeted / "final" / "model.safetensors").is_file()
+    card = (budgeted / "final" / "README.md").read_text()  # the model card says what trained
+    assert re.search(r"trained steps\W+1\b", card) and re.search(r"max_train_seconds\W+1e-06", card), card
     timing, trained, _ = budget_stop(reference)
     assert timing["max_train_seconds"] is None and "stopped_by_time_budget" not in timing
     assert timing["train_seconds"] > 0 and trained == list(range(1, 13))

@@ -30,6 +30,7 @@ HYPERPARAMETERS = (
     "max_grad_norm",
     "num_train_epochs",
     "max_steps",
+    "max_train_seconds",
     "per_device_train_batch_size",
     "gradient_accumulation_steps",
     "block_size",
@@ -134,6 +135,7 @@ def _data(args: dict, run: dict) -> str:
 
 
 def _training(run: dict, recipe: str, step: int | None) -> str:
+    stopped = run.get("training_time", {}).get("stopped_by_time_budget", {})  # --max_train_seconds ended it there
     facts = {
         "recipe": f"recipes/{recipe}.py",
         "strategy": run.get("launched_strategy"),
@@ -144,7 +146,7 @@ def _training(run: dict, recipe: str, step: int | None) -> str:
         "master weights": run.get("master_weights_dtype"),
         "ZeRO stage": run.get("zero_stage"),
         "effective batch size": run.get("effective_batch_size"),
-        "trained steps": step if step is not None else run.get("max_steps"),
+        "trained steps": step if step is not None else stopped.get("step", run.get("max_steps")),
     }
     versions = run.get("versions", {})
     facts["versions"] = ", ".join(f"{name} {version}" for name, version in versions.items() if version)
