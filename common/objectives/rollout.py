@@ -301,11 +301,13 @@ class Sampler:
             )
             groups.append((self.prompts[row][PROMPT_IDS], uniforms))
         rows, done = [], None
+        sharers = mesh.batch_sharers(self.accelerator) if self.weights.stages is None else 1
         if show is not None:
-            done = lambda count: show(f"sampled {count}/{len(groups)} prompts")  # noqa: E731
+            share = len(groups[self.accelerator.process_index % sharers :: sharers])
+            done = lambda count: show(f"sampled {count}/{share} prompts")  # noqa: E731
             done(0)
         for (prompt_ids, _), (completions, truncated, ties), row in zip(
-            groups, self.weights.sample(groups, self.settings, done), self.order.rollout(index)
+            groups, self.shared_sample(groups, sharers, done), self.order.rollout(index)
         ):
             rows += [
                 {"row": row, "prompt_ids": prompt_ids, "completion_ids": ids, "truncated": cut, "near_ties": int(n)}
@@ -318,6 +320,19 @@ class Sampler:
             "tokens_per_s": sum(len(r["completion_ids"]) for r in rows) / max(seconds, 1e-9),
         }
         return Rollout(index, rows, torch.zeros(len(rows)), timing=timing)
+
+    def shared_sample(self, groups: list, sharers: int, done) -> list[tuple]:
+        """Each group's completions (`GenerationWeights.sample`). The `sharers` consecutive ranks that hold one batch
+        (a tensor-, context- or sequence-parallel group: mesh.batch_sharers) each sample every sharers-th group from
+        their whole weights and take the others' from them (one gather over the ranks): the same completions as one
+        rank sampling them all, a group's G completions depending on its prompt and uniforms alone, in 1/sharers
+        of the time."""
+        if sharers == 1:
+            return self.weights.sample(groups, self.settings, done)
+        position = self.accelerator.process_index % sharers
+        everyone = gather_object([self.weights.sample(groups[position::sharers], self.settings, done)])
+        parts = everyone[self.accelerator.process_index - position :][:sharers]
+        return [parts[j % sharers][j // sharers] for j in range(len(groups))]
 
     @torch.no_grad()
     def greedy(self, dataset, step: int, batch_size: int, limit: int | None) -> list[dict]:
