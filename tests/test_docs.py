@@ -307,7 +307,7 @@ def test_make_benchmark_peers_times_the_recipe_the_bare_loop_trainer_and_dpo_aga
 
 
 @pytest.mark.slow
-@pytest.mark.exhaustive  # a benchmark's figures (make test keeps make benchmark's and the GRPO peer check)
+@pytest.mark.exhaustive  # a benchmark's figures (make test keeps the GRPO peer check)
 def test_make_benchmark_options_times_each_option_against_the_defaults_and_lists_refusals(tmp_path):
     """One short round on 2 processes: the defaults at 1.00x, foreach AdamW and FP8 (the launcher's flags) timed,
     and Liger listed with the recipe's one-line refusal on a host without a GPU (timed on a GPU)."""
@@ -338,6 +338,7 @@ def test_make_benchmark_options_times_each_option_against_the_defaults_and_lists
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive  # a benchmark's figures (make test keeps the GRPO peer check)
 def test_make_benchmark_prints_ratios_and_draws_the_chart(tmp_path):
     chart, page = tmp_path / "benchmark.png", tmp_path / "benchmark.md"
     result = run(
@@ -369,7 +370,7 @@ def test_make_benchmark_prints_ratios_and_draws_the_chart(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.exhaustive  # a benchmark's figures (make test keeps make benchmark's and the GRPO peer check)
+@pytest.mark.exhaustive  # a benchmark's figures (make test keeps the GRPO peer check)
 def test_make_benchmark_packing_compares_the_layouts(tmp_path):
     page = tmp_path / "packing.md"
     result = run(["make", "-s", "benchmark-packing", f"ARGS=--steps 3 --warmup 1 --batch_size 16 --docs {page}"])
