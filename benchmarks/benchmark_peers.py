@@ -338,7 +338,7 @@ def distill_spec(args, teacher: str) -> TrlJob:
         "--learning_rate",
         str(args.learning_rate),
         "--lmbda",
-        str(DISTILL_LMBDA),
+        str(args.distill_lmbda),
     )
     both += ("--beta", str(DISTILL_BETA), "--temperature", str(DISTILL_TEMPERATURE))
     both += ("--max_new_tokens", str(args.max_completion_length), "--teacher_model_name_or_path", teacher)
@@ -583,7 +583,8 @@ def distill_job(args, config: str, folder: str) -> tuple[str, str]:
             f"`{args.config}` on {args.num_processes} processes; the same Llama, from the same initial weights (both "
             "initialised by common.models.loading.initialise_weights, seed 0), and the same teacher (the model "
             "initialised with seed 1: the job times the two trainers, not what the student learns); `make sft`'s "
-            f"arithmetic chats; GKDTrainer's defaults: lmbda {DISTILL_LMBDA}, beta {DISTILL_BETA}, temperature "
+            f"arithmetic chats; lmbda {args.distill_lmbda} (GKDTrainer's default {DISTILL_LMBDA}), beta "
+            f"{DISTILL_BETA}, temperature "
             f"{DISTILL_TEMPERATURE}; at most {args.max_completion_length} sampled tokens; per-device batch "
             f"{args.batch_size} chats; {args.steps} steps, timed after step {args.warmup}; {args.rounds} rounds, "
             "interleaved.",
@@ -822,6 +823,13 @@ def job_choices(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--temperature", type=float, default=0.7, help="the GRPO job's sampling temperature (make demo-grpo's)"
+    )
+    parser.add_argument(
+        "--distill_lmbda",
+        type=float,
+        default=DISTILL_LMBDA,
+        help="the distillation job's share of on-policy steps (GKDTrainer's 0.5; 0 or 1 time one kind of step in "
+        "both, whose draws of it differ otherwise)",
     )
     parser.add_argument(
         "--torch_compile",
