@@ -273,6 +273,7 @@ def main(argv=None) -> dict:
 def write_docs(args, runs, rows, scores, train, unique, held_out, teacher_seconds, right) -> None:
     record = run_record(os.path.join(args.out, "distill"))
     batch = record["effective_batch_size"]  # rows a step, the same for the three (8 a process)
+    ranked = " > ".join(f"{row[0]} {row[-1]}" for row in sorted(rows, key=lambda row: -float(row[-1])))
     header = ["student", "steps", "training seconds", "launch seconds", "first -> last logged window", "exact match"]
     body = f"""\
 The teacher: SmolLM2-135M-Instruct as `make demo-chat` fine-tuned it (`{args.teacher}`), on all of the demo's
@@ -293,7 +294,7 @@ nothing: one evaluator, common.training.evaluation.evaluate_generation, for ever
 
 {markdown_table(header, rows)}
 
-Ranked at the same seconds: {" > ".join(f"{row[0]} {row[-1]}" for row in sorted(rows, key=lambda row: -float(row[-1])))}.
+Ranked at the same seconds: {ranked}.
 
 What each step holds differs, which is the comparison: a distillation step samples {batch} answers (8 a process, at
 temperature 0.9, up to 8 tokens) and has the teacher score every token of them; an SFT step trains on {batch} of the

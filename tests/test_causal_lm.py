@@ -158,8 +158,8 @@ def test_max_train_seconds_stops_every_rank_at_one_step_then_evaluates_and_expor
 ):
     """--max_train_seconds: a budget spent after the first step ends the run there (of 12), every rank at the same
     step (2 processes: launched, both taking part, the stop a collective), with the evaluation (once, though step 1 is
-    an evaluation step) and final/ of a run that reached --max_steps and the stop in run.json and on the console; without a budget (the one-process reference
-    run) the 12 steps are trained and their seconds recorded."""
+    an evaluation step) and final/ of a run that reached --max_steps and the stop in run.json and on the console;
+    without a budget (the one-process reference run) the 12 steps are trained and their seconds recorded."""
     args = dict(max_steps=12, eval_steps=1, max_train_seconds=1e-6)  # stopped at an evaluation step: evaluated once
     budgeted = tmp_path / "budgeted"
     if processes == 1:
