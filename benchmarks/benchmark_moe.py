@@ -2,11 +2,11 @@
 model state per rank, and the all-to-all traffic against its formula, written to docs/benchmark-moe.md.
 
 Launches recipes/causal_lm.py on a Qwen3-MoE built from a config (8 experts, 2 per token; --hidden_size and
---layers size it) under ddp.yaml, fsdp.yaml and ep.yaml at each --processes (ep.yaml with its sizes set to the
-processes: a copy written beside the runs), as the configs ship (bf16; fp32 on a CPU without bf16 instructions,
-as a user's run there). Per run: tokens/s (the median of the train lines after the first), the peak resident set
-per rank through training (its largest rank), the model state per rank (run.json's memory account), and under
-ep.yaml the megabytes each rank sends per step (the run's `all_to_all_mb`, counted from the routing:
+--layers size it) under ddp.yaml, fsdp.yaml and ep.yaml at each --processes, and fsdp_ep.yaml from 4 (ep.yaml with
+its sizes set to the processes, fsdp_ep.yaml with ep_size half of them: copies written beside the runs), as the
+configs ship (bf16; fp32 on a CPU without bf16 instructions, as a user's run there). Per run: tokens/s (the median
+of the train lines after the first), the peak resident set per rank through training (its largest rank), the model
+state per rank (run.json's memory account), and under ep.yaml and fsdp_ep.yaml the megabytes each rank sends per step (the run's `all_to_all_mb`, counted from the routing:
 common.parallel.expert_parallel.Traffic) against the formula for even routing:
 
     4 x layers x tokens per rank per step x experts per token x (ep - 1) / ep x hidden size x bytes per element
@@ -37,7 +37,7 @@ from figures import markdown_table, write_page  # noqa: E402
 from common.launch.peers import free_port  # noqa: E402
 
 
-CONFIGS = ("ddp.yaml", "fsdp.yaml", "ep.yaml")
+CONFIGS = ("ddp.yaml", "fsdp.yaml", "ep.yaml", "fsdp_ep.yaml")  # fsdp_ep.yaml from 4 processes: ep_size half of them
 MB = 2**20
 
 
@@ -61,20 +61,25 @@ def moe_config(folder: str, hidden: int, layers: int) -> str:
     return path
 
 
+def expert_split(name: str, processes: int) -> int:
+    """The ep_size a config runs at over `processes`: all of them (ep.yaml), half (fsdp_ep.yaml), none (1)."""
+    return {"ep.yaml": processes, "fsdp_ep.yaml": processes // 2}.get(name, 1)
+
+
 def config_for(name: str, processes: int, folder: str) -> str:
-    """The shipped config, or ep.yaml with its sizes set to `processes`."""
+    """The shipped config, or an expert-parallel one with its sizes set for `processes`."""
     import yaml
 
     path = os.path.join(REPO, "accelerate_configs", name)
-    if name != "ep.yaml":
+    if expert_split(name, processes) == 1:
         return path
     with open(path) as handle:
         config = yaml.safe_load(handle)
     config["num_processes"] = processes
     config["parallelism_config"].update(
-        parallelism_config_dp_shard_size=processes, parallelism_config_ep_size=processes
+        parallelism_config_dp_shard_size=processes, parallelism_config_ep_size=expert_split(name, processes)
     )
-    out = os.path.join(folder, f"ep_{processes}.yaml")
+    out = os.path.join(folder, f"{name.removesuffix('.yaml')}_{processes}.yaml")
     with open(out, "w") as handle:
         yaml.safe_dump(config, handle)
     return out
@@ -114,7 +119,8 @@ def measure(name: str, processes: int, args, folder: str, data: str, model: str)
         config = json.load(handle)
     c = 2 if record["compute_dtype"] == "bfloat16" else 4
     tokens = args.batch_size * args.block_size  # per rank per step (accumulation 1)
-    formula = 4 * config["num_hidden_layers"] * tokens * 2 * (processes - 1) / processes * config["hidden_size"] * c
+    ep = expert_split(name, processes)
+    formula = 4 * config["num_hidden_layers"] * tokens * 2 * (ep - 1) / ep * config["hidden_size"] * c
     return {
         "config": name,
         "processes": processes,
@@ -122,7 +128,7 @@ def measure(name: str, processes: int, args, folder: str, data: str, model: str)
         "peak_mb": max(max(r["peak_memory_mb_per_rank"]) for r in rows),
         "model_state_mb": max(rank["model_state_mb"] for rank in record["memory_per_rank"]),
         "all_to_all_mb": statistics.mean(r["all_to_all_mb"] for r in rows) if "all_to_all_mb" in rows[0] else None,
-        "formula_mb": formula / MB if name == "ep.yaml" else None,
+        "formula_mb": formula / MB if ep > 1 else None,
         "parameters": record["total_parameters"],
         "dtype": record["compute_dtype"],
         "loss": rows[-1]["loss"],
@@ -147,7 +153,7 @@ def main(argv=None):
         model = moe_config(folder, args.hidden_size, args.layers)
         results = []
         for processes in args.processes:
-            for name in CONFIGS:
+            for name in (name for name in CONFIGS if name != "fsdp_ep.yaml" or processes >= 4 and processes % 2 == 0):
                 results.append(measure(name, processes, args, folder, data, model))
                 print(json.dumps(results[-1]), flush=True)
     rows = []
@@ -191,11 +197,16 @@ def main(argv=None):
         f"{table}\n\n"
         "The all-to-all column is the run's own `all_to_all_mb` (each off-rank (token, expert) pair counted from the "
         "routing, four crossings); the formula assumes the router spreads the tokens evenly, so the gap is the "
-        "routing's imbalance across ranks. ddp.yaml holds the whole model on each rank; fsdp.yaml and ep.yaml 1/N of "
-        "it, ep.yaml without gathering any expert.\n"
+        "routing's imbalance across ranks. ddp.yaml holds the whole model on each rank; fsdp.yaml, ep.yaml and "
+        "fsdp_ep.yaml 1/N of it: ep.yaml without gathering any expert, fsdp_ep.yaml gathering its group's experts "
+        "over the N / ep_size groups (its all-to-alls inside a group of ep_size ranks).\n"
     )
     if args.docs:
-        write_page(args.docs, "Expert parallelism: ep.yaml against ddp.yaml and fsdp.yaml on a small MoE", body)
+        write_page(
+            args.docs,
+            "Expert parallelism: ep.yaml and fsdp_ep.yaml against ddp.yaml and fsdp.yaml on a small MoE",
+            body,
+        )
     else:
         print(body)
 

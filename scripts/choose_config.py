@@ -59,12 +59,10 @@ def write_yaml(choice: dict, args, path: str) -> None:
             f"{choice['sp_size']}" + (f"\n  parallelism_config_dp_shard_size: {shard}" if shard > 1 else ""),
             text,
         )
-    if choice["strategy"].get("ep_size", 1) > 1:  # ep.yaml: the experts over every device, FSDP2's shards too
-        for key in ("ep", "dp_shard"):
+    if choice["strategy"].get("ep_size", 1) > 1:  # the experts over ep_size devices, FSDP2's shards over them all
+        for key, size in (("ep", choice["strategy"]["ep_size"]), ("dp_shard", args.num_devices)):
             text = re.sub(
-                rf"(?m)^  parallelism_config_{key}_size: .*$",
-                f"  parallelism_config_{key}_size: {args.num_devices}",
-                text,
+                rf"(?m)^  parallelism_config_{key}_size: .*$", f"  parallelism_config_{key}_size: {size}", text
             )
     if choice["tp_size"] > 1:  # the chosen groups, and FSDP2's shards of a node beside them (fsdp_tp.yaml)
         text = re.sub(

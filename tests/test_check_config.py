@@ -60,7 +60,9 @@ def moe_recipe(tmp_path) -> Path:
 
 @pytest.mark.parametrize("name", [n for n in SHIPPED if n not in TEMPLATES])
 def test_shipped_configs_pass(name, tmp_path):
-    result = check(CONFIGS / name, *(["--recipe_config", moe_recipe(tmp_path)] if name == "ep.yaml" else []))
+    result = check(
+        CONFIGS / name, *(["--recipe_config", moe_recipe(tmp_path)] if name in ("ep.yaml", "fsdp_ep.yaml") else [])
+    )
     assert result.returncode == 0 and result.stdout.strip().endswith(": ok"), result.stdout + result.stderr
 
 

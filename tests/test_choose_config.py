@@ -822,6 +822,19 @@ def test_a_mixture_of_experts_ranks_ep_yaml_with_its_all_to_all_and_the_yaml_car
     text = (tmp_path / "chosen.yaml").read_text()
     assert "parallelism_config_ep_size: 8" in text and "parallelism_config_dp_shard_size: 8" in text
     assert "num_processes: 8" in text
+    # fsdp_ep.yaml at its fastest ep_size below 8: the all-to-alls within groups of ep, and each group's 1/ep of the
+    # experts gathered (forward, backward) and reduce-scattered over the 8 / ep groups beside the dense weights
+    two_d = rows["fsdp_ep.yaml"]
+    e, groups = two_d["ep_size"], 8 // two_d["ep_size"]
+    assert e in (2, 4) and two_d["step_s"] > ep["step_s"]  # on one node the gathers cost more than they save
+    k, passes = two_d["accumulation"], 6 if two_d["activation_checkpointing"] else 4
+    shards = k * 3 * 2 * model["expert_parameters"] / e * (groups - 1) / groups
+    exchange = k * passes * 48 * 4096 * 8 * 2048 * 2 * (e - 1) / e
+    assert two_d["comm_s"] == pytest.approx((gathers / ep["accumulation"] * k + shards + exchange) / 100e9, rel=1e-6)
+    (tmp_path / "2d").mkdir()
+    choose(tmp_path / "2d", "--model", tmp_path / "moe", *job, "--link_gbps", 100, "--configs", "fsdp_ep.yaml")
+    text = (tmp_path / "2d/chosen.yaml").read_text()
+    assert f"parallelism_config_ep_size: {e}" in text and "parallelism_config_dp_shard_size: 8" in text
     for index, (argv, why) in enumerate(
         (
             (["--model", LLAMA3_8B, *job], "LlamaForCausalLM has no experts to split"),
@@ -830,4 +843,10 @@ def test_a_mixture_of_experts_ranks_ep_yaml_with_its_all_to_all_and_the_yaml_car
         )
     ):
         (tmp_path / str(index)).mkdir()
-        assert why in choose(tmp_path / str(index), *argv)["not_ranked"]["ep.yaml"]
+        result = choose(tmp_path / str(index), *argv)
+        assert why in result["not_ranked"]["ep.yaml"]
+        ranked = {r["config"]: r for r in result["rows"]}
+        if index == 2:  # 6 devices: fsdp_ep.yaml splits the experts over pairs (3 does not divide 128)
+            assert ranked["fsdp_ep.yaml"]["ep_size"] == 2
+        else:
+            assert why in result["not_ranked"]["fsdp_ep.yaml"]

@@ -21,6 +21,7 @@ import torch
 from conftest import (
     FP32,
     REPO,
+    LaunchedOnce,
     causal_lm_args,
     free_port,
     launch,
@@ -50,6 +51,12 @@ LAYOUTS = {
     "zero3_ulysses.yaml": (2, 4, 2),  # each rank a slice of every row
     "fsdp_cp.yaml": (2, 4, 2),
     "ep.yaml": (2, 2, 2),  # each rank 4 of the 8 experts, FSDP2 for the rest
+    "fsdp_ep.yaml": (1, 2, 4),  # each pair of ranks the 8 experts, 4 each, each expert sharded over the 2 pairs
+}
+# experts split over ep_size ranks, and (fsdp_ep.yaml) each sharded over the rest: read off the ranks' weights
+SPLITS = {
+    "ep.yaml": {"ep_size": 2, "experts_per_rank": 4},
+    "fsdp_ep.yaml": {"ep_size": 2, "experts_per_rank": 4, "expert_shards": 2},
 }
 # each rank's router sees its slice of the rows, so the aux loss is the slices' (docs/strategies.md): near one
 # process's, not equal (seen: aux loss within 0.26%, the loss within 2.7e-5, the experts' load within 1% once the
@@ -81,11 +88,39 @@ def moe_args(data, out, **overrides):
 
 
 @pytest.fixture(scope="module")
-def moe_reference(moe_data, tmp_path_factory):
-    """One process, 2-row micro-batches, accumulation 4 (global batch 8), two epochs."""
-    out = tmp_path_factory.mktemp("moe_reference") / "run"
-    args = moe_args(moe_data, out, gradient_accumulation_steps=4, save_steps=SAVED_AT, save_total_limit=100)
-    launch_one_process("causal_lm.py", args, launcher_args=FP32)
+def moe_references(moe_data, tmp_path_factory):
+    """One process on micro-batches of `rows` rows, accumulation 8 / rows (global batch 8), two epochs, a checkpoint
+    kept at step SAVED_AT: the router's loss is taken per micro-batch, so each layout has the reference of its rows."""
+
+    def launch_reference(rows: int):
+        out = tmp_path_factory.mktemp(f"moe_reference_{rows}") / "run"
+        overrides = dict(per_device_train_batch_size=rows, gradient_accumulation_steps=8 // rows)
+        args = moe_args(moe_data, out, save_steps=SAVED_AT, save_total_limit=100, **overrides)
+        launch_one_process("causal_lm.py", args, launcher_args=FP32)
+        return out
+
+    return LaunchedOnce(launch_reference)
+
+
+@pytest.fixture(scope="module")
+def moe_reference(moe_references):
+    """2-row micro-batches, accumulation 4."""
+    return moe_references[2]
+
+
+@pytest.fixture(scope="module")
+def fsdp_ep_run(moe_data, tmp_path_factory):
+    """fsdp_ep.yaml on its 4 processes x 1 row x accumulation 2, a checkpoint kept at step SAVED_AT."""
+    out = tmp_path_factory.mktemp("fsdp_ep_run") / "run"
+    args = moe_args(
+        moe_data,
+        out,
+        per_device_train_batch_size=1,
+        gradient_accumulation_steps=2,
+        save_steps=SAVED_AT,
+        save_total_limit=100,
+    )
+    launch("fsdp_ep.yaml", "causal_lm.py", args, launcher_args=FP32)
     return out
 
 
@@ -117,12 +152,13 @@ def relative_gap(mine: list, theirs: list) -> float:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config", tiered(LAYOUTS, IN_MAKE_TEST))
-def test_moe_with_its_router_loss_matches_one_process(config, moe_data, moe_reference, tmp_path, request):
+def test_moe_with_its_router_loss_matches_one_process(config, moe_data, moe_references, tmp_path, request):
     from transformers import AutoModelForCausalLM
 
     batch, accumulation, processes = LAYOUTS[config]
-    if config == "ep.yaml":
-        out = request.getfixturevalue("ep_run")
+    moe_reference = moe_references[batch]
+    if config in ("ep.yaml", "fsdp_ep.yaml"):
+        out = request.getfixturevalue(config.replace(".yaml", "_run"))
     else:
         out = tmp_path / "run"
         args = moe_args(moe_data, out, per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation)
@@ -131,7 +167,7 @@ def test_moe_with_its_router_loss_matches_one_process(config, moe_data, moe_refe
     assert record["world_size"] == processes and record["participating_processes"] == processes
     assert record["effective_batch_size"] == reference["effective_batch_size"] == 8
     assert record["train_blocks"] % 8, "an epoch with a remainder"
-    split = {"ep_size": 2, "experts_per_rank": 4} if config == "ep.yaml" else {}  # read off the ranks' weights
+    split = SPLITS.get(config, {})
     assert record["experts"] == {
         "num_experts": 8,
         "experts_per_token": 2,
@@ -144,8 +180,9 @@ def test_moe_with_its_router_loss_matches_one_process(config, moe_data, moe_refe
     gaps = {name: relative_gap([r[name] for r in rows], [r[name] for r in reference_rows]) for name in FIGURES}
     weights = max_weight_difference(out / "final", moe_reference / "final")
     print(f"{config}: relative gaps {gaps}, final weights {weights:.2e} (fp32, 2 epochs, accumulation)")
-    if config == "ep.yaml":  # each rank's tokens to the other rank's experts: half its (token, expert) pairs
-        formula = 4 * 2 * (2 * 32 * 2) * 2 * (1 / 2) * 64 * 4 / 2**20  # layers, tokens per step, k, off-rank, h, fp32
+    if config in SPLITS:  # each rank's tokens to the other rank's experts of its pair: half its (token, expert) pairs
+        tokens = batch * 32 * accumulation  # a rank's tokens per step
+        formula = 4 * 2 * tokens * 2 * (1 / 2) * 64 * 4 / 2**20  # crossings, layers, tokens, k, off-rank, h, fp32
         sent = sorted(r["all_to_all_mb"] for r in rows)
         assert abs(sent[len(sent) // 2] - formula) < 0.25 * formula, (sent, formula)
     if config in SLICED:
@@ -161,22 +198,26 @@ def test_moe_with_its_router_loss_matches_one_process(config, moe_data, moe_refe
     assert type(model).__name__ == "Qwen3MoeForCausalLM" and model.config.output_router_logits
 
 
-RESUMES = {  # (saved by, resumed under): processes, accumulation
-    ("ep", "single.yaml"): (1, 4),
-    ("ep", "fsdp.yaml"): (2, 2),
-    ("reference", "ep.yaml"): (2, 2),
+RESUMES = {  # (saved by, resumed under): processes, accumulation, rows a micro-batch (the reference's)
+    ("ep", "single.yaml"): (1, 4, 2),
+    ("ep", "fsdp.yaml"): (2, 2, 2),
+    ("reference", "ep.yaml"): (2, 2, 2),
+    ("fsdp_ep", "ep.yaml"): (2, 4, 1),  # each expert's shards over 2 pairs gathered into whole experts
+    ("reference", "fsdp_ep.yaml"): (4, 2, 1),
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("saved_by,config", tiered(RESUMES, [("ep", "single.yaml")]))
 def test_an_expert_parallel_checkpoint_resumes_under_another_config_and_back(
-    saved_by, config, moe_data, moe_reference, tmp_path, request
+    saved_by, config, moe_data, moe_references, tmp_path, request
 ):
-    """The ep.yaml run's checkpoint (each rank its experts, DCP) goes on in one process and under fsdp.yaml, and one
-    process's checkpoint under ep.yaml, to the reference's losses and final weights (fp32)."""
-    saved = request.getfixturevalue("ep_run") if saved_by == "ep" else moe_reference
-    processes, accumulation = RESUMES[(saved_by, config)]
+    """The ep.yaml run's checkpoint (each rank its experts, DCP) goes on in one process and under fsdp.yaml, the
+    fsdp_ep.yaml run's (each rank a shard of its experts) under ep.yaml, and one process's checkpoint under ep.yaml and
+    fsdp_ep.yaml, to the reference's losses and final weights (fp32)."""
+    processes, accumulation, rows = RESUMES[(saved_by, config)]
+    reference = moe_references[rows]
+    saved = reference if saved_by == "reference" else request.getfixturevalue(f"{saved_by}_run")
     stopped = tmp_path / "stopped"
     resume_elsewhere(
         saved,
@@ -185,17 +226,39 @@ def test_an_expert_parallel_checkpoint_resumes_under_another_config_and_back(
         processes,
         config,
         "causal_lm.py",
-        lambda **overrides: moe_args(moe_data, stopped, **overrides),
+        lambda **overrides: moe_args(moe_data, stopped, per_device_train_batch_size=rows, **overrides),
         accumulation,
         launcher_args=FP32,
         logged_rows=SAVED_AT,
     )
-    rows, reference_rows = read_metrics(stopped)[0], read_metrics(moe_reference)[0]
+    rows, reference_rows = read_metrics(stopped)[0], read_metrics(reference)[0]
     assert [r["step"] for r in rows] == [r["step"] for r in reference_rows]
     gap = relative_gap([r["loss"] for r in rows[SAVED_AT:]], [r["loss"] for r in reference_rows[SAVED_AT:]])
-    weights = max_weight_difference(stopped / "final", moe_reference / "final")
+    weights = max_weight_difference(stopped / "final", reference / "final")
     print(f"{saved_by} -> {config}: losses after step {SAVED_AT} within {gap:.1e}, final weights {weights:.1e}")
     assert gap < FP32_TOLERANCE and weights < FP32_TOLERANCE
+
+
+@pytest.mark.slow
+@pytest.mark.exhaustive
+def test_fsdp_ep_holds_a_quarter_of_the_experts_state_per_rank_as_estimated_at_100m(moe_data, tmp_path):
+    """fsdp_ep.yaml as it ships (4 processes, ep 2 x 2 shards, bf16) on a 118M-parameter Qwen3-MoE (its experts 96% of
+    it): each rank's parameters, gradients and Adam states, counted by the run's memory account, within 15% of `make
+    estimate-memory`'s (1/4 of the experts' and of the dense weights' per rank), for two steps."""
+    config = json.loads(MOE.read_text())
+    config.update(hidden_size=512, moe_intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8, head_dim=64)
+    config.update(num_key_value_heads=4, intermediate_size=2048)
+    (tmp_path / "moe.json").write_text(json.dumps(config))
+    out = tmp_path / "run"
+    args = moe_args(moe_data, out, model_config=tmp_path / "moe.json", max_steps=2, per_device_train_batch_size=1)
+    launch("fsdp_ep.yaml", "causal_lm.py", [*args, "--per_device_eval_batch_size", "1", "--max_eval_samples", "4"])
+    record = read_run(out)
+    assert record["participating_processes"] == 4 and record["total_parameters"] > 100e6
+    assert record["experts"]["ep_size"] == 2 and record["experts"]["expert_shards"] == 2
+    gaps = model_state_gaps(out, REPO / "accelerate_configs/fsdp_ep.yaml")
+    states = [account["model_state_mb"] for account in record["memory_per_rank"]]
+    print(f"fsdp_ep.yaml at {record['total_parameters'] / 1e6:.0f}M: model state per rank {states} MB, gaps {gaps}")
+    assert all(gap < 0.15 for gap in gaps.values()), gaps
 
 
 @pytest.mark.slow
@@ -231,7 +294,9 @@ def test_expert_parallelism_refuses_what_it_cannot_split_in_one_line():
     ep = {"dp_shard": 2, "ep": 2}
     assert mesh_problems(ep, 2, "FSDP", True, False) == []
     assert "expert parallelism runs under FSDP2" in mesh_problems({"ep": 2}, 2, "MULTI_GPU", False, False)[0]
-    assert "ep_size 2 with 4 processes" in mesh_problems({"dp_shard": 4, "ep": 2}, 4, "FSDP", True, False)[0]
+    assert mesh_problems({"dp_shard": 4, "ep": 2}, 4, "FSDP", True, False) == []  # fsdp_ep.yaml's 2 x 2
+    for sizes, world in (({"dp_shard": 6, "ep": 4}, 6), ({"dp_shard": 2, "ep": 4}, 2)):
+        assert f"ep_size 4 with {world} processes" in mesh_problems(sizes, world, "FSDP", True, False)[0]
     assert "beside tp_size 2" in mesh_problems({"dp_shard": 1, "tp": 2, "ep": 2}, 2, "FSDP", True, False)[0]
     assert "fsdp_cpu_ram_efficient_loading: true" in mesh_problems(ep, 2, "FSDP", True, True)[0]
 

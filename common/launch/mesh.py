@@ -142,11 +142,11 @@ def expert_parallel_problems(sizes: dict, world: int, distributed_type: str, fsd
             f"parallelism_config_ep_size beside {', '.join(others)}: these recipes split the experts over the "
             "FSDP2 ranks of one mesh only; leave the other sizes at 1 (ep.yaml)"
         ]
-    if ep != world:
+    if ep > world or world % ep:
         return [
-            f"parallelism_config_ep_size {ep} with {world} processes: the experts split over all the ranks that "
-            f"shard the model (ep_size = dp_shard_size = num_processes); set parallelism_config_ep_size {world} "
-            "(splitting them over fewer ranks and sharding each expert over the rest is not supported yet)"
+            f"parallelism_config_ep_size {ep} with {world} processes: the experts split over groups of ep_size ranks, "
+            f"each expert sharded over num_processes / ep_size of them; set parallelism_config_ep_size to a divisor "
+            f"of {world} (all {world}: ep.yaml; fewer: fsdp_ep.yaml)"
         ]
     if efficient_loading:
         return [

@@ -1,4 +1,4 @@
-"""Expert parallelism from the config (ep.yaml): a mixture-of-experts model's experts split over the ranks.
+"""Expert parallelism from the config (ep.yaml, fsdp_ep.yaml): a mixture-of-experts model's experts split over ranks.
 
 ep.yaml is fsdp.yaml with `parallelism_config_ep_size` = the number of processes: the dense weights (attention,
 embeddings, norms, routers, the head) are sharded by FSDP2 as under fsdp.yaml, and each rank holds whole experts,
@@ -9,10 +9,16 @@ by the model's own expert-parallel plan, `base_model_ep_plan`). The experts' sta
 expert (Shard(0)) over the same mesh FSDP2 shards the rest on: the optimizer, the gradient clipping, the DCP
 checkpoints (which resume under fsdp.yaml and back) and the export's gather treat them as they treat the rest.
 
+fsdp_ep.yaml (torchtitan's 2-D layout) sets an ep_size that divides the processes: groups of ep_size consecutive
+ranks each split the experts as ep.yaml does (the all-to-alls stay inside a group), and each experts module is
+FSDP2-sharded over the num_processes / ep_size ranks that hold the same experts, on a mesh of its own (expert_shard
+x ep), gathered for its forward and backward in the dense weights' compute dtype.
+
 The gradients: FSDP2 averages the dense ones over the ranks; an expert's gradient arrives on its rank summed over
-every rank's tokens (the all-to-all's backward), so it is divided by the number of ranks here, and the run trains
-as one process on the same global batch does. accelerate's ParallelismConfig has no expert axis, so the size is
-read from the launched config, as the pipeline's is (common.launch.mesh).
+its ep group's tokens (the all-to-all's backward), so it is divided by the number of ranks here (under fsdp_ep.yaml
+after the sum over its shards' ranks, FSDP2's divide factor), and the run trains as one process on the same global
+batch does. accelerate's ParallelismConfig has no expert axis, so the size is read from the launched config, as the
+pipeline's is (common.launch.mesh).
 """
 
 from __future__ import annotations
@@ -91,18 +97,20 @@ def model_problems(model, ep: int, plan: dict | None = None) -> list[str]:
     count = getattr(model.get_submodule(names[0]), "num_experts", 0)
     if count % ep:
         return [
-            f"ep_size {ep}: the model's {count} experts per layer do not divide over {ep} ranks; launch a number "
-            f"of processes that divides {count} (ep_size and dp_shard_size set to it)"
+            f"ep_size {ep}: the model's {count} experts per layer do not divide over {ep} ranks; set an ep_size that "
+            f"divides {count} (ep.yaml: the number of processes; fsdp_ep.yaml: a divisor of it)"
         ]
     return []
 
 
 def shard(model, state=None):
-    """Split `model`'s experts (whole on each rank) over the ranks FSDP2 will shard the rest on: each rank keeps its
-    experts' rows of the stacked weights, and each experts module exchanges its tokens by all-to-all. FSDP2 is told
-    to leave the experts to this (accelerate's ignored_modules)."""
+    """Split `model`'s experts (whole on each rank) over the ranks FSDP2 will shard the rest on, or over groups of
+    ep_size of them (fsdp_ep.yaml: each experts module then FSDP2-sharded over the groups here): each rank keeps its
+    experts' rows of the stacked weights, and each experts module exchanges its tokens by all-to-all. accelerate's
+    FSDP2 is told to leave the experts to this (its ignored_modules)."""
     from accelerate.state import AcceleratorState
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers.distributed.expert_parallel import apply_expert_parallelism
 
     state = state or AcceleratorState()
@@ -116,18 +124,41 @@ def shard(model, state=None):
     problems = model_problems(model, ep, plan)
     if problems:
         raise UsageError(f"parallelism_config_{problems[0]}")
-    mesh = state.device_mesh["dp_shard"]  # the mesh FSDP2 shards the dense weights on (ep_size = dp_shard_size)
+    mesh = state.device_mesh["dp_shard"]  # the mesh FSDP2 shards the dense weights on (dp_shard_size = num_processes)
+    world = mesh.size()
+    if ep == world:  # ep.yaml: each rank holds its experts whole
+        ep_mesh, expert_shards = mesh, None
+    else:  # fsdp_ep.yaml: ep consecutive ranks split the experts; each expert FSDP2-sharded over world / ep ranks
+        grid = init_device_mesh(mesh.device_type, (world // ep, ep), mesh_dim_names=("expert_shard", "ep"))
+        ep_mesh, expert_shards = grid["ep"], grid["expert_shard"]
+        # gathered and reduced in the dtypes FSDP2 gives the dense weights (bf16 under the shipped configs); their
+        # inputs left as the layer hands them, as under ep.yaml (the routing weights not cast)
+        mixed = plugin.mixed_precision_policy
+        policy = MixedPrecisionPolicy(
+            **({"param_dtype": mixed.param_dtype, "reduce_dtype": mixed.reduce_dtype} if mixed else {}),
+            cast_forward_inputs=False,
+        )
     # the ranks that hold one batch: each alone here (transformers' all-to-all splits a batch a tp group shares)
-    alone = init_device_mesh(mesh.device_type, (ep, 1), mesh_dim_names=("ep", "batch"))["batch"]
-    apply_expert_parallelism(model, mesh, alone, plan, ep_implementation="all_to_all")
+    alone = init_device_mesh(mesh.device_type, (world, 1), mesh_dim_names=("rank", "batch"))["batch"]
+    apply_expert_parallelism(model, ep_mesh, alone, plan, ep_implementation="all_to_all")
     model.split_experts = dispatched(plan)
     experts = [model.get_submodule(name) for name in model.split_experts]
+    model.expert_split = {"ep_size": ep, "experts_per_rank": experts[0].num_experts}
     for module in experts:
         compute_in_autocast_dtype(module)
-        module.expert_rank = mesh.get_local_rank()  # the range of experts this rank holds (Traffic reads it)
-        for parameter in module.parameters():
-            # an expert's gradient is the sum over every rank's tokens: their mean, as FSDP2 averages the rest
-            parameter.register_hook(lambda gradient, ranks=ep: gradient / ranks)
+        module.expert_rank = ep_mesh.get_local_rank()  # the range of experts this rank holds (Traffic reads it)
+        if expert_shards is None:
+            for parameter in module.parameters():
+                # an expert's gradient is the sum over every rank's tokens: their mean, as FSDP2 averages the rest
+                parameter.register_hook(lambda gradient, ranks=ep: gradient / ranks)
+            continue
+        # summed over the ep group's tokens by the all-to-all's backward, then reduce-scattered over the expert's
+        # shards: divided by every rank (the mean over all tokens, as FSDP2 averages the dense gradients)
+        fully_shard(module, mesh=expert_shards, reshard_after_forward=plugin.reshard_after_forward, mp_policy=policy)
+        module.set_gradient_divide_factor(float(world))
+        module.set_force_sum_reduction_for_comms(True)  # a sum, then the division (gloo has no pre-scaled sum)
+    if expert_shards is not None:
+        model.expert_split["expert_shards"] = expert_shards.size()
     plugin.ignored_modules = [*(plugin.ignored_modules or []), *experts]
     return model
 
@@ -154,19 +185,9 @@ def compute_in_autocast_dtype(module) -> None:
 
 
 def describe(model) -> dict:
-    """run.json's account of the split: ep_size and the experts each rank holds (read off the stacked weights'
-    local rows), or nothing where the experts are whole."""
-    from torch.distributed.tensor import DTensor
-
-    names = getattr(model, "split_experts", None)
-    if not names:
-        return {}
-    split = [p for name in names for p in model.get_submodule(name).parameters() if isinstance(p, DTensor)]
-    held = {parameter.to_local().shape[0] for parameter in split}
-    return {
-        "ep_size": split[0].device_mesh.size(),
-        "experts_per_rank": held.pop() if len(held) == 1 else sorted(held),
-    }
+    """run.json's account of the split: ep_size, the experts each rank holds and, under fsdp_ep.yaml, the ranks each
+    expert is sharded over; nothing where the experts are whole."""
+    return dict(getattr(model, "expert_split", {}))
 
 
 class Traffic:

@@ -552,12 +552,19 @@ def estimate(
         parameters, master, gradients, optimizer = 4 * local / n, 0, 4 * local * t / psi / n, 8 * local * t / psi / n
         # a layer gathered whole and the next prefetched, and the root unit (embeddings, final norm, head:
         # FSDP2 keeps the root gathered from forward to backward); without resharding, the whole model
-        # ep.yaml: each rank's experts are its own, whole, never gathered: a layer's other tensors only
-        layer = model["largest_layer_without_experts"] if strategy.get("ep_size", 1) > 1 else model["largest_layer"]
+        # ep.yaml: each rank's experts are its own, whole, never gathered: a layer's other tensors only;
+        # fsdp_ep.yaml: and the layer's experts of the rank's ep group, gathered over the groups (1/ep of them)
+        layer, unsplit = model["largest_layer"], psi
+        if 1 < (ep := strategy.get("ep_size", 1)):
+            gathered = 1 / ep if ep < n else 0
+            layer = (
+                model["largest_layer_without_experts"] + (layer - model["largest_layer_without_experts"]) * gathered
+            )
+            unsplit = psi - model["expert_parameters"] * (1 - gathered)
         step_transient = (
             2 * c * layer + c * model.get("root_parameters", 0)
             if strategy["fsdp_reshard_after_forward"]
-            else c * (psi - (model["expert_parameters"] if strategy.get("ep_size", 1) > 1 else 0))
+            else c * unsplit
         ) / tp  # gathered: a TP rank's part
         if strategy.get("fsdp_cpu_ram_efficient_loading"):  # rank 0: the whole model, its shard, a layer
             loading = 4 * psi + 4 * psi / n + 4 * model["largest_layer"]

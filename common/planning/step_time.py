@@ -127,8 +127,9 @@ TIE = 0.02
 ONE_DEVICE = ["single.yaml", "fsdp_offload.yaml", "zero2_offload.yaml", "zero3_offload.yaml"]
 # rows split over sp_size (cp_size) devices: tried at every size that divides the devices (Ulysses: and the heads)
 SEQUENCE_PARALLEL = ["zero3_ulysses.yaml", "fsdp_cp.yaml"]
-# ep.yaml: a mixture-of-experts model's experts split over every device (ep_size = the devices), the rest FSDP2's
-EXPERT_PARALLEL = ["ep.yaml"]
+# ep.yaml: a mixture-of-experts model's experts split over every device (ep_size = the devices), the rest FSDP2's;
+# fsdp_ep.yaml: over groups of every ep_size below that divides the devices, each expert FSDP2-sharded over the groups
+EXPERT_PARALLEL = ["ep.yaml", "fsdp_ep.yaml"]
 # tp.yaml: one group of tp_size = the devices; fsdp_tp.yaml: groups of every tp_size that divides them (dp_shard the
 # rest); multi_node_hsdp_tp.yaml: within a node. A group of tp ranks trains one batch; not with --use_peft
 TENSOR_PARALLEL = ["tp.yaml", "fsdp_tp.yaml"]
@@ -194,8 +195,10 @@ def comm_and_memory_traffic(
         memory = 28 * t + (k * (4 + c) * psi if c < 4 else 0)  # AdamW over the trained; autocast's weight casts
     elif kind == "fsdp":
         gathers = 2 if s["fsdp_reshard_after_forward"] else 1
-        # ep.yaml: each rank's experts are its own, never gathered nor reduce-scattered (stepped as the rest)
+        # ep.yaml: each rank's experts are its own, never gathered nor reduce-scattered (stepped as the rest);
+        # fsdp_ep.yaml: its ep group's 1/ep of them gathered and reduce-scattered over the n / ep groups
         experts = model["expert_parameters"] if s.get("ep_size", 1) > 1 else 0
+        groups = n // s["ep_size"] if experts else 1
         if s["replicas"] > 1:  # HSDP: shard within a node, all-reduce the shards across nodes
             link["intra", "all_gather"] = k * (gathers + reference) * c * psi * (n_node - 1) / n_node
             link["intra", "reduce_scatter"] = k * c * t * (n_node - 1) / n_node
@@ -203,9 +206,15 @@ def comm_and_memory_traffic(
         else:  # all-gathers, and a reduce-scatter per micro-batch (common.launch.accelerator)
             link[where, "all_gather"] = k * (gathers + reference) * c * (psi - experts) * f
             link[where, "reduce_scatter"] = k * c * (t - experts) * f
+            if groups > 1:  # fsdp_ep.yaml's expert shards, on one node (its ep groups within it)
+                share = experts / s["ep_size"] * (groups - 1) / groups
+                link[where, "all_gather"] += k * (gathers + reference) * c * share
+                link[where, "reduce_scatter"] += k * c * share
         over = n_node if s["replicas"] > 1 else n  # the ranks a shard is cut over
         shard, trained = (psi - experts) / over, t / over
         memory = k * (gathers + reference) * (4 + c) * shard  # each gather casts the fp32 shard
+        if groups > 1:
+            memory += k * (gathers + reference) * (4 + c) * experts / n
         if s["offload_params"]:
             host = k * ((gathers + reference) * 4 * shard + c * trained)  # shards to the device, gradients back
             cpu_optimizer = trained
@@ -426,7 +435,7 @@ def config_strategy(name: str, args) -> dict:
     path = os.path.join(REPO, "accelerate_configs", name)
     pipeline = pipeline_size(name) > 1
     strategy = read_strategy(path, None if pipeline else args.num_devices, args.mixed_precision)
-    if strategy["ep_size"] > 1:  # ep.yaml: the experts split over every device (common.parallel.expert_parallel)
+    if strategy["ep_size"] > 1:  # ep.yaml: the experts split over every device; fsdp_ep.yaml: its layout's ep size
         strategy["ep_size"] = args.num_devices
     return dict(
         strategy,
@@ -457,19 +466,26 @@ def device_layouts(name: str, s: dict, args) -> list[dict] | str:
     every size that divides the devices (Ulysses: and the heads); tensor parallelism at tp_size = the devices (tp.yaml)
     or every size below that divides a node's devices (fsdp_tp.yaml, multi_node_hsdp_tp.yaml), where the model's plan
     splits; a pipeline over the devices (pp.yaml) or at every pp_size below that divides them (dp_pp.yaml), at each
-    schedule of --pp_schedules, where common.parallel.pipeline splits the model into that many stages."""
+    schedule of --pp_schedules, where common.parallel.pipeline splits the model into that many stages; a MoE's experts
+    (an "ep" size, each rank still its own batch) over the devices (ep.yaml) or groups of every ep_size below that
+    divides them (fsdp_ep.yaml), where the experts divide by it."""
     from common.launch.mesh import PipelineSettings
     from common.parallel import pipeline, tensor_parallel
 
     n, n_node = args.num_devices, args.num_devices // args.num_nodes
     whole = {"sp": 1, "tp": 1, "pp": 1, "schedule": None}
-    if s.get("ep_size", 1) > 1:
+    if s.get("ep_size", 1) > 1:  # ep.yaml at ep = the devices; fsdp_ep.yaml at every ep below that divides them
         from common.parallel import expert_parallel
 
         if args.use_peft:
             return "--use_peft: LoRA's adapters on the experts' stacked weights are refused (common.parallel.expert_parallel)"
-        problems = expert_parallel.model_problems(meta_model(args.model, args.vocab_size), n)
-        return problems[0] if problems else [whole]
+        model = meta_model(args.model, args.vocab_size)
+        sizes = [n] if name == "ep.yaml" else [ep for ep in range(2, n) if n % ep == 0]
+        problems = {ep: expert_parallel.model_problems(model, ep) for ep in sizes}
+        fitting = [dict(whole, ep=ep) for ep in sizes if not problems[ep]]
+        if fitting:
+            return fitting
+        return next(iter(problems.values()))[0] if sizes else f"no ep_size below {n} devices divides them"
     if s.get("sp_size", 1) > 1 or s.get("cp_size", 1) > 1:
         ring = s.get("cp_size", 1) > 1  # fsdp_cp.yaml's split, else zero3_ulysses.yaml's
         built = meta_model(args.model, args.vocab_size).config
@@ -616,6 +632,8 @@ def rank(args, model: dict, device: dict, configs: dict) -> list[dict]:
                     args.activation_checkpointing
                 ]:
                     s = dict(s, **{"cp_size" if ring else "sp_size": sp})
+                    if "ep" in way:  # ep.yaml's and fsdp_ep.yaml's split of the experts
+                        s["ep_size"] = way["ep"]
                     s.update(tp_size=tp, pp_size=pp, pp_schedule=way["schedule"], stages_per_rank=stages_per_rank)
                     sharding = dict(s, num_processes=n_node) if s["replicas"] > 1 else s
                     serial = {}  # bus bytes on the critical path: not overlapped with compute on a GPU either
@@ -656,11 +674,11 @@ def rank(args, model: dict, device: dict, configs: dict) -> list[dict]:
                         )
                         if tp > 1:
                             serial = traffic.pop("serial")
-                        if s.get("ep_size", 1) > 1:  # ep.yaml's dispatch and combine, at all_gather's busbw
+                        if s.get("ep_size", 1) > 1:  # the experts' dispatch and combine, at all_gather's busbw
                             traffic["link"][where_of(nodes), "all_to_all"] = expert_exchange_bytes(
                                 model,
                                 micro * rows_per_example * args.seq_len,
-                                n,
+                                s["ep_size"],
                                 c,
                                 k,
                                 est["activation_checkpointing"],
@@ -709,6 +727,7 @@ def rank(args, model: dict, device: dict, configs: dict) -> list[dict]:
                             "sp_size": sp,
                             "tp_size": tp,
                             "pp_size": pp,
+                            "ep_size": s.get("ep_size", 1),
                             "schedule": way["schedule"],
                             "bubble": bubble,
                             "activation_checkpointing": est["activation_checkpointing"],
@@ -789,8 +808,9 @@ def layout_name(r: dict) -> str:
             ("cp" if r["config"] == "fsdp_cp.yaml" else "sp", "sp_size"),
             ("tp", "tp_size"),
             ("pp", "pp_size"),
+            ("ep", "ep_size"),
         )
-        if r[size] > 1
+        if r.get(size, 1) > 1 and (size != "ep_size" or r["config"] == "fsdp_ep.yaml")
     ]
     return " ".join([r["config"], *sizes, *([r["schedule"]] if r["schedule"] else [])])
 
