@@ -315,10 +315,11 @@ quality: install-test
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-# Runs killed (SIGKILL, every process) at 42 moments across ddp, fsdp, zero3, tp, zero3_ulysses and fsdp_cp, inside saves and
-# exports too, each resumed to the uninterrupted run's weights (make test-all runs 6 of them, make test 1).
+# Runs killed (SIGKILL, every process) at 48 moments across ddp, fsdp, zero3, tp, zero3_ulysses, fsdp_cp, ep and
+# fsdp_ep, inside saves and exports too, each resumed to the uninterrupted run's weights (make test-all runs 8 of
+# them, make test 1).
 test-crashes: install-test
-	CRASH_TRIALS=42 $(PY) -m pytest tests/test_crashes.py $(ARGS)
+	CRASH_TRIALS=48 $(PY) -m pytest tests/test_crashes.py $(ARGS)
 
 # The quick loop while developing: everything neither slow nor exhaustive.
 test-fast: install-test

@@ -1,15 +1,16 @@
 """A crash at any moment leaves a run that resumes to the uninterrupted run's weights.
 
-Each trial starts a 2-process fp32 run and kills every one of its processes with SIGKILL (a
+Each trial starts a 2-process fp32 run (4 under fsdp_ep.yaml) and kills every one of its processes with SIGKILL (a
 power cut: the launcher, both ranks and anything they started, all stopped first) at a random moment, or the moment a checkpoint
 save or the final export is under way (its temporary folder exists); then the same command
 resumes it with `--resume_from_checkpoint latest`. The resumed run must finish, and its
 `final/` weights must equal the uninterrupted run's bit for bit.
 
-`make test-all` runs CRASH_TRIALS=7 trials (one per config: ddp killed inside a checkpoint save, fsdp inside
+`make test-all` runs CRASH_TRIALS=8 trials (one per config: ddp killed inside a checkpoint save, fsdp inside
 the final export, zero3 at a random moment, tp: the tensor-parallel run inside a save, zero3_ulysses: the
 sequence-parallel run inside the export, fsdp_cp: the context-parallel run at random, ep: the tiny MoE, its experts
-split, inside a save), `make test` the first; `make test-crashes` runs 42 (six per config). Two last tests kill a run while it converts a ZeRO-3 checkpoint for
+split, inside a save; fsdp_ep: the same MoE on 4 processes, its experts split over pairs and sharded over the
+pairs, inside the export), `make test` the first; `make test-crashes` runs 48 (six per config). Two last tests kill a run while it converts a ZeRO-3 checkpoint for
 another world size (make test), and while it rewrites a zero2 checkpoint for another config
 (common/outputs/portable.py).
 """
@@ -38,10 +39,20 @@ from conftest import (
 )
 
 
-TRIALS = int(os.environ.get("CRASH_TRIALS", "7"))
-IN_MAKE_TEST = (0,)  # ddp killed inside a checkpoint save; make test-all: all seven
-CONFIGS = ("ddp.yaml", "fsdp.yaml", "zero3.yaml", "tp.yaml", "zero3_ulysses.yaml", "fsdp_cp.yaml", "ep.yaml")
-MODELS = {"ep.yaml": REPO / "recipes/configs/tiny_qwen3_moe.json"}  # ep.yaml splits a MoE's experts
+TRIALS = int(os.environ.get("CRASH_TRIALS", "8"))
+IN_MAKE_TEST = (0,)  # ddp killed inside a checkpoint save; make test-all: all eight
+CONFIGS = (
+    "ddp.yaml",
+    "fsdp.yaml",
+    "zero3.yaml",
+    "tp.yaml",
+    "zero3_ulysses.yaml",
+    "fsdp_cp.yaml",
+    "ep.yaml",
+    "fsdp_ep.yaml",
+)
+MOE = REPO / "recipes/configs/tiny_qwen3_moe.json"
+MODELS = {"ep.yaml": MOE, "fsdp_ep.yaml": MOE}  # the expert-parallel configs split a MoE's experts
 RUN = dict(
     max_steps=8,
     save_steps=2,
