@@ -9,7 +9,20 @@ import threading
 import time
 
 import pytest
-from conftest import BIN, FP32, OFFLINE_ENV, REPO, causal_lm_args, free_port, launch_command, losses, read_run, tiered
+from conftest import (
+    BIN,
+    FP32,
+    OFFLINE_ENV,
+    REPO,
+    causal_lm_args,
+    free_port,
+    launch_command,
+    launch_one_process,
+    losses,
+    read_metrics,
+    read_run,
+    tiered,
+)
 
 
 TEMPLATES = {"multi_node_ddp.yaml": "MULTI_CPU", "multi_node_fsdp.yaml": "FSDP", "multi_node_zero3.yaml": "DEEPSPEED"}
@@ -172,6 +185,27 @@ def test_slurm_batch_script_runs_a_pipeline_in_each_node_replicated_across_nodes
     assert len(losses(out)) == 12 and gap < 1e-5
 
 
+@pytest.mark.slow
+@pytest.mark.exhaustive
+def test_slurm_batch_script_splits_the_experts_within_each_node_and_shards_them_across_nodes(markov_data, tmp_path):
+    """fsdp_ep.yaml through train.sbatch on 2 fake nodes x 2 processes: no replicas added, each node's pair of ranks
+    splits the tiny MoE's 8 experts (4 each, its all-to-alls within the node) and each expert is sharded across the
+    two nodes, and the run trains as one process on the same 2-row micro-batches (4 ranks x 2 rows against 2 rows x
+    accumulation 4): the same losses, aux losses and experts' load (fp32)."""
+    moe = dict(model_config=REPO / "recipes/configs/tiny_qwen3_moe.json", per_device_train_batch_size=2, max_steps=6)
+    out, one = tmp_path / "run", tmp_path / "one"
+    run_slurm_job("fsdp_ep.yaml", causal_lm_args(markov_data, out, **moe), tmp_path)
+    launch_one_process("causal_lm.py", causal_lm_args(markov_data, one, gradient_accumulation_steps=4, **moe), FP32)
+    record = read_run(out)
+    assert record["participating_processes"] == 4 and record["device_mesh"] == {"dp_shard": 4}
+    assert record["experts"]["ep_size"] == 2 and record["experts"]["expert_shards"] == 2
+    rows, reference = (read_metrics(run)[0] for run in (out, one))
+    figures = ("loss", "aux_loss", "expert_load_max_over_mean")
+    gap = max(abs(a[f] - b[f]) / abs(b[f]) for a, b in zip(rows, reference, strict=True) for f in figures)
+    print(f"fsdp_ep.yaml, 2 fake SLURM nodes x 2 processes: largest relative gap to one process {gap:.2e}")
+    assert len(rows) == 6 and gap < 1e-5
+
+
 @pytest.mark.parametrize(
     "config, gpus, expected",
     [
@@ -182,11 +216,15 @@ def test_slurm_batch_script_runs_a_pipeline_in_each_node_replicated_across_nodes
          r"--parallelism_config_dp_shard_size 2 --main_process_ip"),
         ("dp_pp.yaml", 3, r"^error: accelerate_configs/dp_pp.yaml: parallelism_config_pp_size 2 does not divide the 3 "
          r"processes of a node: a pipeline stays within a node; .*$"),
+        ("fsdp_ep.yaml", 4, r"--num_processes 8 --parallelism_config_dp_shard_size 8 --main_process_ip"),
+        ("fsdp_ep.yaml", 3, r"^error: accelerate_configs/fsdp_ep.yaml: parallelism_config_ep_size 2 does not divide "
+         r"the 3 processes of a node: each group of ep_size ranks exchanges tokens within a node; .*$"),
     ],
 )  # fmt: skip
 def test_the_slurm_launcher_keeps_a_pipeline_within_a_node(config, gpus, expected, tmp_path):
-    """launch_node.sh's launch line (accelerate stood in for by echo): a pipeline config gets no HSDP sizes, and a pp
-    size that does not divide a node's processes is one line and exit status 2, before anything starts."""
+    """launch_node.sh's launch line (accelerate stood in for by echo): a pipeline config gets no HSDP sizes, an expert
+    parallel one dp_shard over every process (no replicas), and a pp or ep size that does not divide a node's
+    processes is one line and exit status 2, before anything starts."""
     env = {
         **os.environ,
         "SLURM_NNODES": "2",
@@ -206,7 +244,8 @@ def test_the_slurm_launcher_keeps_a_pipeline_within_a_node(config, gpus, expecte
     said = result.stderr.splitlines()[-1] if result.returncode else result.stdout
     assert re.search(expected, said), (result.stdout, result.stderr)
     assert result.returncode == (2 if said.startswith("error:") else 0)
-    assert "parallelism_config_dp" not in result.stdout or config.startswith("multi_node_hsdp")
+    assert "parallelism_config_dp_replicate" not in result.stdout or config.startswith("multi_node_hsdp")
+    assert "parallelism_config_dp" not in result.stdout or config.startswith(("multi_node_hsdp", "fsdp_ep"))
 
 
 def zero3_checkpoint_of_another_world_size(folder):
