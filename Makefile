@@ -235,8 +235,9 @@ benchmark-choice: install
 
 # A ZeRO-3 checkpoint's conversion for another world size and the final export's gather, at 101M:
 # time and host memory, written to docs/benchmark-reshard.md.
-# Expert parallelism on a small MoE: ep.yaml against ddp.yaml and fsdp.yaml at 2 and 4 processes (tokens/s, peak
-# memory and model state per rank, the all-to-all megabytes per step against the formula): docs/benchmark-moe.md.
+# Expert parallelism on a small MoE: ep.yaml (and fsdp_ep.yaml at 4) against ddp.yaml and fsdp.yaml at 2 and 4
+# processes (tokens/s, peak memory and model state per rank, the all-to-all megabytes per step against the formula):
+# docs/benchmark-moe.md.
 benchmark-moe: install
 	$(PY) benchmarks/benchmark_moe.py --docs docs/benchmark-moe.md $(ARGS)
 

@@ -263,6 +263,52 @@ def test_fsdp_ep_holds_a_quarter_of_the_experts_state_per_rank_as_estimated_at_1
 
 @pytest.mark.slow
 @pytest.mark.exhaustive
+def test_fsdp_ep_shards_each_expert_by_rows_where_a_rank_has_fewer_experts_than_shards(moe_data, tmp_path):
+    """2 experts (1 per token) under fsdp_ep.yaml: each pair of ranks splits them one a rank, fewer than the 2 shards,
+    so each expert is sharded along its rows (FSDP2 would pad a whole expert): the same losses and final weights as
+    one process (fp32, 1-row micro-batches, accumulation, two epochs)."""
+    config = json.loads(MOE.read_text()) | {"num_experts": 2, "num_experts_per_tok": 1}
+    (tmp_path / "moe.json").write_text(json.dumps(config))
+    runs = {}
+    for name, accumulation in (("single.yaml", 8), ("fsdp_ep.yaml", 2)):
+        out = runs[name] = tmp_path / name
+        overrides = dict(model_config=tmp_path / "moe.json", per_device_train_batch_size=1)
+        launch(
+            name,
+            "causal_lm.py",
+            moe_args(moe_data, out, gradient_accumulation_steps=accumulation, **overrides),
+            launcher_args=FP32,
+        )
+    record = read_run(runs["fsdp_ep.yaml"])
+    assert record["participating_processes"] == 4 and record["experts"]["experts_per_rank"] == 1
+    rows, reference = (read_metrics(runs[name])[0] for name in ("fsdp_ep.yaml", "single.yaml"))
+    gaps = {name: relative_gap([r[name] for r in rows], [r[name] for r in reference]) for name in FIGURES}
+    weights = max_weight_difference(runs["fsdp_ep.yaml"] / "final", runs["single.yaml"] / "final")
+    print(f"fsdp_ep.yaml, 1 expert a rank over 2 shards: gaps {gaps}, final weights {weights:.1e}")
+    assert all(gap < FP32_TOLERANCE for gap in gaps.values()) and weights < FP32_TOLERANCE, (gaps, weights)
+
+
+@pytest.mark.slow
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("config", ["ep.yaml", "fsdp_ep.yaml"])
+def test_a_moe_loaded_in_bf16_trains_on_fp32_master_experts(config, moe_data, tmp_path):
+    """A bf16 checkpoint loaded with --torch_dtype bfloat16 under bf16 mixed precision: accelerate upcasts the weights
+    to fp32 masters in place, which left a split expert's rows in bf16 and stopped the first optimizer step with a raw
+    dtype error; the experts are made fp32 before they are split, and the run trains and exports."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(MOE, vocab_size=64)).to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "bf16")
+    out = tmp_path / "run"
+    bf16 = dict(model_config="", model_name_or_path=tmp_path / "bf16", torch_dtype="bfloat16", max_steps=2)
+    launch(config, "causal_lm.py", moe_args(moe_data, out, **bf16))  # the configs' bf16 (fp32 on a CPU without it)
+    record = read_run(out)
+    assert record["participating_processes"] == (4 if config == "fsdp_ep.yaml" else 2)
+    assert len(read_metrics(out)[0]) == 2 and (out / "final/model.safetensors").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.exhaustive
 def test_a_second_moe_family_under_ep_matches_one_process(moe_data, tmp_path):
     """Mixtral (its own router and experts' classes) under ep.yaml against one process: losses, aux_loss, load."""
     runs = {}
@@ -303,12 +349,20 @@ def test_expert_parallelism_refuses_what_it_cannot_split_in_one_line():
 
 @pytest.mark.slow
 @pytest.mark.exhaustive
-def test_a_dense_model_under_ep_is_one_line(moe_data, tmp_path):
+@pytest.mark.parametrize(
+    "model, launcher, expected",
+    [
+        (None, [], "LlamaForCausalLM has no experts to split"),
+        (MOE, ["--fsdp_offload_params", "true"], "fsdp_offload_params: true beside parallelism_config_ep_size"),
+    ],
+)
+def test_a_dense_model_or_offloading_under_ep_is_one_line(model, launcher, expected, moe_data, tmp_path):
     out = tmp_path / "run"
-    result = run(launch_command("ep.yaml", "causal_lm.py", causal_lm_args(moe_data, out), FP32), check=False)
+    args = causal_lm_args(moe_data, out, **({"model_config": model} if model else {}))
+    result = run(launch_command("ep.yaml", "causal_lm.py", args, [*FP32, *launcher]), check=False)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode != 0 and len(set(errors)) == 1, result.stderr[-3000:]
-    assert "LlamaForCausalLM has no experts to split" in errors[0]
+    assert expected in errors[0]
     assert not re.search(r'File "[^"]*/(recipes|common)/', result.stderr), result.stderr[-3000:]  # torchrun's own only
 
 

@@ -290,7 +290,10 @@ def expert_parallel_size_in(block: dict) -> int:
     """The ep_size a config's parallelism_config block asks for (1: none), or one UsageError line."""
     size = block.get(EP_SIZE_KEY, 1)
     if not isinstance(size, int) or size < 1:
-        raise UsageError(f"{EP_SIZE_KEY}: {size!r} is not a number of processes; set it to num_processes (ep.yaml)")
+        raise UsageError(
+            f"{EP_SIZE_KEY}: {size!r} is not a number of processes; set num_processes (ep.yaml) or a divisor of it "
+            "(fsdp_ep.yaml)"
+        )
     return size
 
 

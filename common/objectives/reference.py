@@ -243,7 +243,11 @@ def shard_like_policy(accelerator, model):
         plugin = accelerator.state.fsdp_plugin  # frozen: no backward would reshard what a forward gathered
         kept, plugin.reshard_after_forward = plugin.reshard_after_forward, True
         try:
-            return fsdp2_prepare_model(accelerator, model).eval()
+            prepared = fsdp2_prepare_model(accelerator, model).eval()
         finally:
             plugin.reshard_after_forward = kept
+        for module in prepared.modules():  # fsdp_ep.yaml's experts, sharded as the model loaded (expert_parallel)
+            if hasattr(module, "expert_rank") and hasattr(module, "set_reshard_after_forward"):
+                module.set_reshard_after_forward(True)
+        return prepared
     return model.to(accelerator.device)

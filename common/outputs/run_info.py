@@ -180,7 +180,8 @@ def run_line(record: dict, output_dir: str) -> str:
     if record.get("experts", {}).get("ep_size"):
         moe = record["experts"]
         parts.append(
-            f"experts split over {moe['ep_size']} ranks ({moe['experts_per_rank']} of {moe['num_experts']} each)"
+            f"experts split over {moe['ep_size']} ranks ({moe['experts_per_rank']} of {moe['num_experts']} each"
+            + (f", each sharded over {moe['expert_shards']} ranks)" if moe.get("expert_shards") else ")")
         )
     if "max_steps" in record:
         parts.append(f"{record['max_steps']} steps")

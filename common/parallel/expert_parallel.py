@@ -110,7 +110,8 @@ def shard(model, state=None):
     FSDP2 is told to leave the experts to this (its ignored_modules)."""
     from accelerate.state import AcceleratorState
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import Shard
     from transformers.distributed.expert_parallel import apply_expert_parallelism
 
     state = state or AcceleratorState()
@@ -119,6 +120,11 @@ def shard(model, state=None):
         raise UsageError(
             "fsdp_ignored_modules beside parallelism_config_ep_size: the experts are left out of FSDP2 here (they "
             "are split by expert); remove fsdp_ignored_modules from the config"
+        )
+    if isinstance(plugin.cpu_offload, CPUOffloadPolicy):
+        raise UsageError(
+            "fsdp_offload_params: true beside parallelism_config_ep_size: the split experts stay on the device while "
+            "FSDP2 offloads the rest, which these recipes do not support; set fsdp_offload_params: false (ep.yaml)"
         )
     plan = resolved_plan(model, ep)
     problems = model_problems(model, ep, plan)
@@ -138,6 +144,9 @@ def shard(model, state=None):
             **({"param_dtype": mixed.param_dtype, "reduce_dtype": mixed.reduce_dtype} if mixed else {}),
             cast_forward_inputs=False,
         )
+    if state.mixed_precision != "no":  # fp32 master weights, as accelerate upcasts the rest (a bf16 load included):
+        for name in dispatched(plan):  # its in-place upcast would leave a split expert's local rows in bf16
+            model.get_submodule(name).float()
     # the ranks that hold one batch: each alone here (transformers' all-to-all splits a batch a tp group shares)
     alone = init_device_mesh(mesh.device_type, (world, 1), mesh_dim_names=("rank", "batch"))["batch"]
     apply_expert_parallelism(model, ep_mesh, alone, plan, ep_implementation="all_to_all")
@@ -154,7 +163,16 @@ def shard(model, state=None):
             continue
         # summed over the ep group's tokens by the all-to-all's backward, then reduce-scattered over the expert's
         # shards: divided by every rank (the mean over all tokens, as FSDP2 averages the dense gradients)
-        fully_shard(module, mesh=expert_shards, reshard_after_forward=plugin.reshard_after_forward, mp_policy=policy)
+        # by expert where the rank's experts divide over the shards, else (fewer experts than shards) along each
+        # expert's rows, as torchtitan does: FSDP2 would pad whole experts
+        rows = Shard(0) if module.num_experts % expert_shards.size() == 0 else Shard(1)
+        fully_shard(
+            module,
+            mesh=expert_shards,
+            reshard_after_forward=plugin.reshard_after_forward,
+            mp_policy=policy,
+            shard_placement_fn=lambda parameter, placement=rows: placement,
+        )
         module.set_gradient_divide_factor(float(world))
         module.set_force_sum_reduction_for_comms(True)  # a sum, then the division (gloo has no pre-scaled sum)
     if expert_shards is not None:

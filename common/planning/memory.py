@@ -126,6 +126,9 @@ def read_strategy(config_file: str, num_processes: int | None, mixed_precision: 
     offload_params = offload_params or str(fsdp.get("fsdp_offload_params", False)).lower() == "true"
     replicas = int(parallelism.get("parallelism_config_dp_replicate_size", 1))
     pipeline = read_pipeline(config_file, parallelism, processes)
+    ep_size = int(parallelism.get("parallelism_config_ep_size", 1))
+    if ep_size > 1 and ep_size == config.get("num_processes"):  # ep.yaml: the experts over every process
+        ep_size = processes
     return {
         "strategy": strategy,
         "zero_stage": stage,
@@ -136,7 +139,7 @@ def read_strategy(config_file: str, num_processes: int | None, mixed_precision: 
         "num_processes": processes,
         "sp_size": int(parallelism.get("parallelism_config_sp_size", 1)),
         "cp_size": int(parallelism.get("parallelism_config_cp_size", 1)),
-        "ep_size": int(parallelism.get("parallelism_config_ep_size", 1)),
+        "ep_size": ep_size,
         "zero3_sub_group_size": None if sub_group_size is None else int(float(sub_group_size)),
         "mixed_precision": precision,
         "fsdp_reshard_after_forward": str(fsdp.get("fsdp_reshard_after_forward", True)).lower() == "true",

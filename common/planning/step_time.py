@@ -242,8 +242,8 @@ def sequence_exchange_bytes(model: dict, tokens: int, sp: int, c: int, micro_ste
 
 
 def expert_exchange_bytes(model: dict, tokens: int, ep: int, c: int, micro_steps: int, checkpointing: bool) -> float:
-    """Bus bytes per device per optimizer step of ep.yaml's all-to-alls (common.parallel.expert_parallel's Traffic
-    counts the same): per MoE layer and micro-step each of a rank's `tokens` goes to its top-k experts and comes back
+    """Bus bytes per device per optimizer step of ep.yaml's and fsdp_ep.yaml's all-to-alls over groups of ep ranks
+    (common.parallel.expert_parallel's Traffic counts the same): per MoE layer and micro-step each of a rank's `tokens` goes to its top-k experts and comes back
     (forward), and both again as gradients (backward), the forward once more with activation checkpointing; the
     (ep-1)/ep of it whose expert another rank holds (an even routing), a hidden-size row in the compute dtype each."""
     passes = 6 if checkpointing else 4
