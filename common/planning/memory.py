@@ -259,6 +259,11 @@ def read_model(model: str, vocab_size: int | None = None) -> dict:
         "vocab_size": config.vocab_size,
         "attention_heads": getattr(config, "num_attention_heads", 1),
         "key_value_heads": getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", 1),
+        # the queries' width (heads x head_dim: Qwen3's differs from the hidden size), and whether q and k are
+        # normalised per head (Qwen3, OLMo2, Gemma 3: their norms keep activations too)
+        "q_hidden_size": getattr(config, "num_attention_heads", 1)
+        * (getattr(config, "head_dim", None) or config.hidden_size // getattr(config, "num_attention_heads", 1)),
+        "qk_norm": any(name.endswith(".q_norm") for name, _ in built.named_modules()),
         # the key and value projections' width (grouped-query attention: fewer heads than the queries)
         "kv_hidden_size": (getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", 1))
         * (getattr(config, "head_dim", None) or config.hidden_size // getattr(config, "num_attention_heads", 1)),
@@ -274,20 +279,28 @@ def activation_bytes(
     tp: int = 1,
     sp: int = 1,
     head: bool = True,
+    weight_bytes: int = 4,
 ) -> int:
     """Tensors one micro-batch's forward saves for backward, for a Llama-style decoder.
 
-    Per layer and token: the two RMSNorm inputs in fp32 (8h), the inputs of the q/k/v, o, gate/up
-    and down projections in the compute dtype (c(2h + i)), attention's q, k, v and output (4ch)
-    and the MLP's gate, up and activation (3ci); then the logits and their log-softmax in fp32
-    (8V). With activation checkpointing a layer keeps only its input, and one layer's
-    worth is rebuilt during backward. Under tensor parallelism (`tp` ranks) the tensors inside attention and
-    the MLP are split by heads and columns (the o and down projections' inputs, q, k, v, the attention
-    output, gate, up and activation), while the normed inputs and the gathered logits stay whole. Under
-    sequence parallelism (`sp` ranks, `seq_len` the rank's slice) the attention output is kept twice: for the
-    whole row with the rank's heads (attention's own) and, exchanged back, for the slice with every head
-    (the o projection's input), one c·h more per token and layer (measured at 101M: 4 MB of 97). `head=False`:
-    the layers alone (a pipeline stage before the last).
+    `weight_bytes` (w): the dtype the layers' weights and the residual stream are in: 4 where fp32 weights compute
+    under autocast (ddp, tp, a pipeline) or in fp32, the compute dtype where the strategy hands the layers their
+    weights in it (FSDP2's mixed precision, DeepSpeed's bf16 model). Per layer and token: each of the two RMSNorms its
+    input made fp32 (4h) and its normalised output in w (w h), and its inverse RMS; the q/k/v projections' input and
+    the gate/up projections' in the compute dtype (c h each; under autocast with fp32 weights each projection keeps
+    its own cast: 3 c h and 2 c h); attention's q, k and v (the queries' width, the keys' and values' under
+    grouped-query attention) and its output, the o projection's input (c(2 h_q + 2 kv)), and its log-sum-exp (4 bytes
+    a head); where the model normalises q and k per head (Qwen3, OLMo2), those norms' fp32 input and output
+    ((4 + c)(h_q + kv)); the MLP's gate, up, activation and down projection input (4ci); then the final norm, the
+    head's input and the logits and their log-softmax in fp32 (8V). Measured with saved-tensor hooks on Llama (MHA,
+    GQA) and Qwen3 layers at 384 tokens in all three regimes (fp32, fp32 weights under bf16 autocast, bf16 weights):
+    tests/test_memory.py. With activation checkpointing a layer keeps only its input, and one layer's worth is rebuilt
+    during backward. Under tensor parallelism (`tp` ranks) the tensors inside attention and the MLP are split by
+    heads and columns, while the norms, the projections' inputs and the gathered logits stay whole. Under sequence
+    parallelism (`sp` ranks, `seq_len` the rank's slice) the attention output is kept twice: for the whole row with
+    the rank's heads (attention's own) and, exchanged back, for the slice with every head (the o projection's input),
+    one c·h more per token and layer (measured at 101M: 4 MB of 97). `head=False`: the layers alone (a pipeline
+    stage before the last).
 
     A mixture-of-experts layer (`moe_layers` of them) keeps, in place of the MLP's c(h + 4i), the router's logits
     in the compute dtype and their softmax in fp32 (E(c + 4)), and for each of the k experts a token goes to its
@@ -297,14 +310,21 @@ def activation_bytes(
     E(c + 4) + 40k."""
     h, i, vocab, layers = model["hidden_size"], model["intermediate_size"], model["vocab_size"], model["layers"]
     tokens = batch_size * seq_len
-    c = compute_bytes
-    attention = 8 * h + c * h + c * (4 * h) / tp + (c * h if sp > 1 else 0)
-    moe = model.get("moe_layers", 0)
-    per_layer = (
-        attention
-        + ((layers - moe) * c * (h + 4 * i) / tp + (moe * moe_layer_bytes(model, c, tp) if moe else 0)) / layers
+    c, w = compute_bytes, weight_bytes
+    queries, kv = model.get("q_hidden_size", h), model.get("kv_hidden_size", h)
+    casts = w != c  # fp32 weights under autocast: each projection casts the normed input for itself
+    norms = 2 * (4 * h + w * h) + 8
+    attention = (
+        norms
+        + c * h * (3 if casts else 1)
+        + (c * (2 * queries + 2 * kv) + 4 * model.get("attention_heads", 1)) / tp
+        + ((4 + c) * (queries + kv) / tp if model.get("qk_norm") else 0)
+        + (c * h if sp > 1 else 0)
     )
-    logits = 8 * vocab + compute_bytes * h if head else 0
+    moe = model.get("moe_layers", 0)
+    mlp = c * h * (2 if casts else 1) + c * 4 * i / tp
+    per_layer = attention + ((layers - moe) * mlp + (moe * moe_layer_bytes(model, c, tp) if moe else 0)) / layers
+    logits = 8 * vocab + (4 + w) * h + c * h if head else 0
     if checkpointing:
         return tokens * (layers * 4 * h + per_layer + logits)
     return tokens * (layers * per_layer + logits)
@@ -443,7 +463,10 @@ def estimate_stages(
             # the schedule's forward cache) or, on the last stage, the log-softmax (fp32), the head's input and the
             # logits themselves (the schedule's forward cache keeps the stage's output to the micro-batch's backward)
             one.append(
-                activation_bytes(shaped, batch_size, seq_len, c, checkpointing, head=False)
+                # counted as layers given their weights in c (one cast of each projection's input): what the stages'
+                # measured peaks fit (SmolLM2 at 512 tokens, tests/test_memory.py), not autocast's per-projection
+                # casts that one process's layers keep (tests/test_memory.py's layer check); not yet explained
+                activation_bytes(shaped, batch_size, seq_len, c, checkpointing, head=False, weight_bytes=c)
                 + (tokens * (4 * vocab + c * vocab + c * h) if last else boundary)
             )
             if last and schedule_keeps_outputs():  # each micro-batch's logits, to the window's end
@@ -610,7 +633,10 @@ def estimate(
     }
     # sequence (context) parallelism: a rank holds its share of each row, -(-L // sp) tokens once padded
     sp = strategy.get("sp_size", 1) * strategy.get("cp_size", 1)
-    activations = activation_bytes(model, batch_size, -(-seq_len // sp), c, checkpointing, tp, sp)
+    weights = 4 if kind in ("ddp", "tp") else c  # fp32 weights under autocast, else the layers get them in c
+    activations = activation_bytes(
+        model, batch_size, -(-seq_len // sp), c, checkpointing, tp, sp, weight_bytes=weights
+    )
     if kind in ("ddp", "tp") and c == 2:  # autocast's low-precision copy of each weight, saved for backward
         activations += c * parameters / 4
     model_state = parameters + master + gradients + optimizer + reference + rollout
