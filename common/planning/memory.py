@@ -280,6 +280,7 @@ def activation_bytes(
     sp: int = 1,
     head: bool = True,
     weight_bytes: int = 4,
+    residual_bytes: int | None = None,
 ) -> int:
     """Tensors one micro-batch's forward saves for backward, for a Llama-style decoder.
 
@@ -298,7 +299,7 @@ def activation_bytes(
     weights): tests/test_memory.py. Not counted: with a padding mask transformers' SDPA path repeats the keys and
     values to every query head (about 8% more a layer under grouped-query attention, measured), and LoRA's frozen
     projections keep no input (an overcount). With activation checkpointing a layer keeps only its input (w h), and
-    one layer's worth is rebuilt during backward. Under tensor parallelism (`tp` ranks) the tensors inside attention and the MLP are split by
+    one layer's worth is rebuilt during backward (`residual_bytes`: the stream's dtype where it is not w). Under tensor parallelism (`tp` ranks) the tensors inside attention and the MLP are split by
     heads and columns, while the norms, the projections' inputs and the gathered logits stay whole. Under sequence
     parallelism (`sp` ranks, `seq_len` the rank's slice) the attention output is kept twice: for the whole row with
     the rank's heads (attention's own) and, exchanged back, for the slice with every head (the o projection's input),
@@ -331,7 +332,7 @@ def activation_bytes(
     per_layer = attention + ((layers - moe) * mlp + moe * experts) / layers
     logits = 8 * vocab + (4 + w) * h + c * h if head else 0
     if checkpointing:
-        return tokens * (layers * w * h + per_layer + logits)
+        return tokens * (layers * (residual_bytes or w) * h + per_layer + logits)
     return tokens * (layers * per_layer + logits)
 
 
@@ -473,7 +474,9 @@ def estimate_stages(
                 # counted as layers given their weights in c (one cast of each projection's input): what the stages'
                 # measured peaks fit (SmolLM2 at 512 tokens, make test-all's tests/test_memory.py), not autocast's
                 # per-projection casts that one process's layers keep; not yet explained
-                activation_bytes(shaped, batch_size, seq_len, c, checkpointing, head=False, weight_bytes=c)
+                activation_bytes(
+                    shaped, batch_size, seq_len, c, checkpointing, head=False, weight_bytes=c, residual_bytes=4
+                )
                 + (tokens * (4 * vocab + c * vocab + c * h) if last else boundary)
             )
             if last and schedule_keeps_outputs():  # each micro-batch's logits, to the window's end
