@@ -161,8 +161,6 @@ def shard(model, state=None):
                 # an expert's gradient is the sum over every rank's tokens: their mean, as FSDP2 averages the rest
                 parameter.register_hook(lambda gradient, ranks=ep: gradient / ranks)
             continue
-        # summed over the ep group's tokens by the all-to-all's backward, then reduce-scattered over the expert's
-        # shards: divided by every rank (the mean over all tokens, as FSDP2 averages the dense gradients)
         # by expert where the rank's experts divide over the shards, else (fewer experts than shards) along each
         # expert's rows, as torchtitan does: FSDP2 would pad whole experts
         rows = Shard(0) if module.num_experts % expert_shards.size() == 0 else Shard(1)
@@ -173,6 +171,8 @@ def shard(model, state=None):
             mp_policy=policy,
             shard_placement_fn=lambda parameter, placement=rows: placement,
         )
+        # summed over the ep group's tokens by the all-to-all's backward, then reduce-scattered over the expert's
+        # shards: divided by every rank (the mean over all tokens, as FSDP2 averages the dense gradients)
         module.set_gradient_divide_factor(float(world))
         module.set_force_sum_reduction_for_comms(True)  # a sum, then the division (gloo has no pre-scaled sum)
     if expert_shards is not None:
