@@ -1,13 +1,13 @@
 """Expert parallelism against the data-parallel configs on a small mixture-of-experts model: tokens/s, peak memory and
 model state per rank, and the all-to-all traffic against its formula, written to docs/benchmark-moe.md.
 
-Launches recipes/causal_lm.py on a Qwen3-MoE built from a config (8 experts, 2 per token; --hidden_size and
---layers size it) under ddp.yaml, fsdp.yaml and ep.yaml at each --processes, and fsdp_ep.yaml from 4 (ep.yaml with
-its sizes set to the processes, fsdp_ep.yaml with ep_size half of them: copies written beside the runs), as the
-configs ship (bf16; fp32 on a CPU without bf16 instructions, as a user's run there). Per run: tokens/s (the median
-of the train lines after the first), the peak resident set per rank through training (its largest rank), the model
-state per rank (run.json's memory account), and under ep.yaml and fsdp_ep.yaml the megabytes each rank sends per step (the run's `all_to_all_mb`, counted from the routing:
-common.parallel.expert_parallel.Traffic) against the formula for even routing:
+Launches recipes/causal_lm.py on a Qwen3-MoE built from a config (8 experts, 2 per token; --hidden_size and --layers
+size it) under ddp.yaml, fsdp.yaml and ep.yaml at each --processes, and fsdp_ep.yaml from 4 (ep.yaml with its sizes set
+to the processes, fsdp_ep.yaml with ep_size half of them: copies written beside the runs), as the configs ship (bf16;
+fp32 on a CPU without bf16 instructions, as a user's run there). Per run: tokens/s (the median of the train lines after
+the first), the peak resident set per rank through training (its largest rank), the model state per rank (run.json's
+memory account), and under ep.yaml and fsdp_ep.yaml the megabytes each rank sends per step (the run's `all_to_all_mb`,
+counted from the routing: common.parallel.expert_parallel.Traffic) against the formula for even routing:
 
     4 x layers x tokens per rank per step x experts per token x (ep - 1) / ep x hidden size x bytes per element
 

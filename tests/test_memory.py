@@ -339,9 +339,8 @@ def test_the_estimate_counts_what_a_decoder_layer_saves_in_each_precision_regime
         model = read_model(str(tmp_path / config.model_type))
         estimated = activation_bytes(model, 1, 96, c, False, head=False, weight_bytes=w)
         measured = saved_by_one_layer(config, regime)
-        print(
-            f"{config.model_type} {regime}: a layer saves {measured / 96:.0f} B a token, estimated {estimated / 96:.0f}"
-        )
+        saves, estimate = measured / 96, estimated / 96
+        print(f"{config.model_type} {regime}: a layer saves {saves:.0f} B a token, estimated {estimate:.0f}")
         assert measured == pytest.approx(estimated, rel=0.03)
 
 

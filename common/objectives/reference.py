@@ -39,7 +39,7 @@ from common.launch.internals import context_parallel_hooks
 from common.models.loading import load_model
 from common.objectives.dpo import completion_log_probs
 from common.outputs.run_dir import REFERENCE_TABLE
-from common.parallel import sequence_parallel
+from common.parallel import expert_parallel, sequence_parallel
 from common.parallel.shards import local_parameter_shards
 
 
@@ -246,8 +246,6 @@ def shard_like_policy(accelerator, model):
             prepared = fsdp2_prepare_model(accelerator, model).eval()
         finally:
             plugin.reshard_after_forward = kept
-        for module in prepared.modules():  # fsdp_ep.yaml's experts, sharded as the model loaded (expert_parallel)
-            if hasattr(module, "expert_rank") and hasattr(module, "set_reshard_after_forward"):
-                module.set_reshard_after_forward(True)
+        expert_parallel.reshard_experts_after_forward(prepared)  # fsdp_ep.yaml's, sharded as the model loaded
         return prepared
     return model.to(accelerator.device)

@@ -181,6 +181,15 @@ def shard(model, state=None):
     return model
 
 
+def reshard_experts_after_forward(model) -> None:
+    """A frozen copy's experts (DPO's reference, distill's teacher) that fsdp_ep.yaml FSDP2-sharded as the model
+    loaded, with the config's fsdp_reshard_after_forward: resharded after each forward, since no backward would."""
+    for name in getattr(model, "split_experts", []):
+        module = model.get_submodule(name)
+        if hasattr(module, "set_reshard_after_forward"):  # ep.yaml's are whole on their rank, not FSDP2's
+            module.set_reshard_after_forward(True)
+
+
 def compute_in_autocast_dtype(module) -> None:
     """The experts' forward on copies of their weights in autocast's dtype (bf16 under the shipped configs), as
     FSDP2's mixed precision hands the layers it manages theirs: the experts are left out of FSDP2, and transformers'

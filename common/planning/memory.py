@@ -286,33 +286,33 @@ def activation_bytes(
 
     `weight_bytes` (w): the dtype the layers' weights and the residual stream are in: 4 where fp32 weights compute
     under autocast (ddp, tp, one process) or in fp32, the compute dtype where the strategy hands the layers their
-    weights in it (FSDP2's mixed precision, DeepSpeed's bf16 model). Llama- and Qwen3-style decoders (RMSNorm,
-    separate q/k/v and gate/up projections); Gemma's four norms a layer and GPT-2's fused projections differ. Per layer and token: each of the two RMSNorms its
-    input made fp32 (4h) and its normalised output in w (w h), and its inverse RMS; the q/k/v projections' input and
-    the gate/up projections' in the compute dtype (c h each; under autocast with fp32 weights each projection keeps
-    its own cast: 3 c h and 2 c h); attention's q, k and v (the queries' width, the keys' and values' under
-    grouped-query attention) and its output, the o projection's input (c(2 h_q + 2 kv)), and its log-sum-exp (4 bytes
-    a head); where the model normalises q and k per head (Qwen3, OLMo2), those norms' fp32 input and output
-    ((4 + c)(h_q + kv)); the MLP's gate, up, activation and down projection input (4ci); then the final norm, the
-    head's input and the logits and their log-softmax in fp32 (8V). Checked with saved-tensor hooks on a Llama layer
-    with grouped-query attention and a Qwen3 layer in all three regimes (fp32, fp32 weights under bf16 autocast, bf16
-    weights): tests/test_memory.py. Not counted: with a padding mask transformers' SDPA path repeats the keys and
-    values to every query head (about 8% more a layer under grouped-query attention, measured), and LoRA's frozen
-    projections keep no input (an overcount). With activation checkpointing a layer keeps only its input (w h), and
-    one layer's worth is rebuilt during backward (`residual_bytes`: the stream's dtype where it is not w). Under tensor parallelism (`tp` ranks) the tensors inside attention and the MLP are split by
-    heads and columns, while the norms, the projections' inputs and the gathered logits stay whole. Under sequence
-    parallelism (`sp` ranks, `seq_len` the rank's slice) the attention output is kept twice: for the whole row with
-    the rank's heads (attention's own) and, exchanged back, for the slice with every head (the o projection's input),
-    one c·h more per token and layer (measured at 101M: 4 MB of 97). `head=False`: the layers alone (a pipeline
-    stage before the last).
+    weights in it (FSDP2's mixed precision, DeepSpeed's bf16 model). Llama- and Qwen3-style decoders (RMSNorm, separate
+    q/k/v and gate/up projections); Gemma's four norms a layer and GPT-2's fused projections differ. Per layer and
+    token: each of the two RMSNorms its input made fp32 (4h) and its normalised output in w (w h), and its inverse RMS;
+    the q/k/v projections' input and the gate/up projections' in the compute dtype (c h each; under autocast with fp32
+    weights each projection keeps its own cast: 3 c h and 2 c h); attention's q, k and v (the queries' width, the keys'
+    and values' under grouped-query attention) and its output, the o projection's input (c(2 h_q + 2 kv)), and its log-
+    sum-exp (4 bytes a head); where the model normalises q and k per head (Qwen3, OLMo2), those norms' fp32 input and
+    output ((4 + c)(h_q + kv)); the MLP's gate, up, activation and down projection input (4ci); then the final norm,
+    the head's input and the logits and their log-softmax in fp32 (8V). Checked with saved-tensor hooks on a Llama
+    layer with grouped-query attention, a Qwen3 and a Qwen3-MoE layer in all three regimes (fp32, fp32 weights under
+    bf16 autocast, bf16 weights): tests/test_memory.py. Not counted: with a padding mask transformers' SDPA path
+    repeats the keys and values to every query head (about 8% more a layer under grouped-query attention, measured),
+    and LoRA's frozen projections keep no input (an overcount). With activation checkpointing a layer keeps only its
+    input (w h), and one layer's worth is rebuilt during backward (`residual_bytes`: the stream's dtype where it is not
+    w). Under tensor parallelism (`tp` ranks) the tensors inside attention and the MLP are split by heads and columns,
+    while the norms, the projections' inputs and the gathered logits stay whole. Under sequence parallelism (`sp`
+    ranks, `seq_len` the rank's slice) the attention output is kept twice: for the whole row with the rank's heads
+    (attention's own) and, exchanged back, for the slice with every head (the o projection's input), one c·h more per
+    token and layer (measured at 101M: 4 MB of 97). `head=False`: the layers alone (a pipeline stage before the last).
 
-    A mixture-of-experts layer (`moe_layers` of them) keeps, in place of the MLP's terms, the router's logits
-    in the compute dtype and their softmax in fp32 (E(c + 4)), and for each of the k experts a token goes to its
-    copy of the normed input and of the expert's output (2ch) and the expert's gate, up, activation and down
-    projection input (4ci_e, i_e the expert's width), beside the normed input itself, and the routing's indices and
-    weights (int64 and fp32, 40 bytes an expert a token: transformers' grouped_mm experts): c(h + 2kh + 4ki_e) +
-    E(c + 4) + 40k, the experts' tensors in w rather than c under autocast with fp32 weights (autocast does not cover
-    the grouped matmul: they compute in fp32)."""
+    A mixture-of-experts layer (`moe_layers` of them) keeps, in place of the MLP's terms, the router's logits in the
+    compute dtype and their softmax in fp32 (E(c + 4)), and for each of the k experts a token goes to its copy of the
+    normed input and of the expert's output (2ch) and the expert's gate, up, activation and down projection input
+    (4ci_e, i_e the expert's width), beside the normed input itself, and the routing's indices and weights (int64 and
+    fp32, 40 bytes an expert a token: transformers' grouped_mm experts): c(h + 2kh + 4ki_e) + E(c + 4) + 40k, the
+    experts' tensors in w rather than c under autocast with fp32 weights (autocast does not cover the grouped matmul:
+    they compute in fp32)."""
     h, i, vocab, layers = model["hidden_size"], model["intermediate_size"], model["vocab_size"], model["layers"]
     tokens = batch_size * seq_len
     c, w = compute_bytes, weight_bytes

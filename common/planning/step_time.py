@@ -243,9 +243,10 @@ def sequence_exchange_bytes(model: dict, tokens: int, sp: int, c: int, micro_ste
 
 def expert_exchange_bytes(model: dict, tokens: int, ep: int, c: int, micro_steps: int, checkpointing: bool) -> float:
     """Bus bytes per device per optimizer step of ep.yaml's and fsdp_ep.yaml's all-to-alls over groups of ep ranks
-    (common.parallel.expert_parallel's Traffic counts the same): per MoE layer and micro-step each of a rank's `tokens` goes to its top-k experts and comes back
-    (forward), and both again as gradients (backward), the forward once more with activation checkpointing; the
-    (ep-1)/ep of it whose expert another rank holds (an even routing), a hidden-size row in the compute dtype each."""
+    (common.parallel.expert_parallel's Traffic counts the same): per MoE layer and micro-step each of a rank's `tokens`
+    goes to its top-k experts and comes back (forward), and both again as gradients (backward), the forward once more
+    with activation checkpointing; the (ep-1)/ep of it whose expert another rank holds (an even routing), a hidden-size
+    row in the compute dtype each."""
     passes = 6 if checkpointing else 4
     routed = tokens * model["experts_per_token"] * model["hidden_size"] * c
     return micro_steps * passes * model["moe_layers"] * routed * (ep - 1) / ep
@@ -434,9 +435,8 @@ def config_strategy(name: str, args) -> dict:
     its pp_size divides: layouts() picks the sizes that divide the devices)."""
     path = os.path.join(REPO, "accelerate_configs", name)
     pipeline = pipeline_size(name) > 1
+    # (ep.yaml's ep_size read as the devices; fsdp_ep.yaml's set by each layout: device_layouts)
     strategy = read_strategy(path, None if pipeline else args.num_devices, args.mixed_precision)
-    if strategy["ep_size"] > 1:  # ep.yaml: the experts split over every device; fsdp_ep.yaml: its layout's ep size
-        strategy["ep_size"] = args.num_devices
     return dict(
         strategy,
         num_processes=args.num_devices,
