@@ -1,7 +1,9 @@
 # Every command in README.md is a target here, and tests/test_docs.py runs or checks each one.
 VENV    ?= .venv
 PY      := $(VENV)/bin/python
-LAUNCH   = $(strip $(if $(ELASTIC),$(PY) -m common.launch.elastic,$(VENV)/bin/accelerate launch) $(RESTARTS) $(LAUNCH_ARGS))
+# accelerate-launch is accelerate's own launch entry point: `accelerate launch` without the rest of its CLI, whose
+# other commands' imports (transformers among them) a launcher does not need.
+LAUNCH   = $(strip $(if $(ELASTIC),$(PY) -m common.launch.elastic,$(VENV)/bin/accelerate-launch) $(RESTARTS) $(LAUNCH_ARGS))
 CONFIG  ?= accelerate_configs/ddp.yaml
 ARGS    ?=
 # Extra pip arguments for torch on a host without a GPU, e.g. a CPU-only wheel index.
@@ -41,6 +43,7 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	fi
 	$(PY) -m pip install -q --no-build-isolation -r requirements.txt
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
+	$(PY) -m compileall -q common recipes scripts  # byte-compiled once, not by every process of the first launches
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed pyproject.toml

@@ -365,7 +365,19 @@ def start_run(*arguments) -> Run:
     checkpoint = for_this_world_size(accelerator, checkpoint)
     if world is not None:
         world.timed("conversion", converted + time.time() - converting)
-    return Run(arguments, accelerator, launch, checkpoint, clear_earlier, world)
+    run = Run(arguments, accelerator, launch, checkpoint, clear_earlier, world)
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker, which ends in os._exit (errors.exit_now)
+        _HELD_UNTIL_EXIT.append(run)
+    return run
+
+
+# A torchrun worker's Run (its accelerator, and through it the models it prepared) is held until the process ends, so
+# that returning from a recipe's main() frees none of them. Seen (torch 2.13, gloo, ddp.yaml, 2 processes; twice in
+# the first 20 or so runs forked by tests/warm_launcher.py, and once in a real launch, as `unwrap` in
+# common/launch/accelerator.py notes): DDP's reducer, freed as main() returned, held the last reference to its gloo
+# group, whose destructor joined the group's threads holding the GIL, while a thread that had finished an all-gather
+# waited for the GIL to free the gathered tensor: the rank hung there for good.
+_HELD_UNTIL_EXIT: list = []
 
 
 def check_saved_global_batch(checkpoint: str | None, args) -> None:

@@ -70,17 +70,27 @@ def outer_make_state() -> set[str]:
     return set(MAKE_STATE) | set(re.findall(r"(?:^|(?<!\\) )([A-Za-z_]\w*)=", given[0] if given else ""))
 
 
-def run(command: list[str], cwd=REPO, env: dict | None = None, check=True, timeout=900):
+def command_environment(env: dict | None = None) -> dict:
+    """What a command a test starts runs with: this process's environment without the outer make's state, downloads
+    off, `env` on top."""
     outer = outer_make_state()
     inherited = {key: value for key, value in os.environ.items() if key not in outer}
+    return {**inherited, **OFFLINE_ENV, **(env or {})}
+
+
+def run(command: list[str], cwd=REPO, env: dict | None = None, check=True, timeout=900):
     result = subprocess.run(
         [str(c) for c in command],
         cwd=cwd,
         capture_output=True,
         text=True,
-        env={**inherited, **OFFLINE_ENV, **(env or {})},
+        env=command_environment(env),
         timeout=timeout,
     )
+    return checked(result, command, check)
+
+
+def checked(result: subprocess.CompletedProcess, command, check: bool) -> subprocess.CompletedProcess:
     if check and result.returncode != 0:
         raise AssertionError(
             f"exit {result.returncode}: {' '.join(map(str, command))}\n"
@@ -90,14 +100,15 @@ def run(command: list[str], cwd=REPO, env: dict | None = None, check=True, timeo
 
 
 def launch_command(config: str, recipe: str, args: list, launcher_args: list | None = None) -> list[str]:
-    """`accelerate launch --config_file accelerate_configs/<config> <recipe> <args>` as a user types it."""
+    """`accelerate launch --config_file accelerate_configs/<config> <recipe> <args>`, through accelerate's own launch
+    entry point (`accelerate-launch`, as make runs it: the launch without the rest of accelerate's CLI)."""
     launcher_args = list(launcher_args or [])
     if "--main_process_port" not in launcher_args:
         launcher_args += ["--main_process_port", str(free_port())]
     recipe_path = recipe if os.path.isabs(str(recipe)) else RECIPES / recipe
     return [
         str(c)
-        for c in [BIN / "accelerate", "launch", "--config_file", CONFIGS / config, *launcher_args, recipe_path, *args]
+        for c in [BIN / "accelerate-launch", "--config_file", CONFIGS / config, *launcher_args, recipe_path, *args]
     ]
 
 
@@ -140,6 +151,54 @@ class LaunchedOnce(dict):
 FP32 = ["--mixed_precision", "no"]
 
 
+# The warm launcher (tests/warm_launcher.py, docs/testing.md's "Warm launches"): a run's ranks forked from one process
+# that imported what a rank imports, their environment built by accelerate's own launch code, in a fraction of a real
+# launch's start-up. `launch` goes through it unless the test asks for a real launch (`real=True`: what a launch
+# itself does, bad input's one-line errors, the memory accounts), the host has a GPU (CUDA after a fork is not
+# shown safe here) or RECIPES_TESTS_REAL_LAUNCHES=true (the whole suite on real launches, to compare); a launch it
+# cannot start (several machines, restarts, one process without torchrun, another import-time environment) is real.
+REAL_LAUNCHES = os.environ.get("RECIPES_TESTS_REAL_LAUNCHES", "false").lower() in ("1", "true", "yes")
+_warm_server: list = []
+
+
+def warm_server():
+    """The session's warm launcher, started at its first launch (its imports: ~5 s)."""
+    import torch
+    from warm_launcher import Server
+
+    if REAL_LAUNCHES or torch.cuda.is_available():
+        return None
+    if not _warm_server:
+        _warm_server.append(Server(command_environment()))
+    return _warm_server[0]
+
+
+def warm_make(command: list[str]) -> tuple[list[str], dict]:
+    """A `make` command whose recipe launch goes through the warm launcher (make's LAUNCH, carrying the command's
+    LAUNCH_ARGS), and the environment naming the session's server: (command, env) for `run`. As it is where the
+    warm launcher is off. Each recipe keeps one make target launched as the README writes it."""
+    server = warm_server()
+    if server is None:
+        return command, {}
+    server.ensure_started()
+    given = [a.split("=", 1)[1] for a in command if a.startswith("LAUNCH_ARGS=")]
+    client = f"{sys.executable} {REPO / 'tests' / 'warm_launcher.py'} {' '.join(given)}".strip()
+    return [*command, f"LAUNCH={client}"], {"WARM_LAUNCHER_SOCKET": server.path}
+
+
+def run_make_warm(command: list[str], **kwargs):
+    """`run(command)` for a make target, its launch through the warm launcher (`warm_make`)."""
+    command, env = warm_make(command)
+    if _current_test and env:
+        _current_test[-1].user_properties.append(("warm", " ".join(command[:3])))
+    return run(command, env={**env, **kwargs.pop("env", {})}, **kwargs)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for server in _warm_server:
+        server.stop()
+
+
 def launch(
     config: str,
     recipe: str,
@@ -149,14 +208,26 @@ def launch(
     env: dict | None = None,
     check=True,
     launcher_args: list | None = None,
+    real: bool = False,
 ):
+    """`accelerate launch --config_file accelerate_configs/<config> <recipe> <args>`: through the warm launcher,
+    or for real (`real=True`, and what the warm launcher refuses)."""
     launcher_args = list(launcher_args or [])
     if num_processes is not None:
         launcher_args += ["--num_processes", str(num_processes)]
-    return run(launch_command(config, recipe, args, launcher_args), cwd=cwd, env=env, check=check)
+    command = launch_command(config, recipe, args, launcher_args)
+    server = None if real else warm_server()
+    if server is not None:
+        if _current_test:
+            _current_test[-1].user_properties.append(("warm", " ".join(command[2:8])))
+        result = server.launch(command[2:], cwd, command_environment(env), timeout=900)
+        if result is not None:
+            return checked(result, command, check)
+    return run(command, cwd=cwd, env=env, check=check)
 
 
 _current_test: list = []  # the test item running now (its setup, call and teardown)
+LAUNCHERS = ("make", "accelerate", "accelerate-launch")
 _popen_init = subprocess.Popen.__init__
 
 
@@ -167,14 +238,14 @@ def _counted_popen_init(self, args, *rest, **kwargs):
     names = [os.path.basename(w) for w in words]
     kind = (
         "launch"
-        if "accelerate" in names and "launch" in words
+        if "accelerate-launch" in names or ("accelerate" in names and "launch" in words)
         else "make"
         if "make" in names[:1] and "-n" not in words
         else None
     )
     if kind and _current_test:
         _current_test[-1].user_properties.append(
-            (kind, " ".join(words[names.index(kind if kind == "make" else "accelerate") :][:8]))
+            (kind, " ".join(words[next(i for i, n in enumerate(names) if n in LAUNCHERS) :][:8]))
         )
     _popen_init(self, args, *rest, **kwargs)
 

@@ -17,7 +17,7 @@ GOOD = '{"text": "a b c d e f g h"}\n' * 40
 
 def launch_bad(args: list, recipe: str = "causal_lm.py") -> str:
     """The one error line of a 2-process run that must fail."""
-    result = launch("ddp.yaml", recipe, args, check=False)
+    result = launch("ddp.yaml", recipe, args, check=False, real=True)
     output = result.stdout + result.stderr
     errors = [line for line in output.splitlines() if line.startswith("error:")]
     assert result.returncode != 0 and len(errors) == 1, output[-4000:]

@@ -108,7 +108,9 @@ def test_bad_input_is_one_line_and_nonzero_exit(markov_data, tmp_path):
     docs/operating.md says a user sees (issue 54, item 13: it promised exit status 2 and no traceback):
     torchrun's ChildFailedError block naming the worker's exit code 2, and `accelerate launch` exiting 1."""
     override, message = {"config": "/nonexistent/recipe.yaml"}, "does not exist"
-    result = launch("ddp.yaml", "causal_lm.py", causal_lm_args(markov_data, tmp_path / "bad", **override), check=False)
+    result = launch(
+        "ddp.yaml", "causal_lm.py", causal_lm_args(markov_data, tmp_path / "bad", **override), check=False, real=True
+    )
     lines = result.stderr.splitlines()
     errors = [index for index, line in enumerate(lines) if line.startswith("error:")]
     assert len(errors) == 1 and message in lines[errors[0]], result.stderr[-2000:]

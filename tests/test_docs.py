@@ -16,6 +16,7 @@ from conftest import (
     read_metrics,
     read_run,
     run,
+    run_make_warm,
 )
 
 
@@ -98,7 +99,7 @@ def test_make_demo_chat_shortened_starts_teaching_the_real_model_and_its_export_
     the exported folder answers "what is 7 plus 8 ?" through its own template with a bare number, the format it was
     taught (the untrained model answers in a sentence); whether that number is right after 12 steps depends on the
     host's precision (seen: 15 in fp32, 13 in bf16 at exact match 0.5), so it is the full demo's check."""
-    result = run(
+    result = run_make_warm(  # make sft is SFT's make target launched as the README writes it (test_recipes.py)
         [
             "make",
             "demo-chat",

@@ -27,6 +27,7 @@ from conftest import (
     read_run,
     run,
     run_in_process,
+    run_make_warm,
     tiered,
 )
 
@@ -1039,7 +1040,7 @@ def test_make_grpo_as_it_ships_learns_from_the_reward_alone(tmp_path):
 
 
 def demo_grpo(out: Path, *args: str):
-    result = run(
+    result = run_make_warm(  # make grpo is GRPO's make target launched as the README writes it
         ["make", "demo-grpo", f"GRPO_CHAT_OUT={out}", f"LAUNCH_ARGS=--main_process_port {free_port()}", *args],
     )
     evaluations = [r for r in read_metrics_all(out) if "eval_rewards/exact_match/mean" in r]

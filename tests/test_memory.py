@@ -118,6 +118,7 @@ def measured(markov_data, tmp_path_factory) -> LaunchedOnce:
             num_processes=processes,
             env=LIVE_RSS,
             launcher_args=FP32 if fp32 else [],
+            real=True,  # a memory account: a forked rank's resident set holds its server's pages
         )
         drop_weights(out)  # the tests read run.json and final/config.json
         return out
@@ -409,6 +410,7 @@ def test_sequence_parallelism_splits_each_ranks_activations(markov_data, tmp_pat
                 gradient_accumulation_steps=2,
                 max_steps=1,
             ),
+            real=True,  # a memory account
         )
         drop_weights(out)
         record = read_run(out)

@@ -33,6 +33,7 @@ from conftest import (
     read_run,
     resume_elsewhere,
     run,
+    run_make_warm,
     tiered,
 )
 from test_strategies import FP32_TOLERANCE
@@ -133,7 +134,7 @@ def ep_run(moe_data, tmp_path_factory):
     at = args.index("--config")
     del args[at : at + 2]  # the target passes the demo's recipe config itself
     launcher = f"--mixed_precision no --main_process_port {free_port()}"
-    run(
+    run_make_warm(
         [
             "make",
             "-s",

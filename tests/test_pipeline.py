@@ -93,7 +93,7 @@ def epoch_args(data, out, **overrides):
 def pipeline_run(small_markov, tmp_path_factory):
     """causal_lm.py under pp.yaml (1F1B, fp32), and one process running the same micro-batches."""
     root = tmp_path_factory.mktemp("pipeline")
-    launch("pp.yaml", "causal_lm.py", epoch_args(small_markov, root / "pp"), launcher_args=FP32)
+    launch("pp.yaml", "causal_lm.py", epoch_args(small_markov, root / "pp"), launcher_args=FP32, real=True)  # peak RSS
     launch_one_process("causal_lm.py", epoch_args(small_markov, root / "one"), launcher_args=FP32)
     return root / "pp", root / "one"
 
@@ -711,6 +711,7 @@ def test_an_unknown_schedule_stops_every_rank_in_one_line(markov_data, tmp_path)
         "causal_lm.py",
         causal_lm_args(markov_data, tmp_path / "out"),
         check=False,
+        real=True,
     )
     output = result.stdout + result.stderr
     errors = [line for line in output.splitlines() if line.startswith("error:")]

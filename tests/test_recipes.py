@@ -25,6 +25,7 @@ from conftest import (
     read_run,
     resume_elsewhere,
     run,
+    run_make_warm,
     tiered,
 )
 
@@ -45,7 +46,9 @@ def launch_recipe(config: str, recipe: str, args: list, launcher_args: list | No
     if MAKE_TARGETS.get(target) != config:
         return launch(config, recipe, args, launcher_args=launcher_args)
     launch_args = [*(launcher_args or []), "--main_process_port", str(free_port())]
-    return run(
+    # sequence_classification and sft: their recipes' make targets as the README writes them; lora (causal_lm.py's
+    # --use_peft) through the warm launcher (make demo is causal_lm.py's)
+    return (run_make_warm if target == "lora" else run)(
         [
             "make",
             target,

@@ -7,7 +7,17 @@ import shutil
 from types import SimpleNamespace
 
 import pytest
-from conftest import HOST_DTYPE, REPO, causal_lm_args, free_port, launch, losses, read_metrics, read_run, run
+from conftest import (
+    HOST_DTYPE,
+    REPO,
+    causal_lm_args,
+    free_port,
+    launch,
+    losses,
+    read_metrics,
+    read_run,
+    run_make_warm,
+)
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +116,7 @@ def test_streaming_a_mixture_crosses_epochs_and_resumes_at_the_exact_block(small
     out = tmp_path / "run"
     recipe_args = [str(a) for a in causal_lm_args(small_corpus, out, **args)]
     recipe_args = recipe_args[2:] if recipe_args[0] == "--config" else recipe_args  # make passes the demo's
-    run(
+    run_make_warm(  # make demo is causal_lm.py's make target launched as the README writes it (test_docs.py)
         [
             "make",
             "causal_lm",

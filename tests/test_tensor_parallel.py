@@ -289,7 +289,7 @@ def test_tensor_parallel_bf16_fine_tuning(markov_data, bf16_checkpoint, bf16_ref
 
 
 def launch_refused(config, args, recipe="causal_lm.py", launcher_args=None) -> str:
-    result = launch(config, recipe, args, check=False, launcher_args=launcher_args)
+    result = launch(config, recipe, args, check=False, launcher_args=launcher_args, real=True)
     output = result.stdout + result.stderr
     errors = [line for line in output.splitlines() if line.startswith("error:")]
     assert result.returncode != 0 and len(errors) == 1, output[-4000:]

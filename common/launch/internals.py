@@ -129,6 +129,13 @@ USES = (
         "carry",
     ),
     Use(
+        "torch",
+        "LocalElasticAgent's worker environment (the variables torchrun gives each rank), StaticTCPRendezvous's "
+        "agent store; accelerate.commands.launch.simple_launcher, looked up when called",
+        "torchrun_replaced: tests/warm_launcher.py forks the ranks as torchrun would start them (tests/"
+        "test_warm_launcher.py compares each rank's environment with a real launch's, per config)",
+    ),
+    Use(
         "deepspeed",
         "deepspeed.ops.__compatible_ops__ (the ops it JIT-builds at first use)",
         "skip_deepspeed_op: common/launch/cpu_host.py keeps the CPU backend from building its inference all-reduce",
@@ -176,6 +183,23 @@ def torchrun_adjusted(adjust):
         yield called
     finally:
         torchrun.run = original
+
+
+@contextlib.contextmanager
+def torchrun_replaced(start_workers, simple_launch):
+    """accelerate's launchers as they are, up to torch.distributed.run.run(args): `start_workers(args)` is called
+    there instead, with torchrun's namespace and in the environment the launch exports to its workers (the tests'
+    warm launcher forks the ranks itself); accelerate's simple launcher (one process, no torchrun) is
+    `simple_launch(args)`."""
+    import torch.distributed.run as torchrun
+    from accelerate.commands import launch as accelerate_launch
+
+    original = torchrun.run, accelerate_launch.simple_launcher
+    torchrun.run, accelerate_launch.simple_launcher = start_workers, simple_launch
+    try:
+        yield
+    finally:
+        torchrun.run, accelerate_launch.simple_launcher = original
 
 
 # ---- transformers ----------------------------------------------------------------------------

@@ -1,0 +1,478 @@
+"""The tests' warm launcher: each rank forked from one process that has already imported what a rank imports.
+
+    python tests/warm_launcher.py serve SOCKET          # tests/conftest.py starts one per test session
+    python tests/warm_launcher.py --config_file accelerate_configs/ddp.yaml recipes/sft.py ...   # `accelerate
+        launch`'s arguments, through the session's server (WARM_LAUNCHER_SOCKET): make's LAUNCH for a test
+
+Most of a test's launch is start-up: the launcher's CLI, and in every rank the imports (torch, transformers, datasets,
+deepspeed) and the compilation of `common/`. Here the server imports all of that once and runs no torch compute (no
+thread pool exists to be copied half-made into a fork). For each launch it forks a manager, which runs accelerate's
+own `launch_command` with the launch's arguments and environment, up to the point where accelerate hands torchrun its
+namespace (`common.launch.internals.torchrun_replaced`): there the manager builds each rank's environment as torchrun's
+agent does (torch.distributed.run's config, the agent's variables, its store on MASTER_PORT), forks one fresh child per
+rank and runs the recipe in it as `__main__`. When a rank fails the others are ended (SIGTERM, then SIGKILL), as
+torchrun's agent ends them; the exit status is accelerate launch's (0, or 1 when a rank failed).
+
+What it cannot start it refuses, so the caller launches for real: more than one machine, restarts or a rendezvous
+other than torchrun's static one, accelerate's simple launcher (one process without torchrun), and an environment that
+differs from the server's in a variable a library reads at import (HF_*, TORCH*, ...).
+tests/test_warm_launcher.py holds each rank's environment against a real launch's for every shipped config.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+REPO = Path(__file__).resolve().parents[1]
+SOCKET_ENV = "WARM_LAUNCHER_SOCKET"
+REFUSED = 97  # the manager's status for a launch it does not start: the caller launches for real
+# Variables libraries read once, at import (huggingface_hub's offline switch, torch's and OpenMP's settings, Python's
+# own): the forked ranks hold the server's values, so a launch whose environment differs in one is launched for real.
+# OMP_NUM_THREADS is set in each rank (torch.set_num_threads), as torchrun's agent exports it.
+IMPORT_TIME = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "DATASETS_", "TORCH", "PYTORCH_", "KMP_", "MKL_", "GOMP_",
+               "DS_", "PYTHON", "LD_", "CUDA", "NCCL_", "GLOO_", "TOKENIZERS_")  # fmt: skip
+SET_PER_RANK = {"OMP_NUM_THREADS", "PYTHONPATH"}  # accelerate adds the working folder to PYTHONPATH: put on sys.path
+TERMINATE_GRACE_S = 30.0
+READY = "warm launcher ready: "  # torchrun's agent: SIGTERM, then SIGKILL after 30 s
+
+
+def import_time_differences(env: dict, server_env: dict) -> list[str]:
+    """The variables read at import whose value in `env` is not the server's."""
+    names = {k for k in {*env, *server_env} if k.startswith(IMPORT_TIME) and k not in SET_PER_RANK}
+    return sorted(k for k in names if env.get(k) != server_env.get(k))
+
+
+# ---- the server --------------------------------------------------------------------------------------------------
+def preload() -> None:
+    """What a rank imports, loaded once: the recipes' modules (not their main), the libraries and the model families
+    the tests train, the launch code. Nothing here runs torch compute."""
+    import importlib
+    import importlib.util
+
+    sys.path.insert(0, str(REPO))
+    for name in (
+        "torch",
+        "torch.distributed.run",
+        "torch.distributed.fsdp",
+        "torch.distributed.checkpoint",
+        "torch.distributed.tensor",
+        "torch.distributed.pipelining",
+        "torch.utils.tensorboard",
+        "accelerate",
+        "accelerate.commands.launch",
+        "transformers",
+        "transformers.optimization",
+        "transformers.models.llama.modeling_llama",
+        "transformers.models.qwen3.modeling_qwen3",
+        "transformers.models.qwen3_moe.modeling_qwen3_moe",
+        "transformers.models.mixtral.modeling_mixtral",
+        "transformers.models.bert.modeling_bert",
+        "datasets",
+        "peft",
+        "safetensors.torch",
+    ):
+        importlib.import_module(name)
+    from common.launch.accelerator import import_deepspeed
+
+    import_deepspeed()  # as a rank imports it (without deepspeed's optional mlflow)
+    for path in sorted((REPO / "recipes").glob("*.py")):
+        spec = importlib.util.spec_from_file_location(f"_warm_{path.stem}", path)
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    for path in sorted((REPO / "common").rglob("*.py")):
+        module = ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+        importlib.import_module(module)
+
+
+def os_threads() -> list[str]:
+    """The names of this process's threads (Linux), the main one first."""
+    if not os.path.isdir("/proc/self/task"):
+        return ["main"]
+    return [
+        Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in sorted(os.listdir("/proc/self/task"), key=int)
+    ]
+
+
+def serve(path: str) -> None:
+    started = time.time()
+    server_env = dict(os.environ)
+    preload()
+    # what the imports set in their process's environment (torch's inductor cache folder, ...): a rank that imported
+    # them itself would hold these too
+    imported = {k: v for k, v in os.environ.items() if server_env.get(k) != v}
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(16)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # managers reaped by the kernel
+    # the caller waits for this line: the imports' seconds, the threads running (a fork copies none of them) and the
+    # variables the imports set
+    ready = {"seconds": round(time.time() - started, 2), "threads": os_threads(), "imported": sorted(imported)}
+    print(READY + json.dumps(ready), flush=True)
+    while True:
+        connection, _ = listener.accept()
+        if os.fork() == 0:
+            listener.close()
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            try:
+                manage(connection, server_env, imported)
+            finally:
+                os._exit(0)
+        connection.close()
+
+
+def send(connection, message: dict) -> None:
+    connection.sendall((json.dumps(message) + "\n").encode())
+
+
+def manage(connection, server_env: dict, imported: dict) -> None:
+    """One launch: the request's arguments through accelerate's launch_command, the ranks forked at torchrun."""
+    request = json.loads(connection.makefile().readline())
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update({**imported, **request["env"]})
+    out = os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    err = os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    differing = import_time_differences(request["env"], server_env)
+    if differing:
+        send(connection, {"refused": f"the environment differs from the server's in {', '.join(differing)}"})
+        return
+    os.dup2(out, 1)
+    os.dup2(err, 2)
+    sys.stdout, sys.stderr = text_stream(1), text_stream(2)
+    from accelerate.commands.launch import launch_command, launch_command_parser
+
+    from common.launch.internals import torchrun_replaced
+
+    result = {}
+
+    def start_workers(torchrun_args):
+        result.update(run_ranks(torchrun_args, connection))
+
+    def simple_launch(args):
+        raise Refused("one process without torchrun (accelerate's simple launcher)")
+
+    try:
+        args = launch_command_parser().parse_args(request["argv"])
+        if args.num_machines not in (None, 1) or args.max_restarts or args.rdzv_backend not in (None, "static"):
+            raise Refused("more than one machine, restarts or an elastic rendezvous")
+        if pipeline_size(args.config_file) > 1:
+            raise Refused(
+                "a pipeline: its ranks read pp_size from the launcher's command line (common/launch/mesh.py)"
+            )
+        with torchrun_replaced(start_workers, simple_launch):
+            launch_command(args)
+    except Refused as refused:
+        send(connection, {"refused": str(refused)})
+        return
+    except BaseException as error:  # accelerate's own refusal of the arguments, as the launch prints it
+        import traceback
+
+        traceback.print_exc()
+        sys.stderr.flush()
+        result = {"returncodes": [], "launcher_error": f"{type(error).__name__}: {error}"}
+    send(connection, result)
+
+
+class Refused(Exception):
+    pass
+
+
+def pipeline_size(config_file: str | None) -> int:
+    """pp.yaml's and dp_pp.yaml's parallelism_config_pp_size, which accelerate does not export: each rank reads it
+    from its launcher's command line (common.launch.mesh), which a forked rank's ancestors do not hold."""
+    import yaml
+
+    from common.launch.mesh import SIZE_KEY
+
+    if not config_file or not os.path.exists(config_file):
+        return 1
+    with open(config_file) as handle:
+        block = (yaml.safe_load(handle) or {}).get("parallelism_config") or {}
+    return int(block.get(SIZE_KEY, 1) or 1)
+
+
+def text_stream(fd: int):
+    """A rank's sys.stdout/sys.stderr as `python -u` (torchrun's command) makes them: unbuffered."""
+    return io.TextIOWrapper(
+        io.FileIO(fd, "w", closefd=False),
+        encoding="utf-8",
+        errors="backslashreplace" if fd == 2 else "strict",
+        write_through=True,
+    )
+
+
+def rank_environments(torchrun_args) -> tuple[dict, list[str], list[dict]]:
+    """torchrun's launch config for these arguments, its command, and each rank's environment as torchrun's agent
+    (LocalElasticAgent, torch 2.13) builds it: the launch's environment plus the agent's variables."""
+    from torch.distributed.run import config_from_args
+
+    config, command, command_args = config_from_args(torchrun_args)  # sets OMP_NUM_THREADS as torchrun does
+    if config.min_nodes != 1 or config.max_nodes != 1 or config.max_restarts or config.rdzv_backend != "static":
+        raise Refused("more than one node, restarts or an elastic rendezvous")
+    address, port = config.rdzv_endpoint.rsplit(":", 1)
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle  # torch.distributed.launcher.api sets it
+    error_files = tempfile.mkdtemp(prefix="torchelastic_")
+    world = config.nproc_per_node
+    environments = []
+    for rank in range(world):
+        env = dict(os.environ)
+        env.update(
+            {
+                "RANK": str(rank),
+                "GROUP_RANK": "0",
+                "ROLE_RANK": str(rank),
+                "ROLE_NAME": config.role,
+                "LOCAL_WORLD_SIZE": str(world),
+                "WORLD_SIZE": str(world),
+                "GROUP_WORLD_SIZE": "1",
+                "ROLE_WORLD_SIZE": str(world),
+                "MASTER_ADDR": address,
+                "MASTER_PORT": port,
+                "TORCHELASTIC_RESTART_COUNT": "0",
+                "TORCHELASTIC_MAX_RESTARTS": "0",
+                "TORCHELASTIC_RUN_ID": config.run_id,
+                "TORCHELASTIC_USE_AGENT_STORE": "True",
+                "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.getenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+                "LOCAL_RANK": str(rank),
+                "TORCHELASTIC_ERROR_FILE": os.path.join(error_files, str(rank), "error.json"),
+            }
+        )
+        os.makedirs(os.path.join(error_files, str(rank)))
+        environments.append(env)
+    return config, [command, *command_args], environments
+
+
+def run_ranks(torchrun_args, connection) -> dict:
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    config, command, environments = rank_environments(torchrun_args)
+    if command[:2] != [sys.executable, "-u"] or command[2] == "-m":
+        raise Refused(f"a command other than a Python script: {command[:3]}")
+    script, script_args = command[2], command[3:]
+    pids = [fork_rank(script, script_args, env, connection) for env in environments]
+    send(connection, {"pids": pids})
+    # the agent's store, which the ranks join (TORCHELASTIC_USE_AGENT_STORE), made after the forks: none inherits it
+    address, port = config.rdzv_endpoint.rsplit(":", 1)
+    store = TCPStore(address, int(port), None, True, timedelta(seconds=900), wait_for_workers=False, multi_tenant=True)
+    returncodes = wait_for_ranks(pids)
+    del store
+    import shutil
+
+    shutil.rmtree(os.path.dirname(os.path.dirname(environments[0]["TORCHELASTIC_ERROR_FILE"])), ignore_errors=True)
+    return {"returncodes": returncodes}
+
+
+def fork_rank(script: str, script_args: list[str], env: dict, connection) -> int:
+    pid = os.fork()
+    if pid:
+        return pid
+    status = 1
+    try:
+        os.setpgid(0, 0)  # its own group: ending a rank ends what it started
+        connection.close()
+        os.environ.clear()
+        os.environ.update(env)  # the launch's (with what the server's imports set), and torchrun's for this rank
+        import runpy
+
+        import torch
+
+        if "OMP_NUM_THREADS" in env:  # OpenMP read the server's value at import: the rank's, as torchrun sets it
+            torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+        # `python -u script`: the script's folder first on sys.path, then PYTHONPATH's (accelerate adds the cwd)
+        paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        sys.path[:] = [os.path.dirname(os.path.abspath(script)), *paths, *sys.path[1:]]
+        sys.argv = [script, *script_args]
+        sys.stdout = sys.__stdout__ = text_stream(1)
+        sys.stderr = sys.__stderr__ = text_stream(2)
+        try:
+            runpy.run_path(script, run_name="__main__")
+            status = 0
+        except SystemExit as stop:
+            status = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+            if not isinstance(stop.code, (int, type(None))):
+                print(stop.code, file=sys.stderr)
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+            status = 1
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        os._exit(status)
+
+
+def wait_for_ranks(pids: list[int]) -> list[int]:
+    """Each rank's exit status (a signal as -N, as subprocess gives it); the first failure ends the others."""
+    codes: dict[int, int] = {}
+    deadline = None
+    while len(codes) < len(pids):
+        if deadline is None:
+            pid, status = os.waitpid(-1, 0)
+        else:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                if time.time() > deadline:
+                    end_ranks([p for p in pids if p not in codes], signal.SIGKILL)
+                    deadline = float("inf")
+                time.sleep(0.05)
+                continue
+        if pid not in pids:
+            continue
+        codes[pid] = os.waitstatus_to_exitcode(status)
+        if codes[pid] != 0 and deadline is None:
+            end_ranks([p for p in pids if p not in codes], signal.SIGTERM)
+            deadline = time.time() + TERMINATE_GRACE_S
+    return [codes[p] for p in pids]
+
+
+def end_ranks(pids: list[int], sig) -> None:
+    for pid in pids:
+        try:
+            os.killpg(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+# ---- the client ----------------------------------------------------------------------------------------------------
+class Server:
+    """The session's server, started on first use; `launch` sends it one launch."""
+
+    def __init__(self, env: dict, running: str | None = None):
+        """`running`: the socket of a server the test session started (a client of it: make's LAUNCH)."""
+        self.folder = tempfile.mkdtemp(prefix="warm_launcher_")
+        self.path = running or os.path.join(self.folder, "socket")
+        self.env = dict(env)
+        self.process = _Running() if running else None
+        self.ready = None
+        self.refusal = None  # why the last launch was refused
+
+    def start(self) -> None:
+        import subprocess
+
+        self.process = subprocess.Popen(
+            [sys.executable, __file__, "serve", self.path],
+            cwd=REPO,
+            env=self.env,
+            stdout=subprocess.PIPE,
+            stderr=open(os.path.join(self.folder, "server.log"), "w"),
+            text=True,
+        )
+        for line in self.process.stdout:  # what the imports print, then the ready line
+            if line.startswith(READY):
+                self.ready = json.loads(line[len(READY) :])
+                break
+        else:
+            raise RuntimeError(
+                f"the warm launcher did not start: {Path(self.folder, 'server.log').read_text()[-4000:]}"
+            )
+
+    def ensure_started(self) -> None:
+        if self.process is None:
+            self.start()
+
+    def launch(self, argv: list[str], cwd, env: dict, timeout: float | None = None):
+        """`accelerate launch <argv>` through the server: a subprocess.CompletedProcess, or None where it refused."""
+        import subprocess
+
+        self.ensure_started()
+        if self.process.poll() is not None:
+            raise RuntimeError(f"the warm launcher has ended: {Path(self.folder, 'server.log').read_text()[-4000:]}")
+        handle, stdout_path = tempfile.mkstemp(prefix="out_", dir=self.folder)
+        os.close(handle)
+        handle, stderr_path = tempfile.mkstemp(prefix="err_", dir=self.folder)
+        os.close(handle)
+        request = {"argv": [str(a) for a in argv], "cwd": str(cwd), "env": env}
+        request.update(stdout=stdout_path, stderr=stderr_path)
+        connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        connection.connect(self.path)
+        connection.settimeout(timeout)
+        pids, reply = [], None
+        try:
+            send(connection, request)
+            for line in connection.makefile():
+                message = json.loads(line)
+                if "pids" in message:
+                    pids = message["pids"]
+                else:
+                    reply = message
+                    break
+        except (socket.timeout, TimeoutError):
+            end_ranks(pids, signal.SIGKILL)
+            raise subprocess.TimeoutExpired(["warm", *request["argv"]], timeout)
+        finally:
+            connection.close()
+        stdout, stderr = (Path(p).read_text(errors="backslashreplace") for p in (stdout_path, stderr_path))
+        os.unlink(stdout_path)
+        os.unlink(stderr_path)
+        if reply is None:
+            raise RuntimeError(f"the warm launcher's manager ended without a reply:\n{stderr[-4000:]}")
+        if "refused" in reply:
+            self.refusal = reply["refused"]
+            return None
+        codes = reply["returncodes"]
+        status = 0 if codes and not any(codes) else 1
+        if "launcher_error" in reply:
+            stderr += f"\n{reply['launcher_error']}\n"
+        result = subprocess.CompletedProcess(["warm launch", *request["argv"]], status, stdout, stderr)
+        result.rank_returncodes = codes
+        return result
+
+    def stop(self) -> None:
+        if isinstance(self.process, subprocess_popen()) and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        import shutil
+
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def client(argv: list[str]) -> int:
+    """`accelerate launch`'s command line through the server named by WARM_LAUNCHER_SOCKET (make LAUNCH=...)."""
+    path = os.environ.get(SOCKET_ENV)
+    if not path:
+        print(f"error: {SOCKET_ENV} is not set: the warm launcher runs inside the test session", file=sys.stderr)
+        return 2
+    server = Server(dict(os.environ), path)
+    try:
+        result = server.launch(argv, os.getcwd(), dict(os.environ))
+    finally:
+        server.stop()
+    if result is None:  # refused: a real launch, as make would have run it
+        os.execv(sys.executable, [sys.executable, "-m", "accelerate.commands.launch", *argv])
+    sys.stdout.write(result.stdout)
+    sys.stderr.write(result.stderr)
+    return result.returncode
+
+
+def subprocess_popen():
+    import subprocess
+
+    return subprocess.Popen
+
+
+class _Running:
+    """The server as a client sees it: started by the test session, running."""
+
+    def poll(self):
+        return None
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["serve"]:
+        serve(sys.argv[2])
+    else:
+        sys.exit(client(sys.argv[1:]))
