@@ -3,13 +3,13 @@ config, is the one `accelerate launch` gives it, so an accelerate or torch upgra
 cannot drift the warm runs silently; a failed rank ends the others as torchrun's agent ends them; what it cannot
 start is refused, and the caller launches for real."""
 
+import concurrent.futures
 import json
 import os
 import sys
-import textwrap
 
 import pytest
-from conftest import CONFIGS, REPO, command_environment, free_port, run, warm_server
+from conftest import BIN, CONFIGS, REPO, command_environment, free_port, run, warm_server
 
 
 # Each names one launch, not what it is: torchrun's error file lies in a folder of the launch's own, and mlflow (which
@@ -18,22 +18,6 @@ PER_LAUNCH = {"TORCHELASTIC_ERROR_FILE", "_MLFLOW_TELEMETRY_SESSION_ID"}
 PROBE = """import json, os, sys
 with open(os.path.join(sys.argv[1], os.environ.get("RANK", "0") + ".json"), "w") as out:
     json.dump({"env": dict(os.environ), "argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0]}, out)
-"""
-# Real launches of the probe under each config, one after another: accelerate's own launch_command in a process
-# forked for each from one that imported accelerate (the launcher's imports paid once), its workers started by
-# torchrun's agent as in any launch.
-REAL = """
-import os, sys
-from accelerate.commands.launch import launch_command, launch_command_parser
-
-for line in sys.stdin:
-    argv = line.split()
-    pid = os.fork()
-    if pid == 0:
-        launch_command(launch_command_parser().parse_args(argv))
-        os._exit(0)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, (argv, status)
 """
 SHIPPED = sorted(path.name for path in CONFIGS.glob("*.yaml"))
 PIPELINES = ("pp.yaml", "dp_pp.yaml")  # launched for real: a rank reads pp_size from its launcher's command line
@@ -61,36 +45,28 @@ def probed(tmp_path_factory):
     if server is None:
         pytest.skip("the warm launcher is off here (a GPU host, or RECIPES_TESTS_REAL_LAUNCHES)")
     ports = {config: free_port() for config in SINGLE_MACHINE}
-    lines = []
+    env = command_environment()
     for config in SINGLE_MACHINE:
         (root / "real" / config).mkdir(parents=True)
         (root / "warm" / config).mkdir(parents=True)
-        lines.append(" ".join(probe_argv(config, root / "real" / config, probe, ports[config])))
-    driver = subprocess_input(REAL, "\n".join(lines) + "\n")
+    # a plain launch of every shipped config, as a user types it (accelerate-launch: `accelerate launch`'s entry
+    # point), two at a time: the launcher's imports are most of each
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        launched = {
+            config: pool.submit(
+                run, [BIN / "accelerate-launch", *probe_argv(config, root / "real" / config, probe, ports[config])]
+            )
+            for config in SINGLE_MACHINE
+        }
+        for config, future in launched.items():
+            assert future.result().returncode == 0, config
     for config in SINGLE_MACHINE:
-        result = server.launch(probe_argv(config, root / "warm" / config, probe, ports[config]), REPO, driver.env)
+        result = server.launch(probe_argv(config, root / "warm" / config, probe, ports[config]), REPO, env)
         assert result is not None and result.returncode == 0, (config, server.refusal, result and result.stderr)
     return {
         config: (read_ranks(root / "real" / config), read_ranks(root / "warm" / config), server.ready["imported"])
         for config in SINGLE_MACHINE
     }
-
-
-def subprocess_input(program: str, stdin: str):
-    import subprocess
-
-    env = command_environment()
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(program)],
-        cwd=REPO,
-        env=env,
-        input=stdin,
-        capture_output=True,
-        text=True,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    result.env = env
-    return result
 
 
 @pytest.mark.slow
