@@ -14,7 +14,7 @@ TORCH_RANGE := torch>=2.13.0,<2.14
 # package), so they run with downloads off; the recipe targets load your Hub models as the libraries do.
 OFFLINE_TARGETS := demo demo-data demo-chat demo-dpo demo-grpo demo-distill real-model real-moe demo-moe-chat benchmark benchmark-peers benchmark-options \
                    benchmark-packing benchmark-moe benchmark-reshard benchmark-pipeline benchmark-bubble benchmark-pipeline-memory \
-                   benchmark-stage-loading benchmark-rollouts test test-fast test-all test-crashes
+                   benchmark-stage-loading benchmark-rollouts benchmark-launch test test-fast test-all test-crashes
 $(OFFLINE_TARGETS): export HF_HUB_OFFLINE ?= 1
 $(OFFLINE_TARGETS): export HF_DATASETS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
@@ -29,7 +29,7 @@ ELASTIC  = $(findstring --nnodes,$(LAUNCH_ARGS))
 RESTARTS = $(if $(or $(ELASTIC),$(findstring --max_restarts,$(LAUNCH_ARGS))),--rdzv_backend c10d) \
            $(if $(and $(ELASTIC),$(if $(findstring --max_restarts,$(LAUNCH_ARGS)),,x)),--max_restarts 3)
 
-.PHONY: install install-test real-model real-moe demo demo-chat demo-moe-chat demo-dpo demo-grpo demo-distill demo-data test test-fast test-all test-crashes style quality doctor causal_lm sequence_classification lora sft distill dpo reward-model reward_model grpo evaluate plot benchmark benchmark-peers benchmark-options benchmark-packing benchmark-moe benchmark-reshard benchmark-pipeline benchmark-bubble benchmark-pipeline-memory benchmark-stage-loading benchmark-rollouts estimate-memory choose-config benchmark-choice export-checkpoint convert-checkpoint check-config clean
+.PHONY: install install-test real-model real-moe demo demo-chat demo-moe-chat demo-dpo demo-grpo demo-distill demo-data test test-fast test-all test-crashes style quality doctor causal_lm sequence_classification lora sft distill dpo reward-model reward_model grpo evaluate plot benchmark benchmark-peers benchmark-options benchmark-packing benchmark-moe benchmark-reshard benchmark-pipeline benchmark-bubble benchmark-pipeline-memory benchmark-stage-loading benchmark-rollouts benchmark-launch estimate-memory choose-config benchmark-choice export-checkpoint convert-checkpoint check-config clean
 
 # torch first: the CPU wheel on hosts without an NVIDIA GPU (no CUDA download),
 # the normal CUDA build where nvidia-smi sees a GPU. Later `torch>=...` pins are then satisfied.
@@ -289,6 +289,12 @@ benchmark-peers: demo-data $(VENV)/.installed-trl
 # on the peers' job, rounds interleaved; those this host cannot run are listed with their refusal.
 benchmark-options: demo-data
 	$(PY) benchmarks/benchmark_options.py --docs docs/benchmark-options.md $(ARGS)
+
+# The start-up a user pays for one launch: a 1-step make causal_lm under ddp.yaml through `accelerate launch` (the
+# whole CLI, as make ran it before) and `accelerate-launch` (its launch entry point, as make runs it now), rounds
+# interleaved: wall and CPU seconds, written to docs/launch-startup.md.
+benchmark-launch: demo-data
+	$(PY) benchmarks/launch_startup.py --docs docs/launch-startup.md $(ARGS)
 
 # Packed vs padded SFT batches (one process), written to docs/benchmark-packing.md: make benchmark-packing ARGS="--steps 20"
 benchmark-packing: install

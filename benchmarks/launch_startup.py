@@ -42,7 +42,9 @@ def one_launch(launcher: str, output_dir: str) -> tuple[float, float]:
     wall = time.perf_counter() - started
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if result.returncode:
-        sys.exit(f"error: make causal_lm with LAUNCH={launcher} failed (exit {result.returncode}): {result.stderr[-2000:]}")
+        sys.exit(
+            f"error: make causal_lm with LAUNCH={launcher} failed (exit {result.returncode}): {result.stderr[-2000:]}"
+        )
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     return wall, cpu
 
@@ -66,7 +68,7 @@ def main(argv=None) -> dict:
     old, new = medians.values()
     text = markdown_table(["launcher", "wall s (median)", "CPU s (median)"], rows) + (
         f"\n\nnew / old: wall {new[0] / old[0]:.3f}x, CPU {new[1] / old[1]:.3f}x over {args.rounds} interleaved "
-        "rounds of `make causal_lm ARGS=\"--max_steps 1\"` (ddp.yaml, 2 processes, the demo's tiny Llama; the CPU "
+        'rounds of `make causal_lm ARGS="--max_steps 1"` (ddp.yaml, 2 processes, the demo\'s tiny Llama; the CPU '
         "seconds are every process the command started, make's, the launcher's and both ranks').\n"
     )
     print(text)

@@ -107,6 +107,7 @@ def condense(junit: str, tree: str) -> list[dict]:
                 "tier": tier,
                 "launches": properties.count("launch"),
                 "make": properties.count("make"),
+                "warm": properties.count("warm"),
                 "outcome": "skipped"
                 if case.find("skipped") is not None
                 else "failed"
@@ -178,24 +179,27 @@ def render(store: dict) -> str:
     lines = [
         f"*Written by `benchmarks/test_durations.py`; {machine()}. Seconds from the suite's junit XML "
         "(setup + call + teardown: a session fixture counts in the first test that uses it); launches: "
-        "`accelerate launch` commands the tests started; make: `make` targets they ran (each of which may "
+        "`accelerate launch` commands the tests started; warm: launches through the warm launcher "
+        "(tests/warm_launcher.py, from its first section on); make: `make` targets they ran (each of which may "
         "launch).*\n"
     ]
     for label, entry in store.items():
         rows, by_file = entry.get("tests", []), {}
         for row in rows:
             counts = by_file.setdefault(
-                row["file"], {"tests": 0, "launches": 0, "make": 0, **dict.fromkeys(TIERS, 0.0)}
+                row["file"], {"tests": 0, "launches": 0, "warm": 0, "make": 0, **dict.fromkeys(TIERS, 0.0)}
             )
             counts["tests"] += 1
             counts[row["tier"]] += row["seconds"]
             counts["launches"] += row["launches"]
             counts["make"] += row["make"]
+            counts["warm"] += row.get("warm", 0)
         lines.append(f"### {label}\n\n{entry.get('what', '')}\n")
         if rows:
             total = {tier: sum(c[tier] for c in by_file.values()) for tier in TIERS}
             lines.append(
                 f"{len(rows)} tests, {sum(r['launches'] for r in rows)} launches, "
+                f"{sum(r.get('warm', 0) for r in rows)} warm launches, "
                 f"{sum(r['make'] for r in rows)} make targets. Sum of the test seconds that ran: `make test-fast`'s "
                 f"{total['fast'] / 60:.1f} min, `make test`'s {(total['fast'] + total['test']) / 60:.1f} min, "
                 f"`make test-all`'s {sum(total.values()) / 60:.1f} min (where its own tests ran: "
@@ -204,7 +208,16 @@ def render(store: dict) -> str:
             table = sorted(by_file.items(), key=lambda item: -sum(item[1][t] for t in TIERS))
             lines.append(
                 markdown_table(
-                    ["file", "tests", "fast s", "slow s (make test)", "make test-all only s", "launches", "make"],
+                    [
+                        "file",
+                        "tests",
+                        "fast s",
+                        "slow s (make test)",
+                        "make test-all only s",
+                        "launches",
+                        "warm",
+                        "make",
+                    ],
                     [
                         [
                             f"`{name}`",
@@ -213,6 +226,7 @@ def render(store: dict) -> str:
                             f"{c['test']:.0f}",
                             f"{c['all']:.0f}",
                             c["launches"],
+                            c["warm"],
                             c["make"],
                         ]
                         for name, c in table
