@@ -17,13 +17,13 @@ from conftest import BIN, CONFIGS, REPO, command_environment, free_port, run, wa
 PER_LAUNCH = {"TORCHELASTIC_ERROR_FILE", "_MLFLOW_TELEMETRY_SESSION_ID"}
 PROBE = """import json, os, sys
 with open(os.path.join(sys.argv[1], os.environ.get("RANK", "0") + ".json"), "w") as out:
-    json.dump({"env": dict(os.environ), "argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0]}, out)
+    json.dump({"env": dict(os.environ), "argv": sys.argv, "cwd": os.getcwd(), "path": sys.path}, out)
 """
 SHIPPED = sorted(path.name for path in CONFIGS.glob("*.yaml"))
-PIPELINES = ("pp.yaml", "dp_pp.yaml")  # launched for real: a rank reads pp_size from its launcher's command line
-SINGLE_MACHINE = [
-    name for name in SHIPPED if not name.startswith("multi_node") and name not in ("single.yaml", *PIPELINES)
-]
+SINGLE_MACHINE = [name for name in SHIPPED if not name.startswith("multi_node") and name != "single.yaml"]
+# launched for real: a rank reads their pipeline and expert-parallel sizes from its launcher's command line
+UNEXPORTED = ("pp.yaml", "dp_pp.yaml", "ep.yaml", "fsdp_ep.yaml")
+WARM = [name for name in SINGLE_MACHINE if name not in UNEXPORTED]
 
 
 def probe_argv(config: str, out, probe, port: int) -> list[str]:
@@ -36,8 +36,8 @@ def read_ranks(folder) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def probed(tmp_path_factory):
-    """{config: (each rank under a real launch, each rank under the warm launcher, the server's import-time
-    variables)} for every single-machine config, each launched on its own processes."""
+    """{config: (each rank under a real launch, each rank under the warm launcher (None where it refuses the config),
+    the server's import-time variables)} for every single-machine config, each on its own processes."""
     root = tmp_path_factory.mktemp("warm_env")
     probe = root / "probe.py"
     probe.write_text(PROBE)
@@ -60,21 +60,36 @@ def probed(tmp_path_factory):
         }
         for config, future in launched.items():
             assert future.result().returncode == 0, config
-    for config in SINGLE_MACHINE:
+    for config in WARM:
         result = server.launch(probe_argv(config, root / "warm" / config, probe, ports[config]), REPO, env)
         assert result is not None and result.returncode == 0, (config, server.refusal, result and result.stderr)
     return {
-        config: (read_ranks(root / "real" / config), read_ranks(root / "warm" / config), server.ready["imported"])
+        config: (
+            read_ranks(root / "real" / config),
+            read_ranks(root / "warm" / config) if config in WARM else None,
+            server.ready["imported"],
+        )
         for config in SINGLE_MACHINE
     }
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", SINGLE_MACHINE)
+def test_every_single_machine_config_runs_under_a_plain_launch(probed):
+    """accelerate-launch (`accelerate launch`'s entry point) of each shipped single-machine config starts the
+    processes the config asks for, each with its rank."""
+    import yaml
+
+    for config in SINGLE_MACHINE:
+        processes = yaml.safe_load((CONFIGS / config).read_text())["num_processes"]
+        assert sorted(r["env"]["RANK"] for r in probed[config][0]) == [str(rank) for rank in range(processes)], config
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", WARM)
 def test_each_rank_gets_a_real_launchs_environment(probed, config):
     """Every variable a real launch gives a rank (accelerate's ACCELERATE_*/FSDP_*/PARALLELISM_CONFIG_*, torchrun's
     RANK ... TORCHELASTIC_*, OMP_NUM_THREADS, PYTHONPATH), with its value, and no other; the same argv, working folder
-    and script folder first on sys.path. The warm ranks also hold what the server's imports set (torch's inductor
+    and sys.path. The warm ranks also hold what the server's imports set (torch's inductor
     cache folder), as a rank that imported them itself would."""
     real, warm, imported = probed[config]
     assert len(real) == len(warm) > 1
@@ -86,7 +101,7 @@ def test_each_rank_gets_a_real_launchs_environment(probed, config):
         assert not differing, (rank, differing)
         # the same command line but for the folder the probe writes to (each launch its own)
         argv = [arg.replace(f"warm{os.sep}{config}", f"real{os.sep}{config}") for arg in mine["argv"]]
-        assert (argv, mine["cwd"], mine["path0"]) == (theirs["argv"], theirs["cwd"], theirs["path0"])
+        assert (argv, mine["cwd"], mine["path"]) == (theirs["argv"], theirs["cwd"], theirs["path"])
     assert [r["env"]["RANK"] for r in warm] == [str(rank) for rank in range(len(warm))]
 
 
@@ -110,6 +125,8 @@ def test_a_failed_rank_ends_the_others_and_the_launch_exits_1(tmp_path):
     [
         ("single.yaml", [], {}),  # accelerate's simple launcher: one process, no torchrun
         ("pp.yaml", [], {}),
+        ("ep.yaml", [], {}),
+        ("multi_node_zero3.yaml", [], {}),  # its machines from the config alone
         ("multi_node_ddp.yaml", ["--machine_rank", "0"], {}),
         ("ddp.yaml", ["--max_restarts", "1", "--rdzv_backend", "c10d"], {}),
         ("ddp.yaml", [], {"HF_HUB_OFFLINE": "0"}),  # read at import: the server holds its own value
@@ -120,8 +137,23 @@ def test_what_it_cannot_start_is_refused_and_launched_for_real(config, launcher_
     if server is None:
         pytest.skip("the warm launcher is off here (a GPU host, or RECIPES_TESTS_REAL_LAUNCHES)")
     argv = ["--config_file", str(CONFIGS / config), "--main_process_port", str(free_port()), *launcher_args]
-    assert server.launch([*argv, str(tmp_path / "never.py")], REPO, command_environment(env)) is None
+    assert server.launch([*argv, str(tmp_path / "never.py")], REPO, command_environment(env), 60, list(env)) is None
     assert server.refusal
+
+
+@pytest.mark.slow
+def test_the_tests_launch_goes_through_it(tmp_path):
+    """conftest's `launch` of a config the warm launcher starts is a warm launch (its result carries each rank's
+    status), not a refused one launched for real."""
+    from conftest import launch
+
+    if warm_server() is None:
+        pytest.skip("the warm launcher is off here (a GPU host, or RECIPES_TESTS_REAL_LAUNCHES)")
+    probe = tmp_path / "probe.py"
+    probe.write_text(PROBE)
+    result = launch("fsdp.yaml", probe, [tmp_path])
+    assert getattr(result, "rank_returncodes", None) == [0, 0], result.args
+    assert sorted(p.name for p in tmp_path.glob("?.json")) == ["0.json", "1.json"]
 
 
 def test_make_launches_through_it_where_a_test_asks():

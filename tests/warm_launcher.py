@@ -14,9 +14,14 @@ rank and runs the recipe in it as `__main__`. When a rank fails the others are e
 torchrun's agent ends them; the exit status is accelerate launch's (0, or 1 when a rank failed).
 
 What it cannot start it refuses, so the caller launches for real: more than one machine, restarts or a rendezvous
-other than torchrun's static one, accelerate's simple launcher (one process without torchrun), and an environment that
-differs from the server's in a variable a library reads at import (HF_*, TORCH*, ...).
-tests/test_warm_launcher.py holds each rank's environment against a real launch's for every shipped config.
+other than torchrun's static one, accelerate's simple launcher (one process without torchrun), a config whose
+pipeline or expert-parallel size accelerate does not export (pp.yaml, dp_pp.yaml, ep.yaml, fsdp_ep.yaml: a rank reads
+them from its launcher's command line, common/launch/mesh.py), and an environment that differs from the server's in
+a variable a library reads at import (HF_*, TORCH*, PYTHON*, ...). tests/test_warm_launcher.py holds each rank's
+environment, command line and sys.path against a real launch's for every config it starts.
+
+Known differences from a real rank, none of which the recipes read: every rank of every launch shares the server's
+string-hash seed (a real launch draws one per process), and its threads and signal handlers are the server's.
 """
 
 from __future__ import annotations
@@ -34,21 +39,34 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SOCKET_ENV = "WARM_LAUNCHER_SOCKET"
-REFUSED = 97  # the manager's status for a launch it does not start: the caller launches for real
 # Variables libraries read once, at import (huggingface_hub's offline switch, torch's and OpenMP's settings, Python's
 # own): the forked ranks hold the server's values, so a launch whose environment differs in one is launched for real.
 # OMP_NUM_THREADS is set in each rank (torch.set_num_threads), as torchrun's agent exports it.
 IMPORT_TIME = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "DATASETS_", "TORCH", "PYTORCH_", "KMP_", "MKL_", "GOMP_",
-               "DS_", "PYTHON", "LD_", "CUDA", "NCCL_", "GLOO_", "TOKENIZERS_")  # fmt: skip
-SET_PER_RANK = {"OMP_NUM_THREADS", "PYTHONPATH"}  # accelerate adds the working folder to PYTHONPATH: put on sys.path
-TERMINATE_GRACE_S = 30.0
-READY = "warm launcher ready: "  # torchrun's agent: SIGTERM, then SIGKILL after 30 s
+               "OMP_", "OPENBLAS_", "MALLOC_", "GLIBC_", "DS_", "PYTHON", "LD_", "CUDA", "NCCL_", "GLOO_", "TOKENIZERS_",
+               "XDG_", "HOME", "ACCELERATE_ENABLE_RICH")  # fmt: skip
+# read when a launch or a rank starts, not at import: OMP_NUM_THREADS is set in each rank (torch.set_num_threads) as
+# torchrun's agent exports it; torchrun reads the rendezvous store switch when it starts the agent
+LAUNCH_TIME = {"OMP_NUM_THREADS", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
+UNEXPORTED = ("parallelism_config_pp_size", "parallelism_config_pp_schedule", "parallelism_config_ep_size")
+TERMINATE_GRACE_S = 30.0  # torchrun's agent: SIGTERM, then SIGKILL after 30 s
+READY = "warm launcher ready: "
+START_TIMEOUT_S = 300.0  # the server's imports (seen: 4-6 s)
+BASE_PATH = sys.path[1:]  # the interpreter's own sys.path, without this script's folder
 
 
-def import_time_differences(env: dict, server_env: dict) -> list[str]:
-    """The variables read at import whose value in `env` is not the server's."""
-    names = {k for k in {*env, *server_env} if k.startswith(IMPORT_TIME) and k not in SET_PER_RANK}
-    return sorted(k for k in names if env.get(k) != server_env.get(k))
+def import_time_differences(env: dict, server_env: dict, imported: dict, explicit=()) -> list[str]:
+    """The variables read at import whose value in `env` is not the server's. Not counted: one the server's imports
+    set (`imported`), absent or holding their value; one the server never had that the caller did not set itself
+    (`explicit`): its process acquired it from its own imports (sklearn's KMP_DUPLICATE_LIB_OK), as a rank would."""
+    names = {k for k in {*env, *server_env} if k.startswith(IMPORT_TIME) and k not in LAUNCH_TIME}
+    return sorted(
+        k
+        for k in names
+        if env.get(k) != server_env.get(k)
+        and not (k in imported and env.get(k) in (None, imported[k]))
+        and not (k not in server_env and k not in explicit)
+    )
 
 
 # ---- the server --------------------------------------------------------------------------------------------------
@@ -101,7 +119,18 @@ def os_threads() -> list[str]:
     ]
 
 
+def die_with_parent() -> None:
+    """This process is killed when its parent ends (Linux prctl PR_SET_PDEATHSIG): nothing outlives the session."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def serve(path: str) -> None:
+    die_with_parent()
     started = time.time()
     server_env = dict(os.environ)
     preload()
@@ -119,12 +148,19 @@ def serve(path: str) -> None:
     while True:
         connection, _ = listener.accept()
         if os.fork() == 0:
-            listener.close()
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            status = 0
             try:
+                die_with_parent()
+                listener.close()
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
                 manage(connection, server_env, imported)
+            except BaseException:  # before its output was redirected: into the server's log
+                import traceback
+
+                traceback.print_exc()
+                status = 1
             finally:
-                os._exit(0)
+                os._exit(status)
         connection.close()
 
 
@@ -140,7 +176,7 @@ def manage(connection, server_env: dict, imported: dict) -> None:
     os.environ.update({**imported, **request["env"]})
     out = os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     err = os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    differing = import_time_differences(request["env"], server_env)
+    differing = import_time_differences(request["env"], server_env, imported, request.get("explicit", ()))
     if differing:
         send(connection, {"refused": f"the environment differs from the server's in {', '.join(differing)}"})
         return
@@ -161,12 +197,13 @@ def manage(connection, server_env: dict, imported: dict) -> None:
 
     try:
         args = launch_command_parser().parse_args(request["argv"])
-        if args.num_machines not in (None, 1) or args.max_restarts or args.rdzv_backend not in (None, "static"):
+        config = config_file_settings(args.config_file)
+        machines = args.num_machines if args.num_machines is not None else config.get("num_machines", 1)
+        if machines not in (None, 1) or args.max_restarts or args.rdzv_backend not in (None, "static"):
             raise Refused("more than one machine, restarts or an elastic rendezvous")
-        if pipeline_size(args.config_file) > 1:
-            raise Refused(
-                "a pipeline: its ranks read pp_size from the launcher's command line (common/launch/mesh.py)"
-            )
+        unexported = [key for key in UNEXPORTED if key in (config.get("parallelism_config") or {})]
+        if unexported:
+            raise Refused(f"{', '.join(unexported)}: a rank reads it from its launcher's command line (mesh.py)")
         with torchrun_replaced(start_workers, simple_launch):
             launch_command(args)
     except Refused as refused:
@@ -185,18 +222,16 @@ class Refused(Exception):
     pass
 
 
-def pipeline_size(config_file: str | None) -> int:
-    """pp.yaml's and dp_pp.yaml's parallelism_config_pp_size, which accelerate does not export: each rank reads it
-    from its launcher's command line (common.launch.mesh), which a forked rank's ancestors do not hold."""
+def config_file_settings(config_file: str | None) -> dict:
+    """The launch's accelerate config file as written (accelerate's default file where none is named), or {}."""
     import yaml
+    from accelerate.commands.config import default_config_file
 
-    from common.launch.mesh import SIZE_KEY
-
-    if not config_file or not os.path.exists(config_file):
-        return 1
-    with open(config_file) as handle:
-        block = (yaml.safe_load(handle) or {}).get("parallelism_config") or {}
-    return int(block.get(SIZE_KEY, 1) or 1)
+    path = config_file or default_config_file
+    if not path or not os.path.exists(path) or not path.endswith((".yaml", ".yml")):
+        return {}
+    with open(path) as handle:
+        return yaml.safe_load(handle) or {}
 
 
 def text_stream(fd: int):
@@ -217,6 +252,8 @@ def rank_environments(torchrun_args) -> tuple[dict, list[str], list[dict]]:
     config, command, command_args = config_from_args(torchrun_args)  # sets OMP_NUM_THREADS as torchrun does
     if config.min_nodes != 1 or config.max_nodes != 1 or config.max_restarts or config.rdzv_backend != "static":
         raise Refused("more than one node, restarts or an elastic rendezvous")
+    if command != sys.executable or command_args[:1] != ["-u"] or command_args[1:2] == ["-m"]:
+        raise Refused(f"a command other than a Python script: {[command, *command_args][:3]}")
     address, port = config.rdzv_endpoint.rsplit(":", 1)
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle  # torch.distributed.launcher.api sets it
     error_files = tempfile.mkdtemp(prefix="torchelastic_")
@@ -251,24 +288,29 @@ def rank_environments(torchrun_args) -> tuple[dict, list[str], list[dict]]:
 
 
 def run_ranks(torchrun_args, connection) -> dict:
+    import shutil
     from datetime import timedelta
 
     from torch.distributed import TCPStore
 
     config, command, environments = rank_environments(torchrun_args)
-    if command[:2] != [sys.executable, "-u"] or command[2] == "-m":
-        raise Refused(f"a command other than a Python script: {command[:3]}")
     script, script_args = command[2], command[3:]
-    pids = [fork_rank(script, script_args, env, connection) for env in environments]
-    send(connection, {"pids": pids})
-    # the agent's store, which the ranks join (TORCHELASTIC_USE_AGENT_STORE), made after the forks: none inherits it
-    address, port = config.rdzv_endpoint.rsplit(":", 1)
-    store = TCPStore(address, int(port), None, True, timedelta(seconds=900), wait_for_workers=False, multi_tenant=True)
-    returncodes = wait_for_ranks(pids)
-    del store
-    import shutil
-
-    shutil.rmtree(os.path.dirname(os.path.dirname(environments[0]["TORCHELASTIC_ERROR_FILE"])), ignore_errors=True)
+    pids, returncodes = [], None
+    try:
+        for env in environments:
+            pids.append(fork_rank(script, script_args, env, connection))
+        send(connection, {"pids": pids})
+        # the agent's store, which the ranks join (TORCHELASTIC_USE_AGENT_STORE), made after the forks: none holds it
+        address, port = config.rdzv_endpoint.rsplit(":", 1)
+        store = TCPStore(
+            address, int(port), None, True, timedelta(seconds=900), wait_for_workers=False, multi_tenant=True
+        )
+        returncodes = wait_for_ranks(pids)
+        del store
+    finally:
+        if returncodes is None:  # interrupted (Ctrl-C, the store's port taken): no rank outlives its launch
+            end_ranks(pids, signal.SIGKILL)
+        shutil.rmtree(os.path.dirname(os.path.dirname(environments[0]["TORCHELASTIC_ERROR_FILE"])), ignore_errors=True)
     return {"returncodes": returncodes}
 
 
@@ -278,7 +320,8 @@ def fork_rank(script: str, script_args: list[str], env: dict, connection) -> int
         return pid
     status = 1
     try:
-        os.setpgid(0, 0)  # its own group: ending a rank ends what it started
+        os.setsid()  # its own session, as torchrun starts a worker: ending a rank ends what it started
+        die_with_parent()
         connection.close()
         os.environ.clear()
         os.environ.update(env)  # the launch's (with what the server's imports set), and torchrun's for this rank
@@ -288,9 +331,12 @@ def fork_rank(script: str, script_args: list[str], env: dict, connection) -> int
 
         if "OMP_NUM_THREADS" in env:  # OpenMP read the server's value at import: the rank's, as torchrun sets it
             torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
-        # `python -u script`: the script's folder first on sys.path, then PYTHONPATH's (accelerate adds the cwd)
-        paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-        sys.path[:] = [os.path.dirname(os.path.abspath(script)), *paths, *sys.path[1:]]
+        # `python -u script`: the script's folder first on sys.path, then PYTHONPATH's (accelerate adds the cwd), then
+        # the interpreter's own
+        paths = [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        sys.path[:] = [os.path.dirname(os.path.abspath(script)), *paths, *BASE_PATH]
+        if "numpy" in sys.modules:  # numpy's global generator: drawn afresh, as in a new process
+            sys.modules["numpy"].random.seed()
         sys.argv = [script, *script_args]
         sys.stdout = sys.__stdout__ = text_stream(1)
         sys.stderr = sys.__stderr__ = text_stream(2)
@@ -340,11 +386,15 @@ def wait_for_ranks(pids: list[int]) -> list[int]:
 
 
 def end_ranks(pids: list[int], sig) -> None:
+    """Each rank's session (what it started too), or the rank alone where its session is not made yet."""
     for pid in pids:
         try:
             os.killpg(pid, sig)
         except (ProcessLookupError, PermissionError):
-            pass
+            try:
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
 
 
 # ---- the client ----------------------------------------------------------------------------------------------------
@@ -359,9 +409,13 @@ class Server:
         self.process = _Running() if running else None
         self.ready = None
         self.refusal = None  # why the last launch was refused
+        import threading
+
+        self.lock = threading.Lock()
 
     def start(self) -> None:
         import subprocess
+        import threading
 
         self.process = subprocess.Popen(
             [sys.executable, __file__, "serve", self.path],
@@ -371,21 +425,28 @@ class Server:
             stderr=open(os.path.join(self.folder, "server.log"), "w"),
             text=True,
         )
-        for line in self.process.stdout:  # what the imports print, then the ready line
-            if line.startswith(READY):
-                self.ready = json.loads(line[len(READY) :])
-                break
-        else:
+        deadline = threading.Timer(START_TIMEOUT_S, self.process.kill)  # imports that hang end here
+        deadline.start()
+        try:
+            for line in self.process.stdout:  # what the imports print, then the ready line
+                if line.startswith(READY):
+                    self.ready = json.loads(line[len(READY) :])
+                    break
+        finally:
+            deadline.cancel()
+        if self.ready is None:
             raise RuntimeError(
                 f"the warm launcher did not start: {Path(self.folder, 'server.log').read_text()[-4000:]}"
             )
 
     def ensure_started(self) -> None:
-        if self.process is None:
-            self.start()
+        with self.lock:
+            if self.process is None:
+                self.start()
 
-    def launch(self, argv: list[str], cwd, env: dict, timeout: float | None = None):
-        """`accelerate launch <argv>` through the server: a subprocess.CompletedProcess, or None where it refused."""
+    def launch(self, argv: list[str], cwd, env: dict, timeout: float | None = None, explicit=()):
+        """`accelerate launch <argv>` through the server: a subprocess.CompletedProcess, or None where it refused.
+        `explicit`: the variables of `env` the caller set itself (not inherited)."""
         import subprocess
 
         self.ensure_started()
@@ -395,7 +456,7 @@ class Server:
         os.close(handle)
         handle, stderr_path = tempfile.mkstemp(prefix="err_", dir=self.folder)
         os.close(handle)
-        request = {"argv": [str(a) for a in argv], "cwd": str(cwd), "env": env}
+        request = {"argv": [str(a) for a in argv], "cwd": str(cwd), "env": env, "explicit": list(explicit)}
         request.update(stdout=stdout_path, stderr=stderr_path)
         connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         connection.connect(self.path)
@@ -415,9 +476,9 @@ class Server:
             raise subprocess.TimeoutExpired(["warm", *request["argv"]], timeout)
         finally:
             connection.close()
-        stdout, stderr = (Path(p).read_text(errors="backslashreplace") for p in (stdout_path, stderr_path))
-        os.unlink(stdout_path)
-        os.unlink(stderr_path)
+            stdout, stderr = (Path(p).read_text(errors="backslashreplace") for p in (stdout_path, stderr_path))
+            os.unlink(stdout_path)
+            os.unlink(stderr_path)
         if reply is None:
             raise RuntimeError(f"the warm launcher's manager ended without a reply:\n{stderr[-4000:]}")
         if "refused" in reply:
@@ -448,7 +509,9 @@ def client(argv: list[str]) -> int:
         return 2
     server = Server(dict(os.environ), path)
     try:
-        result = server.launch(argv, os.getcwd(), dict(os.environ))
+        result = server.launch(
+            argv, os.getcwd(), dict(os.environ), float(os.environ.get("WARM_LAUNCHER_TIMEOUT", "900"))
+        )
     finally:
         server.stop()
     if result is None:  # refused: a real launch, as make would have run it

@@ -131,9 +131,14 @@ USES = (
     Use(
         "torch",
         "LocalElasticAgent's worker environment (the variables torchrun gives each rank), StaticTCPRendezvous's "
-        "agent store; accelerate.commands.launch.simple_launcher, looked up when called",
+        "agent store",
         "torchrun_replaced: tests/warm_launcher.py forks the ranks as torchrun would start them (tests/"
         "test_warm_launcher.py compares each rank's environment with a real launch's, per config)",
+    ),
+    Use(
+        "accelerate",
+        "launch_command calls the module's simple_launcher (one process, no torchrun), looked up when called",
+        "torchrun_replaced: the warm launcher refuses it (tests/warm_launcher.py)",
     ),
     Use(
         "deepspeed",
