@@ -177,7 +177,7 @@ def launch_cost(tree: str, config: str, repeats: int) -> dict:
 
 def render(store: dict) -> str:
     lines = [
-        f"*Written by `benchmarks/test_durations.py`; {machine()}. Seconds from the suite's junit XML "
+        f"*Written by `benchmarks/test_durations.py` (the newest section here on {machine()}; each section names its host). Seconds from the suite's junit XML "
         "(setup + call + teardown: a session fixture counts in the first test that uses it); launches: "
         "`accelerate launch` commands the tests started; warm: launches through the warm launcher "
         "(tests/warm_launcher.py, from its first section on); make: `make` targets they ran (each of which may "
