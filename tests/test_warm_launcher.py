@@ -166,3 +166,49 @@ def test_make_launches_through_it_where_a_test_asks():
                   env={"WARM_LAUNCHER_SOCKET": ""})  # fmt: skip
     assert refused.returncode == 2 and "WARM_LAUNCHER_SOCKET is not set" in refused.stderr
     assert os.path.exists(REPO / "tests" / "warm_launcher.py")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", [name for name in SHIPPED if name.startswith("multi_node")])
+def test_each_multi_node_template_runs_under_a_plain_launch_as_two_machines(config, tmp_path):
+    """The multi-node templates (which the warm launcher refuses) launched for real as two machines on loopback, one
+    process each, as docs/operating.md starts them: both machines' ranks start, each with its rank of the two."""
+    import subprocess
+
+    probe = tmp_path / "probe.py"
+    probe.write_text(PROBE)
+    port = free_port()
+    nodes = [
+        subprocess.Popen(
+            [
+                BIN / "accelerate-launch",
+                "--config_file",
+                CONFIGS / config,
+                "--num_machines",
+                "2",
+                "--num_processes",
+                "2",
+                "--machine_rank",
+                str(rank),
+                "--main_process_ip",
+                "127.0.0.1",
+                "--main_process_port",
+                str(port),
+                probe,
+                tmp_path,
+            ],  # fmt: skip
+            cwd=REPO,
+            env=command_environment(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], [output[-3000:] for output in outputs]
+    written = sorted(path.name for path in tmp_path.glob("?.json"))
+    assert written == ["0.json", "1.json"], written
+    for rank in (0, 1):
+        env = json.loads((tmp_path / f"{rank}.json").read_text())["env"]
+        assert (env["RANK"], env["WORLD_SIZE"], env["GROUP_RANK"]) == (str(rank), "2", str(rank)), config
