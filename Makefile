@@ -33,9 +33,10 @@ RESTARTS = $(if $(or $(ELASTIC),$(findstring --max_restarts,$(LAUNCH_ARGS))),--r
 
 # torch first: the CPU wheel on hosts without an NVIDIA GPU (no CUDA download),
 # the normal CUDA build where nvidia-smi sees a GPU. Later `torch>=...` pins are then satisfied.
-# The rest through uv's pip (installed by pip into the venv): the same requirements, resolved and installed in parallel
-# (seen here: 3.7 s against pip's 36 s for requirements.txt).
-PIP_INSTALL = $(VENV)/bin/uv pip install -q --python $(PY)
+# The rest through uv's pip (installed by pip into the venv): the same requirements, resolved and installed in parallel,
+# byte-compiled as pip's are (seen here: 13.7 s against pip's 36 s for requirements.txt). Without the compile each
+# module compiled in the first process to import it: a ZeRO-3 export's resident set rose by 116-121 MB against < 100.
+PIP_INSTALL = $(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY)
 $(VENV)/.installed: requirements.txt pyproject.toml
 	@echo "installing torch and the recipes' dependencies into $(VENV): once, a few minutes (pip runs quietly)"
 	test -x $(PY) || python3 -m venv $(VENV)

@@ -479,8 +479,10 @@ class Server:
             stdout, stderr = (Path(p).read_text(errors="backslashreplace") for p in (stdout_path, stderr_path))
             os.unlink(stdout_path)
             os.unlink(stderr_path)
-        if reply is None:
-            raise RuntimeError(f"the warm launcher's manager ended without a reply:\n{stderr[-4000:]}")
+        if reply is None:  # it failed before its output went to the launch's files: the server's log has it
+            log = Path(self.folder, "server.log")
+            server_log = log.read_text(errors="backslashreplace")[-4000:] if log.exists() else ""
+            raise RuntimeError(f"the warm launcher's manager ended without a reply:\n{stderr[-4000:]}{server_log}")
         if "refused" in reply:
             self.refusal = reply["refused"]
             return None
