@@ -151,6 +151,11 @@ class LaunchedOnce(dict):
 FP32 = ["--mixed_precision", "no"]
 
 
+def two_machines(rank: int, main: str, port) -> list[str]:
+    """accelerate launch's flags for machine `rank` of two, one process each, the main one at `main`:`port`."""
+    return flags(num_machines=2, num_processes=2, machine_rank=rank, main_process_ip=main, main_process_port=port)
+
+
 # The warm launcher (tests/warm_launcher.py, docs/testing.md's "Warm launches"): a run's ranks forked from one process
 # that imported what a rank imports, their environment built by accelerate's own launch code, in a fraction of a real
 # launch's start-up. `launch` goes through it unless the test asks for a real launch (`real=True`: what a launch

@@ -7,7 +7,7 @@ import threading
 import time
 
 import pytest
-from conftest import BIN, REPO, free_port, load_script, run
+from conftest import BIN, REPO, free_port, load_script, run, two_machines
 
 
 DOCTOR = [BIN / "python", REPO / "scripts/doctor.py"]
@@ -57,16 +57,7 @@ def node_commands(config: str, main: str, port: int, extra: list) -> list[list]:
             *DOCTOR,
             "--config_file",
             REPO / "accelerate_configs" / config,
-            "--num_machines",
-            "2",
-            "--num_processes",
-            "2",
-            "--machine_rank",
-            str(rank),
-            "--main_process_ip",
-            main,
-            "--main_process_port",
-            str(port),
+            *two_machines(rank, main, port),
             "--timeout",
             "8",
             *QUICK,

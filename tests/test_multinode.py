@@ -22,6 +22,7 @@ from conftest import (
     read_metrics,
     read_run,
     tiered,
+    two_machines,
 )
 
 
@@ -64,19 +65,7 @@ def test_two_machines_on_loopback_match_one_process(config, markov_data, referen
                 config,
                 "causal_lm.py",
                 args,
-                [
-                    "--num_machines",
-                    "2",
-                    "--num_processes",
-                    "2",
-                    "--machine_rank",
-                    str(rank),
-                    "--main_process_ip",
-                    "127.0.0.1",
-                    "--main_process_port",
-                    str(port),
-                    *FP32,
-                ],
+                [*two_machines(rank, "127.0.0.1", port), *FP32],
             ),
             cwd=REPO,
             env={**os.environ, **OFFLINE_ENV},
@@ -293,18 +282,7 @@ def test_a_failed_conversion_ends_the_other_node_with_rank_0s_line_and_an_unseen
                     causal_lm_args(
                         markov_data, tmp_path / f"run{rank}", resume_from_checkpoint=checkpoint, ddp_timeout=10
                     ),
-                    [
-                        "--num_machines",
-                        "2",
-                        "--num_processes",
-                        "2",
-                        "--machine_rank",
-                        str(rank),
-                        "--main_process_ip",
-                        "127.0.0.1",
-                        "--main_process_port",
-                        str(port),
-                    ],
+                    two_machines(rank, "127.0.0.1", port),
                 ),
                 cwd=REPO,
                 env={**os.environ, **OFFLINE_ENV},

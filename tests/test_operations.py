@@ -22,6 +22,7 @@ from conftest import (
     max_weight_difference,
     read_metrics,
     read_run,
+    two_machines,
 )
 
 
@@ -176,17 +177,8 @@ def test_a_cut_link_is_reported_on_both_nodes_and_the_run_resumes_once_it_is_bac
                 "causal_lm.py",
                 args,
                 [
-                    "--num_machines",
-                    "2",
-                    "--num_processes",
-                    "2",
-                    "--machine_rank",
-                    str(host),
+                    *two_machines(host, two_hosts.addresses[0], port),
                     *FP32,
-                    "--main_process_ip",
-                    two_hosts.addresses[0],
-                    "--main_process_port",
-                    str(port),
                     "--max_restarts",
                     "3",
                     "--rdzv_backend",

@@ -9,7 +9,17 @@ import os
 import sys
 
 import pytest
-from conftest import BIN, CONFIGS, REPO, command_environment, free_port, run, warm_server
+from conftest import (
+    BIN,
+    CONFIGS,
+    REPO,
+    command_environment,
+    free_port,
+    launch_command,
+    run,
+    two_machines,
+    warm_server,
+)
 
 
 # Each names one launch, not what it is: torchrun's error file lies in a folder of the launch's own, and mlflow (which
@@ -180,23 +190,7 @@ def test_each_multi_node_template_runs_under_a_plain_launch_as_two_machines(conf
     port = free_port()
     nodes = [
         subprocess.Popen(
-            [
-                BIN / "accelerate-launch",
-                "--config_file",
-                CONFIGS / config,
-                "--num_machines",
-                "2",
-                "--num_processes",
-                "2",
-                "--machine_rank",
-                str(rank),
-                "--main_process_ip",
-                "127.0.0.1",
-                "--main_process_port",
-                str(port),
-                probe,
-                tmp_path,
-            ],  # fmt: skip
+            launch_command(config, probe, [tmp_path], two_machines(rank, "127.0.0.1", port)),
             cwd=REPO,
             env=command_environment(),
             stdout=subprocess.PIPE,

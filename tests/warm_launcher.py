@@ -244,9 +244,9 @@ def text_stream(fd: int):
     )
 
 
-def rank_environments(torchrun_args) -> tuple[dict, list[str], list[dict]]:
-    """torchrun's launch config for these arguments, its command, and each rank's environment as torchrun's agent
-    (LocalElasticAgent, torch 2.13) builds it: the launch's environment plus the agent's variables."""
+def rank_environments(torchrun_args) -> tuple[list[str], list[dict]]:
+    """torchrun's command for these arguments, and each rank's environment as torchrun's agent (LocalElasticAgent,
+    torch 2.13) builds it from its launch config: the launch's environment plus the agent's variables."""
     from torch.distributed.run import config_from_args
 
     config, command, command_args = config_from_args(torchrun_args)  # sets OMP_NUM_THREADS as torchrun does
@@ -284,7 +284,7 @@ def rank_environments(torchrun_args) -> tuple[dict, list[str], list[dict]]:
         )
         os.makedirs(os.path.join(error_files, str(rank)))
         environments.append(env)
-    return config, [command, *command_args], environments
+    return [command, *command_args], environments
 
 
 def run_ranks(torchrun_args, connection) -> dict:
@@ -293,7 +293,7 @@ def run_ranks(torchrun_args, connection) -> dict:
 
     from torch.distributed import TCPStore
 
-    config, command, environments = rank_environments(torchrun_args)
+    command, environments = rank_environments(torchrun_args)
     script, script_args = command[2], command[3:]
     pids, returncodes = [], None
     try:
@@ -301,10 +301,8 @@ def run_ranks(torchrun_args, connection) -> dict:
             pids.append(fork_rank(script, script_args, env, connection))
         send(connection, {"pids": pids})
         # the agent's store, which the ranks join (TORCHELASTIC_USE_AGENT_STORE), made after the forks: none holds it
-        address, port = config.rdzv_endpoint.rsplit(":", 1)
-        store = TCPStore(
-            address, int(port), None, True, timedelta(seconds=900), wait_for_workers=False, multi_tenant=True
-        )
+        address, port = environments[0]["MASTER_ADDR"], int(environments[0]["MASTER_PORT"])
+        store = TCPStore(address, port, None, True, timedelta(seconds=900), wait_for_workers=False, multi_tenant=True)
         returncodes = wait_for_ranks(pids)
         del store
     finally:
@@ -406,7 +404,8 @@ class Server:
         self.folder = tempfile.mkdtemp(prefix="warm_launcher_")
         self.path = running or os.path.join(self.folder, "socket")
         self.env = dict(env)
-        self.process = _Running() if running else None
+        self.owned = running is None  # started here (else the test session's, running)
+        self.process = None
         self.ready = None
         self.refusal = None  # why the last launch was refused
         import threading
@@ -441,7 +440,7 @@ class Server:
 
     def ensure_started(self) -> None:
         with self.lock:
-            if self.process is None:
+            if self.owned and self.process is None:
                 self.start()
 
     def launch(self, argv: list[str], cwd, env: dict, timeout: float | None = None, explicit=()):
@@ -450,7 +449,7 @@ class Server:
         import subprocess
 
         self.ensure_started()
-        if self.process.poll() is not None:
+        if self.owned and self.process.poll() is not None:
             raise RuntimeError(f"the warm launcher has ended: {Path(self.folder, 'server.log').read_text()[-4000:]}")
         handle, stdout_path = tempfile.mkstemp(prefix="out_", dir=self.folder)
         os.close(handle)
@@ -495,7 +494,7 @@ class Server:
         return result
 
     def stop(self) -> None:
-        if isinstance(self.process, subprocess_popen()) and self.process.poll() is None:
+        if self.process is not None and self.process.poll() is None:
             self.process.kill()
             self.process.wait()
         import shutil
@@ -521,19 +520,6 @@ def client(argv: list[str]) -> int:
     sys.stdout.write(result.stdout)
     sys.stderr.write(result.stderr)
     return result.returncode
-
-
-def subprocess_popen():
-    import subprocess
-
-    return subprocess.Popen
-
-
-class _Running:
-    """The server as a client sees it: started by the test session, running."""
-
-    def poll(self):
-        return None
 
 
 if __name__ == "__main__":
