@@ -196,7 +196,6 @@ def warm_make(command: list[str]) -> tuple[list[str], dict]:
     )
     if server is None or restarts:  # make's LAUNCH adds the rendezvous for restarts, and routes a node range
         return command, {}
-    server.ensure_started()
     given = [a.split("=", 1)[1] for a in command if a.startswith("LAUNCH_ARGS=")]
     client = f"{sys.executable} {REPO / 'tests' / 'warm_launcher.py'} {' '.join(given)}".strip()
     return [*command, f"LAUNCH={client}"], {"WARM_LAUNCHER_SOCKET": server.path}
