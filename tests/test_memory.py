@@ -40,6 +40,8 @@ MODEL = REPO / "recipes/configs/llama_100m.json"
 # earlier steps freed; a fixed mmap threshold returns it, and RSS is then the live memory
 # the account and the estimate describe (it halves CPU throughput: the recipes leave it).
 LIVE_RSS = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+# every process of a launch reports the modules it imports (python -X importtime's lines, on stderr)
+IMPORT_TIMES = {"PYTHONPROFILEIMPORTTIME": "1"}
 SEQ_LEN = 16
 
 
@@ -100,7 +102,7 @@ def measured(markov_data, tmp_path_factory) -> LaunchedOnce:
         fp32 = isinstance(name, tuple)
         config, processes, checkpointing = (*name, False) if fp32 else RUNS[name]
         out = tmp_path_factory.mktemp(config.split(".")[0] + ("_fp32" if fp32 else "")) / "run"
-        launch(
+        result = launch(
             config,
             "causal_lm.py",
             causal_lm_args(
@@ -116,10 +118,12 @@ def measured(markov_data, tmp_path_factory) -> LaunchedOnce:
                 gradient_checkpointing=str(checkpointing).lower(),
             ),
             num_processes=processes,
-            env=LIVE_RSS,
+            env={**LIVE_RSS, **IMPORT_TIMES},
             launcher_args=FP32 if fp32 else [],
             real=True,  # a memory account: a forked rank's resident set holds its server's pages
         )
+        imported = {line.rsplit("|", 1)[1].strip() for line in result.stderr.splitlines() if "import time:" in line}
+        (out / "imported.json").write_text(json.dumps(sorted(imported)))
         drop_weights(out)  # the tests read run.json and final/config.json
         return out
 
@@ -168,6 +172,20 @@ def test_estimate_matches_the_measured_account(name, precision, measured):
         expected = predicted["loading_peak"] / 2**20 + predicted["process_baseline_mb"]
         print(f"{name} rank 0 at prepare: peak RSS {loading:.0f} MB (estimated {expected:.0f})")
         assert loading == pytest.approx(expected, rel=0.15)
+
+
+@pytest.mark.slow
+def test_deepspeed_is_imported_only_by_deepspeeds_configs(measured):
+    """A process of a run outside DeepSpeed's configs never imports deepspeed (~0.5 s of its start, and its resident
+    memory, which the estimate's process baseline leaves out there): accelerate's unwrap, in prepare and after, would
+    import it to test for its engine (common.launch.internals.engine_tests_without_importing_deepspeed). A ZeRO-3 run
+    imports it, which shows the launches' import lists hold what the processes import."""
+    imported = {
+        name: set(json.loads((measured[run_key(name, MAKE_TEST_PRECISION)] / "imported.json").read_text()))
+        for name in IN_MAKE_TEST
+    }
+    assert "deepspeed" in imported["zero3.yaml"] and "transformers" in imported["ddp.yaml"]
+    assert not {"deepspeed", "deepspeed.ops"} & (imported["ddp.yaml"] | imported["fsdp.yaml"])
 
 
 @pytest.mark.slow

@@ -30,7 +30,7 @@ from accelerate.utils import (
 
 from common.launch import cpu_host
 from common.launch.errors import UsageError
-from common.launch.internals import allow_recompiles
+from common.launch.internals import allow_recompiles, engine_tests_without_importing_deepspeed
 from common.launch.mesh import DIMENSIONS, launched_mesh_size, mesh_problems
 
 
@@ -155,6 +155,7 @@ def build_accelerator(
     # DDP: each gradient is a view into its all-reduce bucket, so gradients are held once, not
     # twice, and no copy runs in and out of the buckets each step (torch's default copies).
     kwargs["kwargs_handlers"] = [process_group, DistributedDataParallelKwargs(gradient_as_bucket_view=True)]
+    engine_tests_without_importing_deepspeed()  # outside DeepSpeed's configs, deepspeed is never imported
     if strategy == "deepspeed":
         import_deepspeed()  # before accelerate imports it (common.launch.internals)
         if on_cpu_host:
@@ -282,10 +283,8 @@ def declare_micro_batch(accelerator: Accelerator, per_device: int) -> None:
 def unwrap(accelerator: Accelerator, model):
     """The model itself, out of its DDP/DeepSpeed wrapper and uncompiled (same parameters). With
     --torch_compile under DDP, accelerate's own unwrap (keeping the compiled regions) returns the
-    DDP wrapper of the compiled copy, which has no save_pretrained or config. (accelerate imports
-    deepspeed to check for its engine, in every run: import_deepspeed first. Left out, a DDP run's
-    gloo group was once seen hanging at exit in its destructor, so deepspeed stays imported.)"""
-    import_deepspeed()
+    DDP wrapper of the compiled copy, which has no save_pretrained or config. A run outside DeepSpeed's
+    configs never imports deepspeed (build_accelerator)."""
     return accelerator.unwrap_model(model, keep_torch_compile=False)
 
 

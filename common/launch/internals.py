@@ -137,6 +137,12 @@ USES = (
     ),
     Use(
         "accelerate",
+        "utils.other.extract_model_from_parallel imports deepspeed, where installed, to test for its engine "
+        "(is_deepspeed_available looked up in utils.other when called)",
+        "engine_tests_without_importing_deepspeed: a run outside DeepSpeed's configs never imports it",
+    ),
+    Use(
+        "accelerate",
         "launch_command calls the module's simple_launcher (one process, no torchrun), looked up when called",
         "torchrun_replaced: the warm launcher refuses it (tests/warm_launcher.py)",
     ),
@@ -208,6 +214,24 @@ def torchrun_replaced(start_workers, simple_launch):
 
 
 # ---- transformers ----------------------------------------------------------------------------
+def engine_tests_without_importing_deepspeed() -> None:
+    """accelerate's unwrap (in prepare, and after) imports deepspeed, where installed, to test whether a DeepSpeed
+    engine wraps the model (~0.5 s of a process's start): only a process that imported deepspeed can hold one."""
+    import sys
+
+    import accelerate.utils.other as other
+
+    available = other.is_deepspeed_available
+    if getattr(available, "imported_only", False):
+        return
+
+    def imported_and_available() -> bool:
+        return "deepspeed" in sys.modules and available()
+
+    imported_and_available.imported_only = True
+    other.is_deepspeed_available = imported_and_available
+
+
 @contextlib.contextmanager
 def without_zero3_init():
     """Under a registered ZeRO-3 config transformers builds every model in deepspeed.zero.Init, whose broadcasts
