@@ -14,7 +14,7 @@ TORCH_RANGE := torch>=2.13.0,<2.14
 # package), so they run with downloads off; the recipe targets load your Hub models as the libraries do.
 OFFLINE_TARGETS := demo demo-data demo-chat demo-dpo demo-grpo demo-distill real-model real-moe demo-moe-chat benchmark benchmark-peers benchmark-options \
                    benchmark-packing benchmark-moe benchmark-reshard benchmark-pipeline benchmark-bubble benchmark-pipeline-memory \
-                   benchmark-stage-loading benchmark-rollouts benchmark-launch test test-fast test-all test-crashes
+                   benchmark-stage-loading benchmark-rollouts benchmark-launch benchmark-sampling test test-fast test-all test-crashes
 $(OFFLINE_TARGETS): export HF_HUB_OFFLINE ?= 1
 $(OFFLINE_TARGETS): export HF_DATASETS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
@@ -29,7 +29,7 @@ ELASTIC  = $(findstring --nnodes,$(LAUNCH_ARGS))
 RESTARTS = $(if $(or $(ELASTIC),$(findstring --max_restarts,$(LAUNCH_ARGS))),--rdzv_backend c10d) \
            $(if $(and $(ELASTIC),$(if $(findstring --max_restarts,$(LAUNCH_ARGS)),,x)),--max_restarts 3)
 
-.PHONY: install install-test real-model real-moe demo demo-chat demo-moe-chat demo-dpo demo-grpo demo-distill demo-data test test-fast test-all test-crashes style quality doctor causal_lm sequence_classification lora sft distill dpo reward-model reward_model grpo evaluate plot benchmark benchmark-peers benchmark-options benchmark-packing benchmark-moe benchmark-reshard benchmark-pipeline benchmark-bubble benchmark-pipeline-memory benchmark-stage-loading benchmark-rollouts benchmark-launch estimate-memory choose-config benchmark-choice export-checkpoint convert-checkpoint check-config clean
+.PHONY: install install-test real-model real-moe demo demo-chat demo-moe-chat demo-dpo demo-grpo demo-distill demo-data test test-fast test-all test-crashes style quality doctor causal_lm sequence_classification lora sft distill dpo reward-model reward_model grpo evaluate plot benchmark benchmark-peers benchmark-options benchmark-packing benchmark-moe benchmark-reshard benchmark-pipeline benchmark-bubble benchmark-pipeline-memory benchmark-stage-loading benchmark-rollouts benchmark-launch benchmark-sampling estimate-memory choose-config benchmark-choice export-checkpoint convert-checkpoint check-config clean
 
 # torch first: the CPU wheel on hosts without an NVIDIA GPU (no CUDA download),
 # the normal CUDA build where nvidia-smi sees a GPU. Later `torch>=...` pins are then satisfied.
@@ -271,6 +271,10 @@ benchmark-stage-loading: install
 # tokens/s per device against ddp's, the once-per-rollout gather, peak memory against the estimate.
 benchmark-rollouts: install
 	$(PY) benchmarks/benchmark_rollouts.py --docs docs/benchmark-rollouts.md $(ARGS)
+
+# GRPO's sampling: a rank's groups one at a time (as before) against one decoding call, on the real chat model
+benchmark-sampling: real-model
+	$(PY) benchmarks/benchmark_sampling.py --model $(REAL_MODEL) --docs docs/benchmark-sampling.md $(ARGS)
 
 # The causal-LM recipe against the plainest accelerate loop and transformers' Trainer on one job, the DPO recipe
 # against TRL's DPOTrainer (installed here for this benchmark only) on another (ddp.yaml, 2 processes, bf16), and

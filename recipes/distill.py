@@ -182,8 +182,9 @@ def main(
     # what the on-policy completions are sampled from: the student (whole on every rank), or under --seq_kd the
     # teacher for the other steps
     length = data_args.block_size or distill_args.max_new_tokens
-    students = GenerationWeights(accelerator, model, distill_args.rollout_weights, 1, length)
-    teachers = GenerationWeights(accelerator, teacher.model, "copy", 1, length) if distill_args.seq_kd else None
+    rows = args.per_device_train_batch_size  # a micro-batch's prompts are sampled together
+    students = GenerationWeights(accelerator, model, distill_args.rollout_weights, rows, length)
+    teachers = GenerationWeights(accelerator, teacher.model, "copy", rows, length) if distill_args.seq_kd else None
     settings = SamplingSettings(  # a sample ends at EOS or where the data's answers end (<|im_end|>, <|eot_id|>...)
         distill_args.temperature,
         1.0,

@@ -256,8 +256,12 @@ def main(
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     if reference is not None:
         reference.prepare(run, model, {}, None, args.per_device_eval_batch_size)
-    weights_for_rollouts = GenerationWeights(
-        accelerator, model, grpo_args.rollout_weights, group, data_args.block_size or grpo_args.max_completion_length
+    weights_for_rollouts = GenerationWeights(  # a rank samples its rollout's completions in one decoding call
+        accelerator,
+        model,
+        grpo_args.rollout_weights,
+        args.per_device_train_batch_size * accumulation,
+        data_args.block_size or grpo_args.max_completion_length,
     )
     settings = SamplingSettings(
         grpo_args.temperature,

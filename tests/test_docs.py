@@ -542,3 +542,14 @@ def test_the_readme_says_what_each_config_refuses_as_the_code_refuses_it(module,
         with pytest.raises(UsageError, match="this recipe scores one reward per row"):
             check(whole)
         assert "`causal_lm.py` and `sft.py` only" in part
+
+
+@pytest.mark.slow
+@pytest.mark.exhaustive  # a benchmark's figures
+def test_make_benchmark_sampling_compares_a_group_at_a_time_with_one_call(tmp_path):
+    page = tmp_path / "sampling.md"
+    result = run(["make", "-s", "benchmark-sampling", f"ARGS=--rounds 1 --groups 1 2 --docs {page}"])
+    rows = [line.split("|") for line in page.read_text().splitlines() if re.match(r"\| [12] \|", line)]
+    assert [r[1].strip() for r in rows] == ["1", "2"], result.stdout[-2000:]
+    for row in rows:  # each way timed, and no completion differs without a near tie (the script exits 1 otherwise)
+        assert float(row[4]) > 0 and float(row[5]) > 0 and "(0 without a near tie)" in row[7]

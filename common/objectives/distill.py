@@ -171,7 +171,7 @@ def completed_window(
 ):
     """The window's micro-batches with each row's completion replaced by one that `weights` (the student's, or the
     teacher's under --seq_kd) samples from the row's prompt, seeded by (seed, step, the row's index in the data),
-    the micro-batch's prompts sampled together (common.objectives.rollout.sample_prompts: one left-padded
+    the micro-batch's prompts sampled together (common.objectives.rollout.sample_rows: one left-padded
     `generate`); labels on the completion (its stop token kept), right-padded. Every rank calls it: where the config
     shards the weights they are gathered first, unless already gathered at `version` (the student's step; the frozen
     teacher's is always 0: gathered once)."""

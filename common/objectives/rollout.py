@@ -201,24 +201,6 @@ def stop_token_ids(tokenizer, model) -> list[int]:
     return sorted(ids)
 
 
-@torch.no_grad()
-def sample_group(model, prompt_ids: list[int], uniforms, settings: "SamplingSettings", accelerator):
-    """G completions of one prompt (G = uniforms' rows): (their token ids, each cut at its stop token, which is
-    kept; whether each was cut by max_new_tokens instead; each one's draws near a tie)."""
-    group, length = uniforms.shape
-    input_ids = torch.tensor([prompt_ids] * group, device=accelerator.device)
-    sampler = InverseCdfSampler(uniforms, len(prompt_ids), settings.temperature, settings.top_p, settings.stop_ids)
-    with accelerator.autocast(), experts.unrouted(model):  # a MoE: no router loss at each decoding step
-        output = model.generate(
-            input_ids=input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            generation_config=settings.greedy_config(length),
-            logits_processor=[sampler],
-        )
-    completions, truncated = zip(*(settings.cut(row) for row in output[:, len(prompt_ids) :].tolist()))
-    return list(completions), list(truncated), sampler.near_ties
-
-
 def left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Prompts of any lengths as one batch for `generate`: (input_ids, attention_mask), left-padded to the longest,
     so every row's next token is at the last column."""
@@ -228,12 +210,13 @@ def left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, to
 
 
 @torch.no_grad()
-def sample_prompts(model, prompts: list[list[int]], uniforms, settings: "SamplingSettings", accelerator):
-    """One completion of each prompt (uniforms: a row each), the prompts left-padded into one batch and sampled
-    together (one `generate`, where `sample_group` takes one prompt's G copies): (each one's token ids, cut at its
-    stop token, which is kept; whether each was cut by max_new_tokens instead). Each token is the row's own pick
-    from its own uniforms, as in `sample_group`; the batch's shape changes its logits by rounding only (the padding
-    masked, each row's positions its own), which moves a pick only at a draw within NEAR_TIE of a boundary."""
+def sample_rows(model, prompts: list[list[int]], uniforms, settings: "SamplingSettings", accelerator):
+    """One completion of each row's prompt (uniforms: a row each), every row in one `generate`, left-padded to the
+    longest prompt: (each one's token ids, cut at its stop token, which is kept; whether each was cut by
+    max_new_tokens instead; each one's draws near a tie). Each token is the row's own pick from its own uniforms, so
+    a completion depends on its prompt and uniforms alone; the batch's shape (which rows share the call, how much
+    padding) changes its logits by rounding only (the padding masked, each row's positions its own), which moves a
+    pick only at a draw within NEAR_TIE of a boundary (counted)."""
     input_ids, mask = left_padded(prompts, settings.pad_id)
     width = input_ids.shape[1]
     sampler = InverseCdfSampler(uniforms, width, settings.temperature, settings.top_p, settings.stop_ids)
@@ -245,7 +228,12 @@ def sample_prompts(model, prompts: list[list[int]], uniforms, settings: "Samplin
             logits_processor=[sampler],
         )
     completions, truncated = zip(*(settings.cut(row) for row in output[:, width:].tolist()))
-    return list(completions), list(truncated)
+    return list(completions), list(truncated), sampler.near_ties
+
+
+def sample_group(model, prompt_ids: list[int], uniforms, settings: "SamplingSettings", accelerator):
+    """G completions of one prompt (G = uniforms' rows), as `sample_rows` samples them."""
+    return sample_rows(model, [prompt_ids] * uniforms.shape[0], uniforms, settings, accelerator)
 
 
 @dataclass
@@ -365,7 +353,7 @@ class GenerationWeights:
     "stages", a slice of the layers per rank, the ranks generating together (`common.objectives.rollout_stages`). In
     the dtype the run computes in (bf16 under bf16 mixed precision)."""
 
-    def __init__(self, accelerator, model, choice: str = "auto", group: int = 8, max_length: int = 256):
+    def __init__(self, accelerator, model, choice: str = "auto", rows: int = 8, max_length: int = 256):
         self.accelerator, self.prepared = accelerator, model
         self.policy = unwrap(accelerator, model)
         self.gathered = any(hasattr(p, "full_tensor") or is_zero3_parameter(p) for p in self.policy.parameters())
@@ -383,7 +371,7 @@ class GenerationWeights:
             self.model, self.targets = self.policy, {}
             return
         whole = sum(full_numel(p) for p in self.policy.parameters()) * torch.finfo(self.dtype).bits // 8
-        self.copy_bytes, self.cache_bytes = whole, kv_cache_bytes(self.policy, group, max_length, self.dtype)
+        self.copy_bytes, self.cache_bytes = whole, kv_cache_bytes(self.policy, rows, max_length, self.dtype)
         cannot = stages_impossible(accelerator, self.policy)
         if choice == "stages" and cannot:
             raise UsageError(f"--rollout_weights stages: {cannot}; use --rollout_weights copy")
@@ -407,7 +395,7 @@ class GenerationWeights:
         self.held_per_rank = everyones(held)  # each rank's (the stages' slices differ)
 
     def _decide(self, cannot: str | None) -> tuple[str, str]:
-        """A whole copy where, on every rank, it and one group's KV cache fit in the memory free now, less what
+        """A whole copy where, on every rank, it and the KV cache of the rows sampled at once fit in the memory free now, less what
         training has yet to allocate (the rank's trainable parameters' gradients and Adam's two moments, fp32: 12
         bytes each) and a tenth for activations; else, where the ring can run, a slice of the layers per rank. Every
         rank calls it and all take the same verdict (the least room of any rank)."""
@@ -420,7 +408,7 @@ class GenerationWeights:
         need = self.copy_bytes + self.cache_bytes
         fits = need <= room
         reason = (
-            f"the copy and a group's KV cache ({need / 2**20:.0f} MB) {'fit' if fits else 'do not fit'} in the "
+            f"the copy and its KV cache ({need / 2**20:.0f} MB) {'fit' if fits else 'do not fit'} in the "
             f"{max(room, 0) / 2**20:.0f} MB left on the tightest rank after training's gradients and optimizer states"
         )
         if fits or cannot:
@@ -501,11 +489,19 @@ class GenerationWeights:
         calls it when the weights are in stages."""
         done = done or (lambda count: None)
         with evaluating(self.model):
-            if self.stages is None:
-                out = []
-                for prompt_ids, uniforms in groups:
-                    out.append(sample_group(self.model, prompt_ids, uniforms, settings, self.accelerator))
-                    done(len(out))
+            if self.stages is None:  # every group's G rows in one decoding call
+                if not groups:
+                    return []
+                prompts = [prompt for prompt, uniforms in groups for _ in range(len(uniforms))]
+                completions, truncated, ties = sample_rows(
+                    self.model, prompts, torch.cat([u for _, u in groups]), settings, self.accelerator
+                )
+                out, start = [], 0
+                for _, uniforms in groups:
+                    end = start + len(uniforms)
+                    out.append((completions[start:end], truncated[start:end], ties[start:end]))
+                    start = end
+                done(len(out))
                 return out
             specs = [{"prompts": [p] * len(u), "uniforms": u} for p, u in groups]
             results = ring_generate(
@@ -525,11 +521,12 @@ class GenerationWeights:
 
     def sample_each(self, prompts: list[list[int]], uniforms, settings: "SamplingSettings") -> list[tuple]:
         """One completion of each prompt (a row of `uniforms` each): (its ids, cut; whether it was truncated).
-        From whole weights the prompts are sampled as one batch (`sample_prompts`); in stages, each alone through
+        From whole weights the prompts are sampled as one batch (`sample_rows`); in stages, each alone through
         the ring. Every rank calls it when the weights are in stages."""
         if self.stages is None:
             with evaluating(self.model):
-                return list(zip(*sample_prompts(self.model, prompts, uniforms, settings, self.accelerator)))
+                completions, truncated, _ = sample_rows(self.model, prompts, uniforms, settings, self.accelerator)
+                return list(zip(completions, truncated))
         sampled = self.sample([(prompt, row.unsqueeze(0)) for prompt, row in zip(prompts, uniforms)], settings)
         return [(completions[0], cut[0]) for completions, cut, _ in sampled]
 
