@@ -52,6 +52,7 @@ from common.objectives.distill import (
 )
 from common.objectives.reference import disable_dropout
 from common.objectives.rollout import GenerationWeights, SamplingSettings, stop_token_ids
+from common.objectives.scoring import completion_logits
 from common.options.arguments import DataArguments, ModelArguments, TrainingArguments
 from common.options.ranges import Range
 from common.run import run_recipe, start_run
@@ -253,12 +254,13 @@ def main(
             window = count_window(accelerator, window, accumulation)  # the completions' tokens, every rank's
         for batch in window:
             with accelerator.accumulate(model):
-                inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+                # both models' logits at the completion's positions only, each scoring the target there
+                inputs = {key: batch[key] for key in ("input_ids", "attention_mask", "labels")}
                 with accelerator.autocast():
-                    student_logits = model(**inputs).logits
-                teacher_logits = teacher.apply(lambda scorer, b: scorer(**b).logits, inputs)
+                    student_logits, labels, columns = completion_logits(model, inputs)
+                teacher_logits = teacher.apply(lambda scorer, b: completion_logits(scorer, b)[0], inputs)
                 loss = distillation_loss(
-                    student_logits, teacher_logits, batch["labels"], distill_args.beta, batch["num_items_in_batch"]
+                    student_logits, teacher_logits, labels[:, columns], distill_args.beta, batch["num_items_in_batch"]
                 )
                 metrics.record_batch(loss, batch, extra_forwards=1)
                 metrics.record_values({"on_policy": student_logits.new_tensor([float(student_samples)])})

@@ -146,6 +146,13 @@ class GRPOArguments:
     beta: Annotated[float, Range(low=0)] = field(
         default=0.0, metadata={"help": "The KL term's weight; 0 (TRL's default): no reference model is held."}
     )
+    use_bias_correction_kl: bool = field(
+        default=True,
+        metadata={
+            "help": "With --beta: each token's KL term times its importance ratio (differentiable, 1 on-policy), the "
+            "unbiased reverse-KL gradient (TRL's default, DeepSeek-V3.2); false: the plain k3 term."
+        },
+    )
     num_iterations: Annotated[int, Range(low=1)] = field(
         default=1, metadata={"help": "Optimizer steps per rollout (the sampling policy's log-probs kept)."}
     )
@@ -306,6 +313,7 @@ def main(
         policy_loss,
         loss_type=grpo_args.loss_type,
         beta=grpo_args.beta,
+        bias_correction_kl=grpo_args.use_bias_correction_kl,
         max_completion_length=grpo_args.max_completion_length,
         importance_sampling_level=grpo_args.importance_sampling_level,
         delta=grpo_args.delta,

@@ -745,13 +745,13 @@ def test_grpo_and_the_reward_model_are_chosen_for_with_the_rollouts_copy_and_kv_
     copy = 2 * psi / 1e9  # bf16, whole, beside ZeRO-3's shards; ZeRO-2 samples from its own whole weights
     assert grpo["zero3.yaml"]["device_gb"] - causal["zero3.yaml"]["device_gb"] >= 0.99 * copy
     assert grpo["zero2.yaml"]["device_gb"] - causal["zero2.yaml"]["device_gb"] < copy / 2
-    # the KV cache and logits of G completions, while sampling (training's activations are not alive then): with
-    # G = 64 they outgrow the activations of a micro-batch
+    # the KV cache of a rank's rollout, sampled in one call, and each decoding step's last logits (training's
+    # activations are not alive then): with 256 completions a device they outgrow the activations of a micro-batch
     many = llama3_8b_on_8_h100(
-        tmp_path / "many", *zero, "--seq_len", 1024, "--recipe", "grpo", "--num_generations", 64, "--global_batch", 512,
-        "--device_memory_gb", 1000,
+        tmp_path / "many", *zero, "--seq_len", 1024, "--recipe", "grpo", "--num_generations", 64, "--global_batch",
+        2048, "--device_memory_gb", 1000,
     )  # fmt: skip
-    kv = 64 * 1024 * (2 * model["layers"] * model["kv_hidden_size"] * 2 + 8 * model["vocab_size"]) / 1e9
+    kv = 256 * (1024 * 2 * model["layers"] * model["kv_hidden_size"] * 2 + 32 * model["vocab_size"]) / 1e9
     many_zero2 = next(r for r in many["rows"] if r["config"] == "zero2.yaml")
     assert many_zero2["device_gb"] - causal["zero2.yaml"]["device_gb"] > kv / 2
     for name in ("zero2.yaml", "zero3.yaml"):

@@ -52,14 +52,15 @@ def test_the_generalized_jsd_is_gkds_definition(beta):
 
 
 def test_the_loss_sums_the_label_positions_over_the_global_count():
-    """The logits at t score the token at t + 1; prompt and padding positions (-100) count nothing; the sum is
-    divided by the window's share, so micro-batches averaged as accelerate does give the whole batch's mean."""
+    """The logits at a position score the target there (completion_logits' layout: the logits at t, the token at
+    t + 1); prompt and padding positions (-100) count nothing; the sum is divided by the window's share, so
+    micro-batches averaged as accelerate does give the whole batch's mean."""
     generator = torch.Generator().manual_seed(1)
     student, teacher = torch.randn(2, 4, 6, 9, generator=generator).unbind(0)
     labels = torch.full((4, 6), -100)
     labels[0, 2:5], labels[1, 1:6], labels[2, 4:6], labels[3, 3:4] = 1, 2, 3, 4
-    per_position = generalized_jsd(student[:, :-1], teacher[:, :-1], 0.5)
-    kept = labels[:, 1:] != -100
+    per_position = generalized_jsd(student, teacher, 0.5)
+    kept = labels != -100
     whole = distillation_loss(student, teacher, labels, 0.5, float(kept.sum()))
     assert float(whole) == pytest.approx(float(per_position[kept].mean()), abs=1e-6)
     halves = [distillation_loss(student[i : i + 2], teacher[i : i + 2], labels[i : i + 2], 0.5, kept.sum() / 2)

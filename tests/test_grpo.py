@@ -7,6 +7,7 @@ import json
 import math
 import re
 import shutil
+import sys
 import textwrap
 from pathlib import Path
 
@@ -71,6 +72,87 @@ def test_a_completion_no_function_scored_is_left_out_of_its_group_and_gets_no_ad
         assert [round(a, 2) for a in advantages.tolist()[:3]] == [0.91, 0.0, -0.91]
     alone, _ = group_advantages(rewards[8:], 4, scale, batch_std)
     assert alone.tolist() == [0.0] * 4
+
+
+@pytest.mark.parametrize("model_config", ["tiny_llama.json", "tiny_qwen3.json"])
+def test_the_head_scores_only_completion_positions_and_the_figures_equal_every_positions(prompts, model_config):
+    """token_log_probs runs the LM head on the positions that predict a completion token only (transformers'
+    logits_to_keep) and each row's fp32 log-softmax on its own completion positions, SCORED_CHUNK at a time: on
+    right-padded rows of prompts and completions of different lengths (one completion longer than a chunk), the
+    log-probabilities, their gradient and the entropies equal those of the whole logits scored at every position (as
+    before), in fp32 and under bf16 autocast; the head saw fewer positions than the rows hold."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from common.objectives import grpo
+
+    tokenizer = AutoTokenizer.from_pretrained(prompts / "tokenizer")
+    config = AutoConfig.from_pretrained(REPO / "recipes/configs" / model_config, vocab_size=len(tokenizer))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    generator = torch.Generator().manual_seed(3)
+    rows = [
+        {"prompt_ids": torch.randint(3, len(tokenizer), (p,), generator=generator).tolist(),
+         "completion_ids": torch.randint(3, len(tokenizer), (c,), generator=generator).tolist(), "truncated": False}
+        for p, c in ((9, 4), (14, 7), (6, 1), (11, 12))
+    ]  # fmt: skip
+    batch = Rollout(0, rows, torch.zeros(len(rows))).batch(rows, tokenizer.pad_token_id or 0, False)
+    seen = []
+    model.lm_head.register_forward_hook(lambda module, args, out: seen.append(args[0].shape[1]))
+
+    def every_position(temperature):  # as token_log_probs scored before: the whole logits, every position
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+        log_probs = (logits.float() / temperature).log_softmax(-1)
+        labels = batch["labels"][:, 1:]
+        picked = log_probs.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        probs = log_probs.detach().exp()
+        return torch.where(labels != -100, picked, 0.0), -torch.special.xlogy(probs, probs).sum(-1)
+
+    for precision in ("fp32", "bf16"):
+        autocast = torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16")
+        grpo.SCORED_CHUNK, original = 5, grpo.SCORED_CHUNK  # the longest completion's positions in three chunks
+        try:
+            model.zero_grad()
+            entropies = []
+            with autocast:
+                ours = grpo.token_log_probs(model, batch, 0.7, entropies)
+            ours.sum().backward()
+            our_grad = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        finally:
+            grpo.SCORED_CHUNK = original
+        assert seen[-1] == int((batch["labels"][:, 1:] != -100).any(0).sum()) < batch["input_ids"].shape[1] - 1
+        model.zero_grad()
+        with autocast:
+            theirs, entropy = every_position(0.7)
+        theirs.sum().backward()
+        their_grad = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        mask = batch["mask"]
+        gaps = [
+            float((ours - theirs).abs().max()),
+            float(((entropies[0] - entropy) * mask).abs().max()),
+            float((our_grad - their_grad).abs().max() / their_grad.abs().max()),
+        ]
+        print(f"{model_config} {precision}: log-probs, entropy, gradient (relative) differ by {gaps}")
+        assert ours.shape == theirs.shape and bool((ours[~mask] == 0).all())
+        assert max(gaps) < (1e-5 if precision == "fp32" else 2e-2), gaps
+        assert float(((entropies[0] != 0) & ~mask).sum()) == 0
+
+
+@pytest.mark.slow
+def test_the_loss_and_its_gradient_are_trls_own_with_the_kl_bias_correction_on_and_off():
+    """TRL 1.16's own GRPOTrainer._compute_loss (installed as make benchmark-peers installs it) against policy_loss on
+    the same log-probabilities (off-policy, completions of different lengths): with --beta, use_bias_correction_kl on
+    (TRL's default and ours) and off, token and sequence ratios, with and without delta, the grpo and bnpo averages,
+    the loss and its gradient within 1e-6 of TRL's (benchmarks/peers/trl_loss_check.py); the correction changes the
+    gradient, so the comparison could fail."""
+    run(["make", "-s", ".venv/.installed-trl"])
+    result = run([sys.executable, "benchmarks/peers/trl_loss_check.py"])
+    cases = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert len(cases) == 32, result.stdout
+    for case in cases:
+        assert case["loss_gap"] < 1e-6 and case["grad_gap"] < 1e-6, case
+    scales = {(c["bias_correction_kl"], c["level"], c["delta"], c["loss_type"]): c["grad_scale"] for c in cases
+              if c["beta"]}  # fmt: skip
+    assert all(abs(scales[(True, *key)] - scales[(False, *key)]) > 1e-6 for (on, *key) in scales if on)
 
 
 def test_training_scores_each_token_at_the_temperature_it_was_sampled_at(prompts):

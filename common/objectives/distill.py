@@ -35,6 +35,7 @@ from common.launch.errors import UsageError
 from common.models.loading import load_model, load_tokenizer
 from common.objectives.reference import Reference
 from common.objectives.rollout import PROMPT_IDS, Rollout, SamplingSettings, row_seed, tokenize_prompts
+from common.objectives.scoring import completion_logits
 from common.outputs.run_dir import STATE_FILE
 
 
@@ -205,11 +206,11 @@ def held_out_divergence(model, teacher, loader, weights, settings: SamplingSetti
     total, tokens, rows = 0.0, 0, 0
     for batch in loader:
         [completed] = completed_window([batch], weights, version, settings, seed, EVAL_DRAWS, accelerator)
-        inputs = {"input_ids": completed["input_ids"], "attention_mask": completed["attention_mask"]}
+        inputs = {key: completed[key] for key in ("input_ids", "attention_mask", "labels")}
         with accelerator.autocast():
-            student = model(**inputs).logits
-        scored = teacher.apply(lambda scorer, b: scorer(**b).logits, inputs)
-        per_row = torch.stack(row_divergences(student, scored, completed["labels"], beta))
+            student, labels, columns = completion_logits(model, inputs)
+        scored = teacher.apply(lambda scorer, b: completion_logits(scorer, b)[0], inputs)
+        per_row = torch.stack(row_divergences(student, scored, labels[:, columns], beta))
         counts = (completed["labels"][:, 1:] != -100).sum(1)
         sums, counts = mesh.gather_for_metrics(accelerator, (per_row, counts))
         total, tokens, rows = total + sums.double().sum().item(), tokens + int(counts.sum()), rows + len(counts)
@@ -247,20 +248,21 @@ def generalized_jsd(student_logits: torch.Tensor, teacher_logits: torch.Tensor, 
     return beta * to_teacher + (1 - beta) * to_student
 
 
-def row_divergences(student_logits, teacher_logits, labels, beta: float) -> list[torch.Tensor]:
-    """Each row's generalised JSD summed over its label positions (the logits at t predicting the token at t + 1),
-    row by row (one row's fp32 log-probabilities at a time, never the whole batch's), 0 for a row without labels."""
+def row_divergences(student_logits, teacher_logits, targets, beta: float) -> list[torch.Tensor]:
+    """Each row's generalised JSD summed over its scored positions (`targets` not -100: the logits at a position score
+    the target there, `common.objectives.scoring.completion_logits`'s layout), row by row (one row's fp32
+    log-probabilities at a time, of its scored positions only), 0 for a row without targets."""
     zero = student_logits.new_zeros((), dtype=torch.float32)
     return [
         generalized_jsd(student[kept], teacher[kept], beta).sum() if kept.any() else zero
-        for student, teacher, kept in zip(student_logits[:, :-1], teacher_logits[:, :-1], labels[:, 1:] != -100)
+        for student, teacher, kept in zip(student_logits, teacher_logits, targets != -100)
     ]
 
 
-def distillation_loss(student_logits, teacher_logits, labels, beta: float, num_items_in_batch) -> torch.Tensor:
+def distillation_loss(student_logits, teacher_logits, targets, beta: float, num_items_in_batch) -> torch.Tensor:
     """A micro-batch's share of the loss: its rows' divergences (`row_divergences`) over the global count's share
     `num_items_in_batch`."""
     total = student_logits.new_zeros((), dtype=torch.float32)
-    for row in row_divergences(student_logits, teacher_logits, labels, beta):
+    for row in row_divergences(student_logits, teacher_logits, targets, beta):
         total = total + row
     return total / num_items_in_batch

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from common.launch import mesh
+from common.objectives.scoring import completion_logits
 from common.parallel import sequence_parallel
 
 
@@ -139,28 +140,38 @@ def rollout_kl(model, reference, rollout, batch_size: int, pad_id: int, accelera
     return torch.tensor(sums, dtype=torch.float32), (total, tokens)
 
 
+# Positions whose fp32 log-softmax is made at once, per row: the fp32 copy of the logits is this many x vocabulary
+SCORED_CHUNK = 256
+
+
 def token_log_probs(model, batch: dict, temperature: float = 1.0, entropies: list | None = None) -> torch.Tensor:
-    """(rows, length - 1) log-probability of each next token under `model` at the sampling `temperature`
-    (log_softmax(logits / T)), in fp32, row by row (an fp32 copy of one row's logits at a time); 0 where `labels` is
-    -100 (prompt and padding). On a slice of split rows (common.parallel.sequence_parallel.split_rows: `shift_labels`
-    and `position_ids`), (rows, positions): each position's target's. `entropies`: a list that gets the entropy of
-    each next-token distribution at that temperature (no gradient), in the same layout, for TRL's `entropy`."""
-    if "shift_labels" in batch:  # a slice: every position predicts its own target
-        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
-        labels, predicting = batch["shift_labels"], slice(None)
-    else:
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        labels, predicting = batch["labels"][:, 1:], slice(None, -1)
+    """(rows, positions) log-probability of each next token under `model` at the sampling `temperature`
+    (log_softmax(logits / T)), in fp32; 0 where the target is -100 (prompt and padding). The LM head runs on the
+    completions' positions only (`completion_logits`), and each row's fp32 log-softmax is made SCORED_CHUNK
+    positions at a time, on that row's completion positions alone. Positions: length - 1 (position p predicts token
+    p + 1), or on a slice of split rows its own positions. `entropies`: a list that gets the entropy of each scored
+    next-token distribution at that temperature (no gradient; 0 elsewhere), in the same layout, for TRL's
+    `entropy`."""
+    logits, labels, columns = completion_logits(model, batch)
+    width = labels.shape[1]
     rows, spread = [], []
-    for row, row_labels in zip(logits, labels):
-        log_probs = (row[predicting].float() / temperature).log_softmax(-1)
-        kept = row_labels != -100
-        picked = log_probs.gather(-1, row_labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-        rows.append(torch.where(kept, picked, 0.0))  # 0 off the completion, a -inf logit there included
+    for row, row_labels in zip(logits, labels[:, columns]):
+        kept = (row_labels != -100).nonzero().squeeze(1)
+        picked, entropy = [], []
+        for start in range(0, len(kept), SCORED_CHUNK):
+            where = kept[start : start + SCORED_CHUNK]
+            log_probs = (row[where].float() / temperature).log_softmax(-1)
+            picked.append(log_probs.gather(-1, row_labels[where].unsqueeze(-1)).squeeze(-1))
+            if entropies is not None:
+                with torch.no_grad():
+                    probs = log_probs.exp()
+                    entropy.append(-torch.special.xlogy(probs, probs).sum(-1))  # 0 log 0 = 0
+        positions = columns[kept]
+        values = torch.cat(picked) if picked else logits.new_zeros(0, dtype=torch.float32)
+        rows.append(logits.new_zeros(width, dtype=torch.float32).index_put((positions,), values))
         if entropies is not None:
-            with torch.no_grad():
-                probs = log_probs.exp()
-                spread.append(-torch.special.xlogy(probs, probs).sum(-1))  # 0 log 0 = 0
+            values = torch.cat(entropy) if entropy else logits.new_zeros(0, dtype=torch.float32)
+            spread.append(logits.new_zeros(width, dtype=torch.float32).index_put((positions,), values))
     if entropies is not None:
         entropies.append(torch.stack(spread))
     return torch.stack(rows)
@@ -275,13 +286,15 @@ def policy_loss(
     importance_sampling_level: str = "token",
     delta: float | None = None,
     rows: sequence_parallel.RowSums | None = None,
+    bias_correction_kl: bool = True,
 ) -> tuple[torch.Tensor, dict]:
     """A micro-batch's share of the loss (see the module's text) and its figures for the train line, as TRL takes
     them (`MetricsLogger.record_per_call`): clip_ratio/low_mean, high_mean and region_mean over every rank's tokens
     (over the completions at the sequence level), clip_ratio/low_min and high_max over the completions' own token
     means, and with beta, kl. `log_probs`, `old_log_probs` and `ref_log_probs` are (rows, tokens), `advantages`
     (rows,), `mask` (rows, tokens) in {0, 1}; `entropy` (rows, tokens): each token's, for TRL's `entropy`. `rows`
-    sums over whole rows (a slice's of split rows: common.parallel.sequence_parallel.RowSums)."""
+    sums over whole rows (a slice's of split rows: common.parallel.sequence_parallel.RowSums). `bias_correction_kl`:
+    the KL term times the importance ratio (before `delta`'s clip), as TRL's use_bias_correction_kl (its default)."""
     rows = rows or sequence_parallel.RowSums()
     old = log_probs.detach() if old_log_probs is None else old_log_probs
     mask = mask.to(log_probs.dtype)
@@ -292,6 +305,7 @@ def policy_loss(
     elif importance_sampling_level != "token":
         raise ValueError(f"importance_sampling_level {importance_sampling_level!r}: one of {IMPORTANCE_LEVELS}")
     ratio = torch.exp(log_ratio)
+    importance = ratio  # the KL's correction: the ratio before the two-sided clip, as TRL's
     clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
     if delta is not None:  # two-sided clipping
         ratio = ratio.clamp(max=delta)
@@ -301,6 +315,8 @@ def policy_loss(
     if beta:
         gap = ref_log_probs - log_probs
         kl = torch.exp(gap) - gap - 1
+        if bias_correction_kl:  # the unbiased reverse-KL gradient: differentiable through the ratio, 1 on-policy
+            kl = kl * importance
         per_token = per_token + beta * kl
     if loss_type == "grpo":  # each completion's token mean
         summed = ((per_token * mask).sum(1) / lengths.clamp(min=1)).sum()

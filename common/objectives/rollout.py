@@ -5,19 +5,21 @@ The buffer is what a step trains on (saved in a checkpoint when a run stops insi
 Rollouts are a function of (seed, rollout, prompt), not of the number of processes, the config or a restart:
 * the prompts: rollout r of an epoch takes the next `prompts per step` of the epoch's permutation (seeded by
   (seed, epoch), over the whole data set); each data-parallel rank takes a contiguous share of them;
-* the completions: a prompt's G completions are sampled together, a batch of G copies of the same prompt (so
-  no padding, and the same shapes whatever else a rank holds), token by token by the inverse of the
-  distribution's CDF (in vocabulary order, after --temperature and --top_p) at uniforms drawn from a generator
-  seeded by (seed, rollout, the prompt's row): `InverseCdfSampler`;
+* the completions: a rank samples all of its rollout's completions in one decoding call (G copies of each of its
+  prompts, left-padded: `sample_rows`), token by token by the inverse of the distribution's CDF (in vocabulary
+  order, after --temperature and --top_p) at uniforms drawn from a generator seeded by (seed, rollout, the
+  prompt's row), each row its own: `InverseCdfSampler`;
 * the weights: every rank samples from a whole, unsharded model: its own where the strategy keeps the weights
   whole (DDP, ZeRO-1/2, one process), else a copy gathered once per rollout (FSDP2, ZeRO-3, tensor parallelism:
   one all-gather per parameter, then generation without collectives, so ranks that stop at different lengths
   never wait on each other): `GenerationWeights`.
 So in fp32 the same prompt gets the same completions under every config and on any number of processes, as long
-as the weights are equal; where they differ by rounding (after steps trained under other strategies) a token can
-change only where the uniform falls near a boundary of the CDF: each completion counts its draws within 1e-4 (in
-probability) of one (`rollout/near_tie_ratio`: the share of completions with any; completions.jsonl has the
-counts), so a difference can be told from a fault.
+as the weights are equal; where the logits differ by rounding (after steps trained under other strategies, or by
+which rows share a decoding call and how much padding they need) a token can change only where the uniform falls
+near a boundary of the CDF: each completion counts its draws within 1e-4 (in probability) of one
+(`rollout/near_tie_ratio`: the share of completions with any; completions.jsonl has the counts), so a difference
+can be told from a fault. In bf16 the rounding is far coarser than 1e-4: a prompt's completions there also depend
+on the rows sampled beside it (as with TRL's generate), so on the number of processes.
 """
 
 from __future__ import annotations
@@ -215,8 +217,8 @@ def sample_rows(model, prompts: list[list[int]], uniforms, settings: "SamplingSe
     longest prompt: (each one's token ids, cut at its stop token, which is kept; whether each was cut by
     max_new_tokens instead; each one's draws near a tie). Each token is the row's own pick from its own uniforms, so
     a completion depends on its prompt and uniforms alone; the batch's shape (which rows share the call, how much
-    padding) changes its logits by rounding only (the padding masked, each row's positions its own), which moves a
-    pick only at a draw within NEAR_TIE of a boundary (counted)."""
+    padding) changes its logits by rounding only (the padding masked, each row's positions its own), which in fp32
+    moves a pick only at a draw within NEAR_TIE of a boundary (counted), and in bf16 at coarser ones too."""
     input_ids, mask = left_padded(prompts, settings.pad_id)
     width = input_ids.shape[1]
     sampler = InverseCdfSampler(uniforms, width, settings.temperature, settings.top_p, settings.stop_ids)
@@ -312,9 +314,8 @@ class Sampler:
     def shared_sample(self, groups: list, sharers: int, done) -> list[tuple]:
         """Each group's completions (`GenerationWeights.sample`). The `sharers` consecutive ranks that hold one batch
         (a tensor-, context- or sequence-parallel group: mesh.batch_sharers) each sample every sharers-th group from
-        their whole weights and take the others' from them (one gather over the ranks): the same completions as one
-        rank sampling them all, a group's G completions depending on its prompt and uniforms alone, in 1/sharers
-        of the time."""
+        their whole weights and take the others' from them (one gather over the ranks): in 1/sharers of the time, in
+        fp32 the completions one rank sampling them all would draw (but at a near tie: `sample_rows`)."""
         if sharers == 1:
             return self.weights.sample(groups, self.settings, done)
         position = self.accelerator.process_index % sharers

@@ -79,7 +79,6 @@ TRL_ELSEWHERE = {
     **dict.fromkeys(
         (
             "top_entropy_quantile",
-            "use_bias_correction_kl",
             "off_policy_mask_threshold",
             "sapo_temperature_neg",
             "sapo_temperature_pos",

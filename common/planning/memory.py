@@ -31,7 +31,7 @@ copy it samples from (cΨ, the compute dtype: `rollout_bytes`; none where the we
 --rollout_stages the largest stage's slice of the layers and what lies outside them: `stage_bytes`), and, while
 it samples, the KV cache of the completions a process samples in one call, its whole rollout (--batch_size x
 --gradient_accumulation_steps, at least G) of --seq_len tokens (2 x layers x rows x seq_len x the key/value width
-x c) and their fp32 logits. --dpo_reference adds recipes/dpo.py's frozen reference copy: 4Ψ on one process or DDP, 4Ψt under
+x c) and each decoding step's logits, one position a row, with the sampler's float64 copies. --dpo_reference adds recipes/dpo.py's frozen reference copy: 4Ψ on one process or DDP, 4Ψt under
 TP, 4Ψ/N under FSDP2,
 cΨ under ZeRO-1/2 and cΨ/N under ZeRO-3 (`reference_bytes`). --use_peft: the model frozen, LoRA's adapters (rank 8
 on peft's default modules for the architecture, as the recipes' --use_peft) the only parameters with gradients,
@@ -628,10 +628,11 @@ def estimate(
         else 0
     )
     # while sampling: the KV cache of the completions a rank samples at once (its whole rollout, batch x accumulation
-    # completions, in one decoding call; at least a group of G) of seq_len tokens, and each step's logits in fp32
+    # completions, in one decoding call; at least a group of G) of seq_len tokens, and each decoding step's last
+    # logits (generate keeps one position's) with the sampler's float64 copies of them (probabilities, CDF: ~4)
     sampled_rows = max(grpo_generations or 0, batch_size * accumulation)
     sampling = (
-        sampled_rows * seq_len * (2 * model["layers"] * model["kv_hidden_size"] * c + 8 * model["vocab_size"])
+        sampled_rows * (seq_len * 2 * model["layers"] * model["kv_hidden_size"] * c + 32 * model["vocab_size"])
         if grpo_generations
         else 0
     )
