@@ -249,10 +249,11 @@ def test_rloos_kl_penalty_is_each_completions_sum_of_its_sampling_log_ratios(pro
 
 
 def hand_loss(log_probs, old, ref, advantages, mask, loss_type, eps_low, eps_high, beta, max_length, rows, tokens,
-              level="token", delta=None):  # fmt: skip
+              level="token", delta=None, correction=True):  # fmt: skip
     """The per-token GRPO loss written out element by element, then reduced as each loss type says. `level`
     "sequence" (GSPO): each token takes its completion's ratio, exp of the mean of its tokens' log-ratios; `delta`
-    caps the ratio in the unclipped term."""
+    caps the ratio in the unclipped term; `correction` (TRL's use_bias_correction_kl): the k3 term times the ratio,
+    before delta's cap."""
     per_row = []
     for i in range(log_probs.shape[0]):
         terms = []
@@ -260,13 +261,13 @@ def hand_loss(log_probs, old, ref, advantages, mask, loss_type, eps_low, eps_hig
         sequence_log_ratio = sum(float(log_probs[i, t] - old[i, t]) for t in kept) / max(len(kept), 1)
         for t in kept:
             log_ratio = sequence_log_ratio if level == "sequence" else float(log_probs[i, t] - old[i, t])
-            ratio = math.exp(log_ratio)
+            ratio = importance = math.exp(log_ratio)
             clipped = min(max(ratio, 1 - eps_low), 1 + eps_high)
             ratio = ratio if delta is None else min(ratio, delta)
             term = -min(ratio * float(advantages[i]), clipped * float(advantages[i]))
             if beta:
                 gap = float(ref[i, t] - log_probs[i, t])
-                term += beta * (torch.exp(torch.tensor(gap)).item() - gap - 1)
+                term += beta * (torch.exp(torch.tensor(gap)).item() - gap - 1) * (importance if correction else 1)
             terms.append(term)
         per_row.append(terms)
     if loss_type == "grpo":
@@ -287,12 +288,14 @@ def test_each_loss_type_is_its_formula(loss_type, beta):
     advantages = torch.tensor([1.5, -0.7, 0.2])
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]], dtype=torch.bool)
     tokens = int(mask.sum())
-    loss, values = policy_loss(
-        log_probs, old, ref if beta else None, advantages, mask, Normaliser(3.0, float(tokens), 1),
-        loss_type, 0.2, 0.28, beta, 8,
-    )  # fmt: skip
-    expected = hand_loss(log_probs, old, ref, advantages, mask, loss_type, 0.2, 0.28, beta, 8, 3, tokens)
-    assert abs(float(loss) - expected) < 1e-6, (float(loss), expected)
+    for correction in (False, True) if beta else (True,):  # TRL's use_bias_correction_kl off and on (its default)
+        loss, values = policy_loss(
+            log_probs, old, ref if beta else None, advantages, mask, Normaliser(3.0, float(tokens), 1),
+            loss_type, 0.2, 0.28, beta, 8, bias_correction_kl=correction,
+        )  # fmt: skip
+        expected = hand_loss(log_probs, old, ref, advantages, mask, loss_type, 0.2, 0.28, beta, 8, 3, tokens,
+                             correction=correction)  # fmt: skip
+        assert abs(float(loss) - expected) < 1e-6, (correction, float(loss), expected)
     ratio = torch.exp(log_probs - old)
     signs = advantages.unsqueeze(1).expand(3, 5)
     low, high = (ratio < 0.8) & (signs < 0) & mask, (ratio > 1.28) & (signs > 0) & mask
