@@ -1,5 +1,6 @@
-"""The LM head on the completions' positions only: what GRPO's log-probabilities, its KL and distillation's divergence
-score, without the logits of the prompts and the padding."""
+"""The LM head on the completions' positions only (GRPO's log-probabilities and KL, distillation's divergence).
+
+What these score is each completion token's distribution; the prompts' and the padding's logits are never made."""
 
 from __future__ import annotations
 
